@@ -1,0 +1,111 @@
+"""One generation request as the scheduler sees it: tokens, status, KV blocks, timings.
+
+A `Sequence` is host-side state only. Its `block_table` lists the KV-arena blocks
+that hold its cache; `num_computed_tokens` counts the tokens whose KV the scheduled
+steps write. In the overlapped pipeline a sampled token may still be on the device
+when the next step is scheduled; `num_inflight_tokens` counts those.
+"""
+
+from __future__ import annotations
+
+import enum
+import random
+import time
+from typing import TYPE_CHECKING
+
+from hybridd.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from hybridd.engine.detokenizer import IncrementalDetokenizer
+    from hybridd.engine.stop_criteria import StopCriteria
+
+# Seeds for unseeded requests: drawn once at admission so that a preempted and
+# recomputed request keeps sampling the same stream.
+_seed_source = random.SystemRandom()
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # back in the waiting queue, to be recomputed
+    FINISHED = "finished"
+
+
+class Sequence:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        if not prompt_token_ids:
+            raise ValueError("prompt_token_ids must not be empty")
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.params = params if params is not None else SamplingParams()
+        self.seed: int = self.params.seed if self.params.seed is not None else _seed_source.getrandbits(63)
+        self.status = SequenceStatus.WAITING
+        self.block_table: list[int] = []
+        self.num_computed_tokens = 0
+        self.num_inflight_tokens = 0
+        self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
+        self.first_token_time: float | None = None
+        self.finish_time: float | None = None
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        # Text output, filled by the scheduler's postprocess when a tokenizer is set.
+        self.detokenizer: IncrementalDetokenizer | None = None
+        self.stop_criteria: StopCriteria | None = None
+        self.output_text = ""
+        self.new_text = ""  # what the last postprocess added to output_text
+
+    def __len__(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence({self.request_id!r}, {self.status.value}, prompt={self.num_prompt_tokens}, "
+            f"output={self.num_output_tokens}, blocks={len(self.block_table)})"
+        )
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def last_token(self) -> int:
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    @property
+    def last_position(self) -> int:
+        """Position of the newest token, counting one still on the device."""
+        return len(self) + self.num_inflight_tokens - 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def num_blocks_needed(self, block_size: int, num_tokens: int | None = None) -> int:
+        n = len(self) if num_tokens is None else num_tokens
+        return (n + block_size - 1) // block_size
+
+    def append_token(self, token_id: int) -> None:
+        if not self.output_token_ids and self.first_token_time is None:
+            self.first_token_time = time.monotonic()
+        self.output_token_ids.append(token_id)
+
+    def finish(self, reason: str, stop_reason: str | int | None = None) -> None:
+        self.status = SequenceStatus.FINISHED
+        self.finish_reason = reason
+        self.stop_reason = stop_reason
+        self.finish_time = time.monotonic()

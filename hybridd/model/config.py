@@ -1,0 +1,208 @@
+"""The model configuration: what hybridd reads from a Hugging Face `config.json`.
+
+Only the Llama family is supported (Llama 2/3, Mistral, Qwen2); every field that
+changes the computation is either understood here or rejected with an error that
+names it, so a checkpoint never runs with silently wrong semantics.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hybridd.model.errors import ModelLoadError
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+}
+
+
+def parse_dtype(name: str | torch.dtype, where: str = "dtype") -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    key = str(name).removeprefix("torch.")
+    if key not in _DTYPES:
+        raise ModelLoadError(f"{where}: unsupported dtype {name!r}; expected one of {sorted(_DTYPES)}")
+    return _DTYPES[key]
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float = 10000.0
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope: RopeConfig
+    qkv_bias: bool
+    tie_word_embeddings: bool
+    dtype: torch.dtype
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    sliding_window: int | None = None
+    raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest sequence this model can serve, bounded by its sliding window."""
+        if self.sliding_window is not None:
+            return min(self.max_position_embeddings, self.sliding_window)
+        return self.max_position_embeddings
+
+    def weight_bytes(self) -> int:
+        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        per_layer = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 3 * h * i + 2 * h
+        total = self.num_layers * per_layer + v * h + h + (0 if self.tie_word_embeddings else v * h)
+        return total * torch.finfo(self.dtype).bits // 8
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any], source: str = "config.json") -> ModelConfig:
+        def need(name: str, kind: type = int) -> Any:
+            if name not in cfg or cfg[name] is None:
+                raise ModelLoadError(f"{source}: missing required field {name!r}")
+            value = cfg[name]
+            if kind is int and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+                raise ModelLoadError(f"{source}: field {name!r} must be a positive integer, got {value!r}")
+            return value
+
+        archs = cfg.get("architectures") or []
+        if not isinstance(archs, list) or len(archs) != 1:
+            raise ModelLoadError(f"{source}: field 'architectures' must list exactly one architecture, got {archs!r}")
+        arch = archs[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ModelLoadError(
+                f"{source}: field 'architectures': unsupported architecture {arch!r}; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        hidden = need("hidden_size")
+        heads = need("num_attention_heads")
+        kv_heads = cfg.get("num_key_value_heads") or heads
+        if not isinstance(kv_heads, int) or kv_heads <= 0 or heads % kv_heads:
+            raise ModelLoadError(
+                f"{source}: field 'num_key_value_heads' ({kv_heads!r}) must divide num_attention_heads ({heads})"
+            )
+        head_dim = cfg.get("head_dim") or hidden // heads
+        if head_dim % 2:
+            raise ModelLoadError(f"{source}: field 'head_dim' must be even for rotary embeddings, got {head_dim}")
+        act = cfg.get("hidden_act", "silu")
+        if act != "silu":
+            raise ModelLoadError(f"{source}: field 'hidden_act': unsupported activation {act!r}; only 'silu'")
+        if cfg.get("mlp_bias"):
+            raise ModelLoadError(f"{source}: field 'mlp_bias': biased MLP projections are not supported")
+        if cfg.get("pretraining_tp", 1) not in (1, None):
+            raise ModelLoadError(f"{source}: field 'pretraining_tp' must be 1, got {cfg['pretraining_tp']!r}")
+
+        if arch == "Qwen2ForCausalLM":
+            qkv_bias = True
+            if cfg.get("use_sliding_window"):
+                raise ModelLoadError(f"{source}: field 'use_sliding_window': sliding-window attention is not supported")
+            sliding_window = None
+        else:
+            qkv_bias = bool(cfg.get("attention_bias", False))
+            sliding_window = cfg.get("sliding_window")
+            if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window <= 0):
+                raise ModelLoadError(f"{source}: field 'sliding_window' must be a positive integer or null")
+
+        dtype_name = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
+        return cls(
+            architecture=arch,
+            vocab_size=need("vocab_size"),
+            hidden_size=hidden,
+            intermediate_size=need("intermediate_size"),
+            num_layers=need("num_hidden_layers"),
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=need("max_position_embeddings"),
+            rope=_parse_rope(cfg, source),
+            qkv_bias=qkv_bias,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            dtype=parse_dtype(dtype_name, f"{source}: field 'dtype'"),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            sliding_window=sliding_window,
+            raw=cfg,
+        )
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise ModelLoadError(f"{path}: config.json not found in the model directory")
+        try:
+            cfg = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ModelLoadError(f"{path}: not valid JSON: {exc}") from exc
+        if not isinstance(cfg, dict):
+            raise ModelLoadError(f"{path}: expected a JSON object at the top level")
+        return cls.from_dict(cfg, source=str(path))
+
+
+def _parse_rope(cfg: dict[str, Any], source: str) -> RopeConfig:
+    # transformers >= 5 writes `rope_parameters` (theta inside); older checkpoints have
+    # top-level `rope_theta` and an optional `rope_scaling`.
+    params = cfg.get("rope_parameters")
+    if params is None:
+        params = dict(cfg.get("rope_scaling") or {})
+        params.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
+    if not isinstance(params, dict):
+        raise ModelLoadError(f"{source}: field 'rope_parameters' must be an object")
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ModelLoadError(
+            f"{source}: field 'rope_scaling.rope_type': unsupported {rope_type!r}; "
+            f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    rope = RopeConfig(theta=float(params.get("rope_theta", cfg.get("rope_theta", 10000.0))), rope_type=rope_type)
+    if rope_type == "linear":
+        return RopeConfig(theta=rope.theta, rope_type="linear", factor=float(params["factor"]))
+    if rope_type == "llama3":
+        try:
+            return RopeConfig(
+                theta=rope.theta,
+                rope_type="llama3",
+                factor=float(params["factor"]),
+                low_freq_factor=float(params["low_freq_factor"]),
+                high_freq_factor=float(params["high_freq_factor"]),
+                original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+            )
+        except KeyError as exc:
+            raise ModelLoadError(f"{source}: field 'rope_scaling.{exc.args[0]}' is required for llama3 rope") from exc
+    return rope

@@ -1,0 +1,44 @@
+"""Every limit of the wire protocol, defined once.
+
+The codec, the validators, the channels and SPEC.md all read these names; a limit
+changes here and nowhere else.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+# The major version carried in every message's `v` field. Messages with any other
+# value are rejected with `unsupported_version`.
+PROTOCOL_VERSION: Final = 1
+
+# One encoded message (one ZeroMQ frame). Enforced twice: by ZeroMQ's MAXMSGSIZE on
+# every socket (a peer that sends more is disconnected) and by the codec before
+# unpacking (for frames that arrive through other paths).
+MAX_MESSAGE_BYTES: Final = 4 * 1024 * 1024
+
+# Request fields.
+MAX_REQUEST_ID_CHARS: Final = 128
+MAX_PROMPT_CHARS: Final = 1_048_576
+MAX_PROMPT_TOKEN_IDS: Final = 262_144
+MAX_STOP_STRINGS: Final = 16
+MAX_STOP_STRING_CHARS: Final = 256
+MAX_STOP_TOKEN_IDS: Final = 64
+MAX_TOKENS_CAP: Final = 65_536
+MAX_TIMEOUT_S: Final = 3600.0
+MAX_TOKEN_ID: Final = 2**31 - 1
+MAX_SEED: Final = 2**63 - 1
+# OpenAI-compatible range for presence/frequency penalties.
+MAX_ABS_PENALTY: Final = 2.0
+MAX_ERROR_MESSAGE_CHARS: Final = 4096
+
+# msgpack unpacker limits. Strings may be as long as a whole message (a prompt is
+# counted in characters after decoding, up to 4 bytes each in UTF-8); no array longer
+# than the longest legal list (prompt token ids); maps stay small (status and the
+# arena manifest are the largest); bin only carries IPC handles; no ext types at all.
+UNPACK_MAX_BUFFER_SIZE: Final = MAX_MESSAGE_BYTES
+UNPACK_MAX_STR_LEN: Final = MAX_MESSAGE_BYTES
+UNPACK_MAX_BIN_LEN: Final = 65_536
+UNPACK_MAX_ARRAY_LEN: Final = MAX_PROMPT_TOKEN_IDS
+UNPACK_MAX_MAP_LEN: Final = 4096
+UNPACK_MAX_EXT_LEN: Final = 0
