@@ -1,5 +1,5 @@
 """Rotary position embeddings: inverse frequencies (default, linear, Llama 3 scaling) and
-a cos/sin table indexed by device-resident positions, so a captured graph stays valid."""
+the cos/sin table that the forward indexes with device-resident positions."""
 
 from __future__ import annotations
 
@@ -28,27 +28,12 @@ def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
     return inv_freq
 
 
-class RotaryEmbedding(torch.nn.Module):
-    """Holds cos/sin for every position up to `max_positions`; `forward` gathers rows by
-    the positions tensor and rotates q and k in place of the rotate-half convention."""
-
-    def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int, device: torch.device | None = None):
-        super().__init__()
-        inv_freq = inverse_frequencies(rope, head_dim).to(device)
-        t = torch.arange(max_positions, dtype=torch.float32, device=device)
-        freqs = torch.outer(t, inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
-
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # q: [T, heads, d], k: [T, kv_heads, d]; computed in the activation dtype as the
-        # reference implementation does, so bf16 results round the same way.
-        cos = self.cos[positions].to(q.dtype).unsqueeze(1)
-        sin = self.sin[positions].to(q.dtype).unsqueeze(1)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def cos_sin_table(
+    rope: RopeConfig, head_dim: int, max_positions: int, device: torch.device | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float32 cos and sin, each [max_positions, head_dim], in the rotate-half layout."""
+    inv_freq = inverse_frequencies(rope, head_dim).to(device)
+    t = torch.arange(max_positions, dtype=torch.float32, device=device)
+    freqs = torch.outer(t, inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()

@@ -1,0 +1,58 @@
+"""The per-layer operations of the forward in plain torch: the CPU path and the reference.
+
+The GPU runtime supplies fused Triton versions with the same signatures and the same
+rounding points (`hybridd/runtime/triton_ops.py`); `LlamaModel.kernels` selects one.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from hybridd.model import attention
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(x + residual), x + residual), the sum rounded to the activation dtype first."""
+    summed = residual + x
+    return rms_norm(summed, weight, eps), summed
+
+
+def rotary(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate-half RoPE of q [T, H, d] and k [T, KVH, d], in the activation dtype."""
+    c = cos[positions].to(q.dtype).unsqueeze(1)
+    s = sin[positions].to(q.dtype).unsqueeze(1)
+    return q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+class TorchKernels:
+    """The plain torch implementation of every per-layer operation."""
+
+    name = "torch"
+    rms_norm = staticmethod(rms_norm)
+    add_rms_norm = staticmethod(add_rms_norm)
+    rotary = staticmethod(rotary)
+    silu_and_mul = staticmethod(silu_and_mul)
+    write_kv = staticmethod(attention.write_kv)
+    prefill_attention = staticmethod(attention.prefill_attention)
+    decode_attention = staticmethod(attention.decode_attention)
