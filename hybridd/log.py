@@ -11,6 +11,16 @@ import structlog
 _configured = False
 
 
+class _CurrentStderr:
+    """Writes to whatever `sys.stderr` is at the time of the call (test capture, redirection)."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
 def configure(level: str | None = None, json: bool | None = None) -> None:
     """Configure structlog once per process; later calls are no-ops.
 
@@ -31,7 +41,7 @@ def configure(level: str | None = None, json: bool | None = None) -> None:
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level_name, logging.INFO)),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(file=_CurrentStderr()),
         cache_logger_on_first_use=True,
     )
     _configured = True

@@ -1,0 +1,1 @@
+"""The static domain: step buffers, shape buckets, the graph runner and its kernels."""

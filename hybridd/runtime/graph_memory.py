@@ -1,0 +1,40 @@
+"""Measuring what a captured graph costs in device memory, and estimating it beforehand.
+
+On CUDA the cost of a capture is the drop in free device memory across it: the
+shared pool's growth plus the driver's memory for the instantiated graph. On the
+CPU there is nothing to measure, so the activation estimate stands in, which keeps
+the budget and eviction logic exercised by the same code.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hybridd.model.config import ModelConfig
+
+
+def activation_bytes(config: ModelConfig, num_tokens: int, num_seqs: int, elem_bytes: int) -> int:
+    """Peak live activations of one forward over `num_tokens` tokens (a planning estimate)."""
+    h, i = config.hidden_size, config.intermediate_size
+    per_token = (4 * h + config.q_size + 2 * config.kv_size + 3 * i) * elem_bytes
+    mask = num_tokens * num_tokens if num_tokens > num_seqs else 0
+    logits = num_seqs * config.vocab_size * 4
+    return num_tokens * per_token + mask + logits
+
+
+def free_device_bytes(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 0
+    free, _ = torch.cuda.mem_get_info(device)
+    return free
+
+
+def pool_bytes(pool: tuple[int, int] | None) -> int:
+    """Bytes of the segments that belong to a graph memory pool."""
+    if pool is None or not torch.cuda.is_available():
+        return 0
+    total = 0
+    for segment in torch.cuda.memory_snapshot():
+        if tuple(segment.get("segment_pool_id", ())) == tuple(pool):
+            total += segment["total_size"]
+    return total

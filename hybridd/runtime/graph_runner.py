@@ -1,0 +1,375 @@
+"""The graph runner: the static domain's forward, replayed from CUDA Graphs per bucket.
+
+Decode graphs (one per batch-size bucket) are captured before the daemon is ready,
+largest first. Prefill graphs (one per token-count bucket) are captured afterwards
+by a background thread, most-demanded first, into a rolling set bounded by a memory
+budget with least-recently-used eviction; until a bucket exists its steps run eagerly
+or pad into a larger captured bucket. All graphs share one memory pool.
+
+Concurrency: captures happen on a side stream with `capture_error_mode="thread_local"`
+through `capture_begin/end` directly (the `torch.cuda.graph` helper would synchronize
+the device and empty the allocator cache, stalling serving). Warm-up runs use private
+inputs whose slots are all -1, so they never touch live buffers or real KV blocks.
+Replays and evictions take one lock, so a graph is never destroyed between its lookup
+and its launch; all replays go to one serving stream, so graphs that share pool memory
+never run at the same time. Without CUDA, a "graph" is the same step body run eagerly
+on the padded buffers, so the bucket, padding, budget and eviction logic is the same.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from hybridd.log import get_logger
+from hybridd.model.kv_cache import KVCache
+from hybridd.model.llama import LlamaModel
+from hybridd.model.step_inputs import StepInputs
+from hybridd.runtime import buckets as bucket_rules
+from hybridd.runtime.buckets import BucketPlan
+from hybridd.runtime.graph_memory import activation_bytes, free_device_bytes, pool_bytes
+from hybridd.runtime.graph_stats import BucketStats
+from hybridd.runtime.step_buffers import HostStep, StepBuffers
+
+log = get_logger("graph_runner")
+
+CAPTURE_REMEDIES = (
+    "1. lower graph_memory_budget_mb, or drop the largest sizes from prefill_buckets / decode_buckets",
+    "2. lower kv_cache_memory_fraction (or num_kv_blocks) to leave device memory for graphs",
+    "3. lower max_batch so that the largest decode bucket is smaller",
+    "4. set use_cuda_graphs = false to serve every step eagerly",
+)
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """How one step runs: its padded size and whether a graph replays it."""
+
+    is_prefill: bool
+    tokens: int
+    seqs: int
+    graph: bool
+    bucket: int | None
+
+
+class _EagerGraph:
+    """The CPU stand-in for a captured graph: replays the step body eagerly."""
+
+    def __init__(self, body):
+        self._body = body
+
+    def replay(self) -> None:
+        self._body()
+
+
+class GraphRunner:
+    def __init__(
+        self,
+        model: LlamaModel,
+        kv_cache: KVCache,
+        buffers: StepBuffers,
+        plan: BucketPlan,
+        *,
+        use_graphs: bool = True,
+        memory_budget_bytes: int = 1 << 30,
+        pad_factor: float = 4.0,
+        stream: torch.cuda.Stream | None = None,
+    ):
+        self.model = model
+        self.kv_cache = kv_cache
+        self.buffers = buffers
+        self.plan = plan
+        self.device = model.device
+        self.use_graphs = use_graphs
+        self.cuda = use_graphs and self.device.type == "cuda"
+        self.memory_budget_bytes = memory_budget_bytes
+        self.pad_factor = pad_factor
+        self.pool = torch.cuda.graph_pool_handle() if self.cuda else None
+        self.stream = stream if stream is not None else (torch.cuda.current_stream(self.device) if self.cuda else None)
+        self.capture_stream = torch.cuda.Stream(self.device) if self.cuda else None
+        if plan.max_batch > buffers.max_seqs or plan.max_prefill_seqs > buffers.max_seqs:
+            raise ValueError("step buffers hold fewer sequences than the bucket plan needs")
+        if max(plan.max_batch, plan.max_prefill_tokens) > buffers.max_tokens:
+            raise ValueError("step buffers hold fewer tokens than the largest bucket")
+        self.stats: dict[tuple[str, int], BucketStats] = {}
+        for size in plan.decode:
+            self.stats[("decode", size)] = BucketStats("decode", size)
+        for size in plan.prefill:
+            self.stats[("prefill", size)] = BucketStats("prefill", size)
+        self._decode_graphs: dict[int, object] = {}
+        self._prefill_graphs: OrderedDict[int, object] = OrderedDict()  # LRU order, oldest first
+        self._lock = threading.Lock()
+        self._demand_changed = threading.Condition(self._lock)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._retired: list[tuple[object, torch.cuda.Event]] = []
+
+    # ---------------------------------------------------------------- planning
+    def plan_step(self, is_prefill: bool, num_tokens: int, num_seqs: int) -> StepShape:
+        """Pick the graph bucket for a step, or eager at the exact size."""
+        eager = StepShape(is_prefill, num_tokens, num_seqs, False, None)
+        if not is_prefill:
+            bucket = bucket_rules.pick(self.plan.decode, num_seqs)
+            if bucket is None:
+                return eager
+            with self._lock:
+                captured = bucket in self._decode_graphs
+                if not captured:
+                    self.stats[("decode", bucket)].eager_runs += 1
+            if not captured:
+                return eager
+            return StepShape(False, bucket, bucket, True, bucket)
+
+        exact = bucket_rules.pick(self.plan.prefill, num_tokens)
+        if exact is None or num_seqs > self.plan.max_prefill_seqs:
+            return eager
+        with self._lock:
+            self.stats[("prefill", exact)].demand += 1
+            self._demand_changed.notify_all()
+            candidates = [b for b in self.plan.prefill if b >= exact and b in self._prefill_graphs]
+            chosen = candidates[0] if candidates and candidates[0] <= exact * self.pad_factor else None
+            if chosen is None:
+                self.stats[("prefill", exact)].eager_runs += 1
+        if chosen is None:
+            return eager
+        return StepShape(True, chosen, self.plan.max_prefill_seqs, True, chosen)
+
+    # --------------------------------------------------------------- execution
+    def stage(self, step: HostStep) -> StepShape:
+        shape = self.plan_step(step.is_prefill, step.num_tokens, step.num_seqs)
+        self.buffers.stage(step, shape.tokens, shape.seqs)
+        return shape
+
+    def execute(self, shape: StepShape) -> None:
+        """Run a staged step on the serving stream; logits land in `buffers.logits`."""
+        if shape.graph:
+            key = ("prefill" if shape.is_prefill else "decode", shape.bucket)
+            with self._lock:
+                graphs = self._prefill_graphs if shape.is_prefill else self._decode_graphs
+                graph = graphs.get(shape.bucket)
+                if graph is not None:
+                    if shape.is_prefill:
+                        graphs.move_to_end(shape.bucket)
+                    self.stats[key].replays += 1
+                    if self.stream is not None:
+                        with torch.cuda.stream(self.stream):
+                            graph.replay()
+                    else:
+                        graph.replay()
+                    return
+            # Evicted between planning and execution: the padded inputs are still valid.
+        self._run_eager(shape)
+
+    def run(self, step: HostStep) -> torch.Tensor:
+        """Stage and execute one step; returns the logits rows of its sequences."""
+        shape = self.stage(step)
+        self.execute(shape)
+        return self.buffers.logits[: step.num_seqs]
+
+    def _run_eager(self, shape: StepShape) -> None:
+        view = self.buffers.view(shape.is_prefill, shape.tokens, shape.seqs)
+        if self.stream is not None:
+            with torch.cuda.stream(self.stream):
+                self._step_body(view, self.buffers.logits)
+        else:
+            self._step_body(view, self.buffers.logits)
+
+    @torch.inference_mode()
+    def _step_body(self, view: StepInputs, logits_out: torch.Tensor) -> None:
+        hidden = self.model(view, self.kv_cache)
+        logits_out[: view.num_seqs].copy_(self.model.compute_logits(hidden, view.logits_indices))
+
+    # ----------------------------------------------------------------- capture
+    def capture_decode_graphs(self, progress=None) -> None:
+        """Capture every decode bucket, largest first (before the daemon is ready)."""
+        if not self.use_graphs:
+            return
+        sizes = sorted(self.plan.decode, reverse=True)
+        for done, size in enumerate(sizes, 1):
+            self._capture(False, size)
+            if progress is not None:
+                progress(done, len(sizes))
+
+    def _shape_of(self, is_prefill: bool, size: int) -> tuple[int, int]:
+        return (size, self.plan.max_prefill_seqs) if is_prefill else (size, size)
+
+    def _dummy_inputs(self, is_prefill: bool, tokens: int, seqs: int) -> StepInputs:
+        dev = self.device
+        per_seq = max(1, tokens // seqs)
+        starts = [min(i * per_seq, tokens) for i in range(seqs)] + [tokens]
+        return StepInputs(
+            input_ids=torch.zeros(tokens, dtype=torch.int64, device=dev),
+            positions=torch.zeros(tokens, dtype=torch.int64, device=dev),
+            slot_mapping=torch.full((tokens,), -1, dtype=torch.int64, device=dev),
+            block_tables=torch.zeros((seqs, self.buffers.max_blocks_per_seq), dtype=torch.int32, device=dev),
+            seq_lens=torch.ones(seqs, dtype=torch.int32, device=dev),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
+            logits_indices=torch.zeros(seqs, dtype=torch.int64, device=dev),
+            is_prefill=is_prefill,
+        )
+
+    def _estimate_bytes(self, is_prefill: bool, size: int) -> int:
+        stats = self.stats[("prefill" if is_prefill else "decode", size)]
+        if stats.bytes:
+            return stats.bytes
+        tokens, seqs = self._shape_of(is_prefill, size)
+        elem = torch.finfo(self.model.dtype).bits // 8
+        return activation_bytes(self.model.config, tokens, seqs, elem)
+
+    def _capture(self, is_prefill: bool, size: int) -> bool:
+        key = ("prefill" if is_prefill else "decode", size)
+        stats = self.stats[key]
+        tokens, seqs = self._shape_of(is_prefill, size)
+        started = time.perf_counter()
+        free_before = 0
+        try:
+            self._warm_up(is_prefill, tokens, seqs)
+            free_before = free_device_bytes(self.device)
+            view = self.buffers.view(is_prefill, tokens, seqs)
+            if self.cuda:
+                graph = torch.cuda.CUDAGraph()
+                self._capture_graph(graph, view)
+            else:
+                graph = _EagerGraph(lambda: self._step_body(view, self.buffers.logits))
+        except Exception as exc:  # a failed capture disables the bucket, never the process
+            stats.disabled = f"capture failed: {type(exc).__name__}: {str(exc)[:200]}"
+            log.error(
+                "graph_capture_failed",
+                kind=key[0],
+                size=size,
+                error=stats.disabled,
+                remedies="\n".join(CAPTURE_REMEDIES),
+            )
+            if self.cuda:
+                torch.cuda.empty_cache()
+            return False
+        used = max(0, free_before - free_device_bytes(self.device)) if self.cuda else self._estimate_bytes(is_prefill, size)
+        with self._lock:
+            (self._prefill_graphs if is_prefill else self._decode_graphs)[size] = graph
+            stats.captured = True
+            stats.bytes = used
+            stats.capture_s = time.perf_counter() - started
+        log.info("graph_captured", kind=key[0], size=size, bytes=used, seconds=round(stats.capture_s, 4))
+        return True
+
+    def _warm_up(self, is_prefill: bool, tokens: int, seqs: int) -> None:
+        """One eager run on private inputs (slots all -1): lazy init and kernel compilation
+        happen here, not during capture, and live buffers are left alone."""
+        dummy = self._dummy_inputs(is_prefill, tokens, seqs)
+        scratch_logits = torch.empty((seqs, self.model.config.vocab_size), device=self.device)
+        if self.cuda:
+            with torch.cuda.stream(self.capture_stream):
+                self._step_body(dummy, scratch_logits)
+            self.capture_stream.synchronize()
+        else:
+            self._step_body(dummy, scratch_logits)
+
+    def _capture_graph(self, graph: torch.cuda.CUDAGraph, view: StepInputs) -> None:
+        gc_was_enabled = gc.isenabled()
+        gc.disable()
+        gc.freeze()
+        try:
+            with torch.cuda.stream(self.capture_stream):
+                graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+                try:
+                    self._step_body(view, self.buffers.logits)
+                finally:
+                    graph.capture_end()
+        finally:
+            gc.unfreeze()
+            if gc_was_enabled:
+                gc.enable()
+
+    # ------------------------------------------------------ background capture
+    def start_background_capture(self) -> None:
+        if not self.use_graphs or self._thread is not None:
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._capture_loop, name="prefill-capture", daemon=True)
+        self._thread.start()
+
+    def stop_background_capture(self, timeout: float | None = 30.0) -> None:
+        self._stop.set()
+        with self._lock:
+            self._demand_changed.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    def background_capture_idle(self) -> bool:
+        """True when no prefill bucket is waiting to be captured."""
+        with self._lock:
+            return self._next_prefill_bucket() is None
+
+    def _next_prefill_bucket(self) -> int | None:
+        pending = [
+            s for s in self.plan.prefill
+            if s not in self._prefill_graphs and self.stats[("prefill", s)].disabled is None
+            and not self._blocked_by_budget(s)
+        ]
+        if not pending:
+            return None
+        return min(pending, key=lambda s: (-self.stats[("prefill", s)].demand, s))
+
+    def _blocked_by_budget(self, size: int) -> bool:
+        """True when capturing `size` would need evicting graphs at least as wanted as it."""
+        need = self._estimate_bytes(True, size)
+        free = self.memory_budget_bytes - self.graph_bytes()
+        if need <= free:
+            return False
+        demand = self.stats[("prefill", size)].demand
+        reclaimable = sum(
+            self.stats[("prefill", s)].bytes for s in self._prefill_graphs if self.stats[("prefill", s)].demand < demand
+        )
+        return need > free + reclaimable
+
+    def _capture_loop(self) -> None:
+        while not self._stop.is_set():
+            with self._lock:
+                size = self._next_prefill_bucket()
+                if size is None:
+                    self._demand_changed.wait(timeout=1.0)
+                    continue
+                need = self._estimate_bytes(True, size)
+                self._evict_for(need, self.stats[("prefill", size)].demand)
+                self._retired = [(g, e) for g, e in self._retired if not e.query()]
+            self._capture(True, size)
+
+    def _evict_for(self, need: int, demand: int) -> None:
+        """Evict least-recently-used, less-demanded prefill graphs until `need` fits (lock held)."""
+        for victim in list(self._prefill_graphs):
+            if self.memory_budget_bytes - self.graph_bytes() >= need:
+                return
+            stats = self.stats[("prefill", victim)]
+            if stats.demand >= demand:
+                continue
+            graph = self._prefill_graphs.pop(victim)
+            if self.cuda:
+                # Its replays were enqueued under this lock; destroy it once they have run.
+                done = torch.cuda.Event()
+                done.record(self.stream)
+                self._retired.append((graph, done))
+            stats.captured = False
+            stats.evictions += 1
+            log.info("graph_evicted", kind="prefill", size=victim, bytes=stats.bytes)
+
+    # ------------------------------------------------------------------- stats
+    def graph_bytes(self) -> int:
+        """Device memory held by live graphs (captured buckets' measured costs)."""
+        return sum(s.bytes for s in self.stats.values() if s.captured)
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            return {
+                "use_graphs": self.use_graphs,
+                "device": str(self.device),
+                "memory_budget_bytes": self.memory_budget_bytes,
+                "graph_bytes": self.graph_bytes(),
+                "pool_bytes": pool_bytes(self.pool) if self.cuda else 0,
+                "buckets": [s.to_dict() for s in self.stats.values()],
+            }

@@ -1,0 +1,22 @@
+"""Per-bucket graph statistics: what `hybridd status` shows about the static domain."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class BucketStats:
+    kind: str  # "decode" | "prefill"
+    size: int  # batch size (decode) or token count (prefill)
+    captured: bool = False
+    bytes: int = 0
+    capture_s: float = 0.0
+    replays: int = 0
+    eager_runs: int = 0
+    demand: int = 0
+    evictions: int = 0
+    disabled: str | None = None  # why this bucket will not be captured
+
+    def to_dict(self) -> dict:
+        return asdict(self)

@@ -1,0 +1,34 @@
+"""Choosing the per-layer kernels: fused Triton on CUDA, the torch reference elsewhere."""
+
+from __future__ import annotations
+
+import torch
+
+from hybridd.model import attention
+from hybridd.model.ops import TorchKernels
+
+
+class TritonKernels:
+    """Fused Triton kernels for norms, RoPE, SiLU·mul, the KV write and decode attention;
+    prefill attention stays on torch SDPA with a packed-sequence mask (graph-safe)."""
+
+    name = "triton"
+
+    def __init__(self) -> None:
+        from hybridd.runtime import triton_attention, triton_ops
+
+        self.rms_norm = triton_ops.rms_norm
+        self.add_rms_norm = triton_ops.add_rms_norm
+        self.rotary = triton_ops.rotary
+        self.silu_and_mul = triton_ops.silu_and_mul
+        self.write_kv = triton_ops.write_kv
+        self.prefill_attention = attention.prefill_attention
+        self.decode_attention = triton_attention.decode_attention
+
+
+def select_kernels(device: torch.device | str, prefer: str = "auto"):
+    """`prefer` is "auto" (Triton on CUDA), "triton" or "torch"."""
+    device = torch.device(device)
+    if prefer == "torch" or (prefer == "auto" and device.type != "cuda"):
+        return TorchKernels()
+    return TritonKernels()

@@ -1,0 +1,185 @@
+"""The graph runner's bucket selection, padding, budget and eviction, with the real
+runner code on the CPU (where a "graph" replays the same step body eagerly)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from hybridd.model import KVCache, StepInputs, load_model
+from hybridd.runtime.buckets import BucketPlan, pick
+from hybridd.runtime.graph_runner import GraphRunner
+from hybridd.runtime.step_buffers import HostStep, StepBuffers
+from tests.tiny_models import build_tiny_model
+
+BLOCK = 8
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("llama")
+    build_tiny_model("llama", path)
+    return load_model(path, dtype=torch.float32)
+
+
+def make_runner(model, decode=(1, 2, 4, 8), prefill=(16, 32, 64), budget=1 << 40, **kw):
+    plan = BucketPlan.create(list(decode), list(prefill), max_prefill_seqs=4)
+    kv = KVCache.allocate(model.config, 64, BLOCK, torch.float32, "cpu")
+    buffers = StepBuffers.allocate(max(plan.max_prefill_tokens, plan.max_batch), plan.max_rows, 16, model.config.vocab_size, "cpu")
+    return GraphRunner(model, kv, buffers, plan, memory_budget_bytes=budget, **kw)
+
+
+def host_prefill(prompts, tables) -> HostStep:
+    step = StepInputs.prefill(prompts, tables, BLOCK)
+    return HostStep(
+        True, step.input_ids.tolist(), step.positions.tolist(), step.slot_mapping.tolist(), tables,
+        step.seq_lens.tolist(), step.query_start_loc.tolist(), step.logits_indices.tolist(),
+    )
+
+
+def host_decode(tokens, positions, tables) -> HostStep:
+    step = StepInputs.decode(tokens, positions, tables, BLOCK)
+    return HostStep(
+        False, tokens, positions, step.slot_mapping.tolist(), tables, step.seq_lens.tolist(),
+        step.query_start_loc.tolist(), step.logits_indices.tolist(),
+    )
+
+
+def test_pick_smallest_bucket_that_fits():
+    buckets = (1, 2, 4, 8, 16, 24, 32)
+    assert [pick(buckets, n) for n in (1, 2, 3, 5, 17, 24, 25, 32, 33)] == [1, 2, 4, 8, 24, 24, 32, 32, None]
+    with pytest.raises(ValueError, match="decode_buckets"):
+        BucketPlan.create([0, 4], [16])
+
+
+@torch.inference_mode()
+def test_padded_graph_steps_equal_plain_forward(model):
+    """Prefill and decode through padded buckets give the logits of the unpadded forward,
+    and padded rows write nothing to the KV cache."""
+    runner = make_runner(model)
+    runner.capture_decode_graphs()
+    for size in runner.plan.prefill:
+        assert runner._capture(True, size)
+    prompts = [[5, 9, 11, 3, 7], list(range(3, 20)), [42] * 9]
+    tables = [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
+    ref_kv = KVCache.allocate(model.config, 64, BLOCK, torch.float32, "cpu")
+
+    step = host_prefill(prompts, tables)
+    shape = runner.stage(step)
+    assert (shape.graph, shape.tokens, shape.seqs) == (True, 32, 4)  # 31 tokens pad to 32, 3 seqs to 4
+    runner.execute(shape)
+    ref = model.forward_logits(StepInputs.prefill(prompts, tables, BLOCK), ref_kv)
+    assert torch.allclose(runner.buffers.logits[:3], ref, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(runner.kv_cache.arena[:, :, :9], ref_kv.arena[:, :, :9], atol=1e-6)
+    assert runner.kv_cache.arena[:, :, 9:-1].abs().sum() == 0  # nothing written past real blocks
+
+    tokens = ref.argmax(-1).tolist()
+    positions = [len(p) for p in prompts]
+    for _ in range(6):
+        step = host_decode(tokens, positions, tables)
+        shape = runner.stage(step)
+        assert (shape.graph, shape.tokens) == (True, 4)
+        runner.execute(shape)
+        ref = model.forward_logits(StepInputs.decode(tokens, positions, tables, BLOCK), ref_kv)
+        assert torch.allclose(runner.buffers.logits[:3], ref, rtol=1e-5, atol=1e-5)
+        tokens = ref.argmax(-1).tolist()
+        positions = [p + 1 for p in positions]
+    assert torch.allclose(runner.kv_cache.arena[:, :, :9], ref_kv.arena[:, :, :9], atol=1e-6)
+    decode4 = runner.stats[("decode", 4)]
+    assert decode4.replays == 6 and decode4.eager_runs == 0
+
+
+def test_uncaptured_buckets_run_eagerly_and_count(model):
+    runner = make_runner(model)
+    step = host_decode([5, 6, 7], [3, 4, 5], [[0], [1], [2]])
+    shape = runner.stage(step)
+    assert not shape.graph and shape.tokens == 3
+    runner.execute(shape)
+    assert runner.stats[("decode", 4)].eager_runs == 1
+    # Over the largest bucket: eager at the exact size.
+    assert not runner.plan_step(False, 9, 9).graph
+    assert not runner.plan_step(True, 65, 1).graph
+    # More sequences than a prefill graph holds: eager.
+    runner._capture(True, 64)
+    assert not runner.plan_step(True, 20, 5).graph
+
+
+def test_prefill_pads_into_larger_bucket_only_when_cheap(model):
+    runner = make_runner(model, prefill=(16, 32, 64), pad_factor=2.0)
+    runner._capture(True, 64)
+    assert runner.plan_step(True, 20, 1).bucket == 64  # 32 missing, 64 <= 2 x 32
+    assert not runner.plan_step(True, 10, 1).graph  # 64 > 2 x 16: eager is cheaper
+    assert runner.stats[("prefill", 16)].eager_runs == 1
+    assert runner.stats[("prefill", 16)].demand == 1
+
+
+def test_background_capture_most_demanded_first(model):
+    runner = make_runner(model, prefill=(16, 32, 64))
+    for _ in range(3):
+        runner.plan_step(True, 50, 1)  # demand for 64
+    runner.plan_step(True, 20, 1)  # demand for 32
+    order = []
+    original = runner._capture
+
+    def recording(is_prefill, size):
+        order.append(size)
+        return original(is_prefill, size)
+
+    runner._capture = recording
+    runner.start_background_capture()
+    deadline = time.time() + 30
+    while not runner.background_capture_idle() and time.time() < deadline:
+        time.sleep(0.01)
+    runner.stop_background_capture()
+    assert order == [64, 32, 16]
+    assert all(runner.stats[("prefill", s)].captured for s in (16, 32, 64))
+
+
+def test_memory_budget_evicts_least_recently_used(model):
+    probe = make_runner(model, prefill=(16, 32, 64))
+    cost = {s: probe._estimate_bytes(True, s) for s in (16, 32, 64)}
+    # Room for the decode graphs plus the two smaller prefill graphs, not all three.
+    decode_cost = sum(probe._estimate_bytes(False, s) for s in probe.plan.decode)
+    budget = decode_cost + cost[16] + cost[32] + cost[64] // 2
+    runner = make_runner(model, prefill=(16, 32, 64), budget=budget)
+    runner.capture_decode_graphs()
+    runner.plan_step(True, 10, 1)
+    runner.plan_step(True, 20, 1)
+    runner._capture(True, 16)
+    runner._capture(True, 32)
+    assert runner.graph_bytes() <= budget
+    # 64 is as little wanted as the others: capturing it would evict them, so it waits.
+    assert runner._next_prefill_bucket() is None
+    for _ in range(5):
+        runner.plan_step(True, 60, 1)
+    runner.plan_step(True, 10, 1)  # 16 was used more recently than 32
+    runner.execute(runner.plan_step(True, 10, 1))
+    assert runner._next_prefill_bucket() == 64
+    with runner._lock:
+        runner._evict_for(cost[64], runner.stats[("prefill", 64)].demand)
+    assert not runner.stats[("prefill", 32)].captured and runner.stats[("prefill", 32)].evictions == 1
+    runner._capture(True, 64)
+    assert runner.stats[("prefill", 64)].captured and runner.stats[("prefill", 16)].captured
+    assert runner.graph_bytes() <= budget
+
+
+def test_failed_capture_disables_bucket_and_keeps_serving(model, capfd):
+    runner = make_runner(model, decode=(1,), prefill=(16, 1 << 18))
+    # A 256k-token prefill needs a 64 GiB attention mask: the warm-up fails.
+    assert not runner._capture(True, 1 << 18)
+    stats = runner.stats[("prefill", 1 << 18)]
+    assert not stats.captured and "capture failed" in stats.disabled
+    err = capfd.readouterr().err
+    assert "graph_capture_failed" in err and "1. lower graph_memory_budget_mb" in err and "4. set use_cuda_graphs" in err
+    assert runner._capture(True, 16)
+    runner.execute(runner.stage(host_prefill([[4, 5, 6]], [[0]])))
+    assert runner.buffers.logits[0].abs().sum() > 0
+
+
+def test_graphs_disabled_always_eager(model):
+    runner = make_runner(model, use_graphs=False)
+    runner.capture_decode_graphs()
+    assert not any(s.captured for s in runner.stats.values())
+    assert not runner.plan_step(False, 2, 2).graph
