@@ -1,0 +1,67 @@
+"""Write a Hugging Face checkpoint with random weights of a real model's shape.
+
+No checkpoint can be downloaded on the benchmark machines, so benchmarks and GPU
+tests use random weights of the Llama-2-7B shape (or a smaller preset) with a fixed
+seed, saved by transformers itself so that both transformers and hybridd load it.
+
+    python scripts/make_random_checkpoint.py --preset llama2-7b --out /tmp/llama2-7b-random
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+PRESETS = {
+    "llama2-7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096),
+    "llama-1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=16, num_attention_heads=32,
+                     num_key_value_heads=8, vocab_size=32000, max_position_embeddings=4096),
+    "small": dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=4, num_attention_heads=8,
+                  num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048),
+}
+
+
+def make_checkpoint(out: Path, preset: str, seed: int = 0, dtype: torch.dtype = torch.bfloat16, device: str = "cuda") -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out.mkdir(parents=True, exist_ok=True)
+    if (out / "config.json").is_file() and (out / "hybridd-random.json").is_file():
+        if json.loads((out / "hybridd-random.json").read_text()) == {"preset": preset, "seed": seed}:
+            return out
+    config = LlamaConfig(**PRESETS[preset], rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, dtype=str(dtype).removeprefix("torch."))
+    torch.manual_seed(seed)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    model = model.to_empty(device=device).to(dtype)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                param.normal_(0.0, config.initializer_range, generator=generator)
+    model.save_pretrained(out, max_shard_size="4GB")
+    (out / "hybridd-random.json").write_text(json.dumps({"preset": preset, "seed": seed}))
+    del model
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="llama2-7b")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args()
+    path = make_checkpoint(args.out, args.preset, args.seed, device=args.device)
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

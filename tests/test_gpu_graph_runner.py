@@ -1,0 +1,194 @@
+"""On the GPU: every decode and prefill graph against the eager path on the same padded
+inputs (bitwise), over many replays with changing inputs, KV cache included; and
+background prefill capture while decode graphs replay in another thread."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+ROOT = Path(__file__).resolve().parent.parent
+BLOCK = 16
+DECODE = (1, 2, 4, 8, 16, 24, 32)
+PREFILL = (16, 32, 64, 128, 256, 512)
+
+
+@pytest.fixture(scope="module")
+def model():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from make_random_checkpoint import make_checkpoint
+
+    from hybridd.model import load_model
+    from hybridd.runtime.kernels import select_kernels
+
+    preset = os.environ.get("HYBRIDD_GPU_RUNNER_PRESET", "llama-1b")
+    path = make_checkpoint(Path(f"/tmp/hybridd-{preset}-random"), preset)
+    m = load_model(path, dtype=torch.bfloat16, device="cuda", max_positions=2048)
+    m.kernels = select_kernels("cuda")
+    return m
+
+
+def make_runner(model, use_graphs: bool, budget: int = 4 << 30):
+    from hybridd.model import KVCache
+    from hybridd.runtime.buckets import BucketPlan
+    from hybridd.runtime.graph_runner import GraphRunner
+    from hybridd.runtime.step_buffers import StepBuffers
+
+    plan = BucketPlan.create(list(DECODE), list(PREFILL), max_prefill_seqs=4)
+    kv = KVCache.allocate(model.config, 40 * 64, BLOCK, torch.bfloat16, "cuda")
+    buffers = StepBuffers.allocate(plan.max_prefill_tokens, plan.max_rows, 64, model.config.vocab_size, "cuda")
+    return GraphRunner(model, kv, buffers, plan, use_graphs=use_graphs, memory_budget_bytes=budget)
+
+
+class Seqs:
+    """A pool of sequences with fixed block tables and random lengths."""
+
+    def __init__(self, n: int, seed: int):
+        g = torch.Generator().manual_seed(seed)
+        self.tables = [list(range(i * 64, i * 64 + 64)) for i in range(n)]
+        self.lengths = torch.randint(5, 300, (n,), generator=g).tolist()
+        self.tokens = [torch.randint(3, 32000, (L,), generator=g).tolist() for L in self.lengths]
+        self.g = g
+
+    def prefill_step(self, idx: list[int]):
+        from hybridd.model import StepInputs
+        from hybridd.runtime.step_buffers import HostStep
+
+        prompts = [self.tokens[i] for i in idx]
+        step = StepInputs.prefill(prompts, [self.tables[i] for i in idx], BLOCK)
+        return HostStep(True, step.input_ids.tolist(), step.positions.tolist(), step.slot_mapping.tolist(),
+                        [self.tables[i] for i in idx], step.seq_lens.tolist(), step.query_start_loc.tolist(),
+                        step.logits_indices.tolist())
+
+    def decode_step(self, idx: list[int]):
+        from hybridd.model import StepInputs
+        from hybridd.runtime.step_buffers import HostStep
+
+        toks = [int(torch.randint(3, 32000, (1,), generator=self.g)) for _ in idx]
+        pos = [len(self.tokens[i]) for i in idx]
+        for i, t in zip(idx, toks):
+            self.tokens[i].append(t)
+        step = StepInputs.decode(toks, pos, [self.tables[i] for i in idx], BLOCK)
+        return HostStep(False, toks, pos, step.slot_mapping.tolist(), [self.tables[i] for i in idx],
+                        step.seq_lens.tolist(), step.query_start_loc.tolist(), step.logits_indices.tolist())
+
+
+def run_both(graph_runner, eager_runner, step):
+    """The graph path, and the eager path on the same padded shape."""
+    from hybridd.runtime.graph_runner import StepShape
+
+    shape = graph_runner.stage(step)
+    graph_runner.execute(shape)
+    eager_runner.buffers.stage(step, shape.tokens, shape.seqs)
+    eager_runner.execute(StepShape(shape.is_prefill, shape.tokens, shape.seqs, False, None))
+    torch.cuda.synchronize()
+    n = step.num_seqs
+    return shape, graph_runner.buffers.logits[:n].clone(), eager_runner.buffers.logits[:n].clone()
+
+
+@torch.inference_mode()
+def test_every_bucket_graph_equals_eager_bitwise(model):
+    graphs = make_runner(model, True)
+    eager = make_runner(model, False)
+    graphs.capture_decode_graphs()
+    for size in PREFILL:
+        assert graphs._capture(True, size)
+    seqs = Seqs(32, seed=1)
+    used = set()
+    # Prefill every sequence, in groups whose token counts land in every prefill bucket.
+    order = sorted(range(32), key=lambda i: seqs.lengths[i])
+    groups, cur = [], []
+    for i in order:
+        if len(cur) == 4 or sum(seqs.lengths[j] for j in cur) + seqs.lengths[i] > 512:
+            groups.append(cur)
+            cur = []
+        cur.append(i)
+    groups.append(cur)
+    for group in groups:
+        shape, got, ref = run_both(graphs, eager, seqs.prefill_step(group))
+        used.add(("prefill", shape.bucket))
+        assert shape.graph
+        assert torch.equal(got, ref), f"prefill bucket {shape.bucket}"
+    # Decode with batch sizes that hit every bucket, with padded rows, many replays.
+    sizes = [1, 2, 3, 4, 5, 8, 9, 16, 17, 24, 25, 32] * 4
+    g = torch.Generator().manual_seed(7)
+    for n in sizes:
+        idx = torch.randperm(32, generator=g)[:n].tolist()
+        shape, got, ref = run_both(graphs, eager, seqs.decode_step(idx))
+        used.add(("decode", shape.bucket))
+        assert shape.graph
+        assert torch.equal(got, ref), f"decode bucket {shape.bucket} with {n} rows"
+    real_blocks = graphs.kv_cache.num_blocks
+    assert torch.equal(graphs.kv_cache.arena[:, :, :real_blocks], eager.kv_cache.arena[:, :, :real_blocks])
+    assert {b for k, b in used if k == "decode"} == set(DECODE)
+    snapshot = graphs.snapshot()
+    assert snapshot["graph_bytes"] <= 4 << 30
+
+
+@torch.inference_mode()
+def test_background_capture_during_decode_replays(model):
+    graphs = make_runner(model, True)
+    eager = make_runner(model, False)
+    graphs.capture_decode_graphs()
+    seqs = Seqs(8, seed=3)
+    for group in ([0, 1, 2, 3], [4, 5, 6, 7]):
+        step = seqs.prefill_step(group)
+        graphs.run(step)
+        eager.run(step)
+    mismatches = []
+    stop = threading.Event()
+    steps = [0]
+
+    def decode_loop():
+        g = torch.Generator().manual_seed(11)
+        with torch.inference_mode():
+            while not stop.is_set():
+                n = int(torch.randint(1, 9, (1,), generator=g))
+                _, got, ref = run_both(graphs, eager, seqs.decode_step(list(range(n))))
+                if not torch.equal(got, ref):
+                    mismatches.append(steps[0])
+                steps[0] += 1
+
+    for size in PREFILL:  # demand, so every bucket is wanted
+        graphs.plan_step(True, size, 1)
+    worker = threading.Thread(target=decode_loop)
+    worker.start()
+    graphs.start_background_capture()
+    import time
+
+    deadline = time.time() + 120
+    while not graphs.background_capture_idle() and time.time() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.5)
+    stop.set()
+    worker.join()
+    graphs.stop_background_capture()
+    assert all(graphs.stats[("prefill", s)].captured for s in PREFILL)
+    assert steps[0] > 20 and not mismatches
+    # A prefill through the freshly captured graphs is still right.
+    shape, got, ref = run_both(graphs, eager, seqs.prefill_step([0]))
+    assert shape.graph and torch.equal(got, ref)
+
+
+@torch.inference_mode()
+def test_capture_out_of_memory_disables_bucket(model):
+    from hybridd.model import KVCache
+    from hybridd.runtime.buckets import BucketPlan
+    from hybridd.runtime.graph_runner import GraphRunner
+    from hybridd.runtime.step_buffers import StepBuffers
+
+    huge = 1 << 20  # a 1M-token prefill needs a 1 TB attention mask
+    plan = BucketPlan.create([1], [16, huge], max_prefill_seqs=1)
+    kv = KVCache.allocate(model.config, 64, BLOCK, torch.bfloat16, "cuda")
+    buffers = StepBuffers.allocate(huge, 1, 4, model.config.vocab_size, "cuda")
+    runner = GraphRunner(model, kv, buffers, plan)
+    assert not runner._capture(True, huge)
+    assert "OutOfMemory" in runner.stats[("prefill", huge)].disabled or "memory" in runner.stats[("prefill", huge)].disabled
+    assert runner._capture(True, 16) and runner._capture(False, 1)
