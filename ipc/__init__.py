@@ -1,0 +1,1 @@
+"""Inter-process plumbing: shared arenas, interprocess events, ZeroMQ channels."""

@@ -32,13 +32,14 @@ MAX_SEED: Final = 2**63 - 1
 MAX_ABS_PENALTY: Final = 2.0
 MAX_ERROR_MESSAGE_CHARS: Final = 4096
 
-# msgpack unpacker limits. Strings may be as long as a whole message (a prompt is
-# counted in characters after decoding, up to 4 bytes each in UTF-8); no array longer
-# than the longest legal list (prompt token ids); maps stay small (status and the
-# arena manifest are the largest); bin only carries IPC handles; no ext types at all.
-UNPACK_MAX_BUFFER_SIZE: Final = MAX_MESSAGE_BYTES
+# msgpack unpacker limits: a backstop against absurd values, set above the field
+# limits so that a value just over a field limit is still reported with its field
+# name. Strings may be as long as a whole message (prompts are counted in characters
+# after decoding, up to 4 bytes each in UTF-8); arrays twice the longest legal list
+# (prompt token ids); maps stay small (status and the arena manifest are the
+# largest); bin only carries IPC handles; no ext types at all.
 UNPACK_MAX_STR_LEN: Final = MAX_MESSAGE_BYTES
 UNPACK_MAX_BIN_LEN: Final = 65_536
-UNPACK_MAX_ARRAY_LEN: Final = MAX_PROMPT_TOKEN_IDS
+UNPACK_MAX_ARRAY_LEN: Final = 2 * MAX_PROMPT_TOKEN_IDS
 UNPACK_MAX_MAP_LEN: Final = 4096
 UNPACK_MAX_EXT_LEN: Final = 0

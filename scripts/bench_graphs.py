@@ -85,25 +85,25 @@ def prefill_step(tokens: int, table: list[int]) -> HostStep:
     return HostStep(True, [11] * tokens, pos, slots, [table], [tokens], [0, tokens], [tokens - 1])
 
 
-def time_steps(fn, iters: int) -> list[float]:
-    """Per-step wall time of fn() followed by a synchronize, in seconds."""
+def time_steps(runner: GraphRunner, fn, iters: int) -> list[float]:
+    """Per-step wall time of fn() and a wait on the serving stream, in seconds."""
     out = []
     for _ in range(iters):
         t0 = time.perf_counter()
         fn()
-        torch.cuda.synchronize()
+        runner.synchronize()
         out.append(time.perf_counter() - t0)
     return out
 
 
-def time_gpu(fn, iters: int) -> float:
-    """Median GPU time of fn() by CUDA events, in seconds."""
+def time_gpu(runner: GraphRunner, fn, iters: int) -> float:
+    """Median GPU time of fn() by CUDA events on the runner's stream, in seconds."""
     times = []
     for _ in range(iters):
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
+        s.record(runner.stream)
         fn()
-        e.record()
+        e.record(runner.stream)
         e.synchronize()
         times.append(s.elapsed_time(e) / 1e3)
     return statistics.median(times)
@@ -131,7 +131,7 @@ def main() -> int:
     if args.model is None:
         from make_random_checkpoint import make_checkpoint
 
-        args.model = make_checkpoint(Path(f"/tmp/hybridd-{args.preset}-random"), args.preset)
+        args.model = make_checkpoint(Path(f"/tmp/hybridd-{args.preset}-normal-random"), args.preset)
     t0 = time.perf_counter()
     model = load_model(args.model, dtype=torch.bfloat16, device="cuda", max_positions=4096)
     results["load_s"] = time.perf_counter() - t0
@@ -165,14 +165,15 @@ def main() -> int:
         step = decode_step(batch, args.context, tables[:batch])
         g_shape = fused.stage(step)
         e_shape = StepShape(False, batch, batch, False, None)
-        eager.buffers.stage(step, batch, batch)
+        with torch.cuda.stream(eager.stream):
+            eager.buffers.stage(step, batch, batch)
         for _ in range(5):
             fused.execute(g_shape)
             eager.execute(e_shape)
         decode[batch] = {
-            "graph_s": time_gpu(lambda: fused.execute(g_shape), args.iters),
-            "eager_s": time_gpu(lambda: eager.execute(e_shape), max(10, args.iters // 4)),
-            "graph_wall_s": statistics.median(time_steps(lambda: fused.execute(g_shape), args.iters)),
+            "graph_s": time_gpu(fused, lambda: fused.execute(g_shape), args.iters),
+            "eager_s": time_gpu(eager, lambda: eager.execute(e_shape), max(10, args.iters // 4)),
+            "graph_wall_s": statistics.median(time_steps(fused, lambda: fused.execute(g_shape), args.iters)),
         }
     # A plain graph of the unfused torch path, for comparison with the fused kernels.
     model.kernels = select_kernels("cuda", "torch")
@@ -181,7 +182,7 @@ def main() -> int:
     plain.capture_decode_graphs()
     for batch in (1, 8, 32):
         shape = plain.stage(decode_step(batch, args.context, tables[:batch]))
-        decode[batch]["unfused_graph_s"] = time_gpu(lambda: plain.execute(shape), args.iters)
+        decode[batch]["unfused_graph_s"] = time_gpu(plain, lambda: plain.execute(shape), args.iters)
         decode[batch]["floor_s"] = floor
     del plain
     model.kernels = select_kernels("cuda", "triton")
@@ -190,14 +191,14 @@ def main() -> int:
     # Step time while the background thread captures every prefill bucket, against steady state.
     step1 = decode_step(1, args.context, tables[:1])
     shape1 = fused.stage(step1)
-    steady = time_steps(lambda: fused.execute(shape1), 300)
+    steady = time_steps(fused, lambda: fused.execute(shape1), 300)
     for size in prefill_buckets:
         fused.plan_step(True, size, 1)
     during: list[float] = []
     t0 = time.perf_counter()
     fused.start_background_capture()
     while not fused.background_capture_idle():
-        during.extend(time_steps(lambda: fused.execute(shape1), 20))
+        during.extend(time_steps(fused, lambda: fused.execute(shape1), 20))
     background_s = time.perf_counter() - t0
     fused.stop_background_capture()
     results["background_capture"] = {
@@ -211,13 +212,14 @@ def main() -> int:
         step = prefill_step(size, tables[0])
         shape = fused.stage(step)
         e_shape = StepShape(True, size, 1, False, None)
-        eager.buffers.stage(step, size, 1)
+        with torch.cuda.stream(eager.stream):
+            eager.buffers.stage(step, size, 1)
         fused.execute(shape)
         eager.execute(e_shape)
         prefill[size] = {
             "graph": shape.graph,
-            "graph_s": time_gpu(lambda: fused.execute(shape), 20),
-            "eager_s": time_gpu(lambda: eager.execute(e_shape), 20),
+            "graph_s": time_gpu(fused, lambda: fused.execute(shape), 20),
+            "eager_s": time_gpu(eager, lambda: eager.execute(e_shape), 20),
             "floor_s": max(weight_bytes / bw, 2 * weight_bytes / 2 * size / flops),
         }
     results["prefill"] = prefill

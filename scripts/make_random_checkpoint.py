@@ -26,12 +26,17 @@ PRESETS = {
 }
 
 
-def make_checkpoint(out: Path, preset: str, seed: int = 0, dtype: torch.dtype = torch.bfloat16, device: str = "cuda") -> Path:
+def make_checkpoint(
+    out: Path, preset: str, seed: int = 0, dtype: torch.dtype = torch.bfloat16, device: str = "cuda", init: str = "normal"
+) -> Path:
+    """`init`: "normal" draws every matrix from N(0, 0.02); "scaled" also divides the output
+    projections (o_proj, down_proj) by sqrt(2 * layers), the GPT-2/Megatron residual
+    scaling, so that the random network is not chaotic and bf16 noise is not amplified."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     out.mkdir(parents=True, exist_ok=True)
     if (out / "config.json").is_file() and (out / "hybridd-random.json").is_file():
-        if json.loads((out / "hybridd-random.json").read_text()) == {"preset": preset, "seed": seed}:
+        if json.loads((out / "hybridd-random.json").read_text()) == {"preset": preset, "seed": seed, "init": init}:
             return out
     config = LlamaConfig(**PRESETS[preset], rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, dtype=str(dtype).removeprefix("torch."))
     torch.manual_seed(seed)
@@ -43,10 +48,13 @@ def make_checkpoint(out: Path, preset: str, seed: int = 0, dtype: torch.dtype = 
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 param.fill_(1.0)
-            else:
-                param.normal_(0.0, config.initializer_range, generator=generator)
+                continue
+            std = config.initializer_range
+            if init == "scaled" and name.endswith(("o_proj.weight", "down_proj.weight")):
+                std /= (2 * config.num_hidden_layers) ** 0.5
+            param.normal_(0.0, std, generator=generator)
     model.save_pretrained(out, max_shard_size="4GB")
-    (out / "hybridd-random.json").write_text(json.dumps({"preset": preset, "seed": seed}))
+    (out / "hybridd-random.json").write_text(json.dumps({"preset": preset, "seed": seed, "init": init}))
     del model
     return out
 
@@ -57,8 +65,9 @@ def main() -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--init", choices=("normal", "scaled"), default="normal")
     args = parser.parse_args()
-    path = make_checkpoint(args.out, args.preset, args.seed, device=args.device)
+    path = make_checkpoint(args.out, args.preset, args.seed, device=args.device, init=args.init)
     print(path)
     return 0
 

@@ -533,6 +533,8 @@ def cmd_train(args: argparse.Namespace) -> None:
     # exactly as saved (rounded to --save-dtype), in float32 without TF32 / autocast.
     if best[2] is not None:
         model.load_state_dict(best[2])
+    else:  # never beat the untrained model: keep the final weights and say so
+        best = (best[0], step, None)
     save_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.save_dtype]
     model = model.to(save_dtype).to(torch.float32)
     model.eval()

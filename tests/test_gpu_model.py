@@ -21,18 +21,19 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(os.environ.get("HYBRIDD_GPU_RESULTS", "/tmp/hybridd-gpu-results"))
 
 
-@pytest.fixture(scope="module")
-def checkpoint():
+@pytest.fixture(scope="module", params=["normal"])
+def checkpoint(request):
     sys.path.insert(0, str(ROOT / "scripts"))
     from make_random_checkpoint import make_checkpoint
 
     preset = os.environ.get("HYBRIDD_GPU_PRESET", "llama2-7b")
-    path = Path(os.environ.get("HYBRIDD_GPU_CHECKPOINT", f"/tmp/hybridd-{preset}-random"))
-    return make_checkpoint(path, preset)
+    path = Path(f"/tmp/hybridd-{preset}-{request.param}-random")
+    return request.param, make_checkpoint(path, preset, init=request.param)
 
 
 @torch.inference_mode()
 def test_bf16_matches_transformers_teacher_forced(checkpoint):
+    init, checkpoint = checkpoint
     from transformers import AutoModelForCausalLM
 
     from hybridd.model import KVCache, StepInputs, load_model
@@ -90,9 +91,13 @@ def test_bf16_matches_transformers_teacher_forced(checkpoint):
             "transformers_bf16_top1_vs_fp32": (torch.cat(ref_logits).argmax(-1) == fp32_logits.argmax(-1)).float().mean().item(),
         }
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "model_bf16_vs_transformers.json").write_text(json.dumps(results, indent=2))
-    print(json.dumps(results, indent=2))
+    (RESULTS / f"model_bf16_vs_transformers_{init}.json").write_text(json.dumps(results, indent=2))
+    print(init, json.dumps(results, indent=2))
     for r in results.values():
-        assert r["top1_agreement"] >= 0.99
-        # Within bf16 rounding: no further from float32 than transformers' own bf16 run, with slack.
-        assert r["rel_error_vs_fp32"] <= 1.5 * hf_bf16_vs_fp32 + 1e-3
+        # Within bf16 rounding: no further from float32 than transformers' own bf16 run.
+        assert r["rel_error_vs_fp32"] <= 1.1 * hf_bf16_vs_fp32 + 1e-3
+        # As often right (against float32) as transformers' own bf16 run, within 2%. On random
+        # weights the top logits sit close together, and transformers' bf16 run itself agrees
+        # with float32 on only ~85% of positions, so agreement with it cannot reach 99%; the
+        # 99% check runs on a trained model (test_gpu_tiny_model.py).
+        assert r["top1_agreement_fp32_ref"] >= r["transformers_bf16_top1_vs_fp32"] - 0.02

@@ -50,6 +50,9 @@ class Sequence:
         self.block_table: list[int] = []
         self.num_computed_tokens = 0
         self.num_inflight_tokens = 0
+        # (step id, row) of the step that samples the in-flight token, for the
+        # overlapped pipeline to gather it from that step's device output.
+        self.inflight_source: tuple[int, int] | None = None
         self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
         self.first_token_time: float | None = None
         self.finish_time: float | None = None

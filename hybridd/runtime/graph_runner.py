@@ -90,7 +90,10 @@ class GraphRunner:
         self.memory_budget_bytes = memory_budget_bytes
         self.pad_factor = pad_factor
         self.pool = torch.cuda.graph_pool_handle() if self.cuda else None
-        self.stream = stream if stream is not None else (torch.cuda.current_stream(self.device) if self.cuda else None)
+        # Serving never uses the legacy default stream: it synchronizes implicitly with every
+        # blocking stream, which is an error while the background thread captures.
+        on_cuda = self.device.type == "cuda"
+        self.stream = stream if stream is not None else (torch.cuda.Stream(self.device) if on_cuda else None)
         self.capture_stream = torch.cuda.Stream(self.device) if self.cuda else None
         if plan.max_batch > buffers.max_seqs or plan.max_prefill_seqs > buffers.max_seqs:
             raise ValueError("step buffers hold fewer sequences than the bucket plan needs")
@@ -142,8 +145,17 @@ class GraphRunner:
     # --------------------------------------------------------------- execution
     def stage(self, step: HostStep) -> StepShape:
         shape = self.plan_step(step.is_prefill, step.num_tokens, step.num_seqs)
-        self.buffers.stage(step, shape.tokens, shape.seqs)
+        if self.stream is not None:
+            with torch.cuda.stream(self.stream):
+                self.buffers.stage(step, shape.tokens, shape.seqs)
+        else:
+            self.buffers.stage(step, shape.tokens, shape.seqs)
         return shape
+
+    def synchronize(self) -> None:
+        """Wait for the serving stream (never the whole device: a capture may be running)."""
+        if self.stream is not None:
+            self.stream.synchronize()
 
     def execute(self, shape: StepShape) -> None:
         """Run a staged step on the serving stream; logits land in `buffers.logits`."""
@@ -279,7 +291,16 @@ class GraphRunner:
                 try:
                     self._step_body(view, self.buffers.logits)
                 finally:
-                    graph.capture_end()
+                    try:
+                        graph.capture_end()
+                    except Exception:
+                        # A failed end of capture can leave the allocator routing this
+                        # thread's allocations to the pool; stop that so later captures work.
+                        try:
+                            torch._C._cuda_endAllocateToPool(self.device.index or 0, self.pool)
+                        except Exception:  # already ended by capture_end
+                            pass
+                        raise
         finally:
             gc.unfreeze()
             if gc_was_enabled:

@@ -89,6 +89,11 @@ class StepBuffers:
         length 1 over block 0 (a harmless read) and no tokens of their own.
         """
         t, s = step.num_tokens, step.num_seqs
+        if num_tokens > self.max_tokens or num_seqs > self.max_seqs:
+            raise ValueError(
+                f"step of {num_tokens} tokens / {num_seqs} seqs exceeds the step buffers "
+                f"({self.max_tokens} tokens / {self.max_seqs} seqs): the scheduler's limits must not exceed them"
+            )
         if t > num_tokens or s > num_seqs:
             raise ValueError(f"step of {t} tokens / {s} seqs does not fit bucket {num_tokens}/{num_seqs}")
         if any(len(row) > self.max_blocks_per_seq for row in step.block_tables):

@@ -1,0 +1,265 @@
+"""Batched next-token sampling on the logits' device, without host synchronisation.
+
+Per-row parameters travel as tensors (`SamplingTensors`), so one compiled kernel set
+serves any mix of greedy and sampled rows and the host never waits for the device:
+sampling can be enqueued one step ahead, its tokens written straight into the next
+step's input buffer.
+
+Pipeline per row: repetition penalty (HF) over prompt + output tokens, then
+frequency / presence penalties (OpenAI) over output tokens; greedy rows take the
+argmax. Sampled rows: temperature, top-k and top-p (one sort, cut at a per-row
+threshold; at least one token always survives), then the Gumbel-max trick,
+`argmax(logits + g)`. The noise g
+is a pure function of (seed, position, vocab index) computed by a counter-based
+integer hash, so a seeded request draws the same tokens in any batch and any row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+import torch
+
+from hybridd.engine.sampling_params import SamplingParams
+from hybridd.engine.sequence import Sequence
+_MASK32 = 0xFFFFFFFF
+# Uniforms carry 23 bits so that u < 1 stays exact in float32 and -log(u) > 0.
+_UNIFORM_BITS = 23
+
+
+@dataclass
+class SamplingTensors:
+    temperature: torch.Tensor  # [B] float32, 0 = greedy
+    top_k: torch.Tensor  # [B] int64, vocab size when off
+    top_p: torch.Tensor  # [B] float32
+    repetition_penalty: torch.Tensor  # [B] float32
+    presence_penalty: torch.Tensor  # [B] float32
+    frequency_penalty: torch.Tensor  # [B] float32
+    seeds: torch.Tensor  # [B] int64
+    positions: torch.Tensor  # [B] int64, position of the token being sampled
+    output_counts: torch.Tensor | None  # [B, V] int32, None when no row has penalties
+    prompt_mask: torch.Tensor | None  # [B, V] bool, None when no row has penalties
+    all_greedy: bool = False
+    do_sort: bool = False  # some row uses top-k or top-p
+    vocab_size: int = 0
+
+    @classmethod
+    def build(
+        cls,
+        params: Seq[SamplingParams],
+        seeds: Seq[int],
+        positions: Seq[int],
+        vocab_size: int,
+        device: torch.device | str = "cpu",
+        prompt_token_ids: Seq[Seq[int]] | None = None,
+        output_token_ids: Seq[Seq[int]] | None = None,
+    ) -> SamplingTensors:
+        """Tensors for one batch; token ids are needed only when a row has penalties."""
+        n = len(params)
+        do_penalties = any(p.has_penalties for p in params)
+        output_counts = prompt_mask = None
+        if do_penalties:
+            if prompt_token_ids is None or output_token_ids is None:
+                raise ValueError("penalties need prompt_token_ids and output_token_ids")
+            output_counts = torch.zeros(n, vocab_size, dtype=torch.int32)
+            prompt_mask = torch.zeros(n, vocab_size, dtype=torch.bool)
+            for row, (prompt, output) in enumerate(zip(prompt_token_ids, output_token_ids, strict=True)):
+                if output:
+                    ids = torch.tensor(output, dtype=torch.int64)
+                    output_counts[row].index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
+                prompt_mask[row, torch.tensor(prompt, dtype=torch.int64)] = True
+            output_counts = output_counts.to(device)
+            prompt_mask = prompt_mask.to(device)
+
+        def f32(values: list[float]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.float32, device=device)
+
+        return cls(
+            temperature=f32([p.temperature for p in params]),
+            top_k=torch.tensor(
+                [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params],
+                dtype=torch.int64,
+                device=device,
+            ),
+            top_p=f32([p.top_p for p in params]),
+            repetition_penalty=f32([p.repetition_penalty for p in params]),
+            presence_penalty=f32([p.presence_penalty for p in params]),
+            frequency_penalty=f32([p.frequency_penalty for p in params]),
+            seeds=torch.tensor(list(seeds), dtype=torch.int64, device=device),
+            positions=torch.tensor(list(positions), dtype=torch.int64, device=device),
+            output_counts=output_counts,
+            prompt_mask=prompt_mask,
+            all_greedy=all(p.greedy for p in params),
+            do_sort=any(0 < p.top_k < vocab_size or p.top_p < 1.0 for p in params),
+            vocab_size=vocab_size,
+        )
+
+    @classmethod
+    def from_sequences(
+        cls, seqs: Seq[Sequence], vocab_size: int, device: torch.device | str = "cpu"
+    ) -> SamplingTensors:
+        """Tensors for a just-scheduled batch: each row samples the token at position
+        `num_computed_tokens`, which is the same whether or not the sequence was
+        preempted and recomputed, so seeded output survives preemption."""
+        return cls.build(
+            [s.params for s in seqs],
+            [s.seed for s in seqs],
+            [s.num_computed_tokens for s in seqs],
+            vocab_size,
+            device,
+            [s.prompt_token_ids for s in seqs],
+            [s.output_token_ids for s in seqs],
+        )
+
+    def record(self, next_tokens: torch.Tensor) -> None:
+        """Advance the per-row state past `next_tokens`, on the device: the
+        overlapped pipeline keeps a batch's state here while its tokens are in flight."""
+        self.positions.add_(1)
+        if self.output_counts is not None:
+            index = next_tokens.view(-1, 1).to(torch.int64)
+            self.output_counts.scatter_add_(1, index, torch.ones_like(index, dtype=torch.int32))
+
+
+class Sampler:
+    def __init__(self, compile: bool = True) -> None:
+        self.compiled = compile
+        if compile:
+            kwargs = dict(dynamic=True, fullgraph=True)
+            self._greedy = torch.compile(_sample_greedy, **kwargs)
+            self._random = torch.compile(_sample_random, **kwargs)
+            self._sorted = torch.compile(_sample_sorted, **kwargs)
+        else:
+            self._greedy, self._random, self._sorted = _sample_greedy, _sample_random, _sample_sorted
+
+    def __call__(
+        self, logits: torch.Tensor, t: SamplingTensors, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Next token per row, int64 [B]; written into `out` as well when given."""
+        if t.all_greedy:
+            tokens = self._greedy(
+                logits, t.repetition_penalty, t.presence_penalty, t.frequency_penalty, t.output_counts, t.prompt_mask
+            )
+        else:
+            fn = self._sorted if t.do_sort else self._random
+            tokens = fn(
+                logits,
+                t.temperature,
+                t.top_k,
+                t.top_p,
+                t.repetition_penalty,
+                t.presence_penalty,
+                t.frequency_penalty,
+                t.output_counts,
+                t.prompt_mask,
+                t.seeds,
+                t.positions,
+            )
+        if out is not None:
+            out.copy_(tokens)
+            return out
+        return tokens
+
+    @staticmethod
+    def processed_logits(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+        """The logits sampled rows draw from (penalised, scaled, filtered with -inf);
+        greedy rows get their penalised logits. Eager; for logprobs and tests."""
+        penalties = (t.repetition_penalty, t.presence_penalty, t.frequency_penalty, t.output_counts, t.prompt_mask)
+        logits = _penalize(logits.float(), *penalties)
+        scaled = _scale(logits, t.temperature)
+        if t.do_sort:
+            scaled = _top_k_top_p(scaled, t.top_k, t.top_p)
+        return torch.where((t.temperature > 0).unsqueeze(1), scaled, logits)
+
+
+def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Standard Gumbel noise [B, V], a pure function of (seed, position, vocab index)."""
+    row = _mix32((positions & _MASK32) ^ 0x9E3779B9)
+    row = _mix32(row ^ ((seeds >> 32) & _MASK32))
+    row = _mix32(row ^ (seeds & _MASK32))
+    vocab = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)
+    bits = _mix32(_mix32(row.unsqueeze(1) ^ vocab.unsqueeze(0)) ^ 0x85EBCA6B)
+    u = ((bits >> (32 - _UNIFORM_BITS)).to(torch.float32) + 0.5) * (2.0**-_UNIFORM_BITS)
+    return -torch.log(-torch.log(u))
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    # (x * c) mod 2**32 for 0 <= x < 2**32 in int64 without signed overflow: split c
+    # into 16-bit halves so that no partial product reaches 2**63.
+    lo, hi = c & 0xFFFF, c >> 16
+    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & _MASK32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    # "triple32" integer hash (C. Wellons), a bijection on 32-bit values with full avalanche.
+    x = x ^ (x >> 17)
+    x = _mul32(x, 0xED5AD4BB)
+    x = x ^ (x >> 11)
+    x = _mul32(x, 0xAC4C1B51)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x31848BAB)
+    return x ^ (x >> 14)
+
+
+def _penalize(
+    logits: torch.Tensor,
+    repetition: torch.Tensor,
+    presence: torch.Tensor,
+    frequency: torch.Tensor,
+    counts: torch.Tensor | None,
+    prompt_mask: torch.Tensor | None,
+) -> torch.Tensor:
+    if counts is None or prompt_mask is None:
+        return logits
+    in_output = counts > 0
+    rp = repetition.unsqueeze(1)
+    repeated = torch.where(logits > 0, logits / rp, logits * rp)
+    logits = torch.where(in_output | prompt_mask, repeated, logits)
+    frequency_term = frequency.unsqueeze(1) * counts.to(logits.dtype)
+    return logits - frequency_term - presence.unsqueeze(1) * in_output.to(logits.dtype)
+
+
+def _scale(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    return logits / torch.where(temperature > 0, temperature, 1.0).unsqueeze(1)
+
+
+def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    sorted_logits = logits.sort(dim=-1, descending=True).values
+    ranks = torch.arange(logits.shape[-1], device=logits.device).unsqueeze(0)
+    in_top_k = ranks < top_k.unsqueeze(1)
+    probs = sorted_logits.masked_fill(~in_top_k, float("-inf")).softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    # A token stays while the mass ranked above it is below top_p, so the first one
+    # always stays; rows with top_p == 1 skip the test, as a float cumsum can reach 1 early.
+    in_top_p = (mass_before < top_p.unsqueeze(1)) | (top_p >= 1.0).unsqueeze(1)
+    # Both conditions keep a prefix of the ranking, so it is cut at one threshold
+    # value per row (tokens tied with the last kept one stay too). Thresholding
+    # avoids scattering the sorted row back, which torch 2.13's CPU inductor miscompiles.
+    num_kept = (in_top_k & in_top_p).sum(dim=-1, keepdim=True)
+    threshold = sorted_logits.gather(-1, num_kept - 1)
+    return logits.masked_fill(logits < threshold, float("-inf"))
+
+
+def _sample_greedy(logits, repetition, presence, frequency, counts, prompt_mask):
+    return _penalize(logits.float(), repetition, presence, frequency, counts, prompt_mask).argmax(dim=-1)
+
+
+def _sample_random(
+    logits, temperature, top_k, top_p, repetition, presence, frequency, counts, prompt_mask, seeds, positions
+):
+    logits = _penalize(logits.float(), repetition, presence, frequency, counts, prompt_mask)
+    perturbed = _scale(logits, temperature) + gumbel_noise(seeds, positions, logits.shape[-1])
+    return _pick(logits, perturbed, temperature)
+
+
+def _sample_sorted(
+    logits, temperature, top_k, top_p, repetition, presence, frequency, counts, prompt_mask, seeds, positions
+):
+    logits = _penalize(logits.float(), repetition, presence, frequency, counts, prompt_mask)
+    filtered = _top_k_top_p(_scale(logits, temperature), top_k, top_p)
+    perturbed = filtered + gumbel_noise(seeds, positions, logits.shape[-1])
+    return _pick(logits, perturbed, temperature)
+
+
+def _pick(logits: torch.Tensor, perturbed: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    return torch.where((temperature > 0).unsqueeze(1), perturbed, logits).argmax(dim=-1)

@@ -1,0 +1,325 @@
+"""Continuous batching: which sequences run in the next step, and the step's inputs.
+
+Each step is either a prefill of whole prompts (first come, first served, within a
+token budget, admitted only when their KV blocks fit above the block manager's
+watermark) or a decode of every running sequence. Prefill wins when there is
+waiting work and room, as in vLLM V0 and nano-vllm. When decode runs out of KV
+blocks, the most recently admitted sequence is preempted by recompute: its blocks
+are freed and it goes back to the front of the waiting queue, keeping its output
+so that its next prefill covers prompt + output so far.
+
+The scheduler may run one step ahead of `postprocess` (the overlapped pipeline):
+a decode row whose input token is still on the device carries the (step, row) that
+sampled it in `input_src_step` / `input_src_row` instead of a host token id.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from collections.abc import Collection
+from dataclasses import dataclass
+
+import torch
+
+from hybridd.engine.block_manager import BlockManager
+from hybridd.engine.detokenizer import IncrementalDetokenizer, Tokenizer
+from hybridd.engine.sequence import Sequence, SequenceStatus
+from hybridd.engine.stop_criteria import StopCriteria
+from hybridd.log import get_logger
+from hybridd.runtime import buckets as bucket_rules
+
+log = get_logger("scheduler")
+
+
+class BatchKind(enum.Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+@dataclass
+class ScheduledBatch:
+    """One step's sequences and host-side inputs; rows follow `seqs`, tokens are
+    flattened in row order. Arrays are unpadded except `block_tables`; the graph
+    runner pads rows up to `bucket` (slot -1 for padding)."""
+
+    kind: BatchKind
+    step_id: int
+    seqs: list[Sequence]
+    input_ids: torch.Tensor  # [T] int64; -1 where the token is still on the device
+    input_src_step: torch.Tensor  # [T] int64; step that sampled the input token, -1 when on host
+    input_src_row: torch.Tensor  # [T] int64; its row in that step's sampled tokens
+    positions: torch.Tensor  # [T] int64
+    slot_mapping: torch.Tensor  # [T] int64
+    block_tables: torch.Tensor  # [n, width] int32, padded with 0
+    seq_lens: torch.Tensor  # [n] int32, length of each sequence's KV after this step
+    query_start_loc: torch.Tensor  # [n + 1] int32, cu_seqlens of the step's tokens
+    logits_indices: torch.Tensor  # [n] int64, each row's last token in the flattened step
+    bucket: int | None  # decode: padded batch size; prefill: None (the runner picks by tokens)
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.kind is BatchKind.PREFILL
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seqs)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.numel())
+
+    @property
+    def inputs_on_device(self) -> bool:
+        """True when some input tokens must be gathered from earlier steps' device output."""
+        return bool((self.input_src_step >= 0).any())
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_batch: int,
+        max_prefill_tokens: int,
+        max_model_len: int,
+        decode_buckets: Collection[int],
+        block_table_width: int | None = None,
+        max_prefill_seqs: int | None = None,
+        eos_token_ids: Collection[int] = (),
+        tokenizer: Tokenizer | None = None,
+    ) -> None:
+        self.block_manager = block_manager
+        self.max_batch = max_batch
+        self.max_prefill_tokens = max_prefill_tokens
+        self.max_model_len = max_model_len
+        # Prefill steps with more rows than the graph runner's prefill graphs hold run eagerly.
+        self.max_prefill_seqs = min(max_batch, max_prefill_seqs or max_batch)
+        self.decode_buckets = bucket_rules.normalize(tuple(decode_buckets), "decode_buckets")
+        if self.decode_buckets[-1] < max_batch:
+            raise ValueError(f"decode_buckets {self.decode_buckets} must include a bucket >= max_batch {max_batch}")
+        min_width = block_manager.blocks_for(max_model_len)
+        self.block_table_width = block_table_width if block_table_width is not None else min_width
+        if self.block_table_width < min_width:
+            raise ValueError(
+                f"block_table_width {self.block_table_width} cannot hold max_model_len {max_model_len} "
+                f"tokens in blocks of {block_manager.block_size}; need >= {min_width}"
+            )
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.tokenizer = tokenizer
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order
+        self.requests: dict[str, Sequence] = {}
+        self._next_step_id = 0
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new request; raise ValueError when it can never run."""
+        if seq.request_id in self.requests:
+            raise ValueError(f"request_id {seq.request_id!r} is already scheduled")
+        if len(seq) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(seq)} tokens; max_model_len is {self.max_model_len} "
+                f"and at least one token must be generated"
+            )
+        # A request must fit the KV cache alone even at its longest, or preemption
+        # could never make room for it.
+        longest = min(len(seq) + seq.params.max_tokens, self.max_model_len)
+        bm = self.block_manager
+        if bm.blocks_for(longest) > bm.num_admissible_blocks:
+            raise ValueError(
+                f"request may reach {longest} tokens (prompt {len(seq)} + max_tokens {seq.params.max_tokens}, "
+                f"max_model_len {self.max_model_len}), needing {bm.blocks_for(longest)} KV blocks; "
+                f"the KV cache has num_blocks {bm.num_blocks} ({bm.num_admissible_blocks} admissible)"
+            )
+        seq.stop_criteria = StopCriteria(seq.params, self.eos_token_ids, self.max_model_len)
+        if self.tokenizer is not None:
+            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids)
+        seq.status = SequenceStatus.WAITING
+        self.requests[seq.request_id] = seq
+        self.waiting.append(seq)
+
+    def abort(self, request_id: str) -> Sequence | None:
+        """Cancel a waiting or running request; returns it, or None when it is
+        unknown or already finished. A token still in flight for it is discarded."""
+        seq = self.requests.get(request_id)
+        if seq is None:
+            return None
+        self._finish(seq, "cancelled")
+        log.info("request aborted", request_id=request_id, output_tokens=seq.num_output_tokens)
+        return seq
+
+    def schedule(self) -> ScheduledBatch | None:
+        """The next step, or None when nothing can run until `postprocess` lands
+        (a preempted sequence waits for its in-flight token) or no work is left."""
+        if self.waiting and len(self.running) < self.max_batch:
+            batch = self._schedule_prefill()
+            if batch is not None:
+                return batch
+        if self.running:
+            return self._schedule_decode()
+        return None
+
+    def postprocess(self, batch: ScheduledBatch, next_token_ids: list[int]) -> list[Sequence]:
+        """Append each row's sampled token; return the sequences that finished."""
+        finished = []
+        for seq, token_id in zip(batch.seqs, next_token_ids, strict=True):
+            seq.num_inflight_tokens -= 1
+            seq.new_text = ""
+            if seq.is_finished:
+                continue  # sampled one step past its end, or aborted meanwhile
+            seq.append_token(token_id)
+            new_text = seq.detokenizer.add(token_id) if seq.detokenizer is not None else ""
+            result = seq.stop_criteria.check(seq, token_id, new_text)
+            seq.new_text = result.text
+            seq.output_text += result.text
+            if result.finish_reason is not None:
+                self._finish(seq, result.finish_reason, result.stop_reason)
+                finished.append(seq)
+        return finished
+
+    def _schedule_prefill(self) -> ScheduledBatch | None:
+        bm = self.block_manager
+        seqs: list[Sequence] = []
+        num_tokens = 0
+        while self.waiting and len(self.running) < self.max_batch and len(seqs) < self.max_prefill_seqs:
+            seq = self.waiting[0]
+            if seq.num_inflight_tokens:
+                break  # preempted while its last token was in flight: wait for it
+            # A lone sequence longer than the budget still runs, alone, or it would starve.
+            if seqs and num_tokens + len(seq) > self.max_prefill_tokens:
+                break
+            if not bm.can_allocate(len(seq)):
+                break
+            bm.allocate(seq)
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            seqs.append(seq)
+            num_tokens += len(seq)
+        if not seqs:
+            return None
+
+        step_id = self._take_step_id()
+        input_ids, positions, slots, seq_lens = [], [], [], []
+        for row, seq in enumerate(seqs):
+            n = len(seq)
+            input_ids.append(torch.tensor(seq.token_ids, dtype=torch.int64))
+            pos = torch.arange(n, dtype=torch.int64)
+            table = torch.tensor(seq.block_table, dtype=torch.int64)
+            positions.append(pos)
+            slots.append(table[pos // bm.block_size] * bm.block_size + pos % bm.block_size)
+            seq_lens.append(n)
+            self._mark_scheduled(seq, step_id, row, num_computed=n)
+        lens = torch.tensor(seq_lens, dtype=torch.int32)
+        query_start_loc = torch.zeros(len(seqs) + 1, dtype=torch.int32)
+        torch.cumsum(lens, 0, out=query_start_loc[1:])
+        ids = torch.cat(input_ids)
+        return ScheduledBatch(
+            kind=BatchKind.PREFILL,
+            step_id=step_id,
+            seqs=seqs,
+            input_ids=ids,
+            input_src_step=torch.full_like(ids, -1),
+            input_src_row=torch.full_like(ids, -1),
+            positions=torch.cat(positions),
+            slot_mapping=torch.cat(slots),
+            block_tables=self._block_tables(seqs),
+            seq_lens=lens,
+            query_start_loc=query_start_loc,
+            logits_indices=query_start_loc[1:].to(torch.int64) - 1,
+            bucket=None,
+        )
+
+    def _schedule_decode(self) -> ScheduledBatch | None:
+        bm = self.block_manager
+        seqs: list[Sequence] = []
+        slots: list[int] = []
+        row = 0
+        while row < len(self.running):
+            seq = self.running[row]
+            if seq.num_inflight_tokens > 1:
+                raise RuntimeError("schedule() ran more than one step ahead of postprocess()")
+            if bm.can_append(seq):
+                slots.append(bm.append_slot(seq))
+                seqs.append(seq)
+                row += 1
+            else:
+                # The victim is never an already scheduled row: those precede `row`.
+                self._preempt(self.running[-1])
+        if not seqs:
+            return None
+
+        step_id = self._take_step_id()
+        input_ids, src_step, src_row, positions = [], [], [], []
+        for row, seq in enumerate(seqs):
+            if seq.num_inflight_tokens:
+                step, src = seq.inflight_source
+                input_ids.append(-1)
+                src_step.append(step)
+                src_row.append(src)
+            else:
+                input_ids.append(seq.last_token)
+                src_step.append(-1)
+                src_row.append(-1)
+            positions.append(seq.last_position)
+            self._mark_scheduled(seq, step_id, row, num_computed=seq.last_position + 1)
+        n = len(seqs)
+
+        def i64(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64)
+
+        return ScheduledBatch(
+            kind=BatchKind.DECODE,
+            step_id=step_id,
+            seqs=seqs,
+            input_ids=i64(input_ids),
+            input_src_step=i64(src_step),
+            input_src_row=i64(src_row),
+            positions=i64(positions),
+            slot_mapping=i64(slots),
+            block_tables=self._block_tables(seqs),
+            seq_lens=torch.tensor([p + 1 for p in positions], dtype=torch.int32),
+            query_start_loc=torch.arange(n + 1, dtype=torch.int32),
+            logits_indices=torch.arange(n, dtype=torch.int64),
+            bucket=bucket_rules.pick(self.decode_buckets, n),
+        )
+
+    def _mark_scheduled(self, seq: Sequence, step_id: int, row: int, num_computed: int) -> None:
+        seq.num_computed_tokens = num_computed
+        seq.num_inflight_tokens += 1
+        seq.inflight_source = (step_id, row)
+
+    def _block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
+        tables = torch.zeros(len(seqs), self.block_table_width, dtype=torch.int32)
+        for row, seq in enumerate(seqs):
+            tables[row, : len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int32)
+        return tables
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.PREEMPTED
+        self.waiting.appendleft(seq)
+        log.info(
+            "request preempted by recompute",
+            request_id=seq.request_id,
+            tokens=len(seq),
+            free_blocks=self.block_manager.num_free,
+        )
+
+    def _finish(self, seq: Sequence, reason: str, stop_reason: str | int | None = None) -> None:
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status in (SequenceStatus.WAITING, SequenceStatus.PREEMPTED):
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.finish(reason, stop_reason)
+        del self.requests[seq.request_id]
+
+    def _take_step_id(self) -> int:
+        step_id = self._next_step_id
+        self._next_step_id += 1
+        return step_id

@@ -1,0 +1,56 @@
+"""The envelope every message shares: the `v` version and the `type` tag.
+
+Client messages also carry `id`; the rules for it live here too, because error
+replies must be attributable even when the rest of a message is broken.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from protocol.errors import ErrorCode, ProtocolError
+from protocol.fields import check_int, check_str
+from protocol.limits import MAX_REQUEST_ID_CHARS, PROTOCOL_VERSION
+
+SUPPORTED_VERSIONS = frozenset({PROTOCOL_VERSION})
+
+
+def check_version(data: Mapping[str, Any]) -> None:
+    """Missing or mistyped `v` is invalid_request; an unknown integer is unsupported_version."""
+    if not isinstance(data, Mapping):
+        raise ProtocolError(ErrorCode.MALFORMED, f"a message must be a map, got {type(data).__name__}")
+    if data.get("v") is None:
+        raise ProtocolError(ErrorCode.INVALID_REQUEST, "v: is required (the protocol version)", field="v")
+    version = check_int(data["v"], "v")
+    if version not in SUPPORTED_VERSIONS:
+        raise ProtocolError(
+            ErrorCode.UNSUPPORTED_VERSION,
+            f"v: protocol version {version} is not supported; this side speaks {sorted(SUPPORTED_VERSIONS)}",
+            field="v",
+        )
+
+
+def message_type(data: Mapping[str, Any], known: Mapping[str, Any]) -> str:
+    if data.get("type") is None:
+        raise ProtocolError(ErrorCode.INVALID_REQUEST, "type: is required", field="type")
+    kind = check_str(data["type"], "type")
+    if kind not in known:
+        raise ProtocolError(
+            ErrorCode.INVALID_REQUEST, f"type: unknown message type {kind!r}; expected one of {sorted(known)}", field="type"
+        )
+    return kind
+
+
+def check_request_id(value: Any, path: str = "id", *, allow_empty: bool = False) -> str:
+    return check_str(value, path, min_chars=0 if allow_empty else 1, max_chars=MAX_REQUEST_ID_CHARS)
+
+
+def peek_request_id(data: Any) -> str | None:
+    """The message's `id` if it is a valid one, else None; never raises."""
+    if not isinstance(data, Mapping):
+        return None
+    try:
+        return check_request_id(data.get("id"))
+    except ProtocolError:
+        return None

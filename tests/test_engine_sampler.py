@@ -1,0 +1,207 @@
+"""Sampler: greedy, filtered distribution vs. a float64 reference, empirical
+frequencies, seed reproducibility across batches, compiled == eager."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from hybridd.engine.sampler import Sampler, SamplingTensors, gumbel_noise
+from hybridd.engine.sampling_params import SamplingParams
+
+V = 40
+
+
+def build(params, seeds=None, positions=None, prompts=None, outputs=None):
+    n = len(params)
+    return SamplingTensors.build(
+        params,
+        seeds if seeds is not None else list(range(n)),
+        positions if positions is not None else [0] * n,
+        V,
+        "cpu",
+        prompts if prompts is not None else [[0]] * n,
+        outputs if outputs is not None else [[]] * n,
+    )
+
+
+def reference_probs(logits: torch.Tensor, p: SamplingParams, prompt: list[int], output: list[int]) -> torch.Tensor:
+    """The distribution a row should sample from, computed independently in float64."""
+    x = logits.double().clone()
+    counts = [0] * V
+    for t in output:
+        counts[t] += 1
+    for t in range(V):
+        seen = counts[t] > 0 or t in prompt
+        if seen and p.repetition_penalty != 1.0:
+            x[t] = x[t] / p.repetition_penalty if x[t] > 0 else x[t] * p.repetition_penalty
+        x[t] -= p.frequency_penalty * counts[t] + p.presence_penalty * (counts[t] > 0)
+    if p.temperature == 0:
+        probs = torch.zeros(V, dtype=torch.float64)
+        probs[int(x.argmax())] = 1.0
+        return probs
+    x = x / p.temperature
+    order = sorted(range(V), key=lambda t: -float(x[t]))
+    k = p.top_k if 0 < p.top_k < V else V
+    kept = order[:k]
+    w = torch.exp(x[kept] - x[kept].max())
+    w = w / w.sum()
+    nucleus, mass = [], 0.0
+    for t, prob in zip(kept, w.tolist()):
+        if mass >= p.top_p and p.top_p < 1.0:
+            break
+        nucleus.append(t)
+        mass += prob
+    probs = torch.zeros(V, dtype=torch.float64)
+    z = torch.exp(x[nucleus] - x[nucleus].max())
+    probs[nucleus] = z / z.sum()
+    return probs
+
+
+PARAMS = [
+    SamplingParams(temperature=0.7),
+    SamplingParams(temperature=1.3, top_k=5),
+    SamplingParams(temperature=1.0, top_p=0.6),
+    SamplingParams(temperature=0.9, top_k=12, top_p=0.8, repetition_penalty=1.4),
+    SamplingParams(temperature=1.0, frequency_penalty=0.7, presence_penalty=-0.4),
+    SamplingParams(temperature=0.0, repetition_penalty=2.0, frequency_penalty=1.0),
+]
+PROMPTS = [[1, 2], [3], [4, 5, 6], [7, 8, 1], [9], [2, 3, 4]]
+OUTPUTS = [[], [3, 3], [10], [7, 11, 11], [12, 12, 12, 13], [2, 14]]
+
+
+def test_greedy_is_argmax_and_writes_out():
+    logits = torch.randn(8, V, generator=torch.Generator().manual_seed(0))
+    out = torch.full((8,), -1, dtype=torch.int64)
+    tokens = Sampler(compile=False)(logits, build([SamplingParams(temperature=0.0)] * 8), out=out)
+    assert tokens is out
+    assert torch.equal(out, logits.argmax(dim=-1))
+
+
+def test_greedy_rows_in_a_sampled_batch_take_argmax():
+    logits = torch.randn(4, V, generator=torch.Generator().manual_seed(1))
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.5, top_p=0.9)] * 2
+    tokens = Sampler(compile=False)(logits, build(params))
+    assert tokens[0] == logits[0].argmax() and tokens[2] == logits[2].argmax()
+
+
+def test_processed_distribution_matches_float64_reference():
+    logits = torch.randn(len(PARAMS), V, generator=torch.Generator().manual_seed(2)) * 3
+    t = build(PARAMS, prompts=PROMPTS, outputs=OUTPUTS)
+    processed = Sampler.processed_logits(logits, t)
+    for row, p in enumerate(PARAMS):
+        expected = reference_probs(logits[row], p, PROMPTS[row], OUTPUTS[row])
+        if p.temperature == 0:
+            assert int(processed[row].argmax()) == int(expected.argmax())
+            continue
+        got = processed[row].double().softmax(dim=-1)
+        assert torch.equal(got > 0, expected > 0), f"row {row}: support differs"
+        assert torch.allclose(got, expected, atol=1e-5), f"row {row}"
+
+
+@pytest.mark.parametrize("row", range(5))
+def test_empirical_frequencies_match_reference(row):
+    """Many draws of one request (same seed, successive positions) follow the reference."""
+    n = 20_000
+    p = PARAMS[row]
+    logits = torch.randn(V, generator=torch.Generator().manual_seed(3)) * 2
+    t = build([p] * n, [987] * n, list(range(n)), [PROMPTS[row]] * n, [OUTPUTS[row]] * n)
+    tokens = Sampler(compile=False)(logits.expand(n, V), t)
+    freq = torch.bincount(tokens, minlength=V).double() / n
+    expected = reference_probs(logits, p, PROMPTS[row], OUTPUTS[row])
+    assert bool((freq[expected == 0] == 0).all()), "sampled a token outside top-k / top-p"
+    sigma = (expected * (1 - expected) / n).sqrt()
+    assert bool((freq - expected).abs().le(5 * sigma + 2e-3).all()), (freq - expected).abs().max()
+    # Pearson chi-square over the support, against a generous critical value.
+    support = expected > 0
+    chi2 = float((((freq - expected)[support] * n) ** 2 / (expected[support] * n)).sum())
+    dof = int(support.sum()) - 1
+    assert chi2 < dof + 6 * math.sqrt(2 * max(dof, 1)) + 10
+
+
+def test_top_k_and_top_p_never_leave_their_set():
+    gen = torch.Generator().manual_seed(4)
+    n = 2000
+    logits = torch.randn(n, V, generator=gen) * 4
+    half = n // 2
+    params = [SamplingParams(temperature=2.0, top_k=3)] * half + [SamplingParams(temperature=2.0, top_p=0.3)] * half
+    tokens = Sampler(compile=False)(logits, build(params, seeds=list(range(n))))
+    for row in range(n):
+        expected = reference_probs(logits[row], params[row], [0], [])
+        assert expected[tokens[row]] > 0
+
+
+def test_seeded_row_is_independent_of_batch_composition_and_row():
+    gen = torch.Generator().manual_seed(5)
+    target = SamplingParams(temperature=1.0, top_k=20, top_p=0.95, seed=1234)
+    target_logits = torch.randn(30, V, generator=gen)  # one step per position
+    others = [
+        SamplingParams(temperature=0.5),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=2.0, top_p=0.5),
+    ]
+    sampler = Sampler(compile=False)
+
+    def run(row: int, batch_params: list[SamplingParams]) -> list[int]:
+        tokens = []
+        for pos in range(30):
+            params = list(batch_params)
+            params.insert(row, target)
+            logits = torch.randn(len(params), V, generator=gen)
+            logits[row] = target_logits[pos]
+            seeds = [int(x) for x in torch.randint(0, 2**62, (len(params),), generator=gen)]
+            seeds[row] = target.seed
+            t = build(params, seeds=seeds, positions=[pos] * len(params))
+            tokens.append(int(sampler(logits, t)[row]))
+        return tokens
+
+    alone = run(0, [])
+    assert run(2, others) == alone
+    assert run(1, others[::-1] + others) == alone
+    assert len(set(alone)) > 3
+
+
+def test_different_seeds_give_different_streams():
+    logits = torch.zeros(8, V)  # uniform: every difference comes from the noise
+    sampler = Sampler(compile=False)
+    streams = []
+    for seed in range(8):
+        t = build([SamplingParams(temperature=1.0)] * 8, seeds=[seed] * 8, positions=list(range(8)))
+        streams.append(tuple(sampler(logits, t).tolist()))
+    assert len(set(streams)) == 8
+
+
+def test_noise_is_standard_gumbel():
+    g = gumbel_noise(torch.tensor([7, -3, 2**62]), torch.tensor([0, 5, 10**6]), 50_000).double()
+    assert torch.isfinite(g).all()
+    for row in g:
+        assert abs(float(row.mean()) - 0.5772) < 0.03  # Euler-Mascheroni
+        assert abs(float(row.var()) - math.pi**2 / 6) < 0.1
+
+
+def test_record_advances_positions_and_counts_on_device():
+    params = [SamplingParams(temperature=1.0, frequency_penalty=0.5, seed=1)] * 2
+    t = build(params, seeds=[1, 2], positions=[3, 9], prompts=[[1], [2]], outputs=[[4], []])
+    t.record(torch.tensor([4, 6]))
+    rebuilt = build(params, seeds=[1, 2], positions=[4, 10], prompts=[[1], [2]], outputs=[[4, 4], [6]])
+    assert torch.equal(t.positions, rebuilt.positions)
+    assert torch.equal(t.output_counts, rebuilt.output_counts)
+
+
+def test_compiled_matches_eager():
+    gen = torch.Generator().manual_seed(6)
+    prompts, outputs = PROMPTS * 2, OUTPUTS * 2
+    params = PARAMS * 2
+    compiled, eager = Sampler(compile=True), Sampler(compile=False)
+    for batch in (12, 5):  # a second shape must not recompile into a wrong kernel
+        t = build(params[:batch], seeds=list(range(batch)), positions=list(range(batch)),
+                  prompts=prompts[:batch], outputs=outputs[:batch])
+        for _ in range(3):
+            logits = torch.randn(batch, V, generator=gen) * 3
+            assert torch.equal(compiled(logits, t), eager(logits, t))
+            t.record(eager(logits, t))
+    greedy = build([SamplingParams(temperature=0.0, presence_penalty=1.0)] * 3, prompts=[[1]] * 3, outputs=[[2]] * 3)
+    logits = torch.randn(3, V, generator=gen)
+    assert torch.equal(compiled(logits, greedy), eager(logits, greedy))

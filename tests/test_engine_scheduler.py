@@ -1,0 +1,313 @@
+"""Scheduler: continuous batching over a paged toy model whose output depends on
+reading its own KV back through slot mappings and block tables, so a wrong slot,
+block table or recompute changes the tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridd.engine.block_manager import BlockManager
+from hybridd.engine.sampling_params import SamplingParams
+from hybridd.engine.scheduler import BatchKind, ScheduledBatch, Scheduler
+from hybridd.engine.sequence import Sequence, SequenceStatus
+
+VOCAB = 1000
+
+
+def next_token(context: list[int]) -> int:
+    return (sum((i + 1) * t for i, t in enumerate(context)) * 2654435761 + len(context)) % VOCAB
+
+
+def reference(prompt: list[int], max_tokens: int) -> list[int]:
+    tokens = list(prompt)
+    for _ in range(max_tokens):
+        tokens.append(next_token(tokens))
+    return tokens[len(prompt) :]
+
+
+class PagedToyModel:
+    """Writes each step's input tokens into a paged 'KV cache' by slot mapping and
+    predicts from the context read back through the block tables."""
+
+    def __init__(self, bm: BlockManager) -> None:
+        self.bs = bm.block_size
+        self.kv = torch.full((bm.num_blocks * bm.block_size,), -1, dtype=torch.int64)
+
+    def step(self, batch: ScheduledBatch, input_ids: torch.Tensor) -> list[int]:
+        assert int(batch.query_start_loc[-1]) == input_ids.numel() == batch.positions.numel()
+        assert bool((input_ids >= 0).all())
+        self.kv[batch.slot_mapping] = input_ids
+        out = []
+        for row in range(batch.num_seqs):
+            last = int(batch.logits_indices[row])
+            assert last == int(batch.query_start_loc[row + 1]) - 1
+            length = int(batch.seq_lens[row])
+            assert int(batch.positions[last]) == length - 1
+            pos = torch.arange(length)
+            slots = batch.block_tables[row].long()[pos // self.bs] * self.bs + pos % self.bs
+            out.append(next_token(self.kv[slots].tolist()))
+        return out
+
+
+def check_block_invariants(sched: Scheduler) -> None:
+    bm = sched.block_manager
+    owned = [b for s in sched.running for b in s.block_table]
+    assert len(owned) == len(set(owned)), "a block is shared"
+    assert len(owned) + bm.num_free == bm.num_blocks, "blocks leaked"
+    assert all(not s.block_table for s in sched.waiting)
+
+
+def run(sched: Scheduler, max_steps: int = 10_000) -> list[ScheduledBatch]:
+    model = PagedToyModel(sched.block_manager)
+    batches = []
+    for _ in range(max_steps):
+        batch = sched.schedule()
+        if batch is None:
+            assert not sched.has_work
+            return batches
+        check_block_invariants(sched)
+        batches.append(batch)
+        sched.postprocess(batch, model.step(batch, batch.input_ids))
+    raise AssertionError("scheduler did not finish")
+
+
+def run_overlapped(sched: Scheduler, max_steps: int = 10_000) -> tuple[list[ScheduledBatch], set[str]]:
+    """Schedule step N+1 before postprocessing step N; inputs still 'on the device'
+    are gathered from earlier steps' sampled tokens by (step, row). Returns the
+    batches and the ids of the requests that were preempted."""
+    model = PagedToyModel(sched.block_manager)
+    preempted: set[str] = set()
+    sampled: dict[int, torch.Tensor] = {}
+    pending: ScheduledBatch | None = None
+    batches = []
+    for _ in range(max_steps):
+        batch = sched.schedule() if sched.has_work else None
+        if batch is not None:
+            check_block_invariants(sched)
+            preempted |= {s.request_id for s in sched.waiting if s.status is SequenceStatus.PREEMPTED}
+            ids = batch.input_ids.clone()
+            for i in (batch.input_src_step >= 0).nonzero().flatten().tolist():
+                ids[i] = sampled[int(batch.input_src_step[i])][int(batch.input_src_row[i])]
+            sampled[batch.step_id] = torch.tensor(model.step(batch, ids))
+            batches.append(batch)
+        if pending is not None:
+            sched.postprocess(pending, sampled[pending.step_id].tolist())
+        pending = batch
+        if pending is None and not sched.has_work:
+            return batches, preempted
+    raise AssertionError("scheduler did not finish")
+
+
+def make(num_blocks=64, block_size=4, max_batch=8, max_prefill_tokens=64, max_model_len=128, **kw) -> Scheduler:
+    bm = BlockManager(num_blocks, block_size, watermark=kw.pop("watermark", 0.0))
+    return Scheduler(bm, max_batch, max_prefill_tokens, max_model_len, decode_buckets=[1, 2, 4, 8], **kw)
+
+
+def requests(n: int, seed: int = 0, max_tokens=(3, 20), prompt_len=(1, 30)) -> list[Sequence]:
+    gen = torch.Generator().manual_seed(seed)
+    seqs = []
+    for i in range(n):
+        length = int(torch.randint(prompt_len[0], prompt_len[1] + 1, (), generator=gen))
+        prompt = torch.randint(0, VOCAB, (length,), generator=gen).tolist()
+        mt = int(torch.randint(max_tokens[0], max_tokens[1] + 1, (), generator=gen))
+        seqs.append(Sequence(f"req-{i}", prompt, SamplingParams(max_tokens=mt)))
+    return seqs
+
+
+def assert_complete(seqs: list[Sequence]) -> None:
+    for s in seqs:
+        assert s.status is SequenceStatus.FINISHED and s.finish_reason == "length", s
+        assert s.output_token_ids == reference(s.prompt_token_ids, s.params.max_tokens), s.request_id
+
+
+def test_many_sequences_of_different_lengths_complete_correctly():
+    sched = make(num_blocks=128)
+    seqs = requests(30)
+    for s in seqs:
+        sched.add(s)
+    batches = run(sched)
+    assert_complete(seqs)
+    assert sched.block_manager.num_free == sched.block_manager.num_blocks
+    prefills = [b for b in batches if b.kind is BatchKind.PREFILL]
+    decodes = [b for b in batches if b.kind is BatchKind.DECODE]
+    assert sum(b.num_seqs for b in prefills) == 30  # nothing was preempted here
+    for b in prefills:
+        assert b.num_tokens <= sched.max_prefill_tokens
+        assert b.bucket is None and int(b.query_start_loc[-1]) == b.num_tokens
+    for b in decodes:
+        assert 1 <= b.num_seqs <= sched.max_batch
+        assert b.bucket == min(x for x in (1, 2, 4, 8) if x >= b.num_seqs)
+        assert b.block_tables.shape == (b.num_seqs, sched.block_table_width)
+        assert not b.inputs_on_device
+    assert max(b.num_seqs for b in decodes) == sched.max_batch
+
+
+def test_prefill_respects_token_budget_and_fcfs():
+    sched = make(max_prefill_tokens=20)
+    seqs = [Sequence(f"r{i}", [i + 1] * 7, SamplingParams(max_tokens=2)) for i in range(5)]
+    seqs.append(Sequence("long", [9] * 25, SamplingParams(max_tokens=2)))  # over budget: runs alone
+    for s in seqs:
+        sched.add(s)
+    first = sched.schedule()
+    assert first.kind is BatchKind.PREFILL and [s.request_id for s in first.seqs] == ["r0", "r1"]
+    assert first.num_tokens == 14
+    assert first.query_start_loc.tolist() == [0, 7, 14] and first.logits_indices.tolist() == [6, 13]
+    assert first.positions.tolist() == list(range(7)) * 2
+    sched.postprocess(first, [1, 2])
+    second = sched.schedule()  # waiting work and room: prefill before decode
+    assert [s.request_id for s in second.seqs] == ["r2", "r3"]
+    sched.postprocess(second, [1, 2])
+    third = sched.schedule()
+    assert [s.request_id for s in third.seqs] == ["r4"]  # r4 + long would exceed the budget
+    sched.postprocess(third, [3])
+    fourth = sched.schedule()
+    assert [s.request_id for s in fourth.seqs] == ["long"] and fourth.num_tokens == 25
+
+
+def test_max_prefill_seqs_caps_rows_per_prefill():
+    sched = make(max_prefill_seqs=3)
+    for s in requests(5, prompt_len=(2, 4)):
+        sched.add(s)
+    assert sched.schedule().num_seqs == 3
+
+
+def test_max_batch_caps_admission():
+    sched = make(max_batch=2, max_prefill_tokens=100)
+    for s in requests(5, prompt_len=(2, 4)):
+        sched.add(s)
+    batch = sched.schedule()
+    assert batch.num_seqs == 2 and len(sched.running) == 2 and len(sched.waiting) == 3
+    sched.postprocess(batch, [5, 6])
+    assert sched.schedule().kind is BatchKind.DECODE  # no room: decode the running two
+
+
+def test_preemption_by_recompute_completes_all_tokens():
+    sched = make(num_blocks=16, block_size=4, max_batch=8, max_prefill_tokens=64)
+    seqs = requests(10, seed=1, max_tokens=(20, 30), prompt_len=(5, 12))
+    for s in seqs:
+        sched.add(s)
+    preempted: set[str] = set()
+    model = PagedToyModel(sched.block_manager)
+    while (batch := sched.schedule()) is not None:
+        check_block_invariants(sched)
+        preempted |= {s.request_id for s in sched.waiting if s.status is SequenceStatus.PREEMPTED}
+        if batch.is_prefill:
+            # A re-prefill covers prompt and the output generated so far.
+            for row, s in enumerate(batch.seqs):
+                lo, hi = batch.query_start_loc[row : row + 2].tolist()
+                assert batch.input_ids[lo:hi].tolist() == s.token_ids
+        sched.postprocess(batch, model.step(batch, batch.input_ids))
+    assert len(preempted) >= 2
+    assert_complete(seqs)
+    assert sched.block_manager.num_free == 16
+
+
+def test_preempted_sequence_returns_to_front_of_queue():
+    sched = make(num_blocks=4, block_size=2, max_batch=4, max_prefill_tokens=64)
+    a = Sequence("a", [1, 2], SamplingParams(max_tokens=4))
+    b = Sequence("b", [3, 4], SamplingParams(max_tokens=4))
+    c = Sequence("c", [5, 6, 7, 8, 9, 10], SamplingParams(max_tokens=1))
+    for s in (a, b, c):
+        sched.add(s)
+    batch = sched.schedule()
+    assert [s.request_id for s in batch.seqs] == ["a", "b"]  # c needs 3 blocks, 2 are free
+    sched.postprocess(batch, [10, 11])
+    batch = sched.schedule()  # decode at position 2: each takes its second block
+    assert batch.kind is BatchKind.DECODE and [s.request_id for s in batch.seqs] == ["a", "b"]
+    assert sched.block_manager.num_free == 0
+    sched.postprocess(batch, [12, 13])
+    sched.postprocess(sched.schedule(), [14, 15])  # position 3 still fits
+    batch = sched.schedule()  # position 4: a needs a block, none is free: b is preempted
+    assert [s.request_id for s in batch.seqs] == ["a"]
+    assert [s.request_id for s in sched.waiting] == ["b", "c"]
+    assert b.status is SequenceStatus.PREEMPTED and b.output_token_ids == [11, 13, 15] and not b.block_table
+
+
+def test_overlapped_pipeline_one_step_ahead():
+    sched = make(num_blocks=20, block_size=4, max_batch=4, max_prefill_tokens=32)
+    seqs = requests(12, seed=2, max_tokens=(4, 25), prompt_len=(2, 15))
+    for s in seqs:
+        sched.add(s)
+    batches, preempted = run_overlapped(sched)
+    assert_complete(seqs)
+    assert any(b.inputs_on_device for b in batches)
+    assert preempted  # including sequences preempted with a token in flight
+    assert sched.block_manager.num_free == 20
+
+
+def test_abort_before_start_while_running_and_twice():
+    sched = make()
+    waiting, running, other = (Sequence(r, [1, 2, 3], SamplingParams(max_tokens=10)) for r in "wro")
+    sched.add(running)
+    sched.add(other)
+    batch = sched.schedule()
+    sched.postprocess(batch, [4, 5])
+    sched.add(waiting)
+
+    assert sched.abort("w") is waiting
+    assert waiting.finish_reason == "cancelled" and waiting not in sched.waiting
+    free_before = sched.block_manager.num_free
+    assert sched.abort("r") is running
+    assert running.finish_reason == "cancelled" and not running.block_table
+    assert sched.block_manager.num_free == free_before + 1
+    assert sched.abort("r") is None and sched.abort("w") is None and sched.abort("nope") is None
+
+    batch = sched.schedule()
+    assert [s.request_id for s in batch.seqs] == ["o"]
+    sched.postprocess(batch, [6])
+    assert other.output_token_ids == [5, 6]
+
+
+def test_abort_with_token_in_flight_discards_it():
+    sched = make()
+    s = Sequence("x", [1, 2, 3], SamplingParams(max_tokens=10))
+    sched.add(s)
+    batch = sched.schedule()
+    assert sched.abort("x") is s
+    assert sched.postprocess(batch, [42]) == []
+    assert s.output_token_ids == [] and s.num_inflight_tokens == 0
+    assert sched.schedule() is None and sched.block_manager.num_free == sched.block_manager.num_blocks
+
+
+def test_eos_and_max_tokens_finish():
+    sched = make(eos_token_ids=[0])
+    s = Sequence("eos", [5, 6], SamplingParams(max_tokens=10))
+    t = Sequence("len", [5, 6], SamplingParams(max_tokens=2))
+    u = Sequence("ign", [5, 6], SamplingParams(max_tokens=2, ignore_eos=True))
+    for x in (s, t, u):
+        sched.add(x)
+    batch = sched.schedule()
+    assert sched.postprocess(batch, [7, 7, 0]) == []
+    batch = sched.schedule()
+    finished = sched.postprocess(batch, [0, 8, 9])
+    assert finished == [s, t, u]
+    assert (s.finish_reason, t.finish_reason, u.finish_reason) == ("stop", "length", "length")
+    assert s.stop_reason == 0 and u.output_token_ids == [0, 9]
+
+
+def test_max_model_len_finishes_with_length():
+    sched = make(max_model_len=6)
+    s = Sequence("m", [1, 2, 3, 4], SamplingParams(max_tokens=100))
+    sched.add(s)
+    run(sched)
+    assert s.finish_reason == "length" and len(s) == 6
+
+
+def test_rejects_requests_that_can_never_run():
+    sched = make(num_blocks=8, block_size=4, max_model_len=64)
+    with pytest.raises(ValueError, match="max_model_len"):
+        sched.add(Sequence("a", [1] * 64))
+    with pytest.raises(ValueError, match="num_blocks"):
+        sched.add(Sequence("b", [1] * 30, SamplingParams(max_tokens=10)))  # 40 tokens > 32 slots
+    sched.add(Sequence("c", [1] * 30, SamplingParams(max_tokens=2)))
+    with pytest.raises(ValueError, match="already scheduled"):
+        sched.add(Sequence("c", [1]))
+
+
+def test_invalid_configuration():
+    bm = BlockManager(16, 4)
+    with pytest.raises(ValueError, match="decode_buckets"):
+        Scheduler(bm, max_batch=16, max_prefill_tokens=64, max_model_len=32, decode_buckets=[1, 8])
+    with pytest.raises(ValueError, match="block_table_width"):
+        Scheduler(bm, 8, 64, max_model_len=32, decode_buckets=[8], block_table_width=4)
