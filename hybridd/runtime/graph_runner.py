@@ -19,6 +19,7 @@ on the padded buffers, so the bucket, padding, budget and eviction logic is the 
 from __future__ import annotations
 
 import gc
+import sys
 import threading
 import time
 from collections import OrderedDict
@@ -44,6 +45,9 @@ CAPTURE_REMEDIES = (
     "3. lower max_batch so that the largest decode bucket is smaller",
     "4. set use_cuda_graphs = false to serve every step eagerly",
 )
+
+
+SERVING_SWITCH_INTERVAL_S = 0.0002
 
 
 @dataclass(frozen=True)
@@ -111,6 +115,7 @@ class GraphRunner:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._retired: list[tuple[object, torch.cuda.Event]] = []
+        self._warm_threads: set[int] = set()
 
     # ---------------------------------------------------------------- planning
     def plan_step(self, is_prefill: bool, num_tokens: int, num_seqs: int) -> StepShape:
@@ -271,7 +276,17 @@ class GraphRunner:
 
     def _warm_up(self, is_prefill: bool, tokens: int, seqs: int) -> None:
         """One eager run on private inputs (slots all -1): lazy init and kernel compilation
-        happen here, not during capture, and live buffers are left alone."""
+        happen here, not during capture, and live buffers are left alone.
+
+        On CUDA a thread warms up once per kind, at the smallest size: the kernels are
+        shape-generic, and a full-size warm-up of a large prefill bucket would compete
+        with serving for the GPU while the background thread runs."""
+        if self.cuda:
+            key = (threading.get_ident(), is_prefill)
+            if key in self._warm_threads:
+                return
+            self._warm_threads.add(key)
+            tokens, seqs = (self.plan.prefill[0], self.plan.max_prefill_seqs) if is_prefill else (1, 1)
         dummy = self._dummy_inputs(is_prefill, tokens, seqs)
         scratch_logits = torch.empty((seqs, self.model.config.vocab_size), device=self.device)
         if self.cuda:
@@ -311,6 +326,10 @@ class GraphRunner:
         if not self.use_graphs or self._thread is not None:
             return
         self._stop.clear()
+        # Capturing is Python-heavy; a short switch interval bounds how long the serving
+        # thread waits for the GIL behind it (the default is 5 ms, longer than a step).
+        self._switch_interval = sys.getswitchinterval()
+        sys.setswitchinterval(SERVING_SWITCH_INTERVAL_S)
         self._thread = threading.Thread(target=self._capture_loop, name="prefill-capture", daemon=True)
         self._thread.start()
 
@@ -321,6 +340,7 @@ class GraphRunner:
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
+            sys.setswitchinterval(self._switch_interval)
 
     def background_capture_idle(self) -> bool:
         """True when no prefill bucket is waiting to be captured."""

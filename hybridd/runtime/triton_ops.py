@@ -121,7 +121,7 @@ def _write_kv_kernel(
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     offs = tl.arange(0, BLOCK)
-    mask = (offs < ROW) & (slot >= 0)
+    mask = (offs < ROW) & ((tl.zeros([BLOCK], tl.int64) + slot) >= 0)
     k = tl.load(k_ptr + t * stride_kt + offs, mask=mask)
     v = tl.load(v_ptr + t * stride_vt + offs, mask=mask)
     tl.store(kc_ptr + slot * ROW + offs, k, mask=mask)
