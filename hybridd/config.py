@@ -1,0 +1,190 @@
+"""The daemon's configuration: one dataclass, loaded from a TOML file, then `HYBRIDD_*`
+environment variables, then command-line flags (each overriding the one before).
+
+Every field is validated here with an error that names it, so a bad setting stops
+`hybridd start` before any worker is spawned.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hybridd.runtime.buckets import DEFAULT_DECODE_BUCKETS, DEFAULT_PREFILL_BUCKETS
+
+EMBEDDED_MODEL = Path(__file__).resolve().parent / "assets" / "tiny-shakespeare"
+ENV_PREFIX = "HYBRIDD_"
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot be used; the message names the field and source."""
+
+
+def default_runtime_dir() -> str:
+    # systemd's RuntimeDirectory= sets RUNTIME_DIRECTORY; a user's session has XDG_RUNTIME_DIR.
+    if os.environ.get("RUNTIME_DIRECTORY"):
+        return os.environ["RUNTIME_DIRECTORY"].split(":")[0]
+    if os.environ.get("XDG_RUNTIME_DIR"):
+        return str(Path(os.environ["XDG_RUNTIME_DIR"]) / "hybridd")
+    return f"/tmp/hybridd-{os.getuid()}"
+
+
+@dataclass
+class Config:
+    # model
+    model: str = str(EMBEDDED_MODEL)
+    dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
+    device: str = "auto"  # auto: cuda if available, else cpu
+    # endpoints
+    runtime_dir: str = field(default_factory=default_runtime_dir)
+    endpoint: str = ""  # default ipc://{runtime_dir}/hybridd.sock
+    tcp_endpoint: str = ""  # e.g. tcp://0.0.0.0:7070; requires CURVE keys
+    curve_secret_key_file: str = ""
+    curve_client_keys_dir: str = ""
+    # KV cache and batching
+    block_size: int = 16
+    num_kv_blocks: int = 0  # 0: sized from kv_cache_memory_fraction (CUDA) or 512 (CPU)
+    kv_cache_memory_fraction: float = 0.5
+    max_model_len: int = 0  # 0: the model's own limit
+    max_batch: int = 32
+    decode_buckets: list[int] = field(default_factory=lambda: list(DEFAULT_DECODE_BUCKETS))
+    prefill_buckets: list[int] = field(default_factory=lambda: list(DEFAULT_PREFILL_BUCKETS))
+    max_prefill_tokens: int = 2048
+    max_prefill_seqs: int = 8
+    max_queued_requests: int = 256
+    # static domain
+    use_cuda_graphs: bool = True
+    graph_memory_budget_mb: int = 1024
+    compile_sampler: bool = True
+    # lifecycle
+    drain_timeout_s: float = 30.0
+    max_restarts: int = 5
+    restart_backoff_s: float = 1.0
+    heartbeat_interval_s: float = 0.25
+    log_level: str = "info"
+
+    @property
+    def client_endpoint(self) -> str:
+        return self.endpoint or f"ipc://{self.runtime_dir}/hybridd.sock"
+
+    @property
+    def supervisor_endpoint(self) -> str:
+        return f"ipc://{self.runtime_dir}/supervisor.sock"
+
+    def validate(self) -> Config:
+        def positive(name: str) -> None:
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)!r}")
+
+        for name in ("block_size", "max_batch", "max_prefill_tokens", "max_prefill_seqs", "max_queued_requests",
+                     "graph_memory_budget_mb", "drain_timeout_s", "heartbeat_interval_s"):
+            positive(name)
+        for name in ("num_kv_blocks", "max_model_len", "max_restarts"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        if not 0 < self.kv_cache_memory_fraction < 1:
+            raise ConfigError(f"kv_cache_memory_fraction must be in (0, 1), got {self.kv_cache_memory_fraction!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ConfigError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ConfigError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        for name in ("decode_buckets", "prefill_buckets"):
+            buckets = getattr(self, name)
+            if not buckets or any(not isinstance(b, int) or isinstance(b, bool) or b <= 0 for b in buckets):
+                raise ConfigError(f"{name} must be a non-empty list of positive integers, got {buckets!r}")
+        self.decode_buckets = sorted({b for b in self.decode_buckets if b <= self.max_batch} | {self.max_batch})
+        if max(self.prefill_buckets) > self.max_prefill_tokens:
+            raise ConfigError(
+                f"prefill_buckets: largest bucket {max(self.prefill_buckets)} exceeds max_prefill_tokens "
+                f"{self.max_prefill_tokens}"
+            )
+        if self.tcp_endpoint and not self.curve_secret_key_file:
+            raise ConfigError("tcp_endpoint requires curve_secret_key_file (TCP is served only with CURVE)")
+        if self.endpoint and not self.endpoint.startswith("ipc://"):
+            raise ConfigError(f"endpoint must be an ipc:// endpoint (use tcp_endpoint for TCP), got {self.endpoint!r}")
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any], source: str = "config") -> Config:
+        known = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - set(known))
+        if unknown:
+            raise ConfigError(f"{source}: unknown setting(s) {', '.join(unknown)}")
+        config = cls()
+        for name, value in values.items():
+            setattr(config, name, _coerce(name, known[name], value, source))
+        return config.validate()
+
+
+def _field_type(f: dataclasses.Field) -> str:
+    return f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+
+
+def _coerce(name: str, f: dataclasses.Field, value: Any, source: str) -> Any:
+    kind = _field_type(f)
+    try:
+        if kind == "bool":
+            if isinstance(value, bool):
+                return value
+            if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+                return value.lower() in ("1", "true", "yes", "on")
+            raise ValueError(value)
+        if kind == "int":
+            if isinstance(value, bool):
+                raise ValueError(value)
+            return int(value)
+        if kind == "float":
+            return float(value)
+        if kind == "list[int]":
+            if isinstance(value, str):
+                value = [v for v in value.replace(" ", "").split(",") if v]
+            return [int(v) for v in value]
+        if kind == "str":
+            if not isinstance(value, str):
+                raise ValueError(value)
+            return value
+    except (TypeError, ValueError):
+        raise ConfigError(f"{source}: setting {name!r} expects {kind}, got {value!r}") from None
+    return value
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None,
+                environ: dict[str, str] | None = None) -> Config:
+    """TOML file < HYBRIDD_* environment < explicit overrides (CLI flags)."""
+    values: dict[str, Any] = {}
+    environ = os.environ if environ is None else environ
+    path = path or environ.get(ENV_PREFIX + "CONFIG")
+    if path:
+        path = Path(path)
+        try:
+            values.update(tomllib.loads(path.read_text()))
+        except FileNotFoundError:
+            raise ConfigError(f"{path}: config file not found") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{path}: invalid TOML: {exc}") from None
+        Config.from_dict(values, source=str(path))  # names the file in errors
+    names = {f.name for f in dataclasses.fields(Config)}
+    for key, value in environ.items():
+        if key.startswith(ENV_PREFIX) and key != ENV_PREFIX + "CONFIG" and key not in (
+            ENV_PREFIX + "LOG_LEVEL", ENV_PREFIX + "LOG_FORMAT"
+        ):
+            name = key[len(ENV_PREFIX):].lower()
+            if name not in names:
+                raise ConfigError(f"environment: unknown setting {key}")
+            values[name] = value
+    if environ.get(ENV_PREFIX + "LOG_LEVEL"):
+        values["log_level"] = environ[ENV_PREFIX + "LOG_LEVEL"]
+    values.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    return Config.from_dict(values, source="config")
+
+
+def config_to_json(config: Config) -> str:
+    return json.dumps(config.to_dict(), indent=2, sort_keys=True)
