@@ -3,6 +3,49 @@
 The static part of the Transformer forward is captured as CUDA Graphs per shape
 bucket and replayed with one launch; the dynamic part (scheduling, KV blocks,
 sampling, stop criteria) runs eagerly or JIT-compiled, in a second process.
+
+The client SDK is exported here (`hybridd.Client`, `hybridd.AsyncClient` and the
+exceptions); it is imported on first use so that the workers, which import
+`hybridd.*` modules, do not pay for it.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
 __version__ = "0.1.0"
+
+_CLIENT_EXPORTS = frozenset({
+    "AsyncClient", "AsyncStream", "Chunk", "Client", "GenerateResult", "Health", "SamplingParams", "Stream",
+})
+_ERROR_EXPORTS = frozenset({
+    "DrainingError", "EngineDeadError", "HybriddError", "InternalError", "InvalidRequestError", "NotFoundError",
+    "OverloadedError", "RequestCancelledError", "RequestTimeoutError",
+})
+__all__ = sorted(_CLIENT_EXPORTS | _ERROR_EXPORTS | {"__version__"})
+
+if TYPE_CHECKING:
+    from hybridd.client import AsyncClient, AsyncStream, Chunk, Client, GenerateResult, Health, SamplingParams, Stream
+    from hybridd.client_errors import (
+        DrainingError,
+        EngineDeadError,
+        HybriddError,
+        InternalError,
+        InvalidRequestError,
+        NotFoundError,
+        OverloadedError,
+        RequestCancelledError,
+        RequestTimeoutError,
+    )
+
+
+def __getattr__(name: str) -> Any:
+    if name in _CLIENT_EXPORTS:
+        from hybridd import client
+
+        return getattr(client, name)
+    if name in _ERROR_EXPORTS:
+        from hybridd import client_errors
+
+        return getattr(client_errors, name)
+    raise AttributeError(f"module 'hybridd' has no attribute {name!r}")

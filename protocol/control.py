@@ -55,9 +55,13 @@ class Ready:
     max_batch: int
     decode_buckets: list[int]
     prefill_buckets: list[int]
+    max_prefill_seqs: int = 1
+    pid: int = 0  # the graph generator's pid, so the peer can notice its death
 
     def to_wire(self) -> dict[str, Any]:
         return _envelope(self.TYPE) | {
+            "pid": self.pid,
+            "max_prefill_seqs": self.max_prefill_seqs,
             "arenas": self.arenas,
             "events": self.events,
             "model": self.model,
@@ -94,6 +98,8 @@ class Ready:
             max_batch=r.integer("max_batch", lo=1),
             decode_buckets=r.integer_list("decode_buckets", min_items=1, lo=1),
             prefill_buckets=r.integer_list("prefill_buckets", lo=1),
+            max_prefill_seqs=r.integer("max_prefill_seqs", lo=1),
+            pid=r.integer("pid", lo=0),
         )
         r.finish()
         return message

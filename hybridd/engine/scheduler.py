@@ -110,6 +110,7 @@ class Scheduler:
         self.running: list[Sequence] = []  # in admission order
         self.requests: dict[str, Sequence] = {}
         self._next_step_id = 0
+        self.num_preemptions = 0
 
     @property
     def has_work(self) -> bool:
@@ -299,6 +300,7 @@ class Scheduler:
         return tables
 
     def _preempt(self, seq: Sequence) -> None:
+        self.num_preemptions += 1
         self.running.remove(seq)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.PREEMPTED

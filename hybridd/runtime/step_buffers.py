@@ -36,13 +36,13 @@ class HostStep:
     """A step as the scheduler describes it, on the host, before padding."""
 
     is_prefill: bool
-    input_ids: list[int] | None  # None: the tokens are already in the device buffer
-    positions: list[int]
-    slot_mapping: list[int]
-    block_tables: list[list[int]]
-    seq_lens: list[int]
-    query_start_loc: list[int]  # [n_seqs + 1]
-    logits_indices: list[int]
+    input_ids: list[int] | torch.Tensor | None  # None: the tokens are already in the device buffer
+    positions: list[int] | torch.Tensor
+    slot_mapping: list[int] | torch.Tensor
+    block_tables: list[list[int]] | torch.Tensor
+    seq_lens: list[int] | torch.Tensor
+    query_start_loc: list[int] | torch.Tensor  # [n_seqs + 1]
+    logits_indices: list[int] | torch.Tensor
 
     @property
     def num_tokens(self) -> int:
@@ -83,11 +83,7 @@ class StepBuffers:
         )
 
     def stage(self, step: HostStep, num_tokens: int, num_seqs: int) -> None:
-        """Write a step padded to (num_tokens, num_seqs) rows, with one copy per buffer.
-
-        Padded token rows get slot -1 (no KV write) and position 0; padded sequences get
-        length 1 over block 0 (a harmless read) and no tokens of their own.
-        """
+        """Write a step's rows and pad it to (num_tokens, num_seqs)."""
         t, s = step.num_tokens, step.num_seqs
         if num_tokens > self.max_tokens or num_seqs > self.max_seqs:
             raise ValueError(
@@ -96,27 +92,58 @@ class StepBuffers:
             )
         if t > num_tokens or s > num_seqs:
             raise ValueError(f"step of {t} tokens / {s} seqs does not fit bucket {num_tokens}/{num_seqs}")
-        if any(len(row) > self.max_blocks_per_seq for row in step.block_tables):
-            raise ValueError(f"a block table exceeds {self.max_blocks_per_seq} blocks")
-        pad_t, pad_s = num_tokens - t, num_seqs - s
+        self.write(step)
+        self.pad(t, s, num_tokens, num_seqs)
+
+    def write(self, step: HostStep) -> None:
+        """The step's real rows, one host-to-device copy per buffer."""
+        if step.num_tokens > self.max_tokens or step.num_seqs > self.max_seqs:
+            raise ValueError(
+                f"step of {step.num_tokens} tokens / {step.num_seqs} seqs exceeds the step buffers "
+                f"({self.max_tokens} tokens / {self.max_seqs} seqs)"
+            )
         device = self.input_ids.device
         if step.input_ids is not None:
-            self._copy(self.input_ids, step.input_ids + [0] * pad_t, device)
-        self._copy(self.positions, step.positions + [0] * pad_t, device)
-        self._copy(self.slot_mapping, step.slot_mapping + [-1] * pad_t, device)
-        self._copy(self.seq_lens, step.seq_lens + [1] * pad_s, device)
-        last = step.query_start_loc[-1] if step.query_start_loc else 0
-        self._copy(self.query_start_loc, step.query_start_loc + [last] * pad_s, device)
-        self._copy(self.logits_indices, step.logits_indices + [0] * pad_s, device)
-        width = self.max_blocks_per_seq
-        table = torch.zeros((num_seqs, width), dtype=torch.int32)
-        for i, row in enumerate(step.block_tables):
-            table[i, : len(row)] = torch.tensor(row, dtype=torch.int32)
-        self.block_tables[:num_seqs].copy_(table, non_blocking=True)
+            self._copy(self.input_ids, step.input_ids, device)
+        self._copy(self.positions, step.positions, device)
+        self._copy(self.slot_mapping, step.slot_mapping, device)
+        self._copy(self.seq_lens, step.seq_lens, device)
+        self._copy(self.query_start_loc, step.query_start_loc, device)
+        self._copy(self.logits_indices, step.logits_indices, device)
+        table = torch.zeros((step.num_seqs, self.max_blocks_per_seq), dtype=torch.int32)
+        if isinstance(step.block_tables, torch.Tensor):
+            width = step.block_tables.shape[1] if step.block_tables.dim() == 2 else 0
+            if width > self.max_blocks_per_seq:
+                raise ValueError(f"block tables are {width} wide; the buffer holds {self.max_blocks_per_seq}")
+            table[:, :width] = step.block_tables
+        else:
+            for i, row in enumerate(step.block_tables):
+                if len(row) > self.max_blocks_per_seq:
+                    raise ValueError(f"a block table exceeds {self.max_blocks_per_seq} blocks")
+                table[i, : len(row)] = torch.tensor(row, dtype=torch.int32)
+        self._copy_tensor(self.block_tables, table, device)
+
+    def pad(self, num_tokens: int, num_seqs: int, to_tokens: int, to_seqs: int) -> None:
+        """Fill rows [num_tokens, to_tokens) and sequences [num_seqs, to_seqs) as padding:
+        slot -1 (no KV write) at position 0; padded sequences have length 1 over block 0
+        (a harmless read) and no tokens of their own."""
+        if to_tokens > num_tokens:
+            self.input_ids[num_tokens:to_tokens].zero_()
+            self.positions[num_tokens:to_tokens].zero_()
+            self.slot_mapping[num_tokens:to_tokens].fill_(-1)
+        if to_seqs > num_seqs:
+            self.seq_lens[num_seqs:to_seqs].fill_(1)
+            self.query_start_loc[num_seqs + 1 : to_seqs + 1].fill_(num_tokens)
+            self.logits_indices[num_seqs:to_seqs].zero_()
+            self.block_tables[num_seqs:to_seqs].zero_()
+
+    @classmethod
+    def _copy(cls, dest: torch.Tensor, values: list[int] | torch.Tensor, device: torch.device) -> None:
+        src = values.to(dest.dtype) if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dest.dtype)
+        cls._copy_tensor(dest, src, device)
 
     @staticmethod
-    def _copy(dest: torch.Tensor, values: list[int], device: torch.device) -> None:
-        src = torch.tensor(values, dtype=dest.dtype)
+    def _copy_tensor(dest: torch.Tensor, src: torch.Tensor, device: torch.device) -> None:
         if device.type == "cuda":
             src = src.pin_memory()
-        dest[: len(values)].copy_(src, non_blocking=True)
+        dest[: src.shape[0]].copy_(src, non_blocking=True)

@@ -1,0 +1,360 @@
+"""The `hybridd` command: start, stop, status, generate, keygen.
+
+`start` runs the supervisor in the foreground (what systemd runs); the other commands
+talk to a running daemon through the client SDK or its pid file. Command output goes
+to stdout, one-line errors to stderr, logs (structlog) to stderr.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+import re
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+
+from hybridd.config import Config, ConfigError, config_to_json, load_config
+
+EXIT_ERROR = 1
+EXIT_USAGE = 2
+EXIT_ALREADY_RUNNING = 3  # = hybridd.supervisor.EXIT_ALREADY_RUNNING
+EXIT_INTERRUPTED = 130
+STATUS_TIMEOUT_S = 2.0
+STOP_POLL_S = 0.05
+# `hybridd stop` waits this long beyond the configured drain timeout.
+STOP_GRACE_S = 20.0
+
+
+def _fail(message: str, code: int = EXIT_ERROR) -> None:
+    click.echo(message, err=True)
+    sys.exit(code)
+
+
+# ---------------------------------------------------------------- configuration
+
+
+def _config_field_options(function):
+    """One `--field-name` flag per Config field: the CLI layer of the configuration."""
+    for f in reversed(dataclasses.fields(Config)):
+        flag = "--" + f.name.replace("_", "-")
+        if f.type in (bool, "bool"):
+            function = click.option(f"{flag}/--no-{flag[2:]}", f.name, default=None,
+                                    help=f"Config setting {f.name}.")(function)
+        else:
+            function = click.option(flag, f.name, default=None, metavar="VALUE",
+                                    help=f"Config setting {f.name}" + (" (comma-separated)." if "list" in str(f.type) else "."))(function)
+    return function
+
+
+def resolve_config(path: str | None, overrides: dict[str, Any], environ: dict[str, str] | None = None) -> Config:
+    """TOML file < HYBRIDD_* environment < flags; an error names the setting and the layer it came from."""
+    environ = dict(os.environ if environ is None else environ)
+    path = path or environ.get("HYBRIDD_CONFIG") or None
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    file_only = {"HYBRIDD_CONFIG": path} if path else {}
+    layers = [
+        (f"config file {path}" if path else "defaults", file_only, {}),
+        ("environment (HYBRIDD_*)", environ, {}),
+        ("command line", environ, overrides),
+    ]
+    config: Config | None = None
+    for source, env, flags in layers:
+        try:
+            config = load_config(path, flags, environ=env)
+        except ConfigError as error:
+            message = str(error)
+            if path and message.startswith(str(path)):
+                raise
+            for generic in ("config: ", "environment: "):  # load_config's own, vaguer source names
+                message = message.removeprefix(generic)
+            raise ConfigError(f"{_culprit(message, source, env, flags)}: {message}") from None
+    assert config is not None
+    return config
+
+
+def _culprit(message: str, source: str, environ: dict[str, str], flags: dict[str, Any]) -> str:
+    """The precise source of a bad setting: the variable or flag that set the field the message names."""
+    for f in dataclasses.fields(Config):
+        if not re.search(rf"\b{f.name}\b", message):
+            continue
+        if source == "command line" and f.name in flags:
+            return f"command-line flag --{f.name.replace('_', '-')}"
+        if source.startswith("environment") and f"HYBRIDD_{f.name.upper()}" in environ:
+            return f"environment variable HYBRIDD_{f.name.upper()}"
+    return source
+
+
+def _load(config_path: str | None, overrides: dict[str, Any]) -> Config:
+    try:
+        return resolve_config(config_path, overrides)
+    except ConfigError as error:
+        _fail(f"hybridd: invalid configuration: {error}", EXIT_USAGE)
+        raise AssertionError("unreachable")
+
+
+_config_option = click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
+                              envvar="HYBRIDD_CONFIG", show_envvar=True, help="TOML configuration file.")
+_runtime_dir_option = click.option("--runtime-dir", default=None, help="The daemon's runtime directory.")
+_endpoint_option = click.option("--endpoint", default=None,
+                                help="Daemon endpoint (ipc://… or tcp://…); default: from the configuration.")
+_server_key_option = click.option("--server-key", type=click.Path(exists=True, dir_okay=False), default=None,
+                                  help="TCP: the daemon's public key file (from `hybridd keygen`).")
+_client_key_option = click.option("--client-key", type=click.Path(exists=True, dir_okay=False), default=None,
+                                  help="TCP: this client's secret key file (from `hybridd keygen`).")
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(package_name="hybridd")
+def main() -> None:
+    """hybridd: a low-latency LLM inference daemon."""
+
+
+# ---------------------------------------------------------------- start / stop
+
+
+@main.command()
+@_config_option
+@click.option("--print-config", is_flag=True, help="Print the resolved configuration as JSON and exit.")
+@_config_field_options
+def start(config_path: str | None, print_config: bool, **overrides: Any) -> None:
+    """Run the daemon in the foreground (what systemd's hybridd.service runs)."""
+    config = _load(config_path, overrides)
+    if print_config:
+        click.echo(config_to_json(config))
+        return
+    from hybridd.supervisor import AlreadyRunningError, run_supervisor
+
+    try:
+        code = run_supervisor(config)
+    except AlreadyRunningError as error:
+        _fail(f"hybridd: {error}", EXIT_ALREADY_RUNNING)
+    except (OSError, ValueError) as error:
+        _fail(f"hybridd: cannot start: {error}")
+    sys.exit(code)
+
+
+@main.command()
+@_config_option
+@_runtime_dir_option
+@click.option("--timeout", type=float, default=None,
+              help=f"Seconds to wait for the drain (default: drain_timeout_s + {STOP_GRACE_S:g}).")
+def stop(config_path: str | None, runtime_dir: str | None, timeout: float | None) -> None:
+    """Ask the running daemon to drain (SIGTERM) and wait until it has exited."""
+    from hybridd.supervisor import running_pid
+
+    config = _load(config_path, {"runtime_dir": runtime_dir})
+    pid = running_pid(config.runtime_dir)
+    if pid is None:
+        _fail(f"hybridd is not running (no live supervisor in {config.runtime_dir})")
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        _fail(f"hybridd is not running (pid {pid} is gone)")
+    except PermissionError:
+        _fail(f"hybridd: not allowed to signal pid {pid} (run as the daemon's user or root)")
+    wait_s = config.drain_timeout_s + STOP_GRACE_S if timeout is None else timeout
+    deadline = time.monotonic() + wait_s
+    while running_pid(config.runtime_dir) == pid:
+        if time.monotonic() > deadline:
+            _fail(f"hybridd (pid {pid}) is still draining after {wait_s:g} s")
+        time.sleep(STOP_POLL_S)
+    click.echo(f"hybridd (pid {pid}) stopped")
+
+
+# ---------------------------------------------------------------- client commands
+
+
+def _client(config_path: str | None, runtime_dir: str | None, endpoint: str | None, server_key: str | None,
+            client_key: str | None, timeout: float | None):
+    from hybridd.client import Client, load_curve_keys
+
+    config = _load(config_path, {"runtime_dir": runtime_dir})
+    endpoint = endpoint or config.client_endpoint
+    if endpoint.startswith("ipc://"):
+        path = Path(endpoint.removeprefix("ipc://"))
+        if not path.exists():
+            _fail(f"hybridd is not running (no socket at {path})")
+    keys: dict[str, bytes | None] = {}
+    if endpoint.startswith("tcp://"):
+        if not (server_key and client_key):
+            _fail("hybridd: a tcp:// endpoint needs --server-key and --client-key (CURVE)", EXIT_USAGE)
+        server_public, _ = load_curve_keys(server_key)
+        public, secret = load_curve_keys(client_key)
+        if secret is None:
+            _fail(f"hybridd: {client_key} holds no secret key (use the .key_secret file)", EXIT_USAGE)
+        keys = {"server_public_key": server_public, "public_key": public, "secret_key": secret}
+    return Client(endpoint, timeout=timeout, **keys), endpoint
+
+
+def _ms(seconds: Any) -> str:
+    return "-" if not isinstance(seconds, int | float) else f"{seconds * 1000:.1f} ms"
+
+
+def _bytes(n: Any) -> str:
+    if not isinstance(n, int | float):
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _duration(seconds: Any) -> str:
+    if not isinstance(seconds, int | float):
+        return "-"
+    seconds = int(seconds)
+    days, rest = divmod(seconds, 86400)
+    hours, rest = divmod(rest, 3600)
+    minutes, secs = divmod(rest, 60)
+    text = f"{hours}h {minutes:02d}m {secs:02d}s" if hours or days else f"{minutes}m {secs:02d}s"
+    return f"{days}d {text}" if days else text
+
+
+def format_status(status: dict[str, Any]) -> str:
+    """The human-readable `hybridd status`; tolerant of missing keys (the map may grow or shrink)."""
+    get = status.get
+    lines = [f"hybridd {get('state', '?')} — up {_duration(get('uptime_s'))}"
+             + (f" (since {datetime.datetime.fromtimestamp(get('started_at')).isoformat(timespec='seconds')})"
+                if isinstance(get("started_at"), int | float) else "")]
+    lines.append(f"model      {get('model', '-')}  dtype {get('dtype', '-')}  device {get('device', '-')}")
+    workers = get("workers") or {}
+    lines.append("workers    " + ", ".join(
+        f"{name} pid {w.get('pid', '-')} (restarts {w.get('restarts', '-')})" for name, w in workers.items()))
+    requests = get("requests") or {}
+    lines.append(f"requests   running {requests.get('running', '-')}, queued {requests.get('queued', '-')}, "
+                 f"served {requests.get('served', '-')}, failed {requests.get('failed', '-')}")
+    latency = get("latency") or {}
+    lines.append(f"latency    TTFT p50 {_ms(latency.get('ttft_p50_s'))}, p99 {_ms(latency.get('ttft_p99_s'))}; "
+                 f"ITL p50 {_ms(latency.get('itl_p50_s'))}, p99 {_ms(latency.get('itl_p99_s'))} "
+                 f"(last {latency.get('window', '-')} requests)")
+    kv = get("kv_blocks") or {}
+    lines.append(f"KV blocks  {kv.get('used', '-')} used, {kv.get('free', '-')} free of {kv.get('total', '-')}")
+    lines.append(f"graphs     {_bytes(get('graph_bytes'))} captured, pool {_bytes(get('graph_pool_bytes'))}, "
+                 f"budget {_bytes(get('graph_memory_budget_bytes'))}")
+    buckets = get("buckets") or []
+    for kind in ("decode", "prefill"):
+        rows = [b for b in buckets if b.get("kind") == kind]
+        if not rows:
+            continue
+        lines.append(f"{kind} buckets")
+        lines.append(f"  {'size':>6}  {'state':<9} {'bytes':>10} {'capture':>9} {'replays':>9} {'eager':>7} "
+                     f"{'demand':>7} {'evicted':>7}")
+        for b in sorted(rows, key=lambda b: b.get("size", 0)):
+            state = "disabled" if b.get("disabled") else ("captured" if b.get("captured") else "pending")
+            capture = f"{b['capture_s'] * 1000:.0f} ms" if isinstance(b.get("capture_s"), int | float) else "-"
+            lines.append(f"  {b.get('size', '-'):>6}  {state:<9} {_bytes(b.get('bytes')):>10} {capture:>9} "
+                         f"{b.get('replays', '-'):>9} {b.get('eager_runs', '-'):>7} {b.get('demand', '-'):>7} "
+                         f"{b.get('evictions', '-'):>7}")
+    return "\n".join(lines)
+
+
+@main.command()
+@_config_option
+@_runtime_dir_option
+@_endpoint_option
+@_server_key_option
+@_client_key_option
+@click.option("--json", "as_json", is_flag=True, help="Print the status map as JSON.")
+@click.option("--timeout", type=float, default=STATUS_TIMEOUT_S, show_default=True, help="Seconds to wait.")
+def status(config_path, runtime_dir, endpoint, server_key, client_key, as_json: bool, timeout: float) -> None:
+    """Show the running daemon's state, workers, buckets, KV blocks, queues and latency."""
+    from hybridd.client_errors import HybriddError
+
+    client, endpoint = _client(config_path, runtime_dir, endpoint, server_key, client_key, timeout)
+    with client:
+        try:
+            result = client.status()
+        except TimeoutError:
+            _fail(f"hybridd is not running (no answer from {endpoint} within {timeout:g} s)")
+        except HybriddError as error:
+            _fail(f"hybridd: status failed: {error}")
+    click.echo(json.dumps(result, indent=2, sort_keys=True) if as_json else format_status(result))
+
+
+@main.command()
+@click.argument("prompt")
+@_config_option
+@_runtime_dir_option
+@_endpoint_option
+@_server_key_option
+@_client_key_option
+@click.option("--max-tokens", type=int, default=None, help="Most tokens to generate.")
+@click.option("--temperature", type=float, default=None, help="0 = greedy.")
+@click.option("--top-k", type=int, default=None)
+@click.option("--top-p", type=float, default=None)
+@click.option("--seed", type=int, default=None)
+@click.option("--repetition-penalty", type=float, default=None)
+@click.option("--stop", "stop_strings", multiple=True, help="Stop string (repeatable).")
+@click.option("--ignore-eos", is_flag=True, default=None, help="Do not stop at the model's EOS.")
+@click.option("--timeout", type=float, default=None, help="Seconds for the whole request.")
+@click.option("--json", "as_json", is_flag=True, help="Print the final message (text, usage, timings) as JSON.")
+def generate(prompt: str, config_path, runtime_dir, endpoint, server_key, client_key, max_tokens, temperature, top_k,
+             top_p, seed, repetition_penalty, stop_strings, ignore_eos, timeout, as_json: bool) -> None:
+    """Generate a completion of PROMPT, streamed to the terminal."""
+    from hybridd.client_errors import HybriddError
+
+    sampling = {k: v for k, v in {
+        "max_tokens": max_tokens, "temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": seed,
+        "repetition_penalty": repetition_penalty, "stop": list(stop_strings) or None, "ignore_eos": ignore_eos,
+    }.items() if v is not None}
+    client, endpoint = _client(config_path, runtime_dir, endpoint, server_key, client_key, timeout)
+    with client:
+        stream = None
+        try:
+            if as_json:
+                result = client.generate(prompt, **sampling)
+                click.echo(json.dumps({
+                    "id": result.id, "text": result.text, "token_ids": result.token_ids,
+                    "finish_reason": result.finish_reason, "usage": dataclasses.asdict(result.usage),
+                    "timings": dataclasses.asdict(result.timings)}, indent=2))
+                return
+            stream = client.stream(prompt, **sampling)
+            for chunk in stream:
+                click.echo(chunk.text, nl=False)
+            click.echo()
+        except KeyboardInterrupt:
+            if stream is not None:
+                stream.close()
+            click.echo(err=True)
+            sys.exit(EXIT_INTERRUPTED)
+        except HybriddError as error:
+            click.echo(err=True) if stream is not None else None
+            _fail(f"hybridd: {error}")
+
+
+@main.command()
+@click.option("--dir", "directory", type=click.Path(file_okay=False), default=".", show_default=True,
+              help="Where to write the key files.")
+@click.option("--name", default="hybridd", show_default=True, help="Base name of the key files.")
+def keygen(directory: str, name: str) -> None:
+    """Make a CURVE key pair: NAME.key (public, share it) and NAME.key_secret (mode 0600).
+
+    The daemon's pair goes to curve_secret_key_file; each client's public NAME.key goes into
+    curve_client_keys_dir.
+    """
+    import zmq.auth
+
+    target = Path(directory)
+    target.mkdir(parents=True, exist_ok=True)
+    for suffix in (".key", ".key_secret"):
+        if (target / f"{name}{suffix}").exists():
+            _fail(f"hybridd: {target / (name + suffix)} exists; refusing to overwrite a key")
+    old_umask = os.umask(0o077)  # the secret file never exists with looser permissions
+    try:
+        public_file, secret_file = zmq.auth.create_certificates(target, name)
+    finally:
+        os.umask(old_umask)
+    os.chmod(public_file, 0o644)
+    click.echo(f"public key: {public_file}\nsecret key: {secret_file}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,639 @@
+"""The client SDK: `Client` (threads) and `AsyncClient` (asyncio) for a running hybridd.
+
+Both speak protocol/SPEC.md over one ZeroMQ DEALER socket (one session). The socket
+lives in one asyncio event loop, in `_Session`: it routes replies to per-request sinks
+by request id, and fails every in-flight request with `EngineDeadError` as soon as
+a socket monitor reports that the daemon's connection dropped (ZMTP heartbeats catch
+a peer that vanished without closing). The DEALER reconnects by itself, so calls made
+after the daemon is back succeed.
+
+`AsyncClient` runs its session in the caller's loop. `Client` runs one in a private
+background thread (the only thread that touches the socket, as ZeroMQ requires);
+callers' threads hand requests over with `call_soon_threadsafe` and wait on their own
+queue, so any number of threads can share one `Client`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import queue
+import threading
+import time
+import uuid
+import weakref
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
+from types import EllipsisType
+from typing import Any
+
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from hybridd.client_errors import (
+    DrainingError,
+    EngineDeadError,
+    HybriddError,
+    InternalError,
+    InvalidRequestError,
+    NotFoundError,
+    OverloadedError,
+    RequestCancelledError,
+    RequestTimeoutError,
+    error_for_code,
+)
+from hybridd.log import get_logger
+from protocol.codec import encode, parse_reply
+from protocol.errors import ErrorCode, ProtocolError
+from protocol.limits import MAX_MESSAGE_BYTES, MAX_TIMEOUT_S
+from protocol.messages import (
+    CancelRequest,
+    ChunkReply,
+    ErrorReply,
+    FinalReply,
+    GenerateRequest,
+    HealthReply,
+    HealthRequest,
+    Reply,
+    SamplingParams,
+    StatusReply,
+    StatusRequest,
+    Timings,
+    Usage,
+)
+
+__all__ = [
+    "AsyncClient",
+    "AsyncStream",
+    "Chunk",
+    "Client",
+    "DrainingError",
+    "EngineDeadError",
+    "GenerateResult",
+    "Health",
+    "HybriddError",
+    "InternalError",
+    "InvalidRequestError",
+    "NotFoundError",
+    "OverloadedError",
+    "RequestCancelledError",
+    "RequestTimeoutError",
+    "SamplingParams",
+    "Stream",
+    "load_curve_keys",
+]
+
+log = get_logger("client")
+
+# ZMTP heartbeats: a daemon host that vanishes without closing the connection (TCP)
+# is declared disconnected after HEARTBEAT_TIMEOUT_MS.
+HEARTBEAT_IVL_MS = 1000
+HEARTBEAT_TIMEOUT_MS = 3000
+RECONNECT_IVL_MS = 100
+RECONNECT_IVL_MAX_MS = 1000
+SAMPLING_FIELDS = frozenset(SamplingParams.__dataclass_fields__)
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateResult:
+    id: str
+    text: str  # the whole completion
+    token_ids: list[int]
+    finish_reason: str  # stop or length (other endings raise)
+    usage: Usage
+    timings: Timings
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    id: str
+    index: int
+    text: str  # new text since the previous chunk
+    token_ids: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class Health:
+    state: str  # the daemon's lifecycle state
+    ok: bool  # true when generate requests are accepted
+
+
+def load_curve_keys(path: str) -> tuple[bytes, bytes | None]:
+    """(public, secret) Z85 keys from a certificate file written by `hybridd keygen`."""
+    import zmq.auth
+
+    return zmq.auth.load_certificate(path)
+
+
+def _as_key(value: str | bytes | None, name: str) -> bytes | None:
+    if value is None:
+        return None
+    key = value.encode() if isinstance(value, str) else value
+    if len(key) != 40:
+        raise ValueError(f"{name}: a CURVE key is 40 Z85 characters, got {len(key)}")
+    return key
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex
+
+
+# ---------------------------------------------------------------- replies → outcomes
+
+
+def _result(reply: FinalReply) -> GenerateResult:
+    return GenerateResult(id=reply.id, text=reply.text, token_ids=reply.token_ids, finish_reason=reply.finish_reason,
+                          usage=reply.usage, timings=reply.timings)
+
+
+def _raise_for(reply: Reply | HybriddError) -> None:
+    """Raise the exception for an error outcome; return for a successful reply."""
+    if isinstance(reply, HybriddError):
+        raise reply
+    if isinstance(reply, ErrorReply):
+        raise error_for_code(reply.code, reply.message, field=reply.field, request_id=reply.id or None)
+    if isinstance(reply, FinalReply) and reply.finish_reason not in ("stop", "length"):
+        partial = _result(reply)
+        if reply.finish_reason == "cancelled":
+            raise RequestCancelledError("the request was cancelled", request_id=reply.id, partial=partial)
+        if reply.finish_reason == "timeout":
+            raise RequestTimeoutError("the request's timeout expired in the daemon", request_id=reply.id,
+                                      partial=partial)
+        raise InternalError("the generation failed after output began", request_id=reply.id, partial=partial)
+
+
+def _is_terminal(reply: Reply | HybriddError) -> bool:
+    return not isinstance(reply, ChunkReply)
+
+
+def _build_generate(
+    prompt: str | list[int],
+    sampling: SamplingParams | dict[str, Any] | None,
+    options: dict[str, Any],
+    *,
+    request_id: str | None,
+    stream: bool,
+    timeout: float | None,
+) -> GenerateRequest:
+    unknown = set(options) - SAMPLING_FIELDS
+    if unknown:
+        raise TypeError(f"unknown sampling option(s): {', '.join(sorted(unknown))}")
+    if sampling is None:
+        sampling = SamplingParams(**options)
+    elif isinstance(sampling, dict):
+        sampling = SamplingParams(**(sampling | options))
+    elif options:
+        raise TypeError("give sampling options either as `sampling` or as keywords, not both")
+    text, ids = (prompt, None) if isinstance(prompt, str) else (None, list(prompt))
+    request = GenerateRequest(
+        id=request_id or new_request_id(), prompt=text, prompt_token_ids=ids, sampling=sampling, stream=stream,
+        timeout_s=None if timeout is None else min(timeout, MAX_TIMEOUT_S),
+    )
+    try:  # the daemon's own validation, so that a bad request fails here, naming its field
+        return GenerateRequest.from_wire(request.to_wire())
+    except ProtocolError as error:
+        raise error_for_code(error.code, error.message, field=error.field, request_id=request.id) from None
+
+
+# ---------------------------------------------------------------- the session (one event loop)
+
+Sink = Callable[[Reply | HybriddError], None]
+
+
+class _Session:
+    """One DEALER connection and the requests in flight on it; used from its loop only."""
+
+    def __init__(self, endpoint: str, *, server_public_key: bytes | None, public_key: bytes | None,
+                 secret_key: bytes | None) -> None:
+        self.endpoint = endpoint
+        self._context = zmq.asyncio.Context()
+        self._socket = self._context.socket(zmq.DEALER)
+        for option, value in (
+            (zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES),
+            (zmq.LINGER, 0),
+            (zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS),
+            (zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS),
+            (zmq.RECONNECT_IVL, RECONNECT_IVL_MS),
+            (zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS),
+        ):
+            self._socket.setsockopt(option, value)
+        if endpoint.startswith("tcp://"):
+            if not (server_public_key and public_key and secret_key):
+                raise ValueError("a tcp:// endpoint is served only with CURVE: give server_public_key, "
+                                 "public_key and secret_key (see `hybridd keygen`)")
+            self._socket.setsockopt(zmq.CURVE_SERVERKEY, server_public_key)
+            self._socket.setsockopt(zmq.CURVE_PUBLICKEY, public_key)
+            self._socket.setsockopt(zmq.CURVE_SECRETKEY, secret_key)
+        self._monitor = self._socket.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        self._socket.connect(endpoint)
+        self.connected = False
+        self.pending: dict[str, Sink] = {}
+        self._tasks = [asyncio.ensure_future(self._read()), asyncio.ensure_future(self._watch())]
+        self.closed = False
+
+    async def _read(self) -> None:
+        while True:
+            frame = await self._socket.recv(copy=False)
+            try:
+                reply = parse_reply(frame.buffer)
+            except ProtocolError as error:
+                log.warning("undecodable reply from the daemon", error=str(error))
+                continue
+            sink = self.pending.get(reply.id)
+            if sink is None:
+                if isinstance(reply, ErrorReply) and not reply.id:
+                    log.warning("unattributed error from the daemon", code=reply.code.value, message=reply.message)
+                continue  # a reply for a request that already ended (timed out, dropped)
+            if _is_terminal(reply):
+                del self.pending[reply.id]
+            sink(reply)
+
+    async def _watch(self) -> None:
+        while True:
+            event = parse_monitor_message(await self._monitor.recv_multipart())
+            if event["event"] == zmq.EVENT_CONNECTED:
+                self.connected = True
+            elif event["event"] == zmq.EVENT_DISCONNECTED:
+                self.connected = False
+                self.fail_all(EngineDeadError(f"the daemon's socket {self.endpoint} disconnected"))
+
+    def fail_all(self, error: HybriddError) -> None:
+        pending, self.pending = self.pending, {}
+        for request_id, sink in pending.items():
+            sink(type(error)(error.message, code=error.code, request_id=request_id))
+
+    def submit(self, request: Any, sink: Sink) -> None:
+        if self.closed:
+            raise HybriddError("the client is closed")
+        if request.id in self.pending:
+            raise InvalidRequestError(f"id: request id {request.id!r} is already in flight on this client",
+                                      field="id", request_id=request.id)
+        frame = encode(request)
+        self.pending[request.id] = sink
+        self._socket.send(frame)
+
+    def forget(self, request_id: str) -> None:
+        self.pending.pop(request_id, None)
+
+    def cancel(self, target: str) -> None:
+        """Fire and forget: a valid cancel has no reply of its own (the target ends `cancelled`)."""
+        self.pending.pop(target, None)
+        if not self.closed:
+            self._socket.send(encode(CancelRequest(id=new_request_id(), target=target)))
+
+    def abandon(self, target: str) -> None:
+        """A caller stopped waiting (timeout, dropped stream): free the daemon's work too."""
+        if target in self.pending:
+            self.cancel(target)
+
+    async def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.fail_all(HybriddError("the client was closed", code=ErrorCode.CANCELLED))
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._socket.disable_monitor()
+        self._monitor.close(linger=0)
+        self._socket.close(linger=0)
+        self._context.term()
+
+
+def _deadline(timeout: float | None) -> float | None:
+    return None if timeout is None else time.monotonic() + timeout
+
+
+def _remaining(deadline: float | None) -> float | None:
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
+# ---------------------------------------------------------------- sync client
+
+
+class _LoopThread:
+    """A private event loop in a daemon thread; the home of one `_Session`."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="hybridd-client-io", daemon=True)
+        self.thread.start()
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run `fn(*args)` in the loop thread and return its result (or raise its exception)."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+
+        def run() -> None:
+            try:
+                future.set_result(fn(*args))
+            except BaseException as error:  # noqa: BLE001  handed to the calling thread
+                future.set_exception(error)
+
+        self.loop.call_soon_threadsafe(run)
+        return future.result()
+
+    def run(self, coroutine: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
+
+    def post(self, fn: Callable[..., Any], *args: Any) -> None:
+        if not self.loop.is_closed():
+            with contextlib.suppress(RuntimeError):  # the loop is shutting down
+                self.loop.call_soon_threadsafe(fn, *args)
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join()
+        self.loop.close()
+
+
+def _close_sync(io: _LoopThread, session: _Session) -> None:
+    with contextlib.suppress(RuntimeError):
+        io.run(session.close())
+    io.stop()
+
+
+class Stream:
+    """Chunks of one streaming `generate`, as they arrive; `result` once it ended.
+
+    Closing it (or dropping it: garbage collection) before the end cancels the request.
+    """
+
+    def __init__(self, client: Client, request: GenerateRequest, timeout: float | None) -> None:
+        self.id = request.id
+        self.result: GenerateResult | None = None
+        self._client = client
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._deadline = _deadline(timeout)
+        self._done = False
+        client._io.call(client._session.submit, request, self._queue.put)
+
+    def __iter__(self) -> Iterator[Chunk]:
+        return self
+
+    def __next__(self) -> Chunk:
+        if self._done:
+            raise StopIteration
+        try:
+            reply = self._queue.get(timeout=_remaining(self._deadline))
+        except queue.Empty:
+            self.close()
+            raise RequestTimeoutError("the call's timeout expired", request_id=self.id) from None
+        if isinstance(reply, ChunkReply):
+            return Chunk(id=reply.id, index=reply.index, text=reply.text, token_ids=reply.token_ids)
+        self._done = True
+        _raise_for(reply)
+        self.result = _result(reply)
+        raise StopIteration
+
+    def close(self) -> None:
+        if not self._done:
+            self._done = True
+            self._client._io.post(self._client._session.abandon, self.id)
+
+    def __enter__(self) -> Stream:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
+
+
+class Client:
+    """A thread-safe client for one daemon. Use as a context manager, or call `close()`."""
+
+    def __init__(
+        self,
+        endpoint: str | None = None,
+        *,
+        timeout: float | None = None,
+        server_public_key: str | bytes | None = None,
+        public_key: str | bytes | None = None,
+        secret_key: str | bytes | None = None,
+    ) -> None:
+        if endpoint is None:
+            from hybridd.config import load_config
+
+            endpoint = load_config().client_endpoint
+        self.endpoint = endpoint
+        self.timeout = timeout
+        self._io = _LoopThread()
+        keys = {"server_public_key": _as_key(server_public_key, "server_public_key"),
+                "public_key": _as_key(public_key, "public_key"), "secret_key": _as_key(secret_key, "secret_key")}
+        try:
+            self._session: _Session = self._io.run(_create_session(endpoint, keys))
+        except BaseException:
+            self._io.stop()
+            raise
+        self._finalizer = weakref.finalize(self, _close_sync, self._io, self._session)
+
+    def _timeout(self, timeout: float | None | EllipsisType) -> float | None:
+        return self.timeout if timeout is ... else timeout
+
+    def _request(self, request: Any, timeout: float | None) -> Reply:
+        replies: queue.SimpleQueue = queue.SimpleQueue()
+        self._io.call(self._session.submit, request, replies.put)
+        try:
+            reply = replies.get(timeout=timeout)
+        except queue.Empty:
+            self._io.post(self._session.abandon, request.id)
+            raise RequestTimeoutError("the call's timeout expired", request_id=request.id) from None
+        _raise_for(reply)
+        return reply
+
+    def generate(self, prompt: str | list[int], sampling: SamplingParams | dict[str, Any] | None = None, *,
+                 request_id: str | None = None, timeout: float | None | EllipsisType = ..., **sampling_options: Any) -> GenerateResult:
+        """Run one completion and return it whole. Sampling options as keywords or `sampling`."""
+        timeout = self._timeout(timeout)
+        request = _build_generate(prompt, sampling, sampling_options, request_id=request_id, stream=False,
+                                  timeout=timeout)
+        return _result(self._request(request, timeout))
+
+    def stream(self, prompt: str | list[int], sampling: SamplingParams | dict[str, Any] | None = None, *,
+               request_id: str | None = None, timeout: float | None | EllipsisType = ..., **sampling_options: Any) -> Stream:
+        """Start one completion; iterate the returned `Stream` for its chunks."""
+        timeout = self._timeout(timeout)
+        request = _build_generate(prompt, sampling, sampling_options, request_id=request_id, stream=True,
+                                  timeout=timeout)
+        return Stream(self, request, timeout)
+
+    def cancel(self, request_id: str) -> None:
+        """Cancel a request of this client; idempotent, no-op for an unknown or finished id."""
+        self._io.call(self._session.cancel, request_id)
+
+    def status(self, *, timeout: float | None | EllipsisType = ...) -> dict[str, Any]:
+        reply = self._request(StatusRequest(id=new_request_id()), self._timeout(timeout))
+        assert isinstance(reply, StatusReply)
+        return reply.status
+
+    def health(self, *, timeout: float | None | EllipsisType = ...) -> Health:
+        reply = self._request(HealthRequest(id=new_request_id()), self._timeout(timeout))
+        assert isinstance(reply, HealthReply)
+        return Health(state=reply.state, ok=reply.ok)
+
+    @property
+    def connected(self) -> bool:
+        return self._session.connected
+
+    def close(self) -> None:
+        self._finalizer()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+async def _create_session(endpoint: str, keys: dict[str, bytes | None]) -> _Session:
+    return _Session(endpoint, **keys)
+
+
+# ---------------------------------------------------------------- async client
+
+
+class AsyncStream:
+    """Async counterpart of `Stream`: `async for chunk in stream`; `aclose()` or GC cancels."""
+
+    def __init__(self, client: AsyncClient, request: GenerateRequest, timeout: float | None) -> None:
+        self.id = request.id
+        self.result: GenerateResult | None = None
+        self._session = client._session_now()
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._deadline = _deadline(timeout)
+        self._done = False
+        self._loop = asyncio.get_running_loop()
+        self._session.submit(request, self._queue.put_nowait)
+
+    def __aiter__(self) -> AsyncStream:
+        return self
+
+    async def __anext__(self) -> Chunk:
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            reply = await asyncio.wait_for(self._queue.get(), _remaining(self._deadline))
+        except TimeoutError:
+            self.close()
+            raise RequestTimeoutError("the call's timeout expired", request_id=self.id) from None
+        except asyncio.CancelledError:
+            self.close()
+            raise
+        if isinstance(reply, ChunkReply):
+            return Chunk(id=reply.id, index=reply.index, text=reply.text, token_ids=reply.token_ids)
+        self._done = True
+        _raise_for(reply)
+        self.result = _result(reply)
+        raise StopAsyncIteration
+
+    def close(self) -> None:
+        if not self._done:
+            self._done = True
+            if not self._loop.is_closed():
+                self._loop.call_soon_threadsafe(self._session.abandon, self.id)
+
+    async def aclose(self) -> None:
+        self.close()
+
+    async def __aenter__(self) -> AsyncStream:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
+
+
+class AsyncClient:
+    """An asyncio client for one daemon, bound to the event loop of its first call."""
+
+    def __init__(
+        self,
+        endpoint: str | None = None,
+        *,
+        timeout: float | None = None,
+        server_public_key: str | bytes | None = None,
+        public_key: str | bytes | None = None,
+        secret_key: str | bytes | None = None,
+    ) -> None:
+        if endpoint is None:
+            from hybridd.config import load_config
+
+            endpoint = load_config().client_endpoint
+        self.endpoint = endpoint
+        self.timeout = timeout
+        self._keys = {"server_public_key": _as_key(server_public_key, "server_public_key"),
+                      "public_key": _as_key(public_key, "public_key"), "secret_key": _as_key(secret_key, "secret_key")}
+        self._session: _Session | None = None
+
+    def _session_now(self) -> _Session:
+        if self._session is None:
+            self._session = _Session(self.endpoint, **self._keys)
+        return self._session
+
+    def _timeout(self, timeout: float | None | EllipsisType) -> float | None:
+        return self.timeout if timeout is ... else timeout
+
+    async def _request(self, request: Any, timeout: float | None) -> Reply:
+        replies: asyncio.Queue = asyncio.Queue()
+        session = self._session_now()
+        session.submit(request, replies.put_nowait)
+        try:
+            reply = await asyncio.wait_for(replies.get(), timeout)
+        except TimeoutError:
+            session.abandon(request.id)
+            raise RequestTimeoutError("the call's timeout expired", request_id=request.id) from None
+        except asyncio.CancelledError:
+            session.abandon(request.id)
+            raise
+        _raise_for(reply)
+        return reply
+
+    async def generate(self, prompt: str | list[int], sampling: SamplingParams | dict[str, Any] | None = None, *,
+                       request_id: str | None = None, timeout: float | None | EllipsisType = ...,
+                       **sampling_options: Any) -> GenerateResult:
+        timeout = self._timeout(timeout)
+        request = _build_generate(prompt, sampling, sampling_options, request_id=request_id, stream=False,
+                                  timeout=timeout)
+        return _result(await self._request(request, timeout))
+
+    def stream(self, prompt: str | list[int], sampling: SamplingParams | dict[str, Any] | None = None, *,
+               request_id: str | None = None, timeout: float | None | EllipsisType = ..., **sampling_options: Any) -> AsyncStream:
+        """Start one completion (call inside the loop); `async for` over the returned stream."""
+        timeout = self._timeout(timeout)
+        request = _build_generate(prompt, sampling, sampling_options, request_id=request_id, stream=True,
+                                  timeout=timeout)
+        return AsyncStream(self, request, timeout)
+
+    async def cancel(self, request_id: str) -> None:
+        self._session_now().cancel(request_id)
+
+    async def status(self, *, timeout: float | None | EllipsisType = ...) -> dict[str, Any]:
+        reply = await self._request(StatusRequest(id=new_request_id()), self._timeout(timeout))
+        assert isinstance(reply, StatusReply)
+        return reply.status
+
+    async def health(self, *, timeout: float | None | EllipsisType = ...) -> Health:
+        reply = await self._request(HealthRequest(id=new_request_id()), self._timeout(timeout))
+        assert isinstance(reply, HealthReply)
+        return Health(state=reply.state, ok=reply.ok)
+
+    @property
+    def connected(self) -> bool:
+        return self._session is not None and self._session.connected
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()

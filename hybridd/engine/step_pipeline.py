@@ -1,0 +1,155 @@
+"""The context generator's side of the overlapped step pipeline.
+
+For each scheduled step it writes the inputs into the shared step buffers (tokens
+still on the device are gathered from the ring of sampled tokens, never copied to
+the host first), records `inputs_ready`, sends `Step` and waits for `Launched` (the
+graph generator has *enqueued* the forward); it then enqueues sampling after
+`logits_ready` on its own stream, writes the sampled tokens into the ring and a
+pinned host buffer, and returns at once. The host learns the tokens later, in
+`collect`, while the GPU already runs the next step. GPU ordering between the two
+processes is carried by the interprocess events alone; the only host waits are on
+this process's own tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from hybridd.engine.sampler import Sampler, SamplingTensors
+from hybridd.engine.scheduler import ScheduledBatch
+from hybridd.runtime.step_buffers import HostStep, StepBuffers
+from ipc.channel import Channel
+from ipc.events import InterprocessEvent
+from protocol import control
+
+RING_STEPS = 4  # > pipeline depth, so a step's tokens stay until every reader has gathered them
+
+
+class EngineDeadError(RuntimeError):
+    """The graph generator stopped answering: no step can complete."""
+
+
+@dataclass
+class InflightStep:
+    batch: ScheduledBatch
+    host_tokens: torch.Tensor
+    done: torch.cuda.Event | None
+    launched_at: float
+    graph: bool
+
+
+class StepPipeline:
+    def __init__(
+        self,
+        ready: control.Ready,
+        buffers: StepBuffers,
+        ctl: Channel,
+        sampler: Sampler,
+        device: torch.device,
+        on_control: Callable[[dict], None],
+        peer_alive: Callable[[], bool],
+        launch_timeout_s: float = 60.0,
+    ):
+        self.buffers = buffers
+        self.ctl = ctl
+        self.sampler = sampler
+        self.device = device
+        self.vocab_size = ready.vocab_size
+        self.on_control = on_control
+        self.peer_alive = peer_alive
+        self.launch_timeout_s = launch_timeout_s
+        self.cuda = device.type == "cuda"
+        self.stream = torch.cuda.Stream(device) if self.cuda else None
+        self.inputs_ready = InterprocessEvent.from_handle(ready.events.get("inputs_ready", b""), device)
+        self.logits_ready = InterprocessEvent.from_handle(ready.events.get("logits_ready", b""), device)
+        self.ring = torch.zeros((RING_STEPS, buffers.max_seqs), dtype=torch.int64, device=device)
+
+    def launch(self, batch: ScheduledBatch) -> InflightStep:
+        if self.cuda:
+            with torch.cuda.stream(self.stream):
+                return self._launch(batch)
+        return self._launch(batch)
+
+    def _launch(self, batch: ScheduledBatch) -> InflightStep:
+        n_tokens, n_seqs = batch.num_tokens, batch.num_seqs
+        on_device = batch.inputs_on_device
+        self.buffers.write(HostStep(
+            batch.is_prefill,
+            batch.input_ids.clamp(min=0),
+            batch.positions,
+            batch.slot_mapping,
+            batch.block_tables,
+            batch.seq_lens,
+            batch.query_start_loc,
+            batch.logits_indices,
+        ))
+        if on_device:
+            src_step = self._to_device(batch.input_src_step)
+            src_row = self._to_device(batch.input_src_row)
+            gathered = self.ring[src_step.clamp(min=0) % RING_STEPS, src_row.clamp(min=0)]
+            ids = self.buffers.input_ids[:n_tokens]
+            ids.copy_(torch.where(src_step >= 0, gathered, ids))
+        self.inputs_ready.record(self.stream)
+        self.ctl.send(control.Step(
+            step=batch.step_id, kind="prefill" if batch.is_prefill else "decode",
+            bucket=max(1, n_tokens), n_real=n_seqs, n_tokens=n_tokens,
+        ))
+        launched = self._await_launched(batch.step_id)
+
+        # Sampling runs after the forward on the GPU, and its tokens go straight into
+        # the ring that the next step's inputs gather from.
+        tensors = self._sampling_tensors(batch)
+        self.logits_ready.wait(self.stream)
+        out = self.ring[batch.step_id % RING_STEPS, :n_seqs]
+        self.sampler(self.buffers.logits[:n_seqs], tensors, out=out)
+        host = torch.empty(n_seqs, dtype=torch.int64, pin_memory=self.cuda)
+        host.copy_(out, non_blocking=self.cuda)
+        done = None
+        if self.cuda:
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        return InflightStep(batch, host, done, time.monotonic(), launched.graph)
+
+    def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        # Pageable host-to-device copies synchronize the stream; pinned ones do not.
+        if not self.cuda:
+            return tensor
+        return tensor.pin_memory().to(self.device, non_blocking=True)
+
+    def _sampling_tensors(self, batch: ScheduledBatch) -> SamplingTensors:
+        tensors = SamplingTensors.from_sequences(batch.seqs, self.vocab_size, "cpu")
+        if not self.cuda:
+            return tensors
+        moved = {
+            f.name: self._to_device(getattr(tensors, f.name))
+            for f in dataclasses.fields(tensors)
+            if isinstance(getattr(tensors, f.name), torch.Tensor)
+        }
+        return dataclasses.replace(tensors, **moved)
+
+    def _await_launched(self, step_id: int) -> control.Launched:
+        deadline = time.monotonic() + self.launch_timeout_s
+        while True:
+            message = self.ctl.recv(timeout_ms=100)
+            if message is None:
+                if not self.peer_alive() or time.monotonic() > deadline:
+                    raise EngineDeadError(f"graph generator did not launch step {step_id}")
+                continue
+            if message.get("type") == "launched":
+                launched = control.Launched.from_wire(message)
+                if launched.step != step_id:
+                    raise EngineDeadError(f"graph generator launched step {launched.step}, expected {step_id}")
+                return launched
+            self.on_control(message)
+
+    @staticmethod
+    def collect(step: InflightStep) -> list[int]:
+        """The step's sampled tokens on the host (waits only for this step's own copy)."""
+        if step.done is not None:
+            step.done.synchronize()
+        return step.host_tokens.tolist()

@@ -1,0 +1,619 @@
+"""The supervisor process (`hybridd start`): owns the two workers' lives.
+
+It holds the pid-file lock of the runtime directory (one daemon per directory),
+spawns the graph generator and the context generator with the `spawn` start method,
+listens to their phases and heartbeats on a ROUTER socket, drives the lifecycle
+(`hybridd.lifecycle`), tells systemd about it (`hybridd.sd_notify`), restarts the
+pair with bounded backoff when a worker dies or hangs, and drains on SIGTERM/SIGINT.
+
+One thread, one `zmq.Poller` over the ROUTER socket, the workers' process sentinels
+and the signal wakeup pipe: a worker's death wakes the loop at once, the same way
+`multiprocessing.connection.wait` would, without a second thread for the socket.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import fcntl
+import importlib
+import multiprocessing
+import os
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from multiprocessing.process import BaseProcess
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from hybridd.config import Config
+from hybridd.lifecycle import Lifecycle, State
+from hybridd.log import configure as configure_logging
+from hybridd.log import get_logger
+from hybridd.sd_notify import Notifier, watchdog_interval_s
+from ipc.channel import MAX_IPC_PATH_BYTES, PeerProtocolError, bind_ipc_endpoint, ensure_runtime_dir
+from ipc.posix_shm import reap_stale_segments
+from protocol.errors import ProtocolError
+from protocol.supervisor import (
+    WORKER_IDENTITIES,
+    WORKER_NAMES,
+    Drain,
+    Heartbeat,
+    SupervisorInfo,
+    WorkerInfo,
+    WorkerPhase,
+    supervisor_from_wire,
+)
+
+log = get_logger("supervisor")
+
+SPAWN = multiprocessing.get_context("spawn")
+PID_FILE_NAME = "hybridd.pid"
+
+DEFAULT_TARGETS = {
+    "graph": "workers.graph_generator:main",
+    "context": "workers.context_generator:main",
+}
+# A worker that misses this many heartbeat intervals is hung: the pair restarts.
+HEARTBEAT_MISSES = 12
+# systemd's watchdog is fed only while both workers heartbeated within this many
+# intervals: a stalled worker stops the pings long before it is declared hung.
+WATCHDOG_FRESH_INTERVALS = 3
+# From spawn to a worker's first message: a fresh interpreter importing torch (and
+# CUDA initialising) on a cold disk. Past it the worker counts as hung.
+FIRST_MESSAGE_TIMEOUT_S = 120.0
+# When one worker dies, the other gets this long to answer its clients (engine_dead)
+# and exit on its own before SIGKILL.
+PARTNER_GRACE_S = 1.0
+# Beyond `drain_timeout_s`: time for the context generator to cancel what is left,
+# shut the graph generator down and exit.
+DRAIN_GRACE_S = 10.0
+INFO_INTERVAL_S = 2.0
+POLL_INTERVAL_MS = 100
+
+EXIT_OK = 0
+EXIT_FAILURE = 1  # restarts exhausted, or the drain had to be forced
+EXIT_ALREADY_RUNNING = 3
+
+WorkerTarget = Callable[[dict[str, Any], str], Any] | str
+
+
+class AlreadyRunningError(RuntimeError):
+    """Another supervisor holds this runtime directory (or serves its endpoint)."""
+
+
+# ---------------------------------------------------------------- the pid file
+
+
+class PidFile:
+    """`{runtime_dir}/hybridd.pid`: holds the supervisor's pid under an exclusive flock.
+
+    The lock, not the pid, proves liveness: it dies with the process, so a stale file
+    never blocks a start and a reused pid never looks alive.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o640)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+                os.close(fd)
+                raise AlreadyRunningError(
+                    f"hybridd is already running in {self.path.parent} (pid {holder}, lock {self.path}); "
+                    "stop it with `hybridd stop`, or configure another runtime_dir"
+                ) from None
+            # The previous owner may have unlinked the file between our open and our
+            # lock: then we hold a lock on a name nobody sees. Retry on the new file.
+            try:
+                if os.stat(self.path).st_ino == os.fstat(fd).st_ino:
+                    break
+            except FileNotFoundError:
+                pass
+            os.close(fd)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        with contextlib.suppress(FileNotFoundError):
+            if os.stat(self.path).st_ino == os.fstat(self._fd).st_ino:
+                os.unlink(self.path)
+        os.close(self._fd)
+        self._fd = None
+
+
+def running_pid(runtime_dir: str | os.PathLike[str]) -> int | None:
+    """The pid of the supervisor that holds `runtime_dir`, or None when none does."""
+    path = Path(runtime_dir) / PID_FILE_NAME
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            text = os.pread(fd, 32, 0).decode(errors="replace").strip()
+            return int(text) if text.isdigit() else None
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
+
+
+def _endpoint_locked(endpoint: str) -> bool:
+    """True when a live server holds the lock next to an `ipc://` endpoint (see ipc.channel)."""
+    if not endpoint.startswith("ipc://"):
+        return False
+    lock = Path(endpoint.removeprefix("ipc://") + ".lock")
+    try:
+        fd = os.open(lock, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
+# ---------------------------------------------------------------- the worker side
+
+
+def _die_with_parent() -> None:
+    # PR_SET_PDEATHSIG: if the supervisor is SIGKILLed, its workers must not keep
+    # the GPU (and the client socket) to themselves.
+    PR_SET_PDEATHSIG = 1
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+def resolve_target(target: WorkerTarget) -> Callable[[dict[str, Any], str], Any]:
+    if callable(target):
+        return target
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def worker_main(name: str, target: WorkerTarget, config: dict[str, Any], ctl_endpoint: str, parent_pid: int) -> None:
+    """First code of a spawned worker, before its entry point."""
+    _die_with_parent()
+    if os.getppid() != parent_pid:  # the supervisor died before prctl took effect
+        os._exit(EXIT_FAILURE)
+    # Ctrl-C reaches the whole foreground process group; only the supervisor decides
+    # what it means (a drain), and tells the workers.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    configure_logging(level=config.get("log_level"))
+    resolve_target(target)(config, ctl_endpoint)
+
+
+# ---------------------------------------------------------------- the supervisor
+
+
+@dataclass(slots=True)
+class _Worker:
+    name: str
+    process: BaseProcess
+    spawned_at: float
+    last_message: float | None = None
+    steps: int = 0
+    exit_code: int | None = None
+
+    @property
+    def alive(self) -> bool:
+        return self.exit_code is None
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is None:
+        return "is still running"
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"was killed by {signal.Signals(-code).name}"
+    return f"exited with code {code}"
+
+
+@dataclass
+class _Timers:
+    next_watchdog: float = 0.0
+    next_info: float = 0.0
+    drain_deadline: float | None = None
+    signals: list[int] = field(default_factory=list)
+
+
+class Supervisor:
+    """Runs the daemon until it is drained (exit 0) or its restarts are exhausted (exit 1)."""
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        graph_target: WorkerTarget = DEFAULT_TARGETS["graph"],
+        context_target: WorkerTarget = DEFAULT_TARGETS["context"],
+        notifier: Notifier | None = None,
+        stable_after_s: float | None = None,
+        first_message_timeout_s: float = FIRST_MESSAGE_TIMEOUT_S,
+        drain_grace_s: float = DRAIN_GRACE_S,
+    ) -> None:
+        self.config = config
+        self.targets: dict[str, WorkerTarget] = {"graph": graph_target, "context": context_target}
+        self.notifier = notifier or Notifier()
+        self.runtime_dir = Path(config.runtime_dir)
+        self.heartbeat_timeout_s = HEARTBEAT_MISSES * config.heartbeat_interval_s
+        self.watchdog_fresh_s = WATCHDOG_FRESH_INTERVALS * config.heartbeat_interval_s
+        self.first_message_timeout_s = first_message_timeout_s
+        self.drain_grace_s = drain_grace_s
+        lifecycle_options = {} if stable_after_s is None else {"stable_after_s": stable_after_s}
+        self.lifecycle = Lifecycle(
+            max_restarts=config.max_restarts, restart_backoff_s=config.restart_backoff_s, **lifecycle_options
+        )
+        self.workers: dict[str, _Worker] = {}
+        self.generation = 0
+        self.started_at = time.time()
+        self._started_mono = time.monotonic()
+        self._pid_file = PidFile(self.runtime_dir / PID_FILE_NAME)
+        self._timers = _Timers()
+        self._watchdog_s = watchdog_interval_s()
+        self._router = None
+        self._wakeup_r = self._wakeup_w = -1
+        self._exit_code = EXIT_OK
+        self._done = False
+        self._log = log.bind(supervisor_pid=os.getpid())
+
+    # ------------------------------------------------------------ entry
+
+    def run(self) -> int:
+        ensure_runtime_dir(self.runtime_dir)
+        self._pid_file.acquire()  # raises AlreadyRunningError
+        try:
+            if _endpoint_locked(self.config.client_endpoint):
+                raise AlreadyRunningError(
+                    f"endpoint {self.config.client_endpoint} is already served by a live process; "
+                    "stop it, or configure another endpoint or runtime_dir"
+                )
+            self._log.info("supervisor starting", runtime_dir=str(self.runtime_dir), endpoint=self.config.client_endpoint)
+            reap_stale_segments()
+            self._router = bind_ipc_endpoint(
+                self.config.supervisor_endpoint.removeprefix("ipc://"), socket_type=zmq.ROUTER, name="supervisor"
+            )
+            # A restarted worker reconnects with the same identity before the ROUTER
+            # may have noticed that the dead one's connection is gone.
+            self._router.socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
+            self._install_signals()
+            self._notify_status()
+            self._spawn_pair()
+            self._loop()
+        finally:
+            self._shutdown()
+        return self._exit_code
+
+    # ------------------------------------------------------------ signals
+
+    def _install_signals(self) -> None:
+        self._wakeup_r, self._wakeup_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        signal.set_wakeup_fd(self._wakeup_w, warn_on_full_buffer=False)
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        self._timers.signals.append(signum)
+
+    def _restore_signals(self) -> None:
+        if self._wakeup_w < 0:
+            return
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, signal.SIG_DFL)
+        signal.set_wakeup_fd(-1)
+        os.close(self._wakeup_r)
+        os.close(self._wakeup_w)
+        self._wakeup_r = self._wakeup_w = -1
+
+    # ------------------------------------------------------------ the pair
+
+    def _ctl_endpoint(self) -> str:
+        return f"ipc://{self.runtime_dir}/ctl-{os.getpid()}-{self.generation}.sock"
+
+    def _spawn_pair(self) -> None:
+        reap_stale_segments()
+        self.generation += 1
+        self.lifecycle.pair_started()
+        ctl_endpoint = self._ctl_endpoint()
+        if len(os.fsencode(ctl_endpoint.removeprefix("ipc://"))) > MAX_IPC_PATH_BYTES:
+            raise ValueError(f"runtime_dir {self.runtime_dir} is too long for a Unix socket path ({ctl_endpoint})")
+        config = self.config.to_dict()
+        now = time.monotonic()
+        # The context generator binds the control socket, so it starts first.
+        for name in ("context", "graph"):
+            process = SPAWN.Process(
+                target=worker_main,
+                args=(name, self.targets[name], config, ctl_endpoint, os.getpid()),
+                name=f"hybridd-{name}",
+                daemon=False,
+            )
+            process.start()
+            self.workers[name] = _Worker(name=name, process=process, spawned_at=now)
+        self._log.info(
+            "spawned workers",
+            generation=self.generation,
+            pids={name: w.process.pid for name, w in self.workers.items()},
+            ctl_endpoint=ctl_endpoint,
+        )
+        self._notify_status()
+        self._send_info()
+
+    def _kill_pair(self, *, culprit: str | None = None, grace_s: float = PARTNER_GRACE_S) -> None:
+        """Stop whatever is left of the pair: the culprit at once, the partner after a grace."""
+        for worker in self.workers.values():
+            if worker.alive and worker.name == culprit:
+                worker.process.kill()
+        deadline = time.monotonic() + grace_s
+        for worker in self.workers.values():
+            if worker.alive:
+                worker.process.join(max(0.0, deadline - time.monotonic()))
+                if worker.process.exitcode is None:
+                    self._log.warning("killing worker", worker=worker.name, pid=worker.process.pid)
+                    worker.process.kill()
+            worker.process.join()
+            worker.exit_code = worker.process.exitcode
+            worker.process.close()
+        self.workers = {}
+        for suffix in ("", ".lock"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._ctl_endpoint().removeprefix("ipc://") + suffix)
+        reap_stale_segments()
+
+    def _pair_failed(self, culprit: str, reason: str) -> None:
+        self._log.error("worker failed", worker=culprit, reason=reason, generation=self.generation)
+        # The state and systemd's STATUS change at detection; the backoff counts from
+        # here too, so that the partner's grace period is part of it.
+        failure = self.lifecycle.failed(reason)
+        self._notify_status()
+        self._kill_pair(culprit=culprit)
+        if self.lifecycle.state == State.DEAD:
+            self._log.error(
+                "restarts exhausted; exiting so that the service manager can act",
+                max_restarts=self.config.max_restarts,
+                reason=reason,
+            )
+            self._exit_code = EXIT_FAILURE
+            self._done = True
+        else:
+            self._log.warning("restarting workers", backoff_s=failure.backoff_s, streak=self.lifecycle.failure_streak)
+
+    # ------------------------------------------------------------ the loop
+
+    def _loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._router.socket, zmq.POLLIN)
+        poller.register(self._wakeup_r, zmq.POLLIN)
+        registered: dict[int, str] = {}
+        while not self._done:
+            sentinels = {w.process.sentinel: w.name for w in self.workers.values() if w.alive}
+            for fd in set(registered) - set(sentinels):
+                poller.unregister(fd)
+            for fd in set(sentinels) - set(registered):
+                poller.register(fd, zmq.POLLIN)
+            registered = sentinels
+            events = dict(poller.poll(POLL_INTERVAL_MS))
+            if self._wakeup_r in events:
+                with contextlib.suppress(BlockingIOError):
+                    os.read(self._wakeup_r, 512)
+            if self._router.socket in events:
+                self._read_messages()
+            for fd, name in sentinels.items():
+                if fd in events and name in self.workers:
+                    self._worker_exited(self.workers[name])
+                if self._done:
+                    break
+            while self._timers.signals and not self._done:
+                self._on_drain_signal(self._timers.signals.pop(0))
+            if not self._done:
+                self._tick()
+
+    def _read_messages(self) -> None:
+        while True:
+            try:
+                received = self._router.recv_from(0)
+            except PeerProtocolError as error:
+                self._log.warning("bad message from a worker", identity=error.identity, error=str(error))
+                continue
+            if received is None:
+                return
+            identity, data = received
+            try:
+                message = supervisor_from_wire(data)
+            except ProtocolError as error:
+                self._log.warning("bad message from a worker", identity=identity, error=str(error))
+                continue
+            if isinstance(message, Drain | SupervisorInfo) or WORKER_IDENTITIES.get(message.worker) != identity:
+                self._log.warning("message from the wrong peer", identity=identity, type=message.TYPE)
+                continue
+            worker = self.workers.get(message.worker)
+            if worker is None or not worker.alive:
+                continue  # a straggler of a pair that is already gone
+            worker.last_message = time.monotonic()
+            if isinstance(message, Heartbeat):
+                worker.steps = message.steps
+            elif isinstance(message, WorkerPhase):
+                self._on_phase(message)
+
+    def _on_phase(self, message: WorkerPhase) -> None:
+        self._log.info("worker phase", worker=message.worker, phase=message.phase, detail=message.detail,
+                       done=message.done, total=message.total)
+        was = self.lifecycle.state
+        changed = self.lifecycle.phase(message)
+        if changed and self.lifecycle.state == State.READY:
+            self._log.info("ready", pids=self._pids(), restarts=self.lifecycle.restarts,
+                           startup_s=round(time.monotonic() - self._started_mono, 3) if was != State.DEGRADED else None)
+            self.notifier.ready(self._status_text())
+        else:
+            self._notify_status()
+        if changed:
+            self._send_info()
+
+    def _worker_exited(self, worker: _Worker) -> None:
+        worker.process.join(0)
+        worker.exit_code = worker.process.exitcode
+        if worker.exit_code is None:
+            return
+        if self.lifecycle.state == State.DRAINING:
+            level = self._log.info if worker.exit_code == 0 else self._log.warning
+            level("worker exited while draining", worker=worker.name, exit_code=worker.exit_code)
+            if not any(w.alive for w in self.workers.values()):
+                self._finish_drain(forced=False)
+            return
+        self._pair_failed(worker.name, f"{worker.name} generator (pid {worker.process.pid}) {_describe_exit(worker.exit_code)}")
+
+    def _tick(self) -> None:
+        now = time.monotonic()
+        self.lifecycle.tick()
+        if self.lifecycle.state == State.DRAINING:
+            if self._timers.drain_deadline is not None and now >= self._timers.drain_deadline:
+                self._log.warning("drain deadline passed; killing workers", pids=self._pids())
+                self._kill_pair(grace_s=0.0)
+                self._finish_drain(forced=True)
+                return
+        else:
+            for worker in list(self.workers.values()):
+                if not worker.alive:
+                    continue
+                if worker.last_message is None and now - worker.spawned_at > self.first_message_timeout_s:
+                    self._pair_failed(worker.name, f"{worker.name} generator sent nothing within "
+                                                   f"{self.first_message_timeout_s:g} s of its start")
+                    return
+                if worker.last_message is not None and now - worker.last_message > self.heartbeat_timeout_s:
+                    self._pair_failed(worker.name, f"{worker.name} generator missed heartbeats for "
+                                                   f"{self.heartbeat_timeout_s:g} s (hung)")
+                    return
+            if self.lifecycle.restart_due():
+                self._spawn_pair()
+        if self._watchdog_s is not None and now >= self._timers.next_watchdog:
+            if self._making_progress(now):
+                self.notifier.watchdog()
+                self._timers.next_watchdog = now + self._watchdog_s
+        if now >= self._timers.next_info:
+            self._send_info()
+
+    def _making_progress(self, now: float) -> bool:
+        """Whether to tell systemd's watchdog we are alive.
+
+        True while both workers heartbeat (each within the last few intervals), and
+        during the supervisor's own bounded waits (restart backoff, a freshly spawned
+        worker's first message, the drain deadline): each of those ends by a timeout
+        enforced here, and feeding the watchdog through them keeps systemd from
+        restarting the whole service while the supervisor is already restarting the
+        pair. A stalled worker stops the pings until it is caught.
+        """
+        if self.lifecycle.restart_pending or self.lifecycle.state == State.DRAINING:
+            return True
+        if len(self.workers) != len(WORKER_NAMES):
+            return False
+        for worker in self.workers.values():
+            if not worker.alive:
+                return False
+            if worker.last_message is None:
+                if now - worker.spawned_at > self.first_message_timeout_s:
+                    return False
+            elif now - worker.last_message > self.watchdog_fresh_s:
+                return False
+        return True
+
+    # ------------------------------------------------------------ drain
+
+    def _on_drain_signal(self, signum: int) -> None:
+        name = signal.Signals(signum).name
+        if self.lifecycle.state == State.DRAINING:
+            self._log.warning("second signal while draining: killing workers now", signal=name)
+            self._kill_pair(grace_s=0.0)
+            self._finish_drain(forced=True)
+            return
+        if not self.lifecycle.drain():
+            return
+        self._log.info("draining", signal=name, drain_timeout_s=self.config.drain_timeout_s)
+        self.notifier.stopping(self._status_text())
+        self._send_info()
+        context = self.workers.get("context")
+        if not any(w.alive for w in self.workers.values()):
+            self._finish_drain(forced=False)
+        elif context is not None and context.alive and context.last_message is not None and self._router.send_to(
+            WORKER_IDENTITIES["context"], Drain(timeout_s=self.config.drain_timeout_s)
+        ):
+            self._timers.drain_deadline = time.monotonic() + self.config.drain_timeout_s + self.drain_grace_s
+        else:
+            # The context generator has not connected yet: it has no requests to finish.
+            self._log.info("context generator not connected; stopping workers")
+            self._kill_pair()
+            self._finish_drain(forced=False)
+
+    def _finish_drain(self, *, forced: bool) -> None:
+        self.lifecycle.stopped()
+        self._exit_code = EXIT_FAILURE if forced else EXIT_OK
+        self._done = True
+        self._log.info("stopped", forced=forced, uptime_s=round(time.monotonic() - self._started_mono, 3))
+        self._notify_status()
+
+    # ------------------------------------------------------------ reporting
+
+    def _pids(self) -> dict[str, int]:
+        return {name: w.process.pid for name, w in self.workers.items() if w.alive and w.process.pid}
+
+    def _status_text(self) -> str:
+        return self.lifecycle.status_text(pids=self._pids(), endpoint=self.config.client_endpoint)
+
+    def _notify_status(self) -> None:
+        self.notifier.status(self._status_text())
+
+    def info(self) -> SupervisorInfo:
+        pids = self._pids()
+        return SupervisorInfo(
+            state=self.lifecycle.state,
+            uptime_s=time.monotonic() - self._started_mono,
+            started_at=self.started_at,
+            workers={name: WorkerInfo(pid=pids.get(name, 0), restarts=self.lifecycle.restarts) for name in WORKER_NAMES},
+        )
+
+    def _send_info(self) -> None:
+        self._timers.next_info = time.monotonic() + INFO_INTERVAL_S
+        context = self.workers.get("context")
+        if self._router is None or context is None or not context.alive or context.last_message is None:
+            return
+        self._router.send_to(WORKER_IDENTITIES["context"], self.info())
+
+    # ------------------------------------------------------------ teardown
+
+    def _shutdown(self) -> None:
+        try:
+            if self.workers:
+                self._kill_pair(grace_s=0.0)
+            if self._router is not None:
+                self._router.close()
+                self._router = None
+        finally:
+            self._restore_signals()
+            self._pid_file.release()
+            self.notifier.close()
+
+
+def run_supervisor(config: Config, **options: Any) -> int:
+    """`hybridd start`: run in the foreground until drained; returns the exit code.
+
+    Raises AlreadyRunningError before anything is spawned when the runtime
+    directory or the endpoint is taken.
+    """
+    configure_logging(level=config.log_level)
+    return Supervisor(config, **options).run()

@@ -1,0 +1,119 @@
+"""Start the two worker processes directly (no supervisor) and talk to them over a real
+DEALER socket speaking the wire protocol: the harness of the decoupled-runtime tests."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+import uuid
+from pathlib import Path
+
+import zmq
+
+from hybridd.config import Config
+from protocol import codec
+from protocol.limits import PROTOCOL_VERSION
+
+
+class EnginePair:
+    def __init__(self, runtime_dir: Path, **overrides):
+        values = {"runtime_dir": str(runtime_dir), "compile_sampler": False, "log_level": "warning"}
+        values.update(overrides)
+        self.config = Config.from_dict(values)
+        ctx = mp.get_context("spawn")
+        ctl = f"ipc://{runtime_dir}/ctl-test.sock"
+        from workers import context_generator, graph_generator
+
+        self.context = ctx.Process(target=context_generator.main, args=(self.config.to_dict(), ctl), daemon=True)
+        self.graph = ctx.Process(target=graph_generator.main, args=(self.config.to_dict(), ctl), daemon=True)
+        self.context.start()
+        self.graph.start()
+        self.zmq = zmq.Context()
+
+    def client(self) -> Client:
+        return Client(self.zmq, self.config.client_endpoint)
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        client = self.client()
+        deadline = time.monotonic() + timeout
+        try:
+            while time.monotonic() < deadline:
+                if not (self.context.is_alive() and self.graph.is_alive()):
+                    raise RuntimeError("a worker died during start-up")
+                reply = client.request({"type": "health"}, timeout=0.5)
+                if reply is not None and reply.get("ok"):
+                    return
+            raise TimeoutError("engine pair not ready")
+        finally:
+            client.close()
+
+    def close(self) -> None:
+        for proc in (self.context, self.graph):
+            if proc.is_alive():
+                proc.terminate()
+        for proc in (self.context, self.graph):
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+        self.zmq.term()
+
+
+class Client:
+    """A raw protocol client: one DEALER, msgpack frames."""
+
+    def __init__(self, context: zmq.Context, endpoint: str):
+        self.socket = context.socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.connect(endpoint)
+        self.inbox: dict[str, list[dict]] = {}  # replies received while waiting for another id
+
+    def send(self, message: dict) -> str:
+        message = {"v": PROTOCOL_VERSION, "id": uuid.uuid4().hex, **message}
+        self.socket.send(codec.encode(message))
+        return message["id"]
+
+    def send_raw(self, frame: bytes) -> None:
+        self.socket.send(frame)
+
+    def recv(self, timeout: float = 30.0) -> dict | None:
+        if self.socket.poll(int(timeout * 1000)):
+            return codec.decode(self.socket.recv())
+        return None
+
+    def _next_for(self, rid: str, deadline: float) -> dict | None:
+        queued = self.inbox.get(rid)
+        if queued:
+            return queued.pop(0)
+        while time.monotonic() < deadline:
+            reply = self.recv(max(0.0, deadline - time.monotonic()))
+            if reply is None:
+                return None
+            if reply.get("id") == rid:
+                return reply
+            self.inbox.setdefault(reply.get("id"), []).append(reply)
+        return None
+
+    def request(self, message: dict, timeout: float = 30.0) -> dict | None:
+        rid = self.send(message)
+        return self._next_for(rid, time.monotonic() + timeout)
+
+    def generate(self, timeout: float = 60.0, **fields) -> tuple[dict, list[dict]]:
+        """Send a generate request; return (final or error reply, chunks)."""
+        rid = self.send({"type": "generate", **fields})
+        return self.collect(rid, timeout)
+
+    def collect(self, rid: str, timeout: float = 60.0) -> tuple[dict, list[dict]]:
+        chunks = []
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            reply = self._next_for(rid, deadline)
+            if reply is None:
+                break
+            if reply["type"] == "chunk":
+                chunks.append(reply)
+            else:
+                return reply, chunks
+        raise TimeoutError(f"no final reply for {rid}")
+
+    def close(self) -> None:
+        self.socket.close()

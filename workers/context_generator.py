@@ -1,0 +1,485 @@
+"""The context-generator process: the dynamic domain and the client-facing socket.
+
+It binds the client ROUTER socket, tokenizes and validates requests, admits them to
+the continuous-batching scheduler, drives the overlapped step pipeline (one step
+ahead of the host), samples, detokenizes and streams, checks stop criteria one step
+late, handles cancel, timeouts, status and drain. The graph generator is its peer
+over a PAIR control channel and the shared arenas.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import zmq
+
+from hybridd.config import Config
+from hybridd.engine.block_manager import BlockManager
+from hybridd.engine.sampler import Sampler
+from hybridd.engine.sampling_params import SamplingParams
+from hybridd.engine.scheduler import Scheduler
+from hybridd.engine.sequence import Sequence
+from hybridd.engine.step_pipeline import EngineDeadError, InflightStep, StepPipeline
+from hybridd.log import configure, get_logger
+from hybridd.model import load_tokenizer
+from hybridd.runtime.step_buffers import StepBuffers
+from ipc.channel import Channel, PeerProtocolError, bind_ipc_endpoint
+from ipc.posix_shm import pid_alive
+from ipc.shared_arena import SharedArena
+from protocol import control
+from protocol.errors import ErrorCode, ProtocolError
+from protocol.limits import PROTOCOL_VERSION
+from protocol.messages import (
+    CancelRequest,
+    ChunkReply,
+    ErrorReply,
+    FinalReply,
+    GenerateRequest,
+    HealthReply,
+    HealthRequest,
+    StatusReply,
+    StatusRequest,
+    Timings,
+    Usage,
+    request_from_wire,
+)
+from workers.graph_generator import resolve_device, resolve_dtype
+from workers.supervisor_link import SupervisorLink
+
+PIPELINE_DEPTH = 2
+LATENCY_WINDOW = 2048
+READY_TIMEOUT_S = 3600.0
+
+
+@dataclass
+class ClientRequest:
+    identity: bytes
+    id: str
+    stream: bool
+    seq: Sequence
+    arrival: float
+    deadline: float | None
+    admitted: float | None = None
+    first_token: float | None = None
+    last_token: float | None = None
+    chunks: int = 0
+    token_ids: list[int] = field(default_factory=list)
+
+
+def percentile(values, q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
+
+
+class ContextGenerator:
+    def __init__(self, config: Config, ctl_endpoint: str):
+        self.config = config
+        self.log = get_logger("context_generator", pid=os.getpid())
+        self.link = SupervisorLink(config.supervisor_endpoint, "context", config.heartbeat_interval_s)
+        self.ctl = Channel(zmq.PAIR, name="ctl-context")
+        self.ctl.bind(ctl_endpoint)
+        self.device = resolve_device(config)
+        self.requests: dict[str, ClientRequest] = {}
+        self.inflight: deque[InflightStep] = deque()
+        self.state = "loading"
+        self.drain_deadline: float | None = None
+        self.started = time.time()
+        self.supervisor_info: dict[str, Any] = {}
+        self.graph_stats: dict[str, Any] = {}
+        self.served = 0
+        self.failed = 0
+        self.ttft = deque(maxlen=LATENCY_WINDOW)
+        self.itl = deque(maxlen=LATENCY_WINDOW)
+        self.stop = False
+
+    # ------------------------------------------------------------------ start
+    def start(self) -> None:
+        config = self.config
+        self.link.phase("loading", "loading tokenizer")
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.tokenizer = load_tokenizer(config.model)
+        self.link.phase("loading", "waiting for the graph generator")
+        ready = self._await_ready()
+        self.ready = ready
+        self.kv_arena = SharedArena.open(ready.arenas["kv"])
+        self.step_arena = SharedArena.open(ready.arenas["step"])
+        self.ctl.send(control.ReadyAck())
+        self.buffers = StepBuffers(dict(self.step_arena.tensors))
+        self.block_manager = BlockManager(ready.num_kv_blocks, ready.block_size)
+        self.scheduler = Scheduler(
+            self.block_manager,
+            max_batch=ready.max_batch,
+            max_prefill_tokens=min(config.max_prefill_tokens, self.buffers.max_tokens),
+            max_model_len=ready.max_model_len,
+            decode_buckets=ready.decode_buckets,
+            block_table_width=self.buffers.max_blocks_per_seq,
+            max_prefill_seqs=ready.max_prefill_seqs,
+            eos_token_ids=ready.eos_token_ids,
+            tokenizer=self.tokenizer,
+        )
+        self.pipeline = StepPipeline(
+            ready, self.buffers, self.ctl, Sampler(compile=config.compile_sampler), self.device,
+            on_control=self._on_control, peer_alive=self._graph_alive,
+        )
+        self.client = bind_ipc_endpoint(self._ipc_path(config.client_endpoint), name="client")
+        self.tcp = None
+        if config.tcp_endpoint:
+            self.tcp = self._bind_tcp(config)
+        self.state = "ready"
+        self.link.phase("ready", "serving")
+        self.log.info("serving", endpoint=config.client_endpoint, kv_blocks=ready.num_kv_blocks)
+
+    @staticmethod
+    def _ipc_path(endpoint: str) -> str:
+        return endpoint.removeprefix("ipc://")
+
+    def _bind_tcp(self, config: Config) -> Channel:
+        from pathlib import Path
+
+        import zmq.auth
+        from zmq.auth.thread import ThreadAuthenticator
+
+        channel = Channel(zmq.ROUTER, name="client-tcp")
+        _, secret = zmq.auth.load_certificate(config.curve_secret_key_file)
+        self._auth = ThreadAuthenticator(zmq.Context.instance())
+        self._auth.start()
+        if config.curve_client_keys_dir:
+            self._auth.configure_curve(domain="*", location=str(Path(config.curve_client_keys_dir)))
+        else:
+            self._auth.configure_curve(domain="*", location=zmq.auth.CURVE_ALLOW_ANY)
+        channel.use_curve_server(secret)
+        channel.bind(config.tcp_endpoint)
+        return channel
+
+    def _await_ready(self) -> control.Ready:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            self.link.heartbeat()
+            message = self.ctl.recv(timeout_ms=int(self.config.heartbeat_interval_s * 1000))
+            if message is None:
+                continue
+            if message.get("type") == "ready":
+                return control.Ready.from_wire(message)
+        raise EngineDeadError("graph generator never became ready")
+
+    def _graph_alive(self) -> bool:
+        return self.ready.pid <= 0 or pid_alive(self.ready.pid)
+
+    def _on_control(self, message: dict) -> None:
+        if message.get("type") == "stats":
+            self.graph_stats = control.Stats.from_wire(message).stats
+
+    # ------------------------------------------------------------------- loop
+    def serve(self) -> None:
+        poller = zmq.Poller()
+        sockets = [self.client.socket, self.link.socket, self.ctl.socket] + ([self.tcp.socket] if self.tcp else [])
+        for sock in sockets:
+            poller.register(sock, zmq.POLLIN)
+        last_alive_check = 0.0
+        while not self.stop:
+            self.link.heartbeat()
+            busy = self.scheduler.has_work or self.inflight
+            events = dict(poller.poll(timeout=0 if busy else int(self.config.heartbeat_interval_s * 1000)))
+            if self.link.socket in events:
+                self._supervisor_commands()
+            for channel in (self.client, self.tcp):
+                if channel is not None and channel.socket in events:
+                    self._client_messages(channel)
+            if self.ctl.socket in events and not self.inflight:
+                while (message := self.ctl.recv(timeout_ms=0)) is not None:
+                    self._on_control(message)
+            now = time.monotonic()
+            if now - last_alive_check > 0.1:
+                last_alive_check = now
+                if not self._graph_alive():
+                    raise EngineDeadError("graph generator died")
+                self._expire_timeouts(now)
+            self._advance()
+            if self.state == "draining":
+                self._check_drain()
+
+    def _advance(self) -> None:
+        """Launch the next step while fewer than PIPELINE_DEPTH are in flight; retire the
+        oldest when the pipeline is full or nothing new can start."""
+        scheduler = self.scheduler
+        # Penalties count output tokens on the host, so those batches run unpipelined.
+        if self.inflight and any(s.params.has_penalties for s in scheduler.running):
+            self._retire(self.inflight.popleft())
+            return
+        if len(self.inflight) < PIPELINE_DEPTH:
+            batch = scheduler.schedule()
+            if batch is not None:
+                now = time.monotonic()
+                for seq in batch.seqs:
+                    request = self.requests.get(seq.request_id)
+                    if request is not None and request.admitted is None:
+                        request.admitted = now
+                self.inflight.append(self.pipeline.launch(batch))
+                self.link.steps += 1
+                if len(self.inflight) < PIPELINE_DEPTH:
+                    return
+        if self.inflight:
+            self._retire(self.inflight.popleft())
+
+    def _retire(self, step: InflightStep) -> None:
+        tokens = self.pipeline.collect(step)
+        before = [seq.num_output_tokens for seq in step.batch.seqs]
+        finished = self.scheduler.postprocess(step.batch, tokens)
+        now = time.monotonic()
+        for seq, token, count in zip(step.batch.seqs, tokens, before, strict=True):
+            request = self.requests.get(seq.request_id)
+            if request is None:
+                continue
+            # A sequence that finished a step earlier had one more token sampled; it is dropped.
+            if seq.num_output_tokens > count:
+                if request.first_token is None:
+                    request.first_token = now
+                    self.ttft.append(now - request.arrival)
+                else:
+                    self.itl.append(now - request.last_token)
+                request.last_token = now
+                request.token_ids.append(token)
+                if request.stream:
+                    self._send(request.identity, ChunkReply(
+                        id=request.id, index=request.chunks, text=seq.new_text, token_ids=[token]))
+                    request.chunks += 1
+        for seq in finished:
+            self._finish(seq.request_id, seq.finish_reason or "stop")
+
+    # ---------------------------------------------------------------- clients
+    def _send(self, identity: bytes, message) -> None:
+        channel = self.tcp if identity.startswith(b"tcp:") and self.tcp else self.client
+        channel.send_to(identity.removeprefix(b"tcp:"), message)
+
+    def _error(self, identity: bytes, request_id: str, code: ErrorCode, message: str, field: str | None = None):
+        self.failed += code not in (ErrorCode.CANCELLED,)
+        self._send(identity, ErrorReply(id=request_id, code=code, message=message, field=field))
+
+    def _client_messages(self, channel: Channel) -> None:
+        prefix = b"tcp:" if channel is self.tcp else b""
+        for _ in range(256):
+            try:
+                received = channel.recv_from(timeout_ms=0)
+            except PeerProtocolError as exc:
+                channel.send_error_to(exc.identity, exc)
+                continue
+            if received is None:
+                return
+            identity, message = received
+            identity = prefix + identity
+            try:
+                request = request_from_wire(message)
+            except ProtocolError as exc:
+                rid = message.get("id") if isinstance(message.get("id"), str) else ""
+                self._error(identity, rid[:128], exc.code, exc.message, exc.field)
+                continue
+            if isinstance(request, GenerateRequest):
+                self._generate(identity, request)
+            elif isinstance(request, CancelRequest):
+                self._cancel(identity, request.target)
+            elif isinstance(request, StatusRequest):
+                self._send(identity, StatusReply(id=request.id, status=self.status()))
+            elif isinstance(request, HealthRequest):
+                self._send(identity, HealthReply(id=request.id, state=self._lifecycle_state(),
+                                                 ok=self.state == "ready"))
+            else:
+                self._error(identity, getattr(request, "id", ""), ErrorCode.INVALID_REQUEST,
+                            f"{type(request).__name__} is a reply, not a request")
+
+    def _key(self, identity: bytes, request_id: str) -> str:
+        return f"{identity.hex()}:{request_id}"
+
+    def _generate(self, identity: bytes, req: GenerateRequest) -> None:
+        if self.state != "ready":
+            self._error(identity, req.id, ErrorCode.DRAINING, "the daemon is draining and accepts no new requests")
+            return
+        key = self._key(identity, req.id)
+        if key in self.requests:
+            self._error(identity, req.id, ErrorCode.INVALID_REQUEST, f"request id {req.id!r} is already in flight",
+                        "id")
+            return
+        if len(self.requests) >= self.config.max_queued_requests:
+            self._error(identity, req.id, ErrorCode.OVERLOADED,
+                        f"{len(self.requests)} requests in flight (max_queued_requests); retry later")
+            return
+        vocab = self.ready.vocab_size
+        if req.prompt is not None:
+            ids = self.tokenizer.encode(req.prompt)
+            if not ids:
+                self._error(identity, req.id, ErrorCode.INVALID_REQUEST, "prompt is empty", "prompt")
+                return
+        else:
+            ids = list(req.prompt_token_ids or [])
+            if not ids:
+                self._error(identity, req.id, ErrorCode.INVALID_REQUEST, "prompt_token_ids is empty",
+                            "prompt_token_ids")
+                return
+            bad = next((t for t in ids if t >= vocab), None)
+            if bad is not None:
+                self._error(identity, req.id, ErrorCode.INVALID_REQUEST,
+                            f"token id {bad} is outside the vocabulary of {vocab}", "prompt_token_ids")
+                return
+        s = req.sampling
+        params = SamplingParams(
+            max_tokens=s.max_tokens, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed,
+            repetition_penalty=s.repetition_penalty, presence_penalty=s.presence_penalty,
+            frequency_penalty=s.frequency_penalty, stop=list(s.stop), stop_token_ids=list(s.stop_token_ids),
+            ignore_eos=s.ignore_eos,
+        )
+        try:
+            params.validate(vocab)
+            seq = Sequence(key, ids, params)
+            self.scheduler.add(seq)
+        except ValueError as exc:
+            field_name = "prompt" if "max_model_len" in str(exc) and "prompt has" in str(exc) else "sampling"
+            self._error(identity, req.id, ErrorCode.INVALID_REQUEST, str(exc), field_name)
+            return
+        now = time.monotonic()
+        deadline = now + req.timeout_s if req.timeout_s else None
+        self.requests[key] = ClientRequest(identity, req.id, req.stream, seq, now, deadline)
+
+    def _cancel(self, identity: bytes, target: str) -> None:
+        key = self._key(identity, target)
+        if key in self.requests and self.scheduler.abort(key) is not None:
+            self._finish(key, "cancelled")
+
+    def _expire_timeouts(self, now: float) -> None:
+        for key, request in list(self.requests.items()):
+            if request.deadline is not None and now > request.deadline:
+                self.scheduler.abort(key)
+                self._finish(key, "timeout")
+
+    def _finish(self, key: str, reason: str) -> None:
+        request = self.requests.pop(key, None)
+        if request is None:
+            return
+        seq = request.seq
+        now = time.monotonic()
+        if reason in ("stop", "length"):
+            self.served += 1
+        self._send(request.identity, FinalReply(
+            id=request.id,
+            text=seq.output_text,
+            token_ids=list(request.token_ids),
+            finish_reason=reason,
+            usage=Usage(prompt_tokens=seq.num_prompt_tokens, completion_tokens=len(request.token_ids)),
+            timings=Timings(
+                ttft_s=None if request.first_token is None else request.first_token - request.arrival,
+                total_s=now - request.arrival,
+                queue_s=(request.admitted or now) - request.arrival,
+            ),
+        ))
+
+    def fail_all(self, code: ErrorCode, message: str) -> None:
+        """A terminal error for every request still in flight (engine death, shutdown)."""
+        for key, request in list(self.requests.items()):
+            self._error(request.identity, request.id, code, message)
+            self.requests.pop(key, None)
+
+    # ------------------------------------------------------------- supervisor
+    def _supervisor_commands(self) -> None:
+        while (command := self.link.poll_command()) is not None:
+            kind = command.get("type")
+            if kind == "drain":
+                timeout = float(command.get("timeout_s", self.config.drain_timeout_s))
+                self._begin_drain(timeout)
+            elif kind == "supervisor_info" and isinstance(command.get("info"), dict):
+                self.supervisor_info = command["info"]
+
+    def _begin_drain(self, timeout_s: float) -> None:
+        if self.state != "ready":
+            return
+        self.state = "draining"
+        self.drain_deadline = time.monotonic() + timeout_s
+        self.link.phase("draining", f"draining {len(self.requests)} requests")
+        self.log.info("draining", requests=len(self.requests), timeout_s=timeout_s)
+
+    def _check_drain(self) -> None:
+        if self.requests and time.monotonic() < self.drain_deadline:
+            return
+        for key in list(self.requests):
+            self.scheduler.abort(key)
+            self._finish(key, "cancelled")
+        while self.inflight:
+            self.pipeline.collect(self.inflight.popleft())
+        self.stop = True
+
+    # ----------------------------------------------------------------- status
+    def _lifecycle_state(self) -> str:
+        if self.state == "draining":
+            return "draining"
+        return self.supervisor_info.get("state", self.state)
+
+    def status(self) -> dict[str, Any]:
+        graph = self.graph_stats
+        bm = self.block_manager
+        info = self.supervisor_info
+        return {
+            "state": self._lifecycle_state(),
+            "uptime_s": info.get("uptime_s", time.time() - self.started),
+            "model": self.config.model,
+            "dtype": str(resolve_dtype(self.config, self.device)).removeprefix("torch."),
+            "device": str(self.device),
+            "workers": info.get("workers", {"context": {"pid": os.getpid(), "restarts": 0},
+                                            "graph": {"pid": self.ready.pid, "restarts": 0}}),
+            "buckets": graph.get("buckets", []),
+            "graph_bytes": graph.get("graph_bytes", 0),
+            "graph_pool_bytes": graph.get("pool_bytes", 0),
+            "graph_memory_budget_bytes": graph.get("memory_budget_bytes", self.config.graph_memory_budget_mb << 20),
+            "kv_blocks": {"total": bm.num_blocks, "used": bm.num_blocks - bm.num_free, "free": bm.num_free},
+            "requests": {"running": len(self.scheduler.running), "queued": len(self.scheduler.waiting),
+                         "served": self.served, "failed": self.failed,
+                         "preemptions": self.scheduler.num_preemptions},
+            "latency": {"ttft_p50_s": percentile(self.ttft, 50), "ttft_p99_s": percentile(self.ttft, 99),
+                        "itl_p50_s": percentile(self.itl, 50), "itl_p99_s": percentile(self.itl, 99),
+                        "window": len(self.itl)},
+        }
+
+    def close(self) -> None:
+        try:
+            self.ctl.send(control.Shutdown())
+        except Exception:  # the peer may be gone already
+            pass
+        for name in ("kv_arena", "step_arena"):
+            if hasattr(self, name):
+                getattr(self, name).close()
+        self.link.phase("stopped")
+        for name in ("client", "tcp"):
+            channel = getattr(self, name, None)
+            if channel is not None:
+                channel.close(linger_ms=200)
+        self.ctl.close(linger_ms=200)
+        self.link.close()
+
+
+def main(config: dict[str, Any], ctl_endpoint: str) -> None:
+    cfg = Config.from_dict(config)
+    configure(cfg.log_level)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor drains us with a message
+    worker = ContextGenerator(cfg, ctl_endpoint)
+
+    def terminate(signum, frame):
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, terminate)
+    try:
+        worker.start()
+        worker.serve()
+    except EngineDeadError as exc:
+        worker.log.error("engine_dead", error=str(exc))
+        worker.fail_all(ErrorCode.ENGINE_DEAD, f"the engine died: {exc}")
+        raise SystemExit(3) from exc
+    except SystemExit:
+        worker.fail_all(ErrorCode.ENGINE_DEAD, "the engine is shutting down")
+        raise
+    finally:
+        worker.close()

@@ -1,0 +1,216 @@
+"""The graph-generator process: the static domain.
+
+It loads the model, allocates the shared arenas (the KV cache, the step buffers with
+the logits) and the interprocess events, captures the decode graphs, hands the
+manifest to the context generator, then serves `Step` messages: wait for the
+context generator's `inputs_ready`, replay the step's graph (or run it eagerly),
+record `logits_ready`, reply `Launched` as soon as the work is enqueued. Prefill
+graphs are captured by the runner's background thread after ready.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any
+
+import torch
+import zmq
+
+from hybridd.config import Config
+from hybridd.log import configure, get_logger
+from hybridd.model import KVCache, load_model
+from hybridd.model.kv_cache import kv_arena_shape, kv_bytes_per_block
+from hybridd.runtime.buckets import BucketPlan
+from hybridd.runtime.graph_runner import GraphRunner, StepShape
+from hybridd.runtime.kernels import select_kernels
+from hybridd.runtime.step_buffers import StepBuffers, buffer_layout
+from ipc.arena_layout import ArenaLayout
+from ipc.channel import Channel
+from ipc.events import InterprocessEvent
+from ipc.shared_arena import SharedArena
+from protocol import control
+from protocol.errors import ProtocolError
+from workers.supervisor_link import SupervisorLink
+
+CPU_DEFAULT_KV_BLOCKS = 512
+STATS_INTERVAL_S = 1.0
+
+
+def resolve_device(config: Config) -> torch.device:
+    if config.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(config.device)
+
+
+def resolve_dtype(config: Config, device: torch.device) -> torch.dtype | None:
+    if config.dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, config.dtype)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+class GraphGenerator:
+    def __init__(self, config: Config, ctl_endpoint: str):
+        self.config = config
+        self.log = get_logger("graph_generator", pid=os.getpid())
+        self.link = SupervisorLink(config.supervisor_endpoint, "graph", config.heartbeat_interval_s)
+        self.ctl = Channel(zmq.PAIR, name="ctl-graph")
+        self.ctl.connect(ctl_endpoint)
+        self.device = resolve_device(config)
+        self._stop = False
+
+    def start(self) -> None:
+        config = self.config
+        self.link.phase("loading", f"loading {config.model}")
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        dtype = resolve_dtype(config, self.device)
+        model = load_model(config.model, dtype=dtype, device=self.device)
+        model.kernels = select_kernels(self.device)
+        mc = model.config
+        max_model_len = min(config.max_model_len or mc.max_model_len, mc.max_model_len)
+        model.max_positions = max_model_len
+        model.init_rotary(self.device)
+        self.model = model
+        self.max_model_len = max_model_len
+        self.plan = BucketPlan.create(config.decode_buckets, config.prefill_buckets, config.max_prefill_seqs)
+        block_size = config.block_size
+        blocks_per_seq = -(-max_model_len // block_size)
+        max_tokens = max(config.max_prefill_tokens, self.plan.max_batch)
+        step_layout = buffer_layout(max_tokens, self.plan.max_rows, blocks_per_seq, mc.vocab_size)
+        num_blocks = self._num_kv_blocks(model, block_size)
+        kv_shape = kv_arena_shape(mc, num_blocks, block_size)
+
+        self.kv_arena = SharedArena.create(ArenaLayout({"kv_cache": (kv_shape, _dtype_name(model.dtype))}), self.device)
+        self.step_arena = SharedArena.create(
+            ArenaLayout({name: (shape, _dtype_name(dt)) for name, (shape, dt) in step_layout.items()}), self.device
+        )
+        self.kv_cache = KVCache(self.kv_arena["kv_cache"], block_size)
+        self.buffers = StepBuffers(dict(self.step_arena.tensors))
+        self.runner = GraphRunner(
+            model, self.kv_cache, self.buffers, self.plan,
+            use_graphs=config.use_cuda_graphs,
+            memory_budget_bytes=config.graph_memory_budget_mb << 20,
+        )
+        self.inputs_ready = InterprocessEvent.create(self.device)
+        self.logits_ready = InterprocessEvent.create(self.device)
+
+        total = len(self.plan.decode)
+        self.link.phase("capturing", f"capturing decode graphs 0/{total}", 0, total)
+        self.runner.capture_decode_graphs(
+            progress=lambda done, n: self.link.phase("capturing", f"capturing decode graphs {done}/{n}", done, n)
+        )
+        self.ctl.send(control.Ready(
+            arenas={"kv": self.kv_arena.manifest(), "step": self.step_arena.manifest()},
+            events={"inputs_ready": self.inputs_ready.ipc_handle(), "logits_ready": self.logits_ready.ipc_handle()},
+            model=config.model,
+            vocab_size=mc.vocab_size,
+            eos_token_ids=list(mc.eos_token_ids),
+            max_model_len=max_model_len,
+            num_kv_blocks=num_blocks,
+            block_size=block_size,
+            max_batch=self.plan.max_batch,
+            decode_buckets=list(self.plan.decode),
+            prefill_buckets=list(self.plan.prefill),
+            max_prefill_seqs=self.plan.max_prefill_seqs,
+            pid=os.getpid(),
+        ))
+        self.log.info("ready_sent", kv_blocks=num_blocks, block_size=block_size, max_model_len=max_model_len)
+
+    def _num_kv_blocks(self, model, block_size: int) -> int:
+        config = self.config
+        if config.num_kv_blocks:
+            return config.num_kv_blocks
+        if self.device.type != "cuda":
+            return CPU_DEFAULT_KV_BLOCKS
+        free, _ = torch.cuda.mem_get_info(self.device)
+        budget = int(free * config.kv_cache_memory_fraction)
+        return max(16, budget // kv_bytes_per_block(model.config, block_size, model.dtype))
+
+    def serve(self) -> None:
+        ack_seen = False
+        last_stats = 0.0
+        poller = zmq.Poller()
+        poller.register(self.ctl.socket, zmq.POLLIN)
+        poller.register(self.link.socket, zmq.POLLIN)
+        while not self._stop:
+            self.link.heartbeat()
+            if ack_seen and time.monotonic() - last_stats > STATS_INTERVAL_S:
+                last_stats = time.monotonic()
+                self.ctl.send(control.Stats(stats=self.runner.snapshot()))
+            events = dict(poller.poll(timeout=int(self.config.heartbeat_interval_s * 1000)))
+            if self.link.socket in events:
+                self.link.poll_command()  # nothing for the graph generator; drain the queue
+            if self.ctl.socket not in events:
+                continue
+            try:
+                message = self.ctl.recv(timeout_ms=0)
+            except ProtocolError as exc:
+                self.log.error("bad_control_message", error=str(exc))
+                continue
+            if message is None:
+                continue
+            kind = message.get("type")
+            if kind == "step":
+                try:
+                    step = control.Step.from_wire(message)
+                except ProtocolError as exc:
+                    self.log.error("bad_step_message", error=str(exc))
+                    continue
+                self._step(step)
+            elif kind == "ready_ack" and not ack_seen:
+                ack_seen = True
+                # The peer has mapped the arenas: their names can go, mappings stay valid.
+                self.kv_arena.unlink_name()
+                self.step_arena.unlink_name()
+                self.runner.start_background_capture()
+                self.link.phase("ready", "serving")
+            elif kind == "stats_request":
+                self.ctl.send(control.Stats(stats=self.runner.snapshot()))
+            elif kind == "shutdown":
+                self._stop = True
+            else:
+                self.log.warning("unexpected_control_message", type=kind)
+
+    def _step(self, step: control.Step) -> None:
+        is_prefill = step.kind == "prefill"
+        n_seqs = step.n_real
+        shape = self.runner.plan_step(is_prefill, step.n_tokens, n_seqs)
+        stream = self.runner.stream
+        # The context generator wrote the real rows; the padding is ours to write.
+        if stream is not None:
+            self.inputs_ready.wait(stream)
+            with torch.cuda.stream(stream):
+                self.buffers.pad(step.n_tokens, n_seqs, shape.tokens, shape.seqs)
+        else:
+            self.buffers.pad(step.n_tokens, n_seqs, shape.tokens, shape.seqs)
+        self.runner.execute(shape)
+        self.logits_ready.record(stream)
+        self.link.steps += 1
+        self.ctl.send(control.Launched(step=step.step, graph=shape.graph))
+
+    def close(self) -> None:
+        self.runner.stop_background_capture() if hasattr(self, "runner") else None
+        for arena in ("kv_arena", "step_arena"):
+            if hasattr(self, arena):
+                getattr(self, arena).close()
+        self.link.phase("stopped")
+        self.ctl.close(linger_ms=100)
+        self.link.close()
+
+
+def main(config: dict[str, Any], ctl_endpoint: str) -> None:
+    cfg = Config.from_dict(config)
+    configure(cfg.log_level)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor decides; SIGTERM ends us
+    worker = GraphGenerator(cfg, ctl_endpoint)
+    try:
+        worker.start()
+        worker.serve()
+    finally:
+        worker.close()

@@ -1,0 +1,64 @@
+"""A worker's link to the supervisor: lifecycle phases and heartbeats out, commands in.
+
+Both workers connect a DEALER (identity = the worker's name) to the supervisor's
+ROUTER. Sends never block: with no supervisor listening (a worker pair started by a
+test or a benchmark directly) the messages are dropped, and the worker runs the same.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import zmq
+
+from protocol import codec
+from protocol.errors import ProtocolError
+from protocol.limits import PROTOCOL_VERSION
+
+
+class SupervisorLink:
+    def __init__(self, endpoint: str, worker: str, heartbeat_interval_s: float, context: zmq.Context | None = None):
+        self.worker = worker
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self._socket = (context or zmq.Context.instance()).socket(zmq.DEALER)
+        self._socket.setsockopt(zmq.IDENTITY, worker.encode())
+        self._socket.setsockopt(zmq.LINGER, 200)
+        self._socket.setsockopt(zmq.SNDHWM, 64)
+        self._socket.connect(endpoint)
+        self._last_beat = 0.0
+        self.steps = 0
+
+    @property
+    def socket(self) -> zmq.Socket:
+        return self._socket
+
+    def _send(self, message: dict[str, Any]) -> None:
+        try:
+            self._socket.send(codec.encode({"v": PROTOCOL_VERSION, **message}), zmq.NOBLOCK)
+        except zmq.Again:
+            pass
+
+    def phase(self, phase: str, detail: str = "", done: int = 0, total: int = 0) -> None:
+        self._send({"type": "worker_phase", "worker": self.worker, "phase": phase, "detail": detail,
+                    "done": done, "total": total})
+
+    def heartbeat(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if force or now - self._last_beat >= self.heartbeat_interval_s:
+            self._last_beat = now
+            self._send({"type": "heartbeat", "worker": self.worker, "steps": self.steps})
+
+    def poll_command(self) -> dict[str, Any] | None:
+        """The next command from the supervisor, if one is waiting."""
+        try:
+            frame = self._socket.recv(zmq.NOBLOCK)
+        except zmq.Again:
+            return None
+        try:
+            return codec.decode(frame)
+        except ProtocolError:
+            return None
+
+    def close(self) -> None:
+        self._socket.close()
