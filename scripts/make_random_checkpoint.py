@@ -54,9 +54,26 @@ def make_checkpoint(
                 std /= (2 * config.num_hidden_layers) ** 0.5
             param.normal_(0.0, std, generator=generator)
     model.save_pretrained(out, max_shard_size="4GB")
+    save_synthetic_tokenizer(out, config.vocab_size)
     (out / "hybridd-random.json").write_text(json.dumps({"preset": preset, "seed": seed, "init": init}))
     del model
     return out
+
+
+def save_synthetic_tokenizer(out: Path, vocab_size: int) -> None:
+    """A word-level tokenizer over `vocab_size` made-up words ("w5 w17 ..."), so that the
+    daemon can tokenize and detokenize for a random checkpoint; benchmarks send token ids."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for i in range(3, vocab_size):
+        vocab[f"w{i}"] = i
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    fast.save_pretrained(out)
 
 
 def main() -> int:

@@ -22,7 +22,7 @@ def _decode_split_kernel(
     q_ptr, kc_ptr, vc_ptr, bt_ptr, len_ptr, part_o_ptr, part_lse_ptr, scale,
     stride_qb, stride_qh, stride_c_blk, stride_c_tok, stride_c_head, stride_bt,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-    TILE: tl.constexpr, NUM_SPLITS: tl.constexpr, NUM_HEADS: tl.constexpr,
+    TILE: tl.constexpr, NUM_SPLITS: tl.constexpr, NUM_HEADS: tl.constexpr, PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
@@ -48,14 +48,14 @@ def _decode_split_kernel(
         blk = tl.load(bt_ptr + b * stride_bt + toks // PAGE, mask=valid, other=0).to(tl.int64)
         off = blk * stride_c_blk + (toks % PAGE) * stride_c_tok + kvh * stride_c_head
         k = tl.load(kc_ptr + off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k)) * scale
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         p = tl.exp(s - m_new[:, None])
         alpha = tl.exp(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(vc_ptr + off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
         tok0 += TILE
     has = l_i > 0
@@ -112,6 +112,8 @@ def decode_attention(
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=d, PAGE=page,
         TILE=_TILE, NUM_SPLITS=splits, NUM_HEADS=h,
+        # float32 caches get true float32 products, not TF32 (bf16 ignores this).
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )
     _decode_merge_kernel[(b * h,)](part_o, part_lse, out, NUM_SPLITS=splits, HEAD_DIM=d)
     return out

@@ -1,0 +1,169 @@
+"""Two-process pipeline overhead on the GPU: ITL through the decoupled runtime against
+the same decode graphs replayed in one process, in one run.
+
+    python scripts/bench_pipeline.py --out $OUT
+
+Three figures per batch size (1 and 8), on the same random Llama-2-7B-shape weights:
+- `gpu_step_s`: one decode step's GPU time (graph replay + greedy sampling, back to
+  back, timed by CUDA events): the floor any ITL is bounded by;
+- `in_process_itl_s`: the same graphs replayed in one process, the sampled tokens
+  read back to the host every step (what a single-process engine does);
+- `two_process_itl_s`: inter-token latency measured at the client through the
+  context generator and the graph generator (ZeroMQ, CUDA IPC, events).
+ITL close to the GPU step time means the GPU has no idle gap between steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from hybridd.model import KVCache, load_model  # noqa: E402
+from hybridd.runtime.buckets import BucketPlan  # noqa: E402
+from hybridd.runtime.graph_runner import GraphRunner  # noqa: E402
+from hybridd.runtime.kernels import select_kernels  # noqa: E402
+from hybridd.runtime.step_buffers import HostStep, StepBuffers  # noqa: E402
+
+BLOCK = 16
+
+
+def in_process(model_dir: Path, batches: list[int], prompt_len: int, tokens: int) -> dict:
+    model = load_model(model_dir, dtype=torch.bfloat16, device="cuda", max_positions=4096)
+    model.kernels = select_kernels("cuda")
+    plan = BucketPlan.create([1, 2, 4, 8], [16], 1)
+    width = 4096 // BLOCK
+    kv = KVCache.allocate(model.config, 8 * width, BLOCK, torch.bfloat16, "cuda")
+    buffers = StepBuffers.allocate(64, 8, width, model.config.vocab_size, "cuda")
+    runner = GraphRunner(model, kv, buffers, plan)
+    runner.capture_decode_graphs()
+    results = {}
+    for batch in batches:
+        tables = [list(range(i * width, (i + 1) * width)) for i in range(batch)]
+
+        def step_inputs(pos: int) -> HostStep:
+            slots = [t[pos // BLOCK] * BLOCK + pos % BLOCK for t in tables]
+            return HostStep(False, None, [pos] * batch, slots, tables, [pos + 1] * batch,
+                            list(range(batch + 1)), list(range(batch)))
+
+        buffers.input_ids[:batch].fill_(5)
+        shape = runner.stage(step_inputs(prompt_len))
+
+        def one_step() -> None:
+            runner.execute(shape)
+            with torch.cuda.stream(runner.stream):
+                buffers.input_ids[:batch].copy_(buffers.logits[:batch].argmax(-1))
+
+        for _ in range(10):
+            one_step()
+        runner.synchronize()
+        # GPU time of back-to-back steps.
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(runner.stream)
+        for _ in range(tokens):
+            one_step()
+        end.record(runner.stream)
+        end.synchronize()
+        gpu_step = start.elapsed_time(end) / 1e3 / tokens
+        # One process, tokens read back to the host each step.
+        itl = []
+        last = time.perf_counter()
+        for pos in range(prompt_len, prompt_len + tokens):
+            shape = runner.stage(step_inputs(pos))
+            one_step()
+            buffers.input_ids[:batch].cpu()
+            now = time.perf_counter()
+            itl.append(now - last)
+            last = now
+        results[batch] = {"gpu_step_s": gpu_step, "in_process_itl_p50_s": statistics.median(itl),
+                          "in_process_itl_p99_s": sorted(itl)[int(0.99 * (len(itl) - 1))]}
+    del runner, model, kv
+    torch.cuda.empty_cache()
+    return results
+
+
+def two_process(model_dir: Path, batches: list[int], prompt_len: int, tokens: int) -> dict:
+    from tests.engine_pair import EnginePair
+
+    results = {}
+    with tempfile.TemporaryDirectory() as run_dir:
+        pair = EnginePair(Path(run_dir), model=str(model_dir), device="cuda", dtype="bfloat16",
+                          decode_buckets=[1, 2, 4, 8], max_batch=8, prefill_buckets=[16, 128, 256],
+                          max_prefill_tokens=256, compile_sampler=True, kv_cache_memory_fraction=0.3)
+        try:
+            pair.wait_ready(timeout=600)
+            client = pair.client()
+            g = torch.Generator().manual_seed(0)
+            for batch in batches:
+                for warm in (True, False):
+                    rids = [client.send({"type": "generate",
+                                         "prompt_token_ids": torch.randint(3, 32000, (prompt_len,), generator=g).tolist(),
+                                         "sampling": {"max_tokens": 32 if warm else tokens, "temperature": 0.0,
+                                                      "ignore_eos": True}})
+                            for _ in range(batch)]
+                    arrivals = {rid: [] for rid in rids}
+                    done = set()
+                    while len(done) < len(rids):
+                        reply = client.recv(60)
+                        if reply is None:
+                            raise TimeoutError("no reply from the daemon")
+                        if reply["id"] in arrivals:
+                            if reply["type"] == "chunk":
+                                arrivals[reply["id"]].append(time.perf_counter())
+                            else:
+                                done.add(reply["id"])
+                if any(len(a) != tokens for a in arrivals.values()):
+                    raise RuntimeError("streams did not deliver every token")
+                gaps = [b - a for times in arrivals.values() for a, b in zip(times[1:], times[2:])]
+                results[batch] = {"two_process_itl_p50_s": statistics.median(gaps),
+                                  "two_process_itl_p99_s": sorted(gaps)[int(0.99 * (len(gaps) - 1))]}
+            results["status"] = client.request({"type": "status"})["status"]
+            client.close()
+        finally:
+            pair.close()
+    return results
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description="two-process pipeline overhead")
+    parser.add_argument("--model", type=Path)
+    parser.add_argument("--preset", default="llama2-7b")
+    parser.add_argument("--out", type=Path, default=Path("out"))
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--tokens", type=int, default=256)
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.model is None:
+        from make_random_checkpoint import make_checkpoint
+
+        args.model = make_checkpoint(Path(f"/tmp/hybridd-{args.preset}-normal-random"), args.preset)
+    batches = [1, 8]
+    one = in_process(args.model, batches, args.prompt_len, args.tokens)
+    two = two_process(args.model, batches, args.prompt_len, args.tokens)
+    rows = {b: {**one[b], **two[b]} for b in batches}
+    for b in batches:
+        rows[b]["overhead_ratio_p50"] = rows[b]["two_process_itl_p50_s"] / rows[b]["in_process_itl_p50_s"]
+        rows[b]["itl_over_gpu_step"] = rows[b]["two_process_itl_p50_s"] / rows[b]["gpu_step_s"]
+    (args.out / "bench_pipeline.json").write_text(json.dumps({"rows": rows, "status": two.get("status")}, indent=2,
+                                                             default=str))
+    ms = 1e3
+    print("\nbatch | GPU step ms | 1-proc ITL p50/p99 ms | 2-proc ITL p50/p99 ms | 2-proc/1-proc | ITL/GPU step")
+    for b, r in rows.items():
+        print(f"{b:5d} | {r['gpu_step_s'] * ms:11.2f} | {r['in_process_itl_p50_s'] * ms:7.2f} / {r['in_process_itl_p99_s'] * ms:6.2f}"
+              f"      | {r['two_process_itl_p50_s'] * ms:7.2f} / {r['two_process_itl_p99_s'] * ms:6.2f}      | "
+              f"{r['overhead_ratio_p50']:13.3f} | {r['itl_over_gpu_step']:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
