@@ -149,6 +149,7 @@ def main() -> int:
         args.model = make_checkpoint(Path(f"/tmp/hybridd-{args.preset}-normal-random"), args.preset)
     batches = [1, 8]
     one = in_process(args.model, batches, args.prompt_len, args.tokens)
+    print("in-process:", json.dumps(one), flush=True)
     two = two_process(args.model, batches, args.prompt_len, args.tokens)
     rows = {b: {**one[b], **two[b]} for b in batches}
     for b in batches:

@@ -39,9 +39,14 @@ STATS_INTERVAL_S = 1.0
 
 
 def resolve_device(config: Config) -> torch.device:
-    if config.device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(config.device)
+    """The configured device, with an explicit index for CUDA (`set_device` needs one)."""
+    name = config.device
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", 0)
+    return device
 
 
 def resolve_dtype(config: Config, device: torch.device) -> torch.dtype | None:
