@@ -23,7 +23,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from types import EllipsisType
 from typing import Any
@@ -226,7 +226,9 @@ class _Session:
             self._socket.setsockopt(zmq.CURVE_SERVERKEY, server_public_key)
             self._socket.setsockopt(zmq.CURVE_PUBLICKEY, public_key)
             self._socket.setsockopt(zmq.CURVE_SECRETKEY, secret_key)
-        self._monitor = self._socket.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        self._monitor = self._socket.get_monitor_socket(
+            zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+        )
         self._socket.connect(endpoint)
         self.connected = False
         self.pending: dict[str, Sink] = {}
@@ -253,11 +255,15 @@ class _Session:
     async def _watch(self) -> None:
         while True:
             event = parse_monitor_message(await self._monitor.recv_multipart())
-            if event["event"] == zmq.EVENT_CONNECTED:
+            if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self.connected = True
-            elif event["event"] == zmq.EVENT_DISCONNECTED:
+            elif event["event"] == zmq.EVENT_DISCONNECTED and self.connected:
+                # Only a session that was established can lose the daemon; a refused
+                # handshake (wrong CURVE keys) is never heard, like a daemon not running.
                 self.connected = False
                 self.fail_all(EngineDeadError(f"the daemon's socket {self.endpoint} disconnected"))
+            elif event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                log.warning("the daemon refused this client's CURVE keys", endpoint=self.endpoint)
 
     def fail_all(self, error: HybriddError) -> None:
         pending, self.pending = self.pending, {}
@@ -270,7 +276,10 @@ class _Session:
         if request.id in self.pending:
             raise InvalidRequestError(f"id: request id {request.id!r} is already in flight on this client",
                                       field="id", request_id=request.id)
-        frame = encode(request)
+        try:
+            frame = encode(request)
+        except ProtocolError as error:  # over MAX_MESSAGE_BYTES: the daemon would drop the connection
+            raise error_for_code(error.code, error.message, field=error.field, request_id=request.id) from None
         self.pending[request.id] = sink
         self._socket.send(frame)
 
@@ -278,14 +287,14 @@ class _Session:
         self.pending.pop(request_id, None)
 
     def cancel(self, target: str) -> None:
-        """Fire and forget: a valid cancel has no reply of its own (the target ends `cancelled`)."""
-        self.pending.pop(target, None)
+        """Fire and forget: a valid cancel has no reply of its own; the target's waiter
+        receives its terminal `final` (`cancelled`) as usual."""
         if not self.closed:
             self._socket.send(encode(CancelRequest(id=new_request_id(), target=target)))
 
     def abandon(self, target: str) -> None:
         """A caller stopped waiting (timeout, dropped stream): free the daemon's work too."""
-        if target in self.pending:
+        if self.pending.pop(target, None) is not None:
             self.cancel(target)
 
     async def close(self) -> None:

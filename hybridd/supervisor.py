@@ -57,16 +57,19 @@ DEFAULT_TARGETS = {
     "graph": "workers.graph_generator:main",
     "context": "workers.context_generator:main",
 }
-# A worker that misses this many heartbeat intervals is hung: the pair restarts.
+# A worker silent for this many heartbeat intervals, and at least MIN_HEARTBEAT_TIMEOUT_S,
+# is hung: the pair restarts. The floor tolerates a loop that stalls on a one-off
+# JIT compilation; a dead process is caught by its sentinel at once anyway.
 HEARTBEAT_MISSES = 12
+MIN_HEARTBEAT_TIMEOUT_S = 10.0
 # systemd's watchdog is fed only while both workers heartbeated within this many
 # intervals: a stalled worker stops the pings long before it is declared hung.
 WATCHDOG_FRESH_INTERVALS = 3
 # From spawn to a worker's first message: a fresh interpreter importing torch (and
 # CUDA initialising) on a cold disk. Past it the worker counts as hung.
 FIRST_MESSAGE_TIMEOUT_S = 120.0
-# When one worker dies, the other gets this long to answer its clients (engine_dead)
-# and exit on its own before SIGKILL.
+# When one worker dies, the other gets SIGTERM and this long to answer its clients
+# (engine_dead) and exit before SIGKILL.
 PARTNER_GRACE_S = 1.0
 # Beyond `drain_timeout_s`: time for the context generator to cancel what is left,
 # shut the graph generator down and exit.
@@ -195,9 +198,11 @@ def worker_main(name: str, target: WorkerTarget, config: dict[str, Any], ctl_end
     _die_with_parent()
     if os.getppid() != parent_pid:  # the supervisor died before prctl took effect
         os._exit(EXIT_FAILURE)
-    # Ctrl-C reaches the whole foreground process group; only the supervisor decides
-    # what it means (a drain), and tells the workers.
+    # Ctrl-C, `timeout`, `kill -- -PGID` or a KillMode=control-group stop signal the
+    # whole process group; only the supervisor decides what that means (a drain) and
+    # tells the workers. It stops a worker the hard way with SIGKILL, never SIGTERM.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     configure_logging(level=config.get("log_level"))
     resolve_target(target)(config, ctl_endpoint)
 
@@ -249,12 +254,15 @@ class Supervisor:
         stable_after_s: float | None = None,
         first_message_timeout_s: float = FIRST_MESSAGE_TIMEOUT_S,
         drain_grace_s: float = DRAIN_GRACE_S,
+        heartbeat_timeout_s: float | None = None,
     ) -> None:
         self.config = config
         self.targets: dict[str, WorkerTarget] = {"graph": graph_target, "context": context_target}
         self.notifier = notifier or Notifier()
         self.runtime_dir = Path(config.runtime_dir)
-        self.heartbeat_timeout_s = HEARTBEAT_MISSES * config.heartbeat_interval_s
+        self.heartbeat_timeout_s = heartbeat_timeout_s or max(
+            HEARTBEAT_MISSES * config.heartbeat_interval_s, MIN_HEARTBEAT_TIMEOUT_S
+        )
         self.watchdog_fresh_s = WATCHDOG_FRESH_INTERVALS * config.heartbeat_interval_s
         self.first_message_timeout_s = first_message_timeout_s
         self.drain_grace_s = drain_grace_s
@@ -357,10 +365,14 @@ class Supervisor:
         self._send_info()
 
     def _kill_pair(self, *, culprit: str | None = None, grace_s: float = PARTNER_GRACE_S) -> None:
-        """Stop whatever is left of the pair: the culprit at once, the partner after a grace."""
+        """Stop whatever is left of the pair: the culprit at once (SIGKILL), the partner
+        politely (SIGTERM: time to answer its clients `engine_dead`), SIGKILL after a grace."""
         for worker in self.workers.values():
-            if worker.alive and worker.name == culprit:
-                worker.process.kill()
+            if worker.alive and worker.process.exitcode is None:
+                if worker.name == culprit or grace_s <= 0:
+                    worker.process.kill()
+                else:
+                    worker.process.terminate()
         deadline = time.monotonic() + grace_s
         for worker in self.workers.values():
             if worker.alive:
@@ -375,6 +387,12 @@ class Supervisor:
         for suffix in ("", ".lock"):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self._ctl_endpoint().removeprefix("ipc://") + suffix)
+        # A killed context generator leaves its client socket file behind; nobody holds
+        # its lock now (the pid file keeps other supervisors out), so it is stale.
+        client = self.config.client_endpoint
+        if client.startswith("ipc://") and not _endpoint_locked(client):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(client.removeprefix("ipc://"))
         reap_stale_segments()
 
     def _pair_failed(self, culprit: str, reason: str) -> None:

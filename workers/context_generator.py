@@ -28,7 +28,7 @@ from hybridd.engine.sequence import Sequence
 from hybridd.engine.step_pipeline import EngineDeadError, InflightStep, StepPipeline
 from hybridd.log import configure, get_logger
 from hybridd.model import load_tokenizer
-from hybridd.runtime.step_buffers import StepBuffers
+from hybridd.runtime.step_buffers import StepBuffers, geometry
 from ipc.channel import Channel, PeerProtocolError, bind_ipc_endpoint
 from ipc.posix_shm import pid_alive
 from ipc.shared_arena import SharedArena
@@ -113,7 +113,9 @@ class ContextGenerator:
         self.kv_arena = SharedArena.open(ready.arenas["kv"])
         self.step_arena = SharedArena.open(ready.arenas["step"])
         self.ctl.send(control.ReadyAck())
-        self.buffers = StepBuffers(dict(self.step_arena.tensors))
+        max_tokens, blocks_per_seq = geometry(config.max_prefill_tokens, ready.max_batch, ready.max_model_len,
+                                              ready.block_size)
+        self.buffers = StepBuffers(dict(self.step_arena.tensors), max_tokens, blocks_per_seq)
         self.block_manager = BlockManager(ready.num_kv_blocks, ready.block_size)
         self.scheduler = Scheduler(
             self.block_manager,

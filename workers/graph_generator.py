@@ -25,7 +25,7 @@ from hybridd.model.kv_cache import kv_arena_shape, kv_bytes_per_block
 from hybridd.runtime.buckets import BucketPlan
 from hybridd.runtime.graph_runner import GraphRunner, StepShape
 from hybridd.runtime.kernels import select_kernels
-from hybridd.runtime.step_buffers import StepBuffers, buffer_layout
+from hybridd.runtime.step_buffers import StepBuffers, buffer_layout, geometry
 from ipc.arena_layout import ArenaLayout
 from ipc.channel import Channel
 from ipc.events import InterprocessEvent
@@ -85,8 +85,7 @@ class GraphGenerator:
         self.max_model_len = max_model_len
         self.plan = BucketPlan.create(config.decode_buckets, config.prefill_buckets, config.max_prefill_seqs)
         block_size = config.block_size
-        blocks_per_seq = -(-max_model_len // block_size)
-        max_tokens = max(config.max_prefill_tokens, self.plan.max_batch)
+        max_tokens, blocks_per_seq = geometry(config.max_prefill_tokens, self.plan.max_batch, max_model_len, block_size)
         step_layout = buffer_layout(max_tokens, self.plan.max_rows, blocks_per_seq, mc.vocab_size)
         num_blocks = self._num_kv_blocks(model, block_size)
         kv_shape = kv_arena_shape(mc, num_blocks, block_size)
@@ -96,7 +95,7 @@ class GraphGenerator:
             ArenaLayout({name: (shape, _dtype_name(dt)) for name, (shape, dt) in step_layout.items()}), self.device
         )
         self.kv_cache = KVCache(self.kv_arena["kv_cache"], block_size)
-        self.buffers = StepBuffers(dict(self.step_arena.tensors))
+        self.buffers = StepBuffers(dict(self.step_arena.tensors), max_tokens, blocks_per_seq)
         self.runner = GraphRunner(
             model, self.kv_cache, self.buffers, self.plan,
             use_graphs=config.use_cuda_graphs,

@@ -68,6 +68,7 @@ class StepPipeline:
         self.inputs_ready = InterprocessEvent.from_handle(ready.events.get("inputs_ready", b""), device)
         self.logits_ready = InterprocessEvent.from_handle(ready.events.get("logits_ready", b""), device)
         self.ring = torch.zeros((RING_STEPS, buffers.max_seqs), dtype=torch.int64, device=device)
+        self._greedy_tensors: dict[int, SamplingTensors] = {}
 
     def launch(self, batch: ScheduledBatch) -> InflightStep:
         if self.cuda:
@@ -122,7 +123,17 @@ class StepPipeline:
         return tensor.pin_memory().to(self.device, non_blocking=True)
 
     def _sampling_tensors(self, batch: ScheduledBatch) -> SamplingTensors:
-        tensors = SamplingTensors.from_sequences(batch.seqs, self.vocab_size, "cpu")
+        params = [s.params for s in batch.seqs]
+        if all(p.greedy and not p.has_penalties for p in params):
+            # Greedy rows read none of the per-row values: reuse one set per batch size
+            # instead of copying eight small tensors to the device every step.
+            n = len(params)
+            if n not in self._greedy_tensors:
+                self._greedy_tensors[n] = self._move(SamplingTensors.from_sequences(batch.seqs, self.vocab_size, "cpu"))
+            return self._greedy_tensors[n]
+        return self._move(SamplingTensors.from_sequences(batch.seqs, self.vocab_size, "cpu"))
+
+    def _move(self, tensors: SamplingTensors) -> SamplingTensors:
         if not self.cuda:
             return tensors
         moved = {

@@ -20,7 +20,7 @@ def write_kv(
     flat_k = k_cache.view(-1, *k_cache.shape[2:])
     flat_v = v_cache.view(-1, *v_cache.shape[2:])
     scratch = flat_k.shape[0] - 1
-    slots = torch.where(slot_mapping >= 0, slot_mapping, scratch)
+    slots = torch.where(slot_mapping >= 0, slot_mapping, scratch).long()
     flat_k.index_copy_(0, slots, k)
     flat_v.index_copy_(0, slots, v)
 

@@ -4,6 +4,10 @@ and writes, sized for the largest bucket.
 A step is staged by writing its rows and padding the rest of the bucket (slot -1,
 so padded rows write nothing to the KV cache); graphs then see the new contents at
 the same addresses. In the two-process runtime these tensors live in a shared arena.
+
+All integer inputs live in one packed int32 region (`step_inputs`), so a step's
+inputs reach the device in a single host-to-device copy from a pinned mirror;
+per-buffer copies were seven small transfers on the critical path of every step.
 """
 
 from __future__ import annotations
@@ -15,20 +19,50 @@ import torch
 from hybridd.model.step_inputs import StepInputs
 
 
+def geometry(max_prefill_tokens: int, max_batch: int, max_model_len: int, block_size: int) -> tuple[int, int]:
+    """(max_tokens, max_blocks_per_seq) of the step buffers, as both processes derive them."""
+    return max(max_prefill_tokens, max_batch), -(-max_model_len // block_size)
+
+
+def input_fields(max_tokens: int, max_seqs: int, max_blocks_per_seq: int) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of each int32 input inside the packed `step_inputs` region, in order."""
+    return {
+        "input_ids": (max_tokens,),
+        "positions": (max_tokens,),
+        "slot_mapping": (max_tokens,),
+        "seq_lens": (max_seqs,),
+        "query_start_loc": (max_seqs + 1,),
+        "logits_indices": (max_seqs,),
+        "block_tables": (max_seqs, max_blocks_per_seq),
+    }
+
+
 def buffer_layout(
     max_tokens: int, max_seqs: int, max_blocks_per_seq: int, vocab_size: int
 ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """Name -> (shape, dtype) of every static buffer; the one definition of their geometry."""
+    """Name -> (shape, dtype) of every static buffer region; the one definition of their geometry."""
+    fields = input_fields(max_tokens, max_seqs, max_blocks_per_seq)
+    packed = sum(_numel(shape) for shape in fields.values())
     return {
-        "input_ids": ((max_tokens,), torch.int64),
-        "positions": ((max_tokens,), torch.int64),
-        "slot_mapping": ((max_tokens,), torch.int64),
-        "block_tables": ((max_seqs, max_blocks_per_seq), torch.int32),
-        "seq_lens": ((max_seqs,), torch.int32),
-        "query_start_loc": ((max_seqs + 1,), torch.int32),
-        "logits_indices": ((max_seqs,), torch.int64),
+        "step_inputs": ((packed,), torch.int32),
         "logits": ((max_seqs, vocab_size), torch.float32),
     }
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _split(packed: torch.Tensor, fields: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+    views, offset = {}, 0
+    for name, shape in fields.items():
+        n = _numel(shape)
+        views[name] = packed[offset : offset + n].view(shape)
+        offset += n
+    return views
 
 
 @dataclass
@@ -54,20 +88,31 @@ class HostStep:
 
 
 class StepBuffers:
-    def __init__(self, tensors: dict[str, torch.Tensor]):
+    def __init__(self, tensors: dict[str, torch.Tensor], max_tokens: int, max_blocks_per_seq: int):
+        """`tensors`: the regions of `buffer_layout` (`step_inputs`, `logits`)."""
         self.tensors = tensors
-        for name, tensor in tensors.items():
-            setattr(self, name, tensor)
-        self.max_tokens = self.input_ids.shape[0]
-        self.max_seqs = self.seq_lens.shape[0]
-        self.max_blocks_per_seq = self.block_tables.shape[1]
+        self.packed = tensors["step_inputs"]
+        self.logits = tensors["logits"]
+        self.max_tokens = max_tokens
+        self.max_seqs = self.logits.shape[0]
+        self.max_blocks_per_seq = max_blocks_per_seq
+        self.fields = input_fields(max_tokens, self.max_seqs, max_blocks_per_seq)
+        for name, view in _split(self.packed, self.fields).items():
+            setattr(self, name, view)
+        pin = self.packed.device.type == "cuda"
+        # Two pinned host mirrors, alternated, each with the event of its last copy.
+        self._mirrors = [torch.zeros(self.packed.shape, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
+        self._mirror_views = [_split(m, self.fields) for m in self._mirrors]
+        self._mirror_done: list[torch.cuda.Event | None] = [None, None]
+        self._next_mirror = 0
 
     @classmethod
     def allocate(
         cls, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, vocab_size: int, device: torch.device | str
     ) -> StepBuffers:
         layout = buffer_layout(max_tokens, max_seqs, max_blocks_per_seq, vocab_size)
-        return cls({n: torch.zeros(shape, dtype=dt, device=device) for n, (shape, dt) in layout.items()})
+        tensors = {n: torch.zeros(shape, dtype=dt, device=device) for n, (shape, dt) in layout.items()}
+        return cls(tensors, max_tokens, max_blocks_per_seq)
 
     def view(self, is_prefill: bool, num_tokens: int, num_seqs: int) -> StepInputs:
         """The bucket-shaped window of the buffers that a graph of this shape reads."""
@@ -96,21 +141,27 @@ class StepBuffers:
         self.pad(t, s, num_tokens, num_seqs)
 
     def write(self, step: HostStep) -> None:
-        """The step's real rows, one host-to-device copy per buffer."""
+        """The step's real rows, in one host-to-device copy of the packed inputs (on the
+        current stream). Rows past the step's own are left for `pad` or never read."""
         if step.num_tokens > self.max_tokens or step.num_seqs > self.max_seqs:
             raise ValueError(
                 f"step of {step.num_tokens} tokens / {step.num_seqs} seqs exceeds the step buffers "
                 f"({self.max_tokens} tokens / {self.max_seqs} seqs)"
             )
-        device = self.input_ids.device
+        index = self._next_mirror
+        self._next_mirror ^= 1
+        if self._mirror_done[index] is not None:
+            self._mirror_done[index].synchronize()  # its previous copy has been read
+        host = self._mirror_views[index]
         if step.input_ids is not None:
-            self._copy(self.input_ids, step.input_ids, device)
-        self._copy(self.positions, step.positions, device)
-        self._copy(self.slot_mapping, step.slot_mapping, device)
-        self._copy(self.seq_lens, step.seq_lens, device)
-        self._copy(self.query_start_loc, step.query_start_loc, device)
-        self._copy(self.logits_indices, step.logits_indices, device)
-        table = torch.zeros((step.num_seqs, self.max_blocks_per_seq), dtype=torch.int32)
+            _fill(host["input_ids"], step.input_ids)
+        _fill(host["positions"], step.positions)
+        _fill(host["slot_mapping"], step.slot_mapping)
+        _fill(host["seq_lens"], step.seq_lens)
+        _fill(host["query_start_loc"], step.query_start_loc)
+        _fill(host["logits_indices"], step.logits_indices)
+        table = host["block_tables"][: step.num_seqs]
+        table.zero_()
         if isinstance(step.block_tables, torch.Tensor):
             width = step.block_tables.shape[1] if step.block_tables.dim() == 2 else 0
             if width > self.max_blocks_per_seq:
@@ -121,7 +172,17 @@ class StepBuffers:
                 if len(row) > self.max_blocks_per_seq:
                     raise ValueError(f"a block table exceeds {self.max_blocks_per_seq} blocks")
                 table[i, : len(row)] = torch.tensor(row, dtype=torch.int32)
-        self._copy_tensor(self.block_tables, table, device)
+        if step.input_ids is None:
+            # The device already holds this step's tokens (input_ids lead the packed
+            # region): copy everything after them.
+            skip = self.max_tokens
+            self.packed[skip:].copy_(self._mirrors[index][skip:], non_blocking=True)
+        else:
+            self.packed.copy_(self._mirrors[index], non_blocking=True)
+        if self.packed.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
+            self._mirror_done[index] = done
 
     def pad(self, num_tokens: int, num_seqs: int, to_tokens: int, to_seqs: int) -> None:
         """Fill rows [num_tokens, to_tokens) and sequences [num_seqs, to_seqs) as padding:
@@ -137,13 +198,8 @@ class StepBuffers:
             self.logits_indices[num_seqs:to_seqs].zero_()
             self.block_tables[num_seqs:to_seqs].zero_()
 
-    @classmethod
-    def _copy(cls, dest: torch.Tensor, values: list[int] | torch.Tensor, device: torch.device) -> None:
-        src = values.to(dest.dtype) if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dest.dtype)
-        cls._copy_tensor(dest, src, device)
 
-    @staticmethod
-    def _copy_tensor(dest: torch.Tensor, src: torch.Tensor, device: torch.device) -> None:
-        if device.type == "cuda":
-            src = src.pin_memory()
-        dest[: src.shape[0]].copy_(src, non_blocking=True)
+
+def _fill(dest: torch.Tensor, values: list[int] | torch.Tensor) -> None:
+    src = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=torch.int32)
+    dest[: src.shape[0]].copy_(src)
