@@ -82,9 +82,9 @@ def in_process(model_dir: Path, batches: list[int], prompt_len: int, tokens: int
             shape = runner.stage(step_inputs(pos))
             one_step()
             with torch.cuda.stream(runner.stream):
-                tokens = buffers.input_ids[:batch].to("cpu", non_blocking=True)
+                host_tokens = buffers.input_ids[:batch].to("cpu", non_blocking=True)
             runner.synchronize()  # the host has this step's tokens
-            tokens.tolist()
+            host_tokens.tolist()
             now = time.perf_counter()
             itl.append(now - last)
             last = now
