@@ -1,0 +1,150 @@
+"""The `hybridd` command against the real daemon: keygen, status, generate, TCP with
+CURVE, stop (drain), and the answers when no daemon runs."""
+
+from __future__ import annotations
+
+import json
+import socket
+import stat
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from hybridd import Client, DrainingError, HybriddError, RequestCancelledError
+from hybridd.client import load_curve_keys
+from tests.test_client_sdk import HYBRIDD, run_daemon, wait_until_ok
+
+
+def _hybridd(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([HYBRIDD, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory) -> Path:
+    directory = tmp_path_factory.mktemp("keys")
+    for name, where in (("server", directory), ("alice", directory / "clients"), ("mallory", directory)):
+        done = _hybridd("keygen", "--dir", str(where), "--name", name)
+        assert done.returncode == 0, done.stderr
+    # Only alice's public key is authorised.
+    (directory / "clients" / "alice.key_secret").rename(directory / "alice.key_secret")
+    return directory
+
+
+def test_keygen_writes_a_curve_pair_and_never_overwrites(keys):
+    public, secret = load_curve_keys(str(keys / "server.key_secret"))
+    assert len(public) == 40 and len(secret) == 40
+    assert load_curve_keys(str(keys / "server.key"))[0] == public
+    assert stat.S_IMODE((keys / "server.key_secret").stat().st_mode) == 0o600
+    again = _hybridd("keygen", "--dir", str(keys), "--name", "server")
+    assert again.returncode == 1
+    assert "refusing to overwrite" in again.stderr
+
+
+def test_commands_say_clearly_that_no_daemon_runs(tmp_path):
+    started = time.monotonic()
+    status = _hybridd("status", "--runtime-dir", str(tmp_path))
+    assert status.returncode == 1
+    assert status.stderr.strip() == f"hybridd is not running (no socket at {tmp_path}/hybridd.sock)"
+    generate = _hybridd("generate", "hi", "--runtime-dir", str(tmp_path))
+    assert generate.returncode == 1 and "hybridd is not running" in generate.stderr
+    stop = _hybridd("stop", "--runtime-dir", str(tmp_path))
+    assert stop.returncode == 1 and "hybridd is not running" in stop.stderr
+    # A socket file without a daemon behind it: the short timeout answers.
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind(str(tmp_path / "hybridd.sock"))
+    sock.close()
+    stale = _hybridd("status", "--runtime-dir", str(tmp_path), "--timeout", "0.5")
+    assert stale.returncode == 1
+    assert stale.stderr.strip() == f"hybridd is not running (no answer from ipc://{tmp_path}/hybridd.sock within 0.5 s)"
+    assert time.monotonic() - started < 20
+
+
+def test_daemon_commands_tcp_and_drain(keys):
+    port = _free_port()
+    tcp = f"tcp://127.0.0.1:{port}"
+    with run_daemon("--tcp-endpoint", tcp, "--curve-secret-key-file", str(keys / "server.key_secret"),
+                    "--curve-client-keys-dir", str(keys / "clients"), "--drain-timeout-s", "20") as daemon:
+        rd = str(daemon.runtime_dir)
+
+        # status, human and JSON
+        human = _hybridd("status", "--runtime-dir", rd)
+        assert human.returncode == 0, human.stderr
+        assert human.stdout.startswith("hybridd ready — up ")
+        for line in ("model ", "workers    graph pid", "requests   running", "latency    TTFT p50", "KV blocks",
+                     "decode buckets", "prefill buckets"):
+            assert line in human.stdout, line
+        machine = json.loads(_hybridd("status", "--runtime-dir", rd, "--json").stdout)
+        assert machine["state"] == "ready" and machine["workers"]["graph"]["restarts"] == 0
+
+        # generate: streamed text equals the SDK's greedy result; --json carries usage and timings
+        with Client(daemon.endpoint) as client:
+            expected = client.generate("ROMEO:", max_tokens=10, temperature=0)
+        streamed = _hybridd("generate", "ROMEO:", "--runtime-dir", rd, "--max-tokens", "10", "--temperature", "0")
+        assert streamed.returncode == 0, streamed.stderr
+        assert streamed.stdout == expected.text + "\n"
+        final = json.loads(_hybridd("generate", "ROMEO:", "--runtime-dir", rd, "--max-tokens", "6", "--seed", "3",
+                                    "--top-k", "20", "--top-p", "0.9", "--repetition-penalty", "1.1",
+                                    "--stop", "zzz", "--stop", "qqq", "--ignore-eos", "--json").stdout)
+        assert final["finish_reason"] == "length" and final["usage"]["completion_tokens"] == 6
+        assert set(final["timings"]) == {"ttft_s", "total_s", "queue_s"}
+        bad = _hybridd("generate", "ROMEO:", "--runtime-dir", rd, "--top-p", "0")
+        assert bad.returncode == 1
+        assert bad.stderr.strip() == "hybridd: invalid_request: sampling.top_p: 0.0 must be > 0.0"
+
+        # TCP: CURVE with an authorised key works, from the SDK and the CLI
+        server_public, _ = load_curve_keys(str(keys / "server.key"))
+        alice_public, alice_secret = load_curve_keys(str(keys / "alice.key_secret"))
+        wait_until_ok(tcp, 10, server_public_key=server_public, public_key=alice_public, secret_key=alice_secret)
+        with Client(tcp, server_public_key=server_public, public_key=alice_public, secret_key=alice_secret) as remote:
+            assert remote.generate("ROMEO:", max_tokens=3).usage.completion_tokens == 3
+        over_tcp = _hybridd("status", "--endpoint", tcp, "--server-key", str(keys / "server.key"),
+                            "--client-key", str(keys / "alice.key_secret"), "--json")
+        assert over_tcp.returncode == 0, over_tcp.stderr
+        # ... an unknown client key is never heard, and no keys at all is refused up front
+        mallory_public, mallory_secret = load_curve_keys(str(keys / "mallory.key_secret"))
+        with Client(tcp, server_public_key=server_public, public_key=mallory_public,
+                    secret_key=mallory_secret) as intruder, pytest.raises(TimeoutError):
+            intruder.health(timeout=1.0)
+        with pytest.raises(ValueError, match="CURVE"):
+            Client(tcp)
+
+        # stop: in-flight work finishes, new work is refused with `draining`, sockets are cleaned up
+        with Client(daemon.endpoint, timeout=60) as client:
+            stream = client.stream("ROMEO:", max_tokens=300, ignore_eos=True)
+            next(stream)
+            stopper = threading.Thread(target=lambda: stopped.append(_hybridd("stop", "--runtime-dir", rd)))
+            stopped: list[subprocess.CompletedProcess] = []
+            stopper.start()
+            deadline = time.monotonic() + 10
+            refused = None
+            while refused is None and time.monotonic() < deadline:
+                try:
+                    client.generate("ROMEO:", max_tokens=1, timeout=2)
+                except DrainingError as error:
+                    refused = error
+                except HybriddError:
+                    pass
+                time.sleep(0.05)
+            assert refused is not None and refused.code == "draining"
+            try:
+                for _ in stream:
+                    pass
+                assert stream.result.finish_reason == "length"
+                assert stream.result.usage.completion_tokens == 300
+            except RequestCancelledError:
+                pytest.fail("a request within the drain timeout was cancelled")
+            stopper.join(60)
+        assert stopped and stopped[0].returncode == 0, stopped[0].stderr if stopped else "stop hung"
+        assert stopped[0].stdout.strip() == f"hybridd (pid {daemon.process.pid}) stopped"
+        assert daemon.process.wait(10) == 0
+        leftovers = sorted(p.name for p in daemon.runtime_dir.iterdir() if not p.name.endswith(".lock"))
+        assert leftovers == []

@@ -1,0 +1,301 @@
+"""The client SDK against the real daemon: `hybridd start` with the embedded tiny model,
+its two real workers, real sockets. One daemon serves the whole module; the restart
+test runs last because it kills a worker."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+import hybridd
+from hybridd import (
+    AsyncClient,
+    Client,
+    EngineDeadError,
+    InvalidRequestError,
+    RequestCancelledError,
+    RequestTimeoutError,
+)
+
+HYBRIDD = str(Path(sys.executable).parent / "hybridd")
+STARTUP_TIMEOUT_S = 90.0
+LONG = {"max_tokens": 4000, "ignore_eos": True}
+
+
+@dataclass
+class RunningDaemon:
+    process: subprocess.Popen
+    runtime_dir: Path
+    log_path: Path
+
+    @property
+    def endpoint(self) -> str:
+        return f"ipc://{self.runtime_dir}/hybridd.sock"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-6000:]
+
+
+def wait_until_ok(endpoint: str, timeout: float, process: subprocess.Popen | None = None, **keys) -> None:
+    deadline = time.monotonic() + timeout
+    with Client(endpoint, **keys) as client:
+        while time.monotonic() < deadline:
+            if process is not None and process.poll() is not None:
+                raise AssertionError(f"the daemon exited with {process.returncode}")
+            with contextlib.suppress(hybridd.HybriddError):
+                if client.health(timeout=0.5).ok:
+                    return
+            time.sleep(0.1)
+    raise AssertionError(f"{endpoint} not ready within {timeout} s")
+
+
+@contextlib.contextmanager
+def run_daemon(*flags: str) -> Iterator[RunningDaemon]:
+    """`hybridd start` in a subprocess, until it is ready; drained (SIGTERM) at the end."""
+    base = Path(tempfile.mkdtemp(prefix="hc-"))
+    runtime_dir = base / "run"
+    log_path = base / "daemon.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HYBRIDD_") and k != "NOTIFY_SOCKET"}
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(
+            [HYBRIDD, "start", "--runtime-dir", str(runtime_dir), "--no-compile-sampler", *flags],
+            env=env | {"HYBRIDD_LOG_LEVEL": "warning"}, stdout=log, stderr=subprocess.STDOUT,
+        )
+    daemon = RunningDaemon(process, runtime_dir, log_path)
+    try:
+        try:
+            wait_until_ok(daemon.endpoint, STARTUP_TIMEOUT_S, process)
+        except AssertionError as error:
+            raise AssertionError(f"{error}\n{daemon.log()}") from None
+        yield daemon
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+@pytest.fixture(scope="module")
+def daemon() -> Iterator[RunningDaemon]:
+    with run_daemon() as running:
+        yield running
+
+
+@pytest.fixture
+def client(daemon) -> Iterator[Client]:
+    with Client(daemon.endpoint, timeout=60) as c:
+        yield c
+
+
+def _wait_idle(client: Client, timeout: float = 2.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        requests = client.status()["requests"]
+        if requests["running"] == 0 and requests["queued"] == 0 or time.monotonic() > deadline:
+            return requests
+        time.sleep(0.02)
+
+
+def test_generate_returns_text_ids_reason_usage_and_timings(client):
+    result = client.generate("ROMEO:", max_tokens=12, temperature=0)
+    assert len(result.id) == 32 and int(result.id, 16) >= 0  # uuid4 hex
+    assert result.finish_reason == "length"
+    assert len(result.token_ids) == result.usage.completion_tokens == 12
+    assert result.usage.prompt_tokens > 0
+    assert result.text
+    assert 0 < result.timings.ttft_s <= result.timings.total_s
+    again = client.generate("ROMEO:", sampling=hybridd.SamplingParams(max_tokens=12, temperature=0),
+                            request_id="my-id")
+    assert again.id == "my-id"
+    assert again.token_ids == result.token_ids  # greedy is deterministic
+
+
+def test_stream_yields_chunks_that_add_up_to_the_result(client):
+    stream = client.stream("JULIET:", max_tokens=20, temperature=0)
+    chunks = list(stream)
+    assert [c.index for c in chunks] == list(range(len(chunks)))
+    assert "".join(c.text for c in chunks) == stream.result.text
+    assert [t for c in chunks for t in c.token_ids] == stream.result.token_ids[: sum(len(c.token_ids) for c in chunks)]
+    assert stream.result.finish_reason == "length"
+
+
+def test_one_client_is_shared_by_many_threads(client):
+    results: dict[int, hybridd.GenerateResult] = {}
+    errors: list[BaseException] = []
+
+    def work(i: int) -> None:
+        try:
+            if i % 2:
+                results[i] = client.generate("HAMLET:", max_tokens=8, seed=i)
+            else:
+                stream = client.stream("HAMLET:", max_tokens=8, seed=i)
+                for _ in stream:
+                    pass
+                results[i] = stream.result
+        except BaseException as error:  # noqa: BLE001
+            errors.append(error)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(12)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert errors == []
+    assert len(results) == 12 and len({r.id for r in results.values()}) == 12
+    assert all(r.usage.completion_tokens == 8 for r in results.values())
+
+
+def test_cancel_ends_a_running_request_with_its_partial_output(client):
+    stream = client.stream("ROMEO:", **LONG)
+    first = next(stream)
+    client.cancel(stream.id)
+    client.cancel(stream.id)  # idempotent
+    with pytest.raises(RequestCancelledError) as caught:
+        for _ in stream:
+            pass
+    assert caught.value.code == "cancelled"
+    assert caught.value.partial is not None
+    assert caught.value.partial.token_ids[: len(first.token_ids)] == first.token_ids
+    client.cancel("never-existed")  # a no-op
+
+
+@pytest.mark.parametrize("how", ["close", "garbage collection"])
+def test_dropping_a_stream_cancels_it(client, how):
+    stream = client.stream("ROMEO:", **LONG)
+    next(stream)
+    assert client.status()["requests"]["running"] >= 1
+    if how == "close":
+        stream.close()
+    else:
+        del stream
+        gc.collect()
+    assert _wait_idle(client)["running"] == 0
+
+
+def test_per_call_timeout(client):
+    started = time.monotonic()
+    with pytest.raises(RequestTimeoutError) as caught:
+        client.generate("ROMEO:", timeout=0.3, **LONG)
+    assert isinstance(caught.value, TimeoutError)
+    assert time.monotonic() - started < 1.5
+    assert _wait_idle(client)["running"] == 0  # the daemon stopped the work too
+
+
+def test_invalid_requests_raise_typed_errors_naming_the_field(client):
+    with pytest.raises(InvalidRequestError) as local:
+        client.generate("ROMEO:", top_p=0.0)
+    assert local.value.field == "sampling.top_p" and local.value.code == "invalid_request"
+    with pytest.raises(InvalidRequestError) as remote:
+        client.generate([2**31 - 1], max_tokens=2)  # outside the vocabulary: only the daemon knows
+    assert remote.value.code == "invalid_request"
+    with pytest.raises(TypeError):
+        client.generate("ROMEO:", temprature=0.5)
+    stream = client.stream("ROMEO:", request_id="dup", **LONG)
+    with pytest.raises(InvalidRequestError) as duplicate:
+        client.generate("ROMEO:", request_id="dup")
+    assert duplicate.value.field == "id"
+    stream.close()
+
+
+def test_size_limits_are_enforced_before_sending(client):
+    from protocol.limits import MAX_MESSAGE_BYTES, MAX_PROMPT_CHARS
+
+    with pytest.raises(InvalidRequestError) as too_long:
+        client.generate("x" * (MAX_PROMPT_CHARS + 1))
+    assert too_long.value.code == "too_large" and too_long.value.field == "prompt"
+    wide = "\U0001F600" * MAX_PROMPT_CHARS  # legal in characters, 4 MiB of UTF-8: over the frame limit
+    assert len(wide.encode()) >= MAX_MESSAGE_BYTES
+    with pytest.raises(InvalidRequestError) as too_big:
+        client.generate(wide)
+    assert too_big.value.code == "too_large"
+    with pytest.raises(InvalidRequestError) as long_id:
+        client.generate("ROMEO:", request_id="i" * 129)
+    assert long_id.value.code == "too_large" and long_id.value.field == "id"
+    assert client.health().ok  # the session is unharmed
+
+
+def test_status_and_health(client):
+    health = client.health()
+    assert health == hybridd.Health(state="ready", ok=True)
+    status = client.status()
+    for key in ("state", "uptime_s", "model", "dtype", "device", "workers", "buckets", "graph_bytes",
+                "graph_pool_bytes", "graph_memory_budget_bytes", "kv_blocks", "requests", "latency"):
+        assert key in status, key
+    assert status["state"] == "ready"
+    assert set(status["workers"]) == {"graph", "context"}
+    assert all(w["pid"] > 0 for w in status["workers"].values())
+    assert {b["kind"] for b in status["buckets"]} == {"decode", "prefill"}
+    assert set(status["kv_blocks"]) >= {"total", "used", "free"}
+    assert set(status["requests"]) >= {"running", "queued", "served", "failed"}
+    assert set(status["latency"]) >= {"ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s", "window"}
+
+
+def test_async_client(daemon):
+    async def main() -> None:
+        async with AsyncClient(daemon.endpoint, timeout=60) as client:
+            assert (await client.health()).ok
+            results = await asyncio.gather(*(client.generate("KING:", max_tokens=6, seed=i) for i in range(6)))
+            assert all(r.usage.completion_tokens == 6 for r in results)
+            stream = client.stream("KING:", max_tokens=10, temperature=0)
+            texts = [chunk.text async for chunk in stream]
+            assert "".join(texts) == stream.result.text
+            assert (await client.status())["state"] == "ready"
+
+            dropped = client.stream("KING:", **LONG)
+            await dropped.__anext__()
+            await dropped.aclose()
+            cancelled = client.stream("KING:", **LONG)
+            await cancelled.__anext__()
+            await client.cancel(cancelled.id)
+            with pytest.raises(RequestCancelledError):
+                async for _ in cancelled:
+                    pass
+            with pytest.raises(RequestTimeoutError):
+                await client.generate("KING:", timeout=0.2, **LONG)
+            task = asyncio.ensure_future(client.generate("KING:", **LONG))
+            await asyncio.sleep(0.2)
+            task.cancel()  # cancelling the awaiting task cancels the request
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            deadline = time.monotonic() + 2
+            while (await client.status())["requests"]["running"] and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            assert (await client.status())["requests"]["running"] == 0
+
+    asyncio.run(main())
+
+
+def test_worker_death_fails_in_flight_requests_and_the_client_reconnects(daemon, client):
+    # Last in this module: it restarts the daemon's worker pair.
+    before = client.status()["workers"]
+    stream = client.stream("ROMEO:", **LONG)
+    next(stream)
+    killed_at = time.monotonic()
+    os.kill(before["context"]["pid"], signal.SIGKILL)
+    with pytest.raises(EngineDeadError) as caught:
+        for _ in stream:
+            pass
+    assert time.monotonic() - killed_at < 1.0
+    assert caught.value.code == "engine_dead"
+    wait_until_ok(daemon.endpoint, 60)
+    result = client.generate("ROMEO:", max_tokens=4)  # the same client, reconnected
+    assert result.usage.completion_tokens == 4
+    after = client.status()["workers"]
+    assert after["context"]["pid"] != before["context"]["pid"]
+    assert after["context"]["restarts"] == before["context"]["restarts"] + 1

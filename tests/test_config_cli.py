@@ -1,0 +1,96 @@
+"""Configuration through the `hybridd` command: TOML < HYBRIDD_* environment < flags,
+`--print-config`, and errors that name the setting and where it came from."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from hybridd.cli import main
+
+HYBRIDD = str(Path(sys.executable).parent / "hybridd")
+
+
+def _clean_env() -> dict[str, str | None]:
+    # Unset every HYBRIDD_* variable of the test runner's own environment.
+    return {key: None for key in os.environ if key.startswith("HYBRIDD_")}
+
+
+def _print_config(args: list[str], env: dict[str, str] | None = None):
+    result = CliRunner().invoke(main, ["start", "--print-config", *args], env=_clean_env() | (env or {}))
+    return result
+
+
+@pytest.fixture
+def toml(tmp_path: Path) -> Path:
+    path = tmp_path / "hybridd.toml"
+    path.write_text('max_batch = 8\nblock_size = 32\ndrain_timeout_s = 12.5\nlog_level = "debug"\n')
+    return path
+
+
+def test_precedence_file_then_environment_then_flags(toml):
+    result = _print_config(["--config", str(toml), "--max-batch", "16"],
+                           env={"HYBRIDD_BLOCK_SIZE": "64", "HYBRIDD_MAX_BATCH": "4"})
+    assert result.exit_code == 0, result.output
+    config = json.loads(result.output)
+    assert config["drain_timeout_s"] == 12.5  # file only
+    assert config["block_size"] == 64  # environment over file
+    assert config["max_batch"] == 16  # flag over environment over file
+    assert config["decode_buckets"][-1] == 16
+    assert config["log_level"] == "debug"
+
+
+def test_config_file_from_environment_and_boolean_and_list_flags(toml):
+    result = _print_config(["--no-use-cuda-graphs", "--prefill-buckets", "16,32"], env={"HYBRIDD_CONFIG": str(toml)})
+    assert result.exit_code == 0, result.output
+    config = json.loads(result.output)
+    assert config["max_batch"] == 8
+    assert config["use_cuda_graphs"] is False
+    assert config["prefill_buckets"] == [16, 32]
+
+
+@pytest.mark.parametrize(
+    ("file_text", "env", "flags", "expected"),
+    [
+        ("block_size = 0\n", {}, [], "{file}: block_size must be positive"),
+        ("bogus = 1\n", {}, [], "{file}: unknown setting(s) bogus"),
+        ("max_batch = [\n", {}, [], "{file}: invalid TOML"),
+        ("", {"HYBRIDD_BLOCK_SIZE": "0"}, [], "environment variable HYBRIDD_BLOCK_SIZE: block_size must be positive"),
+        ("", {"HYBRIDD_MAX_BATCH": "many"}, [], "environment variable HYBRIDD_MAX_BATCH: setting 'max_batch' expects int"),
+        ("", {"HYBRIDD_BOGUS": "1"}, [], "environment (HYBRIDD_*): unknown setting HYBRIDD_BOGUS"),
+        ("", {}, ["--max-batch", "x"], "command-line flag --max-batch: setting 'max_batch' expects int, got 'x'"),
+        ("", {}, ["--dtype", "int4"], "command-line flag --dtype: dtype must be auto, float32, bfloat16 or float16"),
+        ("", {}, ["--drain-timeout-s", "0"], "command-line flag --drain-timeout-s: drain_timeout_s must be positive"),
+        ("", {}, ["--tcp-endpoint", "tcp://0.0.0.0:7070"],
+         "command-line flag --tcp-endpoint: tcp_endpoint requires curve_secret_key_file"),
+    ],
+)
+def test_bad_setting_names_the_field_and_its_source(tmp_path, file_text, env, flags, expected):
+    path = tmp_path / "bad.toml"
+    path.write_text(file_text)
+    result = _print_config(["--config", str(path), *flags], env=env)
+    assert result.exit_code == 2
+    assert result.output.startswith("hybridd: invalid configuration: ")
+    assert expected.format(file=path) in result.output
+    assert len(result.output.strip().splitlines()) == 1
+
+
+def test_missing_config_file_is_named(tmp_path):
+    result = _print_config(["--config", str(tmp_path / "nope.toml")])
+    assert result.exit_code == 2
+    assert f"{tmp_path / 'nope.toml'}: config file not found" in result.output
+
+
+def test_print_config_from_the_installed_command(toml):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HYBRIDD_")} | {"HYBRIDD_MAX_BATCH": "2"}
+    done = subprocess.run([HYBRIDD, "start", "--config", str(toml), "--print-config"], env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["max_batch"] == 2
+    assert done.stderr == ""  # stdout holds only the JSON; nothing was started

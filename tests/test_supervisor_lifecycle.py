@@ -1,0 +1,401 @@
+"""The supervisor's process management, end to end: a real supervisor process, real
+spawned workers, the real supervisor protocol over ZeroMQ, a real sd_notify socket.
+
+The two worker entry points below are test fixtures that follow the worker contract
+(phases, heartbeats, drain → shutdown → stopped) without a model, so that restarts,
+hangs and drains can be provoked on demand and take milliseconds. Knobs reach them
+through `SUPFIX_*` environment variables (spawned children inherit the environment).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgpack
+import pytest
+import zmq
+
+from protocol.codec import decode, encode
+from protocol.control import Shutdown
+from protocol.supervisor import Drain, Heartbeat, SupervisorInfo, WorkerPhase, supervisor_from_wire
+
+ROOT = Path(__file__).resolve().parent.parent
+PYTHON = sys.executable
+HYBRIDD = str(Path(PYTHON).parent / "hybridd")
+THIS = "tests.test_supervisor_lifecycle"
+
+
+# ---------------------------------------------------------------- fixture workers (spawned)
+
+
+def _fixture_dir() -> Path:
+    return Path(os.environ["SUPFIX_DIR"])
+
+
+def _record(name: str, data: object = "") -> None:
+    (_fixture_dir() / name).write_text(json.dumps(data))
+
+
+def _supervisor_socket(config: dict, worker: str) -> zmq.Socket:
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, worker.encode())
+    sock.setsockopt(zmq.LINGER, 1000)
+    sock.connect(f"ipc://{config['runtime_dir']}/supervisor.sock")
+    return sock
+
+
+def fixture_graph(config: dict, ctl_endpoint: str) -> None:
+    mode = os.environ.get("SUPFIX_MODE", "")
+    _record(f"graph-{os.getpid()}.pid")
+    if mode == "silent-graph":
+        time.sleep(3600)
+    sup = _supervisor_socket(config, "graph")
+    ctl = zmq.Context.instance().socket(zmq.PAIR)
+    ctl.setsockopt(zmq.LINGER, 1000)
+    ctl.connect(ctl_endpoint)
+    sup.send(encode(WorkerPhase(worker="graph", phase="loading", detail="loading weights")))
+    if mode == "crash-graph":
+        time.sleep(0.05)
+        os._exit(3)
+    total = int(os.environ.get("SUPFIX_BUCKETS", "3"))
+    for done in range(1, total + 1):
+        time.sleep(0.03)
+        sup.send(encode(WorkerPhase(worker="graph", phase="capturing", detail="capturing decode graphs",
+                                    done=done, total=total)))
+    _record("graph-ready", time.time())
+    sup.send(encode(WorkerPhase(worker="graph", phase="ready")))
+    ctl.send(msgpack.packb({"fixture": "graph ready"}))
+    steps = 0
+    interval_ms = int(config["heartbeat_interval_s"] * 1000)
+    while True:
+        if ctl.poll(interval_ms) and decode(ctl.recv())["type"] == Shutdown.TYPE:
+            sup.send(encode(WorkerPhase(worker="graph", phase="stopped")))
+            sup.close()
+            return
+        steps += 1
+        sup.send(encode(Heartbeat(worker="graph", steps=steps)))
+
+
+def fixture_context(config: dict, ctl_endpoint: str) -> None:
+    mode = os.environ.get("SUPFIX_MODE", "")
+    _record(f"context-{os.getpid()}.pid")
+    ctl = zmq.Context.instance().socket(zmq.PAIR)
+    ctl.setsockopt(zmq.LINGER, 1000)
+    ctl.bind(ctl_endpoint)
+    sup = _supervisor_socket(config, "context")
+    sup.send(encode(WorkerPhase(worker="context", phase="loading", detail="waiting for the graph generator")))
+    interval_ms = int(config["heartbeat_interval_s"] * 1000)
+    steps = 0
+    graph_ready = False
+    while True:
+        if not graph_ready and ctl.poll(0):
+            ctl.recv()
+            graph_ready = True
+            _record("context-ready", time.time())
+            sup.send(encode(WorkerPhase(worker="context", phase="ready")))
+        if sup.poll(interval_ms):
+            message = supervisor_from_wire(decode(sup.recv()))
+            if isinstance(message, SupervisorInfo):
+                _record("info.json", message.info())
+            elif isinstance(message, Drain):
+                _record("drain.json", {"timeout_s": message.timeout_s, "at": time.time()})
+                if mode == "ignore-drain":
+                    continue
+                sup.send(encode(WorkerPhase(worker="context", phase="draining")))
+                ctl.send(encode(Shutdown()))
+                sup.send(encode(WorkerPhase(worker="context", phase="stopped")))
+                sup.close()
+                ctl.close()
+                return
+        steps += 1
+        sup.send(encode(Heartbeat(worker="context", steps=steps)))
+
+
+# ---------------------------------------------------------------- harness
+
+
+@dataclass
+class Note:
+    at: float
+    fields: dict[str, str]
+
+
+@dataclass
+class NotifyListener:
+    """A unix datagram socket standing in for systemd's notification socket."""
+
+    address: str
+    sock: socket.socket
+    notes: list[Note] = field(default_factory=list)
+    _stop: threading.Event = field(default_factory=threading.Event)
+
+    def start(self) -> None:
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        self.sock.settimeout(0.05)
+        while not self._stop.is_set():
+            try:
+                data = self.sock.recv(4096)
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            fields = dict(line.split("=", 1) for line in data.decode().split("\n") if line)
+            self.notes.append(Note(time.time(), fields))
+
+    def wait_for(self, predicate, timeout: float = 15.0, start: int = 0) -> Note:
+        deadline = time.time() + timeout
+        seen = start
+        while time.time() < deadline:
+            while seen < len(self.notes):
+                note = self.notes[seen]
+                seen += 1
+                if predicate(note):
+                    return note
+            time.sleep(0.01)
+        raise AssertionError(f"no matching notification within {timeout} s; got {[n.fields for n in self.notes]}")
+
+    def statuses(self) -> list[str]:
+        return [n.fields["STATUS"] for n in self.notes if "STATUS" in n.fields]
+
+    def close(self) -> None:
+        self._stop.set()
+        self.sock.close()
+
+
+@dataclass
+class Daemon:
+    process: subprocess.Popen
+    runtime_dir: Path
+    fixture_dir: Path
+    notify: NotifyListener
+
+    def wait_ready(self, start: int = 0, timeout: float = 20.0) -> Note:
+        return self.notify.wait_for(lambda n: n.fields.get("READY") == "1", timeout, start)
+
+    def pids(self, note: Note) -> dict[str, int]:
+        return {w: int(p) for w, p in re.findall(r"(graph|context) pid (\d+)", note.fields["STATUS"])}
+
+    def stop(self, signum: int = signal.SIGTERM, timeout: float = 20.0) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signum)
+        return self.process.wait(timeout)
+
+    def stderr(self) -> str:
+        return self.process.stderr.read().decode() if self.process.stderr else ""
+
+
+RUNNER = """
+import json, sys
+from hybridd.config import Config
+from hybridd.supervisor import run_supervisor
+config = Config.from_dict(json.loads(sys.argv[1]))
+sys.exit(run_supervisor(config, graph_target="{this}:fixture_graph", context_target="{this}:fixture_context",
+                        **json.loads(sys.argv[2])))
+""".format(this=THIS)
+
+
+@pytest.fixture
+def start_daemon():
+    started: list[Daemon] = []
+    base = Path(tempfile.mkdtemp(prefix="hs-"))
+
+    def start(mode: str = "", *, abstract: bool = False, env: dict | None = None, options: dict | None = None,
+              **settings) -> Daemon:
+        runtime_dir = base / f"run{len(started)}"
+        fixture_dir = base / f"fix{len(started)}"
+        fixture_dir.mkdir()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        if abstract:
+            address = f"@hybridd-test-{os.getpid()}-{len(started)}"
+            sock.bind(b"\0" + address[1:].encode())
+        else:
+            address = str(base / f"notify{len(started)}")
+            sock.bind(address)
+        listener = NotifyListener(address, sock)
+        listener.start()
+        config = {"runtime_dir": str(runtime_dir), "heartbeat_interval_s": 0.05, "max_restarts": 3,
+                  "restart_backoff_s": 0.05, "drain_timeout_s": 5.0} | settings
+        environment = os.environ | {"NOTIFY_SOCKET": address, "SUPFIX_DIR": str(fixture_dir), "SUPFIX_MODE": mode,
+                                    "HYBRIDD_LOG_LEVEL": "info"} | (env or {})
+        process = subprocess.Popen([PYTHON, "-c", RUNNER, json.dumps(config), json.dumps(options or {})], cwd=ROOT,
+                                   env=environment, stderr=subprocess.PIPE)
+        daemon = Daemon(process, runtime_dir, fixture_dir, listener)
+        started.append(daemon)
+        return daemon
+
+    yield start
+    for daemon in started:
+        if daemon.process.poll() is None:
+            daemon.process.kill()
+            daemon.process.wait()
+        daemon.notify.close()
+        for pid_file in daemon.fixture_dir.glob("*.pid"):
+            pid = int(pid_file.name.split("-")[1].split(".")[0])
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] not in ("Z", "X")
+
+
+def _wait_dead(pid: int, timeout: float = 5.0) -> bool:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if not _alive(pid):
+            return True
+        time.sleep(0.02)
+    return False
+
+
+# ---------------------------------------------------------------- tests
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_ready_after_both_workers_then_signal_drains(start_daemon, signum):
+    daemon = start_daemon(drain_timeout_s=7.5, abstract=signum == signal.SIGINT)
+    ready = daemon.wait_ready()
+    graph_ready = json.loads((daemon.fixture_dir / "graph-ready").read_text())
+    context_ready = json.loads((daemon.fixture_dir / "context-ready").read_text())
+    assert ready.at >= max(graph_ready, context_ready)
+    assert sum(1 for n in daemon.notify.notes if n.fields.get("READY") == "1") == 1
+    statuses = daemon.notify.statuses()
+    assert statuses[0] == "starting workers"
+    assert any(s.startswith("loading: graph: loading weights") for s in statuses)
+    for done in (1, 2, 3):
+        assert any(f"graph: capturing decode graphs {done}/3" in s for s in statuses if s.startswith("capturing"))
+    assert ready.fields["STATUS"].startswith(f"ready: serving ipc://{daemon.runtime_dir}/hybridd.sock")
+    pids = daemon.pids(ready)
+    assert set(pids) == {"graph", "context"}
+    assert (daemon.runtime_dir / "hybridd.pid").read_text().strip() == str(daemon.process.pid)
+    assert (daemon.runtime_dir / "supervisor.sock").exists()
+    assert oct((daemon.runtime_dir).stat().st_mode & 0o777) == oct(0o750)
+
+    # supervisor_info reaches the context generator with the live pids.
+    deadline = time.time() + 5
+    while time.time() < deadline:
+        info_path = daemon.fixture_dir / "info.json"
+        info = json.loads(info_path.read_text()) if info_path.exists() else {}
+        if info.get("state") == "ready":
+            break
+        time.sleep(0.02)
+    assert info["state"] == "ready"
+    assert {w: info["workers"][w]["pid"] for w in pids} == pids
+    assert info["workers"]["graph"]["restarts"] == 0
+
+    mark = len(daemon.notify.notes)
+    assert daemon.stop(signum) == 0
+    stopping = daemon.notify.wait_for(lambda n: n.fields.get("STOPPING") == "1", start=mark)
+    assert stopping.fields["STATUS"].startswith("draining")
+    assert json.loads((daemon.fixture_dir / "drain.json").read_text())["timeout_s"] == 7.5
+    assert daemon.notify.statuses()[-1] == "stopped"
+    assert all(_wait_dead(pid) for pid in pids.values())
+    assert sorted(p.name for p in daemon.runtime_dir.iterdir() if not p.name.endswith(".lock")) == []
+
+
+def test_killed_worker_is_detected_within_a_second_and_the_pair_restarts(start_daemon):
+    daemon = start_daemon()
+    first = daemon.pids(daemon.wait_ready())
+    mark = len(daemon.notify.notes)
+    killed_at = time.time()
+    os.kill(first["graph"], signal.SIGKILL)
+    degraded = daemon.notify.wait_for(lambda n: n.fields.get("STATUS", "").startswith("degraded"), start=mark)
+    assert degraded.at - killed_at < 1.0
+    assert "was killed by SIGKILL" in degraded.fields["STATUS"]
+    assert _wait_dead(first["context"], 2.0), "the surviving partner is stopped with the dead worker"
+    second = daemon.pids(daemon.wait_ready(start=mark))
+    assert second["graph"] != first["graph"] and second["context"] != first["context"]
+    assert "restarts 1" in daemon.notify.notes[-1].fields["STATUS"] or any(
+        "restarts 1" in s for s in daemon.notify.statuses())
+    assert daemon.stop() == 0
+
+
+def test_restarts_exhausted_exits_non_zero(start_daemon):
+    daemon = start_daemon("crash-graph", max_restarts=2, restart_backoff_s=0.05)
+    assert daemon.process.wait(20) == 1
+    statuses = daemon.notify.statuses()
+    assert statuses[-1].startswith("dead: graph generator")
+    assert "exited with code 3" in statuses[-1]
+    assert len(list(daemon.fixture_dir.glob("graph-*.pid"))) == 3  # the first pair and 2 restarts
+    backoffs = [float(m) for s in statuses for m in re.findall(r"restart \d/2 in ([\d.]+) s", s)]
+    assert backoffs == [0.05, 0.1]  # exponential
+    assert not (daemon.runtime_dir / "hybridd.pid").exists()
+
+
+def test_hung_worker_stops_the_watchdog_and_is_restarted(start_daemon):
+    daemon = start_daemon(heartbeat_interval_s=0.1, env={"WATCHDOG_USEC": "100000"},
+                          options={"heartbeat_timeout_s": 1.2})
+    first = daemon.pids(daemon.wait_ready())
+    time.sleep(0.3)
+    assert any(n.fields.get("WATCHDOG") == "1" for n in daemon.notify.notes), "the watchdog is fed while healthy"
+    mark = len(daemon.notify.notes)
+    stopped_at = time.time()
+    os.kill(first["graph"], signal.SIGSTOP)
+    degraded = daemon.notify.wait_for(lambda n: n.fields.get("STATUS", "").startswith("degraded"), start=mark)
+    assert "missed heartbeats for 1.2 s" in degraded.fields["STATUS"]
+    assert 1.2 <= degraded.at - stopped_at < 2.0
+    pings = [n.at for n in daemon.notify.notes[mark:] if n.fields.get("WATCHDOG") == "1" and n.at < degraded.at]
+    # At most the pings of the first 3 heartbeat intervals after the stall.
+    assert all(at - stopped_at < 0.45 for at in pings), pings
+    assert _wait_dead(first["graph"], 2.0)
+    daemon.wait_ready(start=mark)
+    assert daemon.stop() == 0
+
+
+def test_silent_worker_counts_as_failed_after_the_first_message_timeout(start_daemon):
+    daemon = start_daemon("silent-graph", max_restarts=0, options={"first_message_timeout_s": 1.0})
+    started = time.time()
+    assert daemon.process.wait(10) == 1
+    assert 1.0 <= time.time() - started < 6.0
+    assert "sent nothing within 1 s" in daemon.notify.statuses()[-1]
+
+
+def test_drain_deadline_kills_a_context_generator_that_does_not_stop(start_daemon):
+    daemon = start_daemon("ignore-drain", drain_timeout_s=0.3, options={"drain_grace_s": 0.2})
+    pids = daemon.pids(daemon.wait_ready())
+    sent = time.time()
+    daemon.process.send_signal(signal.SIGTERM)
+    assert daemon.process.wait(10) == 1  # forced
+    assert 0.5 <= time.time() - sent < 3.0
+    assert (daemon.fixture_dir / "drain.json").exists()
+    assert all(_wait_dead(pid) for pid in pids.values())
+
+
+def test_second_supervisor_is_refused_and_stop_command_drains(start_daemon):
+    daemon = start_daemon()
+    daemon.wait_ready()
+    second = subprocess.run([HYBRIDD, "start", "--runtime-dir", str(daemon.runtime_dir)], cwd=ROOT,
+                            capture_output=True, text=True, timeout=30)
+    assert second.returncode == 3
+    assert f"already running in {daemon.runtime_dir} (pid {daemon.process.pid}" in second.stderr
+    assert daemon.process.poll() is None, "the first daemon is unaffected"
+
+    stop = subprocess.run([HYBRIDD, "stop", "--runtime-dir", str(daemon.runtime_dir)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=30)
+    assert stop.returncode == 0, stop.stderr
+    assert f"hybridd (pid {daemon.process.pid}) stopped" in stop.stdout
+    assert daemon.process.wait(5) == 0
+
+    again = subprocess.run([HYBRIDD, "stop", "--runtime-dir", str(daemon.runtime_dir)], cwd=ROOT,
+                           capture_output=True, text=True, timeout=30)
+    assert again.returncode == 1
+    assert again.stderr.strip() == f"hybridd is not running (no live supervisor in {daemon.runtime_dir})"
