@@ -1,41 +1,58 @@
-"""The README's main job: generate a continuation with hybridd's engine core.
+"""The README's main job: start the daemon on the embedded default model, stream an
+answer to a prompt through the client SDK, then stop the daemon (drain).
 
-Uses the embedded default model when it is present (hybridd/assets/tiny-shakespeare),
-otherwise a tiny random Llama built on the fly; the daemon replaces this later.
+    python scripts/run_demo.py ["PROMPT"]
 """
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
 import sys
 import tempfile
-from pathlib import Path
+import time
 
-import torch
-
-from hybridd.model import load_model, load_tokenizer
-from hybridd.model.generate import greedy_generate
-
-ROOT = Path(__file__).resolve().parent.parent
-EMBEDDED = ROOT / "hybridd" / "assets" / "tiny-shakespeare"
+import hybridd
+from hybridd.client_errors import HybriddError
 
 
 def main() -> int:
     prompt = sys.argv[1] if len(sys.argv) > 1 else "ROMEO:"
-    if (EMBEDDED / "model.safetensors").is_file():
-        model = load_model(EMBEDDED, dtype=torch.float32)
-        tokenizer = load_tokenizer(EMBEDDED)
-        ids = tokenizer.encode(prompt)
-        out = greedy_generate(model, [ids], 64)[0]
-        print(prompt + tokenizer.decode(out))
-        return 0
-    sys.path.insert(0, str(ROOT))
-    from tests.tiny_models import build_tiny_model
-
-    with tempfile.TemporaryDirectory() as tmp:
-        build_tiny_model("llama", Path(tmp))
-        model = load_model(tmp, dtype=torch.float32)
-        out = greedy_generate(model, [[1, 5, 9, 17]], 16)[0]
-        print("no embedded model yet; random tiny Llama generated token ids:", out)
+    runtime_dir = tempfile.mkdtemp(prefix="hybridd-demo-")
+    endpoint = f"ipc://{runtime_dir}/hybridd.sock"
+    env = dict(os.environ, HYBRIDD_LOG_LEVEL=os.environ.get("HYBRIDD_LOG_LEVEL", "warning"))
+    daemon = subprocess.Popen([sys.executable, "-m", "hybridd.cli", "start", "--runtime-dir", runtime_dir], env=env)
+    try:
+        with hybridd.Client(endpoint, timeout=5.0) as client:
+            deadline = time.monotonic() + 300
+            while True:
+                if daemon.poll() is not None:
+                    print(f"hybridd start exited with {daemon.returncode}", file=sys.stderr)
+                    return 1
+                try:
+                    if client.health(timeout=1.0).ok:
+                        break
+                except HybriddError:
+                    pass
+                if time.monotonic() > deadline:
+                    print("the daemon did not become ready in 300 s", file=sys.stderr)
+                    return 1
+            print(prompt, end="", flush=True)
+            stream = client.stream(prompt, max_tokens=96, temperature=0.0, timeout=120.0)
+            for chunk in stream:
+                print(chunk.text, end="", flush=True)
+            print()
+            result = stream.result
+            if result is not None:
+                print(f"[{result.finish_reason}; {result.usage.completion_tokens} tokens]", file=sys.stderr)
+    finally:
+        if daemon.poll() is None:
+            daemon.send_signal(signal.SIGTERM)  # drain, then exit
+            try:
+                daemon.wait(60)
+            except subprocess.TimeoutExpired:
+                daemon.kill()
     return 0
 
 

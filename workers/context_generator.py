@@ -21,7 +21,7 @@ import zmq
 
 from hybridd.config import Config
 from hybridd.engine.block_manager import BlockManager
-from hybridd.engine.sampler import Sampler
+from hybridd.engine.sampler import Sampler, SamplingTensors
 from hybridd.engine.sampling_params import SamplingParams
 from hybridd.engine.scheduler import Scheduler
 from hybridd.engine.sequence import Sequence
@@ -128,8 +128,11 @@ class ContextGenerator:
             eos_token_ids=ready.eos_token_ids,
             tokenizer=self.tokenizer,
         )
+        # Compiling pays off on the GPU; on the CPU it only costs start-up time.
+        sampler = Sampler(compile=config.compile_sampler and self.device.type == "cuda")
+        self._warm_up_sampler(sampler, ready.vocab_size)
         self.pipeline = StepPipeline(
-            ready, self.buffers, self.ctl, Sampler(compile=config.compile_sampler), self.device,
+            ready, self.buffers, self.ctl, sampler, self.device,
             on_control=self._on_control, peer_alive=self._graph_alive,
         )
         self.client = bind_ipc_endpoint(self._ipc_path(config.client_endpoint), name="client")
@@ -139,6 +142,23 @@ class ContextGenerator:
         self.state = "ready"
         self.link.phase("ready", "serving")
         self.log.info("serving", endpoint=config.client_endpoint, kv_blocks=ready.num_kv_blocks)
+
+    def _warm_up_sampler(self, sampler: Sampler, vocab_size: int) -> None:
+        """Compile every sampling path before ready, so no request pays for it and the
+        serving loop never stalls on a compilation; heartbeats go out in between."""
+        if not sampler.compiled:
+            return
+        variants = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8),
+                    SamplingParams(temperature=0.8, top_k=40, top_p=0.9)]
+        for i, params in enumerate(variants, 1):
+            self.link.phase("loading", f"compiling the sampler {i}/{len(variants)}", i, len(variants))
+            self.link.heartbeat(force=True)
+            for rows in (1, 3):  # two sizes, so the dynamic-shape graph is the one cached
+                logits = torch.randn(rows, vocab_size, device=self.device)
+                tensors = SamplingTensors.build([params] * rows, [0] * rows, [0] * rows, vocab_size, self.device)
+                sampler(logits, tensors)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     @staticmethod
     def _ipc_path(endpoint: str) -> str:
