@@ -299,3 +299,24 @@ def test_worker_death_fails_in_flight_requests_and_the_client_reconnects(daemon,
     after = client.status()["workers"]
     assert after["context"]["pid"] != before["context"]["pid"]
     assert after["context"]["restarts"] == before["context"]["restarts"] + 1
+
+
+def test_graph_generator_death_gets_error_replies_and_the_pair_restarts(daemon, client):
+    # The context generator outlives its peer: it notices the death and answers every
+    # in-flight request with a terminal engine_dead error before the pair is restarted.
+    wait_until_ok(daemon.endpoint, 60)
+    before = client.status()["workers"]
+    streams = [client.stream(p, **LONG) for p in ("ROMEO:", "JULIET:", "HAMLET:")]
+    for stream in streams:
+        next(stream)
+    killed_at = time.monotonic()
+    os.kill(before["graph"]["pid"], signal.SIGKILL)
+    for stream in streams:
+        with pytest.raises(EngineDeadError):
+            for _ in stream:
+                pass
+    assert time.monotonic() - killed_at < 1.0
+    wait_until_ok(daemon.endpoint, 60)
+    assert client.generate("ROMEO:", max_tokens=4).usage.completion_tokens == 4
+    after = client.status()["workers"]
+    assert after["graph"]["pid"] != before["graph"]["pid"]

@@ -448,6 +448,7 @@ class ContextGenerator:
         return {
             "state": self._lifecycle_state(),
             "uptime_s": info.get("uptime_s", time.time() - self.started),
+            "started_at": info.get("started_at", self.started),
             "model": self.config.model,
             "dtype": str(resolve_dtype(self.config, self.device)).removeprefix("torch."),
             "device": str(self.device),

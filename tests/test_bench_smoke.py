@@ -1,0 +1,70 @@
+"""Smoke test of scripts/bench.py: the whole benchmark on the CPU with a tiny random model
+(`--device cpu --preset tiny --quick`), run as a subprocess as the lead runs it on the GPU;
+checks that it finishes and that bench.json has every expected figure, and that the
+plotting step reads it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def bench_out(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench.py"), "--out", str(out / "out"), "--device", "cpu",
+         "--preset", "tiny", "--quick", "--checkpoint-dir", str(out / "ckpt"), "--budget-s", "150"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return out / "out", proc.stdout
+
+
+def test_json_has_every_figure(bench_out):
+    out, stdout = bench_out
+    assert sorted(p.name for p in out.iterdir()) == ["bench.json", "bench_table.txt"]
+    r = json.loads((out / "bench.json").read_text())
+    assert r["meta"]["errors"] == {}, r["meta"]["errors"]
+    assert set(r["meta"]["skipped"]) == {"in_process", "hf_static"}  # CUDA-only parts
+    assert r["device"]["copy_bandwidth_Bps"] > 0 and r["device"]["matmul_flops"] > 0
+    floors = r["floors"]
+    assert floors["decode_floor_s"] > 0 and set(floors["prefill_floor_s"]) == {"10", "32", "128", "256", "500"}
+    for name in ("hybridd", "hybridd_eager", "hf_eager"):
+        part = r[name]
+        assert set(part["ttft_s"]) == {"10", "32", "128", "256", "500"}, name
+        assert all(v["median_s"] > 0 and v["n"] >= 2 for v in part["ttft_s"].values()), name
+        assert part["itl"]["p50_s"] > 0 and part["itl"]["p99_s"] >= part["itl"]["p50_s"], name
+        assert part["itl"]["n"] == 31, name  # 32 tokens, 31 gaps, one measured run (--quick)
+    hy = r["hybridd"]
+    assert set(hy["concurrency"]) == {"1", "4", "16", "32"}
+    assert all(c["tokens_per_s"] > 0 and c["itl_p50_s"] > 0 for c in hy["concurrency"].values())
+    assert hy["concurrency"]["32"]["tokens"] == 32 * 16
+    assert hy["startup"]["spawn_to_ready_s"] > 0 and hy["startup"]["after_weights_to_ready_s"] is not None
+    assert {"during", "early", "steady", "p99_ratio", "capture_window_s"} <= set(hy["background_capture"])
+    assert hy["graph_memory"]["buckets"] and "graph_pool_bytes" in hy["graph_memory"]
+    assert hy["client"]
+    assert [t["target"] for t in r["targets"]][:2] == ["decode ITL p50, batch 1", "decode ITL p99/p50, batch 1"]
+    assert len(r["targets"]) == 7
+    figures = [row["figure"] for row in r["table"]]
+    assert figures[:5] == [f"TTFT {n} tok" for n in (10, 32, 128, 256, 500)] and "ITL p50 (b=1)" in figures
+    assert "targets (BENCHMARKS.md)" in stdout and "TTFT 500 tok" in stdout
+
+
+def test_plot(bench_out, tmp_path):
+    pytest.importorskip("matplotlib")
+    out, _ = bench_out
+    png = tmp_path / "bench.png"
+    subprocess.run([sys.executable, str(ROOT / "docs" / "benchmarks_plot.py"), str(out / "bench.json"), "--png",
+                    str(png)], check=True, cwd=ROOT, timeout=120)
+    assert png.stat().st_size > 10_000
