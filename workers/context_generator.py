@@ -21,7 +21,7 @@ import zmq
 
 from hybridd.config import Config
 from hybridd.engine.block_manager import BlockManager
-from hybridd.engine.sampler import Sampler, SamplingTensors
+from hybridd.engine.sampler import Sampler
 from hybridd.engine.sampling_params import SamplingParams
 from hybridd.engine.scheduler import Scheduler
 from hybridd.engine.sequence import Sequence
@@ -148,15 +148,12 @@ class ContextGenerator:
         serving loop never stalls on a compilation; heartbeats go out in between."""
         if not sampler.compiled:
             return
-        variants = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8),
-                    SamplingParams(temperature=0.8, top_k=40, top_p=0.9)]
-        for i, params in enumerate(variants, 1):
-            self.link.phase("loading", f"compiling the sampler {i}/{len(variants)}", i, len(variants))
+
+        def progress(done: int, total: int) -> None:
+            self.link.phase("loading", f"compiling the sampler {done}/{total}", done, total)
             self.link.heartbeat(force=True)
-            for rows in (1, 3):  # two sizes, so the dynamic-shape graph is the one cached
-                logits = torch.randn(rows, vocab_size, device=self.device)
-                tensors = SamplingTensors.build([params] * rows, [0] * rows, [0] * rows, vocab_size, self.device)
-                sampler(logits, tensors)
+
+        sampler.warm_up(vocab_size, self.device, progress)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 

@@ -23,9 +23,13 @@ import torch
 
 from hybridd.engine.sampling_params import SamplingParams
 from hybridd.engine.sequence import Sequence
+from hybridd.log import get_logger
 _MASK32 = 0xFFFFFFFF
 # Uniforms carry 23 bits so that u < 1 stays exact in float32 and -log(u) > 0.
 _UNIFORM_BITS = 23
+
+
+log = get_logger("sampler")
 
 
 @dataclass
@@ -131,6 +135,30 @@ class Sampler:
             self._sorted = torch.compile(_sample_sorted, **kwargs)
         else:
             self._greedy, self._random, self._sorted = _sample_greedy, _sample_random, _sample_sorted
+
+    def warm_up(self, vocab_size: int, device: torch.device | str, on_progress=None) -> dict[str, str]:
+        """Run every sampling path once (compiling it) before serving starts. A path whose
+        compilation fails falls back to its eager version, so the process still serves;
+        returns {path: error} for those."""
+        variants = {
+            "_greedy": (SamplingParams(temperature=0.0), _sample_greedy),
+            "_random": (SamplingParams(temperature=0.8), _sample_random),
+            "_sorted": (SamplingParams(temperature=0.8, top_k=40, top_p=0.9), _sample_sorted),
+        }
+        failed: dict[str, str] = {}
+        for i, (path, (params, eager)) in enumerate(variants.items(), 1):
+            if on_progress is not None:
+                on_progress(i, len(variants))
+            try:
+                for rows in (1, 3):  # two sizes, so the dynamic-shape graph is the one cached
+                    logits = torch.randn(rows, vocab_size, device=device)
+                    tensors = SamplingTensors.build([params] * rows, [0] * rows, [0] * rows, vocab_size, device)
+                    self(logits, tensors)
+            except Exception as exc:  # a compiler failure must not keep the daemon from serving
+                failed[path] = f"{type(exc).__name__}: {str(exc)[:300]}"
+                log.warning("sampler_compile_failed", path=path.strip("_"), error=failed[path])
+                setattr(self, path, eager)
+        return failed
 
     def __call__(
         self, logits: torch.Tensor, t: SamplingTensors, out: torch.Tensor | None = None

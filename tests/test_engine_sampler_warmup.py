@@ -1,0 +1,31 @@
+"""Sampler warm-up: every path runs before serving, and a path whose compilation fails
+falls back to its eager version instead of keeping the daemon from starting."""
+
+from __future__ import annotations
+
+import torch
+
+from hybridd.engine import sampler as sampler_module
+from hybridd.engine.sampler import Sampler, SamplingTensors
+from hybridd.engine.sampling_params import SamplingParams
+
+
+def test_failed_path_falls_back_to_eager_and_still_samples():
+    sampler = Sampler(compile=False)
+
+    def broken_compiled_path(*args):
+        raise RuntimeError("inductor exploded")
+
+    sampler._random = broken_compiled_path  # stands for a compiled path that fails
+    calls = []
+    failed = sampler.warm_up(64, "cpu", on_progress=lambda done, total: calls.append((done, total)))
+    assert set(failed) == {"_random"} and "inductor exploded" in failed["_random"]
+    assert calls == [(1, 3), (2, 3), (3, 3)]
+    assert sampler._random is sampler_module._sample_random
+    params = [SamplingParams(temperature=0.8, seed=3)] * 2
+    tokens = sampler(torch.randn(2, 64), SamplingTensors.build(params, [3, 3], [0, 0], 64))
+    assert tokens.shape == (2,) and int(tokens.max()) < 64
+
+
+def test_all_paths_warm_without_failures():
+    assert Sampler(compile=False).warm_up(64, "cpu") == {}
