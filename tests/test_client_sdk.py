@@ -281,6 +281,73 @@ def test_async_client(daemon):
     asyncio.run(main())
 
 
+def test_32_concurrent_streams_while_malformed_messages_arrive(daemon):
+    """32 streams at once (async) and 32 sync threads, while a raw socket sends every kind
+    of bad message: each bad one gets a clear error, every stream completes whole."""
+    import msgpack
+    import zmq
+
+    from protocol import codec
+
+    bad_messages = [
+        (b"\xc1 definitely not msgpack", "malformed"),
+        (msgpack.packb([1, 2, 3]), "malformed"),
+        (msgpack.packb({"v": 1, "type": "generate", "id": "t", "prompt": 5}), "invalid_request"),
+        (msgpack.packb({"v": 1, "type": "generate", "id": "u", "prompt": "x", "colour": 1}), "invalid_request"),
+        (msgpack.packb({"v": 1, "type": "generate", "id": "m", "prompt": "x", "sampling": {"max_tokens": 0}}),
+         "invalid_request"),
+        (msgpack.packb({"v": 1, "type": "generate", "id": "l", "prompt": "ROMEO " * 3000}), "invalid_request"),
+        (msgpack.packb({"v": 1, "type": "generate", "id": "a", "prompt": "x",
+                        "sampling": {"max_tokens": 10**12}}), "invalid_request"),
+        (msgpack.packb({"v": 1, "type": "generate", "id": "s", "prompt": "x" * (2 << 20)}), "too_large"),
+        (msgpack.packb({"v": 7, "type": "health", "id": "v"}), "unsupported_version"),
+    ]
+    context = zmq.Context()
+    raw = context.socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(daemon.endpoint)
+
+    async def streams() -> list:
+        async with AsyncClient(daemon.endpoint, timeout=120) as client:
+            async def one(i: int) -> str:
+                stream = client.stream("KING:", max_tokens=24, seed=i, ignore_eos=True)
+                texts = [chunk.text async for chunk in stream]
+                assert stream.result.usage.completion_tokens == 24
+                assert "".join(texts) == stream.result.text
+                return stream.result.text
+
+            return await asyncio.gather(*(one(i) for i in range(32)))
+
+    sync_results: dict[int, int] = {}
+
+    def sync_stream(client: Client, i: int) -> None:
+        stream = client.stream("QUEEN:", max_tokens=16, seed=i, ignore_eos=True)
+        for _ in stream:
+            pass
+        sync_results[i] = stream.result.usage.completion_tokens
+
+    errors = []
+    try:
+        with Client(daemon.endpoint, timeout=120) as sync_client:
+            threads = [threading.Thread(target=sync_stream, args=(sync_client, i)) for i in range(32)]
+            for t in threads:
+                t.start()
+            for frame, _ in bad_messages:
+                raw.send(frame)
+            texts = asyncio.run(streams())
+            for t in threads:
+                t.join(120)
+            for _ in bad_messages:
+                assert raw.poll(10_000), "no error reply"
+                errors.append(codec.decode(raw.recv()))
+    finally:
+        raw.close()
+        context.term()
+    assert len(texts) == 32 and sorted(sync_results) == list(range(32)) and set(sync_results.values()) == {16}
+    assert sorted(e["code"] for e in errors) == sorted(code for _, code in bad_messages)
+    assert all(e["type"] == "error" and e["message"] for e in errors)
+
+
 def test_worker_death_fails_in_flight_requests_and_the_client_reconnects(daemon, client):
     # Last in this module: it restarts the daemon's worker pair.
     before = client.status()["workers"]
