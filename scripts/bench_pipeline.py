@@ -144,7 +144,14 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path("out"))
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--trace", type=Path, help="also trace both workers' kernels (batch 1) into this folder "
+                        "and measure the GPU's idle gaps (scripts/gpu_idle_gaps.py)")
     args = parser.parse_args()
+    if args.trace:
+        import os
+
+        # Inherited by the spawned workers: trace 200 steps after 100 of warm-up.
+        os.environ["HYBRIDD_TRACE_DIR"] = str(args.trace)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.model is None:
         from make_random_checkpoint import make_checkpoint
@@ -155,6 +162,10 @@ def main() -> int:
     print("in-process:", json.dumps(one), flush=True)
     two = two_process(args.model, batches, args.prompt_len, args.tokens)
     rows = {b: {**one[b], **two[b]} for b in batches}
+    if args.trace:
+        import subprocess
+
+        subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_idle_gaps.py"), str(args.trace)], check=False)
     for b in batches:
         rows[b]["overhead_ratio_p50"] = rows[b]["two_process_itl_p50_s"] / rows[b]["in_process_itl_p50_s"]
         rows[b]["itl_over_gpu_step"] = rows[b]["two_process_itl_p50_s"] / rows[b]["gpu_step_s"]

@@ -29,6 +29,7 @@ from hybridd.engine.step_pipeline import EngineDeadError, InflightStep, StepPipe
 from hybridd.log import configure, get_logger
 from hybridd.model import load_tokenizer
 from hybridd.runtime.step_buffers import StepBuffers, geometry
+from hybridd.runtime.step_trace import StepTracer
 from ipc.channel import Channel, PeerProtocolError, bind_ipc_endpoint
 from ipc.posix_shm import pid_alive
 from ipc.shared_arena import SharedArena
@@ -87,6 +88,7 @@ class ContextGenerator:
         self.ctl = Channel(zmq.PAIR, name="ctl-context")
         self.ctl.bind(ctl_endpoint)
         self.device = resolve_device(config)
+        self.tracer = StepTracer("context")
         self.requests: dict[str, ClientRequest] = {}
         self.inflight: deque[InflightStep] = deque()
         self.state = "loading"
@@ -243,6 +245,7 @@ class ContextGenerator:
                     if request is not None and request.admitted is None:
                         request.admitted = now
                 self.inflight.append(self.pipeline.launch(batch))
+                self.tracer.step()
                 self.link.steps += 1
                 if len(self.inflight) < PIPELINE_DEPTH:
                     return

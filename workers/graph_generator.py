@@ -26,6 +26,7 @@ from hybridd.runtime.buckets import BucketPlan
 from hybridd.runtime.graph_runner import GraphRunner, StepShape
 from hybridd.runtime.kernels import select_kernels
 from hybridd.runtime.step_buffers import StepBuffers, buffer_layout, geometry
+from hybridd.runtime.step_trace import StepTracer
 from ipc.arena_layout import ArenaLayout
 from ipc.channel import Channel
 from ipc.events import InterprocessEvent
@@ -67,6 +68,7 @@ class GraphGenerator:
         self.ctl = Channel(zmq.PAIR, name="ctl-graph")
         self.ctl.connect(ctl_endpoint)
         self.device = resolve_device(config)
+        self.tracer = StepTracer("graph")
         self._stop = False
 
     def start(self) -> None:
@@ -195,6 +197,7 @@ class GraphGenerator:
             self.buffers.pad(step.n_tokens, n_seqs, shape.tokens, shape.seqs)
         self.runner.execute(shape)
         self.logits_ready.record(stream)
+        self.tracer.step()
         self.link.steps += 1
         self.ctl.send(control.Launched(step=step.step, graph=shape.graph))
 
