@@ -252,3 +252,38 @@ def test_eos_from_model_config_ends_request(tmp_path, reference):
         client.close()
     finally:
         engine.close()
+
+
+def test_prompt_longer_than_prefill_budget_runs_alone(tmp_path, reference):
+    model, tokenizer = reference
+    text = (EMBEDDED_MODEL / "validation.txt").read_text()[:2000]
+    ids = tokenizer.encode(text)[:150]
+    expected = greedy_generate(model, [ids], 12)[0]
+    engine = EnginePair(tmp_path, max_prefill_tokens=64, prefill_buckets=[16, 32, 64], **ENGINE)
+    try:
+        engine.wait_ready()
+        client = engine.client()
+        final, _ = client.generate(prompt_token_ids=ids, sampling={"max_tokens": 12, "temperature": 0.0})
+        assert final["type"] == "final" and final["token_ids"] == expected
+        client.close()
+    finally:
+        engine.close()
+
+
+def test_queue_limit_answers_overloaded(tmp_path):
+    engine = EnginePair(tmp_path, max_queued_requests=2, **ENGINE)
+    try:
+        engine.wait_ready()
+        client = engine.client()
+        long = {"max_tokens": 500, "temperature": 0.0, "ignore_eos": True}
+        held = [client.send({"type": "generate", "prompt": "ROMEO:", "sampling": long}) for _ in range(2)]
+        reply = client.request({"type": "generate", "prompt": "ROMEO:", "sampling": long})
+        assert reply["type"] == "error" and reply["code"] == "overloaded" and "max_queued_requests" in reply["message"]
+        for rid in held:
+            client.send({"type": "cancel", "target": rid})
+            assert client.collect(rid)[0]["finish_reason"] == "cancelled"
+        final, _ = client.generate(prompt="ROMEO:", sampling={"max_tokens": 3})
+        assert final["finish_reason"] == "length"
+        client.close()
+    finally:
+        engine.close()

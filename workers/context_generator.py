@@ -122,7 +122,7 @@ class ContextGenerator:
         self.scheduler = Scheduler(
             self.block_manager,
             max_batch=ready.max_batch,
-            max_prefill_tokens=min(config.max_prefill_tokens, self.buffers.max_tokens),
+            max_prefill_tokens=config.max_prefill_tokens,
             max_model_len=ready.max_model_len,
             decode_buckets=ready.decode_buckets,
             block_table_width=self.buffers.max_blocks_per_seq,
