@@ -35,7 +35,7 @@ from ipc.posix_shm import pid_alive
 from ipc.shared_arena import SharedArena
 from protocol import control
 from protocol.errors import ErrorCode, ProtocolError
-from protocol.limits import PROTOCOL_VERSION
+from protocol.supervisor import Drain, SupervisorInfo
 from protocol.messages import (
     CancelRequest,
     ChunkReply,
@@ -410,12 +410,10 @@ class ContextGenerator:
     # ------------------------------------------------------------- supervisor
     def _supervisor_commands(self) -> None:
         while (command := self.link.poll_command()) is not None:
-            kind = command.get("type")
-            if kind == "drain":
-                timeout = float(command.get("timeout_s", self.config.drain_timeout_s))
-                self._begin_drain(timeout)
-            elif kind == "supervisor_info" and isinstance(command.get("info"), dict):
-                self.supervisor_info = command["info"]
+            if isinstance(command, Drain):
+                self._begin_drain(command.timeout_s)
+            elif isinstance(command, SupervisorInfo):
+                self.supervisor_info = command.info()
 
     def _begin_drain(self, timeout_s: float) -> None:
         if self.state != "ready":

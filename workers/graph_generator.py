@@ -151,7 +151,8 @@ class GraphGenerator:
                 self.ctl.send(control.Stats(stats=self.runner.snapshot()))
             events = dict(poller.poll(timeout=int(self.config.heartbeat_interval_s * 1000)))
             if self.link.socket in events:
-                self.link.poll_command()  # nothing for the graph generator; drain the queue
+                while self.link.poll_command() is not None:  # nothing for the graph generator
+                    pass
             if self.ctl.socket not in events:
                 continue
             try:

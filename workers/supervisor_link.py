@@ -8,13 +8,11 @@ test or a benchmark directly) the messages are dropped, and the worker runs the 
 from __future__ import annotations
 
 import time
-from typing import Any
-
 import zmq
 
 from protocol import codec
 from protocol.errors import ProtocolError
-from protocol.limits import PROTOCOL_VERSION
+from protocol.supervisor import MAX_PHASE_DETAIL_CHARS, Heartbeat, SupervisorMessage, WorkerPhase, parse_supervisor
 
 
 class SupervisorLink:
@@ -28,37 +26,38 @@ class SupervisorLink:
         self._socket.connect(endpoint)
         self._last_beat = 0.0
         self.steps = 0
+        self.dropped = 0
 
     @property
     def socket(self) -> zmq.Socket:
         return self._socket
 
-    def _send(self, message: dict[str, Any]) -> None:
+    def _send(self, message: WorkerPhase | Heartbeat) -> None:
         try:
-            self._socket.send(codec.encode({"v": PROTOCOL_VERSION, **message}), zmq.NOBLOCK)
+            self._socket.send(codec.encode(message), zmq.NOBLOCK)
         except zmq.Again:
             pass
 
     def phase(self, phase: str, detail: str = "", done: int = 0, total: int = 0) -> None:
-        self._send({"type": "worker_phase", "worker": self.worker, "phase": phase, "detail": detail,
-                    "done": done, "total": total})
+        self._send(WorkerPhase(worker=self.worker, phase=phase, detail=detail[:MAX_PHASE_DETAIL_CHARS], done=done, total=total))
 
     def heartbeat(self, force: bool = False) -> None:
         now = time.monotonic()
         if force or now - self._last_beat >= self.heartbeat_interval_s:
             self._last_beat = now
-            self._send({"type": "heartbeat", "worker": self.worker, "steps": self.steps})
+            self._send(Heartbeat(worker=self.worker, steps=self.steps))
 
-    def poll_command(self) -> dict[str, Any] | None:
-        """The next command from the supervisor, if one is waiting."""
-        try:
-            frame = self._socket.recv(zmq.NOBLOCK)
-        except zmq.Again:
-            return None
-        try:
-            return codec.decode(frame)
-        except ProtocolError:
-            return None
+    def poll_command(self) -> SupervisorMessage | None:
+        """The next command from the supervisor, if one is waiting (malformed ones are dropped)."""
+        while True:
+            try:
+                frame = self._socket.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return None
+            try:
+                return parse_supervisor(frame)
+            except ProtocolError:
+                self.dropped += 1
 
     def close(self) -> None:
         self._socket.close()
