@@ -102,10 +102,10 @@ class StepBuffers:
         self.fields = input_fields(max_tokens, self.max_seqs, max_blocks_per_seq)
         for name, view in _split(self.packed, self.fields).items():
             setattr(self, name, view)
-        pin = self.packed.device.type == "cuda"
-        # Two pinned host mirrors, alternated, each with the event of its last copy.
-        self._mirrors = [torch.zeros(self.packed.shape, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
-        self._mirror_views = [_split(m, self.fields) for m in self._mirrors]
+        # Two pinned host mirrors, alternated, each with the event of its last copy; made
+        # on the first write, since the graph generator only ever pads.
+        self._mirrors: list[torch.Tensor] = []
+        self._mirror_views: list[dict[str, torch.Tensor]] = []
         self._mirror_done: list[torch.cuda.Event | None] = [None, None]
         self._next_mirror = 0
 
@@ -151,6 +151,10 @@ class StepBuffers:
                 f"step of {step.num_tokens} tokens / {step.num_seqs} seqs exceeds the step buffers "
                 f"({self.max_tokens} tokens / {self.max_seqs} seqs)"
             )
+        if not self._mirrors:
+            pin = self.packed.device.type == "cuda"
+            self._mirrors = [torch.zeros(self.packed.shape, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
+            self._mirror_views = [_split(m, self.fields) for m in self._mirrors]
         index = self._next_mirror
         self._next_mirror ^= 1
         if self._mirror_done[index] is not None:
