@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# The GPU half of the test suite and the pipeline measurement, in one command on the
+# GPU machine (results under $OUT, or ./out):
+#     bash scripts/gpu_checks.sh
+# 1. the tests marked `gpu` except the 7B model-accuracy ones (tests/test_gpu_model.py:
+#    run it alone, it writes two 13 GB checkpoints);
+# 2. the two-process end-to-end tests over CUDA IPC (HYBRIDD_TEST_DEVICE=cuda);
+# 3. scripts/bench_pipeline.py with both workers traced, and the GPU's idle gaps.
+set -uo pipefail
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+source scripts/device_env.sh
+status=0
+timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests --ignore tests/test_gpu_model.py \
+    2>&1 | tee "$OUT/gpu_tests.log" || status=1
+HYBRIDD_TEST_DEVICE=cuda timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_runtime_decoupled.py \
+    2>&1 | tee "$OUT/gpu_e2e.log" || status=1
+rm -rf /tmp/hybridd-trace
+timeout 240 python3 scripts/bench_pipeline.py --out "$OUT" --trace /tmp/hybridd-trace 2>&1 | tee "$OUT/bench_pipeline.log" \
+    || status=1
+cp /tmp/hybridd-trace/idle_gaps.json "$OUT/" 2>/dev/null || status=1
+exit $status
