@@ -27,6 +27,7 @@ from hybridd.log import get_logger
 _MASK32 = 0xFFFFFFFF
 # Uniforms carry 23 bits so that u < 1 stays exact in float32 and -log(u) > 0.
 _UNIFORM_BITS = 23
+_SCAN_CHUNK = 256
 
 
 log = get_logger("sampler")
@@ -256,7 +257,7 @@ def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor)
     ranks = torch.arange(logits.shape[-1], device=logits.device).unsqueeze(0)
     in_top_k = ranks < top_k.unsqueeze(1)
     probs = sorted_logits.masked_fill(~in_top_k, float("-inf")).softmax(dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs
+    mass_before = _cumsum_rows(probs) - probs
     # A token stays while the mass ranked above it is below top_p, so the first one
     # always stays; rows with top_p == 1 skip the test, as a float cumsum can reach 1 early.
     in_top_p = (mass_before < top_p.unsqueeze(1)) | (top_p >= 1.0).unsqueeze(1)
@@ -266,6 +267,20 @@ def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor)
     num_kept = (in_top_k & in_top_p).sum(dim=-1, keepdim=True)
     threshold = sorted_logits.gather(-1, num_kept - 1)
     return logits.masked_fill(logits < threshold, float("-inf"))
+
+
+def _cumsum_rows(x: torch.Tensor) -> torch.Tensor:
+    """Inclusive cumulative sum along the last dimension of [B, V], in two levels
+    (within chunks of _SCAN_CHUNK, then over the chunks' totals). A single scan over a
+    long row with few rows makes inductor emit a split scan, whose CUDA code generation
+    fails with dynamic shapes (torch 2.11); short scans over many rows do not."""
+    rows, width = x.shape
+    chunks = (width + _SCAN_CHUNK - 1) // _SCAN_CHUNK
+    padded = torch.nn.functional.pad(x, (0, chunks * _SCAN_CHUNK - width)).view(rows, chunks, _SCAN_CHUNK)
+    within = padded.cumsum(dim=-1)
+    totals = within[..., -1]
+    before = totals.cumsum(dim=-1) - totals
+    return (within + before.unsqueeze(-1)).view(rows, chunks * _SCAN_CHUNK)[:, :width]
 
 
 def _sample_greedy(logits, repetition, presence, frequency, counts, prompt_mask):

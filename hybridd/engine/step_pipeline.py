@@ -65,6 +65,7 @@ class StepPipeline:
         self.launch_timeout_s = launch_timeout_s
         self.cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if self.cuda else None
+        self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
         self.inputs_ready = InterprocessEvent.from_handle(ready.events.get("inputs_ready", b""), device)
         self.logits_ready = InterprocessEvent.from_handle(ready.events.get("logits_ready", b""), device)
         self.ring = torch.zeros((RING_STEPS, buffers.max_seqs), dtype=torch.int64, device=device)
@@ -90,11 +91,7 @@ class StepPipeline:
             batch.logits_indices,
         ))
         if on_device:
-            src_step = self._to_device(batch.input_src_step)
-            src_row = self._to_device(batch.input_src_row)
-            gathered = self.ring[src_step.clamp(min=0) % RING_STEPS, src_row.clamp(min=0)]
-            ids = self.buffers.input_ids[:n_tokens]
-            ids.copy_(torch.where(src_step >= 0, gathered, ids))
+            self._gather_inputs(batch, n_tokens)
         self.inputs_ready.record(self.stream)
         self.ctl.send(control.Step(
             step=batch.step_id, kind="prefill" if batch.is_prefill else "decode",
@@ -109,12 +106,33 @@ class StepPipeline:
         out = self.ring[batch.step_id % RING_STEPS, :n_seqs]
         self.sampler(self.buffers.logits[:n_seqs], tensors, out=out)
         host = torch.empty(n_seqs, dtype=torch.int64, pin_memory=self.cuda)
-        host.copy_(out, non_blocking=self.cuda)
         done = None
         if self.cuda:
-            done = torch.cuda.Event()
-            done.record(self.stream)
+            # The copy to the host runs on its own stream, so that the next step's
+            # input writes do not queue behind it on the way to the next forward.
+            sampled = torch.cuda.Event()
+            sampled.record(self.stream)
+            self.copy_stream.wait_event(sampled)
+            with torch.cuda.stream(self.copy_stream):
+                host.copy_(out, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(self.copy_stream)
+        else:
+            host.copy_(out)
         return InflightStep(batch, host, done, time.monotonic(), launched.graph)
+
+    def _gather_inputs(self, batch: ScheduledBatch, n_tokens: int) -> None:
+        """Input tokens still on the device come from the ring of sampled tokens."""
+        ids = self.buffers.input_ids[:n_tokens]
+        src_step, src_row = batch.input_src_step, batch.input_src_row
+        first = int(src_step[0])
+        if first >= 0 and bool((src_step == first).all()) and torch.equal(src_row, torch.arange(n_tokens)):
+            # Steady decode: row i continues row i of one earlier step, one copy.
+            ids.copy_(self.ring[first % RING_STEPS, :n_tokens])
+            return
+        src_step, src_row = self._to_device(src_step), self._to_device(src_row)
+        gathered = self.ring[src_step.clamp(min=0) % RING_STEPS, src_row.clamp(min=0)]
+        ids.copy_(torch.where(src_step >= 0, gathered, ids))
 
     def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
         # Pageable host-to-device copies synchronize the stream; pinned ones do not.

@@ -93,7 +93,10 @@ class GraphRunner:
         self.cuda = use_graphs and self.device.type == "cuda"
         self.memory_budget_bytes = memory_budget_bytes
         self.pad_factor = pad_factor
-        self.pool = torch.cuda.graph_pool_handle() if self.cuda else None
+        # The runner holds its own reference on the pool: were every graph in it released
+        # (the first capture failed, say), PyTorch would refuse the id for later captures.
+        self._mempool = torch.cuda.MemPool() if self.cuda else None
+        self.pool = self._mempool.id if self._mempool is not None else None
         # Serving never uses the legacy default stream: it synchronizes implicitly with every
         # blocking stream, which is an error while the background thread captures.
         on_cuda = self.device.type == "cuda"
