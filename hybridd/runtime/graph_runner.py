@@ -93,15 +93,13 @@ class GraphRunner:
         self.cuda = use_graphs and self.device.type == "cuda"
         self.memory_budget_bytes = memory_budget_bytes
         self.pad_factor = pad_factor
-        # The runner holds its own reference on the pool: were every graph in it released
-        # (the first capture failed, say), PyTorch would refuse the id for later captures.
-        self._mempool = torch.cuda.MemPool() if self.cuda else None
-        self.pool = self._mempool.id if self._mempool is not None else None
+        self.pool = torch.cuda.graph_pool_handle() if self.cuda else None
         # Serving never uses the legacy default stream: it synchronizes implicitly with every
         # blocking stream, which is an error while the background thread captures.
         on_cuda = self.device.type == "cuda"
         self.stream = stream if stream is not None else (torch.cuda.Stream(self.device) if on_cuda else None)
         self.capture_stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self._pool_anchor = self._capture_pool_anchor() if self.cuda else None
         if plan.max_batch > buffers.max_seqs or plan.max_prefill_seqs > buffers.max_seqs:
             raise ValueError("step buffers hold fewer sequences than the bucket plan needs")
         if max(plan.max_batch, plan.max_prefill_tokens) > buffers.max_tokens:
@@ -298,6 +296,20 @@ class GraphRunner:
             self.capture_stream.synchronize()
         else:
             self._step_body(dummy, scratch_logits)
+
+    def _capture_pool_anchor(self) -> torch.cuda.CUDAGraph:
+        """A one-kernel graph in the pool that lives as long as the runner. PyTorch counts
+        a pool's users by its graphs; were they all released (the first capture failed,
+        every prefill graph evicted), it would refuse the pool's id at the next capture."""
+        cell = torch.zeros(1, device=self.device)
+        anchor = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(self.capture_stream):
+            anchor.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+            cell.add_(1)
+            anchor.capture_end()
+        self.capture_stream.synchronize()
+        self._anchor_cell = cell
+        return anchor
 
     def _capture_graph(self, graph: torch.cuda.CUDAGraph, view: StepInputs) -> None:
         gc_was_enabled = gc.isenabled()
