@@ -4,8 +4,9 @@ With `HYBRIDD_TRACE_DIR` set, a worker profiles its CUDA kernels with the PyTorc
 profiler for `HYBRIDD_TRACE_STEPS` steps (default 200) after `HYBRIDD_TRACE_WARMUP`
 steps (default 100) and writes `trace-<role>-<pid>.json` there. Kernel timestamps of
 both workers share one clock, so `scripts/gpu_idle_gaps.py` can merge the two traces
-and measure the time the GPU runs nothing from either process. Off by default:
-without the variable this costs one attribute check per step.
+and measure the time the GPU runs nothing from either process. With
+`HYBRIDD_TRACE_CPU=1` the host side (CUDA runtime calls, operators) is recorded too.
+Off by default: without the variable this costs one attribute check per step.
 """
 
 from __future__ import annotations
@@ -36,15 +37,19 @@ class StepTracer:
         if not self.enabled:
             return
         self.count += 1
-        if self.count == self.warmup:
+        if self.count == max(self.warmup, 1):
             from torch.profiler import ProfilerActivity, profile
 
-            self.profiler = profile(activities=[ProfilerActivity.CUDA])
+            activities = [ProfilerActivity.CUDA]
+            if os.environ.get("HYBRIDD_TRACE_CPU") == "1":
+                activities.append(ProfilerActivity.CPU)
+            self.profiler = profile(activities=activities)
             self.profiler.__enter__()
         elif self.count == self.warmup + self.steps and self.profiler is not None:
             import torch
 
-            torch.cuda.synchronize()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
             self.profiler.__exit__(None, None, None)
             self.directory.mkdir(parents=True, exist_ok=True)
             path = self.directory / f"trace-{self.role}-{os.getpid()}.json"
