@@ -236,6 +236,23 @@ def test_overlapped_pipeline_one_step_ahead():
     assert sched.block_manager.num_free == 20
 
 
+def test_overlapped_pipeline_computes_nothing_past_a_length_limit():
+    # One step ahead, a sequence's last token is still in flight when the next step is
+    # planned; max_tokens and max_model_len are known then, so no step is wasted on it.
+    sched = make(num_blocks=200, max_model_len=40)
+    seqs = requests(6, seed=3, max_tokens=(1, 12), prompt_len=(2, 10))
+    long_one = Sequence("long", list(range(1, 31)), SamplingParams(max_tokens=100))  # max_model_len ends it
+    for s in [*seqs, long_one]:
+        sched.add(s)
+    batches, preempted = run_overlapped(sched)
+    assert not preempted
+    assert_complete(seqs)
+    assert long_one.finish_reason == "length" and len(long_one) == 40
+    for s in [*seqs, long_one]:
+        steps = sum(any(q is s for q in b.seqs) for b in batches)
+        assert steps == s.num_output_tokens, (s.request_id, steps, s.num_output_tokens)
+
+
 def test_abort_before_start_while_running_and_twice():
     sched = make()
     waiting, running, other = (Sequence(r, [1, 2, 3], SamplingParams(max_tokens=10)) for r in "wro")

@@ -249,6 +249,10 @@ class ContextGenerator:
                 self.link.steps += 1
                 if len(self.inflight) < PIPELINE_DEPTH:
                     return
+            elif self.inflight and not self.pipeline.landed(self.inflight[0]):
+                # Nothing to launch: go back to the sockets until the step lands, so that
+                # a request arriving meanwhile starts now, not after the wait.
+                return
         if self.inflight:
             self._retire(self.inflight.popleft())
 

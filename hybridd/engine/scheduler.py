@@ -181,6 +181,14 @@ class Scheduler:
                 finished.append(seq)
         return finished
 
+    def _ends_when_landed(self, seq: Sequence) -> bool:
+        """The token in flight takes the sequence to max_tokens or max_model_len. Stop
+        tokens and strings can only be seen a step late; lengths are known now."""
+        if not seq.num_inflight_tokens:
+            return False
+        return (seq.num_output_tokens + seq.num_inflight_tokens >= seq.params.max_tokens
+                or len(seq) + seq.num_inflight_tokens >= self.max_model_len)
+
     def _schedule_prefill(self) -> ScheduledBatch | None:
         bm = self.block_manager
         seqs: list[Sequence] = []
@@ -243,6 +251,9 @@ class Scheduler:
             seq = self.running[row]
             if seq.num_inflight_tokens > 1:
                 raise RuntimeError("schedule() ran more than one step ahead of postprocess()")
+            if self._ends_when_landed(seq):
+                row += 1  # its in-flight token is its last: a step now would be thrown away
+                continue
             if bm.can_append(seq):
                 slots.append(bm.append_slot(seq))
                 seqs.append(seq)

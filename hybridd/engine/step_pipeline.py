@@ -177,6 +177,11 @@ class StepPipeline:
             self.on_control(message)
 
     @staticmethod
+    def landed(step: InflightStep) -> bool:
+        """True when the step's tokens are on the host (collect will not wait)."""
+        return step.done is None or step.done.query()
+
+    @staticmethod
     def collect(step: InflightStep) -> list[int]:
         """The step's sampled tokens on the host (waits only for this step's own copy)."""
         if step.done is not None:
