@@ -129,13 +129,14 @@ def start(config_path: str | None, print_config: bool, **overrides: Any) -> None
     if print_config:
         click.echo(config_to_json(config))
         return
+    from hybridd.cuda_mps import MpsError
     from hybridd.supervisor import AlreadyRunningError, run_supervisor
 
     try:
         code = run_supervisor(config)
     except AlreadyRunningError as error:
         _fail(f"hybridd: {error}", EXIT_ALREADY_RUNNING)
-    except (OSError, ValueError) as error:
+    except (OSError, ValueError, MpsError) as error:
         _fail(f"hybridd: cannot start: {error}")
     sys.exit(code)
 

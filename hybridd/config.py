@@ -61,6 +61,7 @@ class Config:
     use_cuda_graphs: bool = True
     graph_memory_budget_mb: int = 1024
     compile_sampler: bool = True
+    cuda_mps: str = "off"  # on: the workers share the GPU through a private MPS daemon (hybridd/cuda_mps.py)
     # lifecycle
     drain_timeout_s: float = 30.0
     max_restarts: int = 5
@@ -103,6 +104,10 @@ class Config:
                 f"prefill_buckets: largest bucket {max(self.prefill_buckets)} exceeds max_prefill_tokens "
                 f"{self.max_prefill_tokens}"
             )
+        if self.cuda_mps not in ("on", "off"):
+            raise ConfigError(f"cuda_mps must be on or off, got {self.cuda_mps!r}")
+        if self.cuda_mps == "on" and self.device == "cpu":
+            raise ConfigError("cuda_mps = on needs a CUDA device, but device is cpu")
         if self.tcp_endpoint and not self.curve_secret_key_file:
             raise ConfigError("tcp_endpoint requires curve_secret_key_file (TCP is served only with CURVE)")
         if self.endpoint and not self.endpoint.startswith("ipc://"):

@@ -30,6 +30,7 @@ from typing import Any
 import zmq
 
 from hybridd.config import Config
+from hybridd.cuda_mps import MpsDaemon
 from hybridd.lifecycle import Lifecycle, State
 from hybridd.log import configure as configure_logging
 from hybridd.log import get_logger
@@ -278,6 +279,8 @@ class Supervisor:
         self._timers = _Timers()
         self._watchdog_s = watchdog_interval_s()
         self._router = None
+        self._mps = MpsDaemon(self.runtime_dir) if config.cuda_mps == "on" else None
+        self._saved_env: dict[str, str | None] = {}
         self._wakeup_r = self._wakeup_w = -1
         self._exit_code = EXIT_OK
         self._done = False
@@ -304,6 +307,7 @@ class Supervisor:
             self._router.socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
             self._install_signals()
             self._notify_status()
+            self._start_mps()
             self._spawn_pair()
             self._loop()
         finally:
@@ -332,6 +336,26 @@ class Supervisor:
         self._wakeup_r = self._wakeup_w = -1
 
     # ------------------------------------------------------------ the pair
+
+    def _start_mps(self) -> None:
+        """Start the private MPS daemon; spawned workers inherit its directories."""
+        if self._mps is None:
+            return
+        self._mps.start()
+        for key, value in self._mps.env.items():
+            self._saved_env[key] = os.environ.get(key)
+            os.environ[key] = value
+
+    def _stop_mps(self) -> None:
+        if self._mps is None:
+            return
+        self._mps.stop()
+        for key, value in self._saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        self._saved_env.clear()
 
     def _ctl_endpoint(self) -> str:
         return f"ipc://{self.runtime_dir}/ctl-{os.getpid()}-{self.generation}.sock"
@@ -622,6 +646,7 @@ class Supervisor:
                 self._router.close()
                 self._router = None
         finally:
+            self._stop_mps()
             self._restore_signals()
             self._pid_file.release()
             self.notifier.close()

@@ -1,0 +1,84 @@
+"""The private MPS daemon of `cuda_mps = "on"`: its errors everywhere, and on the GPU
+machine the daemon serving through it and quitting it on stop."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from hybridd import Client
+from hybridd.config import Config, ConfigError
+from hybridd.cuda_mps import CONTROL_BINARY, MpsDaemon, MpsError
+from tests.test_client_sdk import wait_until_ok
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _start(runtime_dir: Path, *flags: str, log) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HYBRIDD_", "CUDA_MPS_")) and k != "NOTIFY_SOCKET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    return subprocess.Popen([sys.executable, "-m", "hybridd.cli", "start", "--runtime-dir", str(runtime_dir),
+                             "--no-compile-sampler", "--log-level", "warning", *flags],
+                            env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def test_setting_is_validated():
+    with pytest.raises(ConfigError, match="cuda_mps must be on or off, got 'yes'"):
+        Config(cuda_mps="yes").validate()
+    with pytest.raises(ConfigError, match="cuda_mps = on needs a CUDA device, but device is cpu"):
+        Config(cuda_mps="on", device="cpu").validate()
+
+
+def test_missing_control_binary_is_named(tmp_path):
+    with pytest.raises(MpsError, match="needs nvidia-cuda-mps-control-absent .* set cuda_mps"):
+        MpsDaemon(tmp_path, binary="nvidia-cuda-mps-control-absent").start()
+
+
+@pytest.mark.skipif(shutil.which(CONTROL_BINARY) is not None, reason="the control binary is installed here")
+def test_start_refuses_cleanly_without_mps(tmp_path):
+    runtime_dir = tmp_path / "run"
+    with open(tmp_path / "log", "wb") as log:
+        process = _start(runtime_dir, "--device", "cuda", "--cuda-mps", "on", log=log)
+        assert process.wait(120) == 1
+    output = (tmp_path / "log").read_text()
+    assert f"hybridd: cannot start: cuda_mps = \"on\" needs {CONTROL_BINARY}" in output
+    assert not (runtime_dir / "hybridd.pid").exists()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or shutil.which(CONTROL_BINARY) is None,
+                    reason="needs CUDA and nvidia-cuda-mps-control")
+def test_daemon_serves_through_its_own_mps_server_and_quits_it():
+    base = Path(tempfile.mkdtemp(prefix="hm-"))
+    runtime_dir = base / "run"
+    with open(base / "log", "wb") as log:
+        process = _start(runtime_dir, "--device", "cuda", "--cuda-mps", "on", log=log)
+    endpoint = f"ipc://{runtime_dir}/hybridd.sock"
+    mps = MpsDaemon(runtime_dir)
+    try:
+        wait_until_ok(endpoint, 300, process)
+        servers = mps.server_pids()
+        assert servers, (base / "log").read_text()
+        with Client(endpoint, timeout=60) as client:
+            result = client.generate("ROMEO:", max_tokens=16, temperature=0.0)
+        assert len(result.token_ids) == 16 and result.finish_reason == "length"
+        assert mps.server_pids() == servers  # both workers are clients of that one server
+    finally:
+        process.send_signal(signal.SIGTERM)
+        code = process.wait(120)
+    assert code == 0, (base / "log").read_text()
+    deadline = time.monotonic() + 10
+    while mps.server_pids() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert mps.server_pids() == []
+    assert subprocess.run([CONTROL_BINARY], input="get_server_list\n", text=True, capture_output=True, timeout=10,
+                          env={**os.environ, **mps.env}).returncode != 0  # the control daemon is gone
