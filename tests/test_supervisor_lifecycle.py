@@ -44,7 +44,12 @@ def _fixture_dir() -> Path:
 
 
 def _record(name: str, data: object = "") -> None:
-    (_fixture_dir() / name).write_text(json.dumps(data))
+    # Written whole and renamed into place: the test process polls these files, and
+    # must never read one half-written.
+    path = _fixture_dir() / name
+    partial = path.with_name(f".{name}.{os.getpid()}.partial")
+    partial.write_text(json.dumps(data))
+    os.replace(partial, path)
 
 
 def _supervisor_socket(config: dict, worker: str) -> zmq.Socket:
