@@ -15,23 +15,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
+from protocol.envelope import envelope as _envelope
 from protocol.envelope import check_version, message_type
-from protocol.fields import FieldReader
-from protocol.limits import MAX_TOKEN_ID, PROTOCOL_VERSION, UNPACK_MAX_BIN_LEN
+from protocol.envelope import open_envelope as _open
+from protocol.limits import MAX_TOKEN_ID, UNPACK_MAX_BIN_LEN
 
 StepKind = Literal["prefill", "decode"]
 STEP_KINDS: frozenset[str] = frozenset({"prefill", "decode"})
-
-
-def _envelope(type_: str) -> dict[str, Any]:
-    return {"v": PROTOCOL_VERSION, "type": type_}
-
-
-def _open(data: Mapping[str, Any]) -> FieldReader:
-    check_version(data)
-    reader = FieldReader(data)
-    reader.skip("v", "type")
-    return reader
 
 
 @dataclass(slots=True, kw_only=True)

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from protocol.errors import ErrorCode, ProtocolError
-from protocol.fields import check_int, check_str
+from protocol.fields import FieldReader, check_int, check_str
 from protocol.limits import MAX_REQUEST_ID_CHARS, PROTOCOL_VERSION
 
 SUPPORTED_VERSIONS = frozenset({PROTOCOL_VERSION})
@@ -29,6 +29,19 @@ def check_version(data: Mapping[str, Any]) -> None:
             f"v: protocol version {version} is not supported; this side speaks {sorted(SUPPORTED_VERSIONS)}",
             field="v",
         )
+
+
+def envelope(type_: str) -> dict[str, Any]:
+    """The version and type fields every message starts with."""
+    return {"v": PROTOCOL_VERSION, "type": type_}
+
+
+def open_envelope(data: Mapping[str, Any]) -> FieldReader:
+    """Check the version; a reader over the rest of the message (the envelope skipped)."""
+    check_version(data)
+    reader = FieldReader(data)
+    reader.skip("v", "type")
+    return reader
 
 
 def message_type(data: Mapping[str, Any], known: Mapping[str, Any]) -> str:

@@ -27,7 +27,7 @@ from protocol.control import (  # noqa: F401  re-exported, see module docstring
     Step,
     control_from_wire,
 )
-from protocol.envelope import check_request_id, check_version, message_type, peek_request_id
+from protocol.envelope import check_request_id, check_version, envelope, message_type, open_envelope, peek_request_id
 from protocol.errors import ErrorCode, ProtocolError
 from protocol.fields import FieldReader
 from protocol.limits import (
@@ -42,7 +42,6 @@ from protocol.limits import (
     MAX_TIMEOUT_S,
     MAX_TOKEN_ID,
     MAX_TOKENS_CAP,
-    PROTOCOL_VERSION,
 )
 
 FinishReason = Literal["stop", "length", "cancelled", "timeout", "error"]
@@ -50,7 +49,7 @@ FINISH_REASONS: frozenset[str] = frozenset({"stop", "length", "cancelled", "time
 
 
 def _envelope(type_: str, request_id: str) -> dict[str, Any]:
-    return {"v": PROTOCOL_VERSION, "type": type_, "id": request_id}
+    return envelope(type_) | {"id": request_id}
 
 
 def _open(data: Mapping[str, Any], *, reply: bool = False) -> tuple[FieldReader, str]:
@@ -58,9 +57,7 @@ def _open(data: Mapping[str, Any], *, reply: bool = False) -> tuple[FieldReader,
 
     Replies may carry the empty id: an error for a message whose id was unreadable.
     """
-    check_version(data)
-    reader = FieldReader(data)
-    reader.skip("v", "type")
+    reader = open_envelope(data)
     request_id = check_request_id(reader.string("id"), allow_empty=reply)
     return reader, request_id
 

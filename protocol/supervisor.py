@@ -16,9 +16,11 @@ from enum import StrEnum
 from typing import Any, ClassVar
 
 from protocol.codec import decode
+from protocol.envelope import envelope as _envelope
 from protocol.envelope import check_version, message_type
+from protocol.envelope import open_envelope as _open
 from protocol.fields import FieldReader
-from protocol.limits import MAX_TIMEOUT_S, PROTOCOL_VERSION
+from protocol.limits import MAX_TIMEOUT_S
 
 WORKER_NAMES: tuple[str, ...] = ("graph", "context")
 WORKER_IDENTITIES: dict[str, bytes] = {name: name.encode() for name in WORKER_NAMES}
@@ -42,17 +44,6 @@ class LifecycleState(StrEnum):
 
 
 LIFECYCLE_STATES: frozenset[str] = frozenset(s.value for s in LifecycleState)
-
-
-def _envelope(type_: str) -> dict[str, Any]:
-    return {"v": PROTOCOL_VERSION, "type": type_}
-
-
-def _open(data: Mapping[str, Any]) -> FieldReader:
-    check_version(data)
-    reader = FieldReader(data)
-    reader.skip("v", "type")
-    return reader
 
 
 # ---------------------------------------------------------------- worker → supervisor

@@ -912,7 +912,7 @@ def render_table(results: dict) -> str:
         lines += ["errors: " + "; ".join(f"{k}: {v.splitlines()[-1] if v else v}" for k, v in meta["errors"].items())]
     for note in meta.get("notes", []):
         lines.append(f"note: {note}")
-    lines.append(f"parts (s): " + ", ".join(f"{k} {v:.1f}" for k, v in meta["part_s"].items())
+    lines.append("parts (s): " + ", ".join(f"{k} {v:.1f}" for k, v in meta["part_s"].items())
                  + f"; total {meta.get('total_s', 0):.1f}")
     return "\n".join(lines)
 
