@@ -412,8 +412,9 @@ class Stream:
             self.close()
 
 
-class Client:
-    """A thread-safe client for one daemon. Use as a context manager, or call `close()`."""
+class _ClientOptions:
+    """What both clients take: the endpoint (default: the configured daemon's), the
+    default timeout of their calls, and the CURVE keys for a TCP endpoint."""
 
     def __init__(
         self,
@@ -430,18 +431,34 @@ class Client:
             endpoint = load_config().client_endpoint
         self.endpoint = endpoint
         self.timeout = timeout
+        self._keys = {"server_public_key": _as_key(server_public_key, "server_public_key"),
+                      "public_key": _as_key(public_key, "public_key"), "secret_key": _as_key(secret_key, "secret_key")}
+
+    def _timeout(self, timeout: float | None | EllipsisType) -> float | None:
+        return self.timeout if timeout is ... else timeout
+
+
+class Client(_ClientOptions):
+    """A thread-safe client for one daemon. Use as a context manager, or call `close()`."""
+
+    def __init__(
+        self,
+        endpoint: str | None = None,
+        *,
+        timeout: float | None = None,
+        server_public_key: str | bytes | None = None,
+        public_key: str | bytes | None = None,
+        secret_key: str | bytes | None = None,
+    ) -> None:
+        super().__init__(endpoint, timeout=timeout, server_public_key=server_public_key, public_key=public_key,
+                         secret_key=secret_key)
         self._io = _LoopThread()
-        keys = {"server_public_key": _as_key(server_public_key, "server_public_key"),
-                "public_key": _as_key(public_key, "public_key"), "secret_key": _as_key(secret_key, "secret_key")}
         try:
-            self._session: _Session = self._io.run(_create_session(endpoint, keys))
+            self._session: _Session = self._io.run(_create_session(self.endpoint, self._keys))
         except BaseException:
             self._io.stop()
             raise
         self._finalizer = weakref.finalize(self, _close_sync, self._io, self._session)
-
-    def _timeout(self, timeout: float | None | EllipsisType) -> float | None:
-        return self.timeout if timeout is ... else timeout
 
     def _request(self, request: Any, timeout: float | None) -> Reply:
         replies: queue.SimpleQueue = queue.SimpleQueue()
@@ -559,7 +576,7 @@ class AsyncStream:
             self.close()
 
 
-class AsyncClient:
+class AsyncClient(_ClientOptions):
     """An asyncio client for one daemon, bound to the event loop of its first call."""
 
     def __init__(
@@ -571,23 +588,14 @@ class AsyncClient:
         public_key: str | bytes | None = None,
         secret_key: str | bytes | None = None,
     ) -> None:
-        if endpoint is None:
-            from hybridd.config import load_config
-
-            endpoint = load_config().client_endpoint
-        self.endpoint = endpoint
-        self.timeout = timeout
-        self._keys = {"server_public_key": _as_key(server_public_key, "server_public_key"),
-                      "public_key": _as_key(public_key, "public_key"), "secret_key": _as_key(secret_key, "secret_key")}
+        super().__init__(endpoint, timeout=timeout, server_public_key=server_public_key, public_key=public_key,
+                         secret_key=secret_key)
         self._session: _Session | None = None
 
     def _session_now(self) -> _Session:
         if self._session is None:
             self._session = _Session(self.endpoint, **self._keys)
         return self._session
-
-    def _timeout(self, timeout: float | None | EllipsisType) -> float | None:
-        return self.timeout if timeout is ... else timeout
 
     async def _request(self, request: Any, timeout: float | None) -> Reply:
         replies: asyncio.Queue = asyncio.Queue()
