@@ -11,9 +11,16 @@ exceptions); it is imported on first use so that the workers, which import
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+# The wheel installs ipc/, protocol/ and workers/ inside this package (hybridd.ipc, ...).
+# Run from a source checkout without installing (PYTHONPATH=checkout, as on the GPU
+# machine), they sit beside it: let the package find them there.
+if not (Path(__file__).parent / "protocol").is_dir():
+    __path__.append(str(Path(__file__).parent.parent))  # noqa: F821  (module __path__)
 
 _CLIENT_EXPORTS = frozenset({
     "AsyncClient", "AsyncStream", "Chunk", "Client", "GenerateResult", "Health", "SamplingParams", "Stream",

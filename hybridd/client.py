@@ -45,10 +45,10 @@ from hybridd.client_errors import (
     error_for_code,
 )
 from hybridd.log import get_logger
-from protocol.codec import encode, parse_reply
-from protocol.errors import ErrorCode, ProtocolError
-from protocol.limits import MAX_MESSAGE_BYTES, MAX_TIMEOUT_S
-from protocol.messages import (
+from hybridd.protocol.codec import encode, parse_reply
+from hybridd.protocol.errors import ErrorCode, ProtocolError
+from hybridd.protocol.limits import MAX_MESSAGE_BYTES, MAX_TIMEOUT_S
+from hybridd.protocol.messages import (
     CancelRequest,
     ChunkReply,
     ErrorReply,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from protocol.errors import ErrorCode
+from hybridd.protocol.errors import ErrorCode
 
 if TYPE_CHECKING:
     from hybridd.client import GenerateResult

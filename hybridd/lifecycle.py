@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from protocol.supervisor import WORKER_NAMES, LifecycleState, WorkerPhase
+from hybridd.protocol.supervisor import WORKER_NAMES, LifecycleState, WorkerPhase
 
 State = LifecycleState
 

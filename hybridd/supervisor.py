@@ -35,10 +35,10 @@ from hybridd.lifecycle import Lifecycle, State
 from hybridd.log import configure as configure_logging
 from hybridd.log import get_logger
 from hybridd.sd_notify import Notifier, watchdog_interval_s
-from ipc.channel import MAX_IPC_PATH_BYTES, PeerProtocolError, bind_ipc_endpoint, ensure_runtime_dir
-from ipc.posix_shm import reap_stale_segments
-from protocol.errors import ProtocolError
-from protocol.supervisor import (
+from hybridd.ipc.channel import MAX_IPC_PATH_BYTES, PeerProtocolError, bind_ipc_endpoint, ensure_runtime_dir
+from hybridd.ipc.posix_shm import reap_stale_segments
+from hybridd.protocol.errors import ProtocolError
+from hybridd.protocol.supervisor import (
     WORKER_IDENTITIES,
     WORKER_NAMES,
     Drain,
@@ -55,8 +55,8 @@ SPAWN = multiprocessing.get_context("spawn")
 PID_FILE_NAME = "hybridd.pid"
 
 DEFAULT_TARGETS = {
-    "graph": "workers.graph_generator:main",
-    "context": "workers.context_generator:main",
+    "graph": "hybridd.workers.graph_generator:main",
+    "context": "hybridd.workers.context_generator:main",
 }
 # A worker silent for this many heartbeat intervals, and at least MIN_HEARTBEAT_TIMEOUT_S,
 # is hung: the pair restarts. The floor tolerates a loop that stalls on a one-off

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from protocol.errors import ErrorCode, ProtocolError
+from hybridd.protocol.errors import ErrorCode, ProtocolError
 
 ALIGNMENT = 256
 

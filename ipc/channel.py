@@ -24,12 +24,12 @@ from typing import Any
 import zmq
 
 from hybridd.log import get_logger
-from protocol.codec import WireMessage, decode, encode
-from protocol.errors import ErrorCode, ProtocolError
-from protocol.limits import MAX_MESSAGE_BYTES
-from protocol.messages import ErrorReply, HealthRequest
+from hybridd.protocol.codec import WireMessage, decode, encode
+from hybridd.protocol.errors import ErrorCode, ProtocolError
+from hybridd.protocol.limits import MAX_MESSAGE_BYTES
+from hybridd.protocol.messages import ErrorReply, HealthRequest
 
-log = get_logger("ipc.channel")
+log = get_logger("hybridd.ipc.channel")
 
 # sockaddr_un.sun_path is 108 bytes on Linux, one of them the terminating NUL.
 MAX_IPC_PATH_BYTES = 107

@@ -23,7 +23,7 @@ import _posixshmem  # the stdlib's own shm_open/shm_unlink, used by multiprocess
 
 from hybridd.log import get_logger
 
-log = get_logger("ipc.posix_shm")
+log = get_logger("hybridd.ipc.posix_shm")
 
 SEGMENT_PREFIX = "hybridd-"
 SHM_DIR = Path("/dev/shm")

@@ -28,12 +28,12 @@ from typing import Any
 import torch
 
 from hybridd.log import get_logger
-from ipc import posix_shm
-from ipc.arena_layout import ArenaLayout, Region
-from protocol.errors import ErrorCode, ProtocolError
-from protocol.fields import FieldReader
+from hybridd.ipc import posix_shm
+from hybridd.ipc.arena_layout import ArenaLayout, Region
+from hybridd.protocol.errors import ErrorCode, ProtocolError
+from hybridd.protocol.fields import FieldReader
 
-log = get_logger("ipc.shared_arena")
+log = get_logger("hybridd.ipc.shared_arena")
 
 KIND_SHM = "shm"
 KIND_CUDA = "cuda"

@@ -12,10 +12,10 @@ from typing import Any, Protocol
 
 import msgpack
 
-from protocol.control import ControlMessage, control_from_wire
-from protocol.envelope import check_version, peek_request_id
-from protocol.errors import ErrorCode, ProtocolError
-from protocol.limits import (
+from hybridd.protocol.control import ControlMessage, control_from_wire
+from hybridd.protocol.envelope import check_version, peek_request_id
+from hybridd.protocol.errors import ErrorCode, ProtocolError
+from hybridd.protocol.limits import (
     MAX_MESSAGE_BYTES,
     UNPACK_MAX_ARRAY_LEN,
     UNPACK_MAX_BIN_LEN,
@@ -23,7 +23,7 @@ from protocol.limits import (
     UNPACK_MAX_MAP_LEN,
     UNPACK_MAX_STR_LEN,
 )
-from protocol.messages import Reply, Request, reply_from_wire, request_from_wire
+from hybridd.protocol.messages import Reply, Request, reply_from_wire, request_from_wire
 
 _UNPACK_OPTIONS: dict[str, Any] = {
     "raw": False,

@@ -15,10 +15,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
-from protocol.envelope import envelope as _envelope
-from protocol.envelope import check_version, message_type
-from protocol.envelope import open_envelope as _open
-from protocol.limits import MAX_TOKEN_ID, UNPACK_MAX_BIN_LEN
+from hybridd.protocol.envelope import envelope as _envelope
+from hybridd.protocol.envelope import check_version, message_type
+from hybridd.protocol.envelope import open_envelope as _open
+from hybridd.protocol.limits import MAX_TOKEN_ID, UNPACK_MAX_BIN_LEN
 
 StepKind = Literal["prefill", "decode"]
 STEP_KINDS: frozenset[str] = frozenset({"prefill", "decode"})

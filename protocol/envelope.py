@@ -9,9 +9,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from protocol.errors import ErrorCode, ProtocolError
-from protocol.fields import FieldReader, check_int, check_str
-from protocol.limits import MAX_REQUEST_ID_CHARS, PROTOCOL_VERSION
+from hybridd.protocol.errors import ErrorCode, ProtocolError
+from hybridd.protocol.fields import FieldReader, check_int, check_str
+from hybridd.protocol.limits import MAX_REQUEST_ID_CHARS, PROTOCOL_VERSION
 
 SUPPORTED_VERSIONS = frozenset({PROTOCOL_VERSION})
 

@@ -12,7 +12,7 @@ import math
 from collections.abc import Mapping
 from typing import Any, Final
 
-from protocol.errors import ErrorCode, ProtocolError
+from hybridd.protocol.errors import ErrorCode, ProtocolError
 
 
 class _Missing:

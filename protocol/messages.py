@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
-from protocol.control import (  # noqa: F401  re-exported, see module docstring
+from hybridd.protocol.control import (  # noqa: F401  re-exported, see module docstring
     CONTROL_TYPES,
     ControlMessage,
     Launched,
@@ -27,10 +27,10 @@ from protocol.control import (  # noqa: F401  re-exported, see module docstring
     Step,
     control_from_wire,
 )
-from protocol.envelope import check_request_id, check_version, envelope, message_type, open_envelope, peek_request_id
-from protocol.errors import ErrorCode, ProtocolError
-from protocol.fields import FieldReader
-from protocol.limits import (
+from hybridd.protocol.envelope import check_request_id, check_version, envelope, message_type, open_envelope, peek_request_id
+from hybridd.protocol.errors import ErrorCode, ProtocolError
+from hybridd.protocol.fields import FieldReader
+from hybridd.protocol.limits import (
     MAX_ABS_PENALTY,
     MAX_ERROR_MESSAGE_CHARS,
     MAX_PROMPT_CHARS,

@@ -15,12 +15,12 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, ClassVar
 
-from protocol.codec import decode
-from protocol.envelope import envelope as _envelope
-from protocol.envelope import check_version, message_type
-from protocol.envelope import open_envelope as _open
-from protocol.fields import FieldReader
-from protocol.limits import MAX_TIMEOUT_S
+from hybridd.protocol.codec import decode
+from hybridd.protocol.envelope import envelope as _envelope
+from hybridd.protocol.envelope import check_version, message_type
+from hybridd.protocol.envelope import open_envelope as _open
+from hybridd.protocol.fields import FieldReader
+from hybridd.protocol.limits import MAX_TIMEOUT_S
 
 WORKER_NAMES: tuple[str, ...] = ("graph", "context")
 WORKER_IDENTITIES: dict[str, bytes] = {name: name.encode() for name in WORKER_NAMES}

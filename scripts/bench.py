@@ -314,7 +314,7 @@ class PhaseListener:
     def _run(self) -> None:
         import zmq
 
-        from protocol import codec
+        from hybridd.protocol import codec
 
         while not self._stop.is_set():
             if not self._socket.poll(50):

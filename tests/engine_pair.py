@@ -11,8 +11,8 @@ from pathlib import Path
 import zmq
 
 from hybridd.config import Config
-from protocol import codec
-from protocol.limits import PROTOCOL_VERSION
+from hybridd.protocol import codec
+from hybridd.protocol.limits import PROTOCOL_VERSION
 
 
 class EnginePair:
@@ -22,7 +22,7 @@ class EnginePair:
         self.config = Config.from_dict(values)
         ctx = mp.get_context("spawn")
         ctl = f"ipc://{runtime_dir}/ctl-test.sock"
-        from workers import context_generator, graph_generator
+        from hybridd.workers import context_generator, graph_generator
 
         self.context = ctx.Process(target=context_generator.main, args=(self.config.to_dict(), ctl), daemon=True)
         self.graph = ctx.Process(target=graph_generator.main, args=(self.config.to_dict(), ctl), daemon=True)

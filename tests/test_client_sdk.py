@@ -214,7 +214,7 @@ def test_invalid_requests_raise_typed_errors_naming_the_field(client):
 
 
 def test_size_limits_are_enforced_before_sending(client):
-    from protocol.limits import MAX_MESSAGE_BYTES, MAX_PROMPT_CHARS
+    from hybridd.protocol.limits import MAX_MESSAGE_BYTES, MAX_PROMPT_CHARS
 
     with pytest.raises(InvalidRequestError) as too_long:
         client.generate("x" * (MAX_PROMPT_CHARS + 1))
@@ -287,7 +287,7 @@ def test_32_concurrent_streams_while_malformed_messages_arrive(daemon):
     import msgpack
     import zmq
 
-    from protocol import codec
+    from hybridd.protocol import codec
 
     bad_messages = [
         (b"\xc1 definitely not msgpack", "malformed"),

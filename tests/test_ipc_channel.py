@@ -14,17 +14,17 @@ import msgpack
 import pytest
 import zmq
 
-from ipc.channel import (
+from hybridd.ipc.channel import (
     RUNTIME_DIR_MODE,
     Channel,
     EndpointInUseError,
     PeerProtocolError,
     bind_ipc_endpoint,
 )
-from protocol import limits
-from protocol.codec import encode, parse_reply
-from protocol.errors import ErrorCode, ProtocolError
-from protocol.messages import ErrorReply, HealthReply, HealthRequest, request_from_wire
+from hybridd.protocol import limits
+from hybridd.protocol.codec import encode, parse_reply
+from hybridd.protocol.errors import ErrorCode, ProtocolError
+from hybridd.protocol.messages import ErrorReply, HealthReply, HealthRequest, request_from_wire
 
 SPAWN = multiprocessing.get_context("spawn")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ipc.events import InterprocessEvent
+from hybridd.ipc.events import InterprocessEvent
 
 
 def test_cpu_event_is_a_no_op_with_the_cuda_interface():

@@ -15,11 +15,11 @@ cupy = pytest.importorskip("cupy")
 
 import zmq  # noqa: E402
 
-from ipc.arena_layout import ArenaLayout  # noqa: E402
-from ipc.channel import Channel, bind_ipc_endpoint  # noqa: E402
-from ipc.events import InterprocessEvent  # noqa: E402
-from ipc.shared_arena import SharedArena  # noqa: E402
-from protocol.control import Ready, ReadyAck, Stats, Step, control_from_wire  # noqa: E402
+from hybridd.ipc.arena_layout import ArenaLayout  # noqa: E402
+from hybridd.ipc.channel import Channel, bind_ipc_endpoint  # noqa: E402
+from hybridd.ipc.events import InterprocessEvent  # noqa: E402
+from hybridd.ipc.shared_arena import SharedArena  # noqa: E402
+from hybridd.protocol.control import Ready, ReadyAck, Stats, Step, control_from_wire  # noqa: E402
 
 SPAWN = multiprocessing.get_context("spawn")
 TIMEOUT_MS = 120_000

@@ -16,12 +16,12 @@ import pytest
 import torch
 import zmq
 
-from ipc import posix_shm
-from ipc.arena_layout import ALIGNMENT, ArenaLayout
-from ipc.channel import Channel, bind_ipc_endpoint
-from ipc.shared_arena import SharedArena
-from protocol.control import Ready, ReadyAck, Stats, Step, control_from_wire
-from protocol.errors import ProtocolError
+from hybridd.ipc import posix_shm
+from hybridd.ipc.arena_layout import ALIGNMENT, ArenaLayout
+from hybridd.ipc.channel import Channel, bind_ipc_endpoint
+from hybridd.ipc.shared_arena import SharedArena
+from hybridd.protocol.control import Ready, ReadyAck, Stats, Step, control_from_wire
+from hybridd.protocol.errors import ProtocolError
 
 SPAWN = multiprocessing.get_context("spawn")
 TIMEOUT_MS = 60_000

@@ -5,10 +5,10 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from protocol import limits
-from protocol.codec import decode, encode, parse_control, parse_reply, parse_request
-from protocol.errors import ErrorCode, ProtocolError
-from protocol.messages import (
+from hybridd.protocol import limits
+from hybridd.protocol.codec import decode, encode, parse_control, parse_reply, parse_request
+from hybridd.protocol.errors import ErrorCode, ProtocolError
+from hybridd.protocol.messages import (
     CancelRequest,
     ChunkReply,
     ErrorReply,

@@ -7,10 +7,10 @@ import copy
 import msgpack
 import pytest
 
-from protocol import limits
-from protocol.codec import encode, parse_control, parse_reply, parse_request
-from protocol.errors import ErrorCode, ProtocolError
-from protocol.messages import ErrorReply, GenerateRequest, Launched, SamplingParams, Step
+from hybridd.protocol import limits
+from hybridd.protocol.codec import encode, parse_control, parse_reply, parse_request
+from hybridd.protocol.errors import ErrorCode, ProtocolError
+from hybridd.protocol.messages import ErrorReply, GenerateRequest, Launched, SamplingParams, Step
 
 INVALID = ErrorCode.INVALID_REQUEST
 TOO_LARGE = ErrorCode.TOO_LARGE

@@ -26,9 +26,9 @@ import msgpack
 import pytest
 import zmq
 
-from protocol.codec import decode, encode
-from protocol.control import Shutdown
-from protocol.supervisor import Drain, Heartbeat, SupervisorInfo, WorkerPhase, supervisor_from_wire
+from hybridd.protocol.codec import decode, encode
+from hybridd.protocol.control import Shutdown
+from hybridd.protocol.supervisor import Drain, Heartbeat, SupervisorInfo, WorkerPhase, supervisor_from_wire
 
 ROOT = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable

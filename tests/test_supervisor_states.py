@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from hybridd.lifecycle import MAX_BACKOFF_S, Lifecycle, LifecycleError, State
-from protocol.codec import decode, encode
-from protocol.errors import ErrorCode, ProtocolError
-from protocol.supervisor import (
+from hybridd.protocol.codec import decode, encode
+from hybridd.protocol.errors import ErrorCode, ProtocolError
+from hybridd.protocol.supervisor import (
     Drain,
     Heartbeat,
     LifecycleState,

@@ -30,13 +30,13 @@ from hybridd.log import configure, get_logger
 from hybridd.model import load_tokenizer
 from hybridd.runtime.step_buffers import StepBuffers, geometry
 from hybridd.runtime.step_trace import StepTracer
-from ipc.channel import Channel, PeerProtocolError, bind_ipc_endpoint
-from ipc.posix_shm import pid_alive
-from ipc.shared_arena import SharedArena
-from protocol import control
-from protocol.errors import ErrorCode, ProtocolError
-from protocol.supervisor import Drain, SupervisorInfo
-from protocol.messages import (
+from hybridd.ipc.channel import Channel, PeerProtocolError, bind_ipc_endpoint
+from hybridd.ipc.posix_shm import pid_alive
+from hybridd.ipc.shared_arena import SharedArena
+from hybridd.protocol import control
+from hybridd.protocol.errors import ErrorCode, ProtocolError
+from hybridd.protocol.supervisor import Drain, SupervisorInfo
+from hybridd.protocol.messages import (
     CancelRequest,
     ChunkReply,
     ErrorReply,
@@ -50,8 +50,8 @@ from protocol.messages import (
     Usage,
     request_from_wire,
 )
-from workers.graph_generator import resolve_device, resolve_dtype
-from workers.supervisor_link import SupervisorLink
+from hybridd.workers.graph_generator import resolve_device, resolve_dtype
+from hybridd.workers.supervisor_link import SupervisorLink
 
 PIPELINE_DEPTH = 2
 LATENCY_WINDOW = 2048

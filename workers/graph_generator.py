@@ -27,13 +27,13 @@ from hybridd.runtime.graph_runner import GraphRunner, StepShape
 from hybridd.runtime.kernels import select_kernels
 from hybridd.runtime.step_buffers import StepBuffers, buffer_layout, geometry
 from hybridd.runtime.step_trace import StepTracer
-from ipc.arena_layout import ArenaLayout
-from ipc.channel import Channel
-from ipc.events import InterprocessEvent
-from ipc.shared_arena import SharedArena
-from protocol import control
-from protocol.errors import ProtocolError
-from workers.supervisor_link import SupervisorLink
+from hybridd.ipc.arena_layout import ArenaLayout
+from hybridd.ipc.channel import Channel
+from hybridd.ipc.events import InterprocessEvent
+from hybridd.ipc.shared_arena import SharedArena
+from hybridd.protocol import control
+from hybridd.protocol.errors import ProtocolError
+from hybridd.workers.supervisor_link import SupervisorLink
 
 CPU_DEFAULT_KV_BLOCKS = 512
 STATS_INTERVAL_S = 1.0

@@ -10,9 +10,9 @@ from __future__ import annotations
 import time
 import zmq
 
-from protocol import codec
-from protocol.errors import ProtocolError
-from protocol.supervisor import MAX_PHASE_DETAIL_CHARS, Heartbeat, SupervisorMessage, WorkerPhase, parse_supervisor
+from hybridd.protocol import codec
+from hybridd.protocol.errors import ProtocolError
+from hybridd.protocol.supervisor import MAX_PHASE_DETAIL_CHARS, Heartbeat, SupervisorMessage, WorkerPhase, parse_supervisor
 
 
 class SupervisorLink:

@@ -23,9 +23,9 @@ import torch
 from hybridd.engine.sampler import Sampler, SamplingTensors
 from hybridd.engine.scheduler import ScheduledBatch
 from hybridd.runtime.step_buffers import HostStep, StepBuffers
-from ipc.channel import Channel
-from ipc.events import InterprocessEvent
-from protocol import control
+from hybridd.ipc.channel import Channel
+from hybridd.ipc.events import InterprocessEvent
+from hybridd.protocol import control
 
 RING_STEPS = 4  # > pipeline depth, so a step's tokens stay until every reader has gathered them
 
