@@ -228,17 +228,26 @@ def test_kv_exhaustion_queues_and_preempts_then_completes(tmp_path, reference):
         engine.close()
 
 
-def test_eos_from_model_config_ends_request(tmp_path, reference):
+def test_generation_config_stop_tokens_end_requests_where_transformers_stops(tmp_path, reference):
+    """generation_config.json lists several stop tokens (as Llama 3 does): the request
+    ends at the first one generated, exactly where transformers' `generate` ends it."""
+    from transformers import AutoModelForCausalLM
+
     model, tokenizer = reference
     ids = tokenizer.encode("ROMEO:")
     expected = greedy_generate(model, [ids], 20)[0]
-    eos = expected[6]
+    k = next(i for i in range(4, 20) if expected[i] not in expected[:i])
+    unused = next(t for t in range(3, model.config.vocab_size) if t not in expected)
     model_dir = tmp_path / "model"
     shutil.copytree(EMBEDDED_MODEL, model_dir)
-    for name in ("config.json", "generation_config.json"):
-        cfg = json.loads((model_dir / name).read_text())
-        cfg["eos_token_id"] = eos
-        (model_dir / name).write_text(json.dumps(cfg))
+    generation = json.loads((model_dir / "generation_config.json").read_text())
+    generation["eos_token_id"] = [unused, expected[k]]
+    (model_dir / "generation_config.json").write_text(json.dumps(generation))
+    with torch.inference_mode():
+        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        hf_ids = hf.generate(torch.tensor([ids]), max_new_tokens=20, do_sample=False)[0, len(ids):].tolist()
+    assert hf_ids == expected[: k + 1]  # transformers stopped early, on the listed token
+
     engine = EnginePair(tmp_path / "run", model=str(model_dir), **ENGINE)
     (tmp_path / "run").mkdir(exist_ok=True)
     try:
@@ -246,7 +255,7 @@ def test_eos_from_model_config_ends_request(tmp_path, reference):
         client = engine.client()
         final, _ = client.generate(prompt="ROMEO:", sampling={"max_tokens": 20, "temperature": 0.0})
         assert final["finish_reason"] == "stop"
-        assert final["token_ids"] == expected[: expected.index(eos) + 1]
+        assert final["token_ids"] == hf_ids
         final, _ = client.generate(prompt="ROMEO:", sampling={"max_tokens": 20, "temperature": 0.0, "ignore_eos": True})
         assert final["finish_reason"] == "length" and final["token_ids"] == expected
         client.close()

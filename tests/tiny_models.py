@@ -40,7 +40,7 @@ def tiny_config(arch: str, **overrides):
             **common,
         )
     if arch == "mistral":
-        return MistralConfig(sliding_window=None, **common)
+        return MistralConfig(**({"sliding_window": None} | common))
     if arch == "qwen2":
         return Qwen2Config(tie_word_embeddings=True, **common)
     raise ValueError(arch)

@@ -26,9 +26,12 @@ def write_kv(
 
 
 def prefill_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: StepInputs, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: StepInputs, scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention within each packed sequence. q [T, H, d], k/v [T, KVH, d] -> [T, H, d].
+
+    With `sliding_window` W a token sees itself and the W - 1 tokens before it (Mistral).
 
     Tokens after the last sequence (bucket padding) form one extra sequence of their
     own, so no row is fully masked and no NaN appears.
@@ -39,6 +42,8 @@ def prefill_attention(
     same_seq = seq_of_token[:, None] == seq_of_token[None, :]
     causal = step.positions[None, :] <= step.positions[:, None]
     mask = same_seq & causal
+    if sliding_window is not None:
+        mask &= step.positions[:, None] - step.positions[None, :] < sliding_window
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1).unsqueeze(0),
         k.transpose(0, 1).unsqueeze(0),
@@ -57,8 +62,10 @@ def decode_attention(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """One query per sequence over its paged context. q [B, H, d] -> [B, H, d]."""
+    """One query per sequence over its paged context (its last `sliding_window` tokens
+    when given). q [B, H, d] -> [B, H, d]."""
     b, h, d = q.shape
     kvh = k_cache.shape[2]
     block_size = k_cache.shape[1]
@@ -67,7 +74,10 @@ def decode_attention(
     values = v_cache[block_tables].reshape(b, width, kvh, d)
     qg = q.view(b, kvh, h // kvh, d)
     scores = torch.einsum("bkgd,bskd->bkgs", qg.float(), keys.float()) * scale
-    valid = torch.arange(width, device=q.device)[None, :] < seq_lens[:, None]
+    key_index = torch.arange(width, device=q.device)[None, :]
+    valid = key_index < seq_lens[:, None]
+    if sliding_window is not None:
+        valid &= key_index >= seq_lens[:, None] - sliding_window
     scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     out = torch.einsum("bkgs,bskd->bkgd", probs, values.float())

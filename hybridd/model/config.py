@@ -8,7 +8,8 @@ names it, so a checkpoint never runs with silently wrong semantics.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +67,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     sliding_window: int | None = None
+    o_bias: bool = False  # Llama's attention_bias biases the output projection too
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -126,20 +128,20 @@ class ModelConfig:
         if cfg.get("pretraining_tp", 1) not in (1, None):
             raise ModelLoadError(f"{source}: field 'pretraining_tp' must be 1, got {cfg['pretraining_tp']!r}")
 
+        o_bias = False
         if arch == "Qwen2ForCausalLM":
             qkv_bias = True
             if cfg.get("use_sliding_window"):
                 raise ModelLoadError(f"{source}: field 'use_sliding_window': sliding-window attention is not supported")
             sliding_window = None
         else:
-            qkv_bias = bool(cfg.get("attention_bias", False))
+            # transformers' Mistral has no attention biases whatever the config says.
+            qkv_bias = o_bias = arch == "LlamaForCausalLM" and bool(cfg.get("attention_bias", False))
             sliding_window = cfg.get("sliding_window")
             if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window <= 0):
                 raise ModelLoadError(f"{source}: field 'sliding_window' must be a positive integer or null")
 
         dtype_name = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
-        eos = cfg.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
         return cls(
             architecture=arch,
             vocab_size=need("vocab_size"),
@@ -153,10 +155,11 @@ class ModelConfig:
             max_position_embeddings=need("max_position_embeddings"),
             rope=_parse_rope(cfg, source),
             qkv_bias=qkv_bias,
+            o_bias=o_bias,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             dtype=parse_dtype(dtype_name, f"{source}: field 'dtype'"),
             bos_token_id=cfg.get("bos_token_id"),
-            eos_token_ids=eos_ids,
+            eos_token_ids=eos_token_ids(cfg.get("eos_token_id"), source),
             sliding_window=sliding_window,
             raw=cfg,
         )
@@ -172,7 +175,35 @@ class ModelConfig:
             raise ModelLoadError(f"{path}: not valid JSON: {exc}") from exc
         if not isinstance(cfg, dict):
             raise ModelLoadError(f"{path}: expected a JSON object at the top level")
-        return cls.from_dict(cfg, source=str(path))
+        config = cls.from_dict(cfg, source=str(path))
+        generation = _generation_config(Path(model_dir) / "generation_config.json")
+        if generation.get("eos_token_id") is not None:
+            # As in transformers' generate: generation_config.json's stop tokens, when it names any.
+            eos = eos_token_ids(generation["eos_token_id"], str(Path(model_dir) / "generation_config.json"))
+            config = replace(config, eos_token_ids=eos)
+        return config
+
+
+def eos_token_ids(value: Any, source: str) -> tuple[int, ...]:
+    """`eos_token_id` as a tuple: absent, one token id, or a list of them."""
+    if value is None:
+        return ()
+    values = value if isinstance(value, list) else [value]
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+        raise ModelLoadError(f"{source}: field 'eos_token_id' must be a token id or a list of them, got {value!r}")
+    return tuple(values)
+
+
+def _generation_config(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ModelLoadError(f"{path}: not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path}: expected a JSON object at the top level")
+    return data
 
 
 def _parse_rope(cfg: dict[str, Any], source: str) -> RopeConfig:
@@ -191,18 +222,24 @@ def _parse_rope(cfg: dict[str, Any], source: str) -> RopeConfig:
             f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
         )
     rope = RopeConfig(theta=float(params.get("rope_theta", cfg.get("rope_theta", 10000.0))), rope_type=rope_type)
+
+    def positive(name: str, kind: type = float) -> Any:
+        if params.get(name) is None:
+            raise ModelLoadError(f"{source}: field 'rope_scaling.{name}' is required for {rope_type} rope")
+        value = params[name]
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+            raise ModelLoadError(f"{source}: field 'rope_scaling.{name}' must be a positive number, got {value!r}")
+        return kind(value)
+
     if rope_type == "linear":
-        return RopeConfig(theta=rope.theta, rope_type="linear", factor=float(params["factor"]))
+        return RopeConfig(theta=rope.theta, rope_type="linear", factor=positive("factor"))
     if rope_type == "llama3":
-        try:
-            return RopeConfig(
-                theta=rope.theta,
-                rope_type="llama3",
-                factor=float(params["factor"]),
-                low_freq_factor=float(params["low_freq_factor"]),
-                high_freq_factor=float(params["high_freq_factor"]),
-                original_max_position_embeddings=int(params["original_max_position_embeddings"]),
-            )
-        except KeyError as exc:
-            raise ModelLoadError(f"{source}: field 'rope_scaling.{exc.args[0]}' is required for llama3 rope") from exc
+        return RopeConfig(
+            theta=rope.theta,
+            rope_type="llama3",
+            factor=positive("factor"),
+            low_freq_factor=positive("low_freq_factor"),
+            high_freq_factor=positive("high_freq_factor"),
+            original_max_position_embeddings=positive("original_max_position_embeddings", int),
+        )
     return rope

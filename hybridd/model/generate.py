@@ -25,6 +25,7 @@ def greedy_generate(
     """Prefill all prompts in one step, then decode them as one batch; returns new tokens."""
     device = model.device
     lengths = [len(p) + max_new_tokens for p in prompts]
+    model.check_sequence_length(max(lengths, default=0))
     blocks_each = [-(-n // block_size) for n in lengths]
     if kv_cache is None:
         kv_cache = KVCache.allocate(model.config, sum(blocks_each), block_size, model.dtype, device)

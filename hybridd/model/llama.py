@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from hybridd.model.config import ModelConfig
+from hybridd.model.errors import ModelLoadError, SequenceTooLongError
 from hybridd.model.kv_cache import KVCache
 from hybridd.model.ops import TorchKernels
 from hybridd.model.rope import cos_sin_table
@@ -38,7 +39,7 @@ class DecoderLayer(nn.Module):
         self.scale = config.head_dim**-0.5
         self.input_layernorm = RMSNormWeight(config.hidden_size, config.rms_norm_eps)
         self.qkv_proj = nn.Linear(config.hidden_size, config.q_size + 2 * config.kv_size, bias=config.qkv_bias)
-        self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=False)
+        self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=config.o_bias)
         self.post_attention_layernorm = RMSNormWeight(config.hidden_size, config.rms_norm_eps)
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
@@ -60,10 +61,11 @@ class DecoderLayer(nn.Module):
         q, k = ops.rotary(step.positions, q, k, model.rope_cos, model.rope_sin)
         k_cache, v_cache = kv_cache.layer(self.index)
         ops.write_kv(k_cache, v_cache, k, v, step.slot_mapping)
+        window = {} if model.sliding_window is None else {"sliding_window": model.sliding_window}
         if step.is_prefill:
-            o = ops.prefill_attention(q, k, v, step, self.scale)
+            o = ops.prefill_attention(q, k, v, step, self.scale, **window)
         else:
-            o = ops.decode_attention(q, k_cache, v_cache, step.block_tables, step.seq_lens, self.scale)
+            o = ops.decode_attention(q, k_cache, v_cache, step.block_tables, step.seq_lens, self.scale, **window)
         hidden = self.o_proj(o.reshape(t, self.q_size))
         norm = self.post_attention_layernorm
         x, residual = ops.add_rms_norm(hidden, residual, norm.weight, norm.eps)
@@ -85,6 +87,20 @@ class LlamaModel(nn.Module):
         self.rope_cos: torch.Tensor | None = None
         self.rope_sin: torch.Tensor | None = None
 
+    @property
+    def sliding_window(self) -> int | None:
+        """The attention window, when sequences can outgrow it (else attention is simply causal)."""
+        window = self.config.sliding_window
+        return window if window is not None and self.max_positions > window else None
+
+    def check_sequence_length(self, length: int) -> None:
+        """Refuse a sequence of `length` tokens that the RoPE table cannot position."""
+        if length > self.max_positions:
+            raise SequenceTooLongError(
+                f"a sequence of {length} tokens reaches position {length - 1}, past max_positions {self.max_positions} "
+                f"of this model (the longest sequence it was loaded for; see load_model's max_positions)"
+            )
+
     def init_rotary(self, device: torch.device) -> None:
         """Build the cos/sin table on the weights' device (after loading from meta)."""
         self.rope_cos, self.rope_sin = cos_sin_table(self.config.rope, self.config.head_dim, self.max_positions, device)
@@ -99,6 +115,16 @@ class LlamaModel(nn.Module):
 
     def forward(self, step: StepInputs, kv_cache: KVCache) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm, for every token of the step."""
+        if self.sliding_window is not None and not getattr(self.kernels, "supports_sliding_window", False):
+            raise ModelLoadError(
+                f"sliding_window {self.sliding_window} is shorter than max_positions {self.max_positions} and the "
+                f"{self.kernels.name} kernels do not implement sliding-window attention; use the torch kernels or "
+                f"max_positions <= {self.sliding_window}"
+            )
+        if step.positions.device.type == "cpu" and step.num_tokens:
+            # Checked where it is free; on CUDA callers check lengths on the host (the
+            # scheduler's max_model_len, greedy_generate) instead of syncing here.
+            self.check_sequence_length(int(step.positions.max()) + 1)
         hidden = self.embed_tokens(step.input_ids)
         residual = None
         for layer in self.layers:

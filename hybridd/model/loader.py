@@ -83,11 +83,12 @@ def _target(model: LlamaModel, config: ModelConfig, name: str) -> tuple[torch.Te
     }
     plain = {
         "self_attn.o_proj.weight": layer.o_proj.weight,
+        "self_attn.o_proj.bias": layer.o_proj.bias,
         "mlp.down_proj.weight": layer.down_proj.weight,
         "input_layernorm.weight": layer.input_layernorm.weight,
         "post_attention_layernorm.weight": layer.post_attention_layernorm.weight,
     }
-    if rest in plain:
+    if plain.get(rest) is not None:
         return plain[rest], None
     module_name, _, kind = rest.rpartition(".")
     if module_name in fused:
@@ -176,4 +177,6 @@ def expected_tensor_names(config: ModelConfig) -> set[str]:
             names.add(f"{prefix}self_attn.{proj}.weight")
             if config.qkv_bias:
                 names.add(f"{prefix}self_attn.{proj}.bias")
+        if config.o_bias:
+            names.add(f"{prefix}self_attn.o_proj.bias")
     return names

@@ -49,6 +49,7 @@ class TorchKernels:
     """The plain torch implementation of every per-layer operation."""
 
     name = "torch"
+    supports_sliding_window = True
     rms_norm = staticmethod(rms_norm)
     add_rms_norm = staticmethod(add_rms_norm)
     rotary = staticmethod(rotary)
