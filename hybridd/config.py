@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import tomllib
 from dataclasses import dataclass, field
@@ -17,8 +18,14 @@ from typing import Any
 
 from hybridd.runtime.buckets import DEFAULT_DECODE_BUCKETS, DEFAULT_PREFILL_BUCKETS
 
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+LOG_FORMATS = ("console", "json")
+# One day: longer deadlines are typos, and a drain deadline must fit in a timer.
+MAX_TIMEOUT_S = 86400.0
+MAX_HEARTBEAT_INTERVAL_S = 60.0
 EMBEDDED_MODEL = Path(__file__).resolve().parent / "assets" / "tiny-shakespeare"
 ENV_PREFIX = "HYBRIDD_"
+_LOG_VARIABLES = {ENV_PREFIX + "LOG_LEVEL": "log_level", ENV_PREFIX + "LOG_FORMAT": "log_format"}
 
 
 class ConfigError(ValueError):
@@ -62,12 +69,15 @@ class Config:
     graph_memory_budget_mb: int = 1024
     compile_sampler: bool = True
     cuda_mps: str = "off"  # on: the workers share the GPU through a private MPS daemon (hybridd/cuda_mps.py)
-    # lifecycle
+    # lifecycle: every deadline the supervisor applies is one of these
+    startup_timeout_s: float = 900.0  # spawn to ready, per worker: loading, compiling, capturing
+    heartbeat_interval_s: float = 0.25
+    heartbeat_timeout_s: float = 10.0  # a serving loop silent this long is hung
     drain_timeout_s: float = 30.0
     max_restarts: int = 5
     restart_backoff_s: float = 1.0
-    heartbeat_interval_s: float = 0.25
     log_level: str = "info"
+    log_format: str = "console"  # console or json
 
     @property
     def client_endpoint(self) -> str:
@@ -82,12 +92,30 @@ class Config:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)!r}")
 
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"{f.name} must be a finite number, got {value!r}")
         for name in ("block_size", "max_batch", "max_prefill_tokens", "max_prefill_seqs", "max_queued_requests",
-                     "graph_memory_budget_mb", "drain_timeout_s", "heartbeat_interval_s"):
+                     "graph_memory_budget_mb", "drain_timeout_s", "heartbeat_interval_s", "heartbeat_timeout_s",
+                     "startup_timeout_s"):
             positive(name)
-        for name in ("num_kv_blocks", "max_model_len", "max_restarts"):
+        for name in ("num_kv_blocks", "max_model_len", "max_restarts", "restart_backoff_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        for name, limit in (("heartbeat_interval_s", MAX_HEARTBEAT_INTERVAL_S), ("drain_timeout_s", MAX_TIMEOUT_S),
+                            ("heartbeat_timeout_s", MAX_TIMEOUT_S), ("startup_timeout_s", MAX_TIMEOUT_S),
+                            ("restart_backoff_s", MAX_TIMEOUT_S)):
+            if getattr(self, name) > limit:
+                raise ConfigError(f"{name} must be at most {limit:g} s, got {getattr(self, name)!r}")
+        if self.heartbeat_timeout_s < 2 * self.heartbeat_interval_s:
+            raise ConfigError(f"heartbeat_timeout_s ({self.heartbeat_timeout_s:g}) must be at least twice "
+                              f"heartbeat_interval_s ({self.heartbeat_interval_s:g})")
+        self.log_level = self.log_level.lower()
+        if self.log_level not in LOG_LEVELS:
+            raise ConfigError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
+        if self.log_format not in LOG_FORMATS:
+            raise ConfigError(f"log_format must be one of {', '.join(LOG_FORMATS)}, got {self.log_format!r}")
         if not 0 < self.kv_cache_memory_fraction < 1:
             raise ConfigError(f"kv_cache_memory_fraction must be in (0, 1), got {self.kv_cache_memory_fraction!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -178,15 +206,14 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         Config.from_dict(values, source=str(path))  # names the file in errors
     names = {f.name for f in dataclasses.fields(Config)}
     for key, value in environ.items():
-        if key.startswith(ENV_PREFIX) and key != ENV_PREFIX + "CONFIG" and key not in (
-            ENV_PREFIX + "LOG_LEVEL", ENV_PREFIX + "LOG_FORMAT"
-        ):
+        if key.startswith(ENV_PREFIX) and key != ENV_PREFIX + "CONFIG" and key not in _LOG_VARIABLES:
             name = key[len(ENV_PREFIX):].lower()
             if name not in names:
                 raise ConfigError(f"environment: unknown setting {key}")
             values[name] = value
-    if environ.get(ENV_PREFIX + "LOG_LEVEL"):
-        values["log_level"] = environ[ENV_PREFIX + "LOG_LEVEL"]
+    for key, name in _LOG_VARIABLES.items():  # also read by hybridd.log before any config; empty means unset
+        if environ.get(key):
+            values[name] = environ[key]
     values.update({k: v for k, v in (overrides or {}).items() if v is not None})
     return Config.from_dict(values, source="config")
 

@@ -27,7 +27,7 @@ _ALLOWED: dict[State, frozenset[State]] = {
     State.STARTING: frozenset({State.LOADING, State.CAPTURING, State.READY, State.DEGRADED, State.DRAINING, State.DEAD}),
     State.LOADING: frozenset({State.CAPTURING, State.READY, State.DEGRADED, State.DRAINING, State.DEAD}),
     State.CAPTURING: frozenset({State.READY, State.DEGRADED, State.DRAINING, State.DEAD}),
-    State.READY: frozenset({State.DEGRADED, State.DRAINING}),
+    State.READY: frozenset({State.DEGRADED, State.DRAINING, State.DEAD}),
     State.DEGRADED: frozenset({State.READY, State.DEGRADED, State.DRAINING, State.DEAD}),
     State.DRAINING: frozenset({State.STOPPED}),
     State.STOPPED: frozenset(),
@@ -62,6 +62,7 @@ class Lifecycle:
         self.failure_streak = 0  # deaths since the last stable period; bounded by max_restarts
         self.last_failure = ""
         self.phases: dict[str, WorkerPhase] = {}
+        self.phase_started: dict[str, float] = {}  # when each worker entered its current phase
         self._clock = clock
         self._ready_since: float | None = None
         self._restart_at: float | None = None
@@ -84,9 +85,13 @@ class Lifecycle:
             self.restarts += 1
         self._restart_at = None
         self.phases = {}
+        self.phase_started = {}
 
     def phase(self, message: WorkerPhase) -> bool:
         """A worker reported a phase; True when the daemon's state changed."""
+        previous = self.phases.get(message.worker)
+        if previous is None or previous.phase != message.phase:
+            self.phase_started[message.worker] = self._clock()
         self.phases[message.worker] = message
         if self.state not in _ORDER and self.state != State.DEGRADED:
             return False  # draining/stopped/dead: worker phases no longer drive the state
@@ -112,6 +117,13 @@ class Lifecycle:
         self._backoff_s = backoff
         self._restart_at = self._clock() + backoff
         return Failure(reason, backoff)
+
+    def fatal(self, reason: str) -> None:
+        """A worker found a start-up error that no restart can fix: `dead` at once."""
+        self.last_failure = reason
+        self._restart_at = None
+        if self.state != State.DEAD:
+            self._move(State.DEAD)
 
     def restart_due(self) -> bool:
         return self._restart_at is not None and self._clock() >= self._restart_at
@@ -141,7 +153,7 @@ class Lifecycle:
     def restart_pending(self) -> bool:
         return self._restart_at is not None
 
-    def _phase_text(self, worker: str) -> str:
+    def phase_text(self, worker: str) -> str:
         message = self.phases.get(worker)
         if message is None:
             return f"{worker}: starting"
@@ -160,13 +172,13 @@ class Lifecycle:
         if state == State.STARTING:
             return "starting workers"
         if state in (State.LOADING, State.CAPTURING):
-            return f"{state.value}: " + "; ".join(self._phase_text(w) for w in WORKER_NAMES)
+            return f"{state.value}: " + "; ".join(self.phase_text(w) for w in WORKER_NAMES)
         if state == State.DEGRADED:
             if self._restart_at is not None:
                 return (f"degraded: {self.last_failure}; restart {self.failure_streak}/{self.max_restarts} "
                         f"in {self._backoff_s:g} s")
             return (f"degraded: restarting ({self.failure_streak}/{self.max_restarts}): "
-                    + "; ".join(self._phase_text(w) for w in WORKER_NAMES))
+                    + "; ".join(self.phase_text(w) for w in WORKER_NAMES))
         if state == State.DRAINING:
             return "draining: refusing new requests, finishing running ones"
         if state == State.DEAD:

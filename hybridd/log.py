@@ -1,4 +1,11 @@
-"""Logging setup: every component logs through structlog, bound to its own context."""
+"""Logging setup: every component logs through structlog, bound to its own context.
+
+One line per event on stderr, rendered for a console or as JSON (`log_format`). The
+level and the format can change after loggers were bound (module-level loggers, a
+worker applying its configuration, SIGHUP reloading the level): both are read at each
+event. Records of the standard `logging` module (libraries such as transformers) and
+`warnings` go through the same chain, so that in JSON mode every line is JSON.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +16,12 @@ import sys
 import structlog
 
 _configured = False
+_threshold = logging.INFO
+_json = False
+
+_console = structlog.dev.ConsoleRenderer(colors=False)
+_json_renderer = structlog.processors.JSONRenderer()
+_format_exception = structlog.processors.format_exc_info
 
 
 class _CurrentStderr:
@@ -21,9 +34,6 @@ class _CurrentStderr:
         sys.stderr.flush()
 
 
-_threshold = logging.INFO
-
-
 def _filter_by_level(logger, method_name: str, event_dict):
     # A processor rather than a filtering wrapper class: module-level loggers are bound at
     # import time, before a worker applies its configured level, and must still obey it.
@@ -32,33 +42,64 @@ def _filter_by_level(logger, method_name: str, event_dict):
     return event_dict
 
 
-def configure(level: str | None = None, json: bool | None = None) -> None:
-    """Configure structlog once per process; a later call with a level changes the level.
+def _render(logger, method_name: str, event_dict):
+    if _json:
+        return _json_renderer(logger, method_name, _format_exception(logger, method_name, event_dict))
+    return _console(logger, method_name, event_dict)
 
-    Logs go to stderr so that stdout stays free for command output.
+
+class _ToStructlog(logging.Handler):
+    """Hands standard-library log records to structlog (one renderer for every line)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            method = record.levelname.lower() if record.levelname.lower() in (
+                "debug", "info", "warning", "error", "critical") else "info"
+            fields = {"logger": record.name}
+            if record.exc_info:
+                fields["exc_info"] = record.exc_info
+            getattr(structlog.get_logger().bind(component=record.name), method)(record.getMessage(), **fields)
+        except Exception:  # noqa: BLE001 (logging must never raise into the caller)
+            self.handleError(record)
+
+
+def level() -> str:
+    return logging.getLevelName(_threshold).lower()
+
+
+def configure(level: str | None = None, json: bool | None = None) -> None:
+    """Configure structlog once per process; later calls change the level and the format.
+
+    Logs go to stderr so that stdout stays free for command output. Without arguments
+    the first call reads `HYBRIDD_LOG_LEVEL` and `HYBRIDD_LOG_FORMAT`.
     """
-    global _configured, _threshold
+    global _configured, _threshold, _json
+    if not _configured:
+        level = level or os.environ.get("HYBRIDD_LOG_LEVEL") or "info"
+        if json is None:
+            json = os.environ.get("HYBRIDD_LOG_FORMAT", "console") == "json"
     if level is not None:
         _threshold = getattr(logging, level.upper(), logging.INFO)
+    if json is not None:
+        _json = json
+    root = logging.getLogger()
+    root.setLevel(_threshold)
     if _configured:
         return
-    level_name = (level or os.environ.get("HYBRIDD_LOG_LEVEL", "info")).upper()
-    _threshold = getattr(logging, level_name, logging.INFO)
-    if json is None:
-        json = os.environ.get("HYBRIDD_LOG_FORMAT", "console") == "json"
-    renderer = structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer(colors=False)
     structlog.configure(
         processors=[
             _filter_by_level,
             structlog.contextvars.merge_contextvars,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso"),
-            renderer,
+            _render,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG),
         logger_factory=structlog.PrintLoggerFactory(file=_CurrentStderr()),
         cache_logger_on_first_use=True,
     )
+    root.handlers[:] = [_ToStructlog()]
+    logging.captureWarnings(True)
     _configured = True
 
 

@@ -20,6 +20,7 @@ import importlib
 import multiprocessing
 import os
 import signal
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ from typing import Any
 
 import zmq
 
+from hybridd import exit_codes
 from hybridd.config import Config
 from hybridd.cuda_mps import MpsDaemon
 from hybridd.lifecycle import Lifecycle, State
@@ -58,17 +60,14 @@ DEFAULT_TARGETS = {
     "graph": "hybridd.workers.graph_generator:main",
     "context": "hybridd.workers.context_generator:main",
 }
-# A worker silent for this many heartbeat intervals, and at least MIN_HEARTBEAT_TIMEOUT_S,
-# is hung: the pair restarts. The floor tolerates a loop that stalls on a one-off
-# JIT compilation; a dead process is caught by its sentinel at once anyway.
-HEARTBEAT_MISSES = 12
-MIN_HEARTBEAT_TIMEOUT_S = 10.0
-# systemd's watchdog is fed only while both workers heartbeated within this many
-# intervals: a stalled worker stops the pings long before it is declared hung.
+# Two deadlines judge a worker (both settings): until it reports `ready` it has
+# `startup_timeout_s` from its spawn (loading, compiling and capturing are single long
+# calls; a background thread keeps beating through them); once it serves, its loop
+# must beat at least every `heartbeat_timeout_s`. A dead process is caught by its
+# sentinel at once either way.
+# systemd's watchdog is fed only while both serving loops heartbeated within this
+# many intervals: a stalled worker stops the pings long before it is declared hung.
 WATCHDOG_FRESH_INTERVALS = 3
-# From spawn to a worker's first message: a fresh interpreter importing torch (and
-# CUDA initialising) on a cold disk. Past it the worker counts as hung.
-FIRST_MESSAGE_TIMEOUT_S = 120.0
 # When one worker dies, the other gets SIGTERM and this long to answer its clients
 # (engine_dead) and exit before SIGKILL.
 PARTNER_GRACE_S = 1.0
@@ -78,9 +77,11 @@ DRAIN_GRACE_S = 10.0
 INFO_INTERVAL_S = 2.0
 POLL_INTERVAL_MS = 100
 
-EXIT_OK = 0
-EXIT_FAILURE = 1  # restarts exhausted, or the drain had to be forced
-EXIT_ALREADY_RUNNING = 3
+EXIT_OK = exit_codes.OK
+EXIT_FAILURE = exit_codes.ERROR  # the drain had to be forced
+EXIT_ALREADY_RUNNING = exit_codes.ALREADY_RUNNING
+EXIT_STARTUP_FAILED = exit_codes.STARTUP_FAILED
+EXIT_RESTARTS_EXHAUSTED = exit_codes.RESTARTS_EXHAUSTED
 
 WorkerTarget = Callable[[dict[str, Any], str], Any] | str
 
@@ -194,18 +195,52 @@ def resolve_target(target: WorkerTarget) -> Callable[[dict[str, Any], str], Any]
     return getattr(importlib.import_module(module), name)
 
 
+def set_process_title(title: str) -> None:
+    """`hybridd: supervisor` etc. in ps/top instead of `python3 -c from multiprocessing…`."""
+    try:
+        from setproctitle import setproctitle
+    except ImportError:  # the title is cosmetic; setproctitle comes with the server extra
+        return
+    setproctitle(title)
+
+
+WORKER_TITLES = {"graph": "hybridd: graph-generator", "context": "hybridd: context-generator"}
+
+
 def worker_main(name: str, target: WorkerTarget, config: dict[str, Any], ctl_endpoint: str, parent_pid: int) -> None:
     """First code of a spawned worker, before its entry point."""
     _die_with_parent()
     if os.getppid() != parent_pid:  # the supervisor died before prctl took effect
         os._exit(EXIT_FAILURE)
+    set_process_title(WORKER_TITLES.get(name, f"hybridd: {name}"))
     # Ctrl-C, `timeout`, `kill -- -PGID` or a KillMode=control-group stop signal the
     # whole process group; only the supervisor decides what that means (a drain) and
     # tells the workers. It stops a worker the hard way with SIGKILL, never SIGTERM.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    configure_logging(level=config.get("log_level"))
-    resolve_target(target)(config, ctl_endpoint)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # the supervisor reloads; workers follow its messages
+    configure_logging(level=config.get("log_level"), json=config.get("log_format") == "json")
+    worker_log = log.bind(component=f"{name}_generator", pid=os.getpid())
+    try:
+        resolve_target(target)(config, ctl_endpoint)
+    except Exception as error:
+        from hybridd.workers import startup_errors
+
+        if startup_errors.is_permanent(error):
+            # The supervisor logs the one line that explains it; the traceback is for debugging.
+            worker_log.debug("start-up error", error=str(error), exc_info=True)
+            code = EXIT_STARTUP_FAILED
+        else:
+            worker_log.error("worker failed", error=f"{type(error).__name__}: {error}", exc_info=True)
+            code = EXIT_FAILURE
+        _flush_sockets()
+        sys.exit(code)
+    _flush_sockets()
+
+
+def _flush_sockets() -> None:
+    # Messages still queued (a `failed` report, `stopped`) leave before the process ends.
+    zmq.Context.instance().destroy(linger=500)
 
 
 # ---------------------------------------------------------------- the supervisor
@@ -217,6 +252,7 @@ class _Worker:
     process: BaseProcess
     spawned_at: float
     last_message: float | None = None
+    serving: bool = False  # reported `ready`: from now on its loop's heartbeats are judged
     steps: int = 0
     exit_code: int | None = None
 
@@ -253,19 +289,15 @@ class Supervisor:
         context_target: WorkerTarget = DEFAULT_TARGETS["context"],
         notifier: Notifier | None = None,
         stable_after_s: float | None = None,
-        first_message_timeout_s: float = FIRST_MESSAGE_TIMEOUT_S,
         drain_grace_s: float = DRAIN_GRACE_S,
-        heartbeat_timeout_s: float | None = None,
     ) -> None:
         self.config = config
         self.targets: dict[str, WorkerTarget] = {"graph": graph_target, "context": context_target}
         self.notifier = notifier or Notifier()
         self.runtime_dir = Path(config.runtime_dir)
-        self.heartbeat_timeout_s = heartbeat_timeout_s or max(
-            HEARTBEAT_MISSES * config.heartbeat_interval_s, MIN_HEARTBEAT_TIMEOUT_S
-        )
+        self.heartbeat_timeout_s = config.heartbeat_timeout_s
+        self.startup_timeout_s = config.startup_timeout_s
         self.watchdog_fresh_s = WATCHDOG_FRESH_INTERVALS * config.heartbeat_interval_s
-        self.first_message_timeout_s = first_message_timeout_s
         self.drain_grace_s = drain_grace_s
         lifecycle_options = {} if stable_after_s is None else {"stable_after_s": stable_after_s}
         self.lifecycle = Lifecycle(
@@ -419,6 +451,15 @@ class Supervisor:
                 os.unlink(client.removeprefix("ipc://"))
         reap_stale_segments()
 
+    def _startup_failed(self, worker: _Worker, reason: str) -> None:
+        """A worker found an error that no restart can fix: one line, stop, a distinct exit code."""
+        self.lifecycle.fatal(reason)
+        self._log.error("cannot start: " + reason, worker=worker.name, exit_code=EXIT_STARTUP_FAILED)
+        self._notify_status()
+        self._kill_pair(culprit=worker.name)
+        self._exit_code = EXIT_STARTUP_FAILED
+        self._done = True
+
     def _pair_failed(self, culprit: str, reason: str) -> None:
         self._log.error("worker failed", worker=culprit, reason=reason, generation=self.generation)
         # The state and systemd's STATUS change at detection; the backoff counts from
@@ -431,8 +472,9 @@ class Supervisor:
                 "restarts exhausted; exiting so that the service manager can act",
                 max_restarts=self.config.max_restarts,
                 reason=reason,
+                exit_code=EXIT_RESTARTS_EXHAUSTED,
             )
-            self._exit_code = EXIT_FAILURE
+            self._exit_code = EXIT_RESTARTS_EXHAUSTED
             self._done = True
         else:
             self._log.warning("restarting workers", backoff_s=failure.backoff_s, streak=self.lifecycle.failure_streak)
@@ -491,7 +533,11 @@ class Supervisor:
             worker.last_message = time.monotonic()
             if isinstance(message, Heartbeat):
                 worker.steps = message.steps
+            elif isinstance(message, WorkerPhase) and message.phase == "failed":
+                self._startup_failed(worker, message.detail)
+                return
             elif isinstance(message, WorkerPhase):
+                worker.serving = worker.serving or message.phase == "ready"
                 self._on_phase(message)
 
     def _on_phase(self, message: WorkerPhase) -> None:
@@ -510,9 +556,17 @@ class Supervisor:
 
     def _worker_exited(self, worker: _Worker) -> None:
         worker.process.join(0)
-        worker.exit_code = worker.process.exitcode
-        if worker.exit_code is None:
+        code = worker.process.exitcode
+        if code is None:
             return
+        if code == EXIT_STARTUP_FAILED and self.lifecycle.state != State.DRAINING:
+            # Its `failed` report left before it exited: read it for the reason.
+            if self._router.socket.poll(500):
+                self._read_messages()
+            if not self._done:
+                self._startup_failed(worker, f"{worker.name} generator reported a start-up error (see its log)")
+            return
+        worker.exit_code = code
         if self.lifecycle.state == State.DRAINING:
             level = self._log.info if worker.exit_code == 0 else self._log.warning
             level("worker exited while draining", worker=worker.name, exit_code=worker.exit_code)
@@ -531,14 +585,16 @@ class Supervisor:
                 self._finish_drain(forced=True)
                 return
         else:
-            for worker in list(self.workers.values()):
+            # The graph generator first: the context generator waits for it while starting.
+            for worker in [self.workers[name] for name in WORKER_NAMES if name in self.workers]:
                 if not worker.alive:
                     continue
-                if worker.last_message is None and now - worker.spawned_at > self.first_message_timeout_s:
-                    self._pair_failed(worker.name, f"{worker.name} generator sent nothing within "
-                                                   f"{self.first_message_timeout_s:g} s of its start")
+                if not worker.serving and now - worker.spawned_at > self.startup_timeout_s:
+                    self._pair_failed(worker.name, f"{worker.name} generator was not ready within "
+                                                   f"startup_timeout_s = {self.startup_timeout_s:g} s "
+                                                   f"({self.lifecycle.phase_text(worker.name)})")
                     return
-                if worker.last_message is not None and now - worker.last_message > self.heartbeat_timeout_s:
+                if worker.serving and now - (worker.last_message or 0.0) > self.heartbeat_timeout_s:
                     self._pair_failed(worker.name, f"{worker.name} generator missed heartbeats for "
                                                    f"{self.heartbeat_timeout_s:g} s (hung)")
                     return
@@ -554,10 +610,9 @@ class Supervisor:
     def _making_progress(self, now: float) -> bool:
         """Whether to tell systemd's watchdog we are alive.
 
-        True while both workers heartbeat (each within the last few intervals), and
-        during the supervisor's own bounded waits (restart backoff, a freshly spawned
-        worker's first message, the drain deadline): each of those ends by a timeout
-        enforced here, and feeding the watchdog through them keeps systemd from
+        True while both serving loops heartbeat (each within the last few intervals),
+        and during the supervisor's own bounded waits (restart backoff, a worker's
+        start-up, the drain deadline): each of those ends by a timeout enforced here, and feeding the watchdog through them keeps systemd from
         restarting the whole service while the supervisor is already restarting the
         pair. A stalled worker stops the pings until it is caught.
         """
@@ -568,10 +623,10 @@ class Supervisor:
         for worker in self.workers.values():
             if not worker.alive:
                 return False
-            if worker.last_message is None:
-                if now - worker.spawned_at > self.first_message_timeout_s:
+            if not worker.serving:
+                if now - worker.spawned_at > self.startup_timeout_s:
                     return False
-            elif now - worker.last_message > self.watchdog_fresh_s:
+            elif now - (worker.last_message or 0.0) > self.watchdog_fresh_s:
                 return False
         return True
 
@@ -592,13 +647,13 @@ class Supervisor:
         context = self.workers.get("context")
         if not any(w.alive for w in self.workers.values()):
             self._finish_drain(forced=False)
-        elif context is not None and context.alive and context.last_message is not None and self._router.send_to(
+        elif context is not None and context.alive and context.serving and self._router.send_to(
             WORKER_IDENTITIES["context"], Drain(timeout_s=self.config.drain_timeout_s)
         ):
             self._timers.drain_deadline = time.monotonic() + self.config.drain_timeout_s + self.drain_grace_s
         else:
-            # The context generator has not connected yet: it has no requests to finish.
-            self._log.info("context generator not connected; stopping workers")
+            # The context generator is still starting: it has no requests to finish.
+            self._log.info("context generator not serving yet; stopping workers")
             self._kill_pair()
             self._finish_drain(forced=False)
 
@@ -658,5 +713,6 @@ def run_supervisor(config: Config, **options: Any) -> int:
     Raises AlreadyRunningError before anything is spawned when the runtime
     directory or the endpoint is taken.
     """
-    configure_logging(level=config.log_level)
+    configure_logging(level=config.log_level, json=config.log_format == "json")
+    set_process_title("hybridd: supervisor")
     return Supervisor(config, **options).run()

@@ -24,7 +24,7 @@ from hybridd.protocol.limits import MAX_TIMEOUT_S
 
 WORKER_NAMES: tuple[str, ...] = ("graph", "context")
 WORKER_IDENTITIES: dict[str, bytes] = {name: name.encode() for name in WORKER_NAMES}
-WORKER_PHASES: frozenset[str] = frozenset({"loading", "capturing", "ready", "draining", "stopped"})
+WORKER_PHASES: frozenset[str] = frozenset({"loading", "capturing", "ready", "draining", "stopped", "failed"})
 MAX_PHASE_DETAIL_CHARS = 512
 MAX_WORK_COUNT = 2**63 - 1
 MAX_PID = 2**31 - 1

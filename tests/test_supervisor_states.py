@@ -145,10 +145,36 @@ def test_bad_messages_are_refused_naming_the_field(data, code, field):
     assert caught.value.field == field
 
 
-def test_heartbeat_timeout_has_a_floor_and_scales_with_the_interval():
-    from hybridd.config import Config
-    from hybridd.supervisor import HEARTBEAT_MISSES, MIN_HEARTBEAT_TIMEOUT_S, Supervisor
+def test_supervisor_deadlines_are_the_configured_settings():
+    from hybridd.config import Config, ConfigError
+    from hybridd.supervisor import Supervisor
 
-    assert Supervisor(Config(heartbeat_interval_s=0.25)).heartbeat_timeout_s == MIN_HEARTBEAT_TIMEOUT_S
-    assert Supervisor(Config(heartbeat_interval_s=2.0)).heartbeat_timeout_s == HEARTBEAT_MISSES * 2.0
-    assert Supervisor(Config(), heartbeat_timeout_s=1.5).heartbeat_timeout_s == 1.5
+    supervisor = Supervisor(Config(heartbeat_timeout_s=3.0, startup_timeout_s=42.0))
+    assert (supervisor.heartbeat_timeout_s, supervisor.startup_timeout_s) == (3.0, 42.0)
+    with pytest.raises(ConfigError, match=r"heartbeat_timeout_s \(0.4\) must be at least twice heartbeat_interval_s"):
+        Config(heartbeat_interval_s=0.25, heartbeat_timeout_s=0.4).validate()
+
+
+def test_a_failure_while_ready_with_the_budget_spent_is_dead_not_a_lifecycle_error():
+    clock = Clock()
+    life = Lifecycle(max_restarts=1, restart_backoff_s=0.1, clock=clock)
+    life.pair_started()
+    for worker in ("graph", "context"):
+        life.phase(_phase(worker, "ready"))
+    life.failed("context generator was killed by SIGKILL")
+    clock.now += 1
+    life.pair_started()
+    for worker in ("graph", "context"):
+        life.phase(_phase(worker, "ready"))
+    assert life.state == State.READY
+    life.failed("context generator was killed by SIGKILL")
+    assert life.state == State.DEAD
+    assert life.status_text().startswith("dead: context generator was killed by SIGKILL")
+
+
+def test_a_permanent_start_up_error_is_dead_at_once():
+    life = Lifecycle(max_restarts=5, restart_backoff_s=1.0)
+    life.pair_started()
+    life.phase(_phase("graph", "loading", detail="loading weights"))
+    life.fatal("graph generator: /m/model.safetensors: truncated")
+    assert life.state == State.DEAD and not life.restart_pending

@@ -488,7 +488,7 @@ class ContextGenerator:
 
 def main(config: dict[str, Any], ctl_endpoint: str) -> None:
     cfg = Config.from_dict(config)
-    configure(cfg.log_level)
+    configure(cfg.log_level, json=cfg.log_format == "json")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor drains us with a message
     worker = ContextGenerator(cfg, ctl_endpoint)
 
@@ -497,7 +497,8 @@ def main(config: dict[str, Any], ctl_endpoint: str) -> None:
 
     signal.signal(signal.SIGTERM, terminate)
     try:
-        worker.start()
+        with worker.link.starting_up():
+            worker.start()
         worker.serve()
     except EngineDeadError as exc:
         worker.log.error("engine_dead", error=str(exc))

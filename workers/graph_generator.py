@@ -214,11 +214,12 @@ class GraphGenerator:
 
 def main(config: dict[str, Any], ctl_endpoint: str) -> None:
     cfg = Config.from_dict(config)
-    configure(cfg.log_level)
+    configure(cfg.log_level, json=cfg.log_format == "json")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor decides; SIGTERM ends us
     worker = GraphGenerator(cfg, ctl_endpoint)
     try:
-        worker.start()
+        with worker.link.starting_up():
+            worker.start()
         worker.serve()
     finally:
         worker.close()

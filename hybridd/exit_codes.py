@@ -1,0 +1,17 @@
+"""The exit codes of `hybridd` commands, `hybridd start` (the supervisor) above all.
+
+Each failure that a service manager or an operator must tell apart has its own code;
+the systemd unit does not restart on the codes that no restart can fix
+(`RestartPreventExitStatus=` in systemd/hybridd.service).
+"""
+
+OK = 0
+ERROR = 1  # a command failed; for `start`: the drain had to be forced, or an unexpected error
+USAGE = 2  # invalid configuration, model directory or key file (checked before anything is spawned)
+ALREADY_RUNNING = 3  # another supervisor holds the runtime directory or serves the endpoint
+STARTUP_FAILED = 4  # a worker found an error that no restart can fix (unreadable weights, out of memory)
+RESTARTS_EXHAUSTED = 5  # the workers kept failing: max_restarts restarts within the stable period
+INTERRUPTED = 130  # a client command stopped by Ctrl-C
+
+# Never worth a restart by the service manager: the same start would fail the same way.
+PERMANENT = (USAGE, STARTUP_FAILED)
