@@ -20,12 +20,13 @@ from typing import Any
 
 import click
 
+from hybridd import exit_codes
 from hybridd.config import Config, ConfigError, config_to_json, load_config
 
-EXIT_ERROR = 1
-EXIT_USAGE = 2
-EXIT_ALREADY_RUNNING = 3  # = hybridd.supervisor.EXIT_ALREADY_RUNNING
-EXIT_INTERRUPTED = 130
+EXIT_ERROR = exit_codes.ERROR
+EXIT_USAGE = exit_codes.USAGE
+EXIT_ALREADY_RUNNING = exit_codes.ALREADY_RUNNING
+EXIT_INTERRUPTED = exit_codes.INTERRUPTED
 STATUS_TIMEOUT_S = 2.0
 STOP_POLL_S = 0.05
 # `hybridd stop` waits this long beyond the configured drain timeout.
@@ -129,6 +130,12 @@ def start(config_path: str | None, print_config: bool, **overrides: Any) -> None
     if print_config:
         click.echo(config_to_json(config))
         return
+    from hybridd.preflight import PreflightError, check
+
+    try:
+        check(config)
+    except PreflightError as error:
+        _fail(f"hybridd: cannot start: {error}", EXIT_USAGE)
     from hybridd.cuda_mps import MpsError
     from hybridd.supervisor import AlreadyRunningError, run_supervisor
 

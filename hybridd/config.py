@@ -206,7 +206,8 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         Config.from_dict(values, source=str(path))  # names the file in errors
     names = {f.name for f in dataclasses.fields(Config)}
     for key, value in environ.items():
-        if key.startswith(ENV_PREFIX) and key != ENV_PREFIX + "CONFIG" and key not in _LOG_VARIABLES:
+        if (key.startswith(ENV_PREFIX) and key != ENV_PREFIX + "CONFIG" and key not in _LOG_VARIABLES
+                and not key.startswith(ENV_PREFIX + "TEST_")):  # test hooks, not settings
             name = key[len(ENV_PREFIX):].lower()
             if name not in names:
                 raise ConfigError(f"environment: unknown setting {key}")

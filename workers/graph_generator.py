@@ -36,6 +36,9 @@ from hybridd.protocol.errors import ProtocolError
 from hybridd.workers.supervisor_link import SupervisorLink
 
 CPU_DEFAULT_KV_BLOCKS = 512
+# Test hook (README, Troubleshooting): seconds to stall in the weight load, in the
+# loading thread itself, to show that a slow load is not taken for a hang.
+SLOW_LOAD_HOOK = "HYBRIDD_TEST_SLOW_LOAD_S"
 STATS_INTERVAL_S = 1.0
 
 
@@ -77,6 +80,10 @@ class GraphGenerator:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         dtype = resolve_dtype(config, self.device)
+        slow_load_s = float(os.environ.get(SLOW_LOAD_HOOK, "0") or 0)
+        if slow_load_s > 0:  # the test hook: a load as slow as a cold disk's
+            self.log.warning("loading slowly on purpose", seconds=slow_load_s, hook=SLOW_LOAD_HOOK)
+            time.sleep(slow_load_s)
         model = load_model(config.model, dtype=dtype, device=self.device)
         model.kernels = select_kernels(self.device)
         mc = model.config

@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
+from hybridd.architectures import SUPPORTED_ARCHITECTURES
 from hybridd.model.errors import ModelLoadError
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 _DTYPES = {

@@ -1,0 +1,115 @@
+"""Liveness of the real daemon (`hybridd start`, the embedded model, both real workers):
+a slow start-up on a saturated host is not a hang; a stopped serving loop is one, and is
+caught within `heartbeat_timeout_s`."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from hybridd import Client, EngineDeadError, HybriddError
+from tests.test_client_sdk import HYBRIDD, LONG
+
+SLOW_LOAD_S = 60.0
+
+
+@contextlib.contextmanager
+def busy_cores() -> Iterator[list[subprocess.Popen]]:
+    """One spinning process per core, for as long as the block runs."""
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 2)]
+    try:
+        yield spinners
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait()
+
+
+@contextlib.contextmanager
+def daemon_process(*flags: str, env: dict[str, str] | None = None) -> Iterator[tuple[subprocess.Popen, Path, Path]]:
+    base = Path(tempfile.mkdtemp(prefix="hl-"))
+    runtime_dir, log_path = base / "run", base / "daemon.log"
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("HYBRIDD_") and k != "NOTIFY_SOCKET"}
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen([HYBRIDD, "start", "--runtime-dir", str(runtime_dir), *flags],
+                                   env=environment | (env or {}), stdout=log, stderr=subprocess.STDOUT)
+    try:
+        yield process, runtime_dir, log_path
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+def wait_ready(endpoint: str, process: subprocess.Popen, timeout: float, log_path: Path) -> float:
+    deadline = time.monotonic() + timeout
+    with Client(endpoint) as client:
+        while time.monotonic() < deadline:
+            assert process.poll() is None, f"the daemon exited with {process.returncode}\n{log_path.read_text()[-6000:]}"
+            with contextlib.suppress(HybriddError):
+                if client.health(timeout=0.5).ok:
+                    return time.monotonic()
+            time.sleep(0.2)
+    raise AssertionError(f"not ready within {timeout} s\n{log_path.read_text()[-6000:]}")
+
+
+@pytest.mark.slow
+def test_slow_load_on_a_saturated_host_is_ready_with_no_restart():
+    """Default settings; every core spinning; the weight load stalled for 60 s."""
+    with busy_cores(), daemon_process(env={"HYBRIDD_TEST_SLOW_LOAD_S": str(SLOW_LOAD_S)}) as (process, rd, log_path):
+        started = time.monotonic()
+        ready_at = wait_ready(f"ipc://{rd}/hybridd.sock", process, SLOW_LOAD_S + 600, log_path)
+        assert ready_at - started >= SLOW_LOAD_S
+        with Client(f"ipc://{rd}/hybridd.sock", timeout=120) as client:
+            status = client.status()
+            assert status["state"] == "ready"
+            assert {w: info["restarts"] for w, info in status["workers"].items()} == {"graph": 0, "context": 0}
+            assert client.generate("ROMEO:", max_tokens=4, temperature=0).usage.completion_tokens == 4
+        log = log_path.read_text()
+        assert "loading slowly on purpose" in log
+        assert "missed heartbeats" not in log and "worker failed" not in log and "restarting workers" not in log
+
+
+def test_a_stopped_serving_loop_is_caught_and_in_flight_requests_end_with_engine_dead():
+    heartbeat_timeout_s = 4.0
+    with daemon_process("--no-compile-sampler", "--heartbeat-timeout-s", str(heartbeat_timeout_s)) as (
+            process, rd, log_path):
+        endpoint = f"ipc://{rd}/hybridd.sock"
+        wait_ready(endpoint, process, 300, log_path)
+        with Client(endpoint, timeout=120) as client:
+            first = client.status()["workers"]
+            stream = client.stream("ROMEO:", **LONG)
+            next(iter(stream))
+            stopped_at = time.monotonic()
+            os.kill(first["context"]["pid"], signal.SIGSTOP)
+            try:
+                with pytest.raises(EngineDeadError):
+                    for _ in stream:
+                        pass
+                detected_s = time.monotonic() - stopped_at
+                # The last beat may have left just before the stop; then the supervisor's
+                # 0.1 s tick, the kill, and the client's disconnect notice.
+                assert detected_s < heartbeat_timeout_s + 3.0, detected_s
+            finally:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(first["context"]["pid"], signal.SIGCONT)
+        wait_ready(endpoint, process, 300, log_path)
+        with Client(endpoint, timeout=60) as client:
+            second = client.status()["workers"]
+        assert second["context"]["pid"] != first["context"]["pid"]
+        assert second["graph"]["pid"] != first["graph"]["pid"]
+        assert second["context"]["restarts"] == 1
+        assert f"context generator missed heartbeats for {heartbeat_timeout_s:g} s (hung)" in log_path.read_text()

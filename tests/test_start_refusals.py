@@ -1,0 +1,130 @@
+"""`hybridd start` with what cannot work: a clear one-line error, a bounded time, the
+documented exit code, and no restart loop.
+
+Settings, model directories and key files are refused before anything is spawned
+(exit 2, well under the bound below even on a busy host); a model that only a worker
+can find broken (truncated weights) ends the supervisor with exit 4 after one try.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from hybridd import exit_codes
+from hybridd.config import EMBEDDED_MODEL
+from tests.test_client_sdk import HYBRIDD
+
+# Exit 2 takes about half a second on an idle host; the bound leaves room for a busy one.
+REFUSAL_BOUND_S = 10.0
+
+
+def _start(*args: str, timeout: float = 60, env: dict[str, str] | None = None) -> tuple[subprocess.CompletedProcess, float]:
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("HYBRIDD_") and k != "NOTIFY_SOCKET"}
+    started = time.monotonic()
+    done = subprocess.run([HYBRIDD, "start", *args], capture_output=True, text=True, timeout=timeout,
+                          env=environment | (env or {}))
+    return done, time.monotonic() - started
+
+
+def _model_copy(tmp_path: Path) -> Path:
+    model = tmp_path / "model"
+    shutil.copytree(EMBEDDED_MODEL, model)
+    return model
+
+
+def _no_config(model: Path) -> None:
+    (model / "config.json").unlink()
+
+
+def _broken_config(model: Path) -> None:
+    (model / "config.json").write_text('{"architectures": ["LlamaForCausalLM"],')
+
+
+def _unsupported_config(model: Path) -> None:
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps(config | {"architectures": ["GPT2LMHeadModel"]}))
+
+
+def _no_weights(model: Path) -> None:
+    (model / "model.safetensors").unlink()
+
+
+def _no_tokenizer(model: Path) -> None:
+    (model / "tokenizer.json").unlink()
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--heartbeat-interval-s", "nan"], "heartbeat_interval_s must be a finite number, got nan"),
+    (["--heartbeat-interval-s", "inf"], "heartbeat_interval_s must be a finite number, got inf"),
+    (["--drain-timeout-s", "nan"], "drain_timeout_s must be a finite number, got nan"),
+    (["--log-level", "verbose"], "log_level must be one of debug, info, warning, error, critical, got 'verbose'"),
+    (["--log-format", "xml"], "log_format must be one of console, json, got 'xml'"),
+    (["--restart-backoff-s", "-1"], "restart_backoff_s must be >= 0, got -1.0"),
+    (["--startup-timeout-s", "0"], "startup_timeout_s must be positive, got 0.0"),
+    (["--heartbeat-timeout-s", "0.3"], "heartbeat_timeout_s (0.3) must be at least twice heartbeat_interval_s (0.25)"),
+    (["--model", "/nonexistent"], "model /nonexistent: no such directory"),
+    (["--model", "/etc/hostname"], "model /etc/hostname: not a directory"),
+    (["--tcp-endpoint", "tcp://127.0.0.1:1", "--curve-secret-key-file", "/no/such.key_secret"],
+     "curve_secret_key_file /no/such.key_secret: cannot read"),
+], ids=lambda v: " ".join(v) if isinstance(v, list) else None)
+def test_bad_settings_are_refused_before_anything_starts(tmp_path, flags, message):
+    done, elapsed = _start("--runtime-dir", str(tmp_path / "run"), *flags)
+    assert done.returncode == exit_codes.USAGE, done.stderr
+    assert message in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert elapsed < REFUSAL_BOUND_S
+    assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())
+
+
+@pytest.mark.parametrize(("breakage", "message"), [
+    (_no_config, "config.json: missing"),
+    (_broken_config, "config.json: not valid JSON"),
+    (_unsupported_config, "config.json: unsupported architecture 'GPT2LMHeadModel'"),
+    (_no_weights, "no weights (*.safetensors or model.safetensors.index.json)"),
+    (_no_tokenizer, "no tokenizer (tokenizer.json, tokenizer.model, vocab.json)"),
+], ids=lambda v: getattr(v, "__name__", None))
+def test_bad_model_directories_are_refused_naming_the_path(tmp_path, breakage, message):
+    model = _model_copy(tmp_path)
+    breakage(model)
+    done, elapsed = _start("--runtime-dir", str(tmp_path / "run"), "--model", str(model))
+    assert done.returncode == exit_codes.USAGE, done.stderr
+    assert done.stderr.startswith(f"hybridd: cannot start: ") and str(model) in done.stderr
+    assert message in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert elapsed < REFUSAL_BOUND_S
+
+
+def test_the_same_refusal_from_the_config_file_and_the_environment(tmp_path):
+    config = tmp_path / "hybridd.toml"
+    config.write_text('log_level = "verbose"\n')
+    done, _ = _start("--config", str(config))
+    assert done.returncode == exit_codes.USAGE
+    assert done.stderr.strip() == (f"hybridd: invalid configuration: config file {config}: log_level must be one of debug, info, "
+                                   "warning, error, critical, got 'verbose'")
+    done, _ = _start("--runtime-dir", str(tmp_path / "run"), env={"HYBRIDD_DRAIN_TIMEOUT_S": "nan"})
+    assert done.returncode == exit_codes.USAGE
+    assert "environment variable HYBRIDD_DRAIN_TIMEOUT_S: drain_timeout_s must be a finite number" in done.stderr
+
+
+def test_truncated_weights_end_the_daemon_once_with_one_line(tmp_path):
+    """Only the graph generator can find this: it reports it, the supervisor exits 4, no restart."""
+    model = _model_copy(tmp_path)
+    weights = model / "model.safetensors"
+    os.truncate(weights, weights.stat().st_size // 2)
+    done, elapsed = _start("--runtime-dir", str(tmp_path / "run"), "--model", str(model), "--no-compile-sampler",
+                           "--log-format", "json", timeout=300)
+    assert done.returncode == exit_codes.STARTUP_FAILED, done.stderr[-4000:]
+    records = [json.loads(line) for line in done.stderr.splitlines()]  # every line is JSON
+    errors = [r for r in records if r["level"] in ("error", "critical")]
+    assert len(errors) == 1, errors
+    assert errors[0]["event"].startswith(f"cannot start: graph generator: {weights}: ")
+    assert "Traceback" not in done.stderr
+    assert sum(r["event"] == "spawned workers" for r in records) == 1, "no restart"
+    assert not (tmp_path / "run" / "hybridd.pid").exists()
