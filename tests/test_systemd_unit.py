@@ -53,6 +53,9 @@ def test_required_directives(unit):
     assert int(one["TimeoutStartSec"]) >= 600
     assert int(one["WatchdogSec"]) > 0
     assert one["Restart"] == "on-failure"
+    from hybridd import exit_codes
+
+    assert sorted(int(code) for code in one["RestartPreventExitStatus"].split()) == sorted(exit_codes.PERMANENT)
     assert int(one["RestartSec"]) > 0
     assert one["KillMode"] == "mixed"
     assert one["RuntimeDirectory"] == "hybridd"
@@ -78,6 +81,11 @@ def test_stop_timeout_leaves_room_for_the_drain(unit):
     from hybridd.supervisor import DRAIN_GRACE_S
 
     assert int(unit["Service"]["TimeoutStopSec"][-1]) > config.drain_timeout_s + DRAIN_GRACE_S
+
+
+def test_start_timeout_leaves_room_for_the_workers_start_up(unit):
+    config = resolve_config(str(SYSTEMD / "hybridd.toml"), {}, environ={})
+    assert int(unit["Service"]["TimeoutStartSec"][-1]) > config.startup_timeout_s
 
 
 def test_example_config_loads():
