@@ -140,7 +140,7 @@ def start(config_path: str | None, print_config: bool, **overrides: Any) -> None
     from hybridd.supervisor import AlreadyRunningError, run_supervisor
 
     try:
-        code = run_supervisor(config)
+        code = run_supervisor(config, reload=lambda: resolve_config(config_path, overrides))
     except AlreadyRunningError as error:
         _fail(f"hybridd: {error}", EXIT_ALREADY_RUNNING)
     except (OSError, ValueError, MpsError) as error:

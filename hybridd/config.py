@@ -16,10 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hybridd.protocol.supervisor import LOG_FORMATS, LOG_LEVELS
 from hybridd.runtime.buckets import DEFAULT_DECODE_BUCKETS, DEFAULT_PREFILL_BUCKETS
 
-LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
-LOG_FORMATS = ("console", "json")
 # One day: longer deadlines are typos, and a drain deadline must fit in a timer.
 MAX_TIMEOUT_S = 86400.0
 MAX_HEARTBEAT_INTERVAL_S = 60.0

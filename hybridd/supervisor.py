@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import fcntl
 import importlib
 import multiprocessing
@@ -45,6 +46,7 @@ from hybridd.protocol.supervisor import (
     WORKER_NAMES,
     Drain,
     Heartbeat,
+    Reconfigure,
     SupervisorInfo,
     WorkerInfo,
     WorkerPhase,
@@ -76,6 +78,9 @@ PARTNER_GRACE_S = 1.0
 DRAIN_GRACE_S = 10.0
 INFO_INTERVAL_S = 2.0
 POLL_INTERVAL_MS = 100
+# SIGTERM and SIGINT drain; SIGHUP reloads what can change without a restart.
+HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+RELOADABLE = frozenset({"log_level", "log_format"})
 
 EXIT_OK = exit_codes.OK
 EXIT_FAILURE = exit_codes.ERROR  # the drain had to be forced
@@ -290,6 +295,7 @@ class Supervisor:
         notifier: Notifier | None = None,
         stable_after_s: float | None = None,
         drain_grace_s: float = DRAIN_GRACE_S,
+        reload: Callable[[], Config] | None = None,
     ) -> None:
         self.config = config
         self.targets: dict[str, WorkerTarget] = {"graph": graph_target, "context": context_target}
@@ -299,6 +305,7 @@ class Supervisor:
         self.startup_timeout_s = config.startup_timeout_s
         self.watchdog_fresh_s = WATCHDOG_FRESH_INTERVALS * config.heartbeat_interval_s
         self.drain_grace_s = drain_grace_s
+        self._reload = reload
         lifecycle_options = {} if stable_after_s is None else {"stable_after_s": stable_after_s}
         self.lifecycle = Lifecycle(
             max_restarts=config.max_restarts, restart_backoff_s=config.restart_backoff_s, **lifecycle_options
@@ -351,7 +358,7 @@ class Supervisor:
     def _install_signals(self) -> None:
         self._wakeup_r, self._wakeup_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         signal.set_wakeup_fd(self._wakeup_w, warn_on_full_buffer=False)
-        for signum in (signal.SIGTERM, signal.SIGINT):
+        for signum in HANDLED_SIGNALS:
             signal.signal(signum, self._on_signal)
 
     def _on_signal(self, signum: int, frame: object) -> None:
@@ -360,7 +367,7 @@ class Supervisor:
     def _restore_signals(self) -> None:
         if self._wakeup_w < 0:
             return
-        for signum in (signal.SIGTERM, signal.SIGINT):
+        for signum in HANDLED_SIGNALS:
             signal.signal(signum, signal.SIG_DFL)
         signal.set_wakeup_fd(-1)
         os.close(self._wakeup_r)
@@ -505,7 +512,11 @@ class Supervisor:
                 if self._done:
                     break
             while self._timers.signals and not self._done:
-                self._on_drain_signal(self._timers.signals.pop(0))
+                signum = self._timers.signals.pop(0)
+                if signum == signal.SIGHUP:
+                    self._on_reload()
+                else:
+                    self._on_drain_signal(signum)
             if not self._done:
                 self._tick()
 
@@ -524,7 +535,7 @@ class Supervisor:
             except ProtocolError as error:
                 self._log.warning("bad message from a worker", identity=identity, error=str(error))
                 continue
-            if isinstance(message, Drain | SupervisorInfo) or WORKER_IDENTITIES.get(message.worker) != identity:
+            if isinstance(message, Drain | SupervisorInfo | Reconfigure) or WORKER_IDENTITIES.get(message.worker) != identity:
                 self._log.warning("message from the wrong peer", identity=identity, type=message.TYPE)
                 continue
             worker = self.workers.get(message.worker)
@@ -629,6 +640,31 @@ class Supervisor:
             elif now - (worker.last_message or 0.0) > self.watchdog_fresh_s:
                 return False
         return True
+
+    # ------------------------------------------------------------ reload
+
+    def _on_reload(self) -> None:
+        """SIGHUP: re-read the configuration; apply what applies without a restart (the log
+        level and format, here and in both workers) and name the rest."""
+        if self._reload is None:
+            self._log.warning("SIGHUP: no configuration to reload; nothing changed")
+            return
+        try:
+            new = self._reload()
+        except Exception as error:  # noqa: BLE001 (a bad edit must not take the daemon down)
+            self._log.error("SIGHUP: configuration not reloaded; nothing changed", error=str(error))
+            return
+        old = self.config
+        changed = sorted(f.name for f in dataclasses.fields(Config) if getattr(new, f.name) != getattr(old, f.name))
+        applied = [name for name in changed if name in RELOADABLE]
+        old.log_level, old.log_format = new.log_level, new.log_format
+        configure_logging(level=new.log_level, json=new.log_format == "json")
+        message = Reconfigure(log_level=new.log_level, log_format=new.log_format)
+        for name, worker in self.workers.items():
+            if worker.alive and worker.last_message is not None:
+                self._router.send_to(WORKER_IDENTITIES[name], message)
+        self._log.info("SIGHUP: configuration reloaded", log_level=new.log_level, log_format=new.log_format,
+                       applied=applied, needs_restart=[name for name in changed if name not in RELOADABLE])
 
     # ------------------------------------------------------------ drain
 

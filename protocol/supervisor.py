@@ -3,7 +3,8 @@
 Each worker connects a DEALER to the supervisor's ROUTER (`ipc://{runtime_dir}/supervisor.sock`)
 with routing identity `b"graph"` or `b"context"` and reports `worker_phase` and
 `heartbeat`. The supervisor sends the context generator `drain` (SIGTERM) and
-`supervisor_info` (what the context generator merges into its `status` replies).
+`supervisor_info` (what the context generator merges into its `status` replies), and
+both workers `reconfigure` (SIGHUP reloaded the log level and format).
 The lifecycle states, which are also wire values (`health_reply.state`,
 `status_reply.status.state`), are defined here once.
 """
@@ -26,6 +27,8 @@ WORKER_NAMES: tuple[str, ...] = ("graph", "context")
 WORKER_IDENTITIES: dict[str, bytes] = {name: name.encode() for name in WORKER_NAMES}
 WORKER_PHASES: frozenset[str] = frozenset({"loading", "capturing", "ready", "draining", "stopped", "failed"})
 MAX_PHASE_DETAIL_CHARS = 512
+LOG_LEVELS: tuple[str, ...] = ("debug", "info", "warning", "error", "critical")
+LOG_FORMATS: tuple[str, ...] = ("console", "json")
 MAX_WORK_COUNT = 2**63 - 1
 MAX_PID = 2**31 - 1
 
@@ -192,9 +195,30 @@ class SupervisorInfo:
         return message
 
 
-SupervisorMessage = WorkerPhase | Heartbeat | Drain | SupervisorInfo
+@dataclass(slots=True, kw_only=True)
+class Reconfigure:
+    """SIGHUP reloaded the settings that apply without a restart (to both workers)."""
+
+    TYPE: ClassVar[str] = "reconfigure"
+
+    log_level: str
+    log_format: str
+
+    def to_wire(self) -> dict[str, Any]:
+        return _envelope(self.TYPE) | {"log_level": self.log_level, "log_format": self.log_format}
+
+    @classmethod
+    def from_wire(cls, data: Mapping[str, Any]) -> Reconfigure:
+        r = _open(data)
+        message = cls(log_level=r.string("log_level", choices=frozenset(LOG_LEVELS)),
+                      log_format=r.string("log_format", choices=frozenset(LOG_FORMATS)))
+        r.finish()
+        return message
+
+
+SupervisorMessage = WorkerPhase | Heartbeat | Drain | SupervisorInfo | Reconfigure
 SUPERVISOR_TYPES: dict[str, type[SupervisorMessage]] = {
-    cls.TYPE: cls for cls in (WorkerPhase, Heartbeat, Drain, SupervisorInfo)
+    cls.TYPE: cls for cls in (WorkerPhase, Heartbeat, Drain, SupervisorInfo, Reconfigure)
 }
 
 

@@ -203,12 +203,17 @@ class Daemon:
 
 
 RUNNER = """
-import json, sys
+import json, sys, tomllib
+from pathlib import Path
 from hybridd.config import Config
 from hybridd.supervisor import run_supervisor
-config = Config.from_dict(json.loads(sys.argv[1]))
+settings, options = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+config = Config.from_dict(settings)
+if "reload_from" in options:  # SIGHUP: the file's settings over the command line's
+    path = Path(options.pop("reload_from"))
+    options["reload"] = lambda: Config.from_dict(settings | tomllib.loads(path.read_text()))
 sys.exit(run_supervisor(config, graph_target="{this}:fixture_graph", context_target="{this}:fixture_context",
-                        **json.loads(sys.argv[2])))
+                        **options))
 """.format(this=THIS)
 
 
@@ -404,3 +409,45 @@ def test_second_supervisor_is_refused_and_stop_command_drains(start_daemon):
                            capture_output=True, text=True, timeout=30)
     assert again.returncode == 1
     assert again.stderr.strip() == f"hybridd is not running (no live supervisor in {daemon.runtime_dir})"
+
+
+def test_killing_workers_until_the_budget_is_spent_ends_with_one_line_and_exit_5(start_daemon):
+    daemon = start_daemon(max_restarts=2, restart_backoff_s=0.05)
+    mark = 0
+    for kill in range(3):  # two restarts, then the third death is one too many
+        note = daemon.wait_ready(start=mark)
+        mark = len(daemon.notify.notes)
+        os.kill(daemon.pids(note)["context" if kill % 2 else "graph"], signal.SIGKILL)
+    assert daemon.process.wait(20) == 5
+    stderr = daemon.stderr()
+    assert "Traceback" not in stderr and "LifecycleError" not in stderr, stderr
+    assert len([line for line in stderr.splitlines() if "restarts exhausted" in line]) == 1
+    assert daemon.notify.statuses()[-1].startswith("dead: ")
+    assert not (daemon.runtime_dir / "hybridd.pid").exists()
+
+
+def test_sighup_reloads_the_log_level_and_keeps_serving(start_daemon, tmp_path):
+    config_file = tmp_path / "hybridd.toml"
+    config_file.write_text('log_level = "info"\n')
+    daemon = start_daemon(options={"reload_from": str(config_file)})
+    pids = daemon.pids(daemon.wait_ready())
+    def edit(text: str) -> None:  # whole, as editors save: the supervisor never reads half a file
+        partial = tmp_path / "partial.toml"
+        partial.write_text(text)
+        os.replace(partial, config_file)
+
+    edit('log_level = "debug"\nmax_batch = 8\n')
+    daemon.process.send_signal(signal.SIGHUP)
+    time.sleep(2.0)
+    edit('log_level = "verbose"\n')  # a bad edit is refused, not fatal
+    daemon.process.send_signal(signal.SIGHUP)
+    time.sleep(2.0)
+    assert daemon.process.poll() is None, "SIGHUP does not end the daemon"
+    assert all(_alive(pid) for pid in pids.values()), "nor its workers"
+    assert daemon.stop() == 0
+    stderr = daemon.stderr()
+    reloaded = [line for line in stderr.splitlines() if "SIGHUP: configuration reloaded" in line]
+    assert len(reloaded) == 1, stderr
+    assert "log_level=debug" in reloaded[0] and "needs_restart=['decode_buckets', 'max_batch']" in reloaded[0]
+    refused = [line for line in stderr.splitlines() if "SIGHUP: configuration not reloaded" in line]
+    assert len(refused) == 1 and "verbose" in refused[0]

@@ -24,7 +24,15 @@ import zmq
 
 from hybridd.protocol import codec
 from hybridd.protocol.errors import ProtocolError
-from hybridd.protocol.supervisor import MAX_PHASE_DETAIL_CHARS, Heartbeat, SupervisorMessage, WorkerPhase, parse_supervisor
+from hybridd.log import configure as configure_logging
+from hybridd.protocol.supervisor import (
+    MAX_PHASE_DETAIL_CHARS,
+    Heartbeat,
+    Reconfigure,
+    SupervisorMessage,
+    WorkerPhase,
+    parse_supervisor,
+)
 from hybridd.workers import startup_errors
 
 
@@ -97,7 +105,8 @@ class SupervisorLink:
             thread.join()
 
     def poll_command(self) -> SupervisorMessage | None:
-        """The next command from the supervisor, if one is waiting (malformed ones are dropped)."""
+        """The next command from the supervisor, if one is waiting (malformed ones are dropped,
+        `reconfigure` is applied here)."""
         while True:
             try:
                 with self._lock:
@@ -105,9 +114,14 @@ class SupervisorLink:
             except zmq.Again:
                 return None
             try:
-                return parse_supervisor(frame)
+                command = parse_supervisor(frame)
             except ProtocolError:
                 self.dropped += 1
+                continue
+            if isinstance(command, Reconfigure):
+                configure_logging(level=command.log_level, json=command.log_format == "json")
+                continue
+            return command
 
     def close(self) -> None:
         self._socket.close()
