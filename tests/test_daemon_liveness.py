@@ -35,9 +35,10 @@ def busy_cores() -> Iterator[list[subprocess.Popen]]:
 
 
 @contextlib.contextmanager
-def daemon_process(*flags: str, env: dict[str, str] | None = None) -> Iterator[tuple[subprocess.Popen, Path, Path]]:
+def daemon_process(*flags: str, env: dict[str, str] | None = None,
+                   runtime_dir: Path | None = None) -> Iterator[tuple[subprocess.Popen, Path, Path]]:
     base = Path(tempfile.mkdtemp(prefix="hl-"))
-    runtime_dir, log_path = base / "run", base / "daemon.log"
+    runtime_dir, log_path = runtime_dir or base / "run", base / "daemon.log"
     environment = {k: v for k, v in os.environ.items() if not k.startswith("HYBRIDD_") and k != "NOTIFY_SOCKET"}
     with open(log_path, "wb") as log:
         process = subprocess.Popen([HYBRIDD, "start", "--runtime-dir", str(runtime_dir), *flags],
@@ -124,3 +125,24 @@ def test_a_stopped_serving_loop_is_caught_and_in_flight_requests_end_with_engine
         assert second["graph"]["pid"] != first["graph"]["pid"]
         assert second["context"]["restarts"] == 1
         assert f"context generator missed heartbeats for {heartbeat_timeout_s:g} s (hung)" in log_path.read_text()
+
+
+def test_workers_outlive_a_killed_supervisor_by_under_two_seconds_and_the_next_start_cleans_up():
+    with daemon_process("--no-compile-sampler") as (process, rd, log_path):
+        endpoint = f"ipc://{rd}/hybridd.sock"
+        wait_ready(endpoint, process, 300, log_path)
+        with Client(endpoint, timeout=60) as client:
+            pids = [info["pid"] for info in client.status()["workers"].values()]
+        process.kill()
+        killed_at = time.monotonic()
+        process.wait()
+        for pid in pids:
+            while _alive(pid):
+                assert time.monotonic() - killed_at < 2.0, f"worker {pid} outlived the supervisor by 2 s"
+                time.sleep(0.02)
+        # What a SIGKILL leaves behind: the pid file and sockets, held by no one now.
+        assert (rd / "hybridd.pid").exists()
+    with daemon_process("--no-compile-sampler", runtime_dir=rd) as (process, rd, log_path):
+        wait_ready(endpoint, process, 300, log_path)
+        with Client(endpoint, timeout=60) as client:
+            assert client.generate("ROMEO:", max_tokens=3, temperature=0).usage.completion_tokens == 3
