@@ -38,3 +38,30 @@ def test_every_path_compiles_and_matches_eager():
     # Fused kernels may round a softmax/cumsum differently and move a top-p cut by one
     # token at a near-tie; anything beyond a rare row is a miscompile.
     assert mismatched <= 2, f"{mismatched} of {total} rows differ"
+
+
+def test_compiled_sampler_is_total_on_cuda():
+    """The parameters that once killed the engine, at and beyond float32's edges, and
+    logits with -inf entries, -inf rows and extreme finite values: every row gets a
+    token in range, never a -inf one while the row has a finite logit."""
+    from tests.test_engine_sampler_totality import TINY, HUGE, assert_total
+
+    sampler = Sampler(compile=True)
+    generator = torch.Generator(device="cuda").manual_seed(1)
+    extreme = torch.finfo(torch.float32).max
+    for value in TINY + HUGE:
+        rows = [
+            SamplingParams(top_p=min(value, 1.0), seed=1),
+            SamplingParams(temperature=value, top_p=0.9, seed=2),
+            SamplingParams(repetition_penalty=value, top_p=0.9, seed=3),
+            SamplingParams(temperature=value, repetition_penalty=value, top_k=5, seed=4),
+            SamplingParams(temperature=0.0, repetition_penalty=value),
+        ]
+        logits = torch.randn(len(rows), VOCAB, device="cuda", generator=generator) * 4
+        logits[0, :100] = float("-inf")
+        logits[1] = float("-inf")
+        logits[2, ::2] = extreme
+        logits[3, 1::2] = -extreme
+        tensors = SamplingTensors.build(rows, [p.seed or 0 for p in rows], [0] * len(rows), VOCAB, "cuda",
+                                        [[0, 1, 2]] * len(rows), [[2, 3, 100]] * len(rows))
+        assert_total(logits.cpu(), sampler(logits, tensors).cpu())

@@ -12,6 +12,17 @@ threshold; at least one token always survives), then the Gumbel-max trick,
 `argmax(logits + g)`. The noise g
 is a pure function of (seed, position, vocab index) computed by a counter-based
 integer hash, so a seeded request draws the same tokens in any batch and any row.
+
+The sampler is total: for logits whose entries are finite or -inf (NaN counts as
+-inf, +inf as the largest float32) and any parameters the protocol accepts, every
+row yields a token id in [0, V), and never one whose logit is -inf while the row
+has a finite logit.
+Parameters are brought into float32 on the host (`float32_parameters`) so that
+no value degenerates on the device: positive parameters are clamped into
+[2**-126, 2**126] (never 0, never a subnormal, their reciprocal a normal float
+too) and applied by multiplication with host-computed reciprocals, never by device
+division (approximate on the GPU); logits are shifted by their row maximum before
+scaling, so a tiny temperature saturates to -inf instead of overflowing to +inf.
 """
 
 from __future__ import annotations
@@ -28,6 +39,11 @@ _MASK32 = 0xFFFFFFFF
 # Uniforms carry 23 bits so that u < 1 stays exact in float32 and -log(u) > 0.
 _UNIFORM_BITS = 23
 _SCAN_CHUNK = 256
+# Bounds of positive float parameters on the device: the smallest normal float32 and
+# its reciprocal, so that a parameter and its reciprocal are both normal floats.
+MIN_POSITIVE = 2.0**-126
+MAX_POSITIVE = 2.0**126
+_FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 log = get_logger("sampler")
@@ -35,10 +51,11 @@ log = get_logger("sampler")
 
 @dataclass
 class SamplingTensors:
-    temperature: torch.Tensor  # [B] float32, 0 = greedy
+    inverse_temperature: torch.Tensor  # [B] float32, 0 = greedy
     top_k: torch.Tensor  # [B] int64, vocab size when off
     top_p: torch.Tensor  # [B] float32
     repetition_penalty: torch.Tensor  # [B] float32
+    inverse_repetition_penalty: torch.Tensor  # [B] float32
     presence_penalty: torch.Tensor  # [B] float32
     frequency_penalty: torch.Tensor  # [B] float32
     seeds: torch.Tensor  # [B] int64
@@ -77,20 +94,23 @@ class SamplingTensors:
             output_counts = output_counts.to(device)
             prompt_mask = prompt_mask.to(device)
 
-        def f32(values: list[float]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.float32, device=device)
+        rows = [float32_parameters(p) for p in params]
+
+        def f32(name: str) -> torch.Tensor:
+            return torch.tensor([row[name] for row in rows], dtype=torch.float32, device=device)
 
         return cls(
-            temperature=f32([p.temperature for p in params]),
+            inverse_temperature=f32("inverse_temperature"),
             top_k=torch.tensor(
                 [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params],
                 dtype=torch.int64,
                 device=device,
             ),
-            top_p=f32([p.top_p for p in params]),
-            repetition_penalty=f32([p.repetition_penalty for p in params]),
-            presence_penalty=f32([p.presence_penalty for p in params]),
-            frequency_penalty=f32([p.frequency_penalty for p in params]),
+            top_p=f32("top_p"),
+            repetition_penalty=f32("repetition_penalty"),
+            inverse_repetition_penalty=f32("inverse_repetition_penalty"),
+            presence_penalty=f32("presence_penalty"),
+            frequency_penalty=f32("frequency_penalty"),
             seeds=torch.tensor(list(seeds), dtype=torch.int64, device=device),
             positions=torch.tensor(list(positions), dtype=torch.int64, device=device),
             output_counts=output_counts,
@@ -124,6 +144,27 @@ class SamplingTensors:
         if self.output_counts is not None:
             index = next_tokens.view(-1, 1).to(torch.int64)
             self.output_counts.scatter_add_(1, index, torch.ones_like(index, dtype=torch.int32))
+
+
+def float32_parameters(params: SamplingParams) -> dict[str, float]:
+    """The values the device computes with, for parameters the protocol accepts:
+    positive values clamped into [MIN_POSITIVE, MAX_POSITIVE] (top_p into
+    [MIN_POSITIVE, 1]), reciprocals taken here in float64. A top_p that rounds to 1
+    in float32 is off; penalties that round to 0 have no effect."""
+
+    def positive(value: float) -> float:
+        return min(max(float(value), MIN_POSITIVE), MAX_POSITIVE)
+
+    temperature = 0.0 if params.greedy else positive(params.temperature)
+    repetition = positive(params.repetition_penalty)
+    return {
+        "inverse_temperature": 0.0 if temperature == 0.0 else 1.0 / temperature,
+        "top_p": min(max(float(params.top_p), MIN_POSITIVE), 1.0),
+        "repetition_penalty": repetition,
+        "inverse_repetition_penalty": 1.0 / repetition,
+        "presence_penalty": float(params.presence_penalty),
+        "frequency_penalty": float(params.frequency_penalty),
+    }
 
 
 class Sampler:
@@ -166,17 +207,16 @@ class Sampler:
     ) -> torch.Tensor:
         """Next token per row, int64 [B]; written into `out` as well when given."""
         if t.all_greedy:
-            tokens = self._greedy(
-                logits, t.repetition_penalty, t.presence_penalty, t.frequency_penalty, t.output_counts, t.prompt_mask
-            )
+            tokens = self._greedy(logits, *_penalty_tensors(t))
         else:
             fn = self._sorted if t.do_sort else self._random
             tokens = fn(
                 logits,
-                t.temperature,
+                t.inverse_temperature,
                 t.top_k,
                 t.top_p,
                 t.repetition_penalty,
+                t.inverse_repetition_penalty,
                 t.presence_penalty,
                 t.frequency_penalty,
                 t.output_counts,
@@ -193,12 +233,22 @@ class Sampler:
     def processed_logits(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
         """The logits sampled rows draw from (penalised, scaled, filtered with -inf);
         greedy rows get their penalised logits. Eager; for logprobs and tests."""
-        penalties = (t.repetition_penalty, t.presence_penalty, t.frequency_penalty, t.output_counts, t.prompt_mask)
-        logits = _penalize(logits.float(), *penalties)
-        scaled = _scale(logits, t.temperature)
+        logits = _penalize(_finite(logits), *_penalty_tensors(t))
+        scaled = _scale(logits, t.inverse_temperature)
         if t.do_sort:
             scaled = _top_k_top_p(scaled, t.top_k, t.top_p)
-        return torch.where((t.temperature > 0).unsqueeze(1), scaled, logits)
+        return torch.where((t.inverse_temperature > 0).unsqueeze(1), scaled, logits)
+
+
+def _penalty_tensors(t: SamplingTensors) -> tuple:
+    return (
+        t.repetition_penalty,
+        t.inverse_repetition_penalty,
+        t.presence_penalty,
+        t.frequency_penalty,
+        t.output_counts,
+        t.prompt_mask,
+    )
 
 
 def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -230,9 +280,16 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 14)
 
 
+def _finite(logits: torch.Tensor) -> torch.Tensor:
+    """float32 logits with no NaN and no +inf: NaN is -inf (never drawn while a row
+    has a finite entry), +inf the largest finite float32."""
+    return torch.nan_to_num(logits.float(), nan=float("-inf"), posinf=_FLOAT32_MAX, neginf=float("-inf"))
+
+
 def _penalize(
     logits: torch.Tensor,
     repetition: torch.Tensor,
+    inverse_repetition: torch.Tensor,
     presence: torch.Tensor,
     frequency: torch.Tensor,
     counts: torch.Tensor | None,
@@ -241,15 +298,21 @@ def _penalize(
     if counts is None or prompt_mask is None:
         return logits
     in_output = counts > 0
-    rp = repetition.unsqueeze(1)
-    repeated = torch.where(logits > 0, logits / rp, logits * rp)
-    logits = torch.where(in_output | prompt_mask, repeated, logits)
-    frequency_term = frequency.unsqueeze(1) * counts.to(logits.dtype)
-    return logits - frequency_term - presence.unsqueeze(1) * in_output.to(logits.dtype)
+    repeated = torch.where(logits > 0, logits * inverse_repetition.unsqueeze(1), logits * repetition.unsqueeze(1))
+    penalized = torch.where(in_output | prompt_mask, repeated, logits)
+    penalized = penalized - frequency.unsqueeze(1) * counts.to(logits.dtype)
+    penalized = penalized - presence.unsqueeze(1) * in_output.to(logits.dtype)
+    # A penalty can push a logit past float32; it stays finite (the largest or the
+    # smallest float32), so only a logit that came in as -inf is never drawn.
+    return torch.where(logits == float("-inf"), logits, penalized.clamp(-_FLOAT32_MAX, _FLOAT32_MAX))
 
 
-def _scale(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
-    return logits / torch.where(temperature > 0, temperature, 1.0).unsqueeze(1)
+def _scale(logits: torch.Tensor, inverse_temperature: torch.Tensor) -> torch.Tensor:
+    """(logits - row max) / temperature: the row's best token scales to 0 and the rest
+    to <= 0 (-inf at worst), so no temperature makes an entry +inf or NaN."""
+    top = logits.amax(dim=-1, keepdim=True)
+    shifted = logits - torch.where(torch.isfinite(top), top, 0.0)
+    return shifted * torch.where(inverse_temperature > 0, inverse_temperature, 1.0).unsqueeze(1)
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -264,7 +327,8 @@ def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor)
     # Both conditions keep a prefix of the ranking, so it is cut at one threshold
     # value per row (tokens tied with the last kept one stay too). Thresholding
     # avoids scattering the sorted row back, which torch 2.13's CPU inductor miscompiles.
-    num_kept = (in_top_k & in_top_p).sum(dim=-1, keepdim=True)
+    # At least one: a row of -inf logits has NaN probabilities and so no survivor.
+    num_kept = (in_top_k & in_top_p).sum(dim=-1, keepdim=True).clamp(min=1)
     threshold = sorted_logits.gather(-1, num_kept - 1)
     return logits.masked_fill(logits < threshold, float("-inf"))
 
@@ -283,26 +347,29 @@ def _cumsum_rows(x: torch.Tensor) -> torch.Tensor:
     return (within + before.unsqueeze(-1)).view(rows, chunks * _SCAN_CHUNK)[:, :width]
 
 
-def _sample_greedy(logits, repetition, presence, frequency, counts, prompt_mask):
-    return _penalize(logits.float(), repetition, presence, frequency, counts, prompt_mask).argmax(dim=-1)
+def _sample_greedy(logits, repetition, inverse_repetition, presence, frequency, counts, prompt_mask):
+    penalties = (repetition, inverse_repetition, presence, frequency, counts, prompt_mask)
+    return _penalize(_finite(logits), *penalties).argmax(dim=-1)
 
 
 def _sample_random(
-    logits, temperature, top_k, top_p, repetition, presence, frequency, counts, prompt_mask, seeds, positions
+    logits, inverse_temperature, top_k, top_p, repetition, inverse_repetition, presence, frequency, counts,
+    prompt_mask, seeds, positions,
 ):
-    logits = _penalize(logits.float(), repetition, presence, frequency, counts, prompt_mask)
-    perturbed = _scale(logits, temperature) + gumbel_noise(seeds, positions, logits.shape[-1])
-    return _pick(logits, perturbed, temperature)
+    logits = _penalize(_finite(logits), repetition, inverse_repetition, presence, frequency, counts, prompt_mask)
+    perturbed = _scale(logits, inverse_temperature) + gumbel_noise(seeds, positions, logits.shape[-1])
+    return _pick(logits, perturbed, inverse_temperature)
 
 
 def _sample_sorted(
-    logits, temperature, top_k, top_p, repetition, presence, frequency, counts, prompt_mask, seeds, positions
+    logits, inverse_temperature, top_k, top_p, repetition, inverse_repetition, presence, frequency, counts,
+    prompt_mask, seeds, positions,
 ):
-    logits = _penalize(logits.float(), repetition, presence, frequency, counts, prompt_mask)
-    filtered = _top_k_top_p(_scale(logits, temperature), top_k, top_p)
+    logits = _penalize(_finite(logits), repetition, inverse_repetition, presence, frequency, counts, prompt_mask)
+    filtered = _top_k_top_p(_scale(logits, inverse_temperature), top_k, top_p)
     perturbed = filtered + gumbel_noise(seeds, positions, logits.shape[-1])
-    return _pick(logits, perturbed, temperature)
+    return _pick(logits, perturbed, inverse_temperature)
 
 
-def _pick(logits: torch.Tensor, perturbed: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
-    return torch.where((temperature > 0).unsqueeze(1), perturbed, logits).argmax(dim=-1)
+def _pick(logits: torch.Tensor, perturbed: torch.Tensor, inverse_temperature: torch.Tensor) -> torch.Tensor:
+    return torch.where((inverse_temperature > 0).unsqueeze(1), perturbed, logits).argmax(dim=-1)
