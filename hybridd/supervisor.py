@@ -34,6 +34,7 @@ import zmq
 from hybridd import exit_codes
 from hybridd.config import Config
 from hybridd.cuda_mps import MpsDaemon
+from hybridd.fallback_endpoint import FallbackEndpoint
 from hybridd.lifecycle import Lifecycle, State
 from hybridd.log import configure as configure_logging
 from hybridd.log import get_logger
@@ -318,6 +319,7 @@ class Supervisor:
         self._timers = _Timers()
         self._watchdog_s = watchdog_interval_s()
         self._router = None
+        self._fallback: FallbackEndpoint | None = None
         self._mps = MpsDaemon(self.runtime_dir) if config.cuda_mps == "on" else None
         self._saved_env: dict[str, str | None] = {}
         self._wakeup_r = self._wakeup_w = -1
@@ -344,6 +346,7 @@ class Supervisor:
             # A restarted worker reconnects with the same identity before the ROUTER
             # may have noticed that the dead one's connection is gone.
             self._router.socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
+            self._fallback = FallbackEndpoint(self.config.client_endpoint, self.status, self._unavailable_text)
             self._install_signals()
             self._notify_status()
             self._start_mps()
@@ -492,6 +495,8 @@ class Supervisor:
         poller = zmq.Poller()
         poller.register(self._router.socket, zmq.POLLIN)
         poller.register(self._wakeup_r, zmq.POLLIN)
+        if self._fallback.socket is not None:
+            poller.register(self._fallback.socket, zmq.POLLIN)
         registered: dict[int, str] = {}
         while not self._done:
             sentinels = {w.process.sentinel: w.name for w in self.workers.values() if w.alive}
@@ -506,6 +511,8 @@ class Supervisor:
                     os.read(self._wakeup_r, 512)
             if self._router.socket in events:
                 self._read_messages()
+            if self._fallback.socket is not None and self._fallback.socket in events:
+                self._fallback.answer()
             for fd, name in sentinels.items():
                 if fd in events and name in self.workers:
                     self._worker_exited(self.workers[name])
@@ -720,6 +727,44 @@ class Supervisor:
             workers={name: WorkerInfo(pid=pids.get(name, 0), restarts=self.lifecycle.restarts) for name in WORKER_NAMES},
         )
 
+    def status(self) -> dict[str, Any]:
+        """What the supervisor knows, for the fallback endpoint's `status_reply` (SPEC §3.2)."""
+        from hybridd import __version__
+
+        now = time.monotonic()
+        pids = self._pids()
+        phases = {}
+        for name in WORKER_NAMES:
+            worker = self.workers.get(name)
+            message = self.lifecycle.phases.get(name)
+            since = self.lifecycle.phase_started.get(name, worker.spawned_at if worker else now)
+            phases[name] = {
+                "phase": message.phase if message else ("starting" if worker else "stopped"),
+                "detail": message.detail if message else "",
+                "done": message.done if message else 0,
+                "total": message.total if message else 0,
+                "elapsed_s": round(now - since, 3),
+            }
+        return {
+            "state": self.lifecycle.state.value,
+            "source": "supervisor",
+            "summary": self._status_text(),
+            "version": __version__,
+            "uptime_s": now - self._started_mono,
+            "started_at": self.started_at,
+            "model": self.config.model,
+            "endpoints": {"ipc": self.config.client_endpoint, "tcp": self.config.tcp_endpoint or None},
+            "workers": {name: {"pid": pids.get(name, 0), "restarts": self.lifecycle.restarts} for name in WORKER_NAMES},
+            "phases": phases,
+            "restarts": self.lifecycle.restarts,
+            "last_restart_reason": self.lifecycle.last_failure or None,
+        }
+
+    def _unavailable_text(self) -> str:
+        if self.lifecycle.state == State.READY:
+            return f"the daemon is ready: send requests to {self.config.client_endpoint}"
+        return f"the daemon is not serving: {self._status_text()}"
+
     def _send_info(self) -> None:
         self._timers.next_info = time.monotonic() + INFO_INTERVAL_S
         context = self.workers.get("context")
@@ -736,6 +781,9 @@ class Supervisor:
             if self._router is not None:
                 self._router.close()
                 self._router = None
+            if self._fallback is not None:
+                self._fallback.close()
+                self._fallback = None
         finally:
             self._stop_mps()
             self._restore_signals()

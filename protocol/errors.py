@@ -22,6 +22,9 @@ class ErrorCode(StrEnum):
     """Admission refused: the waiting queue is full. Retry later."""
     DRAINING = "draining"
     """The daemon is shutting down and accepts no new work."""
+    UNAVAILABLE = "unavailable"
+    """The daemon is not ready to serve (starting, loading, restarting its workers); in
+    client libraries also: no daemon could be reached at the endpoint."""
     ENGINE_DEAD = "engine_dead"
     """A worker process died; every in-flight request receives this."""
     TIMEOUT = "timeout"

@@ -27,6 +27,7 @@ import pytest
 import zmq
 
 from hybridd.protocol.codec import decode, encode
+from hybridd.protocol.messages import GenerateRequest, HealthRequest, StatusRequest
 from hybridd.protocol.control import Shutdown
 from hybridd.protocol.supervisor import Drain, Heartbeat, SupervisorInfo, WorkerPhase, supervisor_from_wire
 
@@ -75,7 +76,7 @@ def fixture_graph(config: dict, ctl_endpoint: str) -> None:
         os._exit(3)
     total = int(os.environ.get("SUPFIX_BUCKETS", "3"))
     for done in range(1, total + 1):
-        time.sleep(0.03)
+        time.sleep(float(os.environ.get("SUPFIX_CAPTURE_S", "0.03")))
         sup.send(encode(WorkerPhase(worker="graph", phase="capturing", detail="capturing decode graphs",
                                     done=done, total=total)))
     _record("graph-ready", time.time())
@@ -451,3 +452,51 @@ def test_sighup_reloads_the_log_level_and_keeps_serving(start_daemon, tmp_path):
     assert "log_level=debug" in reloaded[0] and "needs_restart=['decode_buckets', 'max_batch']" in reloaded[0]
     refused = [line for line in stderr.splitlines() if "SIGHUP: configuration not reloaded" in line]
     assert len(refused) == 1 and "verbose" in refused[0]
+
+
+def _ask(endpoint: str, request) -> dict:
+    """One request on a raw DEALER, as a client written from the spec would send it."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(endpoint)
+        sock.send(encode(request))
+        assert sock.poll(5000), f"no answer from {endpoint}"
+        return decode(sock.recv())
+    finally:
+        sock.close()
+
+
+def test_the_supervisor_answers_from_its_first_second_while_the_workers_cannot(start_daemon):
+    daemon = start_daemon(env={"SUPFIX_CAPTURE_S": "1.0"})
+    fallback = f"ipc://{daemon.runtime_dir}/hybridd.sock.supervisor"
+    deadline = time.time() + 15
+    while not (daemon.runtime_dir / "hybridd.sock.supervisor").exists():
+        assert time.time() < deadline
+        time.sleep(0.01)
+    health = _ask(fallback, HealthRequest(id="h"))
+    assert health["type"] == "health_reply" and health["state"] in ("starting", "loading", "capturing")
+    assert health["ok"] is False
+    daemon.notify.wait_for(lambda n: n.fields.get("STATUS", "").startswith("capturing"))
+    status = _ask(fallback, StatusRequest(id="s"))["status"]
+    assert status["state"] == "capturing" and status["source"] == "supervisor"
+    graph = status["phases"]["graph"]
+    assert graph["phase"] == "capturing" and graph["detail"] == "capturing decode graphs" and graph["total"] == 3
+    assert graph["elapsed_s"] >= 0 and status["restarts"] == 0 and status["last_restart_reason"] is None
+    assert status["endpoints"]["ipc"] == f"ipc://{daemon.runtime_dir}/hybridd.sock"
+    refused = _ask(fallback, GenerateRequest(id="g", prompt="hi"))
+    assert (refused["type"], refused["id"], refused["code"]) == ("error", "g", "unavailable")
+    assert refused["message"].startswith("the daemon is not serving: capturing: graph: capturing decode graphs ")
+
+    first = daemon.pids(daemon.wait_ready())
+    assert _ask(fallback, HealthRequest(id="h"))["state"] == "ready"
+    mark = len(daemon.notify.notes)
+    os.kill(first["graph"], signal.SIGKILL)
+    daemon.notify.wait_for(lambda n: n.fields.get("STATUS", "").startswith("degraded"), start=mark)
+    status = _ask(fallback, StatusRequest(id="s"))["status"]
+    assert status["state"] == "degraded"
+    assert status["last_restart_reason"] == f"graph generator (pid {first['graph']}) was killed by SIGKILL"
+    daemon.wait_ready(start=mark)
+    assert _ask(fallback, StatusRequest(id="s"))["status"]["restarts"] == 1
+    assert daemon.stop() == 0
+    assert not (daemon.runtime_dir / "hybridd.sock.supervisor").exists()

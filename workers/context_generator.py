@@ -152,7 +152,7 @@ class ContextGenerator:
             return
 
         def progress(done: int, total: int) -> None:
-            self.link.phase("loading", f"compiling the sampler {done}/{total}", done, total)
+            self.link.phase("loading", "compiling the sampler", done, total)
             self.link.heartbeat(force=True)
 
         sampler.warm_up(vocab_size, self.device, progress)

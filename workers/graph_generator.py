@@ -114,9 +114,9 @@ class GraphGenerator:
         self.logits_ready = InterprocessEvent.create(self.device)
 
         total = len(self.plan.decode)
-        self.link.phase("capturing", f"capturing decode graphs 0/{total}", 0, total)
+        self.link.phase("capturing", "capturing decode graphs", 0, total)
         self.runner.capture_decode_graphs(
-            progress=lambda done, n: self.link.phase("capturing", f"capturing decode graphs {done}/{n}", done, n)
+            progress=lambda done, n: self.link.phase("capturing", "capturing decode graphs", done, n)
         )
         self.ctl.send(control.Ready(
             arenas={"kv": self.kv_arena.manifest(), "step": self.step_arena.manifest()},

@@ -1,0 +1,110 @@
+"""The supervisor's own client socket: what the daemon says while it cannot serve.
+
+The context generator binds the client endpoint only once it serves, and loses it
+when it dies. From the supervisor's start to its exit a second ROUTER socket answers
+in its place, next to the client endpoint: `ipc://<client socket path>.supervisor`
+(`ipc:///run/hybridd/hybridd.sock.supervisor` by default; protocol/SPEC.md §1). Same
+framing and messages as the client endpoint:
+
+- `health` → `health_reply` with the lifecycle state (`ok` only when ready);
+- `status` → `status_reply` with what the supervisor knows: state, phases and their
+  progress, workers, restarts and the last failure, version, endpoints;
+- `generate` → `error` `unavailable`, the message saying the state and why;
+- `cancel` → nothing (nothing runs here).
+
+The SDK and `hybridd status` fall back to it when the client endpoint does not answer.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+from hybridd.ipc.channel import MAX_IPC_PATH_BYTES, Channel, PeerProtocolError, bind_ipc_endpoint
+from hybridd.log import get_logger
+from hybridd.protocol.errors import ErrorCode, ProtocolError
+from hybridd.protocol.messages import (
+    CancelRequest,
+    ErrorReply,
+    GenerateRequest,
+    HealthReply,
+    HealthRequest,
+    StatusReply,
+    StatusRequest,
+    request_from_wire,
+)
+
+log = get_logger("fallback_endpoint")
+
+SUFFIX = ".supervisor"
+# Messages answered per wake-up, so that a flood cannot starve the supervisor's loop.
+MAX_MESSAGES_PER_POLL = 64
+
+
+def fallback_endpoint(client_endpoint: str) -> str | None:
+    """Where the supervisor answers for the daemon at `client_endpoint` (None for TCP)."""
+    if not client_endpoint.startswith("ipc://"):
+        return None
+    return client_endpoint + SUFFIX
+
+
+class FallbackEndpoint:
+    """Answers health, status and generate from the supervisor's state."""
+
+    def __init__(self, client_endpoint: str, status: Callable[[], dict[str, Any]], explain: Callable[[], str]) -> None:
+        self._status = status
+        self._explain = explain
+        self.channel: Channel | None = None
+        endpoint = fallback_endpoint(client_endpoint)
+        if endpoint is None:
+            return
+        path = endpoint.removeprefix("ipc://")
+        if len(os.fsencode(path)) > MAX_IPC_PATH_BYTES:
+            log.warning("no fallback endpoint: its path is too long for a Unix socket", path=path)
+            return
+        self.channel = bind_ipc_endpoint(path, name="fallback")
+
+    @property
+    def socket(self):
+        return None if self.channel is None else self.channel.socket
+
+    def answer(self) -> None:
+        """Answer what is waiting (never blocks)."""
+        if self.channel is None:
+            return
+        for _ in range(MAX_MESSAGES_PER_POLL):
+            try:
+                received = self.channel.recv_from(timeout_ms=0)
+            except PeerProtocolError as error:
+                self.channel.send_error_to(error.identity, error)
+                continue
+            if received is None:
+                return
+            identity, data = received
+            try:
+                request = request_from_wire(data)
+            except ProtocolError as error:
+                self.channel.send_error_to(identity, error, error.request_id or "")
+                continue
+            self._answer(identity, request)
+
+    def _answer(self, identity: bytes, request: Any) -> None:
+        if isinstance(request, HealthRequest):
+            state = self._status()["state"]
+            self.channel.send_to(identity, HealthReply(id=request.id, state=state, ok=state == "ready"))
+        elif isinstance(request, StatusRequest):
+            self.channel.send_to(identity, StatusReply(id=request.id, status=self._status()))
+        elif isinstance(request, GenerateRequest):
+            self.channel.send_to(identity, ErrorReply(id=request.id, code=ErrorCode.UNAVAILABLE,
+                                                      message=self._explain()))
+        elif isinstance(request, CancelRequest):
+            pass
+        else:
+            self.channel.send_to(identity, ErrorReply(id=getattr(request, "id", ""), code=ErrorCode.INVALID_REQUEST,
+                                                      message=f"{type(request).__name__} is a reply, not a request"))
+
+    def close(self) -> None:
+        if self.channel is not None:
+            self.channel.close()
+            self.channel = None
