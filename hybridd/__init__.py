@@ -26,16 +26,19 @@ _CLIENT_EXPORTS = frozenset({
     "AsyncClient", "AsyncStream", "Chunk", "Client", "GenerateResult", "Health", "SamplingParams", "Stream",
 })
 _ERROR_EXPORTS = frozenset({
-    "DrainingError", "EngineDeadError", "HybriddError", "InternalError", "InvalidRequestError", "NotFoundError",
-    "OverloadedError", "RequestCancelledError", "RequestTimeoutError",
+    "DaemonUnreachableError", "DrainingError", "EngineDeadError", "HandshakeRefusedError", "HybriddError",
+    "InternalError", "InvalidRequestError", "NotFoundError", "OverloadedError", "RequestCancelledError",
+    "RequestTimeoutError", "UnavailableError",
 })
 __all__ = sorted(_CLIENT_EXPORTS | _ERROR_EXPORTS | {"__version__"})
 
 if TYPE_CHECKING:
     from hybridd.client import AsyncClient, AsyncStream, Chunk, Client, GenerateResult, Health, SamplingParams, Stream
     from hybridd.client_errors import (
+        DaemonUnreachableError,
         DrainingError,
         EngineDeadError,
+        HandshakeRefusedError,
         HybriddError,
         InternalError,
         InvalidRequestError,
@@ -43,6 +46,7 @@ if TYPE_CHECKING:
         OverloadedError,
         RequestCancelledError,
         RequestTimeoutError,
+        UnavailableError,
     )
 
 

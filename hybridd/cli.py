@@ -26,6 +26,9 @@ from hybridd.config import Config, ConfigError, config_to_json, load_config
 EXIT_ERROR = exit_codes.ERROR
 EXIT_USAGE = exit_codes.USAGE
 EXIT_ALREADY_RUNNING = exit_codes.ALREADY_RUNNING
+EXIT_NOT_RUNNING = exit_codes.NOT_RUNNING
+EXIT_REFUSED = exit_codes.REFUSED
+EXIT_UNAVAILABLE = exit_codes.UNAVAILABLE
 EXIT_INTERRUPTED = exit_codes.INTERRUPTED
 STATUS_TIMEOUT_S = 2.0
 STOP_POLL_S = 0.05
@@ -160,11 +163,11 @@ def stop(config_path: str | None, runtime_dir: str | None, timeout: float | None
     config = _load(config_path, {"runtime_dir": runtime_dir})
     pid = running_pid(config.runtime_dir)
     if pid is None:
-        _fail(f"hybridd is not running (no live supervisor in {config.runtime_dir})")
+        _fail(f"hybridd is not running (no live supervisor in {config.runtime_dir})", EXIT_NOT_RUNNING)
     try:
         os.kill(pid, signal.SIGTERM)
     except ProcessLookupError:
-        _fail(f"hybridd is not running (pid {pid} is gone)")
+        _fail(f"hybridd is not running (pid {pid} is gone)", EXIT_NOT_RUNNING)
     except PermissionError:
         _fail(f"hybridd: not allowed to signal pid {pid} (run as the daemon's user or root)")
     wait_s = config.drain_timeout_s + STOP_GRACE_S if timeout is None else timeout
@@ -180,15 +183,11 @@ def stop(config_path: str | None, runtime_dir: str | None, timeout: float | None
 
 
 def _client(config_path: str | None, runtime_dir: str | None, endpoint: str | None, server_key: str | None,
-            client_key: str | None, timeout: float | None):
+            client_key: str | None, timeout: float | None, connect_timeout: float | None):
     from hybridd.client import Client, load_curve_keys
 
     config = _load(config_path, {"runtime_dir": runtime_dir})
     endpoint = endpoint or config.client_endpoint
-    if endpoint.startswith("ipc://"):
-        path = Path(endpoint.removeprefix("ipc://"))
-        if not path.exists():
-            _fail(f"hybridd is not running (no socket at {path})")
     keys: dict[str, bytes | None] = {}
     if endpoint.startswith("tcp://"):
         if not (server_key and client_key):
@@ -198,7 +197,30 @@ def _client(config_path: str | None, runtime_dir: str | None, endpoint: str | No
         if secret is None:
             _fail(f"hybridd: {client_key} holds no secret key (use the .key_secret file)", EXIT_USAGE)
         keys = {"server_public_key": server_public, "public_key": public, "secret_key": secret}
+    if connect_timeout is not None:
+        keys["connect_timeout"] = connect_timeout
     return Client(endpoint, timeout=timeout, **keys), endpoint
+
+
+def _fail_for(error: Exception, what: str) -> None:
+    """One line and the exit code for a client command that failed (see README, Troubleshooting)."""
+    from hybridd.client_errors import (
+        DaemonUnreachableError,
+        DrainingError,
+        HandshakeRefusedError,
+        RequestTimeoutError,
+        UnavailableError,
+    )
+
+    if isinstance(error, HandshakeRefusedError):
+        _fail(f"hybridd: {error.message}", EXIT_REFUSED)
+    if isinstance(error, DaemonUnreachableError):
+        _fail(f"hybridd is not running: {error.message}", EXIT_NOT_RUNNING)
+    if isinstance(error, UnavailableError | DrainingError):
+        _fail(f"hybridd: {what}: {error}", EXIT_UNAVAILABLE)
+    if isinstance(error, RequestTimeoutError) and what == "status":
+        _fail(f"hybridd: status: {error.message}", EXIT_UNAVAILABLE)
+    _fail(f"hybridd: {error}" if what == "generate" else f"hybridd: {what} failed: {error}")
 
 
 def _ms(seconds: Any) -> str:
@@ -271,19 +293,18 @@ def format_status(status: dict[str, Any]) -> str:
 @_server_key_option
 @_client_key_option
 @click.option("--json", "as_json", is_flag=True, help="Print the status map as JSON.")
-@click.option("--timeout", type=float, default=STATUS_TIMEOUT_S, show_default=True, help="Seconds to wait.")
+@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=STATUS_TIMEOUT_S, show_default=True,
+              help="Seconds to wait for the daemon and its answer.")
 def status(config_path, runtime_dir, endpoint, server_key, client_key, as_json: bool, timeout: float) -> None:
     """Show the running daemon's state, workers, buckets, KV blocks, queues and latency."""
     from hybridd.client_errors import HybriddError
 
-    client, endpoint = _client(config_path, runtime_dir, endpoint, server_key, client_key, timeout)
+    client, endpoint = _client(config_path, runtime_dir, endpoint, server_key, client_key, timeout, timeout)
     with client:
         try:
             result = client.status()
-        except TimeoutError:
-            _fail(f"hybridd is not running (no answer from {endpoint} within {timeout:g} s)")
         except HybriddError as error:
-            _fail(f"hybridd: status failed: {error}")
+            _fail_for(error, "status")
     click.echo(json.dumps(result, indent=2, sort_keys=True) if as_json else format_status(result))
 
 
@@ -302,10 +323,13 @@ def status(config_path, runtime_dir, endpoint, server_key, client_key, as_json: 
 @click.option("--repetition-penalty", type=float, default=None)
 @click.option("--stop", "stop_strings", multiple=True, help="Stop string (repeatable).")
 @click.option("--ignore-eos", is_flag=True, default=None, help="Do not stop at the model's EOS.")
-@click.option("--timeout", type=float, default=None, help="Seconds for the whole request.")
+@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Seconds for the whole request.")
+@click.option("--connect-timeout", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Seconds to wait for the daemon to answer the connection (default: the SDK's, 10 s).")
 @click.option("--json", "as_json", is_flag=True, help="Print the final message (text, usage, timings) as JSON.")
 def generate(prompt: str, config_path, runtime_dir, endpoint, server_key, client_key, max_tokens, temperature, top_k,
-             top_p, seed, repetition_penalty, stop_strings, ignore_eos, timeout, as_json: bool) -> None:
+             top_p, seed, repetition_penalty, stop_strings, ignore_eos, timeout, connect_timeout, as_json: bool) -> None:
     """Generate a completion of PROMPT, streamed to the terminal."""
     from hybridd.client_errors import HybriddError
 
@@ -313,7 +337,7 @@ def generate(prompt: str, config_path, runtime_dir, endpoint, server_key, client
         "max_tokens": max_tokens, "temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": seed,
         "repetition_penalty": repetition_penalty, "stop": list(stop_strings) or None, "ignore_eos": ignore_eos,
     }.items() if v is not None}
-    client, endpoint = _client(config_path, runtime_dir, endpoint, server_key, client_key, timeout)
+    client, endpoint = _client(config_path, runtime_dir, endpoint, server_key, client_key, timeout, connect_timeout)
     with client:
         stream = None
         try:
@@ -335,7 +359,7 @@ def generate(prompt: str, config_path, runtime_dir, endpoint, server_key, client
             sys.exit(EXIT_INTERRUPTED)
         except HybriddError as error:
             click.echo(err=True) if stream is not None else None
-            _fail(f"hybridd: {error}")
+            _fail_for(error, "generate")
 
 
 @main.command()

@@ -7,6 +7,16 @@ a socket monitor reports that the daemon's connection dropped (ZMTP heartbeats c
 a peer that vanished without closing). The DEALER reconnects by itself, so calls made
 after the daemon is back succeed.
 
+Every call first waits for the connection (the ZeroMQ handshake) for at most its
+connect timeout (`CONNECT_TIMEOUT_S` unless the client or the call says otherwise), then
+fails with `DaemonUnreachableError` saying what was found at the endpoint: no socket
+file (at once), a socket nobody listens on, a listener that never completes the
+handshake; a refused CURVE handshake is `HandshakeRefusedError`, as soon as the socket
+monitor reports it. Requests are sent only over an established connection. Calls that
+answer at once (`health`, `status`) wait for their reply for at most the same connect
+timeout unless given a `timeout`; a `generate` runs as long as it runs, bounded by its
+`timeout` if any, while ZMTP heartbeats watch the daemon.
+
 `AsyncClient` runs its session in the caller's loop. `Client` runs one in a private
 background thread (the only thread that touches the socket, as ZeroMQ requires);
 callers' threads hand requests over with `call_soon_threadsafe` and wait on their own
@@ -25,6 +35,7 @@ import uuid
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from types import EllipsisType
 from typing import Any
 
@@ -33,8 +44,10 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from hybridd.client_errors import (
+    DaemonUnreachableError,
     DrainingError,
     EngineDeadError,
+    HandshakeRefusedError,
     HybriddError,
     InternalError,
     InvalidRequestError,
@@ -42,6 +55,7 @@ from hybridd.client_errors import (
     OverloadedError,
     RequestCancelledError,
     RequestTimeoutError,
+    UnavailableError,
     error_for_code,
 )
 from hybridd.log import get_logger
@@ -68,10 +82,13 @@ __all__ = [
     "AsyncClient",
     "AsyncStream",
     "Chunk",
+    "CONNECT_TIMEOUT_S",
     "Client",
+    "DaemonUnreachableError",
     "DrainingError",
     "EngineDeadError",
     "GenerateResult",
+    "HandshakeRefusedError",
     "Health",
     "HybriddError",
     "InternalError",
@@ -82,10 +99,15 @@ __all__ = [
     "RequestTimeoutError",
     "SamplingParams",
     "Stream",
+    "UnavailableError",
     "load_curve_keys",
 ]
 
 log = get_logger("client")
+
+# How long a call waits to reach the daemon (and, for health and status, for the reply)
+# unless the client or the call sets `connect_timeout`.
+CONNECT_TIMEOUT_S = 10.0
 
 # ZMTP heartbeats: a daemon host that vanishes without closing the connection (TCP)
 # is declared disconnected after HEARTBEAT_TIMEOUT_MS.
@@ -227,10 +249,15 @@ class _Session:
             self._socket.setsockopt(zmq.CURVE_PUBLICKEY, public_key)
             self._socket.setsockopt(zmq.CURVE_SECRETKEY, secret_key)
         self._monitor = self._socket.get_monitor_socket(
-            zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+            zmq.EVENT_CONNECTED | zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+            | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+            | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
         )
         self._socket.connect(endpoint)
         self.connected = False
+        self._transport: str | None = None  # what the last connection attempt found: "refused", "accepted"
+        self._refused: str | None = None  # why the daemon refused the last handshake
+        self._changed = asyncio.Event()
         self.pending: dict[str, Sink] = {}
         self._tasks = [asyncio.ensure_future(self._read()), asyncio.ensure_future(self._watch())]
         self.closed = False
@@ -255,15 +282,57 @@ class _Session:
     async def _watch(self) -> None:
         while True:
             event = parse_monitor_message(await self._monitor.recv_multipart())
-            if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                self.connected = True
-            elif event["event"] == zmq.EVENT_DISCONNECTED and self.connected:
-                # Only a session that was established can lose the daemon; a refused
-                # handshake (wrong CURVE keys) is never heard, like a daemon not running.
+            kind = event["event"]
+            if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.connected, self._refused = True, None
+            elif kind == zmq.EVENT_DISCONNECTED and self.connected:
+                # Only a session that was established can lose the daemon.
                 self.connected = False
                 self.fail_all(EngineDeadError(f"the daemon's socket {self.endpoint} disconnected"))
-            elif event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-                log.warning("the daemon refused this client's CURVE keys", endpoint=self.endpoint)
+            elif kind == zmq.EVENT_CONNECT_RETRIED:
+                self._transport = "refused"
+            elif kind == zmq.EVENT_CONNECTED:
+                self._transport = "accepted"
+            elif kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                self._refused = "it does not authorise this client's public key"
+            elif kind in (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL):
+                self._refused = ("the CURVE handshake failed: is server_public_key the daemon's public key?"
+                                 if self.endpoint.startswith("tcp://") else "the ZeroMQ handshake failed")
+            self._changed.set()
+
+    async def reach(self, timeout: float) -> None:
+        """Return once the daemon is connected; otherwise raise, at the latest after
+        `timeout` seconds, what was found at the endpoint."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while not self.connected:
+            if self.closed:
+                raise HybriddError("the client is closed")
+            socket_file = self._socket_file()
+            if socket_file is not None and not socket_file.exists():
+                raise DaemonUnreachableError(f"no daemon at {self.endpoint} (no socket file {socket_file})")
+            if self._refused is not None:
+                raise HandshakeRefusedError(f"the daemon at {self.endpoint} refused the connection: {self._refused}")
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                raise DaemonUnreachableError(self._unanswered(timeout))
+            self._changed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), remaining)
+
+    def _socket_file(self) -> Path | None:
+        if not self.endpoint.startswith("ipc://") or self.endpoint.startswith("ipc://@"):
+            return None  # tcp, or a Linux abstract socket (no file)
+        return Path(self.endpoint.removeprefix("ipc://"))
+
+    def _unanswered(self, timeout: float) -> str:
+        if self._transport == "refused":
+            socket_file = self._socket_file()
+            if socket_file is not None:
+                return (f"no daemon at {self.endpoint} within {_seconds(timeout)} s: nothing listens on {socket_file} "
+                        f"(a stale socket left by a daemon that died?)")
+            return f"no daemon at {self.endpoint} within {_seconds(timeout)} s: nothing accepts connections at {self.endpoint}"
+        return f"no answer from {self.endpoint} within {_seconds(timeout)} s (connected, but no ZeroMQ handshake)"
 
     def fail_all(self, error: HybriddError) -> None:
         pending, self.pending = self.pending, {}
@@ -311,12 +380,22 @@ class _Session:
         self._context.term()
 
 
+def _seconds(seconds: float) -> str:
+    return f"{seconds:.2f}".rstrip("0").rstrip(".")
+
+
 def _deadline(timeout: float | None) -> float | None:
     return None if timeout is None else time.monotonic() + timeout
 
 
 def _remaining(deadline: float | None) -> float | None:
     return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
+def _connect_wait(connect_timeout: float, deadline: float | None) -> float:
+    """The connect timeout, or less when the call's own deadline comes first."""
+    remaining = _remaining(deadline)
+    return connect_timeout if remaining is None else min(connect_timeout, remaining)
 
 
 # ---------------------------------------------------------------- sync client
@@ -369,14 +448,16 @@ class Stream:
     Closing it (or dropping it: garbage collection) before the end cancels the request.
     """
 
-    def __init__(self, client: Client, request: GenerateRequest, timeout: float | None) -> None:
+    def __init__(self, client: Client, request: GenerateRequest, timeout: float | None, connect_timeout: float) -> None:
         self.id = request.id
         self.result: GenerateResult | None = None
         self._client = client
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._deadline = _deadline(timeout)
-        self._done = False
+        self._done = True  # until submitted: nothing to cancel
+        client._reach(connect_timeout, self._deadline)
         client._io.call(client._session.submit, request, self._queue.put)
+        self._done = False
 
     def __iter__(self) -> Iterator[Chunk]:
         return self
@@ -414,13 +495,16 @@ class Stream:
 
 class _ClientOptions:
     """What both clients take: the endpoint (default: the configured daemon's), the
-    default timeout of their calls, and the CURVE keys for a TCP endpoint."""
+    default timeout of their calls (none: a generation takes what it takes), the
+    connect timeout of their calls (`CONNECT_TIMEOUT_S`), and the CURVE keys for a
+    TCP endpoint."""
 
     def __init__(
         self,
         endpoint: str | None = None,
         *,
         timeout: float | None = None,
+        connect_timeout: float = CONNECT_TIMEOUT_S,
         server_public_key: str | bytes | None = None,
         public_key: str | bytes | None = None,
         secret_key: str | bytes | None = None,
@@ -430,12 +514,28 @@ class _ClientOptions:
 
             endpoint = load_config().client_endpoint
         self.endpoint = endpoint
-        self.timeout = timeout
+        self.timeout = _positive(timeout, "timeout")
+        self.connect_timeout = _positive(connect_timeout, "connect_timeout")
         self._keys = {"server_public_key": _as_key(server_public_key, "server_public_key"),
                       "public_key": _as_key(public_key, "public_key"), "secret_key": _as_key(secret_key, "secret_key")}
 
     def _timeout(self, timeout: float | None | EllipsisType) -> float | None:
-        return self.timeout if timeout is ... else timeout
+        return self.timeout if timeout is ... else _positive(timeout, "timeout")
+
+    def _connect_timeout(self, connect_timeout: float | None) -> float:
+        return self.connect_timeout if connect_timeout is None else _positive(connect_timeout, "connect_timeout")
+
+    def _reply_timeout(self, timeout: float | None | EllipsisType, connect_timeout: float | None) -> float:
+        """Health and status answer at once: without a timeout of their own, the connect
+        timeout bounds their reply too."""
+        timeout = self._timeout(timeout)
+        return self._connect_timeout(connect_timeout) if timeout is None else timeout
+
+
+def _positive(value: float | None, name: str) -> float | None:
+    if value is not None and not (isinstance(value, int | float) and 0 < value < float("inf")):
+        raise ValueError(f"{name}: expected a positive number of seconds, got {value!r}")
+    return value
 
 
 class Client(_ClientOptions):
@@ -446,12 +546,13 @@ class Client(_ClientOptions):
         endpoint: str | None = None,
         *,
         timeout: float | None = None,
+        connect_timeout: float = CONNECT_TIMEOUT_S,
         server_public_key: str | bytes | None = None,
         public_key: str | bytes | None = None,
         secret_key: str | bytes | None = None,
     ) -> None:
-        super().__init__(endpoint, timeout=timeout, server_public_key=server_public_key, public_key=public_key,
-                         secret_key=secret_key)
+        super().__init__(endpoint, timeout=timeout, connect_timeout=connect_timeout,
+                         server_public_key=server_public_key, public_key=public_key, secret_key=secret_key)
         self._io = _LoopThread()
         try:
             self._session: _Session = self._io.run(_create_session(self.endpoint, self._keys))
@@ -460,11 +561,17 @@ class Client(_ClientOptions):
             raise
         self._finalizer = weakref.finalize(self, _close_sync, self._io, self._session)
 
-    def _request(self, request: Any, timeout: float | None) -> Reply:
+    def _reach(self, connect_timeout: float, deadline: float | None) -> None:
+        if not self._session.connected:
+            self._io.run(self._session.reach(_connect_wait(connect_timeout, deadline)))
+
+    def _request(self, request: Any, timeout: float | None, connect_timeout: float) -> Reply:
+        deadline = _deadline(timeout)
+        self._reach(connect_timeout, deadline)
         replies: queue.SimpleQueue = queue.SimpleQueue()
         self._io.call(self._session.submit, request, replies.put)
         try:
-            reply = replies.get(timeout=timeout)
+            reply = replies.get(timeout=_remaining(deadline))
         except queue.Empty:
             self._io.post(self._session.abandon, request.id)
             raise RequestTimeoutError("the call's timeout expired", request_id=request.id) from None
@@ -472,32 +579,37 @@ class Client(_ClientOptions):
         return reply
 
     def generate(self, prompt: str | list[int], sampling: SamplingParams | dict[str, Any] | None = None, *,
-                 request_id: str | None = None, timeout: float | None | EllipsisType = ..., **sampling_options: Any) -> GenerateResult:
+                 request_id: str | None = None, timeout: float | None | EllipsisType = ...,
+                 connect_timeout: float | None = None, **sampling_options: Any) -> GenerateResult:
         """Run one completion and return it whole. Sampling options as keywords or `sampling`."""
         timeout = self._timeout(timeout)
         request = _build_generate(prompt, sampling, sampling_options, request_id=request_id, stream=False,
                                   timeout=timeout)
-        return _result(self._request(request, timeout))
+        return _result(self._request(request, timeout, self._connect_timeout(connect_timeout)))
 
     def stream(self, prompt: str | list[int], sampling: SamplingParams | dict[str, Any] | None = None, *,
-               request_id: str | None = None, timeout: float | None | EllipsisType = ..., **sampling_options: Any) -> Stream:
+               request_id: str | None = None, timeout: float | None | EllipsisType = ...,
+               connect_timeout: float | None = None, **sampling_options: Any) -> Stream:
         """Start one completion; iterate the returned `Stream` for its chunks."""
         timeout = self._timeout(timeout)
         request = _build_generate(prompt, sampling, sampling_options, request_id=request_id, stream=True,
                                   timeout=timeout)
-        return Stream(self, request, timeout)
+        return Stream(self, request, timeout, self._connect_timeout(connect_timeout))
 
     def cancel(self, request_id: str) -> None:
         """Cancel a request of this client; idempotent, no-op for an unknown or finished id."""
         self._io.call(self._session.cancel, request_id)
 
-    def status(self, *, timeout: float | None | EllipsisType = ...) -> dict[str, Any]:
-        reply = self._request(StatusRequest(id=new_request_id()), self._timeout(timeout))
+    def status(self, *, timeout: float | None | EllipsisType = ...,
+               connect_timeout: float | None = None) -> dict[str, Any]:
+        reply = self._request(StatusRequest(id=new_request_id()), self._reply_timeout(timeout, connect_timeout),
+                              self._connect_timeout(connect_timeout))
         assert isinstance(reply, StatusReply)
         return reply.status
 
-    def health(self, *, timeout: float | None | EllipsisType = ...) -> Health:
-        reply = self._request(HealthRequest(id=new_request_id()), self._timeout(timeout))
+    def health(self, *, timeout: float | None | EllipsisType = ..., connect_timeout: float | None = None) -> Health:
+        reply = self._request(HealthRequest(id=new_request_id()), self._reply_timeout(timeout, connect_timeout),
+                              self._connect_timeout(connect_timeout))
         assert isinstance(reply, HealthReply)
         return Health(state=reply.state, ok=reply.ok)
 
@@ -525,7 +637,8 @@ async def _create_session(endpoint: str, keys: dict[str, bytes | None]) -> _Sess
 class AsyncStream:
     """Async counterpart of `Stream`: `async for chunk in stream`; `aclose()` or GC cancels."""
 
-    def __init__(self, client: AsyncClient, request: GenerateRequest, timeout: float | None) -> None:
+    def __init__(self, client: AsyncClient, request: GenerateRequest, timeout: float | None,
+                 connect_timeout: float) -> None:
         self.id = request.id
         self.result: GenerateResult | None = None
         self._session = client._session_now()
@@ -533,6 +646,15 @@ class AsyncStream:
         self._deadline = _deadline(timeout)
         self._done = False
         self._loop = asyncio.get_running_loop()
+        # Sent at once over an established connection, else on the first iteration,
+        # once the connection is made within the connect timeout.
+        self._unsent: tuple[GenerateRequest, float] | None = (request, connect_timeout)
+        if self._session.connected:
+            self._send()
+
+    def _send(self) -> None:
+        assert self._unsent is not None
+        request, self._unsent = self._unsent[0], None
         self._session.submit(request, self._queue.put_nowait)
 
     def __aiter__(self) -> AsyncStream:
@@ -541,6 +663,13 @@ class AsyncStream:
     async def __anext__(self) -> Chunk:
         if self._done:
             raise StopAsyncIteration
+        if self._unsent is not None:
+            try:
+                await self._session.reach(_connect_wait(self._unsent[1], self._deadline))
+            except BaseException:
+                self._done = True
+                raise
+            self._send()
         try:
             reply = await asyncio.wait_for(self._queue.get(), _remaining(self._deadline))
         except TimeoutError:
@@ -559,7 +688,7 @@ class AsyncStream:
     def close(self) -> None:
         if not self._done:
             self._done = True
-            if not self._loop.is_closed():
+            if self._unsent is None and not self._loop.is_closed():
                 self._loop.call_soon_threadsafe(self._session.abandon, self.id)
 
     async def aclose(self) -> None:
@@ -584,12 +713,13 @@ class AsyncClient(_ClientOptions):
         endpoint: str | None = None,
         *,
         timeout: float | None = None,
+        connect_timeout: float = CONNECT_TIMEOUT_S,
         server_public_key: str | bytes | None = None,
         public_key: str | bytes | None = None,
         secret_key: str | bytes | None = None,
     ) -> None:
-        super().__init__(endpoint, timeout=timeout, server_public_key=server_public_key, public_key=public_key,
-                         secret_key=secret_key)
+        super().__init__(endpoint, timeout=timeout, connect_timeout=connect_timeout,
+                         server_public_key=server_public_key, public_key=public_key, secret_key=secret_key)
         self._session: _Session | None = None
 
     def _session_now(self) -> _Session:
@@ -597,12 +727,15 @@ class AsyncClient(_ClientOptions):
             self._session = _Session(self.endpoint, **self._keys)
         return self._session
 
-    async def _request(self, request: Any, timeout: float | None) -> Reply:
+    async def _request(self, request: Any, timeout: float | None, connect_timeout: float) -> Reply:
+        deadline = _deadline(timeout)
         replies: asyncio.Queue = asyncio.Queue()
         session = self._session_now()
+        if not session.connected:
+            await session.reach(_connect_wait(connect_timeout, deadline))
         session.submit(request, replies.put_nowait)
         try:
-            reply = await asyncio.wait_for(replies.get(), timeout)
+            reply = await asyncio.wait_for(replies.get(), _remaining(deadline))
         except TimeoutError:
             session.abandon(request.id)
             raise RequestTimeoutError("the call's timeout expired", request_id=request.id) from None
@@ -614,30 +747,35 @@ class AsyncClient(_ClientOptions):
 
     async def generate(self, prompt: str | list[int], sampling: SamplingParams | dict[str, Any] | None = None, *,
                        request_id: str | None = None, timeout: float | None | EllipsisType = ...,
-                       **sampling_options: Any) -> GenerateResult:
+                       connect_timeout: float | None = None, **sampling_options: Any) -> GenerateResult:
         timeout = self._timeout(timeout)
         request = _build_generate(prompt, sampling, sampling_options, request_id=request_id, stream=False,
                                   timeout=timeout)
-        return _result(await self._request(request, timeout))
+        return _result(await self._request(request, timeout, self._connect_timeout(connect_timeout)))
 
     def stream(self, prompt: str | list[int], sampling: SamplingParams | dict[str, Any] | None = None, *,
-               request_id: str | None = None, timeout: float | None | EllipsisType = ..., **sampling_options: Any) -> AsyncStream:
+               request_id: str | None = None, timeout: float | None | EllipsisType = ...,
+               connect_timeout: float | None = None, **sampling_options: Any) -> AsyncStream:
         """Start one completion (call inside the loop); `async for` over the returned stream."""
         timeout = self._timeout(timeout)
         request = _build_generate(prompt, sampling, sampling_options, request_id=request_id, stream=True,
                                   timeout=timeout)
-        return AsyncStream(self, request, timeout)
+        return AsyncStream(self, request, timeout, self._connect_timeout(connect_timeout))
 
     async def cancel(self, request_id: str) -> None:
         self._session_now().cancel(request_id)
 
-    async def status(self, *, timeout: float | None | EllipsisType = ...) -> dict[str, Any]:
-        reply = await self._request(StatusRequest(id=new_request_id()), self._timeout(timeout))
+    async def status(self, *, timeout: float | None | EllipsisType = ...,
+                     connect_timeout: float | None = None) -> dict[str, Any]:
+        reply = await self._request(StatusRequest(id=new_request_id()), self._reply_timeout(timeout, connect_timeout),
+                                    self._connect_timeout(connect_timeout))
         assert isinstance(reply, StatusReply)
         return reply.status
 
-    async def health(self, *, timeout: float | None | EllipsisType = ...) -> Health:
-        reply = await self._request(HealthRequest(id=new_request_id()), self._timeout(timeout))
+    async def health(self, *, timeout: float | None | EllipsisType = ...,
+                     connect_timeout: float | None = None) -> Health:
+        reply = await self._request(HealthRequest(id=new_request_id()), self._reply_timeout(timeout, connect_timeout),
+                                    self._connect_timeout(connect_timeout))
         assert isinstance(reply, HealthReply)
         return Health(state=reply.state, ok=reply.ok)
 

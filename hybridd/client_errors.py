@@ -1,6 +1,10 @@
 """The exceptions of the client SDK: one class per way a request can fail, each carrying
 the daemon's stable error `code` (protocol/errors.py), the offending `field` and,
 when the daemon had produced output before the failure, the `partial` result.
+
+Failing to reach the daemon at all is `unavailable` too, told apart by class: no daemon
+at the endpoint (`DaemonUnreachableError`), or one that refused this client's CURVE
+keys (`HandshakeRefusedError`).
 """
 
 from __future__ import annotations
@@ -56,6 +60,23 @@ class DrainingError(HybriddError):
     default_code = ErrorCode.DRAINING
 
 
+class UnavailableError(HybriddError):
+    """The daemon cannot serve the call now: it is starting, loading or restarting its
+    workers (the message says which), or it could not be reached (the subclasses)."""
+
+    default_code = ErrorCode.UNAVAILABLE
+
+
+class DaemonUnreachableError(UnavailableError, ConnectionError):
+    """No daemon answered at the endpoint within the connect timeout: no socket file,
+    nothing listening (a stale socket of a daemon that died), or no ZeroMQ handshake."""
+
+
+class HandshakeRefusedError(DaemonUnreachableError, ConnectionRefusedError):
+    """The daemon refused the CURVE handshake: this client's public key is not among its
+    authorised keys, or the server key given is not the daemon's. Retrying does not help."""
+
+
 class EngineDeadError(HybriddError):
     """A worker died, or the daemon's socket disconnected, while the request was in flight.
 
@@ -94,6 +115,7 @@ _BY_CODE: dict[ErrorCode, type[HybriddError]] = {
     ErrorCode.INVALID_REQUEST: InvalidRequestError,
     ErrorCode.OVERLOADED: OverloadedError,
     ErrorCode.DRAINING: DrainingError,
+    ErrorCode.UNAVAILABLE: UnavailableError,
     ErrorCode.ENGINE_DEAD: EngineDeadError,
     ErrorCode.TIMEOUT: RequestTimeoutError,
     ErrorCode.CANCELLED: RequestCancelledError,

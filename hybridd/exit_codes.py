@@ -11,6 +11,10 @@ USAGE = 2  # invalid configuration, model directory or key file (checked before 
 ALREADY_RUNNING = 3  # another supervisor holds the runtime directory or serves the endpoint
 STARTUP_FAILED = 4  # a worker found an error that no restart can fix (unreadable weights, out of memory)
 RESTARTS_EXHAUSTED = 5  # the workers kept failing: max_restarts restarts within the stable period
+# Client commands (generate, status, stop) that could not reach a serving daemon:
+NOT_RUNNING = 6  # no daemon at the endpoint: no socket file, nothing listening, no handshake in time
+REFUSED = 7  # the daemon refused this client's CURVE keys
+UNAVAILABLE = 8  # the daemon runs but does not serve now: starting, restarting workers, draining, no reply
 INTERRUPTED = 130  # a client command stopped by Ctrl-C
 
 # Never worth a restart by the service manager: the same start would fail the same way.

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from hybridd import Client, DrainingError, HybriddError, RequestCancelledError
+from hybridd import Client, DrainingError, HandshakeRefusedError, HybriddError, RequestCancelledError
+from hybridd.cli import EXIT_NOT_RUNNING, EXIT_REFUSED
 from hybridd.client import load_curve_keys
 from tests.test_client_sdk import HYBRIDD, run_daemon, wait_until_ok
 
@@ -51,20 +52,30 @@ def test_keygen_writes_a_curve_pair_and_never_overwrites(keys):
 
 def test_commands_say_clearly_that_no_daemon_runs(tmp_path):
     started = time.monotonic()
+    sock_path = tmp_path / "hybridd.sock"
+    no_socket = f"hybridd is not running: no daemon at ipc://{sock_path} (no socket file {sock_path})"
     status = _hybridd("status", "--runtime-dir", str(tmp_path))
-    assert status.returncode == 1
-    assert status.stderr.strip() == f"hybridd is not running (no socket at {tmp_path}/hybridd.sock)"
+    assert (status.returncode, status.stderr) == (EXIT_NOT_RUNNING, no_socket + "\n")
     generate = _hybridd("generate", "hi", "--runtime-dir", str(tmp_path))
-    assert generate.returncode == 1 and "hybridd is not running" in generate.stderr
+    assert (generate.returncode, generate.stderr) == (EXIT_NOT_RUNNING, no_socket + "\n")
     stop = _hybridd("stop", "--runtime-dir", str(tmp_path))
-    assert stop.returncode == 1 and "hybridd is not running" in stop.stderr
-    # A socket file without a daemon behind it: the short timeout answers.
+    assert (stop.returncode, stop.stderr) == (EXIT_NOT_RUNNING, f"hybridd is not running (no live supervisor in {tmp_path})\n")
+    assert time.monotonic() - started < 20
+
+
+def test_commands_say_clearly_that_a_socket_is_stale(tmp_path):
+    """The socket file a daemon killed with SIGKILL leaves behind: nobody listens on it."""
+    sock_path = tmp_path / "hybridd.sock"
     sock = socket.socket(socket.AF_UNIX)
-    sock.bind(str(tmp_path / "hybridd.sock"))
+    sock.bind(str(sock_path))
     sock.close()
-    stale = _hybridd("status", "--runtime-dir", str(tmp_path), "--timeout", "0.5")
-    assert stale.returncode == 1
-    assert stale.stderr.strip() == f"hybridd is not running (no answer from ipc://{tmp_path}/hybridd.sock within 0.5 s)"
+    started = time.monotonic()
+    stale = (f"no daemon at ipc://{sock_path} within 0.5 s: nothing listens on {sock_path} "
+             f"(a stale socket left by a daemon that died?)")
+    status = _hybridd("status", "--runtime-dir", str(tmp_path), "--timeout", "0.5")
+    assert (status.returncode, status.stderr) == (EXIT_NOT_RUNNING, f"hybridd is not running: {stale}\n")
+    generate = _hybridd("generate", "hi", "--runtime-dir", str(tmp_path), "--connect-timeout", "0.5")
+    assert (generate.returncode, generate.stderr) == (EXIT_NOT_RUNNING, f"hybridd is not running: {stale}\n")
     assert time.monotonic() - started < 20
 
 
@@ -109,11 +120,23 @@ def test_daemon_commands_tcp_and_drain(keys):
         over_tcp = _hybridd("status", "--endpoint", tcp, "--server-key", str(keys / "server.key"),
                             "--client-key", str(keys / "alice.key_secret"), "--json")
         assert over_tcp.returncode == 0, over_tcp.stderr
-        # ... an unknown client key is never heard, and no keys at all is refused up front
+        # ... an unknown client key, or the wrong server key, is refused at once; no keys at all up front
         mallory_public, mallory_secret = load_curve_keys(str(keys / "mallory.key_secret"))
+        started = time.monotonic()
         with Client(tcp, server_public_key=server_public, public_key=mallory_public,
-                    secret_key=mallory_secret) as intruder, pytest.raises(TimeoutError):
-            intruder.health(timeout=1.0)
+                    secret_key=mallory_secret) as intruder:
+            for call in (intruder.health, lambda: intruder.generate("ROMEO:", max_tokens=2)):
+                with pytest.raises(HandshakeRefusedError, match="it does not authorise this client's public key"):
+                    call()
+        with Client(tcp, server_public_key=mallory_public, public_key=alice_public,
+                    secret_key=alice_secret) as misled, pytest.raises(HandshakeRefusedError, match="server_public_key"):
+            misled.health()
+        assert time.monotonic() - started < 10  # never the connect timeout: the monitor reports the refusal
+        refused = _hybridd("generate", "ROMEO:", "--endpoint", tcp, "--server-key", str(keys / "server.key"),
+                           "--client-key", str(keys / "mallory.key_secret"))
+        assert (refused.returncode, refused.stderr) == (
+            EXIT_REFUSED, f"hybridd: the daemon at {tcp} refused the connection: "
+                          "it does not authorise this client's public key\n")
         with pytest.raises(ValueError, match="CURVE"):
             Client(tcp)
 
