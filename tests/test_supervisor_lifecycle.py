@@ -26,6 +26,7 @@ import msgpack
 import pytest
 import zmq
 
+from hybridd import exit_codes
 from hybridd.protocol.codec import decode, encode
 from hybridd.protocol.messages import GenerateRequest, HealthRequest, StatusRequest
 from hybridd.protocol.control import Shutdown
@@ -408,7 +409,7 @@ def test_second_supervisor_is_refused_and_stop_command_drains(start_daemon):
 
     again = subprocess.run([HYBRIDD, "stop", "--runtime-dir", str(daemon.runtime_dir)], cwd=ROOT,
                            capture_output=True, text=True, timeout=30)
-    assert again.returncode == 1
+    assert again.returncode == exit_codes.NOT_RUNNING
     assert again.stderr.strip() == f"hybridd is not running (no live supervisor in {daemon.runtime_dir})"
 
 
