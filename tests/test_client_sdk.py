@@ -29,6 +29,7 @@ from hybridd import (
     RequestCancelledError,
     RequestTimeoutError,
 )
+from tests.host_load import on_this_host
 
 HYBRIDD = str(Path(sys.executable).parent / "hybridd")
 STARTUP_TIMEOUT_S = 90.0
@@ -358,7 +359,7 @@ def test_worker_death_fails_in_flight_requests_and_the_client_reconnects(daemon,
     with pytest.raises(EngineDeadError) as caught:
         for _ in stream:
             pass
-    assert time.monotonic() - killed_at < 1.0
+    assert time.monotonic() - killed_at < on_this_host(1.0)
     assert caught.value.code == "engine_dead"
     wait_until_ok(daemon.endpoint, 60)
     result = client.generate("ROMEO:", max_tokens=4)  # the same client, reconnected
@@ -382,7 +383,7 @@ def test_graph_generator_death_gets_error_replies_and_the_pair_restarts(daemon, 
         with pytest.raises(EngineDeadError):
             for _ in stream:
                 pass
-    assert time.monotonic() - killed_at < 1.0
+    assert time.monotonic() - killed_at < on_this_host(1.0)
     wait_until_ok(daemon.endpoint, 60)
     assert client.generate("ROMEO:", max_tokens=4).usage.completion_tokens == 4
     after = client.status()["workers"]

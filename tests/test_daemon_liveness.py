@@ -18,6 +18,7 @@ import pytest
 
 from hybridd import Client, EngineDeadError, HybriddError
 from tests.test_client_sdk import HYBRIDD, LONG
+from tests.host_load import on_this_host
 
 SLOW_LOAD_S = 60.0
 
@@ -138,7 +139,7 @@ def test_workers_outlive_a_killed_supervisor_by_under_two_seconds_and_the_next_s
         process.wait()
         for pid in pids:
             while _alive(pid):
-                assert time.monotonic() - killed_at < 2.0, f"worker {pid} outlived the supervisor by 2 s"
+                assert time.monotonic() - killed_at < on_this_host(2.0), f"worker {pid} outlived the supervisor by 2 s (scaled to this host)"
                 time.sleep(0.02)
         # What a SIGKILL leaves behind: the pid file and sockets, held by no one now.
         assert (rd / "hybridd.pid").exists()
