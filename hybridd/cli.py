@@ -251,22 +251,40 @@ def _duration(seconds: Any) -> str:
 def format_status(status: dict[str, Any]) -> str:
     """The human-readable `hybridd status`; tolerant of missing keys (the map may grow or shrink)."""
     get = status.get
-    lines = [f"hybridd {get('state', '?')} — up {_duration(get('uptime_s'))}"
+    version = f" {get('version')}" if get("version") else ""
+    lines = [f"hybridd{version} {get('state', '?')} — up {_duration(get('uptime_s'))}"
              + (f" (since {datetime.datetime.fromtimestamp(get('started_at')).isoformat(timespec='seconds')})"
                 if isinstance(get("started_at"), int | float) else "")]
-    lines.append(f"model      {get('model', '-')}  dtype {get('dtype', '-')}  device {get('device', '-')}")
+    if get("summary"):
+        lines.append(f"state      {get('summary')}")
+    for name, phase in (get("phases") or {}).items():
+        progress = f" {phase.get('done')}/{phase.get('total')}" if phase.get("total") else ""
+        elapsed = f" ({phase['elapsed_s']:.1f} s)" if isinstance(phase.get("elapsed_s"), int | float) else ""
+        lines.append(f"{name:<10} {phase.get('phase', '-')}: {phase.get('detail') or '-'}{progress}{elapsed}")
+    model = f"model      {get('model', '-')}  dtype {get('dtype', '-')}  device {get('device', '-')}"
+    lines.append(model + (f"  max_model_len {get('max_model_len')}" if get("max_model_len") else ""))
+    endpoints = get("endpoints") or {}
+    if endpoints:
+        lines.append("endpoints  " + ", ".join(str(e) for e in endpoints.values() if e))
     workers = get("workers") or {}
     lines.append("workers    " + ", ".join(
         f"{name} pid {w.get('pid', '-')} (restarts {w.get('restarts', '-')})" for name, w in workers.items()))
+    if get("last_restart_reason"):
+        lines.append(f"restarted  {get('last_restart_reason')}")
+    if get("source") == "supervisor":
+        return "\n".join(lines)
     requests = get("requests") or {}
     lines.append(f"requests   running {requests.get('running', '-')}, queued {requests.get('queued', '-')}, "
                  f"served {requests.get('served', '-')}, failed {requests.get('failed', '-')}")
     latency = get("latency") or {}
     lines.append(f"latency    TTFT p50 {_ms(latency.get('ttft_p50_s'))}, p99 {_ms(latency.get('ttft_p99_s'))}; "
                  f"ITL p50 {_ms(latency.get('itl_p50_s'))}, p99 {_ms(latency.get('itl_p99_s'))} "
-                 f"(last {latency.get('window', '-')} requests)")
+                 f"(last {latency.get('window', '-')} inter-token samples)")
+    if isinstance(get("tokens_per_s"), int | float):
+        lines.append(f"throughput {get('tokens_per_s'):.1f} tokens/s over the last minute")
     kv = get("kv_blocks") or {}
-    lines.append(f"KV blocks  {kv.get('used', '-')} used, {kv.get('free', '-')} free of {kv.get('total', '-')}")
+    usage = f" ({get('kv_usage') * 100:.0f}% in use)" if isinstance(get("kv_usage"), int | float) else ""
+    lines.append(f"KV blocks  {kv.get('used', '-')} used, {kv.get('free', '-')} free of {kv.get('total', '-')}{usage}")
     lines.append(f"graphs     {_bytes(get('graph_bytes'))} captured, pool {_bytes(get('graph_pool_bytes'))}, "
                  f"budget {_bytes(get('graph_memory_budget_bytes'))}")
     buckets = get("buckets") or []

@@ -44,6 +44,7 @@ from hybridd.ipc.posix_shm import reap_stale_segments
 from hybridd.protocol.errors import ProtocolError
 from hybridd.protocol.supervisor import (
     WORKER_IDENTITIES,
+    MAX_FAILURE_CHARS,
     WORKER_NAMES,
     Drain,
     Heartbeat,
@@ -725,6 +726,7 @@ class Supervisor:
             uptime_s=time.monotonic() - self._started_mono,
             started_at=self.started_at,
             workers={name: WorkerInfo(pid=pids.get(name, 0), restarts=self.lifecycle.restarts) for name in WORKER_NAMES},
+            last_failure=self.lifecycle.last_failure[:MAX_FAILURE_CHARS],
         )
 
     def status(self) -> dict[str, Any]:

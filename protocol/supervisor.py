@@ -27,6 +27,7 @@ WORKER_NAMES: tuple[str, ...] = ("graph", "context")
 WORKER_IDENTITIES: dict[str, bytes] = {name: name.encode() for name in WORKER_NAMES}
 WORKER_PHASES: frozenset[str] = frozenset({"loading", "capturing", "ready", "draining", "stopped", "failed"})
 MAX_PHASE_DETAIL_CHARS = 512
+MAX_FAILURE_CHARS = 4096
 LOG_LEVELS: tuple[str, ...] = ("debug", "info", "warning", "error", "critical")
 LOG_FORMATS: tuple[str, ...] = ("console", "json")
 MAX_WORK_COUNT = 2**63 - 1
@@ -162,6 +163,7 @@ class SupervisorInfo:
     uptime_s: float
     started_at: float  # Unix time the supervisor started
     workers: dict[str, WorkerInfo] = field(default_factory=dict)
+    last_failure: str = ""  # why the pair was last restarted ("" before any restart)
 
     def info(self) -> dict[str, Any]:
         return {
@@ -169,6 +171,7 @@ class SupervisorInfo:
             "uptime_s": self.uptime_s,
             "started_at": self.started_at,
             "workers": {name: worker.to_wire() for name, worker in self.workers.items()},
+            "last_failure": self.last_failure,
         }
 
     def to_wire(self) -> dict[str, Any]:
@@ -188,6 +191,7 @@ class SupervisorInfo:
             uptime_s=info.number("uptime_s", lo=0.0),
             started_at=info.number("started_at", lo=0.0),
             workers={name: WorkerInfo.read(workers_reader.nested(name)) for name in names},
+            last_failure=info.string("last_failure", "", max_chars=MAX_FAILURE_CHARS),
         )
         workers_reader.finish()
         info.finish()

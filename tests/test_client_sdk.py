@@ -245,6 +245,12 @@ def test_status_and_health(client):
     assert set(status["kv_blocks"]) >= {"total", "used", "free"}
     assert set(status["requests"]) >= {"running", "queued", "served", "failed"}
     assert set(status["latency"]) >= {"ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s", "window"}
+    assert status["version"] == hybridd.__version__
+    assert status["max_model_len"] > 0
+    assert status["tokens_per_s"] > 0  # earlier tests of this module generated within the minute
+    assert status["kv_usage"] == status["kv_blocks"]["used"] / status["kv_blocks"]["total"]
+    assert status["endpoints"] == {"ipc": client.endpoint, "tcp": None}
+    assert status["last_restart_reason"] is None
 
 
 def test_async_client(daemon):
@@ -364,9 +370,11 @@ def test_worker_death_fails_in_flight_requests_and_the_client_reconnects(daemon,
     wait_until_ok(daemon.endpoint, 60)
     result = client.generate("ROMEO:", max_tokens=4)  # the same client, reconnected
     assert result.usage.completion_tokens == 4
-    after = client.status()["workers"]
+    status = client.status()
+    after = status["workers"]
     assert after["context"]["pid"] != before["context"]["pid"]
     assert after["context"]["restarts"] == before["context"]["restarts"] + 1
+    assert status["last_restart_reason"] == f"context generator (pid {before['context']['pid']}) was killed by SIGKILL"
 
 
 def test_graph_generator_death_gets_error_replies_and_the_pair_restarts(daemon, client):

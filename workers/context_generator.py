@@ -19,12 +19,14 @@ from typing import Any
 import torch
 import zmq
 
+from hybridd import __version__
 from hybridd.config import Config
 from hybridd.engine.block_manager import BlockManager
 from hybridd.engine.sampler import Sampler
 from hybridd.engine.sampling_params import SamplingParams
 from hybridd.engine.scheduler import Scheduler
 from hybridd.engine.sequence import Sequence
+from hybridd.engine.throughput import Throughput
 from hybridd.engine.step_pipeline import EngineDeadError, InflightStep, StepPipeline
 from hybridd.log import configure, get_logger
 from hybridd.model import load_tokenizer
@@ -100,6 +102,7 @@ class ContextGenerator:
         self.failed = 0
         self.ttft = deque(maxlen=LATENCY_WINDOW)
         self.itl = deque(maxlen=LATENCY_WINDOW)
+        self.throughput = Throughput()
         self.stop = False
 
     # ------------------------------------------------------------------ start
@@ -261,6 +264,7 @@ class ContextGenerator:
         before = [seq.num_output_tokens for seq in step.batch.seqs]
         finished = self.scheduler.postprocess(step.batch, tokens)
         now = time.monotonic()
+        self.throughput.add(sum(seq.num_output_tokens > count for seq, count in zip(step.batch.seqs, before)))
         for seq, token, count in zip(step.batch.seqs, tokens, before, strict=True):
             request = self.requests.get(seq.request_id)
             if request is None:
@@ -461,6 +465,13 @@ class ContextGenerator:
             "graph_pool_bytes": graph.get("pool_bytes", 0),
             "graph_memory_budget_bytes": graph.get("memory_budget_bytes", self.config.graph_memory_budget_mb << 20),
             "kv_blocks": {"total": bm.num_blocks, "used": bm.num_blocks - bm.num_free, "free": bm.num_free},
+            "kv_usage": (bm.num_blocks - bm.num_free) / bm.num_blocks if bm.num_blocks else 0.0,
+            "version": __version__,
+            "max_model_len": self.ready.max_model_len,
+            "tokens_per_s": self.throughput.per_second(),
+            "endpoints": {"ipc": self.config.client_endpoint, "tcp": self.config.tcp_endpoint or None},
+            "restarts": info.get("workers", {}).get("context", {}).get("restarts", 0),
+            "last_restart_reason": info.get("last_failure") or None,
             "requests": {"running": len(self.scheduler.running), "queued": len(self.scheduler.waiting),
                          "served": self.served, "failed": self.failed,
                          "preemptions": self.scheduler.num_preemptions},
