@@ -23,6 +23,7 @@ from typing import Any
 
 from hybridd.ipc.channel import MAX_IPC_PATH_BYTES, Channel, PeerProtocolError, bind_ipc_endpoint
 from hybridd.log import get_logger
+from hybridd.protocol.endpoints import fallback_endpoint
 from hybridd.protocol.errors import ErrorCode, ProtocolError
 from hybridd.protocol.messages import (
     CancelRequest,
@@ -37,16 +38,8 @@ from hybridd.protocol.messages import (
 
 log = get_logger("fallback_endpoint")
 
-SUFFIX = ".supervisor"
 # Messages answered per wake-up, so that a flood cannot starve the supervisor's loop.
 MAX_MESSAGES_PER_POLL = 64
-
-
-def fallback_endpoint(client_endpoint: str) -> str | None:
-    """Where the supervisor answers for the daemon at `client_endpoint` (None for TCP)."""
-    if not client_endpoint.startswith("ipc://"):
-        return None
-    return client_endpoint + SUFFIX
 
 
 class FallbackEndpoint:
