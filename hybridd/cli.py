@@ -345,9 +345,12 @@ def status(config_path, runtime_dir, endpoint, server_key, client_key, as_json: 
               help="Seconds for the whole request.")
 @click.option("--connect-timeout", type=click.FloatRange(min=0, min_open=True), default=None,
               help="Seconds to wait for the daemon to answer the connection (default: the SDK's, 10 s).")
+@click.option("--wait", type=click.FloatRange(min=0, min_open=True), default=None, metavar="SECONDS",
+              help="Wait up to this long for a starting or restarting daemon to be ready (default: fail at once).")
 @click.option("--json", "as_json", is_flag=True, help="Print the final message (text, usage, timings) as JSON.")
 def generate(prompt: str, config_path, runtime_dir, endpoint, server_key, client_key, max_tokens, temperature, top_k,
-             top_p, seed, repetition_penalty, stop_strings, ignore_eos, timeout, connect_timeout, as_json: bool) -> None:
+             top_p, seed, repetition_penalty, stop_strings, ignore_eos, timeout, connect_timeout, wait,
+             as_json: bool) -> None:
     """Generate a completion of PROMPT, streamed to the terminal."""
     from hybridd.client_errors import HybriddError
 
@@ -359,6 +362,8 @@ def generate(prompt: str, config_path, runtime_dir, endpoint, server_key, client
     with client:
         stream = None
         try:
+            if wait is not None:
+                client.wait_ready(wait)
             if as_json:
                 result = client.generate(prompt, **sampling)
                 click.echo(json.dumps({

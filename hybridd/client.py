@@ -43,6 +43,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from hybridd import client_fallback
 from hybridd.client_errors import (
     DaemonUnreachableError,
     DrainingError,
@@ -104,6 +105,10 @@ __all__ = [
 ]
 
 log = get_logger("client")
+
+# wait_ready(): how often it asks, and how long each question may take.
+_READY_POLL_S = 0.2
+_READY_POLL_TIMEOUT_S = 2.0
 
 # How long a call waits to reach the daemon (and, for health and status, for the reply)
 # unless the client or the call sets `connect_timeout`.
@@ -455,7 +460,7 @@ class Stream:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._deadline = _deadline(timeout)
         self._done = True  # until submitted: nothing to cancel
-        client._reach(connect_timeout, self._deadline)
+        client._reach(connect_timeout, self._deadline, request)
         client._io.call(client._session.submit, request, self._queue.put)
         self._done = False
 
@@ -561,13 +566,26 @@ class Client(_ClientOptions):
             raise
         self._finalizer = weakref.finalize(self, _close_sync, self._io, self._session)
 
-    def _reach(self, connect_timeout: float, deadline: float | None) -> None:
-        if not self._session.connected:
-            self._io.run(self._session.reach(_connect_wait(connect_timeout, deadline)))
+    def _reach(self, connect_timeout: float, deadline: float | None, request: Any) -> Reply | None:
+        """None once connected; else the fallback endpoint's reply to `request` (health and
+        status answered, generate refused `unavailable`), or DaemonUnreachableError."""
+        if self._session.connected:
+            return None
+        wait = _connect_wait(connect_timeout, deadline)
+        try:
+            self._io.run(self._session.reach(wait))
+        except DaemonUnreachableError:
+            reply = client_fallback.ask(self.endpoint, request, wait)
+            if reply is None:
+                raise
+            _raise_for(reply)
+            return reply
+        return None
 
     def _request(self, request: Any, timeout: float | None, connect_timeout: float) -> Reply:
         deadline = _deadline(timeout)
-        self._reach(connect_timeout, deadline)
+        if (fallback := self._reach(connect_timeout, deadline, request)) is not None:
+            return fallback
         replies: queue.SimpleQueue = queue.SimpleQueue()
         self._io.call(self._session.submit, request, replies.put)
         try:
@@ -612,6 +630,27 @@ class Client(_ClientOptions):
                               self._connect_timeout(connect_timeout))
         assert isinstance(reply, HealthReply)
         return Health(state=reply.state, ok=reply.ok)
+
+    def wait_ready(self, timeout: float) -> Health:
+        """Block until the daemon serves (health `ok`), at most `timeout` seconds; then
+        UnavailableError naming the last state seen (through the fallback endpoint while
+        the daemon starts or restarts its workers)."""
+        deadline = time.monotonic() + timeout
+        seen = "no answer"
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise UnavailableError(f"the daemon at {self.endpoint} was not ready within {_seconds(timeout)} s "
+                                       f"(last seen: {seen})")
+            try:
+                health = self.health(timeout=min(remaining, _READY_POLL_TIMEOUT_S),
+                                     connect_timeout=min(remaining, _READY_POLL_TIMEOUT_S))
+                if health.ok:
+                    return health
+                seen = health.state
+            except (DaemonUnreachableError, RequestTimeoutError) as error:
+                seen = str(error)
+            time.sleep(min(_READY_POLL_S, max(0.0, deadline - time.monotonic())))
 
     @property
     def connected(self) -> bool:
@@ -664,8 +703,16 @@ class AsyncStream:
         if self._done:
             raise StopAsyncIteration
         if self._unsent is not None:
+            wait = _connect_wait(self._unsent[1], self._deadline)
             try:
-                await self._session.reach(_connect_wait(self._unsent[1], self._deadline))
+                await self._session.reach(wait)
+            except DaemonUnreachableError:
+                self._done = True
+                reply = await asyncio.to_thread(client_fallback.ask, self._session.endpoint, self._unsent[0], wait)
+                if reply is None:
+                    raise
+                _raise_for(reply)  # the fallback endpoint refuses a generate: `unavailable`
+                raise
             except BaseException:
                 self._done = True
                 raise
@@ -732,7 +779,15 @@ class AsyncClient(_ClientOptions):
         replies: asyncio.Queue = asyncio.Queue()
         session = self._session_now()
         if not session.connected:
-            await session.reach(_connect_wait(connect_timeout, deadline))
+            wait = _connect_wait(connect_timeout, deadline)
+            try:
+                await session.reach(wait)
+            except DaemonUnreachableError:
+                reply = await asyncio.to_thread(client_fallback.ask, self.endpoint, request, wait)
+                if reply is None:
+                    raise
+                _raise_for(reply)
+                return reply
         session.submit(request, replies.put_nowait)
         try:
             reply = await asyncio.wait_for(replies.get(), _remaining(deadline))

@@ -501,3 +501,39 @@ def test_the_supervisor_answers_from_its_first_second_while_the_workers_cannot(s
     assert _ask(fallback, StatusRequest(id="s"))["status"]["restarts"] == 1
     assert daemon.stop() == 0
     assert not (daemon.runtime_dir / "hybridd.sock.supervisor").exists()
+
+
+def test_sdk_and_cli_fall_back_to_the_supervisor_while_the_workers_cannot_serve(start_daemon):
+    from hybridd import Client, UnavailableError
+
+    daemon = start_daemon(env={"SUPFIX_CAPTURE_S": "1.5", "SUPFIX_BUCKETS": "4"})
+    endpoint = f"ipc://{daemon.runtime_dir}/hybridd.sock"  # never bound by the fixture workers
+    daemon.notify.wait_for(lambda n: n.fields.get("STATUS", "").startswith("capturing"))
+    with Client(endpoint, connect_timeout=5) as client:
+        health = client.health()
+        assert (health.state, health.ok) == ("capturing", False)
+        status = client.status()
+        assert status["source"] == "supervisor" and status["phases"]["graph"]["phase"] == "capturing"
+        with pytest.raises(UnavailableError, match="the daemon is not serving: capturing: graph: capturing"):
+            client.generate("hi", max_tokens=2)
+        with pytest.raises(UnavailableError, match="the daemon is not serving: capturing"):
+            next(iter(client.stream("hi", max_tokens=2)))
+        started = time.monotonic()
+        with pytest.raises(UnavailableError, match=r"not ready within 0.5 s \(last seen: capturing\)"):
+            client.wait_ready(0.5)
+        assert time.monotonic() - started < 3.0
+
+        env = os.environ | {"HYBRIDD_LOG_LEVEL": "warning"}
+        shown = subprocess.run([HYBRIDD, "status", "--runtime-dir", str(daemon.runtime_dir)], capture_output=True,
+                               text=True, timeout=30, env=env)
+        assert shown.returncode == 0, shown.stderr
+        assert shown.stdout.splitlines()[0].startswith("hybridd 0.1.0 capturing")
+        assert "graph      capturing: capturing decode graphs " in shown.stdout
+        refused = subprocess.run([HYBRIDD, "generate", "hi", "--runtime-dir", str(daemon.runtime_dir)],
+                                 capture_output=True, text=True, timeout=30, env=env)
+        assert refused.returncode == 8
+        assert refused.stderr.startswith("hybridd: generate: unavailable: the daemon is not serving: capturing")
+        assert len(refused.stderr.strip().splitlines()) == 1
+
+        assert client.wait_ready(30).ok  # the fixture never serves; its supervisor says ready
+    assert daemon.stop() == 0
