@@ -75,6 +75,8 @@ def fixture_graph(config: dict, ctl_endpoint: str) -> None:
     if mode == "crash-graph":
         time.sleep(0.05)
         os._exit(3)
+    if mode == "raise-graph":
+        raise RuntimeError("a bug in the graph generator")
     total = int(os.environ.get("SUPFIX_BUCKETS", "3"))
     for done in range(1, total + 1):
         time.sleep(float(os.environ.get("SUPFIX_CAPTURE_S", "0.03")))
@@ -537,3 +539,14 @@ def test_sdk_and_cli_fall_back_to_the_supervisor_while_the_workers_cannot_serve(
 
         assert client.wait_ready(30).ok  # the fixture never serves; its supervisor says ready
     assert daemon.stop() == 0
+
+
+def test_json_logs_are_json_on_every_line_worker_tracebacks_included(start_daemon):
+    daemon = start_daemon("raise-graph", max_restarts=0, log_format="json")
+    assert daemon.process.wait(30) == 5
+    records = [json.loads(line) for line in daemon.stderr().splitlines()]
+    failed = [r for r in records if r["event"] == "worker failed"]
+    assert failed and failed[0]["component"] == "graph_generator"
+    assert failed[0]["error"] == "RuntimeError: a bug in the graph generator"
+    assert "Traceback (most recent call last)" in failed[0]["exception"]
+    assert any(r["event"] == "restarts exhausted; exiting so that the service manager can act" for r in records)
