@@ -251,10 +251,10 @@ def _duration(seconds: Any) -> str:
 def format_status(status: dict[str, Any]) -> str:
     """The human-readable `hybridd status`; tolerant of missing keys (the map may grow or shrink)."""
     get = status.get
-    version = f" {get('version')}" if get("version") else ""
-    lines = [f"hybridd{version} {get('state', '?')} — up {_duration(get('uptime_s'))}"
+    lines = [f"hybridd {get('state', '?')} — up {_duration(get('uptime_s'))}"
              + (f" (since {datetime.datetime.fromtimestamp(get('started_at')).isoformat(timespec='seconds')})"
-                if isinstance(get("started_at"), int | float) else "")]
+                if isinstance(get("started_at"), int | float) else "")
+             + (f", version {get('version')}" if get("version") else "")]
     if get("summary"):
         lines.append(f"state      {get('summary')}")
     for name, phase in (get("phases") or {}).items():

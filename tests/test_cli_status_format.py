@@ -19,7 +19,7 @@ def test_status_from_the_supervisor_shows_the_phases_and_the_last_restart():
         "restarts": 1, "last_restart_reason": "context generator missed heartbeats for 10 s (hung)",
     })
     lines = text.splitlines()
-    assert lines[0] == "hybridd 0.1.0 degraded — up 1m 15s"
+    assert lines[0] == "hybridd degraded — up 1m 15s, version 0.1.0"
     assert "graph      capturing: capturing decode graphs 3/7 (4.2 s)" in lines
     assert "context    loading: loading tokenizer (1.0 s)" in lines
     assert "endpoints  ipc:///run/hybridd/hybridd.sock" in lines

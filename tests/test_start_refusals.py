@@ -128,3 +128,19 @@ def test_truncated_weights_end_the_daemon_once_with_one_line(tmp_path):
     assert "Traceback" not in done.stderr
     assert sum(r["event"] == "spawned workers" for r in records) == 1, "no restart"
     assert not (tmp_path / "run" / "hybridd.pid").exists()
+
+
+def test_a_kv_cache_larger_than_memory_ends_the_daemon_once_with_one_line(tmp_path):
+    """/dev/shm cannot hold it (on a GPU the same path is torch.OutOfMemoryError): exit 4, no restart."""
+    shm = os.statvfs("/dev/shm")
+    block_bytes = 2 * 4 * 16 * 4 * 64 * 4  # K and V, layers, block_size, heads, head_dim, float32: an underestimate
+    # Beyond the whole of /dev/shm, not only its free part: tmpfs refuses that at once,
+    # without filling the shared memory that other processes on the host use.
+    blocks = 4 * shm.f_blocks * shm.f_frsize // block_bytes
+    done, _ = _start("--runtime-dir", str(tmp_path / "run"), "--no-compile-sampler", "--num-kv-blocks", str(blocks),
+                     timeout=300)
+    assert done.returncode == exit_codes.STARTUP_FAILED, done.stderr[-4000:]
+    errors = [line for line in done.stderr.splitlines() if "[error" in line]
+    assert len(errors) == 1 and "cannot start: graph generator ran out of memory while starting" in errors[0], errors
+    assert "Traceback" not in done.stderr
+    assert done.stderr.count("spawned workers") == 1

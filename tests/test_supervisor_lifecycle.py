@@ -529,7 +529,7 @@ def test_sdk_and_cli_fall_back_to_the_supervisor_while_the_workers_cannot_serve(
         shown = subprocess.run([HYBRIDD, "status", "--runtime-dir", str(daemon.runtime_dir)], capture_output=True,
                                text=True, timeout=30, env=env)
         assert shown.returncode == 0, shown.stderr
-        assert shown.stdout.splitlines()[0].startswith("hybridd 0.1.0 capturing")
+        assert shown.stdout.splitlines()[0].startswith("hybridd capturing — up ")
         assert "graph      capturing: capturing decode graphs " in shown.stdout
         refused = subprocess.run([HYBRIDD, "generate", "hi", "--runtime-dir", str(daemon.runtime_dir)],
                                  capture_output=True, text=True, timeout=30, env=env)

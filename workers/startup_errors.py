@@ -9,18 +9,27 @@ restarting. Anything else (a crash, a kill) keeps the backoff restarts.
 
 from __future__ import annotations
 
+import errno
 
-def is_permanent(error: BaseException) -> bool:
+
+def _out_of_memory(error: BaseException) -> bool:
     import torch
 
+    # Shared memory (the KV cache and step arenas on a CPU host) that /dev/shm cannot hold.
+    no_room = isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.ENOMEM)
+    return no_room or isinstance(error, MemoryError | torch.OutOfMemoryError)
+
+
+def is_permanent(error: BaseException) -> bool:
     from hybridd.config import ConfigError
     from hybridd.model.errors import ModelLoadError
 
-    return isinstance(error, ModelLoadError | ConfigError | MemoryError | torch.OutOfMemoryError)
+    return isinstance(error, ModelLoadError | ConfigError) or _out_of_memory(error)
 
 
 def describe(worker: str, error: BaseException) -> str:
-    if isinstance(error, MemoryError) or type(error).__name__ == "OutOfMemoryError":
-        return f"{worker} generator ran out of memory while starting ({str(error).splitlines()[0] if str(error) else 'no detail'}); " \
-               "lower kv_cache_memory_fraction, num_kv_blocks or max_model_len"
+    if _out_of_memory(error):
+        detail = str(error).splitlines()[0] if str(error) else type(error).__name__
+        return (f"{worker} generator ran out of memory while starting ({detail}); "
+                "lower kv_cache_memory_fraction, num_kv_blocks or max_model_len")
     return f"{worker} generator: {error}"
