@@ -550,3 +550,25 @@ def test_json_logs_are_json_on_every_line_worker_tracebacks_included(start_daemo
     assert failed[0]["error"] == "RuntimeError: a bug in the graph generator"
     assert "Traceback (most recent call last)" in failed[0]["exception"]
     assert any(r["event"] == "restarts exhausted; exiting so that the service manager can act" for r in records)
+
+
+def test_processes_carry_their_role_as_title(start_daemon):
+    pytest.importorskip("setproctitle")
+    daemon = start_daemon()
+    pids = daemon.pids(daemon.wait_ready())
+
+    def title(pid: int) -> str:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode()
+
+    assert title(daemon.process.pid) == "hybridd: supervisor"
+    assert title(pids["graph"]) == "hybridd: graph-generator"
+    assert title(pids["context"]) == "hybridd: context-generator"
+    assert daemon.stop() == 0
+
+
+def test_sigterm_while_starting_stops_at_once(start_daemon):
+    daemon = start_daemon(env={"SUPFIX_CAPTURE_S": "5.0"}, drain_timeout_s=60.0)
+    daemon.notify.wait_for(lambda n: n.fields.get("STATUS", "").startswith("capturing"))
+    sent = time.time()
+    assert daemon.stop() == 0
+    assert time.time() - sent < 5.0, "nothing to drain: the workers are stopped, not waited for"
