@@ -6,7 +6,9 @@ in its place, next to the client endpoint: `ipc://<client socket path>.superviso
 (`ipc:///run/hybridd/hybridd.sock.supervisor` by default; protocol/SPEC.md §1). Same
 framing and messages as the client endpoint:
 
-- `health` → `health_reply` with the lifecycle state (`ok` only when ready);
+- `health` → `health_reply` with the lifecycle state, `ok` false (a client that asks here
+  did not reach the client endpoint, which alone serves: even when the supervisor
+  still says `ready`, its context generator may have just died);
 - `status` → `status_reply` with what the supervisor knows: state, phases and their
   progress, workers, restarts and the last failure, version, endpoints;
 - `generate` → `error` `unavailable`, the message saying the state and why;
@@ -85,7 +87,7 @@ class FallbackEndpoint:
     def _answer(self, identity: bytes, request: Any) -> None:
         if isinstance(request, HealthRequest):
             state = self._status()["state"]
-            self.channel.send_to(identity, HealthReply(id=request.id, state=state, ok=state == "ready"))
+            self.channel.send_to(identity, HealthReply(id=request.id, state=state, ok=False))
         elif isinstance(request, StatusRequest):
             self.channel.send_to(identity, StatusReply(id=request.id, status=self._status()))
         elif isinstance(request, GenerateRequest):

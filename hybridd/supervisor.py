@@ -764,7 +764,8 @@ class Supervisor:
 
     def _unavailable_text(self) -> str:
         if self.lifecycle.state == State.READY:
-            return f"the daemon is ready: send requests to {self.config.client_endpoint}"
+            return (f"the daemon was ready, but its client endpoint {self.config.client_endpoint} did not answer; "
+                    "retry")
         return f"the daemon is not serving: {self._status_text()}"
 
     def _send_info(self) -> None:
