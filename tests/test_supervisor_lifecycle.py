@@ -82,6 +82,8 @@ def fixture_graph(config: dict, ctl_endpoint: str) -> None:
         time.sleep(float(os.environ.get("SUPFIX_CAPTURE_S", "0.03")))
         sup.send(encode(WorkerPhase(worker="graph", phase="capturing", detail="capturing decode graphs",
                                     done=done, total=total)))
+    while os.environ.get("SUPFIX_HOLD") and not (_fixture_dir() / "release").exists():
+        time.sleep(0.05)  # still capturing, for as long as the test needs
     _record("graph-ready", time.time())
     sup.send(encode(WorkerPhase(worker="graph", phase="ready")))
     ctl.send(msgpack.packb({"fixture": "graph ready"}))
@@ -471,7 +473,7 @@ def _ask(endpoint: str, request) -> dict:
 
 
 def test_the_supervisor_answers_from_its_first_second_while_the_workers_cannot(start_daemon):
-    daemon = start_daemon(env={"SUPFIX_CAPTURE_S": "1.0"})
+    daemon = start_daemon(env={"SUPFIX_HOLD": "1"})
     fallback = f"ipc://{daemon.runtime_dir}/hybridd.sock.supervisor"
     deadline = time.time() + 15
     while not (daemon.runtime_dir / "hybridd.sock.supervisor").exists():
@@ -480,7 +482,7 @@ def test_the_supervisor_answers_from_its_first_second_while_the_workers_cannot(s
     health = _ask(fallback, HealthRequest(id="h"))
     assert health["type"] == "health_reply" and health["state"] in ("starting", "loading", "capturing")
     assert health["ok"] is False
-    daemon.notify.wait_for(lambda n: n.fields.get("STATUS", "").startswith("capturing"))
+    daemon.notify.wait_for(lambda n: "capturing decode graphs 3/3" in n.fields.get("STATUS", ""))
     status = _ask(fallback, StatusRequest(id="s"))["status"]
     assert status["state"] == "capturing" and status["source"] == "supervisor"
     graph = status["phases"]["graph"]
@@ -491,6 +493,7 @@ def test_the_supervisor_answers_from_its_first_second_while_the_workers_cannot(s
     assert (refused["type"], refused["id"], refused["code"]) == ("error", "g", "unavailable")
     assert refused["message"].startswith("the daemon is not serving: capturing: graph: capturing decode graphs ")
 
+    (daemon.fixture_dir / "release").write_text("")
     first = daemon.pids(daemon.wait_ready())
     health = _ask(fallback, HealthRequest(id="h"))
     assert (health["state"], health["ok"]) == ("ready", False)  # only the client endpoint serves
@@ -509,9 +512,9 @@ def test_the_supervisor_answers_from_its_first_second_while_the_workers_cannot(s
 def test_sdk_and_cli_fall_back_to_the_supervisor_while_the_workers_cannot_serve(start_daemon):
     from hybridd import Client, UnavailableError
 
-    daemon = start_daemon(env={"SUPFIX_CAPTURE_S": "1.5", "SUPFIX_BUCKETS": "4"})
+    daemon = start_daemon(env={"SUPFIX_HOLD": "1"})
     endpoint = f"ipc://{daemon.runtime_dir}/hybridd.sock"  # never bound by the fixture workers
-    daemon.notify.wait_for(lambda n: n.fields.get("STATUS", "").startswith("capturing"))
+    daemon.notify.wait_for(lambda n: "capturing decode graphs 3/3" in n.fields.get("STATUS", ""))
     with Client(endpoint, connect_timeout=5) as client:
         health = client.health()
         assert (health.state, health.ok) == ("capturing", False)
@@ -538,6 +541,7 @@ def test_sdk_and_cli_fall_back_to_the_supervisor_while_the_workers_cannot_serve(
         assert refused.stderr.startswith("hybridd: generate: unavailable: the daemon is not serving: capturing")
         assert len(refused.stderr.strip().splitlines()) == 1
 
+        (daemon.fixture_dir / "release").write_text("")
         daemon.wait_ready()
         health = client.health()  # the fixture workers never bind the client endpoint
         assert (health.state, health.ok) == ("ready", False)
@@ -570,7 +574,7 @@ def test_processes_carry_their_role_as_title(start_daemon):
 
 
 def test_sigterm_while_starting_stops_at_once(start_daemon):
-    daemon = start_daemon(env={"SUPFIX_CAPTURE_S": "5.0"}, drain_timeout_s=60.0)
+    daemon = start_daemon(env={"SUPFIX_HOLD": "1"}, drain_timeout_s=60.0)
     daemon.notify.wait_for(lambda n: n.fields.get("STATUS", "").startswith("capturing"))
     sent = time.time()
     assert daemon.stop() == 0
