@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from hybridd import Client, EngineDeadError, HybriddError
+from hybridd import Client, EngineDeadError, HybriddError, exit_codes
 from tests.test_client_sdk import HYBRIDD, LONG
 from tests.host_load import on_this_host
 
@@ -143,6 +143,18 @@ def test_workers_outlive_a_killed_supervisor_by_under_two_seconds_and_the_next_s
                 time.sleep(0.02)
         # What a SIGKILL leaves behind: the pid file and sockets, held by no one now.
         assert (rd / "hybridd.pid").exists()
+        # The client commands say so in one line, within their connect timeout, and never hang.
+        assert (rd / "hybridd.sock").exists()
+        for command in (["generate", "ROMEO:", "--connect-timeout", "1"], ["status", "--timeout", "1"]):
+            started = time.monotonic()
+            stale = subprocess.run([HYBRIDD, *command, "--runtime-dir", str(rd)], capture_output=True, text=True,
+                                   timeout=60)
+            assert stale.returncode == exit_codes.NOT_RUNNING, stale.stderr
+            assert stale.stderr == (f"hybridd is not running: no daemon at {endpoint} within 1 s: nothing listens on "
+                                    f"{rd}/hybridd.sock (a stale socket left by a daemon that died?)\n")
+            assert time.monotonic() - started < on_this_host(15.0)
+        stop = subprocess.run([HYBRIDD, "stop", "--runtime-dir", str(rd)], capture_output=True, text=True, timeout=60)
+        assert stop.returncode == exit_codes.NOT_RUNNING and stop.stderr.startswith("hybridd is not running")
     with daemon_process("--no-compile-sampler", runtime_dir=rd) as (process, rd, log_path):
         wait_ready(endpoint, process, 300, log_path)
         with Client(endpoint, timeout=60) as client:
