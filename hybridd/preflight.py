@@ -1,7 +1,7 @@
 """Checks made before any worker is spawned: what no restart could fix.
 
 The configuration's values are checked by `Config.validate`; here, what they point to:
-the model directory (it exists, is a directory, `config.json` parses and names a
+the runtime directory (creatable, socket paths short enough), the model directory (it exists, is a directory, `config.json` parses and names a
 supported architecture, weights and a tokenizer are there) and the CURVE key files
 (readable, a secret key where one is needed). Each error names the path at fault;
 `hybridd start` prints it on one line and exits with `exit_codes.USAGE` in well under a
@@ -27,11 +27,32 @@ class PreflightError(ValueError):
 
 
 def check(config: Config) -> None:
+    check_runtime_dir(config)
     check_model_dir(Path(config.model))
     if config.curve_secret_key_file:
         check_curve_secret_key(Path(config.curve_secret_key_file))
     if config.curve_client_keys_dir:
         check_client_keys_dir(Path(config.curve_client_keys_dir))
+
+
+def check_runtime_dir(config: Config) -> None:
+    from hybridd.ipc.channel import MAX_IPC_PATH_BYTES
+
+    runtime_dir = Path(config.runtime_dir)
+    # The longest worker control socket: ctl-<pid>-<generation>.sock.
+    longest_control = f"ipc://{runtime_dir}/ctl-{2**22}-{10**6}.sock"
+    for endpoint in (config.client_endpoint, config.supervisor_endpoint, longest_control):
+        path = endpoint.removeprefix("ipc://")
+        if len(os.fsencode(path)) > MAX_IPC_PATH_BYTES:
+            raise PreflightError(f"socket path {path} is {len(os.fsencode(path))} bytes; Unix sockets allow at most "
+                                 f"{MAX_IPC_PATH_BYTES}: choose a shorter runtime_dir (or endpoint)")
+    existing = runtime_dir
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise PreflightError(f"runtime_dir {runtime_dir}: {existing} is not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise PreflightError(f"runtime_dir {runtime_dir}: {existing} is not writable by this user")
 
 
 def check_model_dir(model: Path) -> None:

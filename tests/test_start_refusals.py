@@ -70,6 +70,8 @@ def _no_tokenizer(model: Path) -> None:
     (["--startup-timeout-s", "0"], "startup_timeout_s must be positive, got 0.0"),
     (["--heartbeat-timeout-s", "0.3"], "heartbeat_timeout_s (0.3) must be at least twice heartbeat_interval_s (0.25)"),
     (["--model", "/nonexistent"], "model /nonexistent: no such directory"),
+    (["--runtime-dir", "/etc/hostname/run"], "runtime_dir /etc/hostname/run: /etc/hostname is not a directory"),
+    (["--runtime-dir", "/tmp/" + "r" * 120], "bytes; Unix sockets allow at most 107: choose a shorter runtime_dir"),
     (["--model", "/etc/hostname"], "model /etc/hostname: not a directory"),
     (["--tcp-endpoint", "tcp://127.0.0.1:1", "--curve-secret-key-file", "/no/such.key_secret"],
      "curve_secret_key_file /no/such.key_secret: cannot read"),
