@@ -495,6 +495,8 @@ class ContextGenerator:
                 channel.close(linger_ms=200)
         self.ctl.close(linger_ms=200)
         self.link.close()
+        if getattr(self, "_auth", None) is not None:
+            self._auth.stop()  # its thread uses the ZeroMQ context, which the worker destroys on exit
 
 
 def main(config: dict[str, Any], ctl_endpoint: str) -> None:
