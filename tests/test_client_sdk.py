@@ -315,7 +315,7 @@ def test_32_concurrent_streams_while_malformed_messages_arrive(daemon):
     raw.connect(daemon.endpoint)
 
     async def streams() -> list:
-        async with AsyncClient(daemon.endpoint, timeout=120) as client:
+        async with AsyncClient(daemon.endpoint, timeout=on_this_host(120)) as client:
             async def one(i: int) -> str:
                 stream = client.stream("KING:", max_tokens=24, seed=i, ignore_eos=True)
                 texts = [chunk.text async for chunk in stream]
@@ -335,7 +335,7 @@ def test_32_concurrent_streams_while_malformed_messages_arrive(daemon):
 
     errors = []
     try:
-        with Client(daemon.endpoint, timeout=120) as sync_client:
+        with Client(daemon.endpoint, timeout=on_this_host(120)) as sync_client:
             threads = [threading.Thread(target=sync_stream, args=(sync_client, i)) for i in range(32)]
             for t in threads:
                 t.start()
