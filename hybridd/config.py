@@ -52,6 +52,10 @@ class Config:
     tcp_endpoint: str = ""  # e.g. tcp://0.0.0.0:7070; requires CURVE keys
     curve_secret_key_file: str = ""
     curve_client_keys_dir: str = ""
+    # the OpenAI-compatible HTTP gateway and Prometheus metrics (hybridd/gateway/); off when empty
+    http_endpoint: str = ""  # HOST:PORT, e.g. 127.0.0.1:8000
+    http_api_key_file: str = ""  # one API key per line; empty: no key needed
+    metrics_endpoint: str = ""  # HOST:PORT serving /metrics alone (the gateway serves it too)
     # KV cache and batching
     block_size: int = 16
     num_kv_blocks: int = 0  # 0: sized from kv_cache_memory_fraction (CUDA) or 512 (CPU)
@@ -137,12 +141,25 @@ class Config:
             raise ConfigError("cuda_mps = on needs a CUDA device, but device is cpu")
         if self.tcp_endpoint and not self.curve_secret_key_file:
             raise ConfigError("tcp_endpoint requires curve_secret_key_file (TCP is served only with CURVE)")
+        addresses = {}
+        for name in ("http_endpoint", "metrics_endpoint"):
+            if getattr(self, name):
+                addresses[name] = parse_host_port(getattr(self, name), name)
+        if len(addresses) == 2 and addresses["http_endpoint"] == addresses["metrics_endpoint"]:
+            raise ConfigError("metrics_endpoint must differ from http_endpoint (the gateway serves /metrics too)")
+        if self.http_api_key_file and not self.http_endpoint:
+            raise ConfigError("http_api_key_file is set but http_endpoint is not")
         if self.endpoint and not self.endpoint.startswith("ipc://"):
             raise ConfigError(f"endpoint must be an ipc:// endpoint (use tcp_endpoint for TCP), got {self.endpoint!r}")
         return self
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    @property
+    def serves_http(self) -> bool:
+        """Whether the gateway process runs (for the API, the metrics endpoint or both)."""
+        return bool(self.http_endpoint or self.metrics_endpoint)
 
     @classmethod
     def from_dict(cls, values: dict[str, Any], source: str = "config") -> Config:
@@ -154,6 +171,17 @@ class Config:
         for name, value in values.items():
             setattr(config, name, _coerce(name, known[name], value, source))
         return config.validate()
+
+
+def parse_host_port(value: str, name: str) -> tuple[str, int]:
+    """`HOST:PORT`, `[IPV6]:PORT` or `:PORT` (loopback) → (host, port)."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"{name} must be HOST:PORT with a port in 1..65535, got {value!r}")
+    host = host.removeprefix("[").removesuffix("]") or "127.0.0.1"
+    if any(c.isspace() or c in "/[]" for c in host):
+        raise ConfigError(f"{name}: invalid host {host!r} in {value!r}")
+    return host, int(port)
 
 
 def _field_type(f: dataclasses.Field) -> str:

@@ -35,6 +35,7 @@ from hybridd import exit_codes
 from hybridd.config import Config
 from hybridd.cuda_mps import MpsDaemon
 from hybridd.fallback_endpoint import FallbackEndpoint
+from hybridd.gateway import supervised as supervised_gateway
 from hybridd.lifecycle import Lifecycle, State
 from hybridd.log import configure as configure_logging
 from hybridd.log import get_logger
@@ -322,6 +323,10 @@ class Supervisor:
         self._router = None
         self._fallback: FallbackEndpoint | None = None
         self._mps = MpsDaemon(self.runtime_dir) if config.cuda_mps == "on" else None
+        self.gateway = supervised_gateway.SupervisedGateway(
+            self._spawn_gateway, max_restarts=config.max_restarts, restart_backoff_s=config.restart_backoff_s,
+            **lifecycle_options,
+        ) if config.serves_http else None
         self._saved_env: dict[str, str | None] = {}
         self._wakeup_r = self._wakeup_w = -1
         self._exit_code = EXIT_OK
@@ -350,8 +355,12 @@ class Supervisor:
             self._fallback = FallbackEndpoint(self.config.client_endpoint, self.status, self._unavailable_text)
             self._install_signals()
             self._notify_status()
+            if self.gateway is not None:
+                supervised_gateway.check_config(self.config)
             self._start_mps()
             self._spawn_pair()
+            if self.gateway is not None:
+                self.gateway.start()
             self._loop()
         finally:
             self._shutdown()
@@ -431,6 +440,17 @@ class Supervisor:
         self._notify_status()
         self._send_info()
 
+    def _spawn_gateway(self) -> BaseProcess:
+        process = SPAWN.Process(
+            target=worker_main,
+            args=(supervised_gateway.NAME, supervised_gateway.TARGET, self.config.to_dict(),
+                  self.config.supervisor_endpoint, os.getpid()),
+            name="hybridd-gateway",
+            daemon=False,
+        )
+        process.start()
+        return process
+
     def _kill_pair(self, *, culprit: str | None = None, grace_s: float = PARTNER_GRACE_S) -> None:
         """Stop whatever is left of the pair: the culprit at once (SIGKILL), the partner
         politely (SIGTERM: time to answer its clients `engine_dead`), SIGKILL after a grace."""
@@ -501,6 +521,8 @@ class Supervisor:
         registered: dict[int, str] = {}
         while not self._done:
             sentinels = {w.process.sentinel: w.name for w in self.workers.values() if w.alive}
+            if self.gateway is not None and self.gateway.sentinel is not None:
+                sentinels[self.gateway.sentinel] = supervised_gateway.NAME
             for fd in set(registered) - set(sentinels):
                 poller.unregister(fd)
             for fd in set(sentinels) - set(registered):
@@ -517,6 +539,8 @@ class Supervisor:
             for fd, name in sentinels.items():
                 if fd in events and name in self.workers:
                     self._worker_exited(self.workers[name])
+                elif fd in events and name == supervised_gateway.NAME:
+                    self._gateway_exited()
                 if self._done:
                     break
             while self._timers.signals and not self._done:
@@ -594,9 +618,20 @@ class Supervisor:
             return
         self._pair_failed(worker.name, f"{worker.name} generator (pid {worker.process.pid}) {_describe_exit(worker.exit_code)}")
 
+    def _gateway_exited(self) -> None:
+        assert self.gateway is not None
+        self.gateway.exited()
+        if self.gateway.given_up:
+            self._log.error("giving up: the gateway cannot stay up; exiting so that the service manager can act")
+            self._exit_code = EXIT_FAILURE
+            self._done = True
+        self._send_info()
+
     def _tick(self) -> None:
         now = time.monotonic()
         self.lifecycle.tick()
+        if self.gateway is not None and self.lifecycle.state != State.DRAINING:
+            self.gateway.tick()
         if self.lifecycle.state == State.DRAINING:
             if self._timers.drain_deadline is not None and now >= self._timers.drain_deadline:
                 self._log.warning("drain deadline passed; killing workers", pids=self._pids())
@@ -702,6 +737,8 @@ class Supervisor:
             self._finish_drain(forced=False)
 
     def _finish_drain(self, *, forced: bool) -> None:
+        if self.gateway is not None:  # served the drained requests' last bytes; now it goes
+            self.gateway.stop(grace_s=PARTNER_GRACE_S)
         self.lifecycle.stopped()
         self._exit_code = EXIT_FAILURE if forced else EXIT_OK
         self._done = True
@@ -721,11 +758,14 @@ class Supervisor:
 
     def info(self) -> SupervisorInfo:
         pids = self._pids()
+        workers = {name: WorkerInfo(pid=pids.get(name, 0), restarts=self.lifecycle.restarts) for name in WORKER_NAMES}
+        if self.gateway is not None:
+            workers[supervised_gateway.NAME] = self.gateway.info()
         return SupervisorInfo(
             state=self.lifecycle.state,
             uptime_s=time.monotonic() - self._started_mono,
             started_at=self.started_at,
-            workers={name: WorkerInfo(pid=pids.get(name, 0), restarts=self.lifecycle.restarts) for name in WORKER_NAMES},
+            workers=workers,
             last_failure=self.lifecycle.last_failure[:MAX_FAILURE_CHARS],
         )
 
@@ -781,6 +821,8 @@ class Supervisor:
         try:
             if self.workers:
                 self._kill_pair(grace_s=0.0)
+            if self.gateway is not None:
+                self.gateway.stop(grace_s=0.0)
             if self._router is not None:
                 self._router.close()
                 self._router = None

@@ -25,6 +25,8 @@ from hybridd.protocol.limits import MAX_TIMEOUT_S
 
 WORKER_NAMES: tuple[str, ...] = ("graph", "context")
 WORKER_IDENTITIES: dict[str, bytes] = {name: name.encode() for name in WORKER_NAMES}
+# What `supervisor_info.workers` may list: the pair, and the HTTP gateway when it runs.
+SUPERVISED_NAMES: tuple[str, ...] = (*WORKER_NAMES, "gateway")
 WORKER_PHASES: frozenset[str] = frozenset({"loading", "capturing", "ready", "draining", "stopped", "failed"})
 MAX_PHASE_DETAIL_CHARS = 512
 MAX_FAILURE_CHARS = 4096
@@ -184,8 +186,8 @@ class SupervisorInfo:
         workers_reader = info.nested("workers")
         names = workers_reader.keys()
         for name in names:
-            if name not in WORKER_NAMES:
-                workers_reader.string(name, choices=frozenset(WORKER_NAMES))  # raises, naming the path
+            if name not in SUPERVISED_NAMES:
+                workers_reader.string(name, choices=frozenset(SUPERVISED_NAMES))  # raises, naming the path
         message = cls(
             state=LifecycleState(info.string("state", choices=LIFECYCLE_STATES)),
             uptime_s=info.number("uptime_s", lo=0.0),

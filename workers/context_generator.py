@@ -31,6 +31,7 @@ from hybridd.engine.step_pipeline import EngineDeadError, InflightStep, StepPipe
 from hybridd.log import configure, get_logger
 from hybridd.model import load_tokenizer
 from hybridd.runtime.step_buffers import StepBuffers, geometry
+from hybridd.serving_metrics import ServingMetrics
 from hybridd.runtime.step_trace import StepTracer
 from hybridd.ipc.channel import Channel, PeerProtocolError, bind_ipc_endpoint
 from hybridd.ipc.posix_shm import pid_alive
@@ -103,6 +104,7 @@ class ContextGenerator:
         self.ttft = deque(maxlen=LATENCY_WINDOW)
         self.itl = deque(maxlen=LATENCY_WINDOW)
         self.throughput = Throughput()
+        self.metrics = ServingMetrics()
         self.stop = False
 
     # ------------------------------------------------------------------ start
@@ -247,6 +249,7 @@ class ContextGenerator:
                     request = self.requests.get(seq.request_id)
                     if request is not None and request.admitted is None:
                         request.admitted = now
+                        self.metrics.scheduled(now - request.arrival)
                 self.inflight.append(self.pipeline.launch(batch))
                 self.tracer.step()
                 self.link.steps += 1
@@ -274,8 +277,10 @@ class ContextGenerator:
                 if request.first_token is None:
                     request.first_token = now
                     self.ttft.append(now - request.arrival)
+                    self.metrics.first_token(now - request.arrival)
                 else:
                     self.itl.append(now - request.last_token)
+                    self.metrics.inter_token(now - request.last_token)
                 request.last_token = now
                 request.token_ids.append(token)
                 if request.stream:
@@ -396,6 +401,8 @@ class ContextGenerator:
         now = time.monotonic()
         if reason in ("stop", "length"):
             self.served += 1
+        self.metrics.finished_request(reason, prompt_tokens=seq.num_prompt_tokens,
+                                      generation_tokens=len(request.token_ids), e2e_s=now - request.arrival)
         self._send(request.identity, FinalReply(
             id=request.id,
             text=seq.output_text,
@@ -478,6 +485,7 @@ class ContextGenerator:
             "latency": {"ttft_p50_s": percentile(self.ttft, 50), "ttft_p99_s": percentile(self.ttft, 99),
                         "itl_p50_s": percentile(self.itl, 50), "itl_p99_s": percentile(self.itl, 99),
                         "window": len(self.itl)},
+            "metrics": self.metrics.to_status(),
         }
 
     def close(self) -> None:

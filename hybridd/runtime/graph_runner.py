@@ -270,6 +270,7 @@ class GraphRunner:
         with self._lock:
             (self._prefill_graphs if is_prefill else self._decode_graphs)[size] = graph
             stats.captured = True
+            stats.captures += 1
             stats.bytes = used
             stats.capture_s = time.perf_counter() - started
         log.info("graph_captured", kind=key[0], size=size, bytes=used, seconds=round(stats.capture_s, 4))

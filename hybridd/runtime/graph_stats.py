@@ -12,6 +12,7 @@ class BucketStats:
     captured: bool = False
     bytes: int = 0
     capture_s: float = 0.0
+    captures: int = 0  # successful captures, a re-capture after an eviction included
     replays: int = 0
     eager_runs: int = 0
     demand: int = 0

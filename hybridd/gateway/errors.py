@@ -1,0 +1,74 @@
+"""Errors in OpenAI's format, and which HTTP status each daemon error code gets.
+
+The body is `{"error": {"message", "type", "param", "code"}}`, as OpenAI sends it;
+the `openai` client libraries turn the status into their exception classes
+(400 BadRequestError, 401 AuthenticationError, 404 NotFoundError, 429
+RateLimitError, 5xx InternalServerError).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from starlette.responses import JSONResponse
+
+from hybridd.client_errors import HybriddError
+from hybridd.protocol.errors import ErrorCode
+
+# (HTTP status, OpenAI error type) per daemon error code.
+STATUS_BY_CODE: dict[ErrorCode, tuple[int, str]] = {
+    ErrorCode.MALFORMED: (400, "invalid_request_error"),
+    ErrorCode.TOO_LARGE: (400, "invalid_request_error"),
+    ErrorCode.UNSUPPORTED_VERSION: (400, "invalid_request_error"),
+    ErrorCode.INVALID_REQUEST: (400, "invalid_request_error"),
+    ErrorCode.NOT_FOUND: (404, "not_found_error"),
+    ErrorCode.OVERLOADED: (429, "rate_limit_error"),
+    ErrorCode.DRAINING: (503, "service_unavailable_error"),
+    ErrorCode.ENGINE_DEAD: (503, "service_unavailable_error"),
+    ErrorCode.TIMEOUT: (504, "timeout_error"),
+    ErrorCode.CANCELLED: (500, "internal_error"),
+    ErrorCode.INTERNAL: (500, "internal_error"),
+}
+
+
+class GatewayError(Exception):
+    """A request the gateway answers with an error; `status` is the HTTP status."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, state: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.state = state
+
+    def body(self) -> dict[str, Any]:
+        error: dict[str, Any] = {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
+        if self.state is not None:
+            error["state"] = self.state
+        return {"error": error}
+
+    def response(self) -> JSONResponse:
+        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+def bad_request(message: str, param: str | None = None) -> GatewayError:
+    return GatewayError(400, message, param=param)
+
+
+def not_ready(state: str) -> GatewayError:
+    return GatewayError(503, f"the daemon is not ready (state: {state})", type="service_unavailable_error",
+                        code=state, state=state)
+
+
+def from_daemon(error: HybriddError) -> GatewayError:
+    """The HTTP error for an SDK exception; the daemon's field path becomes OpenAI's `param`."""
+    status, kind = STATUS_BY_CODE.get(error.code, (500, "internal_error"))
+    param = error.field.removeprefix("sampling.") if error.field else None
+    if param == "prompt_token_ids":
+        param = "prompt"
+    message = error.message.removeprefix("sampling.")
+    return GatewayError(status, message, type=kind, param=param, code=error.code.value)

@@ -1,0 +1,169 @@
+"""The OpenAI request bodies the gateway accepts, and how they become daemon requests.
+
+Each body is a pydantic model. A field the gateway does not implement is refused
+with a 400 that names it — never silently ignored — except the documented no-ops in
+`NO_OP_FIELDS` (a JSON `null` counts as absent). The value ranges of the sampling
+fields are the daemon's own (`hybridd.protocol`): the SDK checks them before sending
+and its error names the field, which becomes OpenAI's `param`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from hybridd.gateway.errors import GatewayError, bad_request
+from hybridd.protocol.limits import MAX_TOKENS_CAP
+
+# Accepted and ignored: they only label the request on OpenAI's side.
+NO_OP_FIELDS = frozenset({"user"})
+MAX_N = 16
+MAX_TOP_LOGPROBS = 20
+MAX_PROMPTS = 64
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: bool = False
+
+
+class _Body(BaseModel):
+    """Fields shared by completions and chat completions."""
+
+    model_config = ConfigDict(extra="allow")
+    SAMPLING: ClassVar[tuple[str, ...]] = (
+        "temperature", "top_p", "top_k", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty",
+        "ignore_eos",
+    )
+
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool | None = None
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+    def check_supported(self) -> None:
+        unsupported = sorted(k for k, v in (self.model_extra or {}).items() if v is not None and k not in NO_OP_FIELDS)
+        if unsupported:
+            names = ", ".join(unsupported)
+            raise bad_request(f"unsupported field(s): {names}; hybridd does not implement them", unsupported[0])
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("stream_options is only allowed with stream: true", "stream_options")
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def sampling(self, default_max_tokens: int) -> dict[str, Any]:
+        """The SDK's sampling keywords (only those given, so the daemon's defaults apply)."""
+        options: dict[str, Any] = {name: getattr(self, name) for name in self.SAMPLING if getattr(self, name) is not None}
+        options["max_tokens"] = self.max_tokens if self.max_tokens is not None else default_max_tokens
+        if self.stop is not None:
+            options["stop"] = [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        return options
+
+
+class CompletionRequest(_Body):
+    """`POST /v1/completions`."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool = False
+    DEFAULT_MAX_TOKENS: ClassVar[int] = 16  # OpenAI's default for completions
+
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per prompt: a string, or a list of token ids."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            prompts: list[str | list[int]] = [prompt]
+        elif prompt and all(isinstance(p, int) for p in prompt):
+            prompts = [list(prompt)]  # type: ignore[arg-type]
+        else:
+            prompts = list(prompt)  # type: ignore[arg-type]
+        if not prompts:
+            raise bad_request("prompt: no prompt given", "prompt")
+        if len(prompts) > MAX_PROMPTS:
+            raise bad_request(f"prompt: at most {MAX_PROMPTS} prompts per request, got {len(prompts)}", "prompt")
+        if self.echo and any(not isinstance(p, str) for p in prompts):
+            raise bad_request("echo: only supported with text prompts (the gateway holds no tokenizer)", "echo")
+        if len(prompts) * self.n > MAX_N * 4:
+            raise bad_request(f"n: {len(prompts)} prompts × n={self.n} is more than {MAX_N * 4} choices", "n")
+        return prompts
+
+    def sampling(self, default_max_tokens: int | None = None) -> dict[str, Any]:
+        return super().sampling(self.DEFAULT_MAX_TOKENS if default_max_tokens is None else default_max_tokens)
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_Body):
+    """`POST /v1/chat/completions`."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    # Chat has no length default at OpenAI: the answer runs to its end or the context's.
+    DEFAULT_MAX_TOKENS: ClassVar[int] = MAX_TOKENS_CAP
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request("top_logprobs requires logprobs: true", "top_logprobs")
+        if self.max_tokens is not None and self.max_completion_tokens is not None:
+            raise bad_request("give max_tokens or max_completion_tokens, not both", "max_completion_tokens")
+
+    def sampling(self, default_max_tokens: int | None = None) -> dict[str, Any]:
+        options = super().sampling(self.DEFAULT_MAX_TOKENS if default_max_tokens is None else default_max_tokens)
+        if self.max_completion_tokens is not None:
+            options["max_tokens"] = self.max_completion_tokens
+        return options
+
+    def chat_messages(self) -> list[dict[str, str]]:
+        return [{"role": m.role, "content": m.text()} | ({"name": m.name} if m.name else {}) for m in self.messages]
+
+
+def parse_body(model: type[_Body], body: Any) -> Any:
+    """Validate a decoded JSON body; a failure is a 400 naming the first offending field."""
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    try:
+        request = model.model_validate(body)
+    except ValidationError as error:
+        first = error.errors()[0]
+        param = str(first["loc"][0]) if first["loc"] else None
+        raise GatewayError(400, f"{param or 'body'}: {first['msg']}", param=param) from None
+    request.check_supported()
+    return request

@@ -1,0 +1,86 @@
+"""The gateway process: uvicorn servers for the OpenAI-compatible API (`http_endpoint`)
+and the metrics endpoint (`metrics_endpoint`), in one asyncio loop over one
+`hybridd.AsyncClient` session with the daemon.
+
+The supervisor spawns it like a worker (`hybridd.gateway.supervised`) and stops it
+with SIGTERM, which closes the listening sockets and lets running responses finish
+(the daemon has drained them by then); SIGINT belongs to the supervisor. HTTP
+parsing happens here, never in a worker, so a bad request cannot take the engine down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+from collections.abc import Iterator
+from typing import Any
+
+import uvicorn
+from starlette.applications import Starlette
+
+from hybridd.client import AsyncClient
+from hybridd.config import Config, parse_host_port
+from hybridd.gateway.app import Gateway, create_app, create_metrics_app, load_api_keys
+from hybridd.log import configure, get_logger
+
+log = get_logger("gateway")
+
+# After SIGTERM: how long open connections get to finish before they are closed.
+GRACEFUL_SHUTDOWN_S = 5.0
+
+
+class _Server(uvicorn.Server):
+    """A uvicorn server that leaves signal handling to the process (one handler for all servers)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def _server(app: Starlette, address: str, name: str) -> _Server:
+    host, port = parse_host_port(address, name)
+    return _Server(uvicorn.Config(
+        app, host=host, port=port, log_config=None, access_log=False, lifespan="off", server_header=False,
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+    ))
+
+
+def build_gateway(config: Config, client: AsyncClient) -> Gateway:
+    keys = load_api_keys(config.http_api_key_file) if config.http_api_key_file else None
+    return Gateway(client, config.model, keys)
+
+
+async def serve(config: Config, *, endpoint: str | None = None) -> None:
+    """Serve until SIGTERM; `endpoint` overrides the daemon's client endpoint."""
+    client = AsyncClient(endpoint or config.client_endpoint)
+    gateway = build_gateway(config, client)
+    servers: list[_Server] = []
+    if config.http_endpoint:
+        servers.append(_server(create_app(gateway), config.http_endpoint, "http_endpoint"))
+    if config.metrics_endpoint:
+        servers.append(_server(create_metrics_app(gateway), config.metrics_endpoint, "metrics_endpoint"))
+    if not servers:
+        raise ValueError("the gateway needs http_endpoint or metrics_endpoint")
+
+    def stop() -> None:
+        log.info("gateway stopping")
+        for server in servers:
+            server.should_exit = True
+
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, stop)
+    log.info("gateway serving", http_endpoint=config.http_endpoint or None,
+             metrics_endpoint=config.metrics_endpoint or None, daemon=client.endpoint, api_keys=bool(gateway.api_keys))
+    try:
+        await asyncio.gather(*(server.serve() for server in servers))
+    finally:
+        stop()
+        await client.close()
+
+
+def main(config: dict[str, Any], supervisor_endpoint: str) -> None:
+    """The supervised entry point (see hybridd.supervisor.worker_main)."""
+    cfg = Config.from_dict(config)
+    configure(cfg.log_level)
+    asyncio.run(serve(cfg))
