@@ -51,8 +51,9 @@ def build_gateway(config: Config, client: AsyncClient) -> Gateway:
     return Gateway(client, config.model, keys)
 
 
-async def serve(config: Config, *, endpoint: str | None = None) -> None:
-    """Serve until SIGTERM; `endpoint` overrides the daemon's client endpoint."""
+async def serve(config: Config, *, endpoint: str | None = None,
+                stop_signals: tuple[signal.Signals, ...] = (signal.SIGTERM,)) -> None:
+    """Serve until one of `stop_signals`; `endpoint` overrides the daemon's client endpoint."""
     client = AsyncClient(endpoint or config.client_endpoint)
     gateway = build_gateway(config, client)
     servers: list[_Server] = []
@@ -69,7 +70,8 @@ async def serve(config: Config, *, endpoint: str | None = None) -> None:
             server.should_exit = True
 
     loop = asyncio.get_running_loop()
-    loop.add_signal_handler(signal.SIGTERM, stop)
+    for signum in stop_signals:
+        loop.add_signal_handler(signum, stop)
     log.info("gateway serving", http_endpoint=config.http_endpoint or None,
              metrics_endpoint=config.metrics_endpoint or None, daemon=client.endpoint, api_keys=bool(gateway.api_keys))
     try:
@@ -84,3 +86,25 @@ def main(config: dict[str, Any], supervisor_endpoint: str) -> None:
     cfg = Config.from_dict(config)
     configure(cfg.log_level)
     asyncio.run(serve(cfg))
+
+
+def run_standalone(argv: list[str] | None = None) -> None:
+    """`python -m hybridd.gateway.process`: the gateway alone, in the foreground, against
+    a running daemon (the benchmarks and tests use it; the daemon runs its own)."""
+    import argparse
+
+    from hybridd.config import load_config
+
+    parser = argparse.ArgumentParser(description="hybridd's HTTP gateway, outside the supervisor")
+    parser.add_argument("--endpoint", help="the daemon's endpoint (default: from the configuration)")
+    for name in ("http_endpoint", "metrics_endpoint", "http_api_key_file", "model", "log_level"):
+        parser.add_argument("--" + name.replace("_", "-"), dest=name)
+    args = vars(parser.parse_args(argv))
+    endpoint = args.pop("endpoint")
+    config = load_config(overrides=args)
+    configure(config.log_level)
+    asyncio.run(serve(config, endpoint=endpoint, stop_signals=(signal.SIGTERM, signal.SIGINT)))
+
+
+if __name__ == "__main__":
+    run_standalone()

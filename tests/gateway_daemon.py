@@ -1,0 +1,127 @@
+"""Helpers for the gateway tests: `hybridd start` with the HTTP gateway on a free
+loopback port, and the gateway run alone (`python -m hybridd.gateway.process`)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+HYBRIDD = str(Path(sys.executable).parent / "hybridd")
+# Generous: the CI host has two busy cores and a worker imports torch.
+STARTUP_TIMEOUT_S = 180.0
+API_KEY = "sk-test-0123456789"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def clean_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith("HYBRIDD_") and k != "NOTIFY_SOCKET"}
+
+
+def wait_healthy(url: str, timeout: float, process: subprocess.Popen | None = None, log: Path | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            raise AssertionError(f"exited with {process.returncode}\n{log.read_text()[-6000:] if log else ''}")
+        with contextlib.suppress(httpx.HTTPError):
+            last = httpx.get(url + "/health", timeout=2)
+            if last.status_code == 200:
+                return
+        time.sleep(0.2)
+    raise AssertionError(f"{url} not healthy within {timeout} s (last: {last and last.text})\n"
+                         f"{log.read_text()[-6000:] if log else ''}")
+
+
+@dataclass
+class GatewayDaemon:
+    process: subprocess.Popen
+    runtime_dir: Path
+    log_path: Path
+    port: int
+    key_file: Path
+
+    @property
+    def endpoint(self) -> str:
+        return f"ipc://{self.runtime_dir}/hybridd.sock"
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-6000:]
+
+
+@contextlib.contextmanager
+def run_daemon_with_gateway(*flags: str) -> Iterator[GatewayDaemon]:
+    """`hybridd start --http-endpoint 127.0.0.1:PORT` with an API key file, until /health is 200."""
+    base = Path(tempfile.mkdtemp(prefix="hg-"))
+    key_file = base / "api_keys"
+    key_file.write_text(f"# test keys\n{API_KEY}\n")
+    port = free_port()
+    log_path = base / "daemon.log"
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(
+            [HYBRIDD, "start", "--runtime-dir", str(base / "run"), "--no-compile-sampler",
+             "--heartbeat-interval-s", "3", "--http-endpoint", f"127.0.0.1:{port}",
+             "--http-api-key-file", str(key_file), *flags],
+            env=clean_env() | {"HYBRIDD_LOG_LEVEL": "warning"}, stdout=log, stderr=subprocess.STDOUT,
+        )
+    daemon = GatewayDaemon(process, base / "run", log_path, port, key_file)
+    try:
+        wait_healthy(daemon.url, STARTUP_TIMEOUT_S, process, log_path)
+        yield daemon
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+@contextlib.contextmanager
+def run_gateway(endpoint: str, *flags: str) -> Iterator[tuple[subprocess.Popen, Path]]:
+    """The gateway alone against `endpoint`; stopped with SIGTERM at the end."""
+    log_path = Path(tempfile.mkdtemp(prefix="gw-")) / "gateway.log"
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen([sys.executable, "-m", "hybridd.gateway.process", "--endpoint", endpoint, *flags],
+                                   env=clean_env(), stdout=log, stderr=subprocess.STDOUT)
+    try:
+        yield process, log_path
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(20)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+def wait_listening(port: int, process: subprocess.Popen, log: Path, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise AssertionError(f"the gateway exited with {process.returncode}\n{log.read_text()[-4000:]}")
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"the gateway did not listen on {port} within {timeout} s\n{log.read_text()[-4000:]}")
