@@ -1,9 +1,11 @@
 """Checks made before any worker is spawned: what no restart could fix.
 
 The configuration's values are checked by `Config.validate`; here, what they point to:
-the runtime directory (creatable, socket paths short enough), the model directory (it exists, is a directory, `config.json` parses and names a
-supported architecture, weights and a tokenizer are there) and the CURVE key files
-(readable, a secret key where one is needed). Each error names the path at fault;
+the runtime directory (creatable, socket paths short enough), the model directory (it
+exists, is a directory, `config.json` parses and names a supported architecture,
+weights and a tokenizer are there), the CURVE key files (readable, a secret key where
+one is needed) and the HTTP API key file (readable, not empty). Each error names the
+path at fault;
 `hybridd start` prints it on one line and exits with `exit_codes.USAGE` in well under a
 second (nothing here imports torch). What only loading can find (a truncated weight
 file, memory too small for the KV cache) is the workers' to report.
@@ -33,6 +35,8 @@ def check(config: Config) -> None:
         check_curve_secret_key(Path(config.curve_secret_key_file))
     if config.curve_client_keys_dir:
         check_client_keys_dir(Path(config.curve_client_keys_dir))
+    if config.http_api_key_file:
+        check_api_key_file(Path(config.http_api_key_file))
 
 
 def check_runtime_dir(config: Config) -> None:
@@ -110,6 +114,18 @@ def check_curve_secret_key(path: Path) -> None:
     if not secret:
         raise PreflightError(f"curve_secret_key_file {path}: holds no secret key (use the .key_secret file "
                              "from `hybridd keygen`)")
+
+
+def check_api_key_file(path: Path) -> None:
+    from hybridd.gateway.api_keys import load_api_keys
+
+    try:
+        load_api_keys(path)
+    except OSError as error:
+        raise PreflightError(f"http_api_key_file {path}: cannot read: {error.strerror or error}") from None
+    except (ValueError, UnicodeDecodeError) as error:
+        raise PreflightError(str(error) if isinstance(error, ValueError) and str(error).startswith("http_api_key_file")
+                             else f"http_api_key_file {path}: not a text file of keys ({error})") from None
 
 
 def check_client_keys_dir(path: Path) -> None:

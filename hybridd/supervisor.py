@@ -355,8 +355,6 @@ class Supervisor:
             self._fallback = FallbackEndpoint(self.config.client_endpoint, self.status, self._unavailable_text)
             self._install_signals()
             self._notify_status()
-            if self.gateway is not None:
-                supervised_gateway.check_config(self.config)
             self._start_mps()
             self._spawn_pair()
             if self.gateway is not None:
@@ -622,8 +620,9 @@ class Supervisor:
         assert self.gateway is not None
         self.gateway.exited()
         if self.gateway.given_up:
-            self._log.error("giving up: the gateway cannot stay up; exiting so that the service manager can act")
-            self._exit_code = EXIT_FAILURE
+            self._log.error("giving up: the gateway cannot stay up; exiting so that the service manager can act",
+                            exit_code=EXIT_RESTARTS_EXHAUSTED)
+            self._exit_code = EXIT_RESTARTS_EXHAUSTED
             self._done = True
         self._send_info()
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
 import time
 import uuid
@@ -29,6 +28,7 @@ from starlette.routing import Route
 
 from hybridd.client import AsyncClient, AsyncStream, Chunk, GenerateResult
 from hybridd.client_errors import HybriddError
+from hybridd.gateway.api_keys import key_matches
 from hybridd.gateway.errors import GatewayError, from_daemon, not_ready
 from hybridd.gateway.openai_schema import ChatCompletionRequest, CompletionRequest, parse_body
 from hybridd.log import get_logger
@@ -41,16 +41,6 @@ STATUS_TIMEOUT_S = 5.0
 # The largest request body read; a prompt of the protocol's maximum size fits.
 MAX_BODY_BYTES = 8 * 1024 * 1024
 DONE_EVENT = b"data: [DONE]\n\n"
-
-
-def load_api_keys(path: str) -> frozenset[str]:
-    """One key per line; blank lines and `#` comments are skipped. An empty file is an error."""
-    keys = frozenset(
-        line.strip() for line in Path(path).read_text().splitlines() if line.strip() and not line.startswith("#")
-    )
-    if not keys:
-        raise ValueError(f"http_api_key_file {path}: no API key in it")
-    return keys
 
 
 def model_id(model_path: str) -> str:
@@ -186,7 +176,7 @@ class Gateway:
         if scheme.lower() != "bearer" or not token:
             raise GatewayError(401, "missing API key: send `Authorization: Bearer <key>`",
                                type="authentication_error", code="invalid_api_key")
-        if not any(hmac.compare_digest(token.strip().encode(), key.encode()) for key in self.api_keys):
+        if not key_matches(token, self.api_keys):
             raise GatewayError(401, "incorrect API key", type="authentication_error", code="invalid_api_key")
 
     def check_model(self, name: str) -> None:

@@ -21,7 +21,8 @@ from starlette.applications import Starlette
 
 from hybridd.client import AsyncClient
 from hybridd.config import Config, parse_host_port
-from hybridd.gateway.app import Gateway, create_app, create_metrics_app, load_api_keys
+from hybridd.gateway.api_keys import load_api_keys
+from hybridd.gateway.app import Gateway, create_app, create_metrics_app
 from hybridd.log import configure, get_logger
 
 log = get_logger("gateway")

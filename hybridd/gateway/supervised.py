@@ -14,7 +14,6 @@ import time
 from collections.abc import Callable
 from multiprocessing.process import BaseProcess
 
-from hybridd.config import Config
 from hybridd.lifecycle import MAX_BACKOFF_S, STABLE_AFTER_S
 from hybridd.log import get_logger
 from hybridd.protocol.supervisor import WorkerInfo
@@ -23,14 +22,6 @@ log = get_logger("supervisor")
 
 NAME = "gateway"
 TARGET = "hybridd.gateway.process:main"
-
-
-def check_config(config: Config) -> None:
-    """Fail `hybridd start` at once on what would make every gateway start fail."""
-    if config.http_api_key_file:
-        from hybridd.gateway.app import load_api_keys
-
-        load_api_keys(config.http_api_key_file)  # OSError / ValueError name the file
 
 
 class SupervisedGateway:
