@@ -305,6 +305,13 @@ def _running(sdk: hybridd.Client) -> int:
     return sdk.status()["requests"]["running"]
 
 
+def wait_running(sdk: hybridd.Client, count: int, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while _running(sdk) != count:
+        assert time.monotonic() < deadline, sdk.status()["requests"]
+        time.sleep(0.01)
+
+
 def test_disconnecting_a_stream_cancels_the_request(daemon, sdk):
     cancelled_before = sdk.status()["metrics"]["finished"]["cancelled"]
     body = {"model": MODEL, "prompt": "ROMEO:", "stream": True, **LONG}
@@ -312,7 +319,7 @@ def test_disconnecting_a_stream_cancels_the_request(daemon, sdk):
         with http.stream("POST", "/v1/completions", json=body) as response:
             assert response.status_code == 200
             next(response.iter_lines())
-            assert _running(sdk) == 1
+            wait_running(sdk, 1)
     # the connection is closed: the engine stops the request
     assert wait_idle(sdk)["running"] == 0
     assert sdk.status()["metrics"]["finished"]["cancelled"] == cancelled_before + 1
@@ -325,15 +332,13 @@ def test_disconnecting_a_whole_request_cancels_it(daemon, sdk):
 
     def post() -> None:
         with contextlib.suppress(httpx.TimeoutException):
-            httpx.post(daemon.url + "/v1/completions", json=body, timeout=httpx.Timeout(2.0, read=1.5),
+            httpx.post(daemon.url + "/v1/completions", json=body, timeout=httpx.Timeout(5.0, read=3.0),
                        headers={"Authorization": f"Bearer {API_KEY}"})
         done.set()
 
     thread = threading.Thread(target=post)
     thread.start()
-    deadline = time.monotonic() + 30
-    while _running(sdk) == 0 and time.monotonic() < deadline:
-        time.sleep(0.02)
+    wait_running(sdk, 1)
     thread.join(30)
     assert done.is_set()
     assert wait_idle(sdk)["running"] == 0
