@@ -21,7 +21,9 @@ goes on; the JSON is rewritten after every part, so a killed run still leaves re
    phases, which the bench receives by binding the supervisor socket itself); ITL while
    the background thread is still capturing prefill graphs against steady state; TTFT at
    10/32/128/256/500 prompt tokens; ITL p50/p99 over 256 tokens after a 128-token prompt;
-   aggregate tokens/s and ITL at 1/4/16/32 concurrent streams; graph memory per bucket.
+   aggregate tokens/s and ITL at 1/4/16/32 concurrent streams; graph memory per bucket;
+   what the HTTP gateway adds: TTFT and ITL p50 streamed through `/v1/completions` vs
+   through the SDK, interleaved (scripts/bench_gateway.py).
    Every hybridd figure is taken at the client, through a `HybriddClient` adapter:
    `hybridd.Client.stream()` (and `AsyncClient` for concurrent streams) when the SDK
    works, else the raw protocol client of tests/engine_pair.py (`--client`).
@@ -566,6 +568,11 @@ def run_hybridd(args, model: Path, vocab: int, graphs: bool, deadline: float, no
             status = client.status()
             result["graph_memory"] = graph_memory(status)
             result["status"] = {k: v for k, v in status.items() if k != "buckets"}
+            from bench_gateway import measure_gateway
+
+            result["gateway"] = measure_gateway(server.endpoint, str(model), prompt_len=ITL_PROMPT,
+                                                ttft_reps=args.ttft_reps, itl_tokens=args.itl_tokens,
+                                                itl_runs=args.itl_runs, vocab=vocab, rng=rng)
     finally:
         if client is not None:
             client.close()
@@ -832,6 +839,10 @@ def build_report(results: dict) -> tuple[list[dict], list[dict]]:
     mem = [v for v in (g(hy, "graph_memory", "graph_bytes"), g(hy, "graph_memory", "graph_pool_bytes")) if v]
     target("all graphs' memory (GiB, larger of measured and pool)", "<= 1 GiB", max(mem) / GiB if mem else None, 1.0)
     target("start to ready after weights are loaded (s)", "<= 20 s", g(hy, "startup", "after_weights_to_ready_s"), 20.0)
+    added = g(hy, "gateway", "added_ttft_p50_s")
+    target("HTTP gateway: TTFT p50 added vs the SDK (ms)", "<= 0.3 ms", None if added is None else added * 1e3, 0.3)
+    added = g(hy, "gateway", "added_itl_p50_s")
+    target("HTTP gateway: ITL p50 added vs the SDK (ms)", "<= 0.1 ms", None if added is None else added * 1e3, 0.1)
     return rows, targets
 
 
@@ -895,6 +906,12 @@ def render_table(results: dict) -> str:
         per = ", ".join(f"{b['kind'][0]}{b['size']}:{fmt(b['bytes'], 2**-20, 0)}" for b in gm["buckets"] if b["captured"])
         lines.append(f"graph memory: measured {fmt(gm['graph_bytes'], 2**-20, 1)} MiB, pool "
                      f"{fmt(gm['graph_pool_bytes'], 2**-20, 1)} MiB; per bucket MiB {per}")
+    gw = hy.get("gateway")
+    if gw:
+        lines.append(f"HTTP gateway vs SDK: TTFT p50 {fmt(g(gw, 'http', 'ttft_p50_s'), 1e3, 3)} vs "
+                     f"{fmt(g(gw, 'sdk', 'ttft_p50_s'), 1e3, 3)} ms (+{fmt(gw.get('added_ttft_p50_s'), 1e3, 3)}), "
+                     f"ITL p50 {fmt(g(gw, 'http', 'itl_p50_s'), 1e3, 3)} vs {fmt(g(gw, 'sdk', 'itl_p50_s'), 1e3, 3)} "
+                     f"ms (+{fmt(gw.get('added_itl_p50_s'), 1e3, 3)})")
     ip = results.get("in_process")
     if ip:
         lines.append(f"same graphs in one process: ITL p50/p99 {fmt(ip.get('in_process_itl_p50_s'), 1e3)}/"

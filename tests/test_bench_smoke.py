@@ -55,7 +55,12 @@ def test_json_has_every_figure(bench_out):
     assert hy["graph_memory"]["buckets"] and "graph_pool_bytes" in hy["graph_memory"]
     assert hy["client"]
     assert [t["target"] for t in r["targets"]][:2] == ["decode ITL p50, batch 1", "decode ITL p99/p50, batch 1"]
-    assert len(r["targets"]) == 7
+    assert len(r["targets"]) == 9
+    gateway = hy["gateway"]
+    for side in ("sdk", "http"):
+        assert gateway[side]["ttft_p50_s"] > 0 and gateway[side]["itl_p50_s"] > 0, gateway
+    assert gateway["added_ttft_p50_s"] is not None and gateway["added_itl_p50_s"] is not None
+    assert r["targets"][-1]["target"].startswith("HTTP gateway: ITL p50 added")
     figures = [row["figure"] for row in r["table"]]
     assert figures[:5] == [f"TTFT {n} tok" for n in (10, 32, 128, 256, 500)] and "ITL p50 (b=1)" in figures
     assert "targets (BENCHMARKS.md)" in stdout and "TTFT 500 tok" in stdout

@@ -305,10 +305,10 @@ def _running(sdk: hybridd.Client) -> int:
     return sdk.status()["requests"]["running"]
 
 
-def wait_running(sdk: hybridd.Client, count: int, timeout: float = 30.0) -> None:
+def wait_running(sdk: hybridd.Client, count: int, timeout: float = 30.0, context: object = None) -> None:
     deadline = time.monotonic() + timeout
     while _running(sdk) != count:
-        assert time.monotonic() < deadline, sdk.status()["requests"]
+        assert time.monotonic() < deadline, (sdk.status()["requests"], context)
         time.sleep(0.01)
 
 
@@ -318,8 +318,8 @@ def test_disconnecting_a_stream_cancels_the_request(daemon, sdk):
     with httpx.Client(base_url=daemon.url, headers={"Authorization": f"Bearer {API_KEY}"}) as http:
         with http.stream("POST", "/v1/completions", json=body) as response:
             assert response.status_code == 200
-            next(response.iter_lines())
-            wait_running(sdk, 1)
+            first = next(response.iter_lines())
+            wait_running(sdk, 1, context=(first, sdk.status()["metrics"]["finished"], daemon.log()))
     # the connection is closed: the engine stops the request
     assert wait_idle(sdk)["running"] == 0
     assert sdk.status()["metrics"]["finished"]["cancelled"] == cancelled_before + 1
