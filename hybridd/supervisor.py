@@ -795,7 +795,7 @@ class Supervisor:
             "started_at": self.started_at,
             "model": self.config.model,
             "endpoints": {"ipc": self.config.client_endpoint, "tcp": self.config.tcp_endpoint or None},
-            "workers": {name: {"pid": pids.get(name, 0), "restarts": self.lifecycle.restarts} for name in WORKER_NAMES},
+            "workers": {name: worker.to_wire() for name, worker in self.info().workers.items()},
             "phases": phases,
             "restarts": self.lifecycle.restarts,
             "last_restart_reason": self.lifecycle.last_failure or None,

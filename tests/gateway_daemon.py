@@ -12,7 +12,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -33,17 +33,23 @@ def clean_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith("HYBRIDD_") and k != "NOTIFY_SOCKET"}
 
 
-def wait_healthy(url: str, timeout: float, process: subprocess.Popen | None = None, log: Path | None = None) -> None:
+def wait_healthy(url: str, timeout: float, process: subprocess.Popen | None = None,
+                 log: Path | None = None) -> list[str]:
+    """Poll /health until 200; returns the states the 503s named on the way."""
     deadline = time.monotonic() + timeout
     last = None
+    states: list[str] = []
     while time.monotonic() < deadline:
         if process is not None and process.poll() is not None:
             raise AssertionError(f"exited with {process.returncode}\n{log.read_text()[-6000:] if log else ''}")
         with contextlib.suppress(httpx.HTTPError):
             last = httpx.get(url + "/health", timeout=2)
             if last.status_code == 200:
-                return
-        time.sleep(0.2)
+                return states
+            state = last.json()["error"]["state"]
+            if not states or states[-1] != state:
+                states.append(state)
+        time.sleep(0.1)
     raise AssertionError(f"{url} not healthy within {timeout} s (last: {last and last.text})\n"
                          f"{log.read_text()[-6000:] if log else ''}")
 
@@ -55,6 +61,7 @@ class GatewayDaemon:
     log_path: Path
     port: int
     key_file: Path
+    startup_states: list[str] = field(default_factory=list)
 
     @property
     def endpoint(self) -> str:
@@ -81,11 +88,11 @@ def run_daemon_with_gateway(*flags: str) -> Iterator[GatewayDaemon]:
             [HYBRIDD, "start", "--runtime-dir", str(base / "run"), "--no-compile-sampler",
              "--heartbeat-interval-s", "3", "--http-endpoint", f"127.0.0.1:{port}",
              "--http-api-key-file", str(key_file), *flags],
-            env=clean_env() | {"HYBRIDD_LOG_LEVEL": "warning"}, stdout=log, stderr=subprocess.STDOUT,
+            env=clean_env() | {"HYBRIDD_LOG_LEVEL": os.environ.get("HYBRIDD_TEST_LOG_LEVEL", "warning")}, stdout=log, stderr=subprocess.STDOUT,
         )
     daemon = GatewayDaemon(process, base / "run", log_path, port, key_file)
     try:
-        wait_healthy(daemon.url, STARTUP_TIMEOUT_S, process, log_path)
+        daemon.startup_states = wait_healthy(daemon.url, STARTUP_TIMEOUT_S, process, log_path)
         yield daemon
     finally:
         if process.poll() is None:

@@ -145,6 +145,7 @@ class EventStream(StreamingResponse):
 
                 group.start_soon(stream)
                 await self.listen_for_disconnect(receive)
+                log.debug("client disconnected; cancelling its stream")
                 group.cancel_scope.cancel()
 
 
@@ -160,8 +161,10 @@ class ClientDisconnected(Exception):
 class Gateway:
     """The routes' state: the daemon client, the served model's name, the API keys."""
 
-    def __init__(self, client: AsyncClient, model_path: str, api_keys: frozenset[str] | None = None) -> None:
+    def __init__(self, client: AsyncClient, model_path: str, api_keys: frozenset[str] | None = None,
+                 fallback: AsyncClient | None = None) -> None:
         self.client = client
+        self.fallback = fallback
         self.model_path = model_path
         self.model = model_id(model_path)
         self.api_keys = api_keys
@@ -188,7 +191,14 @@ class Gateway:
         try:
             health = await self.client.health(timeout=HEALTH_TIMEOUT_S)
         except HybriddError:
-            return False, "unavailable"  # the daemon's socket does not answer (starting, restarting)
+            # The workers do not serve (starting, restarting): the supervisor's fallback
+            # endpoint knows the lifecycle state.
+            if self.fallback is None:
+                return False, "unavailable"
+            try:
+                health = await self.fallback.health(timeout=HEALTH_TIMEOUT_S)
+            except HybriddError:
+                return False, "unavailable"
         return health.ok, health.state
 
     async def ensure_ready(self) -> None:

@@ -21,6 +21,7 @@ from starlette.applications import Starlette
 
 from hybridd.client import AsyncClient
 from hybridd.config import Config, parse_host_port
+from hybridd.fallback_endpoint import fallback_endpoint
 from hybridd.gateway.api_keys import load_api_keys
 from hybridd.gateway.app import Gateway, create_app, create_metrics_app
 from hybridd.log import configure, get_logger
@@ -49,7 +50,8 @@ def _server(app: Starlette, address: str, name: str) -> _Server:
 
 def build_gateway(config: Config, client: AsyncClient) -> Gateway:
     keys = load_api_keys(config.http_api_key_file) if config.http_api_key_file else None
-    return Gateway(client, config.model, keys)
+    supervisor = fallback_endpoint(client.endpoint)
+    return Gateway(client, config.model, keys, fallback=AsyncClient(supervisor) if supervisor else None)
 
 
 async def serve(config: Config, *, endpoint: str | None = None,
@@ -80,6 +82,8 @@ async def serve(config: Config, *, endpoint: str | None = None,
     finally:
         stop()
         await client.close()
+        if gateway.fallback is not None:
+            await gateway.fallback.close()
 
 
 def main(config: dict[str, Any], supervisor_endpoint: str) -> None:
