@@ -23,7 +23,8 @@ if not (Path(__file__).parent / "protocol").is_dir():
     __path__.append(str(Path(__file__).parent.parent))  # noqa: F821  (module __path__)
 
 _CLIENT_EXPORTS = frozenset({
-    "AsyncClient", "AsyncStream", "Chunk", "Client", "GenerateResult", "Health", "SamplingParams", "Stream",
+    "AsyncClient", "AsyncStream", "ChatMessage", "Choice", "Chunk", "Client", "GenerateResult", "Health",
+    "SamplingParams", "Stream", "TokenLogprob", "TopLogprob",
 })
 _ERROR_EXPORTS = frozenset({
     "DaemonUnreachableError", "DrainingError", "EngineDeadError", "HandshakeRefusedError", "HybriddError",
@@ -33,7 +34,20 @@ _ERROR_EXPORTS = frozenset({
 __all__ = sorted(_CLIENT_EXPORTS | _ERROR_EXPORTS | {"__version__"})
 
 if TYPE_CHECKING:
-    from hybridd.client import AsyncClient, AsyncStream, Chunk, Client, GenerateResult, Health, SamplingParams, Stream
+    from hybridd.client import (
+        AsyncClient,
+        AsyncStream,
+        ChatMessage,
+        Choice,
+        Chunk,
+        Client,
+        GenerateResult,
+        Health,
+        SamplingParams,
+        Stream,
+        TokenLogprob,
+        TopLogprob,
+    )
     from hybridd.client_errors import (
         DaemonUnreachableError,
         DrainingError,

@@ -34,7 +34,7 @@ import time
 import uuid
 import weakref
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import EllipsisType
 from typing import Any
@@ -65,6 +65,8 @@ from hybridd.protocol.errors import ErrorCode, ProtocolError
 from hybridd.protocol.limits import MAX_MESSAGE_BYTES, MAX_TIMEOUT_S
 from hybridd.protocol.messages import (
     CancelRequest,
+    ChatMessage,
+    Choice,
     ChunkReply,
     ErrorReply,
     FinalReply,
@@ -76,12 +78,16 @@ from hybridd.protocol.messages import (
     StatusReply,
     StatusRequest,
     Timings,
+    TokenLogprob,
+    TopLogprob,
     Usage,
 )
 
 __all__ = [
     "AsyncClient",
     "AsyncStream",
+    "ChatMessage",
+    "Choice",
     "Chunk",
     "CONNECT_TIMEOUT_S",
     "Client",
@@ -100,6 +106,8 @@ __all__ = [
     "RequestTimeoutError",
     "SamplingParams",
     "Stream",
+    "TokenLogprob",
+    "TopLogprob",
     "UnavailableError",
     "load_curve_keys",
 ]
@@ -121,24 +129,31 @@ HEARTBEAT_TIMEOUT_MS = 3000
 RECONNECT_IVL_MS = 100
 RECONNECT_IVL_MAX_MS = 1000
 SAMPLING_FIELDS = frozenset(SamplingParams.__dataclass_fields__)
+Messages = list[ChatMessage | dict[str, str]]
 
 
 @dataclass(frozen=True, slots=True)
 class GenerateResult:
+    """A finished request. `text`, `token_ids`, `finish_reason` and `logprobs` are the
+    first sequence's; `choices` holds all n of them (index 0 … n−1)."""
+
     id: str
     text: str  # the whole completion
     token_ids: list[int]
     finish_reason: str  # stop or length (other endings raise)
-    usage: Usage
+    usage: Usage  # the prompt counted once, the completion tokens of every sequence
     timings: Timings
+    logprobs: list[TokenLogprob] | None = None  # when asked for: one per token id
+    choices: list[Choice] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
 class Chunk:
     id: str
-    index: int
-    text: str  # new text since the previous chunk
+    index: int  # which of the request's n sequences (0 when n = 1)
+    text: str  # new text of that sequence since its previous chunk
     token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None  # when asked for: one per token id
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,9 +185,27 @@ def new_request_id() -> str:
 # ---------------------------------------------------------------- replies → outcomes
 
 
-def _result(reply: FinalReply) -> GenerateResult:
-    return GenerateResult(id=reply.id, text=reply.text, token_ids=reply.token_ids, finish_reason=reply.finish_reason,
-                          usage=reply.usage, timings=reply.timings)
+def _result(reply: FinalReply, streamed: dict[int, list[TokenLogprob]] | None = None) -> GenerateResult:
+    """The outcome of a final reply; `streamed`: logprobs that a stream's chunks carried
+    (its final does not repeat them), by sequence index."""
+    choices = reply.choices
+    if streamed:
+        choices = [replace(c, logprobs=streamed.get(c.index, [])) if c.logprobs is None else c for c in choices]
+    first = choices[0]
+    return GenerateResult(id=reply.id, text=first.text, token_ids=first.token_ids, finish_reason=first.finish_reason,
+                          usage=reply.usage, timings=reply.timings, logprobs=first.logprobs, choices=list(choices))
+
+
+def _chunk(reply: ChunkReply, streamed: dict[int, list[TokenLogprob]]) -> Chunk:
+    if reply.logprobs is not None:
+        streamed.setdefault(reply.index, []).extend(reply.logprobs)
+    return Chunk(id=reply.id, index=reply.index, text=reply.text, token_ids=reply.token_ids, logprobs=reply.logprobs)
+
+
+def _failure(reply: FinalReply) -> str | None:
+    """The reason a request did not complete: the first sequence's that ended otherwise
+    than by stop or length, else None."""
+    return next((c.finish_reason for c in reply.choices if c.finish_reason not in ("stop", "length")), None)
 
 
 def _raise_for(reply: Reply | HybriddError) -> None:
@@ -181,11 +214,12 @@ def _raise_for(reply: Reply | HybriddError) -> None:
         raise reply
     if isinstance(reply, ErrorReply):
         raise error_for_code(reply.code, reply.message, field=reply.field, request_id=reply.id or None)
-    if isinstance(reply, FinalReply) and reply.finish_reason not in ("stop", "length"):
+    reason = _failure(reply) if isinstance(reply, FinalReply) else None
+    if reason is not None:
         partial = _result(reply)
-        if reply.finish_reason == "cancelled":
+        if reason == "cancelled":
             raise RequestCancelledError("the request was cancelled", request_id=reply.id, partial=partial)
-        if reply.finish_reason == "timeout":
+        if reason == "timeout":
             raise RequestTimeoutError("the request's timeout expired in the daemon", request_id=reply.id,
                                       partial=partial)
         raise InternalError("the generation failed after output began", request_id=reply.id, partial=partial)
@@ -196,13 +230,14 @@ def _is_terminal(reply: Reply | HybriddError) -> bool:
 
 
 def _build_generate(
-    prompt: str | list[int],
+    prompt: str | list[int] | None,
     sampling: SamplingParams | dict[str, Any] | None,
     options: dict[str, Any],
     *,
     request_id: str | None,
     stream: bool,
     timeout: float | None,
+    messages: Messages | None = None,
 ) -> GenerateRequest:
     unknown = set(options) - SAMPLING_FIELDS
     if unknown:
@@ -213,10 +248,13 @@ def _build_generate(
         sampling = SamplingParams(**(sampling | options))
     elif options:
         raise TypeError("give sampling options either as `sampling` or as keywords, not both")
-    text, ids = (prompt, None) if isinstance(prompt, str) else (None, list(prompt))
+    text, ids = (prompt, None) if isinstance(prompt, str) or prompt is None else (None, list(prompt))
+    chat = None
+    if messages is not None:
+        chat = [m if isinstance(m, ChatMessage) else ChatMessage(**m) for m in messages]
     request = GenerateRequest(
-        id=request_id or new_request_id(), prompt=text, prompt_token_ids=ids, sampling=sampling, stream=stream,
-        timeout_s=None if timeout is None else min(timeout, MAX_TIMEOUT_S),
+        id=request_id or new_request_id(), prompt=text, prompt_token_ids=ids, messages=chat, sampling=sampling,
+        stream=stream, timeout_s=None if timeout is None else min(timeout, MAX_TIMEOUT_S),
     )
     try:  # the daemon's own validation, so that a bad request fails here, naming its field
         return GenerateRequest.from_wire(request.to_wire())
@@ -460,6 +498,7 @@ class Stream:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._deadline = _deadline(timeout)
         self._done = True  # until submitted: nothing to cancel
+        self._logprobs: dict[int, list[TokenLogprob]] = {}
         client._reach(connect_timeout, self._deadline, request)
         client._io.call(client._session.submit, request, self._queue.put)
         self._done = False
@@ -476,10 +515,10 @@ class Stream:
             self.close()
             raise RequestTimeoutError("the call's timeout expired", request_id=self.id) from None
         if isinstance(reply, ChunkReply):
-            return Chunk(id=reply.id, index=reply.index, text=reply.text, token_ids=reply.token_ids)
+            return _chunk(reply, self._logprobs)
         self._done = True
         _raise_for(reply)
-        self.result = _result(reply)
+        self.result = _result(reply, self._logprobs)
         raise StopIteration
 
     def close(self) -> None:
@@ -614,6 +653,25 @@ class Client(_ClientOptions):
                                   timeout=timeout)
         return Stream(self, request, timeout, self._connect_timeout(connect_timeout))
 
+    def chat(self, messages: Messages, sampling: SamplingParams | dict[str, Any] | None = None, *,
+             request_id: str | None = None, timeout: float | None | EllipsisType = ...,
+             connect_timeout: float | None = None, **sampling_options: Any) -> GenerateResult:
+        """The model's answer to a chat (`[{"role": "user", "content": "..."}]`), rendered by
+        its chat template in the daemon, returned whole."""
+        timeout = self._timeout(timeout)
+        request = _build_generate(None, sampling, sampling_options, request_id=request_id, stream=False,
+                                  timeout=timeout, messages=messages)
+        return _result(self._request(request, timeout, self._connect_timeout(connect_timeout)))
+
+    def chat_stream(self, messages: Messages, sampling: SamplingParams | dict[str, Any] | None = None, *,
+                    request_id: str | None = None, timeout: float | None | EllipsisType = ...,
+                    connect_timeout: float | None = None, **sampling_options: Any) -> Stream:
+        """Start the model's answer to a chat; iterate the returned `Stream` for its chunks."""
+        timeout = self._timeout(timeout)
+        request = _build_generate(None, sampling, sampling_options, request_id=request_id, stream=True,
+                                  timeout=timeout, messages=messages)
+        return Stream(self, request, timeout, self._connect_timeout(connect_timeout))
+
     def cancel(self, request_id: str) -> None:
         """Cancel a request of this client; idempotent, no-op for an unknown or finished id."""
         self._io.call(self._session.cancel, request_id)
@@ -684,6 +742,7 @@ class AsyncStream:
         self._queue: asyncio.Queue = asyncio.Queue()
         self._deadline = _deadline(timeout)
         self._done = False
+        self._logprobs: dict[int, list[TokenLogprob]] = {}
         self._loop = asyncio.get_running_loop()
         # Sent at once over an established connection, else on the first iteration,
         # once the connection is made within the connect timeout.
@@ -726,10 +785,10 @@ class AsyncStream:
             self.close()
             raise
         if isinstance(reply, ChunkReply):
-            return Chunk(id=reply.id, index=reply.index, text=reply.text, token_ids=reply.token_ids)
+            return _chunk(reply, self._logprobs)
         self._done = True
         _raise_for(reply)
-        self.result = _result(reply)
+        self.result = _result(reply, self._logprobs)
         raise StopAsyncIteration
 
     def close(self) -> None:
@@ -815,6 +874,24 @@ class AsyncClient(_ClientOptions):
         timeout = self._timeout(timeout)
         request = _build_generate(prompt, sampling, sampling_options, request_id=request_id, stream=True,
                                   timeout=timeout)
+        return AsyncStream(self, request, timeout, self._connect_timeout(connect_timeout))
+
+    async def chat(self, messages: Messages, sampling: SamplingParams | dict[str, Any] | None = None, *,
+                   request_id: str | None = None, timeout: float | None | EllipsisType = ...,
+                   connect_timeout: float | None = None, **sampling_options: Any) -> GenerateResult:
+        """The model's answer to a chat, whole (see `Client.chat`); `chat_stream` streams it."""
+        timeout = self._timeout(timeout)
+        request = _build_generate(None, sampling, sampling_options, request_id=request_id, stream=False,
+                                  timeout=timeout, messages=messages)
+        return _result(await self._request(request, timeout, self._connect_timeout(connect_timeout)))
+
+    def chat_stream(self, messages: Messages, sampling: SamplingParams | dict[str, Any] | None = None, *,
+                    request_id: str | None = None, timeout: float | None | EllipsisType = ...,
+                    connect_timeout: float | None = None, **sampling_options: Any) -> AsyncStream:
+        """Start the model's answer to a chat (call inside the loop); `async for` over it."""
+        timeout = self._timeout(timeout)
+        request = _build_generate(None, sampling, sampling_options, request_id=request_id, stream=True,
+                                  timeout=timeout, messages=messages)
         return AsyncStream(self, request, timeout, self._connect_timeout(connect_timeout))
 
     async def cancel(self, request_id: str) -> None:

@@ -11,13 +11,14 @@ from typing import Any
 
 from hybridd.protocol.errors import ErrorCode, ProtocolError
 from hybridd.protocol.fields import FieldReader, check_int, check_str
-from hybridd.protocol.limits import MAX_REQUEST_ID_CHARS, PROTOCOL_VERSION
+from hybridd.protocol.limits import MAX_REQUEST_ID_CHARS, OLDEST_PROTOCOL_VERSION, PROTOCOL_VERSION
 
-SUPPORTED_VERSIONS = frozenset({PROTOCOL_VERSION})
+SUPPORTED_VERSIONS = frozenset(range(OLDEST_PROTOCOL_VERSION, PROTOCOL_VERSION + 1))
 
 
-def check_version(data: Mapping[str, Any]) -> None:
-    """Missing or mistyped `v` is invalid_request; an unknown integer is unsupported_version."""
+def check_version(data: Mapping[str, Any]) -> int:
+    """The message's version. Missing or mistyped `v` is invalid_request; an unknown
+    integer is unsupported_version."""
     if not isinstance(data, Mapping):
         raise ProtocolError(ErrorCode.MALFORMED, f"a message must be a map, got {type(data).__name__}")
     if data.get("v") is None:
@@ -29,11 +30,12 @@ def check_version(data: Mapping[str, Any]) -> None:
             f"v: protocol version {version} is not supported; this side speaks {sorted(SUPPORTED_VERSIONS)}",
             field="v",
         )
+    return version
 
 
-def envelope(type_: str) -> dict[str, Any]:
+def envelope(type_: str, version: int = PROTOCOL_VERSION) -> dict[str, Any]:
     """The version and type fields every message starts with."""
-    return {"v": PROTOCOL_VERSION, "type": type_}
+    return {"v": version, "type": type_}
 
 
 def open_envelope(data: Mapping[str, Any]) -> FieldReader:
@@ -67,3 +69,9 @@ def peek_request_id(data: Any) -> str | None:
         return check_request_id(data.get("id"))
     except ProtocolError:
         return None
+
+
+def reply_version(data: Any) -> int:
+    """The version to answer a message in: its own when this side speaks it, else the newest."""
+    version = data.get("v") if isinstance(data, Mapping) else None
+    return version if type(version) is int and version in SUPPORTED_VERSIONS else PROTOCOL_VERSION

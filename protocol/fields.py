@@ -181,6 +181,14 @@ class FieldReader:
         path = self.path(key)
         return [check_str(x, f"{path}[{i}]", min_chars=min_chars, max_chars=max_chars) for i, x in enumerate(value)]
 
+    def mapping_list(self, key: str, default: Any = MISSING, *, max_items: int | None = None) -> Any:
+        """A list of maps: one reader per item, each named by its index (`messages[2]`)."""
+        present, value = self._list(key, default, max_items)
+        if not present:
+            return value
+        path = self.path(key)
+        return [FieldReader(item, f"{path}[{i}]") for i, item in enumerate(value)]
+
     def skip(self, *keys: str) -> None:
         """Mark envelope fields that another layer has already checked."""
         self._seen.update(keys)

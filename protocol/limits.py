@@ -8,9 +8,11 @@ from __future__ import annotations
 
 from typing import Final
 
-# The major version carried in every message's `v` field. Messages with any other
-# value are rejected with `unsupported_version`.
-PROTOCOL_VERSION: Final = 1
+# The major version carried in every message's `v` field: the newest is written by
+# default, and every version from the oldest up is still accepted. Messages with any
+# other value are rejected with `unsupported_version`.
+PROTOCOL_VERSION: Final = 2
+OLDEST_PROTOCOL_VERSION: Final = 1
 
 # One encoded message (one ZeroMQ frame). Enforced twice: by ZeroMQ's MAXMSGSIZE on
 # every socket (a peer that sends more is disconnected) and by the codec before
@@ -31,6 +33,17 @@ MAX_SEED: Final = 2**63 - 1
 # OpenAI-compatible range for presence/frequency penalties.
 MAX_ABS_PENALTY: Final = 2.0
 MAX_ERROR_MESSAGE_CHARS: Final = 4096
+# Chat requests (version 2): the messages a chat may hold, the length of a role or a
+# speaker's name; the contents together count against MAX_PROMPT_CHARS.
+MAX_CHAT_MESSAGES: Final = 1024
+MAX_CHAT_ROLE_CHARS: Final = 64
+# Sequences per request (`n`), and alternatives per token (`top_logprobs`, as OpenAI).
+MAX_N: Final = 16
+MAX_TOP_LOGPROBS: Final = 20
+# A non-streaming request's final reply carries every token's logprobs: the entries
+# (n x max_tokens x (1 + top_logprobs)) are bounded so that it fits one message.
+# Streaming requests carry them in their chunks and have no such bound.
+MAX_FINAL_LOGPROB_ENTRIES: Final = 32_768
 
 # msgpack unpacker limits: a backstop against absurd values, set above the field
 # limits so that a value just over a field limit is still reported with its field

@@ -69,6 +69,24 @@ UNK, BOS, EOS, PAD = "<unk>", "<s>", "</s>", "<pad>"
 SPECIAL_TOKENS = [UNK, BOS, EOS, PAD]  # ids 0, 1, 2, 3 (Llama convention for the first three)
 
 WORD_RE = re.compile(r"[a-z]+")
+# The chat template, in the corpus's own form: every message is a speech, the speaker's
+# name in capitals and a colon on a line of its own, then the lines, then a blank line.
+# The user speaks as ROMEO and the model answers as JULIET (a message's `name` renames
+# its speaker); a system message is a stage direction in brackets.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}[{{ message['content'] | trim }}]\n\n"
+    "{% else %}"
+    "{% if message.get('name') %}{% set speaker = message['name'] %}"
+    "{% elif message['role'] == 'user' %}{% set speaker = 'Romeo' %}"
+    "{% elif message['role'] == 'assistant' %}{% set speaker = 'Juliet' %}"
+    "{% else %}{% set speaker = message['role'] %}{% endif %}"
+    "{{ speaker | upper }}:\n{{ message['content'] | trim }}\n\n"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}JULIET:\n{% endif %}"
+)
 WORD_MIN_COUNT = 3
 
 
@@ -553,7 +571,8 @@ def cmd_train(args: argparse.Namespace) -> None:
     model.to(torch.float32)
     (out / "model.safetensors").chmod(0o644)  # safetensors writes 0600; this ships as package data
     hf_tok = wrap_tokenizer(tok, args.max_position_embeddings)
-    hf_tok.save_pretrained(out)
+    hf_tok.chat_template = CHAT_TEMPLATE
+    hf_tok.save_pretrained(out, save_jinja_files=False)  # the template inside tokenizer_config.json
     gen_config = GenerationConfig(
         bos_token_id=config.bos_token_id,
         eos_token_id=config.eos_token_id,

@@ -12,7 +12,6 @@ import zmq
 
 from hybridd.config import Config
 from hybridd.protocol import codec
-from hybridd.protocol.limits import PROTOCOL_VERSION
 
 
 class EnginePair:
@@ -30,8 +29,8 @@ class EnginePair:
         self.graph.start()
         self.zmq = zmq.Context()
 
-    def client(self) -> Client:
-        return Client(self.zmq, self.config.client_endpoint)
+    def client(self, version: int = 1) -> Client:
+        return Client(self.zmq, self.config.client_endpoint, version)
 
     def wait_ready(self, timeout: float = 120.0) -> None:
         client = self.client()
@@ -59,16 +58,18 @@ class EnginePair:
 
 
 class Client:
-    """A raw protocol client: one DEALER, msgpack frames."""
+    """A raw protocol client: one DEALER, msgpack frames, speaking protocol `version`
+    (version 1 by default: the shapes most tests read)."""
 
-    def __init__(self, context: zmq.Context, endpoint: str):
+    def __init__(self, context: zmq.Context, endpoint: str, version: int = 1):
+        self.version = version
         self.socket = context.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.connect(endpoint)
         self.inbox: dict[str, list[dict]] = {}  # replies received while waiting for another id
 
     def send(self, message: dict) -> str:
-        message = {"v": PROTOCOL_VERSION, "id": uuid.uuid4().hex, **message}
+        message = {"v": self.version, "id": uuid.uuid4().hex, **message}
         self.socket.send(codec.encode(message))
         return message["id"]
 

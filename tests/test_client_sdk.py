@@ -130,7 +130,7 @@ def test_generate_returns_text_ids_reason_usage_and_timings(client):
 def test_stream_yields_chunks_that_add_up_to_the_result(client):
     stream = client.stream("JULIET:", max_tokens=20, temperature=0)
     chunks = list(stream)
-    assert [c.index for c in chunks] == list(range(len(chunks)))
+    assert chunks and all(c.index == 0 for c in chunks)  # one sequence
     assert "".join(c.text for c in chunks) == stream.result.text
     assert [t for c in chunks for t in c.token_ids] == stream.result.token_ids[: sum(len(c.token_ids) for c in chunks)]
     assert stream.result.finish_reason == "length"

@@ -205,3 +205,38 @@ def test_compiled_matches_eager():
     greedy = build([SamplingParams(temperature=0.0, presence_penalty=1.0)] * 3, prompts=[[1]] * 3, outputs=[[2]] * 3)
     logits = torch.randn(3, V, generator=gen)
     assert torch.equal(compiled(logits, greedy), eager(logits, greedy))
+
+
+def reference_logprobs(logits: torch.Tensor, p: SamplingParams, prompt: list[int], output: list[int]) -> torch.Tensor:
+    """Logprobs of the distribution a row samples from, as OpenAI defines them: after the
+    penalties, the temperature and the top-k/top-p cut; greedy rows are unscaled."""
+    if p.temperature > 0:
+        return reference_probs(logits, p, prompt, output).log()
+    penalised = reference_probs(logits, SamplingParams(**{**vars(p), "temperature": 1.0, "top_k": 0, "top_p": 1.0}),
+                                prompt, output)
+    return penalised.log()
+
+
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+def test_logprobs_follow_the_sampled_distribution(compile):
+    logits = torch.randn(len(PARAMS), V, generator=torch.Generator().manual_seed(7)) * 3
+    t = build(PARAMS, prompts=PROMPTS, outputs=OUTPUTS)
+    sampler = Sampler(compile=compile)
+    tokens = sampler(logits, t)
+    lp = sampler.logprobs(logits, t, tokens)
+    assert lp.top_ids.shape == (len(PARAMS), 20) and lp.top_values.shape == (len(PARAMS), 20)
+    for row, p in enumerate(PARAMS):
+        expected = reference_logprobs(logits[row], p, PROMPTS[row], OUTPUTS[row])
+        token = int(tokens[row])
+        assert math.isfinite(float(lp.sampled[row])), f"row {row}: the sampled token has no mass"
+        assert float(lp.sampled[row]) == pytest.approx(float(expected[token]), abs=1e-4), f"row {row}"
+        values = lp.top_values[row].double()
+        assert torch.all(values[:-1] >= values[1:]), "most likely first"
+        finite = torch.isfinite(values)
+        ids = lp.top_ids[row][finite]
+        assert torch.allclose(values[finite], expected[ids], atol=1e-4), f"row {row}"
+        # the alternatives are the most likely tokens: none outside them beats the last one
+        assert float(expected.max()) == pytest.approx(float(values[0]), abs=1e-4)
+        rest = expected.clone()
+        rest[lp.top_ids[row]] = float("-inf")
+        assert float(rest.max()) <= float(values[-1]) + 1e-4

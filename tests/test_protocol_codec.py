@@ -10,6 +10,8 @@ from hybridd.protocol.codec import decode, encode, parse_control, parse_reply, p
 from hybridd.protocol.errors import ErrorCode, ProtocolError
 from hybridd.protocol.messages import (
     CancelRequest,
+    ChatMessage,
+    Choice,
     ChunkReply,
     ErrorReply,
     FinalReply,
@@ -27,6 +29,8 @@ from hybridd.protocol.messages import (
     StatusRequest,
     Step,
     Timings,
+    TokenLogprob,
+    TopLogprob,
     Usage,
 )
 
@@ -51,34 +55,59 @@ REQUESTS = [
         stream=False,
         timeout_s=2.5,
     ),
+    GenerateRequest(
+        id="r3",
+        messages=[ChatMessage(role="system", content="Be brief."), ChatMessage(role="user", content="Hi", name="ROMEO")],
+        sampling=SamplingParams(n=3, logprobs=True, top_logprobs=5, seed=7),
+    ),
+    GenerateRequest(id="r4", prompt="version one", sampling=SamplingParams(max_tokens=3), v=1),
     CancelRequest(id="c1", target="r1"),
+    CancelRequest(id="c1", target="r1", v=1),
     StatusRequest(id="s1"),
     HealthRequest(id="h1"),
+    HealthRequest(id="h1", v=1),
+]
+
+_LOGPROBS = [
+    TokenLogprob(token_id=5, text="Hel", logprob=-0.25,
+                 top_logprobs=[TopLogprob(token_id=5, text="Hel", logprob=-0.25),
+                               TopLogprob(token_id=9, text="\ufffd", logprob=-2.5)]),
+    TokenLogprob(token_id=6, text="lo", logprob=0.0),
 ]
 
 REPLIES = [
     ChunkReply(id="r1", index=0, text="Hel", token_ids=[5, 6]),
+    ChunkReply(id="r1", index=2, text="Hel", token_ids=[5, 6], logprobs=_LOGPROBS),
+    ChunkReply(id="r1", index=0, number=7, text="Hel", token_ids=[5, 6], v=1),
     FinalReply(
         id="r1",
-        text="Hello",
-        token_ids=[5, 6, 7],
-        finish_reason="length",
+        choices=[Choice(index=0, text="Hello", token_ids=[5, 6, 7], finish_reason="length")],
         usage=Usage(prompt_tokens=4, completion_tokens=3),
         timings=Timings(ttft_s=0.01, total_s=0.05, queue_s=0.001),
+        v=1,
     ),
     FinalReply(
         id="r3",
-        text="",
-        token_ids=[],
-        finish_reason="cancelled",
+        choices=[Choice(index=0, text="", token_ids=[], finish_reason="cancelled")],
         usage=Usage(prompt_tokens=4, completion_tokens=0),
         timings=Timings(ttft_s=None, total_s=0.0, queue_s=0.0),
+        v=1,
+    ),
+    FinalReply(
+        id="r2",
+        choices=[Choice(index=0, text="Hello", token_ids=[5, 6], finish_reason="length", logprobs=_LOGPROBS),
+                 Choice(index=1, text="Hi", token_ids=[8], finish_reason="stop")],
+        usage=Usage(prompt_tokens=4, completion_tokens=3),
+        timings=Timings(ttft_s=0.01, total_s=0.05, queue_s=0.001),
     ),
     ErrorReply(id="", code=ErrorCode.MALFORMED, message="bad"),
     ErrorReply(id="r1", code=ErrorCode.INVALID_REQUEST, message="no", field="sampling.top_p"),
+    ErrorReply(id="r1", code=ErrorCode.INVALID_REQUEST, message="no", field="sampling.top_p", v=1),
     StatusReply(id="s1", status={"state": "ready", "queue": {"waiting": 0}}),
     HealthReply(id="h1", state="ready", ok=True),
+    HealthReply(id="h1", state="ready", ok=True, v=1),
 ]
+
 
 CONTROL = [
     Ready(
@@ -103,12 +132,16 @@ CONTROL = [
 ]
 
 
-@pytest.mark.parametrize("message", REQUESTS, ids=lambda m: type(m).__name__)
+def _name(message) -> str:
+    return f"{type(message).__name__}-v{message.v}"
+
+
+@pytest.mark.parametrize("message", REQUESTS, ids=_name)
 def test_requests_round_trip(message):
     assert parse_request(encode(message)) == message
 
 
-@pytest.mark.parametrize("message", REPLIES, ids=lambda m: type(m).__name__)
+@pytest.mark.parametrize("message", REPLIES, ids=_name)
 def test_replies_round_trip(message):
     assert parse_reply(encode(message)) == message
 
@@ -131,11 +164,39 @@ def test_ints_are_accepted_where_floats_are_expected():
     assert request.sampling.temperature == 1.0 and request.timeout_s == 3.0
 
 
-def test_optional_fields_may_be_omitted_or_nil():
-    minimal = {"v": 1, "type": "generate", "id": "r", "prompt": "hi"}
-    assert parse_request(msgpack.packb(minimal)) == GenerateRequest(id="r", prompt="hi")
+@pytest.mark.parametrize("version", [1, 2])
+def test_optional_fields_may_be_omitted_or_nil(version):
+    minimal = {"v": version, "type": "generate", "id": "r", "prompt": "hi"}
+    assert parse_request(msgpack.packb(minimal)) == GenerateRequest(id="r", prompt="hi", v=version)
     with_nils = minimal | {"prompt_token_ids": None, "sampling": None, "stream": None, "timeout_s": None}
-    assert parse_request(msgpack.packb(with_nils)) == GenerateRequest(id="r", prompt="hi")
+    if version >= 2:
+        with_nils |= {"messages": None}
+    assert parse_request(msgpack.packb(with_nils)) == GenerateRequest(id="r", prompt="hi", v=version)
+
+
+def test_version_1_writes_the_version_1_shapes():
+    """A version 1 peer sees exactly the version 1 fields: no chat, n or logprobs."""
+    request = GenerateRequest(id="r", prompt="hi", v=1).to_wire()
+    assert "messages" not in request and not {"n", "logprobs", "top_logprobs"} & set(request["sampling"])
+    chunk = ChunkReply(id="r", index=0, number=3, text="a", token_ids=[4], v=1).to_wire()
+    assert chunk == {"v": 1, "type": "chunk", "id": "r", "index": 3, "text": "a", "token_ids": [4]}
+    final = REPLIES[3].to_wire()
+    assert set(final) == {"v", "type", "id", "text", "token_ids", "finish_reason", "usage", "timings"}
+    assert final["v"] == 1 and final["text"] == "Hello"
+
+
+@pytest.mark.parametrize("field", ["n", "logprobs", "top_logprobs"])
+def test_version_2_sampling_fields_are_unknown_in_version_1(field):
+    data = GenerateRequest(id="r", prompt="hi", v=1).to_wire()
+    data["sampling"][field] = 1 if field != "logprobs" else True
+    error = _error(msgpack.packb(data))
+    assert (error.code, error.field) == (ErrorCode.INVALID_REQUEST, f"sampling.{field}")
+
+
+def test_chat_messages_are_unknown_in_version_1():
+    data = {"v": 1, "type": "generate", "id": "r", "prompt": "hi", "messages": [{"role": "user", "content": "hi"}]}
+    error = _error(msgpack.packb(data))
+    assert (error.code, error.field) == (ErrorCode.INVALID_REQUEST, "messages")
 
 
 def _error(frame: bytes, parse=parse_request) -> ProtocolError:
@@ -178,7 +239,7 @@ def test_mistyped_version_names_v():
     assert (error.code, error.field) == (ErrorCode.INVALID_REQUEST, "v")
 
 
-@pytest.mark.parametrize("version", [0, 2, 99])
+@pytest.mark.parametrize("version", [0, limits.PROTOCOL_VERSION + 1, 99])
 def test_unknown_version_is_unsupported_and_keeps_the_id(version):
     error = _error(msgpack.packb({"v": version, "type": "health", "id": "h7"}))
     assert (error.code, error.field, error.request_id) == (ErrorCode.UNSUPPORTED_VERSION, "v", "h7")
@@ -231,7 +292,7 @@ def test_encode_refuses_unencodable_values():
 
 
 def test_decode_returns_the_map():
-    assert decode(encode(StatusRequest(id="s"))) == {"v": 1, "type": "status", "id": "s"}
+    assert decode(encode(StatusRequest(id="s"))) == {"v": limits.PROTOCOL_VERSION, "type": "status", "id": "s"}
 
 
 def test_unknown_error_codes_from_a_newer_daemon_read_as_internal():

@@ -102,6 +102,32 @@ CASES = [
     ("cancel-without-target", {"v": 1, "id": "c", "type": "cancel"}, INVALID, "target"),
     ("cancel-target-int", {"v": 1, "id": "c", "type": "cancel", "target": 5}, INVALID, "target"),
     ("health-extra-field", {"v": 1, "id": "h", "type": "health", "verbose": True}, INVALID, "verbose"),
+    # version 2: chat, n and logprobs
+    ("n-zero", _with_sampling(n=0), INVALID, "sampling.n"),
+    ("n-over-max", _with_sampling(n=limits.MAX_N + 1), INVALID, "sampling.n"),
+    ("logprobs-int", _with_sampling(logprobs=1), INVALID, "sampling.logprobs"),
+    ("top-logprobs-over-max", _with_sampling(logprobs=True, top_logprobs=limits.MAX_TOP_LOGPROBS + 1), INVALID,
+     "sampling.top_logprobs"),
+    ("top-logprobs-without-logprobs", _with_sampling(top_logprobs=3), INVALID, "sampling.top_logprobs"),
+    ("final-logprobs-over-limit",
+     _generate(stream=False, sampling=SamplingParams(max_tokens=limits.MAX_FINAL_LOGPROB_ENTRIES // 2 + 1, n=2,
+                                                     logprobs=True).to_wire()),
+     INVALID, "sampling.top_logprobs"),
+    ("messages-and-prompt", _generate(messages=[{"role": "user", "content": "hi"}]), INVALID, "prompt"),
+    ("messages-empty", _generate(prompt=None, messages=[]), INVALID, "messages"),
+    ("messages-not-list", _generate(prompt=None, messages={"role": "user"}), INVALID, "messages"),
+    ("message-not-map", _generate(prompt=None, messages=["hi"]), INVALID, "messages[0]"),
+    ("message-without-role", _generate(prompt=None, messages=[{"content": "hi"}]), INVALID, "messages[0].role"),
+    ("message-content-int", _generate(prompt=None, messages=[{"role": "user", "content": 1}]), INVALID,
+     "messages[0].content"),
+    ("message-unknown-field", _generate(prompt=None, messages=[{"role": "user", "content": "a", "tone": "x"}]),
+     INVALID, "messages[0].tone"),
+    ("message-long-role", _generate(prompt=None, messages=[{"role": "r" * (limits.MAX_CHAT_ROLE_CHARS + 1),
+                                                            "content": "a"}]), TOO_LARGE, "messages[0].role"),
+    ("too-many-messages", _generate(prompt=None, messages=[{"role": "user", "content": "a"}]
+                                    * (limits.MAX_CHAT_MESSAGES + 1)), TOO_LARGE, "messages"),
+    ("messages-too-long", _generate(prompt=None, messages=[{"role": "user", "content": "x" * (limits.MAX_PROMPT_CHARS // 2 + 1)}] * 2),
+     TOO_LARGE, "messages"),
 ]
 
 

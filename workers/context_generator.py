@@ -22,7 +22,8 @@ import zmq
 from hybridd import __version__
 from hybridd.config import Config
 from hybridd.engine.block_manager import BlockManager
-from hybridd.engine.sampler import Sampler
+from hybridd.engine.prompt import PromptError, prompt_token_ids
+from hybridd.engine.sampler import Logprobs, Sampler
 from hybridd.engine.sampling_params import SamplingParams
 from hybridd.engine.scheduler import Scheduler
 from hybridd.engine.sequence import Sequence
@@ -37,10 +38,12 @@ from hybridd.ipc.channel import Channel, PeerProtocolError, bind_ipc_endpoint
 from hybridd.ipc.posix_shm import pid_alive
 from hybridd.ipc.shared_arena import SharedArena
 from hybridd.protocol import control
+from hybridd.protocol.envelope import reply_version
 from hybridd.protocol.errors import ErrorCode, ProtocolError
 from hybridd.protocol.supervisor import Drain, SupervisorInfo
 from hybridd.protocol.messages import (
     CancelRequest,
+    Choice,
     ChunkReply,
     ErrorReply,
     FinalReply,
@@ -50,6 +53,8 @@ from hybridd.protocol.messages import (
     StatusReply,
     StatusRequest,
     Timings,
+    TokenLogprob,
+    TopLogprob,
     Usage,
     request_from_wire,
 )
@@ -62,18 +67,32 @@ READY_TIMEOUT_S = 3600.0
 
 
 @dataclass
+class SequenceOutput:
+    """What one of a request's sequences has produced so far."""
+
+    seq: Sequence
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None
+    last_token: float | None = None
+
+
+@dataclass
 class ClientRequest:
     identity: bytes
     id: str
     stream: bool
-    seq: Sequence
+    outputs: list[SequenceOutput]  # by sequence index
     arrival: float
     deadline: float | None
+    v: int  # the protocol version of the request, and so of its replies
     admitted: float | None = None
     first_token: float | None = None
-    last_token: float | None = None
     chunks: int = 0
-    token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def seqs(self) -> list[Sequence]:
+        return [out.seq for out in self.outputs]
 
 
 def percentile(values, q: float) -> float | None:
@@ -93,6 +112,8 @@ class ContextGenerator:
         self.device = resolve_device(config)
         self.tracer = StepTracer("context")
         self.requests: dict[str, ClientRequest] = {}
+        self.owners: dict[str, ClientRequest] = {}  # a sequence's id -> its request
+        self._token_texts: dict[int, str] = {}
         self.inflight: deque[InflightStep] = deque()
         self.state = "loading"
         self.drain_deadline: float | None = None
@@ -141,6 +162,7 @@ class ContextGenerator:
         self.pipeline = StepPipeline(
             ready, self.buffers, self.ctl, sampler, self.device,
             on_control=self._on_control, peer_alive=self._graph_alive,
+            kv_cache=self.kv_arena.tensors["kv_cache"],
         )
         self.client = bind_ipc_endpoint(self._ipc_path(config.client_endpoint), name="client")
         self.tcp = None
@@ -246,7 +268,7 @@ class ContextGenerator:
             if batch is not None:
                 now = time.monotonic()
                 for seq in batch.seqs:
-                    request = self.requests.get(seq.request_id)
+                    request = self.owners.get(seq.request_id)
                     if request is not None and request.admitted is None:
                         request.admitted = now
                         self.metrics.scheduled(now - request.arrival)
@@ -264,40 +286,65 @@ class ContextGenerator:
 
     def _retire(self, step: InflightStep) -> None:
         tokens = self.pipeline.collect(step)
-        before = [seq.num_output_tokens for seq in step.batch.seqs]
+        seqs = step.batch.sampled_seqs
+        before = [seq.num_output_tokens for seq in seqs]
         finished = self.scheduler.postprocess(step.batch, tokens)
         now = time.monotonic()
-        self.throughput.add(sum(seq.num_output_tokens > count for seq, count in zip(step.batch.seqs, before)))
-        for seq, token, count in zip(step.batch.seqs, tokens, before, strict=True):
-            request = self.requests.get(seq.request_id)
-            if request is None:
-                continue
+        self.throughput.add(sum(seq.num_output_tokens > count for seq, count in zip(seqs, before)))
+        for row, (seq, token, count) in enumerate(zip(seqs, tokens, before, strict=True)):
+            request = self.owners.get(seq.request_id)
             # A sequence that finished a step earlier had one more token sampled; it is dropped.
-            if seq.num_output_tokens > count:
-                if request.first_token is None:
-                    request.first_token = now
-                    self.ttft.append(now - request.arrival)
-                    self.metrics.first_token(now - request.arrival)
-                else:
-                    self.itl.append(now - request.last_token)
-                    self.metrics.inter_token(now - request.last_token)
-                request.last_token = now
-                request.token_ids.append(token)
-                if request.stream:
-                    self._send(request.identity, ChunkReply(
-                        id=request.id, index=request.chunks, text=seq.new_text, token_ids=[token]))
-                    request.chunks += 1
+            if request is None or seq.num_output_tokens == count:
+                continue
+            out = request.outputs[seq.index]
+            if request.first_token is None:
+                request.first_token = now
+                self.ttft.append(now - request.arrival)
+                self.metrics.first_token(now - request.arrival)
+            if out.last_token is not None:
+                self.itl.append(now - out.last_token)
+                self.metrics.inter_token(now - out.last_token)
+            out.last_token = now
+            out.token_ids.append(token)
+            logprob = None
+            if seq.params.logprobs:
+                logprob = self._token_logprob(step.host_logprobs, row, token, seq.params.top_logprobs)
+                out.logprobs.append(logprob)
+            if request.stream:
+                self._send(request.identity, ChunkReply(
+                    id=request.id, index=seq.index, number=request.chunks, text=seq.new_text, token_ids=[token],
+                    logprobs=None if logprob is None else [logprob], v=request.v))
+                request.chunks += 1
         for seq in finished:
-            self._finish(seq.request_id, seq.finish_reason or "stop")
+            self._finish_sequence(seq, seq.finish_reason or "stop")
+
+    def _token_logprob(self, logprobs: Logprobs, row: int, token: int, top: int) -> TokenLogprob:
+        """The host's view of one row's logprobs: the sampled token's and its top
+        alternatives (those the sampled distribution gives any mass), with their texts."""
+        alternatives = []
+        if top:
+            values = logprobs.top_values[row, :top].tolist()
+            ids = logprobs.top_ids[row, :top].tolist()
+            alternatives = [TopLogprob(token_id=i, text=self._token_text(i), logprob=v)
+                            for i, v in zip(ids, values, strict=True) if v != float("-inf")]
+        return TokenLogprob(token_id=token, text=self._token_text(token),
+                            logprob=float(logprobs.sampled[row]), top_logprobs=alternatives)
+
+    def _token_text(self, token: int) -> str:
+        text = self._token_texts.get(token)
+        if text is None:
+            text = self._token_texts[token] = self.tokenizer.decode([token])
+        return text
 
     # ---------------------------------------------------------------- clients
     def _send(self, identity: bytes, message) -> None:
         channel = self.tcp if identity.startswith(b"tcp:") and self.tcp else self.client
         channel.send_to(identity.removeprefix(b"tcp:"), message)
 
-    def _error(self, identity: bytes, request_id: str, code: ErrorCode, message: str, field: str | None = None):
+    def _error(self, identity: bytes, request_id: str, code: ErrorCode, message: str, field: str | None = None,
+               *, v: int):
         self.failed += code not in (ErrorCode.CANCELLED,)
-        self._send(identity, ErrorReply(id=request_id, code=code, message=message, field=field))
+        self._send(identity, ErrorReply(id=request_id, code=code, message=message, field=field, v=v))
 
     def _client_messages(self, channel: Channel) -> None:
         prefix = b"tcp:" if channel is self.tcp else b""
@@ -315,111 +362,132 @@ class ContextGenerator:
                 request = request_from_wire(message)
             except ProtocolError as exc:
                 rid = message.get("id") if isinstance(message.get("id"), str) else ""
-                self._error(identity, rid[:128], exc.code, exc.message, exc.field)
+                self._error(identity, rid[:128], exc.code, exc.message, exc.field, v=reply_version(message))
                 continue
             if isinstance(request, GenerateRequest):
                 self._generate(identity, request)
             elif isinstance(request, CancelRequest):
                 self._cancel(identity, request.target)
             elif isinstance(request, StatusRequest):
-                self._send(identity, StatusReply(id=request.id, status=self.status()))
+                self._send(identity, StatusReply(id=request.id, status=self.status(), v=request.v))
             elif isinstance(request, HealthRequest):
                 self._send(identity, HealthReply(id=request.id, state=self._lifecycle_state(),
-                                                 ok=self.state == "ready"))
+                                                 ok=self.state == "ready", v=request.v))
             else:
                 self._error(identity, getattr(request, "id", ""), ErrorCode.INVALID_REQUEST,
-                            f"{type(request).__name__} is a reply, not a request")
+                            f"{type(request).__name__} is a reply, not a request", v=reply_version(message))
 
     def _key(self, identity: bytes, request_id: str) -> str:
         return f"{identity.hex()}:{request_id}"
 
     def _generate(self, identity: bytes, req: GenerateRequest) -> None:
+        def refuse(code: ErrorCode, message: str, field: str | None = None) -> None:
+            self._error(identity, req.id, code, message, field, v=req.v)
+
         if self.state != "ready":
-            self._error(identity, req.id, ErrorCode.DRAINING, "the daemon is draining and accepts no new requests")
+            refuse(ErrorCode.DRAINING, "the daemon is draining and accepts no new requests")
             return
         key = self._key(identity, req.id)
         if key in self.requests:
-            self._error(identity, req.id, ErrorCode.INVALID_REQUEST, f"request id {req.id!r} is already in flight",
-                        "id")
+            refuse(ErrorCode.INVALID_REQUEST, f"request id {req.id!r} is already in flight", "id")
             return
         if len(self.requests) >= self.config.max_queued_requests:
-            self._error(identity, req.id, ErrorCode.OVERLOADED,
-                        f"{len(self.requests)} requests in flight (max_queued_requests); retry later")
+            refuse(ErrorCode.OVERLOADED, f"{len(self.requests)} requests in flight (max_queued_requests); retry later")
             return
         vocab = self.ready.vocab_size
-        if req.prompt is not None:
-            ids = self.tokenizer.encode(req.prompt)
-            if not ids:
-                self._error(identity, req.id, ErrorCode.INVALID_REQUEST, "prompt is empty", "prompt")
-                return
-        else:
-            ids = list(req.prompt_token_ids or [])
-            if not ids:
-                self._error(identity, req.id, ErrorCode.INVALID_REQUEST, "prompt_token_ids is empty",
-                            "prompt_token_ids")
-                return
-            bad = next((t for t in ids if t >= vocab), None)
-            if bad is not None:
-                self._error(identity, req.id, ErrorCode.INVALID_REQUEST,
-                            f"token id {bad} is outside the vocabulary of {vocab}", "prompt_token_ids")
-                return
+        try:
+            ids = prompt_token_ids(
+                self.tokenizer, prompt=req.prompt, token_ids=req.prompt_token_ids, vocab_size=vocab,
+                messages=None if req.messages is None else [m.as_dict() for m in req.messages],
+            )
+        except PromptError as exc:
+            refuse(ErrorCode.INVALID_REQUEST, str(exc), exc.field)
+            return
         s = req.sampling
         params = SamplingParams(
             max_tokens=s.max_tokens, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed,
             repetition_penalty=s.repetition_penalty, presence_penalty=s.presence_penalty,
             frequency_penalty=s.frequency_penalty, stop=list(s.stop), stop_token_ids=list(s.stop_token_ids),
-            ignore_eos=s.ignore_eos,
+            ignore_eos=s.ignore_eos, n=s.n, logprobs=s.logprobs, top_logprobs=s.top_logprobs,
         )
         try:
             params.validate(vocab)
-            seq = Sequence(key, ids, params)
-            self.scheduler.add(seq)
+            seqs = [Sequence(key if i == 0 else f"{key}#{i}", ids, params, index=i) for i in range(params.n)]
+            seqs[0].forks = seqs[1:]
+            self.scheduler.add(seqs[0])
         except ValueError as exc:
-            field_name = "prompt" if "max_model_len" in str(exc) and "prompt has" in str(exc) else "sampling"
-            self._error(identity, req.id, ErrorCode.INVALID_REQUEST, str(exc), field_name)
+            text = str(exc)
+            field_name = ("prompt" if "max_model_len" in text and "prompt has" in text
+                          else "sampling.n" if text.startswith("n is") else "sampling")
+            refuse(ErrorCode.INVALID_REQUEST, text, field_name)
             return
         now = time.monotonic()
         deadline = now + req.timeout_s if req.timeout_s else None
-        self.requests[key] = ClientRequest(identity, req.id, req.stream, seq, now, deadline)
+        outputs = [SequenceOutput(seq, logprobs=[] if params.logprobs else None) for seq in seqs]
+        request = ClientRequest(identity, req.id, req.stream, outputs, now, deadline, req.v)
+        self.requests[key] = request
+        for seq in seqs:
+            self.owners[seq.request_id] = request
 
     def _cancel(self, identity: bytes, target: str) -> None:
-        key = self._key(identity, target)
-        if key in self.requests and self.scheduler.abort(key) is not None:
-            self._finish(key, "cancelled")
+        self._end(self._key(identity, target), "cancelled")
 
     def _expire_timeouts(self, now: float) -> None:
         for key, request in list(self.requests.items()):
             if request.deadline is not None and now > request.deadline:
-                self.scheduler.abort(key)
-                self._finish(key, "timeout")
+                self._end(key, "timeout")
 
-    def _finish(self, key: str, reason: str) -> None:
-        request = self.requests.pop(key, None)
+    def _end(self, key: str, reason: str) -> None:
+        """Stop every unfinished sequence of a request (cancel, timeout, drain)."""
+        request = self.requests.get(key)
         if request is None:
             return
-        seq = request.seq
+        for out in request.outputs:
+            if out.finish_reason is None:
+                self.scheduler.abort(out.seq.request_id)
+                self._finish_sequence(out.seq, reason)
+
+    def _finish_sequence(self, seq: Sequence, reason: str) -> None:
+        """One sequence ended; the request's final goes out when its last one has."""
+        request = self.owners.pop(seq.request_id, None)
+        if request is None:
+            return
+        request.outputs[seq.index].finish_reason = reason
+        if all(out.finish_reason is not None for out in request.outputs):
+            self._finish(request)
+
+    def _finish(self, request: ClientRequest) -> None:
+        self.requests.pop(self._key(request.identity, request.id), None)
         now = time.monotonic()
-        if reason in ("stop", "length"):
+        reasons = [out.finish_reason for out in request.outputs]
+        if all(reason in ("stop", "length") for reason in reasons):
             self.served += 1
-        self.metrics.finished_request(reason, prompt_tokens=seq.num_prompt_tokens,
-                                      generation_tokens=len(request.token_ids), e2e_s=now - request.arrival)
+        # The request's reason: the first sequence's, unless one ended otherwise than by stop or length.
+        reason = next((r for r in reasons if r not in ("stop", "length")), reasons[0])
+        self.metrics.finished_request(reason, prompt_tokens=request.outputs[0].seq.num_prompt_tokens,
+                                      generation_tokens=sum(len(out.token_ids) for out in request.outputs),
+                                      e2e_s=now - request.arrival)
         self._send(request.identity, FinalReply(
             id=request.id,
-            text=seq.output_text,
-            token_ids=list(request.token_ids),
-            finish_reason=reason,
-            usage=Usage(prompt_tokens=seq.num_prompt_tokens, completion_tokens=len(request.token_ids)),
+            choices=[Choice(index=i, text=out.seq.output_text, token_ids=list(out.token_ids),
+                            finish_reason=out.finish_reason,
+                            # a stream's chunks carried them already
+                            logprobs=None if request.stream else out.logprobs)
+                     for i, out in enumerate(request.outputs)],
+            usage=Usage(prompt_tokens=request.outputs[0].seq.num_prompt_tokens,
+                        completion_tokens=sum(len(out.token_ids) for out in request.outputs)),
             timings=Timings(
                 ttft_s=None if request.first_token is None else request.first_token - request.arrival,
                 total_s=now - request.arrival,
                 queue_s=(request.admitted or now) - request.arrival,
             ),
+            v=request.v,
         ))
 
     def fail_all(self, code: ErrorCode, message: str) -> None:
         """A terminal error for every request still in flight (engine death, shutdown)."""
         for key, request in list(self.requests.items()):
-            self._error(request.identity, request.id, code, message)
+            self._error(request.identity, request.id, code, message, v=request.v)
             self.requests.pop(key, None)
 
     # ------------------------------------------------------------- supervisor
@@ -442,8 +510,7 @@ class ContextGenerator:
         if self.requests and time.monotonic() < self.drain_deadline:
             return
         for key in list(self.requests):
-            self.scheduler.abort(key)
-            self._finish(key, "cancelled")
+            self._end(key, "cancelled")
         while self.inflight:
             self.pipeline.collect(self.inflight.popleft())
         self.stop = True

@@ -5,6 +5,12 @@ token at position p of a sequence lives in slot `block_table[p // block_size] *
 block_size + p % block_size`. Admission (`can_allocate`) keeps a watermark of free
 blocks in reserve so that running sequences can still grow; growth (`append_slot`)
 may use every free block.
+
+Sequences forked from one prompt (a request's `n` sequences) share the prompt's full
+blocks: a block is counted by the sequences that hold it and returns to the free list
+when the last one lets go. The prompt's last, partly filled block is not shared, since
+each sequence writes its own tokens into it: a fork gets a fresh block that the step
+pipeline fills with a device copy of the original (`fork` returns the pair).
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ class BlockManager:
         self.block_size = block_size
         self.watermark_blocks = int(watermark * num_blocks)
         self._free: deque[int] = deque(range(num_blocks))
-        self._used: set[int] = set()
+        self._refs: dict[int, int] = {}  # block -> how many sequences hold it
 
     @property
     def num_free(self) -> int:
@@ -56,6 +62,35 @@ class BlockManager:
             raise RuntimeError(f"{seq.request_id} needs {n} blocks, {self.num_free} free")
         seq.block_table = [self._take() for _ in range(n)]
 
+    def fork_blocks(self, num_tokens: int) -> int:
+        """New blocks one fork of a `num_tokens`-long sequence takes: its copy of the last
+        block when that block is partly filled, else none."""
+        return 1 if num_tokens % self.block_size else 0
+
+    def can_allocate_forked(self, num_tokens: int, num_forks: int) -> bool:
+        """Room for a sequence of `num_tokens` and `num_forks` forks of it, above the watermark."""
+        need = self.blocks_for(num_tokens) + num_forks * self.fork_blocks(num_tokens)
+        return self.num_free - need >= self.watermark_blocks
+
+    def fork(self, parent: Sequence, child: Sequence) -> tuple[int, int] | None:
+        """Give `child` the blocks of `parent`'s tokens: the full ones shared, the partly
+        filled last one as a fresh block. Returns (source, destination) of the block to
+        copy on the device, or None when every block is full."""
+        if child.block_table:
+            raise RuntimeError(f"{child.request_id} already holds blocks")
+        full = len(parent) // self.block_size
+        shared = parent.block_table[:full]
+        for block_id in shared:
+            self._refs[block_id] += 1
+        child.block_table = list(shared)
+        if len(parent.block_table) == full:
+            return None
+        if not self._free:
+            raise RuntimeError(f"{child.request_id} needs a block to fork into, none free")
+        copy = self._take()
+        child.block_table.append(copy)
+        return parent.block_table[full], copy
+
     def can_append(self, seq: Sequence) -> bool:
         return not self._needs_block(seq) or self.num_free > 0
 
@@ -68,10 +103,13 @@ class BlockManager:
         return self.slot(seq, seq.last_position)
 
     def free(self, seq: Sequence) -> None:
-        """Return all of `seq`'s blocks; a sequence without blocks is a no-op."""
+        """Let go of all of `seq`'s blocks (a shared one is freed by its last holder); a
+        sequence without blocks is a no-op."""
         for block_id in reversed(seq.block_table):
-            self._used.remove(block_id)
-            self._free.append(block_id)
+            self._refs[block_id] -= 1
+            if not self._refs[block_id]:
+                del self._refs[block_id]
+                self._free.append(block_id)
         seq.block_table = []
         seq.num_computed_tokens = 0
 
@@ -83,5 +121,5 @@ class BlockManager:
 
     def _take(self) -> int:
         block_id = self._free.popleft()
-        self._used.add(block_id)
+        self._refs[block_id] = 1
         return block_id

@@ -23,6 +23,12 @@ no value degenerates on the device: positive parameters are clamped into
 too) and applied by multiplication with host-computed reciprocals, never by device
 division (approximate on the GPU); logits are shifted by their row maximum before
 scaling, so a tiny temperature saturates to -inf instead of overflowing to +inf.
+
+Logprobs, for the batches that ask for them, come from that same distribution: the
+log-softmax of the processed logits (penalised; sampled rows also scaled by their
+temperature and cut by top-k/top-p, greedy rows unscaled), as OpenAI defines them.
+They are computed on the device, right after the tokens: the sampled token's logprob
+and the MAX_TOP_LOGPROBS most likely tokens, which the host trims per row.
 """
 
 from __future__ import annotations
@@ -35,6 +41,8 @@ import torch
 from hybridd.engine.sampling_params import SamplingParams
 from hybridd.engine.sequence import Sequence
 from hybridd.log import get_logger
+from hybridd.protocol.limits import MAX_TOP_LOGPROBS
+
 _MASK32 = 0xFFFFFFFF
 # Uniforms carry 23 bits so that u < 1 stays exact in float32 and -log(u) > 0.
 _UNIFORM_BITS = 23
@@ -47,6 +55,27 @@ _FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 log = get_logger("sampler")
+
+
+@dataclass
+class Logprobs:
+    """Per-row logprobs of one step, on the device until copied: the sampled token's [R],
+    and the k most likely tokens' values and ids [R, k], most likely first."""
+
+    sampled: torch.Tensor
+    top_values: torch.Tensor
+    top_ids: torch.Tensor
+
+    def to(self, out: Logprobs) -> Logprobs:
+        """Copy into `out` (e.g. pinned host buffers), non-blocking; returns `out`."""
+        for name in ("sampled", "top_values", "top_ids"):
+            getattr(out, name).copy_(getattr(self, name), non_blocking=True)
+        return out
+
+    @classmethod
+    def empty_like(cls, other: Logprobs, pin_memory: bool) -> Logprobs:
+        return cls(*(torch.empty(t.shape, dtype=t.dtype, pin_memory=pin_memory)
+                     for t in (other.sampled, other.top_values, other.top_ids)))
 
 
 @dataclass
@@ -175,8 +204,10 @@ class Sampler:
             self._greedy = torch.compile(_sample_greedy, **kwargs)
             self._random = torch.compile(_sample_random, **kwargs)
             self._sorted = torch.compile(_sample_sorted, **kwargs)
+            self._logprobs = torch.compile(_logprobs, **kwargs)
         else:
             self._greedy, self._random, self._sorted = _sample_greedy, _sample_random, _sample_sorted
+            self._logprobs = _logprobs
 
     def warm_up(self, vocab_size: int, device: torch.device | str, on_progress=None) -> dict[str, str]:
         """Run every sampling path once (compiling it) before serving starts. A path whose
@@ -186,16 +217,22 @@ class Sampler:
             "_greedy": (SamplingParams(temperature=0.0), _sample_greedy),
             "_random": (SamplingParams(temperature=0.8), _sample_random),
             "_sorted": (SamplingParams(temperature=0.8, top_k=40, top_p=0.9), _sample_sorted),
+            # logprobs: one specialisation without and one with the top-k/top-p cut
+            "_logprobs": (SamplingParams(temperature=0.8), _logprobs),
+            "_logprobs_sorted": (SamplingParams(temperature=0.8, top_k=40), _logprobs),
         }
         failed: dict[str, str] = {}
         for i, (path, (params, eager)) in enumerate(variants.items(), 1):
             if on_progress is not None:
                 on_progress(i, len(variants))
+            path = path.removesuffix("_sorted") if path.startswith("_logprobs") else path
             try:
                 for rows in (1, 3):  # two sizes, so the dynamic-shape graph is the one cached
                     logits = torch.randn(rows, vocab_size, device=device)
                     tensors = SamplingTensors.build([params] * rows, [0] * rows, [0] * rows, vocab_size, device)
-                    self(logits, tensors)
+                    tokens = self(logits, tensors)
+                    if path == "_logprobs":
+                        self.logprobs(logits, tensors, tokens)
             except Exception as exc:  # a compiler failure must not keep the daemon from serving
                 failed[path] = f"{type(exc).__name__}: {str(exc)[:300]}"
                 log.warning("sampler_compile_failed", path=path.strip("_"), error=failed[path])
@@ -228,6 +265,14 @@ class Sampler:
             out.copy_(tokens)
             return out
         return tokens
+
+    def logprobs(self, logits: torch.Tensor, t: SamplingTensors, tokens: torch.Tensor) -> Logprobs:
+        """Logprobs of the sampled `tokens` and of each row's most likely tokens, from the
+        distribution they were sampled from (see the module docstring)."""
+        k = min(MAX_TOP_LOGPROBS, logits.shape[-1])
+        return Logprobs(*self._logprobs(
+            logits, tokens, t.inverse_temperature, t.top_k, t.top_p, *_penalty_tensors(t), t.do_sort, k,
+        ))
 
     @staticmethod
     def processed_logits(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
@@ -369,6 +414,21 @@ def _sample_sorted(
     filtered = _top_k_top_p(_scale(logits, inverse_temperature), top_k, top_p)
     perturbed = filtered + gumbel_noise(seeds, positions, logits.shape[-1])
     return _pick(logits, perturbed, inverse_temperature)
+
+
+def _logprobs(
+    logits, tokens, inverse_temperature, top_k, top_p, repetition, inverse_repetition, presence, frequency,
+    counts, prompt_mask, do_sort: bool, k: int,
+):
+    logits = _penalize(_finite(logits), repetition, inverse_repetition, presence, frequency, counts, prompt_mask)
+    scaled = _scale(logits, inverse_temperature)
+    if do_sort:
+        scaled = _top_k_top_p(scaled, top_k, top_p)
+    processed = torch.where((inverse_temperature > 0).unsqueeze(1), scaled, logits)
+    logprobs = processed.log_softmax(dim=-1)
+    sampled = logprobs.gather(1, tokens.view(-1, 1).to(torch.int64)).squeeze(1)
+    top = logprobs.topk(k, dim=-1)
+    return sampled, top.values, top.indices
 
 
 def _pick(logits: torch.Tensor, perturbed: torch.Tensor, inverse_temperature: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from hybridd.protocol.limits import MAX_N, MAX_TOP_LOGPROBS
+
 INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
 # OpenAI's documented range for presence/frequency penalties.
@@ -28,6 +30,9 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    n: int = 1  # sequences sharing the prompt (one prefill)
+    logprobs: bool = False  # logprob of each sampled token
+    top_logprobs: int = 0  # and of this many most likely alternatives
 
     def __post_init__(self) -> None:
         # OpenAI clients send `stop` either as one string or as a list.
@@ -74,6 +79,14 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be token ids in [0, {vocab_size}), got {self.stop_token_ids!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
+        if not isinstance(self.logprobs, bool):
+            raise ValueError(f"logprobs must be a bool, got {self.logprobs!r}")
+        if not _is_int(self.top_logprobs) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}")
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs to be true")
 
 
 def _is_int(value: object) -> bool:

@@ -8,6 +8,11 @@ blocks, the most recently admitted sequence is preempted by recompute: its block
 are freed and it goes back to the front of the waiting queue, keeping its output
 so that its next prefill covers prompt + output so far.
 
+A request for n sequences is queued as one sequence carrying n − 1 forks: its prefill
+runs once, and the forks join the running batch right there, each sampling its own
+first token from the prompt's logits and sharing the prompt's KV blocks (the step
+lists the partly filled blocks to copy). After that they are ordinary sequences.
+
 The scheduler may run one step ahead of `postprocess` (the overlapped pipeline):
 a decode row whose input token is still on the device carries the (step, row) that
 sampled it in `input_src_step` / `input_src_row` instead of a host token id.
@@ -18,7 +23,7 @@ from __future__ import annotations
 import enum
 from collections import deque
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -56,6 +61,10 @@ class ScheduledBatch:
     query_start_loc: torch.Tensor  # [n + 1] int32, cu_seqlens of the step's tokens
     logits_indices: torch.Tensor  # [n] int64, each row's last token in the flattened step
     bucket: int | None  # decode: padded batch size; prefill: None (the runner picks by tokens)
+    # Forks sampled from a row's logits in this step: (row, forked sequence), and the KV
+    # blocks to copy (source, destination) before the next step reads them.
+    forks: list[tuple[int, Sequence]] = field(default_factory=list)
+    kv_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_prefill(self) -> bool:
@@ -68,6 +77,16 @@ class ScheduledBatch:
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.numel())
+
+    @property
+    def sampled_seqs(self) -> list[Sequence]:
+        """The sequences that get a token from this step: the rows, then the forks."""
+        return self.seqs + [seq for _, seq in self.forks]
+
+    @property
+    def sample_rows(self) -> list[int]:
+        """For each sampled sequence, the row of the step's logits it samples from."""
+        return list(range(len(self.seqs))) + [row for row, _ in self.forks]
 
     @property
     def inputs_on_device(self) -> bool:
@@ -109,6 +128,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
         self.requests: dict[str, Sequence] = {}
+        self._fork_parent: dict[str, Sequence] = {}  # a fork not yet forked -> the sequence it waits on
         self._next_step_id = 0
         self.num_preemptions = 0
 
@@ -135,11 +155,20 @@ class Scheduler:
                 f"max_model_len {self.max_model_len}), needing {bm.blocks_for(longest)} KV blocks; "
                 f"the KV cache has num_blocks {bm.num_blocks} ({bm.num_admissible_blocks} admissible)"
             )
-        seq.stop_criteria = StopCriteria(seq.params, self.eos_token_ids, self.max_model_len)
-        if self.tokenizer is not None:
-            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids)
-        seq.status = SequenceStatus.WAITING
-        self.requests[seq.request_id] = seq
+        if 1 + len(seq.forks) > self.max_batch:
+            raise ValueError(f"n is {1 + len(seq.forks)}; the daemon runs at most max_batch {self.max_batch} "
+                             f"sequences at once")
+        for fork in seq.forks:
+            if fork.request_id in self.requests or fork.prompt_token_ids != seq.prompt_token_ids:
+                raise ValueError(f"fork {fork.request_id!r} is already scheduled or has another prompt")
+        for member in (seq, *seq.forks):
+            member.stop_criteria = StopCriteria(member.params, self.eos_token_ids, self.max_model_len)
+            if self.tokenizer is not None:
+                member.detokenizer = IncrementalDetokenizer(self.tokenizer, member.prompt_token_ids)
+            member.status = SequenceStatus.WAITING
+            self.requests[member.request_id] = member
+        for fork in seq.forks:
+            self._fork_parent[fork.request_id] = seq
         self.waiting.append(seq)
 
     def abort(self, request_id: str) -> Sequence | None:
@@ -166,7 +195,7 @@ class Scheduler:
     def postprocess(self, batch: ScheduledBatch, next_token_ids: list[int]) -> list[Sequence]:
         """Append each row's sampled token; return the sequences that finished."""
         finished = []
-        for seq, token_id in zip(batch.seqs, next_token_ids, strict=True):
+        for seq, token_id in zip(batch.sampled_seqs, next_token_ids, strict=True):
             seq.num_inflight_tokens -= 1
             seq.new_text = ""
             if seq.is_finished:
@@ -193,6 +222,8 @@ class Scheduler:
         bm = self.block_manager
         seqs: list[Sequence] = []
         num_tokens = 0
+        forks: list[tuple[int, Sequence]] = []
+        kv_copies: list[tuple[int, int]] = []
         while self.waiting and len(self.running) < self.max_batch and len(seqs) < self.max_prefill_seqs:
             seq = self.waiting[0]
             if seq.num_inflight_tokens:
@@ -200,18 +231,31 @@ class Scheduler:
             # A lone sequence longer than the budget still runs, alone, or it would starve.
             if seqs and num_tokens + len(seq) > self.max_prefill_tokens:
                 break
-            if not bm.can_allocate(len(seq)):
+            if len(self.running) + 1 + len(seq.forks) > self.max_batch:
+                break  # a request's sequences start together
+            if not bm.can_allocate_forked(len(seq), len(seq.forks)):
                 break
             bm.allocate(seq)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            for fork in seq.forks:
+                copy = bm.fork(seq, fork)
+                if copy is not None:
+                    kv_copies.append(copy)
+                del self._fork_parent[fork.request_id]
+                fork.status = SequenceStatus.RUNNING
+                self.running.append(fork)
+                forks.append((len(seqs), fork))
+            seq.forks = []
             seqs.append(seq)
             num_tokens += len(seq)
         if not seqs:
             return None
 
         step_id = self._take_step_id()
+        for sample_row, (row, fork) in enumerate(forks, start=len(seqs)):
+            self._mark_scheduled(fork, step_id, sample_row, num_computed=len(seqs[row]))
         input_ids, positions, slots, seq_lens = [], [], [], []
         for row, seq in enumerate(seqs):
             n = len(seq)
@@ -240,6 +284,8 @@ class Scheduler:
             query_start_loc=query_start_loc,
             logits_indices=query_start_loc[1:].to(torch.int64) - 1,
             bucket=None,
+            forks=forks,
+            kv_copies=kv_copies,
         )
 
     def _schedule_decode(self) -> ScheduledBatch | None:
@@ -326,8 +372,16 @@ class Scheduler:
     def _finish(self, seq: Sequence, reason: str, stop_reason: str | int | None = None) -> None:
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
+        elif seq.request_id in self._fork_parent:  # a fork still waiting for its prefill
+            self._fork_parent.pop(seq.request_id).forks.remove(seq)
         elif seq.status in (SequenceStatus.WAITING, SequenceStatus.PREEMPTED):
+            index = self.waiting.index(seq)
             self.waiting.remove(seq)
+            # Its forks no longer have a prefill to share: each is prefilled on its own.
+            for fork in reversed(seq.forks):
+                del self._fork_parent[fork.request_id]
+                self.waiting.insert(index, fork)
+            seq.forks = []
         self.block_manager.free(seq)
         seq.finish(reason, stop_reason)
         del self.requests[seq.request_id]

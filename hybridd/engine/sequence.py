@@ -4,6 +4,12 @@ A `Sequence` is host-side state only. Its `block_table` lists the KV-arena block
 that hold its cache; `num_computed_tokens` counts the tokens whose KV the scheduled
 steps write. In the overlapped pipeline a sampled token may still be on the device
 when the next step is scheduled; `num_inflight_tokens` counts those.
+
+A request for `n` sequences has n `Sequence`s with the same prompt, `index` 0 … n−1.
+The first one is queued and carries the others in `forks` until its prefill, which
+they share: they are forked from it there (same prompt KV, their own first token).
+Sequence i of a seeded request samples with a seed derived from (seed, i), so the n
+outputs are distinct and each reproducible; sequence 0 uses the seed itself.
 """
 
 from __future__ import annotations
@@ -22,6 +28,17 @@ if TYPE_CHECKING:
 # Seeds for unseeded requests: drawn once at admission so that a preempted and
 # recomputed request keeps sampling the same stream.
 _seed_source = random.SystemRandom()
+_SEED_MASK = 2**63 - 1
+
+
+def derived_seed(seed: int, index: int) -> int:
+    """The seed of sequence `index` of a request seeded with `seed` (splitmix64 of both)."""
+    if index == 0:
+        return seed
+    x = (seed + index * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (x ^ (x >> 31)) & _SEED_MASK
 
 
 class SequenceStatus(enum.Enum):
@@ -38,6 +55,7 @@ class Sequence:
         prompt_token_ids: list[int],
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
+        index: int = 0,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError("prompt_token_ids must not be empty")
@@ -45,7 +63,11 @@ class Sequence:
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.params = params if params is not None else SamplingParams()
-        self.seed: int = self.params.seed if self.params.seed is not None else _seed_source.getrandbits(63)
+        self.index = index
+        self.seed: int = (derived_seed(self.params.seed, index) if self.params.seed is not None
+                          else _seed_source.getrandbits(63))
+        # Sequences waiting to be forked from this one at its prefill (see the module docstring).
+        self.forks: list[Sequence] = []
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
         self.num_computed_tokens = 0

@@ -9,6 +9,12 @@ pinned host buffer, and returns at once. The host learns the tokens later, in
 `collect`, while the GPU already runs the next step. GPU ordering between the two
 processes is carried by the interprocess events alone; the only host waits are on
 this process's own tokens.
+
+A prefill that forks sequences (a request's `n`) samples each fork from its row's
+logits and copies the prompt's partly filled KV blocks for the forks on the same
+stream, after the forward and before the next step's inputs are marked ready. Batches
+with a row that asked for logprobs compute them right after the tokens and bring them
+to the host with the tokens; other batches do no logprob work at all.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridd.engine.sampler import Sampler, SamplingTensors
+from hybridd.engine.sampler import Logprobs, Sampler, SamplingTensors
 from hybridd.engine.scheduler import ScheduledBatch
 from hybridd.runtime.step_buffers import HostStep, StepBuffers
 from hybridd.ipc.channel import Channel
@@ -41,6 +47,7 @@ class InflightStep:
     done: torch.cuda.Event | None
     launched_at: float
     graph: bool
+    host_logprobs: Logprobs | None = None  # pinned host copies, when a row asked for logprobs
 
 
 class StepPipeline:
@@ -54,8 +61,10 @@ class StepPipeline:
         on_control: Callable[[dict], None],
         peer_alive: Callable[[], bool],
         launch_timeout_s: float = 60.0,
+        kv_cache: torch.Tensor | None = None,
     ):
         self.buffers = buffers
+        self.kv_cache = kv_cache  # the KV arena [layers, 2, blocks + 1, ...], for copying forked blocks
         self.ctl = ctl
         self.sampler = sampler
         self.device = device
@@ -103,9 +112,19 @@ class StepPipeline:
         # the ring that the next step's inputs gather from.
         tensors = self._sampling_tensors(batch)
         self.logits_ready.wait(self.stream)
-        out = self.ring[batch.step_id % RING_STEPS, :n_seqs]
-        self.sampler(self.buffers.logits[:n_seqs], tensors, out=out)
-        host = torch.empty(n_seqs, dtype=torch.int64, pin_memory=self.cuda)
+        if batch.kv_copies:
+            self._copy_blocks(batch.kv_copies)
+        logits = self.buffers.logits[:n_seqs]
+        if batch.forks:
+            logits = logits.index_select(0, self._to_device(torch.tensor(batch.sample_rows)))
+        n_rows = logits.shape[0]
+        out = self.ring[batch.step_id % RING_STEPS, :n_rows]
+        self.sampler(logits, tensors, out=out)
+        logprobs = None
+        if any(seq.params.logprobs for seq in batch.sampled_seqs):
+            logprobs = self.sampler.logprobs(logits, tensors, out)
+        host = torch.empty(n_rows, dtype=torch.int64, pin_memory=self.cuda)
+        host_logprobs = None if logprobs is None else Logprobs.empty_like(logprobs, pin_memory=self.cuda)
         done = None
         if self.cuda:
             # The copy to the host runs on its own stream, so that the next step's
@@ -115,11 +134,23 @@ class StepPipeline:
             self.copy_stream.wait_event(sampled)
             with torch.cuda.stream(self.copy_stream):
                 host.copy_(out, non_blocking=True)
+                if logprobs is not None:
+                    logprobs.to(host_logprobs)
                 done = torch.cuda.Event()
                 done.record(self.copy_stream)
         else:
             host.copy_(out)
-        return InflightStep(batch, host, done, time.monotonic(), launched.graph)
+            if logprobs is not None:
+                logprobs.to(host_logprobs)
+        return InflightStep(batch, host, done, time.monotonic(), launched.graph, host_logprobs)
+
+    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Fill forked sequences' blocks from the prompt's, in every layer (one copy each way)."""
+        if self.kv_cache is None:
+            raise RuntimeError("forking sequences needs the KV arena")
+        src = self._to_device(torch.tensor([c[0] for c in copies], dtype=torch.int64))
+        dst = self._to_device(torch.tensor([c[1] for c in copies], dtype=torch.int64))
+        self.kv_cache.index_copy_(2, dst, self.kv_cache.index_select(2, src))
 
     def _gather_inputs(self, batch: ScheduledBatch, n_tokens: int) -> None:
         """Input tokens still on the device come from the ring of sampled tokens."""
@@ -141,15 +172,16 @@ class StepPipeline:
         return tensor.pin_memory().to(self.device, non_blocking=True)
 
     def _sampling_tensors(self, batch: ScheduledBatch) -> SamplingTensors:
-        params = [s.params for s in batch.seqs]
+        seqs = batch.sampled_seqs
+        params = [s.params for s in seqs]
         if all(p.greedy and not p.has_penalties for p in params):
             # Greedy rows read none of the per-row values: reuse one set per batch size
             # instead of copying eight small tensors to the device every step.
             n = len(params)
             if n not in self._greedy_tensors:
-                self._greedy_tensors[n] = self._move(SamplingTensors.from_sequences(batch.seqs, self.vocab_size, "cpu"))
+                self._greedy_tensors[n] = self._move(SamplingTensors.from_sequences(seqs, self.vocab_size, "cpu"))
             return self._greedy_tensors[n]
-        return self._move(SamplingTensors.from_sequences(batch.seqs, self.vocab_size, "cpu"))
+        return self._move(SamplingTensors.from_sequences(seqs, self.vocab_size, "cpu"))
 
     def _move(self, tensors: SamplingTensors) -> SamplingTensors:
         if not self.cuda:
@@ -183,7 +215,8 @@ class StepPipeline:
 
     @staticmethod
     def collect(step: InflightStep) -> list[int]:
-        """The step's sampled tokens on the host (waits only for this step's own copy)."""
+        """The step's sampled tokens on the host (waits only for this step's own copy);
+        their logprobs, when computed, are then in `step.host_logprobs`."""
         if step.done is not None:
             step.done.synchronize()
         return step.host_tokens.tolist()

@@ -1,0 +1,58 @@
+"""A generate request's prompt as token ids: the text encoded, the ids as given, or a
+chat's messages rendered by the model's own chat template.
+
+This is the one place a chat template is applied (with the generation prompt, so the
+model answers as the assistant). The rendered text carries its own special tokens
+(a template writes `bos_token` itself), so it is encoded without adding them again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+
+class PromptError(ValueError):
+    """The prompt cannot be turned into tokens; `field` names the request field at fault."""
+
+    def __init__(self, message: str, field: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+def prompt_token_ids(
+    tokenizer,
+    *,
+    prompt: str | None = None,
+    token_ids: Sequence[int] | None = None,
+    messages: Sequence[Mapping[str, str]] | None = None,
+    vocab_size: int,
+) -> list[int]:
+    """Exactly one of `prompt`, `token_ids` and `messages` is given (the wire checked it)."""
+    if messages is not None:
+        ids = chat_token_ids(tokenizer, messages)
+        field = "messages"
+    elif prompt is not None:
+        ids = tokenizer.encode(prompt)
+        field = "prompt"
+    else:
+        ids = list(token_ids or [])
+        field = "prompt_token_ids"
+        bad = next((t for t in ids if t >= vocab_size), None)
+        if bad is not None:
+            raise PromptError(f"token id {bad} is outside the vocabulary of {vocab_size}", field)
+    if not ids:
+        raise PromptError("is empty once tokenized", field)
+    return ids
+
+
+def chat_token_ids(tokenizer, messages: Sequence[Mapping[str, str]]) -> list[int]:
+    """The chat rendered by the tokenizer's chat template, ready for the assistant's turn."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise PromptError(
+            "the model has no chat template (`chat_template` in its tokenizer_config.json or a "
+            "chat_template.jinja file); send a prompt instead", "messages")
+    try:
+        text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+    except Exception as exc:  # noqa: BLE001  a template raises what it likes (raise_exception, TemplateError)
+        raise PromptError(f"the model's chat template refused them: {exc}", "messages") from None
+    return tokenizer.encode(text, add_special_tokens=False)
