@@ -288,6 +288,78 @@ def test_async_client(daemon):
     asyncio.run(main())
 
 
+CHAT = [{"role": "system", "content": "Enter JULIET, above."},
+        {"role": "user", "content": "What light through yonder window breaks?"}]
+
+
+def test_chat_whole_and_streamed(client):
+    from transformers import AutoTokenizer
+
+    from hybridd.config import EMBEDDED_MODEL
+
+    tokenizer = AutoTokenizer.from_pretrained(EMBEDDED_MODEL)
+    rendered = tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False)
+    prompt_ids = tokenizer.encode(rendered, add_special_tokens=False)
+    result = client.chat(CHAT, max_tokens=10, temperature=0)
+    assert result.usage.prompt_tokens == len(prompt_ids)
+    assert result.token_ids == client.generate(prompt_ids, max_tokens=10, temperature=0).token_ids
+    stream = client.chat_stream([hybridd.ChatMessage(**m) for m in CHAT], max_tokens=10, temperature=0)
+    assert "".join(chunk.text for chunk in stream) == stream.result.text == result.text
+    with pytest.raises(InvalidRequestError) as info:
+        client.chat([{"role": "", "content": "hi"}])
+    assert info.value.field == "messages[0].role"
+
+
+def test_logprobs_in_results_and_chunks(client):
+    result = client.generate("ROMEO:", max_tokens=8, temperature=0, logprobs=True, top_logprobs=3)
+    assert len(result.logprobs) == len(result.token_ids) == 8
+    for token, entry in zip(result.token_ids, result.logprobs, strict=True):
+        assert entry.token_id == token and entry.logprob <= 0 and len(entry.top_logprobs) == 3
+        assert entry.top_logprobs[0].token_id == token  # greedy: the most likely token
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob)
+    stream = client.stream("ROMEO:", max_tokens=8, temperature=0, logprobs=True, top_logprobs=3)
+    streamed = [entry for chunk in stream for entry in chunk.logprobs]
+    assert stream.result.logprobs == streamed
+    assert [e.token_id for e in streamed] == result.token_ids
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in result.logprobs], abs=1e-5)
+    assert client.generate("ROMEO:", max_tokens=2).logprobs is None
+    with pytest.raises(InvalidRequestError) as info:
+        client.generate("ROMEO:", top_logprobs=2)
+    assert info.value.field == "sampling.top_logprobs"
+
+
+def test_n_sequences_in_choices_and_indexed_chunks(client):
+    result = client.generate("KING:", max_tokens=6, seed=9, n=3, ignore_eos=True)
+    assert [c.index for c in result.choices] == [0, 1, 2]
+    assert result.text == result.choices[0].text and result.token_ids == result.choices[0].token_ids
+    assert result.usage.completion_tokens == 18  # the prompt counted once:
+    assert result.usage.prompt_tokens == client.generate("KING:", max_tokens=1).usage.prompt_tokens
+    assert client.generate("KING:", max_tokens=6, seed=9, ignore_eos=True).token_ids == result.token_ids
+    stream = client.stream("KING:", max_tokens=6, seed=9, n=3, ignore_eos=True, logprobs=True)
+    chunks = list(stream)
+    for choice in stream.result.choices:
+        mine = [c for c in chunks if c.index == choice.index]
+        assert "".join(c.text for c in mine) == choice.text
+        assert [e.token_id for c in mine for e in c.logprobs] == choice.token_ids
+        assert len(choice.logprobs) == len(choice.token_ids)
+    assert [c.token_ids for c in stream.result.choices] == [c.token_ids for c in result.choices]
+
+
+def test_async_chat_and_n(daemon):
+    async def main() -> None:
+        async with AsyncClient(daemon.endpoint, timeout=60) as client:
+            result = await client.chat(CHAT, max_tokens=6, seed=4, n=2)
+            assert len(result.choices) == 2 and result.usage.completion_tokens == sum(
+                len(c.token_ids) for c in result.choices)
+            stream = client.chat_stream(CHAT, max_tokens=6, seed=4, n=2, logprobs=True, top_logprobs=1)
+            chunks = [chunk async for chunk in stream]
+            assert {c.index for c in chunks} == {0, 1}
+            assert [c.token_ids for c in stream.result.choices] == [c.token_ids for c in result.choices]
+            assert all(len(c.logprobs) == len(c.token_ids) for c in stream.result.choices)
+
+    asyncio.run(main())
+
+
 def test_32_concurrent_streams_while_malformed_messages_arrive(daemon):
     """32 streams at once (async) and 32 sync threads, while a raw socket sends every kind
     of bad message: each bad one gets a clear error, every stream completes whole."""

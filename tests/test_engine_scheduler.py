@@ -328,3 +328,103 @@ def test_invalid_configuration():
         Scheduler(bm, max_batch=16, max_prefill_tokens=64, max_model_len=32, decode_buckets=[1, 8])
     with pytest.raises(ValueError, match="block_table_width"):
         Scheduler(bm, 8, 64, max_model_len=32, decode_buckets=[8], block_table_width=4)
+
+
+# ---------------------------------------------------------------- n sequences (forks)
+
+
+def run_forked_overlapped(sched: Scheduler, max_steps: int = 10_000) -> list[ScheduledBatch]:
+    """`run_overlapped` for batches with forks: a fork samples its row's prediction,
+    and the listed KV blocks are copied after the step wrote them (as the pipeline does)."""
+    model = PagedToyModel(sched.block_manager)
+    bs = sched.block_manager.block_size
+    sampled: dict[int, list[int]] = {}
+    pending: ScheduledBatch | None = None
+    batches = []
+    for _ in range(max_steps):
+        batch = sched.schedule() if sched.has_work else None
+        if batch is not None:
+            bm = sched.block_manager
+            held = {b for s in sched.running for b in s.block_table}
+            assert len(held) + bm.num_free == bm.num_blocks, "blocks leaked"
+            ids = batch.input_ids.clone()
+            for i in (batch.input_src_step >= 0).nonzero().flatten().tolist():
+                ids[i] = sampled[int(batch.input_src_step[i])][int(batch.input_src_row[i])]
+            rows = model.step(batch, ids)
+            for src, dst in batch.kv_copies:
+                model.kv[dst * bs:(dst + 1) * bs] = model.kv[src * bs:(src + 1) * bs]
+            sampled[batch.step_id] = [rows[r] for r in batch.sample_rows]
+            batches.append(batch)
+        if pending is not None:
+            sched.postprocess(pending, sampled[pending.step_id])
+        pending = batch
+        if pending is None and not sched.has_work:
+            return batches
+    raise AssertionError("scheduler did not finish")
+
+
+def forked(request_id: str, prompt: list[int], n: int, max_tokens: int) -> list[Sequence]:
+    params = SamplingParams(max_tokens=max_tokens, n=n)
+    seqs = [Sequence(request_id if i == 0 else f"{request_id}#{i}", prompt, params, index=i) for i in range(n)]
+    seqs[0].forks = seqs[1:]
+    return seqs
+
+
+@pytest.mark.parametrize("prompt_len", [6, 8], ids=["partial-block", "full-blocks"])
+def test_forks_share_one_prefill_and_read_the_prompt_kv(prompt_len):
+    sched = make(num_blocks=64, block_size=4)
+    prompt = list(range(100, 100 + prompt_len))
+    group = forked("g", prompt, 3, 12)
+    sched.add(group[0])
+    others = requests(4, seed=3)
+    for s in others:
+        sched.add(s)
+    batches = run_forked_overlapped(sched)
+    prefill = next(b for b in batches if group[0] in b.seqs)
+    assert [f for _, f in prefill.forks] == group[1:]
+    assert sum(1 for b in batches for s in b.seqs if s.request_id.startswith("g")
+               and b.is_prefill) == 1, "the prompt is prefilled once"
+    assert len(prefill.kv_copies) == (2 if prompt_len % 4 else 0)
+    for seq in group:
+        assert seq.output_token_ids == reference(prompt, 12), seq.request_id
+    assert_complete(others)
+    assert sched.block_manager.num_free == 64
+
+
+def test_forks_survive_preemption_and_free_every_block():
+    sched = make(num_blocks=14, block_size=4, max_batch=8)
+    groups = [forked(f"g{i}", list(range(10 * i, 10 * i + 7)), 3, 14) for i in range(3)]
+    for group in groups:
+        sched.add(group[0])
+    run_forked_overlapped(sched)
+    assert sched.num_preemptions > 0
+    for group in groups:
+        for seq in group:
+            assert seq.output_token_ids == reference(group[0].prompt_token_ids, 14), seq.request_id
+    assert sched.block_manager.num_free == 14
+
+
+def test_aborting_a_waiting_parent_queues_its_forks_alone():
+    sched = make(num_blocks=64, block_size=4, max_batch=8)
+    blocker = requests(1, seed=5)[0]
+    group = forked("g", list(range(9)), 3, 5)
+    sched.add(group[0])
+    assert sched.abort("g") is group[0] and group[0].finish_reason == "cancelled"
+    assert list(sched.waiting) == group[1:] and all(s.forks == [] for s in group)
+    sched.add(blocker)
+    run_forked_overlapped(sched)
+    for seq in group[1:]:
+        assert seq.output_token_ids == reference(group[0].prompt_token_ids, 5)
+    # aborting a fork that still waits for its prefill takes it out of the group
+    group = forked("h", list(range(9)), 3, 5)
+    sched.add(group[0])
+    assert sched.abort("h#2") is group[2] and group[0].forks == [group[1]]
+    run_forked_overlapped(sched)
+    assert group[1].output_token_ids == group[0].output_token_ids == reference(group[0].prompt_token_ids, 5)
+
+
+def test_n_that_can_never_run_together_is_refused():
+    with pytest.raises(ValueError, match="max_batch"):
+        make(max_batch=2).add(forked("g", [1, 2, 3], 3, 4)[0])
+    with pytest.raises(ValueError, match="KV blocks"):
+        make(num_blocks=4, block_size=4).add(forked("g", [1, 2, 3, 4, 5], 4, 2)[0])

@@ -158,6 +158,10 @@ class Scheduler:
         if 1 + len(seq.forks) > self.max_batch:
             raise ValueError(f"n is {1 + len(seq.forks)}; the daemon runs at most max_batch {self.max_batch} "
                              f"sequences at once")
+        at_prefill = bm.blocks_for(len(seq)) + len(seq.forks) * bm.fork_blocks(len(seq))
+        if seq.forks and at_prefill > bm.num_admissible_blocks:
+            raise ValueError(f"n is {1 + len(seq.forks)}: the sequences need {at_prefill} KV blocks at their "
+                             f"prefill; the KV cache has {bm.num_admissible_blocks} admissible")
         for fork in seq.forks:
             if fork.request_id in self.requests or fork.prompt_token_ids != seq.prompt_token_ids:
                 raise ValueError(f"fork {fork.request_id!r} is already scheduled or has another prompt")
