@@ -65,3 +65,23 @@ def test_compiled_sampler_is_total_on_cuda():
         tensors = SamplingTensors.build(rows, [p.seed or 0 for p in rows], [0] * len(rows), VOCAB, "cuda",
                                         [[0, 1, 2]] * len(rows), [[2, 3, 100]] * len(rows))
         assert_total(logits.cpu(), sampler(logits, tensors).cpu())
+
+
+def test_compiled_logprobs_match_eager_on_cuda():
+    compiled, eager = Sampler(compile=True), Sampler(compile=False)
+    params = [
+        SamplingParams(temperature=0.0, logprobs=True, top_logprobs=20),
+        SamplingParams(temperature=0.7, seed=3, logprobs=True, top_logprobs=5),
+        SamplingParams(temperature=0.9, top_k=50, top_p=0.9, seed=4, logprobs=True),
+    ]
+    generator = torch.Generator(device="cuda").manual_seed(1)
+    for rows in (params[:1], params, params * 3):
+        logits = torch.randn(len(rows), VOCAB, device="cuda", generator=generator) * 3
+        tensors = SamplingTensors.build(rows, [p.seed or 0 for p in rows], [0] * len(rows), VOCAB, "cuda")
+        tokens = eager(logits, tensors)
+        got, want = compiled.logprobs(logits, tensors, tokens), eager.logprobs(logits, tensors, tokens)
+        assert torch.allclose(got.sampled, want.sampled, atol=1e-4)
+        finite = torch.isfinite(want.top_values)
+        assert torch.equal(finite, torch.isfinite(got.top_values))
+        assert torch.allclose(got.top_values[finite], want.top_values[finite], atol=1e-4)
+        assert bool((got.sampled <= 0).all()) and got.top_ids.shape == (len(rows), 20)

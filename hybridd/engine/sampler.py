@@ -269,9 +269,8 @@ class Sampler:
     def logprobs(self, logits: torch.Tensor, t: SamplingTensors, tokens: torch.Tensor) -> Logprobs:
         """Logprobs of the sampled `tokens` and of each row's most likely tokens, from the
         distribution they were sampled from (see the module docstring)."""
-        k = min(MAX_TOP_LOGPROBS, logits.shape[-1])
         return Logprobs(*self._logprobs(
-            logits, tokens, t.inverse_temperature, t.top_k, t.top_p, *_penalty_tensors(t), t.do_sort, k,
+            logits, tokens, t.inverse_temperature, t.top_k, t.top_p, *_penalty_tensors(t), t.do_sort,
         ))
 
     @staticmethod
@@ -418,7 +417,7 @@ def _sample_sorted(
 
 def _logprobs(
     logits, tokens, inverse_temperature, top_k, top_p, repetition, inverse_repetition, presence, frequency,
-    counts, prompt_mask, do_sort: bool, k: int,
+    counts, prompt_mask, do_sort: bool,
 ):
     logits = _penalize(_finite(logits), repetition, inverse_repetition, presence, frequency, counts, prompt_mask)
     scaled = _scale(logits, inverse_temperature)
@@ -427,7 +426,7 @@ def _logprobs(
     processed = torch.where((inverse_temperature > 0).unsqueeze(1), scaled, logits)
     logprobs = processed.log_softmax(dim=-1)
     sampled = logprobs.gather(1, tokens.view(-1, 1).to(torch.int64)).squeeze(1)
-    top = logprobs.topk(k, dim=-1)
+    top = logprobs.topk(min(MAX_TOP_LOGPROBS, logprobs.shape[-1]), dim=-1)
     return sampled, top.values, top.indices
 
 
