@@ -87,12 +87,12 @@ class FallbackEndpoint:
     def _answer(self, identity: bytes, request: Any) -> None:
         if isinstance(request, HealthRequest):
             state = self._status()["state"]
-            self.channel.send_to(identity, HealthReply(id=request.id, state=state, ok=False))
+            self.channel.send_to(identity, HealthReply(id=request.id, state=state, ok=False, v=request.v))
         elif isinstance(request, StatusRequest):
-            self.channel.send_to(identity, StatusReply(id=request.id, status=self._status()))
+            self.channel.send_to(identity, StatusReply(id=request.id, status=self._status(), v=request.v))
         elif isinstance(request, GenerateRequest):
             self.channel.send_to(identity, ErrorReply(id=request.id, code=ErrorCode.UNAVAILABLE,
-                                                      message=self._explain()))
+                                                      message=self._explain(), v=request.v))
         elif isinstance(request, CancelRequest):
             pass
         else:
