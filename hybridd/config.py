@@ -51,7 +51,8 @@ class Config:
     endpoint: str = ""  # default ipc://{runtime_dir}/hybridd.sock
     tcp_endpoint: str = ""  # e.g. tcp://0.0.0.0:7070; requires CURVE keys
     curve_secret_key_file: str = ""
-    curve_client_keys_dir: str = ""
+    curve_client_keys_dir: str = ""  # public *.key files of the clients allowed in over TCP
+    curve_allow_any: bool = False  # true: any client with a CURVE key pair is let in (no allow-list)
     # the OpenAI-compatible HTTP gateway and Prometheus metrics (hybridd/gateway/); off when empty
     http_endpoint: str = ""  # HOST:PORT, e.g. 127.0.0.1:8000
     http_api_key_file: str = ""  # one API key per line; empty: no key needed
@@ -141,6 +142,11 @@ class Config:
             raise ConfigError("cuda_mps = on needs a CUDA device, but device is cpu")
         if self.tcp_endpoint and not self.curve_secret_key_file:
             raise ConfigError("tcp_endpoint requires curve_secret_key_file (TCP is served only with CURVE)")
+        if self.tcp_endpoint and not self.curve_client_keys_dir and not self.curve_allow_any:
+            raise ConfigError("tcp_endpoint requires curve_client_keys_dir (the public keys of the clients allowed "
+                              "in), or curve_allow_any = true to let in any client that has a CURVE key pair")
+        if self.curve_allow_any and self.curve_client_keys_dir:
+            raise ConfigError("curve_allow_any = true contradicts curve_client_keys_dir (an allow-list); set one")
         addresses = {}
         for name in ("http_endpoint", "metrics_endpoint"):
             if getattr(self, name):

@@ -23,7 +23,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from hybridd.ipc.channel import MAX_IPC_PATH_BYTES, Channel, PeerProtocolError, bind_ipc_endpoint
+from hybridd.ipc.channel import CLIENT_SOCKET_MODE, MAX_IPC_PATH_BYTES, Channel, PeerProtocolError, bind_ipc_endpoint
 from hybridd.log import get_logger
 from hybridd.protocol.endpoints import fallback_endpoint
 from hybridd.protocol.errors import ErrorCode, ProtocolError
@@ -58,7 +58,7 @@ class FallbackEndpoint:
         if len(os.fsencode(path)) > MAX_IPC_PATH_BYTES:
             log.warning("no fallback endpoint: its path is too long for a Unix socket", path=path)
             return
-        self.channel = bind_ipc_endpoint(path, name="fallback")
+        self.channel = bind_ipc_endpoint(path, name="fallback", mode=CLIENT_SOCKET_MODE)
 
     @property
     def socket(self):

@@ -18,6 +18,7 @@ import stat
 import weakref
 from collections import Counter
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,9 @@ log = get_logger("hybridd.ipc.channel")
 # sockaddr_un.sun_path is 108 bytes on Linux, one of them the terminating NUL.
 MAX_IPC_PATH_BYTES = 107
 RUNTIME_DIR_MODE = 0o750
+# The client socket: its group may connect (which needs write permission on the
+# file); who is in the group is decided by the runtime directory's group.
+CLIENT_SOCKET_MODE = 0o660
 DEFAULT_PROBE_TIMEOUT_MS = 250
 
 _SOCKET_NAMES = {zmq.ROUTER: "ROUTER", zmq.DEALER: "DEALER", zmq.PAIR: "PAIR", zmq.PUSH: "PUSH", zmq.PULL: "PULL"}
@@ -45,6 +49,14 @@ class PeerProtocolError(ProtocolError):
     def __init__(self, error: ProtocolError, identity: bytes) -> None:
         super().__init__(error.code, error.message, field=error.field, request_id=error.request_id)
         self.identity = identity
+
+
+class Delivery(Enum):
+    """What became of one frame handed to a ROUTER peer."""
+
+    SENT = "sent"  # taken by the transport
+    FULL = "full"  # the peer's send queue is at its high-water mark: it is not reading
+    GONE = "gone"  # no connection with that routing id
 
 
 class EndpointInUseError(RuntimeError):
@@ -112,6 +124,8 @@ class Channel:
         self.name = name or _SOCKET_NAMES.get(socket_type, str(socket_type))
         self.stats = ChannelStats()
         self._bound: list[_BoundPath] = []
+        # The file descriptor of the connection the last recv_from() message came in on.
+        self.last_peer_fd = -1
         self._closer = weakref.finalize(self, _release, self._socket, self._bound)
         self._log = log.bind(channel=self.name)
 
@@ -164,19 +178,22 @@ class Channel:
 
     def send_to(self, identity: bytes, message: WireMessage | dict[str, Any]) -> bool:
         """Send one message to one ROUTER peer; False when the peer is gone or not reading."""
-        frame = encode(message)
+        return self.deliver(identity, encode(message)) is Delivery.SENT
+
+    def deliver(self, identity: bytes, frame: bytes) -> Delivery:
+        """Hand one encoded frame to one ROUTER peer without blocking."""
         try:
             self._socket.send_multipart([identity, frame], flags=zmq.NOBLOCK)
         except zmq.Again:
             self.stats.unroutable += 1
-            return False
+            return Delivery.FULL
         except zmq.ZMQError as error:
             if error.errno != errno.EHOSTUNREACH:
                 raise
             self.stats.unroutable += 1
-            return False
+            return Delivery.GONE
         self.stats.sent += 1
-        return True
+        return Delivery.SENT
 
     def send_error_to(self, identity: bytes, error: ProtocolError, request_id: str | None = None) -> bool:
         return self.send_to(identity, ErrorReply.from_error(error, request_id))
@@ -214,14 +231,16 @@ class Channel:
         """Next (peer identity, checked map) on a ROUTER; None on timeout.
 
         Raises PeerProtocolError (a ProtocolError carrying the identity) for a bad
-        frame, so that the caller can route an error reply.
+        frame, so that the caller can route an error reply. `last_peer_fd` then names
+        the connection it came in on.
         """
         if self._type != zmq.ROUTER:
             raise TypeError("recv_from() is for ROUTER channels")
         if not self._poll(timeout_ms):
             return None
-        frames = self._socket.recv_multipart(zmq.NOBLOCK)
-        identity = frames[0]
+        frames = self._socket.recv_multipart(zmq.NOBLOCK, copy=False)
+        identity = frames[0].bytes
+        self.last_peer_fd = frames[-1].get(zmq.SRCFD)
         self.stats.received += 1
         try:
             if len(frames) != 2:
@@ -230,7 +249,7 @@ class Channel:
                     f"expected exactly one frame per message, got {len(frames) - 1} "
                     "(DEALER clients send no empty delimiter frame)",
                 )
-            return identity, decode(frames[1])
+            return identity, decode(frames[1].buffer)
         except ProtocolError as error:
             self._reject(error)
             raise PeerProtocolError(error, identity) from None
@@ -302,6 +321,8 @@ def bind_ipc_endpoint(
     context: zmq.Context | None = None,
     name: str = "",
     probe_timeout_ms: int = DEFAULT_PROBE_TIMEOUT_MS,
+    options: dict[int, int] | None = None,
+    mode: int | None = None,
 ) -> Channel:
     """Bind a new channel at `ipc://<path>`, refusing when a live process serves it.
 
@@ -309,6 +330,8 @@ def bind_ipc_endpoint(
     life, so a hybridd server that is merely slow is never mistaken for a dead one)
     and, for ROUTER endpoints, a `health` probe (catches a server that does not lock).
     A socket file nobody answers on is stale: it is removed and the path rebound.
+    `options` are socket options set before the bind; `mode`, when given, is the
+    socket file's mode whatever the umask (connecting needs write permission).
     """
     path = Path(path).absolute()
     if len(os.fsencode(path)) > MAX_IPC_PATH_BYTES:
@@ -328,8 +351,12 @@ def bind_ipc_endpoint(
             log.warning("removing stale socket file", path=str(path))
             path.unlink(missing_ok=True)
         channel = Channel(socket_type, context=context, name=name or f"{path.name}")
+        for option, value in (options or {}).items():
+            channel.socket.setsockopt(option, value)
         try:
             channel.bind(f"ipc://{path}")
+            if mode is not None:
+                os.chmod(path, mode)
         except BaseException:
             channel.close()
             raise

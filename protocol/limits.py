@@ -56,3 +56,9 @@ UNPACK_MAX_BIN_LEN: Final = 65_536
 UNPACK_MAX_ARRAY_LEN: Final = 2 * MAX_PROMPT_TOKEN_IDS
 UNPACK_MAX_MAP_LEN: Final = 4096
 UNPACK_MAX_EXT_LEN: Final = 0
+
+# Replies per session that the transport would not take (the client is not reading
+# and its queue of CLIENT_SEND_HWM frames is full) and that wait in the session's
+# outbox. Past this the session's generate requests end with `overloaded`; past
+# twice this the session is abandoned as if it had disconnected.
+SESSION_BACKLOG_LIMIT: Final = 1024

@@ -15,7 +15,7 @@ from hybridd.protocol import codec
 
 
 class EnginePair:
-    def __init__(self, runtime_dir: Path, **overrides):
+    def __init__(self, runtime_dir: Path, context_target=None, **overrides):
         values = {"runtime_dir": str(runtime_dir), "compile_sampler": False, "log_level": "warning"}
         values.update(overrides)
         self.config = Config.from_dict(values)
@@ -23,7 +23,8 @@ class EnginePair:
         ctl = f"ipc://{runtime_dir}/ctl-test.sock"
         from hybridd.workers import context_generator, graph_generator
 
-        self.context = ctx.Process(target=context_generator.main, args=(self.config.to_dict(), ctl), daemon=True)
+        self.context = ctx.Process(target=context_target or context_generator.main, args=(self.config.to_dict(), ctl),
+                                   daemon=True)
         self.graph = ctx.Process(target=graph_generator.main, args=(self.config.to_dict(), ctl), daemon=True)
         self.context.start()
         self.graph.start()

@@ -64,8 +64,9 @@ def wait_until_ok(endpoint: str, timeout: float, process: subprocess.Popen | Non
 
 
 @contextlib.contextmanager
-def run_daemon(*flags: str) -> Iterator[RunningDaemon]:
-    """`hybridd start` in a subprocess, until it is ready; drained (SIGTERM) at the end."""
+def run_daemon(*flags: str, **popen_options) -> Iterator[RunningDaemon]:
+    """`hybridd start` in a subprocess, until it is ready; drained (SIGTERM) at the end.
+    `popen_options` go to subprocess.Popen (e.g. `group`, `umask`)."""
     base = Path(tempfile.mkdtemp(prefix="hc-"))
     runtime_dir = base / "run"
     log_path = base / "daemon.log"
@@ -73,7 +74,7 @@ def run_daemon(*flags: str) -> Iterator[RunningDaemon]:
     with open(log_path, "wb") as log:
         process = subprocess.Popen(
             [HYBRIDD, "start", "--runtime-dir", str(runtime_dir), "--no-compile-sampler", *flags],
-            env=env | {"HYBRIDD_LOG_LEVEL": "warning"}, stdout=log, stderr=subprocess.STDOUT,
+            env=env | {"HYBRIDD_LOG_LEVEL": "warning"}, stdout=log, stderr=subprocess.STDOUT, **popen_options,
         )
     daemon = RunningDaemon(process, runtime_dir, log_path)
     try:

@@ -69,6 +69,12 @@ def test_config_file_from_environment_and_boolean_and_list_flags(toml):
         ("", {}, ["--drain-timeout-s", "0"], "command-line flag --drain-timeout-s: drain_timeout_s must be positive"),
         ("", {}, ["--tcp-endpoint", "tcp://0.0.0.0:7070"],
          "command-line flag --tcp-endpoint: tcp_endpoint requires curve_secret_key_file"),
+        ("", {}, ["--tcp-endpoint", "tcp://0.0.0.0:7070", "--curve-secret-key-file", "/k/server.key_secret"],
+         "tcp_endpoint requires curve_client_keys_dir (the public keys of the clients allowed in), "
+         "or curve_allow_any = true"),
+        ("", {}, ["--tcp-endpoint", "tcp://0.0.0.0:7070", "--curve-secret-key-file", "/k/server.key_secret",
+                  "--curve-client-keys-dir", "/k/clients", "--curve-allow-any"],
+         "curve_allow_any = true contradicts curve_client_keys_dir"),
     ],
 )
 def test_bad_setting_names_the_field_and_its_source(tmp_path, file_text, env, flags, expected):

@@ -34,11 +34,13 @@ from hybridd.model import load_tokenizer
 from hybridd.runtime.step_buffers import StepBuffers, geometry
 from hybridd.serving_metrics import ServingMetrics
 from hybridd.runtime.step_trace import StepTracer
-from hybridd.ipc.channel import Channel, PeerProtocolError, bind_ipc_endpoint
+from hybridd.ipc.channel import CLIENT_SOCKET_MODE, Channel, PeerProtocolError, bind_ipc_endpoint
 from hybridd.ipc.posix_shm import pid_alive
 from hybridd.ipc.shared_arena import SharedArena
 from hybridd.protocol import control
+from hybridd.protocol.codec import encode
 from hybridd.protocol.envelope import reply_version
+from hybridd.protocol.limits import SESSION_BACKLOG_LIMIT
 from hybridd.protocol.errors import ErrorCode, ProtocolError
 from hybridd.protocol.supervisor import Drain, SupervisorInfo
 from hybridd.protocol.messages import (
@@ -59,11 +61,15 @@ from hybridd.protocol.messages import (
     request_from_wire,
 )
 from hybridd.workers.graph_generator import resolve_device, resolve_dtype
+from hybridd.workers.client_sessions import ClientSessions, client_chosen, socket_options
 from hybridd.workers.supervisor_link import SupervisorLink
 
 PIPELINE_DEPTH = 2
 LATENCY_WINDOW = 2048
 READY_TIMEOUT_S = 3600.0
+# How soon the loop comes back to a session's outbox while nothing else is due.
+OUTBOX_RETRY_MS = 5
+TCP_PREFIX = b"tcp:"
 
 
 @dataclass
@@ -164,10 +170,13 @@ class ContextGenerator:
             on_control=self._on_control, peer_alive=self._graph_alive,
             kv_cache=self.kv_arena.tensors["kv_cache"],
         )
-        self.client = bind_ipc_endpoint(self._ipc_path(config.client_endpoint), name="client")
+        self.client = bind_ipc_endpoint(self._ipc_path(config.client_endpoint), name="client",
+                                        options=socket_options("ipc"), mode=CLIENT_SOCKET_MODE)
         self.tcp = None
+        self.sessions = {b"": ClientSessions(self.client)}
         if config.tcp_endpoint:
             self.tcp = self._bind_tcp(config)
+            self.sessions[TCP_PREFIX] = ClientSessions(self.tcp, TCP_PREFIX)
         self.state = "ready"
         self.link.phase("ready", "serving")
         self.log.info("serving", endpoint=config.client_endpoint, kv_blocks=ready.num_kv_blocks)
@@ -200,11 +209,13 @@ class ContextGenerator:
         _, secret = zmq.auth.load_certificate(config.curve_secret_key_file)
         self._auth = ThreadAuthenticator(zmq.Context.instance())
         self._auth.start()
-        if config.curve_client_keys_dir:
-            self._auth.configure_curve(domain="*", location=str(Path(config.curve_client_keys_dir)))
-        else:
+        if config.curve_allow_any:  # validated: only when explicitly configured
             self._auth.configure_curve(domain="*", location=zmq.auth.CURVE_ALLOW_ANY)
+        else:
+            self._auth.configure_curve(domain="*", location=str(Path(config.curve_client_keys_dir)))
         channel.use_curve_server(secret)
+        for option, value in socket_options("tcp").items():
+            channel.socket.setsockopt(option, value)
         channel.bind(config.tcp_endpoint)
         return channel
 
@@ -230,18 +241,22 @@ class ContextGenerator:
     def serve(self) -> None:
         poller = zmq.Poller()
         sockets = [self.client.socket, self.link.socket, self.ctl.socket] + ([self.tcp.socket] if self.tcp else [])
+        sockets += [sessions.monitor for sessions in self.sessions.values()]
         for sock in sockets:
             poller.register(sock, zmq.POLLIN)
         last_alive_check = 0.0
+        idle_ms = int(self.config.heartbeat_interval_s * 1000)
         while not self.stop:
             self.link.heartbeat()
             busy = self.scheduler.has_work or self.inflight
-            events = dict(poller.poll(timeout=0 if busy else int(self.config.heartbeat_interval_s * 1000)))
+            outboxes = any(sessions.pending for sessions in self.sessions.values())
+            events = dict(poller.poll(timeout=0 if busy else OUTBOX_RETRY_MS if outboxes else idle_ms))
             if self.link.socket in events:
                 self._supervisor_commands()
             for channel in (self.client, self.tcp):
                 if channel is not None and channel.socket in events:
                     self._client_messages(channel)
+            self._serve_sessions()
             if self.ctl.socket in events and not self.inflight:
                 while (message := self.ctl.recv(timeout_ms=0)) is not None:
                     self._on_control(message)
@@ -310,7 +325,9 @@ class ContextGenerator:
             if seq.params.logprobs:
                 logprob = self._token_logprob(step.host_logprobs, row, token, seq.params.top_logprobs)
                 out.logprobs.append(logprob)
-            if request.stream:
+            if request.stream and self._backlog(request.identity) >= SESSION_BACKLOG_LIMIT:
+                self._too_slow(request.identity)
+            elif request.stream:
                 self._send(request.identity, ChunkReply(
                     id=request.id, index=seq.index, number=request.chunks, text=seq.new_text, token_ids=[token],
                     logprobs=None if logprob is None else [logprob], v=request.v))
@@ -337,9 +354,68 @@ class ContextGenerator:
         return text
 
     # ---------------------------------------------------------------- clients
+    def _route(self, identity: bytes) -> tuple[ClientSessions, bytes]:
+        if identity.startswith(TCP_PREFIX) and TCP_PREFIX in self.sessions:
+            return self.sessions[TCP_PREFIX], identity.removeprefix(TCP_PREFIX)
+        return self.sessions[b""], identity
+
     def _send(self, identity: bytes, message) -> None:
-        channel = self.tcp if identity.startswith(b"tcp:") and self.tcp else self.client
-        channel.send_to(identity.removeprefix(b"tcp:"), message)
+        """Deliver a reply, or queue it in the session's outbox; never drops it while
+        the session lives. A session whose backlog passes twice its limit is abandoned."""
+        sessions, routing_id = self._route(identity)
+        backlog = sessions.send(routing_id, encode(message))
+        if backlog > 2 * SESSION_BACKLOG_LIMIT:
+            self.log.warning("abandoning a session that reads none of its replies", backlog=backlog)
+            sessions.end(routing_id)
+
+    def _backlog(self, identity: bytes) -> int:
+        sessions, routing_id = self._route(identity)
+        return sessions.backlog(routing_id)
+
+    def _serve_sessions(self) -> None:
+        """Flush outboxes; cancel the requests of sessions that ended (a disconnect, a
+        connection dropped for an over-size frame, a peer that died)."""
+        for sessions in self.sessions.values():
+            sessions.poll_events()
+            if sessions.pending:
+                sessions.flush()
+            for identity in sessions.ended():
+                self._end_session(identity)
+
+    def _drop(self, key: str) -> ClientRequest | None:
+        """Stop every unfinished sequence of a request and forget it, sending nothing."""
+        request = self.requests.pop(key, None)
+        if request is None:
+            return None
+        for out in request.outputs:
+            self.owners.pop(out.seq.request_id, None)
+            if out.finish_reason is None:
+                self.scheduler.abort(out.seq.request_id)
+        return request
+
+    def _end_session(self, identity: bytes) -> None:
+        """The client is gone: its requests are cancelled, their KV blocks freed; no reply."""
+        ended = [key for key, request in self.requests.items() if request.identity == identity]
+        now = time.monotonic()
+        for key in ended:
+            request = self._drop(key)
+            self.metrics.finished_request("cancelled", prompt_tokens=request.outputs[0].seq.num_prompt_tokens,
+                                          generation_tokens=sum(len(out.token_ids) for out in request.outputs),
+                                          e2e_s=now - request.arrival)
+        if ended:
+            self.log.info("session ended; its requests are cancelled", requests=len(ended))
+
+    def _too_slow(self, identity: bytes) -> None:
+        """The session's backlog reached its limit: every generate of it ends now with a
+        terminal `overloaded` error, queued behind the replies it has not read."""
+        backlog = self._backlog(identity)
+        for key in [key for key, request in self.requests.items() if request.identity == identity]:
+            request = self._drop(key)
+            tokens = sum(len(out.token_ids) for out in request.outputs)
+            self._error(identity, request.id, ErrorCode.OVERLOADED,
+                        f"client too slow: {backlog} replies unread beyond the transport's queue "
+                        f"(limit {SESSION_BACKLOG_LIMIT}); the request was ended after {tokens} tokens", v=request.v)
+        self.log.warning("session too slow; its requests are ended", backlog=backlog)
 
     def _error(self, identity: bytes, request_id: str, code: ErrorCode, message: str, field: str | None = None,
                *, v: int):
@@ -347,17 +423,33 @@ class ContextGenerator:
         self._send(identity, ErrorReply(id=request_id, code=code, message=message, field=field, v=v))
 
     def _client_messages(self, channel: Channel) -> None:
-        prefix = b"tcp:" if channel is self.tcp else b""
+        prefix = TCP_PREFIX if channel is self.tcp else b""
+        sessions = self.sessions[prefix]
         for _ in range(256):
             try:
                 received = channel.recv_from(timeout_ms=0)
             except PeerProtocolError as exc:
-                channel.send_error_to(exc.identity, exc)
+                if client_chosen(exc.identity) or sessions.admit(exc.identity, channel.last_peer_fd):
+                    self._send(prefix + exc.identity, ErrorReply.from_error(exc))
                 continue
             if received is None:
                 return
-            identity, message = received
-            identity = prefix + identity
+            routing_id, message = received
+            identity = prefix + routing_id
+            if client_chosen(routing_id):
+                rid = message.get("id") if isinstance(message.get("id"), str) else ""
+                self._error(identity, rid if len(rid) <= 128 else "", ErrorCode.INVALID_REQUEST,
+                            "ZMQ_ROUTING_ID: this connection chose its own routing id; the daemon names "
+                            "sessions itself, so leave ZMQ_ROUTING_ID unset (the message was not executed)",
+                            v=reply_version(message))
+                continue
+            if not sessions.admit(routing_id, channel.last_peer_fd):
+                # A message queued behind its connection's disconnect (the reply is
+                # unroutable), or a new connection that set an ended session's id.
+                self._error(identity, "", ErrorCode.INVALID_REQUEST,
+                            "ZMQ_ROUTING_ID: this routing id belongs to a session that has ended; "
+                            "leave ZMQ_ROUTING_ID unset (the message was not executed)", v=reply_version(message))
+                continue
             try:
                 request = request_from_wire(message)
             except ProtocolError as exc:
@@ -390,6 +482,10 @@ class ContextGenerator:
         key = self._key(identity, req.id)
         if key in self.requests:
             refuse(ErrorCode.INVALID_REQUEST, f"request id {req.id!r} is already in flight", "id")
+            return
+        if self._backlog(identity) >= SESSION_BACKLOG_LIMIT:
+            refuse(ErrorCode.OVERLOADED, f"client too slow: {self._backlog(identity)} replies unread "
+                                         f"(limit {SESSION_BACKLOG_LIMIT}); read them before sending more")
             return
         if len(self.requests) >= self.config.max_queued_requests:
             refuse(ErrorCode.OVERLOADED, f"{len(self.requests)} requests in flight (max_queued_requests); retry later")
@@ -489,6 +585,8 @@ class ContextGenerator:
         for key, request in list(self.requests.items()):
             self._error(request.identity, request.id, code, message, v=request.v)
             self.requests.pop(key, None)
+        for sessions in getattr(self, "sessions", {}).values():
+            sessions.flush()
 
     # ------------------------------------------------------------- supervisor
     def _supervisor_commands(self) -> None:
@@ -507,7 +605,8 @@ class ContextGenerator:
         self.log.info("draining", requests=len(self.requests), timeout_s=timeout_s)
 
     def _check_drain(self) -> None:
-        if self.requests and time.monotonic() < self.drain_deadline:
+        unread = any(sessions.pending for sessions in self.sessions.values())
+        if (self.requests or unread) and time.monotonic() < self.drain_deadline:
             return
         for key in list(self.requests):
             self._end(key, "cancelled")
@@ -564,6 +663,9 @@ class ContextGenerator:
             if hasattr(self, name):
                 getattr(self, name).close()
         self.link.phase("stopped")
+        for sessions in getattr(self, "sessions", {}).values():
+            sessions.flush()
+            sessions.close()
         for name in ("client", "tcp"):
             channel = getattr(self, name, None)
             if channel is not None:
@@ -594,6 +696,11 @@ def main(config: dict[str, Any], ctl_endpoint: str) -> None:
         raise SystemExit(3) from exc
     except SystemExit:
         worker.fail_all(ErrorCode.ENGINE_DEAD, "the engine is shutting down")
+        raise
+    except Exception as exc:
+        # Any other failure ends the process too (the supervisor classifies it); every
+        # client still hears about it first.
+        worker.fail_all(ErrorCode.ENGINE_DEAD, f"the engine died: {type(exc).__name__}: {exc}")
         raise
     finally:
         worker.close()
