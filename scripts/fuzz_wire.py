@@ -1,4 +1,4 @@
-"""Fuzz the daemon's wire protocol from protocol/SPEC.md alone: generated messages from a
+"""Fuzz the daemon's wire protocol (version 1 messages) from protocol/SPEC.md alone: generated messages from a
 seed (valid requests, each field broken in turn, bytes that are not msgpack, maps that
 are not messages) plus a fixed corpus of messages that once hurt the daemon; every reply
 is checked against the spec, and the worker pids and restart counters must not change.
@@ -145,7 +145,7 @@ def broken_request(rng: random.Random) -> Case:
             message["id"] = bad
         return Case([pack(message)], f"{kind}.id", "refused", None, codes={"invalid_request", "too_large"})
     if choice == 1:  # the version
-        bad = rng.choice([0, 2, 99, -1, 2**40])
+        bad = rng.choice([0, 3, 99, -1, 2**40])
         message["v"] = bad
         return Case([pack(message)], f"{kind}.v={bad}", "refused", rid, codes={"unsupported_version"})
     if choice == 2:

@@ -42,6 +42,7 @@ def ctx():
 
 def raw(ctx: zmq.Context, daemon, routing_id: bytes | None = None) -> RawClient:
     client = RawClient.__new__(RawClient)
+    client.version = 1  # the reply shapes these tests read (SPEC §7)
     client.socket = ctx.socket(zmq.DEALER)
     client.socket.setsockopt(zmq.LINGER, 0)
     if routing_id is not None:
