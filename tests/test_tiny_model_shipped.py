@@ -121,6 +121,20 @@ def test_shipped_directory_is_a_small_standard_hf_model(shipped):
         assert key in record, key
 
 
+def test_shipped_chat_template_writes_speeches_as_the_corpus_does(shipped):
+    _, tokenizer, _ = shipped
+    chat = [{"role": "system", "content": "Enter ROMEO and JULIET."},
+            {"role": "user", "content": " What light through yonder window breaks? "},
+            {"role": "assistant", "content": "It is the east."},
+            {"role": "user", "content": "Speak again.", "name": "Benvolio"}]
+    rendered = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    assert rendered == ("<s>[Enter ROMEO and JULIET.]\n\nROMEO:\nWhat light through yonder window breaks?\n\n"
+                        "JULIET:\nIt is the east.\n\nBENVOLIO:\nSpeak again.\n\nJULIET:\n")
+    validation = (ASSET_DIR / "validation.txt").read_text(encoding="utf-8")
+    # the corpus's own form: speakers in capitals on a line, stage directions in brackets
+    assert len(re.findall(r"\n\n[A-Z][A-Z ]+:\n", validation)) > 100 and "\n\n[Exeunt.]" in validation
+
+
 @pytest.mark.slow
 def test_shipped_validation_loss_is_reproduced(shipped):
     model, tokenizer, record = shipped

@@ -106,6 +106,13 @@ def test_smoke_training_end_to_end(tmp_path):
     loss = reference_validation_loss(model, tokenizer, record, out)
     assert loss == pytest.approx(record["validation_loss"], abs=LOSS_TOLERANCE)
 
+    # The chat template is written as shipped, inside tokenizer_config.json.
+    written = json.loads((out / "tokenizer_config.json").read_text())["chat_template"]
+    shipped = json.loads((REPO / "hybridd/assets/tiny-shakespeare/tokenizer_config.json").read_text())
+    assert written == shipped["chat_template"]
+    assert tokenizer.apply_chat_template([{"role": "user", "content": "Hark!"}], add_generation_prompt=True,
+                                         tokenize=False) == "<s>ROMEO:\nHark!\n\nJULIET:\n"
+
     enc = tokenizer("ROMEO:", return_tensors="pt")
     with torch.no_grad():
         generated = model.generate(**enc, max_new_tokens=8, do_sample=False)
