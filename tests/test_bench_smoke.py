@@ -24,8 +24,8 @@ def bench_out(tmp_path_factory):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "bench.py"), "--out", str(out / "out"), "--device", "cpu",
-         "--preset", "tiny", "--quick", "--checkpoint-dir", str(out / "ckpt"), "--budget-s", "150"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=240,
+         "--preset", "tiny", "--quick", "--checkpoint-dir", str(out / "ckpt"), "--budget-s", "200"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return out / "out", proc.stdout

@@ -28,6 +28,7 @@ from starlette.routing import Route
 
 from hybridd.client import AsyncClient, AsyncStream, Chunk, GenerateResult
 from hybridd.client_errors import HybriddError
+from hybridd.protocol.errors import ErrorCode
 from hybridd.gateway.api_keys import key_matches
 from hybridd.gateway.errors import GatewayError, from_daemon, not_ready
 from hybridd.gateway.openai_schema import ChatCompletionRequest, CompletionRequest, parse_body
@@ -41,6 +42,8 @@ STATUS_TIMEOUT_S = 5.0
 # The largest request body read; a prompt of the protocol's maximum size fits.
 MAX_BODY_BYTES = 8 * 1024 * 1024
 DONE_EVENT = b"data: [DONE]\n\n"
+# Errors that say the daemon does not serve now (rather than that a request was bad).
+UNSERVED_CODES = frozenset({ErrorCode.DRAINING, ErrorCode.UNAVAILABLE, ErrorCode.ENGINE_DEAD})
 
 
 def model_id(model_path: str) -> str:
@@ -169,6 +172,7 @@ class Gateway:
         self.model = model_id(model_path)
         self.api_keys = api_keys
         self.created = int(time.time())
+        self.serving = False  # the daemon answered the last request (or health check) as serving
 
     # ------------------------------------------------------------ checks
 
@@ -202,9 +206,20 @@ class Gateway:
         return health.ok, health.state
 
     async def ensure_ready(self) -> None:
+        """Refuse with 503 and the state unless the daemon serves. Asked only while the
+        last word from the daemon was not a success, so that a serving daemon costs no
+        extra round trip per request; a request that fails for the daemon's sake (draining,
+        unavailable, engine dead) makes the next one ask again."""
+        if self.serving:
+            return
         ok, state = await self.health_state()
         if not ok:
             raise not_ready(state)
+        self.serving = True
+
+    def daemon_failed(self, error: HybriddError) -> None:
+        if error.code in UNSERVED_CODES:
+            self.serving = False
 
     async def body(self, request: Request, model: type) -> Any:
         raw = bytearray()
@@ -222,6 +237,7 @@ class Gateway:
 
     async def health(self, request: Request) -> Response:
         ok, state = await self.health_state()
+        self.serving = ok
         if ok:
             return JSONResponse({"status": "ok", "state": state})
         return not_ready(state).response()
@@ -275,7 +291,7 @@ class Gateway:
             for s in streams:
                 s.close()
             raise
-        return EventStream(_events(reply, jobs, streams, firsts, include_usage))
+        return EventStream(_events(reply, jobs, streams, firsts, include_usage, self.daemon_failed))
 
     async def _run_whole(self, jobs: list[Job]) -> None:
         tasks = [asyncio.ensure_future(self.client.generate(job.prompt, **job.sampling)) for job in jobs]
@@ -333,7 +349,7 @@ async def _first_replies(streams: list[AsyncStream]) -> list[Chunk | object]:
 
 
 async def _events(reply: Reply, jobs: list[Job], streams: list[AsyncStream], firsts: list[Any],
-                  include_usage: bool) -> AsyncIterator[bytes]:
+                  include_usage: bool, on_error: Callable[[HybriddError], None]) -> AsyncIterator[bytes]:
     try:
         for job in jobs:
             if (start := reply.start(job.index)) is not None:
@@ -351,6 +367,7 @@ async def _events(reply: Reply, jobs: list[Job], streams: list[AsyncStream], fir
         yield DONE_EVENT
     except HybriddError as error:
         log.warning("generation failed mid-stream", code=error.code.value, error=error.message)
+        on_error(error)
         yield _event(from_daemon(error).body())
     finally:
         for stream in streams:
@@ -412,6 +429,7 @@ def create_app(gateway: Gateway) -> Starlette:
 
     async def daemon_error(request: Request, error: Exception) -> Response:
         assert isinstance(error, HybriddError)
+        gateway.daemon_failed(error)
         return from_daemon(error).response()
 
     async def disconnected(request: Request, error: Exception) -> Response:

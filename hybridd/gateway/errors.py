@@ -24,6 +24,7 @@ STATUS_BY_CODE: dict[ErrorCode, tuple[int, str]] = {
     ErrorCode.NOT_FOUND: (404, "not_found_error"),
     ErrorCode.OVERLOADED: (429, "rate_limit_error"),
     ErrorCode.DRAINING: (503, "service_unavailable_error"),
+    ErrorCode.UNAVAILABLE: (503, "service_unavailable_error"),
     ErrorCode.ENGINE_DEAD: (503, "service_unavailable_error"),
     ErrorCode.TIMEOUT: (504, "timeout_error"),
     ErrorCode.CANCELLED: (500, "internal_error"),
