@@ -115,16 +115,86 @@ def test_token_id_prompts_and_prompt_lists(oai, sdk):
 
 def test_n_choices_per_prompt_streamed_and_whole(oai):
     whole = oai.completions.create(model=MODEL, prompt=["ROMEO:", "JULIET:"], n=2, max_tokens=6, seed=7,
-                                   temperature=1.0)
+                                   temperature=1.0, extra_body={"ignore_eos": True})
     assert sorted(c.index for c in whole.choices) == [0, 1, 2, 3]
     assert whole.usage.completion_tokens == 4 * 6
     chunks = list(oai.completions.create(model=MODEL, prompt=["ROMEO:", "JULIET:"], n=2, max_tokens=6, seed=7,
-                                         temperature=1.0, stream=True))
+                                         temperature=1.0, stream=True, extra_body={"ignore_eos": True}))
     streamed = {i: "".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == i)
                 for i in range(4)}
     assert streamed == {c.index: c.text for c in whole.choices}  # seeded: the same four answers
     finals = [c.choices[0] for c in chunks if c.choices and c.choices[0].finish_reason]
     assert sorted(f.index for f in finals) == [0, 1, 2, 3]
+
+
+def test_chat_completion_matches_the_sdk_chat(oai, sdk):
+    messages = [{"role": "system", "content": "Enter ROMEO."}, {"role": "user", "content": "What light breaks?"}]
+    completion = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
+    direct = sdk.chat(messages, max_tokens=12, temperature=0)
+    assert completion.object == "chat.completion"
+    (choice,) = completion.choices
+    assert choice.message.role == "assistant" and choice.message.content == direct.text
+    assert choice.finish_reason == direct.finish_reason
+    assert completion.usage.prompt_tokens == direct.usage.prompt_tokens
+    chunks = list(oai.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=12,
+                                              temperature=0, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].object == "chat.completion.chunk" and chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == direct.text
+    assert chunks[-1].usage.completion_tokens == direct.usage.completion_tokens
+
+
+def test_chat_refuses_what_it_does_not_implement(oai):
+    with pytest.raises(openai.BadRequestError) as caught:
+        oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                    tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
+    assert caught.value.param == "tools"
+    with pytest.raises(openai.BadRequestError) as caught:
+        oai.chat.completions.create(model=MODEL, messages=[])
+    assert caught.value.param == "messages"
+
+
+def _hf_log_softmax(prompt_ids: list[int], output_ids: list[int]):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from hybridd.config import EMBEDDED_MODEL
+
+    model = AutoModelForCausalLM.from_pretrained(EMBEDDED_MODEL, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt_ids + output_ids])).logits[0].float()
+    return logits[len(prompt_ids) - 1: len(prompt_ids) - 1 + len(output_ids)].log_softmax(dim=-1)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_greedy_logprobs_are_the_models_log_softmax(oai, sdk, stream):
+    prompt = [40, 41, 42, 43]
+    output = sdk.generate(prompt, max_tokens=8, temperature=0).token_ids
+    expected = _hf_log_softmax(prompt, output)
+    if stream:
+        chunks = [c for c in oai.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0,
+                                                   logprobs=3, stream=True) if c.choices and c.choices[0].logprobs]
+        token_logprobs = [lp for c in chunks for lp in c.choices[0].logprobs.token_logprobs]
+        top = [t for c in chunks for t in c.choices[0].logprobs.top_logprobs]
+        tokens = [t for c in chunks for t in c.choices[0].logprobs.tokens]
+    else:
+        choice = oai.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, logprobs=3).choices[0]
+        token_logprobs, top, tokens = choice.logprobs.token_logprobs, choice.logprobs.top_logprobs, choice.logprobs.tokens
+        assert choice.logprobs.text_offset == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+    assert len(token_logprobs) == len(output) == 8
+    for pos, (token, logprob) in enumerate(zip(output, token_logprobs, strict=True)):
+        assert logprob == pytest.approx(float(expected[pos][token]), abs=2e-3), pos
+        assert len(top[pos]) == 3 and max(top[pos].values()) == pytest.approx(logprob, abs=2e-3)
+    chat = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Speak."}], max_tokens=4,
+                                       temperature=0, logprobs=True, top_logprobs=2).choices[0]
+    assert len(chat.logprobs.content) == 4
+    assert all(len(e.top_logprobs) == 2 and e.logprob <= 0 for e in chat.logprobs.content)
+
+
+def test_n_choices_of_a_chat(oai):
+    completion = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Speak."}], n=2,
+                                             max_tokens=6, temperature=1.0, seed=5, extra_body={"ignore_eos": True})
+    assert [c.index for c in completion.choices] == [0, 1]
+    assert completion.usage.completion_tokens == 12
 
 
 def test_echo_prepends_the_prompt(oai):

@@ -16,7 +16,6 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +30,7 @@ from hybridd.client_errors import HybriddError
 from hybridd.protocol.errors import ErrorCode
 from hybridd.gateway.api_keys import key_matches
 from hybridd.gateway.errors import GatewayError, from_daemon, not_ready
+from hybridd.gateway.openai_output import DONE_EVENT, Job, Reply, event
 from hybridd.gateway.openai_schema import ChatCompletionRequest, CompletionRequest, parse_body
 from hybridd.log import get_logger
 from hybridd.metrics import CONTENT_TYPE, render
@@ -41,7 +41,6 @@ HEALTH_TIMEOUT_S = 1.0
 STATUS_TIMEOUT_S = 5.0
 # The largest request body read; a prompt of the protocol's maximum size fits.
 MAX_BODY_BYTES = 8 * 1024 * 1024
-DONE_EVENT = b"data: [DONE]\n\n"
 # Errors that say the daemon does not serve now (rather than that a request was bad).
 UNSERVED_CODES = frozenset({ErrorCode.DRAINING, ErrorCode.UNAVAILABLE, ErrorCode.ENGINE_DEAD})
 
@@ -49,87 +48,6 @@ UNSERVED_CODES = frozenset({ErrorCode.DRAINING, ErrorCode.UNAVAILABLE, ErrorCode
 def model_id(model_path: str) -> str:
     """The name `/v1/models` lists: the model directory's name."""
     return Path(model_path).name or model_path
-
-
-def _event(payload: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
-
-
-@dataclass
-class Job:
-    """One daemon request: a choice of a prompt."""
-
-    index: int
-    prompt: str | list[int]
-    sampling: dict[str, Any]
-    echo: str = ""
-    result: GenerateResult | None = None
-
-
-@dataclass
-class Reply:
-    """How one endpoint writes its objects (completion or chat completion)."""
-
-    id: str
-    model: str
-    chat: bool
-    created: int = field(default_factory=lambda: int(time.time()))
-
-    def _chunk(self, choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> dict[str, Any]:
-        obj = "chat.completion.chunk" if self.chat else "text_completion"
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices,
-                "usage": usage}
-
-    def start(self, index: int) -> bytes | None:
-        """The opening event of a choice: the chat role; nothing for completions."""
-        if not self.chat:
-            return None
-        return _event(self._chunk([{"index": index, "delta": {"role": "assistant", "content": ""},
-                                    "logprobs": None, "finish_reason": None}]))
-
-    def delta(self, index: int, text: str) -> bytes:
-        if self.chat:
-            choice = {"index": index, "delta": {"content": text}, "logprobs": None, "finish_reason": None}
-        else:
-            choice = {"index": index, "text": text, "logprobs": None, "finish_reason": None}
-        return _event(self._chunk([choice]))
-
-    def finish(self, index: int, reason: str) -> bytes:
-        if self.chat:
-            choice = {"index": index, "delta": {}, "logprobs": None, "finish_reason": reason}
-        else:
-            choice = {"index": index, "text": "", "logprobs": None, "finish_reason": reason}
-        return _event(self._chunk([choice]))
-
-    def usage_event(self, jobs: list[Job]) -> bytes:
-        return _event(self._chunk([], usage(jobs)))
-
-    def whole(self, jobs: list[Job]) -> dict[str, Any]:
-        choices = []
-        for job in jobs:
-            assert job.result is not None
-            text = job.echo + job.result.text
-            if self.chat:
-                choices.append({"index": job.index, "message": {"role": "assistant", "content": text},
-                                "logprobs": None, "finish_reason": job.result.finish_reason})
-            else:
-                choices.append({"index": job.index, "text": text, "logprobs": None,
-                                "finish_reason": job.result.finish_reason})
-        obj = "chat.completion" if self.chat else "text_completion"
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices,
-                "usage": usage(jobs)}
-
-
-def usage(jobs: list[Job]) -> dict[str, int]:
-    """Prompt tokens count once per prompt (its choices share it), as OpenAI counts them."""
-    prompts: dict[str, int] = {}
-    completion = 0
-    for job in jobs:
-        assert job.result is not None
-        prompts[repr(job.prompt)] = job.result.usage.prompt_tokens
-        completion += job.result.usage.completion_tokens
-    prompt = sum(prompts.values())
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 class EventStream(StreamingResponse):
@@ -260,13 +178,11 @@ class Gateway:
         self.authorize(request)
         body: CompletionRequest = await self.body(request, CompletionRequest)
         self.check_model(body.model)
-        if body.logprobs is not None:
-            raise GatewayError(400, "logprobs: not supported by this daemon", param="logprobs")
         prompts = body.prompts()
         sampling = body.sampling()
-        jobs = [Job(index=i * body.n + j, prompt=prompt, sampling=_choice_sampling(sampling, j),
+        jobs = [Job(base=i * body.n, prompt=prompt, sampling=sampling,
                     echo=prompt if body.echo and isinstance(prompt, str) else "")
-                for i, prompt in enumerate(prompts) for j in range(body.n)]
+                for i, prompt in enumerate(prompts)]
         reply = Reply(id=f"cmpl-{uuid.uuid4().hex}", model=body.model, chat=False)
         return await self.generate(request, jobs, reply, stream=body.stream, include_usage=body.include_usage)
 
@@ -274,27 +190,44 @@ class Gateway:
         self.authorize(request)
         body: ChatCompletionRequest = await self.body(request, ChatCompletionRequest)
         self.check_model(body.model)
-        raise GatewayError(400, "chat completions are not supported by this daemon", param="messages")
+        jobs = [Job(base=0, prompt=None, messages=body.chat_messages(), sampling=body.sampling())]
+        reply = Reply(id=f"chatcmpl-{uuid.uuid4().hex}", model=body.model, chat=True)
+        return await self.generate(request, jobs, reply, stream=body.stream, include_usage=body.include_usage)
 
     # ------------------------------------------------------------ generation
+
+    def _stream(self, job: Job) -> AsyncStream:
+        if job.messages is not None:
+            return self.client.chat_stream(job.messages, **job.sampling)
+        return self.client.stream(job.prompt, **job.sampling)
 
     async def generate(self, request: Request, jobs: list[Job], reply: Reply, *, stream: bool,
                        include_usage: bool) -> Response:
         await self.ensure_ready()
-        if not stream:
+        if not stream and not jobs[0].sampling.get("logprobs"):
             await _unless_disconnected(request, self._run_whole(jobs))
             return JSONResponse(reply.whole(jobs))
-        streams = [self.client.stream(job.prompt, **job.sampling) for job in jobs]
+        # Logprobs travel in the daemon's chunks (a final reply holds only so many), so a
+        # whole answer with logprobs is streamed from the daemon and gathered here.
+        streams = [self._stream(job) for job in jobs]
         try:
             firsts = await _unless_disconnected(request, _first_replies(streams))
         except BaseException:
             for s in streams:
                 s.close()
             raise
+        if not stream:
+            await _unless_disconnected(request, _drain(jobs, streams, firsts))
+            return JSONResponse(reply.whole(jobs))
         return EventStream(_events(reply, jobs, streams, firsts, include_usage, self.daemon_failed))
 
     async def _run_whole(self, jobs: list[Job]) -> None:
-        tasks = [asyncio.ensure_future(self.client.generate(job.prompt, **job.sampling)) for job in jobs]
+        async def one(job: Job) -> GenerateResult:
+            if job.messages is not None:
+                return await self.client.chat(job.messages, **job.sampling)
+            return await self.client.generate(job.prompt, **job.sampling)
+
+        tasks = [asyncio.ensure_future(one(job)) for job in jobs]
         try:
             results = await asyncio.gather(*tasks)
         except BaseException:
@@ -306,12 +239,17 @@ class Gateway:
             job.result = result
 
 
-def _choice_sampling(sampling: dict[str, Any], choice: int) -> dict[str, Any]:
-    """The sampling of the `choice`-th of n choices: with a seed, choice j uses seed + j,
-    so that the choices differ and the whole answer is reproducible."""
-    if choice and sampling.get("seed") is not None:
-        return sampling | {"seed": sampling["seed"] + choice}
-    return sampling
+async def _drain(jobs: list[Job], streams: list[AsyncStream], firsts: list[Any]) -> None:
+    """Read whole streams (their results gather the chunks' logprobs)."""
+    try:
+        for job, stream, first in zip(jobs, streams, firsts, strict=True):
+            if first is not _END:
+                async for _ in stream:
+                    pass
+            job.result = stream.result
+    finally:
+        for stream in streams:
+            stream.close()
 
 
 async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
@@ -352,39 +290,46 @@ async def _events(reply: Reply, jobs: list[Job], streams: list[AsyncStream], fir
                   include_usage: bool, on_error: Callable[[HybriddError], None]) -> AsyncIterator[bytes]:
     try:
         for job in jobs:
-            if (start := reply.start(job.index)) is not None:
-                yield start
-            if job.echo:
-                yield reply.delta(job.index, job.echo)
+            for sequence in range(job.sampling.get("n", 1)):
+                if (start := reply.start(job.base + sequence)) is not None:
+                    yield start
+                if job.echo:
+                    yield reply.delta(job.base + sequence, job.echo)
         if len(streams) == 1:
             source = _one(jobs[0], streams[0], firsts[0])
         else:
             source = _merged(jobs, streams, firsts)
-        async for event in source(reply):
-            yield event
+        async for item in source(reply):
+            yield item
         if include_usage:
             yield reply.usage_event(jobs)
         yield DONE_EVENT
     except HybriddError as error:
         log.warning("generation failed mid-stream", code=error.code.value, error=error.message)
         on_error(error)
-        yield _event(from_daemon(error).body())
+        yield event(from_daemon(error).body())
     finally:
         for stream in streams:
             stream.close()
 
 
 def _one(job: Job, stream: AsyncStream, first: Any) -> Callable[[Reply], AsyncIterator[bytes]]:
+    def delta(reply: Reply, chunk: Chunk) -> bytes | None:
+        if not chunk.text and chunk.logprobs is None:
+            return None  # text held back (a partial character, a possible stop string)
+        return reply.delta(job.base + chunk.index, chunk.text, reply.logprobs(job, chunk.index, chunk.logprobs))
+
     async def events(reply: Reply) -> AsyncIterator[bytes]:
         if first is not _END:
-            if first.text:
-                yield reply.delta(job.index, first.text)
+            if (item := delta(reply, first)) is not None:
+                yield item
             async for chunk in stream:
-                if chunk.text:
-                    yield reply.delta(job.index, chunk.text)
+                if (item := delta(reply, chunk)) is not None:
+                    yield item
         job.result = stream.result
         assert job.result is not None
-        yield reply.finish(job.index, job.result.finish_reason)
+        for choice in job.result.choices:
+            yield reply.finish(job.base + choice.index, choice.finish_reason)
 
     return events
 
@@ -395,8 +340,8 @@ def _merged(jobs: list[Job], streams: list[AsyncStream], firsts: list[Any]) -> C
 
         async def pump(job: Job, stream: AsyncStream, first: Any) -> None:
             try:
-                async for event in _one(job, stream, first)(reply):
-                    queue.put_nowait(event)
+                async for item in _one(job, stream, first)(reply):
+                    queue.put_nowait(item)
             except BaseException as error:  # noqa: BLE001  handed to the response
                 queue.put_nowait(error)
                 return

@@ -14,12 +14,10 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from hybridd.gateway.errors import GatewayError, bad_request
-from hybridd.protocol.limits import MAX_TOKENS_CAP
+from hybridd.protocol.limits import MAX_N, MAX_TOKENS_CAP, MAX_TOP_LOGPROBS
 
 # Accepted and ignored: they only label the request on OpenAI's side.
 NO_OP_FIELDS = frozenset({"user"})
-MAX_N = 16
-MAX_TOP_LOGPROBS = 20
 MAX_PROMPTS = 64
 
 
@@ -72,6 +70,8 @@ class _Body(BaseModel):
         options["max_tokens"] = self.max_tokens if self.max_tokens is not None else default_max_tokens
         if self.stop is not None:
             options["stop"] = [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        if self.n > 1:
+            options["n"] = self.n
         return options
 
 
@@ -98,12 +98,15 @@ class CompletionRequest(_Body):
             raise bad_request(f"prompt: at most {MAX_PROMPTS} prompts per request, got {len(prompts)}", "prompt")
         if self.echo and any(not isinstance(p, str) for p in prompts):
             raise bad_request("echo: only supported with text prompts (the gateway holds no tokenizer)", "echo")
-        if len(prompts) * self.n > MAX_N * 4:
-            raise bad_request(f"n: {len(prompts)} prompts × n={self.n} is more than {MAX_N * 4} choices", "n")
+        if self.echo and self.logprobs is not None:
+            raise bad_request("echo: not supported with logprobs (the prompt's logprobs are not computed)", "echo")
         return prompts
 
     def sampling(self, default_max_tokens: int | None = None) -> dict[str, Any]:
-        return super().sampling(self.DEFAULT_MAX_TOKENS if default_max_tokens is None else default_max_tokens)
+        options = super().sampling(self.DEFAULT_MAX_TOKENS if default_max_tokens is None else default_max_tokens)
+        if self.logprobs is not None:  # the sampled token's logprob and this many alternatives
+            options |= {"logprobs": True, "top_logprobs": self.logprobs}
+        return options
 
 
 class ContentPart(BaseModel):
@@ -149,6 +152,8 @@ class ChatCompletionRequest(_Body):
         options = super().sampling(self.DEFAULT_MAX_TOKENS if default_max_tokens is None else default_max_tokens)
         if self.max_completion_tokens is not None:
             options["max_tokens"] = self.max_completion_tokens
+        if self.logprobs:
+            options |= {"logprobs": True, "top_logprobs": self.top_logprobs or 0}
         return options
 
     def chat_messages(self) -> list[dict[str, str]]:

@@ -1,0 +1,122 @@
+"""How the gateway writes OpenAI's objects: completions and chat completions, whole or
+as server-sent chunks, with their choices, logprobs and usage.
+
+One `Job` is one daemon request: a prompt (or a chat) with its `n` sequences, which
+become the choices `base … base + n − 1` of the response. Logprobs come from the
+daemon (computed from the distribution each token was sampled from) and are written
+in the endpoint's format: the legacy `tokens` / `token_logprobs` / `top_logprobs` /
+`text_offset` lists for completions, `content` entries for chat.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from hybridd.client import GenerateResult, TokenLogprob
+
+DONE_EVENT = b"data: [DONE]\n\n"
+
+
+def event(payload: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+
+
+@dataclass
+class Job:
+    """One daemon request: its prompt or chat, its sampling (with `n`), and where its
+    choices go in the response."""
+
+    base: int  # the index of its first choice
+    prompt: str | list[int] | None
+    sampling: dict[str, Any]
+    messages: list[dict[str, str]] | None = None
+    echo: str = ""
+    result: GenerateResult | None = None
+    offsets: dict[int, int] = field(default_factory=dict)  # completions' text_offset, per sequence
+
+
+@dataclass
+class Reply:
+    """How one endpoint writes its objects (completion or chat completion)."""
+
+    id: str
+    model: str
+    chat: bool
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def _object(self, suffix: str, choices: list[dict[str, Any]], usage: dict[str, int] | None) -> dict[str, Any]:
+        kind = "chat.completion" + suffix if self.chat else "text_completion"
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices,
+                "usage": usage}
+
+    def logprobs(self, job: Job, sequence: int, entries: list[TokenLogprob] | None) -> dict[str, Any] | None:
+        if entries is None:
+            return None
+        if self.chat:
+            return {"content": [{
+                "token": e.text, "logprob": e.logprob, "bytes": list(e.text.encode()),
+                "top_logprobs": [{"token": t.text, "logprob": t.logprob, "bytes": list(t.text.encode())}
+                                 for t in e.top_logprobs],
+            } for e in entries]}
+        offset = job.offsets.get(sequence, len(job.echo))
+        offsets = []
+        for e in entries:
+            offsets.append(offset)
+            offset += len(e.text)
+        job.offsets[sequence] = offset
+        return {"tokens": [e.text for e in entries], "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": [{t.text: t.logprob for t in e.top_logprobs} for e in entries],
+                "text_offset": offsets}
+
+    # ------------------------------------------------------------ streaming
+
+    def start(self, index: int) -> bytes | None:
+        """The opening event of a choice: the chat role; nothing for completions."""
+        if not self.chat:
+            return None
+        return event(self._object(".chunk", [{"index": index, "delta": {"role": "assistant", "content": ""},
+                                              "logprobs": None, "finish_reason": None}], None))
+
+    def delta(self, index: int, text: str, logprobs: dict[str, Any] | None = None) -> bytes:
+        if self.chat:
+            choice = {"index": index, "delta": {"content": text}, "logprobs": logprobs, "finish_reason": None}
+        else:
+            choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": None}
+        return event(self._object(".chunk", [choice], None))
+
+    def finish(self, index: int, reason: str) -> bytes:
+        if self.chat:
+            choice = {"index": index, "delta": {}, "logprobs": None, "finish_reason": reason}
+        else:
+            choice = {"index": index, "text": "", "logprobs": None, "finish_reason": reason}
+        return event(self._object(".chunk", [choice], None))
+
+    def usage_event(self, jobs: list[Job]) -> bytes:
+        return event(self._object(".chunk", [], usage(jobs)))
+
+    # ------------------------------------------------------------ whole
+
+    def whole(self, jobs: list[Job]) -> dict[str, Any]:
+        choices = []
+        for job in jobs:
+            assert job.result is not None
+            for choice in job.result.choices:
+                logprobs = self.logprobs(job, choice.index, choice.logprobs)
+                text = job.echo + choice.text
+                if self.chat:
+                    choices.append({"index": job.base + choice.index, "message": {"role": "assistant", "content": text},
+                                    "logprobs": logprobs, "finish_reason": choice.finish_reason})
+                else:
+                    choices.append({"index": job.base + choice.index, "text": text, "logprobs": logprobs,
+                                    "finish_reason": choice.finish_reason})
+        return self._object("", choices, usage(jobs))
+
+
+def usage(jobs: list[Job]) -> dict[str, int]:
+    """The prompt counted once per prompt (its n sequences share it), as OpenAI counts it."""
+    prompt = sum(job.result.usage.prompt_tokens for job in jobs if job.result is not None)
+    completion = sum(job.result.usage.completion_tokens for job in jobs if job.result is not None)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
