@@ -294,7 +294,9 @@ def check_reply(reply: Any) -> str | None:
         return f"unknown reply type {kind!r}"
     if set(reply) != shapes[kind]:
         return f"{kind} has fields {sorted(reply)}"
-    if reply["v"] != 1 or not isinstance(reply["id"], str) or len(reply["id"]) > MAX_ID:
+    # Replies use the request's version; an error for a message whose version cannot be
+    # used, the newest (SPEC §7).
+    if reply["v"] not in (1, 2) or not isinstance(reply["id"], str) or len(reply["id"]) > MAX_ID:
         return f"bad envelope {reply['v']!r} {reply['id']!r}"
     ints = lambda xs: isinstance(xs, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in xs)  # noqa: E731
     if kind == "chunk":
@@ -402,6 +404,8 @@ class Lane:
                                     f"{reply.get('type')} {reply.get('code')} {str(reply.get('message'))[:100]}")
                 return
             kind = reply["type"]
+            if case.expect == "request" and reply["v"] != 1:
+                self._violate(case, f"a version 1 request answered in version {reply['v']}")
             if kind == "chunk":
                 if case.expect != "request" or case.kind != "generate":
                     self._violate(case, "a chunk for a request that cannot stream")
