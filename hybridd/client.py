@@ -284,7 +284,8 @@ class _Session:
             (zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS),
         ):
             self._socket.setsockopt(option, value)
-        if endpoint.startswith("tcp://"):
+        self._curve = endpoint.startswith("tcp://")
+        if self._curve:
             if not (server_public_key and public_key and secret_key):
                 raise ValueError("a tcp:// endpoint is served only with CURVE: give server_public_key, "
                                  "public_key and secret_key (see `hybridd keygen`)")
@@ -338,9 +339,9 @@ class _Session:
                 self._transport = "accepted"
             elif kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
                 self._refused = "it does not authorise this client's public key"
-            elif kind in (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL):
-                self._refused = ("the CURVE handshake failed: is server_public_key the daemon's public key?"
-                                 if self.endpoint.startswith("tcp://") else "the ZeroMQ handshake failed")
+            elif kind in (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL) and self._curve:
+                # Over ipc (no CURVE) a failed handshake is a daemon dying mid-way: transient.
+                self._refused = "the CURVE handshake failed: is server_public_key the daemon's public key?"
             self._changed.set()
 
     async def reach(self, timeout: float) -> None:
@@ -374,7 +375,8 @@ class _Session:
             if socket_file is not None:
                 return (f"no daemon at {self.endpoint} within {_seconds(timeout)} s: nothing listens on {socket_file} "
                         f"(a stale socket left by a daemon that died?)")
-            return f"no daemon at {self.endpoint} within {_seconds(timeout)} s: nothing accepts connections at {self.endpoint}"
+            return (f"no daemon at {self.endpoint} within {_seconds(timeout)} s: nothing accepts connections "
+                    f"at {self.endpoint}")
         return f"no answer from {self.endpoint} within {_seconds(timeout)} s (connected, but no ZeroMQ handshake)"
 
     def fail_all(self, error: HybriddError) -> None:
