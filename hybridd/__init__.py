@@ -48,7 +48,7 @@ if TYPE_CHECKING:
         TokenLogprob,
         TopLogprob,
     )
-    from hybridd.client_errors import (
+    from hybridd.errors import (
         DaemonUnreachableError,
         DrainingError,
         EngineDeadError,
@@ -70,7 +70,7 @@ def __getattr__(name: str) -> Any:
 
         return getattr(client, name)
     if name in _ERROR_EXPORTS:
-        from hybridd import client_errors
+        from hybridd import errors
 
-        return getattr(client_errors, name)
+        return getattr(errors, name)
     raise AttributeError(f"module 'hybridd' has no attribute {name!r}")

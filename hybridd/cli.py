@@ -204,7 +204,7 @@ def _client(config_path: str | None, runtime_dir: str | None, endpoint: str | No
 
 def _fail_for(error: Exception, what: str) -> None:
     """One line and the exit code for a client command that failed (see README, Troubleshooting)."""
-    from hybridd.client_errors import (
+    from hybridd.errors import (
         DaemonUnreachableError,
         DrainingError,
         HandshakeRefusedError,
@@ -315,7 +315,7 @@ def format_status(status: dict[str, Any]) -> str:
               help="Seconds to wait for the daemon and its answer.")
 def status(config_path, runtime_dir, endpoint, server_key, client_key, as_json: bool, timeout: float) -> None:
     """Show the running daemon's state, workers, buckets, KV blocks, queues and latency."""
-    from hybridd.client_errors import HybriddError
+    from hybridd.errors import HybriddError
 
     client, endpoint = _client(config_path, runtime_dir, endpoint, server_key, client_key, timeout, timeout)
     with client:
@@ -352,7 +352,7 @@ def generate(prompt: str, config_path, runtime_dir, endpoint, server_key, client
              top_p, seed, repetition_penalty, stop_strings, ignore_eos, timeout, connect_timeout, wait,
              as_json: bool) -> None:
     """Generate a completion of PROMPT, streamed to the terminal."""
-    from hybridd.client_errors import HybriddError
+    from hybridd.errors import HybriddError
 
     sampling = {k: v for k, v in {
         "max_tokens": max_tokens, "temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": seed,

@@ -34,7 +34,7 @@ import time
 import uuid
 import weakref
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from types import EllipsisType
 from typing import Any
@@ -44,7 +44,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from hybridd import client_fallback
-from hybridd.client_errors import (
+from hybridd.errors import (
     DaemonUnreachableError,
     DrainingError,
     EngineDeadError,
@@ -77,11 +77,10 @@ from hybridd.protocol.messages import (
     SamplingParams,
     StatusReply,
     StatusRequest,
-    Timings,
     TokenLogprob,
     TopLogprob,
-    Usage,
 )
+from hybridd.results import Chunk, GenerateResult, Health
 
 __all__ = [
     "AsyncClient",
@@ -130,36 +129,6 @@ RECONNECT_IVL_MS = 100
 RECONNECT_IVL_MAX_MS = 1000
 SAMPLING_FIELDS = frozenset(SamplingParams.__dataclass_fields__)
 Messages = list[ChatMessage | dict[str, str]]
-
-
-@dataclass(frozen=True, slots=True)
-class GenerateResult:
-    """A finished request. `text`, `token_ids`, `finish_reason` and `logprobs` are the
-    first sequence's; `choices` holds all n of them (index 0 … n−1)."""
-
-    id: str
-    text: str  # the whole completion
-    token_ids: list[int]
-    finish_reason: str  # stop or length (other endings raise)
-    usage: Usage  # the prompt counted once, the completion tokens of every sequence
-    timings: Timings
-    logprobs: list[TokenLogprob] | None = None  # when asked for: one per token id
-    choices: list[Choice] = field(default_factory=list)
-
-
-@dataclass(frozen=True, slots=True)
-class Chunk:
-    id: str
-    index: int  # which of the request's n sequences (0 when n = 1)
-    text: str  # new text of that sequence since its previous chunk
-    token_ids: list[int]
-    logprobs: list[TokenLogprob] | None = None  # when asked for: one per token id
-
-
-@dataclass(frozen=True, slots=True)
-class Health:
-    state: str  # the daemon's lifecycle state
-    ok: bool  # true when generate requests are accepted
 
 
 def load_curve_keys(path: str) -> tuple[bytes, bytes | None]:

@@ -14,7 +14,7 @@ import os
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hybridd.protocol.supervisor import LOG_FORMATS, LOG_LEVELS
 from hybridd.runtime.buckets import DEFAULT_DECODE_BUCKETS, DEFAULT_PREFILL_BUCKETS
@@ -22,6 +22,10 @@ from hybridd.runtime.buckets import DEFAULT_DECODE_BUCKETS, DEFAULT_PREFILL_BUCK
 # One day: longer deadlines are typos, and a drain deadline must fit in a timer.
 MAX_TIMEOUT_S = 86400.0
 MAX_HEARTBEAT_INTERVAL_S = 60.0
+
+if TYPE_CHECKING:
+    import torch
+
 EMBEDDED_MODEL = Path(__file__).resolve().parent / "assets" / "tiny-shakespeare"
 ENV_PREFIX = "HYBRIDD_"
 _LOG_VARIABLES = {ENV_PREFIX + "LOG_LEVEL": "log_level", ENV_PREFIX + "LOG_FORMAT": "log_format"}
@@ -254,3 +258,27 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
 
 def config_to_json(config: Config) -> str:
     return json.dumps(config.to_dict(), indent=2, sort_keys=True)
+
+
+# The device and dtype are resolved in the workers: torch is the daemon's dependency, and
+# the client imports this module (for the default endpoint) without it.
+def resolve_device(config: Config) -> torch.device:
+    """The configured device, with an explicit index for CUDA (`set_device` needs one)."""
+    import torch
+
+    name = config.device
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", 0)
+    return device
+
+
+def resolve_dtype(config: Config, device: torch.device) -> torch.dtype:
+    """The configured dtype; `auto` is bfloat16 on CUDA and float32 elsewhere."""
+    import torch
+
+    if config.dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, config.dtype)

@@ -17,7 +17,6 @@ import contextlib
 import ctypes
 import dataclasses
 import fcntl
-import importlib
 import multiprocessing
 import os
 import signal
@@ -55,15 +54,19 @@ from hybridd.protocol.supervisor import (
     WorkerPhase,
     supervisor_from_wire,
 )
+from hybridd.workers import entry_points
 
 log = get_logger("supervisor")
 
 SPAWN = multiprocessing.get_context("spawn")
 PID_FILE_NAME = "hybridd.pid"
 
-DEFAULT_TARGETS = {
-    "graph": "hybridd.workers.graph_generator:main",
-    "context": "hybridd.workers.context_generator:main",
+# A worker's entry point: called with the config (as a dict) and the control endpoint
+# in a fresh spawned process; it must be importable by name (spawn pickles the reference).
+WorkerTarget = Callable[[dict[str, Any], str], Any]
+DEFAULT_TARGETS: dict[str, WorkerTarget] = {
+    "graph": entry_points.graph_generator,
+    "context": entry_points.context_generator,
 }
 # Two deadlines judge a worker (both settings): until it reports `ready` it has
 # `startup_timeout_s` from its spawn (loading, compiling and capturing are single long
@@ -91,7 +94,6 @@ EXIT_ALREADY_RUNNING = exit_codes.ALREADY_RUNNING
 EXIT_STARTUP_FAILED = exit_codes.STARTUP_FAILED
 EXIT_RESTARTS_EXHAUSTED = exit_codes.RESTARTS_EXHAUSTED
 
-WorkerTarget = Callable[[dict[str, Any], str], Any] | str
 
 
 class AlreadyRunningError(RuntimeError):
@@ -196,13 +198,6 @@ def _die_with_parent() -> None:
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
-def resolve_target(target: WorkerTarget) -> Callable[[dict[str, Any], str], Any]:
-    if callable(target):
-        return target
-    module, _, name = target.partition(":")
-    return getattr(importlib.import_module(module), name)
-
-
 def set_process_title(title: str) -> None:
     """`hybridd: supervisor` etc. in ps/top instead of `python3 -c from multiprocessing…`."""
     try:
@@ -230,7 +225,7 @@ def worker_main(name: str, target: WorkerTarget, config: dict[str, Any], ctl_end
     configure_logging(level=config.get("log_level"), json=config.get("log_format") == "json")
     worker_log = log.bind(component=f"{name}_generator", pid=os.getpid())
     try:
-        resolve_target(target)(config, ctl_endpoint)
+        target(config, ctl_endpoint)
     except Exception as error:
         from hybridd.workers import startup_errors
 

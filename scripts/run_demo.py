@@ -14,7 +14,7 @@ import tempfile
 import time
 
 import hybridd
-from hybridd.client_errors import HybriddError
+from hybridd.errors import HybriddError
 
 
 def main() -> int:

@@ -20,7 +20,7 @@ from hybridd import (
     UnavailableError,
 )
 from hybridd.client import CONNECT_TIMEOUT_S
-from hybridd.client_errors import HandshakeRefusedError, error_for_code
+from hybridd.errors import HandshakeRefusedError, error_for_code
 from hybridd.protocol.errors import ErrorCode
 
 # Fail-fast answers must come well inside this even on a saturated host.

@@ -213,12 +213,13 @@ import json, sys, tomllib
 from pathlib import Path
 from hybridd.config import Config
 from hybridd.supervisor import run_supervisor
+from {this} import fixture_context, fixture_graph
 settings, options = json.loads(sys.argv[1]), json.loads(sys.argv[2])
 config = Config.from_dict(settings)
 if "reload_from" in options:  # SIGHUP: the file's settings over the command line's
     path = Path(options.pop("reload_from"))
     options["reload"] = lambda: Config.from_dict(settings | tomllib.loads(path.read_text()))
-sys.exit(run_supervisor(config, graph_target="{this}:fixture_graph", context_target="{this}:fixture_context",
+sys.exit(run_supervisor(config, graph_target=fixture_graph, context_target=fixture_context,
                         **options))
 """.format(this=THIS)
 

@@ -20,15 +20,16 @@ import torch
 import zmq
 
 from hybridd import __version__
-from hybridd.config import Config
+from hybridd.config import Config, resolve_device, resolve_dtype
 from hybridd.engine.block_manager import BlockManager
 from hybridd.engine.prompt import PromptError, prompt_token_ids
 from hybridd.engine.sampler import Logprobs, Sampler
 from hybridd.engine.sampling_params import SamplingParams
 from hybridd.engine.scheduler import Scheduler
 from hybridd.engine.sequence import Sequence
+from hybridd.engine.step_pipeline import InflightStep, StepPipeline
 from hybridd.engine.throughput import Throughput
-from hybridd.engine.step_pipeline import EngineDeadError, InflightStep, StepPipeline
+from hybridd.errors import EngineDeadError
 from hybridd.log import configure, get_logger
 from hybridd.model import load_tokenizer
 from hybridd.runtime.step_buffers import StepBuffers, geometry
@@ -60,7 +61,6 @@ from hybridd.protocol.messages import (
     Usage,
     request_from_wire,
 )
-from hybridd.workers.graph_generator import resolve_device, resolve_dtype
 from hybridd.workers.client_sessions import ClientSessions, client_chosen, socket_options
 from hybridd.workers.supervisor_link import SupervisorLink
 
@@ -691,8 +691,8 @@ def main(config: dict[str, Any], ctl_endpoint: str) -> None:
             worker.start()
         worker.serve()
     except EngineDeadError as exc:
-        worker.log.error("engine_dead", error=str(exc))
-        worker.fail_all(ErrorCode.ENGINE_DEAD, f"the engine died: {exc}")
+        worker.log.error("engine_dead", error=exc.message)
+        worker.fail_all(ErrorCode.ENGINE_DEAD, f"the engine died: {exc.message}")
         raise SystemExit(3) from exc
     except SystemExit:
         worker.fail_all(ErrorCode.ENGINE_DEAD, "the engine is shutting down")

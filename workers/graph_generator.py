@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import zmq
 
-from hybridd.config import Config
+from hybridd.config import Config, resolve_device, resolve_dtype
 from hybridd.log import configure, get_logger
 from hybridd.model import KVCache, load_model
 from hybridd.model.kv_cache import kv_arena_shape, kv_bytes_per_block
@@ -40,23 +40,6 @@ CPU_DEFAULT_KV_BLOCKS = 512
 # loading thread itself, to show that a slow load is not taken for a hang.
 SLOW_LOAD_HOOK = "HYBRIDD_TEST_SLOW_LOAD_S"
 STATS_INTERVAL_S = 1.0
-
-
-def resolve_device(config: Config) -> torch.device:
-    """The configured device, with an explicit index for CUDA (`set_device` needs one)."""
-    name = config.device
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(name)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", 0)
-    return device
-
-
-def resolve_dtype(config: Config, device: torch.device) -> torch.dtype | None:
-    if config.dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, config.dtype)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

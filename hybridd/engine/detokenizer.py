@@ -29,7 +29,6 @@ class IncrementalDetokenizer:
         self.token_ids = list(prompt_ids)
         self.prefix_offset = max(len(self.token_ids) - INITIAL_CONTEXT_TOKENS, 0)
         self.read_offset = len(self.token_ids)
-        self.output_text = ""
 
     def add(self, token_id: int) -> str:
         """Append one token; return the text it completes (possibly empty)."""
@@ -41,7 +40,6 @@ class IncrementalDetokenizer:
         new_text = full_text[len(prefix_text) :]
         self.prefix_offset = self.read_offset
         self.read_offset = len(self.token_ids)
-        self.output_text += new_text
         return new_text
 
     def flush(self) -> str:
@@ -49,9 +47,7 @@ class IncrementalDetokenizer:
         prefix_text = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
         full_text = self._decode(self.token_ids[self.prefix_offset :])
         self.prefix_offset = self.read_offset = len(self.token_ids)
-        new_text = full_text[len(prefix_text) :]
-        self.output_text += new_text
-        return new_text
+        return full_text[len(prefix_text) :]
 
     def _decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens)

@@ -206,7 +206,7 @@ class Scheduler:
                 continue  # sampled one step past its end, or aborted meanwhile
             seq.append_token(token_id)
             new_text = seq.detokenizer.add(token_id) if seq.detokenizer is not None else ""
-            result = seq.stop_criteria.check(seq, token_id, new_text)
+            result = seq.stop_criteria.check(token_id, new_text, seq.num_output_tokens, len(seq))
             seq.new_text = result.text
             seq.output_text += result.text
             if result.finish_reason is not None:

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from hybridd.engine.sampler import Logprobs, Sampler, SamplingTensors
+from hybridd.errors import EngineDeadError
 from hybridd.engine.scheduler import ScheduledBatch
 from hybridd.runtime.step_buffers import HostStep, StepBuffers
 from hybridd.ipc.channel import Channel
@@ -34,10 +35,6 @@ from hybridd.ipc.events import InterprocessEvent
 from hybridd.protocol import control
 
 RING_STEPS = 4  # > pipeline depth, so a step's tokens stay until every reader has gathered them
-
-
-class EngineDeadError(RuntimeError):
-    """The graph generator stopped answering: no step can complete."""
 
 
 @dataclass

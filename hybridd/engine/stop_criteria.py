@@ -20,7 +20,6 @@ from collections.abc import Collection
 from dataclasses import dataclass
 
 from hybridd.engine.sampling_params import SamplingParams
-from hybridd.engine.sequence import Sequence
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,31 +37,27 @@ class StopCriteria:
         self.stop_strings = tuple(params.stop)
         self.max_model_len = max_model_len
         self.held = ""
-        self.output_text = ""  # everything emitted so far
 
-    def check(self, seq: Sequence, token_id: int, new_text: str) -> StopResult:
-        """Judge `token_id`, already appended to `seq`, and its detokenized `new_text`."""
+    def check(self, token_id: int, new_text: str, num_output_tokens: int, num_tokens: int) -> StopResult:
+        """Judge `token_id` and its detokenized `new_text`; the sequence, with the token
+        appended, has `num_output_tokens` output tokens and `num_tokens` in all."""
         if token_id in self.eos_token_ids or token_id in self.stop_token_ids:
-            return self._emit(self._release(), "stop", token_id)
+            return StopResult(self._release(), "stop", token_id)
 
         text = self.held + new_text
         cut = self._find_stop(text)
         if cut is not None:
             index, stop = cut
             self.held = ""
-            return self._emit(text[:index], "stop", stop)
+            return StopResult(text[:index], "stop", stop)
 
-        if seq.num_output_tokens >= self.params.max_tokens or len(seq) >= self.max_model_len:
+        if num_output_tokens >= self.params.max_tokens or num_tokens >= self.max_model_len:
             self.held = text
-            return self._emit(self._release(), "length")
+            return StopResult(self._release(), "length")
 
         hold = self._partial_stop_suffix(text)
         self.held = text[len(text) - hold :] if hold else ""
-        return self._emit(text[: len(text) - hold])
-
-    def _emit(self, text: str, reason: str | None = None, stop: str | int | None = None) -> StopResult:
-        self.output_text += text
-        return StopResult(text, reason, stop)
+        return StopResult(text[: len(text) - hold])
 
     def _release(self) -> str:
         text, self.held = self.held, ""

@@ -26,7 +26,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from hybridd.client import AsyncClient, AsyncStream, Chunk, GenerateResult
-from hybridd.client_errors import HybriddError
+from hybridd.errors import HybriddError
 from hybridd.protocol.errors import ErrorCode
 from hybridd.gateway.api_keys import key_matches
 from hybridd.gateway.errors import GatewayError, from_daemon, not_ready

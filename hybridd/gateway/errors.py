@@ -12,7 +12,7 @@ from typing import Any
 
 from starlette.responses import JSONResponse
 
-from hybridd.client_errors import HybriddError
+from hybridd.errors import HybriddError
 from hybridd.protocol.errors import ErrorCode
 
 # (HTTP status, OpenAI error type) per daemon error code.

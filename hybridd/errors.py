@@ -1,6 +1,7 @@
-"""The exceptions of the client SDK: one class per way a request can fail, each carrying
-the daemon's stable error `code` (protocol/errors.py), the offending `field` and,
-when the daemon had produced output before the failure, the `partial` result.
+"""The exceptions of hybridd: one class per way a request can fail, each carrying the
+daemon's stable error `code` (protocol/errors.py), the offending `field` and, when the
+daemon had produced output before the failure, the `partial` result. The SDK raises
+them to callers; the workers raise `EngineDeadError` when their peer stops answering.
 
 Failing to reach the daemon at all is `unavailable` too, told apart by class: no daemon
 at the endpoint (`DaemonUnreachableError`), or one that refused this client's CURVE
@@ -9,12 +10,10 @@ keys (`HandshakeRefusedError`).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from hybridd.protocol.errors import ErrorCode
-
-if TYPE_CHECKING:
-    from hybridd.client import GenerateResult
+from hybridd.results import GenerateResult
 
 
 class HybriddError(Exception):
