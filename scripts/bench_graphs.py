@@ -28,11 +28,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from hybridd.model import KVCache, load_model  # noqa: E402
+from hybridd.model import KVCache, StepInputs, load_model  # noqa: E402
 from hybridd.runtime.buckets import BucketPlan  # noqa: E402
-from hybridd.runtime.graph_runner import GraphRunner, StepShape  # noqa: E402
+from hybridd.runtime.graph_runner import GraphRunner  # noqa: E402
 from hybridd.runtime.kernels import select_kernels  # noqa: E402
-from hybridd.runtime.step_buffers import HostStep, StepBuffers  # noqa: E402
+from hybridd.runtime.step_buffers import StepBuffers  # noqa: E402
 
 BLOCK = 16
 
@@ -73,16 +73,24 @@ def matmul_rate(n: int = 8192) -> float:
     return 2 * n**3 / statistics.median(times)
 
 
-def decode_step(batch: int, context: int, tables: list[list[int]]) -> HostStep:
-    pos = [context] * batch
-    slots = [t[p // BLOCK] * BLOCK + p % BLOCK for t, p in zip(tables, pos)]
-    return HostStep(False, [7] * batch, pos, slots, tables, [p + 1 for p in pos], list(range(batch + 1)), list(range(batch)))
+def decode_step(batch: int, context: int, tables: list[list[int]]) -> StepInputs:
+    return StepInputs.decode([7] * batch, [context] * batch, tables, BLOCK)
 
 
-def prefill_step(tokens: int, table: list[int]) -> HostStep:
-    pos = list(range(tokens))
-    slots = [table[p // BLOCK] * BLOCK + p % BLOCK for p in pos]
-    return HostStep(True, [11] * tokens, pos, slots, [table], [tokens], [0, tokens], [tokens - 1])
+def prefill_step(tokens: int, table: list[int]) -> StepInputs:
+    return StepInputs.prefill([[11] * tokens], [table], BLOCK)
+
+
+def stepper(runner: GraphRunner, step: StepInputs):
+    """Writes the step's rows once (on the serving stream); returns what runs it again:
+    the graph generator's part of a step (pick the bucket, pad, replay)."""
+    with torch.cuda.stream(runner.stream):
+        runner.buffers.write(step)
+
+    def run():
+        return runner.run(step.is_prefill, step.num_tokens, step.num_seqs)
+
+    return run
 
 
 def time_steps(runner: GraphRunner, fn, iters: int) -> list[float]:
@@ -91,7 +99,7 @@ def time_steps(runner: GraphRunner, fn, iters: int) -> list[float]:
     for _ in range(iters):
         t0 = time.perf_counter()
         fn()
-        runner.synchronize()
+        runner.stream.synchronize()
         out.append(time.perf_counter() - t0)
     return out
 
@@ -163,17 +171,14 @@ def main() -> int:
     decode = {}
     for batch in (1, 8, 32):
         step = decode_step(batch, args.context, tables[:batch])
-        g_shape = fused.stage(step)
-        e_shape = StepShape(False, batch, batch, False, None)
-        with torch.cuda.stream(eager.stream):
-            eager.buffers.stage(step, batch, batch)
+        run_graph, run_eager = stepper(fused, step), stepper(eager, step)
         for _ in range(5):
-            fused.execute(g_shape)
-            eager.execute(e_shape)
+            run_graph()
+            run_eager()
         decode[batch] = {
-            "graph_s": time_gpu(fused, lambda: fused.execute(g_shape), args.iters),
-            "eager_s": time_gpu(eager, lambda: eager.execute(e_shape), max(10, args.iters // 4)),
-            "graph_wall_s": statistics.median(time_steps(fused, lambda: fused.execute(g_shape), args.iters)),
+            "graph_s": time_gpu(fused, run_graph, args.iters),
+            "eager_s": time_gpu(eager, run_eager, max(10, args.iters // 4)),
+            "graph_wall_s": statistics.median(time_steps(fused, run_graph, args.iters)),
         }
     # A plain graph of the unfused torch path, for comparison with the fused kernels.
     model.kernels = select_kernels("cuda", "torch")
@@ -181,24 +186,24 @@ def main() -> int:
                         BucketPlan.create([1, 8, 32], [16], 4), memory_budget_bytes=1 << 30)
     plain.capture_decode_graphs()
     for batch in (1, 8, 32):
-        shape = plain.stage(decode_step(batch, args.context, tables[:batch]))
-        decode[batch]["unfused_graph_s"] = time_gpu(plain, lambda: plain.execute(shape), args.iters)
+        run_plain = stepper(plain, decode_step(batch, args.context, tables[:batch]))
+        decode[batch]["unfused_graph_s"] = time_gpu(plain, run_plain, args.iters)
         decode[batch]["floor_s"] = floor
     del plain
     model.kernels = select_kernels("cuda", "triton")
     results["decode"] = decode
 
     # Step time while the background thread captures every prefill bucket, against steady state.
-    step1 = decode_step(1, args.context, tables[:1])
-    shape1 = fused.stage(step1)
-    steady = time_steps(fused, lambda: fused.execute(shape1), 300)
+    run_one = stepper(fused, decode_step(1, args.context, tables[:1]))
+    steady = time_steps(fused, run_one, 300)
     for size in prefill_buckets:
         fused.plan_step(True, size, 1)
     during: list[float] = []
     t0 = time.perf_counter()
     fused.start_background_capture()
-    while not fused.background_capture_idle():
-        during.extend(time_steps(fused, lambda: fused.execute(shape1), 20))
+    while not all(fused.stats[("prefill", s)].captured or fused.stats[("prefill", s)].disabled
+                  for s in prefill_buckets):
+        during.extend(time_steps(fused, run_one, 20))
     background_s = time.perf_counter() - t0
     fused.stop_background_capture()
     results["background_capture"] = {
@@ -210,16 +215,13 @@ def main() -> int:
     prefill = {}
     for size in prefill_buckets:
         step = prefill_step(size, tables[0])
-        shape = fused.stage(step)
-        e_shape = StepShape(True, size, 1, False, None)
-        with torch.cuda.stream(eager.stream):
-            eager.buffers.stage(step, size, 1)
-        fused.execute(shape)
-        eager.execute(e_shape)
+        run_graph, run_eager = stepper(fused, step), stepper(eager, step)
+        shape = run_graph()
+        run_eager()
         prefill[size] = {
             "graph": shape.graph,
-            "graph_s": time_gpu(fused, lambda: fused.execute(shape), 20),
-            "eager_s": time_gpu(eager, lambda: eager.execute(e_shape), 20),
+            "graph_s": time_gpu(fused, run_graph, 20),
+            "eager_s": time_gpu(eager, run_eager, 20),
             "floor_s": max(weight_bytes / bw, 2 * weight_bytes / 2 * size / flops),
         }
     results["prefill"] = prefill

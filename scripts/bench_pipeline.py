@@ -29,11 +29,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from hybridd.model import KVCache, load_model  # noqa: E402
+from hybridd.model import KVCache, StepInputs, load_model  # noqa: E402
 from hybridd.runtime.buckets import BucketPlan  # noqa: E402
 from hybridd.runtime.graph_runner import GraphRunner  # noqa: E402
 from hybridd.runtime.kernels import select_kernels  # noqa: E402
-from hybridd.runtime.step_buffers import HostStep, StepBuffers  # noqa: E402
+from hybridd.runtime.step_buffers import StepBuffers  # noqa: E402
 
 BLOCK = 16
 
@@ -51,22 +51,25 @@ def in_process(model_dir: Path, batches: list[int], prompt_len: int, tokens: int
     for batch in batches:
         tables = [list(range(i * width, (i + 1) * width)) for i in range(batch)]
 
-        def step_inputs(pos: int) -> HostStep:
-            slots = [t[pos // BLOCK] * BLOCK + pos % BLOCK for t in tables]
-            return HostStep(False, None, [pos] * batch, slots, tables, [pos + 1] * batch,
-                            list(range(batch + 1)), list(range(batch)))
+        def write_step(pos: int) -> None:
+            """The step's inputs at `pos`; its tokens are the ones already on the device."""
+            with torch.cuda.stream(runner.stream):
+                tokens = buffers.input_ids[:batch].clone()
+                buffers.write(StepInputs.decode([0] * batch, [pos] * batch, tables, BLOCK))
+                buffers.input_ids[:batch].copy_(tokens)
 
-        buffers.input_ids[:batch].fill_(5)
-        shape = runner.stage(step_inputs(prompt_len))
+        with torch.cuda.stream(runner.stream):
+            buffers.input_ids[:batch].fill_(5)
+        write_step(prompt_len)
 
         def one_step() -> None:
-            runner.execute(shape)
+            runner.run(False, batch, batch)
             with torch.cuda.stream(runner.stream):
                 buffers.input_ids[:batch].copy_(buffers.logits[:batch].argmax(-1))
 
         for _ in range(10):
             one_step()
-        runner.synchronize()
+        runner.stream.synchronize()
         # GPU time of back-to-back steps.
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record(runner.stream)
@@ -79,11 +82,11 @@ def in_process(model_dir: Path, batches: list[int], prompt_len: int, tokens: int
         itl = []
         last = time.perf_counter()
         for pos in range(prompt_len, prompt_len + tokens):
-            shape = runner.stage(step_inputs(pos))
+            write_step(pos)
             one_step()
             with torch.cuda.stream(runner.stream):
                 host_tokens = buffers.input_ids[:batch].to("cpu", non_blocking=True)
-            runner.synchronize()  # the host has this step's tokens
+            runner.stream.synchronize()  # the host has this step's tokens
             host_tokens.tolist()
             now = time.perf_counter()
             itl.append(now - last)

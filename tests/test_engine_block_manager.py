@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hybridd.engine.block_manager import BlockManager
+from hybridd.model.kv_cache import slot
 from hybridd.engine.sequence import Sequence
 
 
@@ -34,7 +35,7 @@ def test_slot_is_block_times_size_plus_offset():
     filler, s = seq(4, "f"), seq(10, "s")
     bm.allocate(filler)
     bm.allocate(s)
-    slots = [bm.slot(s, p) for p in range(10)]
+    slots = [slot(s.block_table, p, bm.block_size) for p in range(10)]
     expected = [s.block_table[p // 4] * 4 + p % 4 for p in range(10)]
     assert slots == expected
     assert len(set(slots)) == 10 and all(filler.block_table[0] * 4 + i not in slots for i in range(4))

@@ -35,17 +35,17 @@ class PagedToyModel:
         self.kv = torch.full((bm.num_blocks * bm.block_size,), -1, dtype=torch.int64)
 
     def step(self, batch: ScheduledBatch, input_ids: torch.Tensor) -> list[int]:
-        assert int(batch.query_start_loc[-1]) == input_ids.numel() == batch.positions.numel()
+        assert int(batch.inputs.query_start_loc[-1]) == input_ids.numel() == batch.inputs.positions.numel()
         assert bool((input_ids >= 0).all())
-        self.kv[batch.slot_mapping] = input_ids
+        self.kv[batch.inputs.slot_mapping] = input_ids
         out = []
         for row in range(batch.num_seqs):
-            last = int(batch.logits_indices[row])
-            assert last == int(batch.query_start_loc[row + 1]) - 1
-            length = int(batch.seq_lens[row])
-            assert int(batch.positions[last]) == length - 1
+            last = int(batch.inputs.logits_indices[row])
+            assert last == int(batch.inputs.query_start_loc[row + 1]) - 1
+            length = int(batch.inputs.seq_lens[row])
+            assert int(batch.inputs.positions[last]) == length - 1
             pos = torch.arange(length)
-            slots = batch.block_tables[row].long()[pos // self.bs] * self.bs + pos % self.bs
+            slots = batch.inputs.block_tables[row].long()[pos // self.bs] * self.bs + pos % self.bs
             out.append(next_token(self.kv[slots].tolist()))
         return out
 
@@ -68,7 +68,7 @@ def run(sched: Scheduler, max_steps: int = 10_000) -> list[ScheduledBatch]:
             return batches
         check_block_invariants(sched)
         batches.append(batch)
-        sched.postprocess(batch, model.step(batch, batch.input_ids))
+        sched.postprocess(batch, model.step(batch, batch.inputs.input_ids))
     raise AssertionError("scheduler did not finish")
 
 
@@ -86,7 +86,7 @@ def run_overlapped(sched: Scheduler, max_steps: int = 10_000) -> tuple[list[Sche
         if batch is not None:
             check_block_invariants(sched)
             preempted |= {s.request_id for s in sched.waiting if s.status is SequenceStatus.PREEMPTED}
-            ids = batch.input_ids.clone()
+            ids = batch.inputs.input_ids.clone()
             for i in (batch.input_src_step >= 0).nonzero().flatten().tolist():
                 ids[i] = sampled[int(batch.input_src_step[i])][int(batch.input_src_row[i])]
             sampled[batch.step_id] = torch.tensor(model.step(batch, ids))
@@ -101,7 +101,7 @@ def run_overlapped(sched: Scheduler, max_steps: int = 10_000) -> tuple[list[Sche
 
 def make(num_blocks=64, block_size=4, max_batch=8, max_prefill_tokens=64, max_model_len=128, **kw) -> Scheduler:
     bm = BlockManager(num_blocks, block_size, watermark=kw.pop("watermark", 0.0))
-    return Scheduler(bm, max_batch, max_prefill_tokens, max_model_len, decode_buckets=[1, 2, 4, 8], **kw)
+    return Scheduler(bm, max_batch, max_prefill_tokens, max_model_len, **kw)
 
 
 def requests(n: int, seed: int = 0, max_tokens=(3, 20), prompt_len=(1, 30)) -> list[Sequence]:
@@ -134,11 +134,10 @@ def test_many_sequences_of_different_lengths_complete_correctly():
     assert sum(b.num_seqs for b in prefills) == 30  # nothing was preempted here
     for b in prefills:
         assert b.num_tokens <= sched.max_prefill_tokens
-        assert b.bucket is None and int(b.query_start_loc[-1]) == b.num_tokens
+        assert int(b.inputs.query_start_loc[-1]) == b.num_tokens
     for b in decodes:
         assert 1 <= b.num_seqs <= sched.max_batch
-        assert b.bucket == min(x for x in (1, 2, 4, 8) if x >= b.num_seqs)
-        assert b.block_tables.shape == (b.num_seqs, sched.block_table_width)
+        assert b.inputs.block_tables.shape == (b.num_seqs, sched.block_table_width)
         assert not b.inputs_on_device
     assert max(b.num_seqs for b in decodes) == sched.max_batch
 
@@ -152,8 +151,8 @@ def test_prefill_respects_token_budget_and_fcfs():
     first = sched.schedule()
     assert first.kind is BatchKind.PREFILL and [s.request_id for s in first.seqs] == ["r0", "r1"]
     assert first.num_tokens == 14
-    assert first.query_start_loc.tolist() == [0, 7, 14] and first.logits_indices.tolist() == [6, 13]
-    assert first.positions.tolist() == list(range(7)) * 2
+    assert first.inputs.query_start_loc.tolist() == [0, 7, 14] and first.inputs.logits_indices.tolist() == [6, 13]
+    assert first.inputs.positions.tolist() == list(range(7)) * 2
     sched.postprocess(first, [1, 2])
     second = sched.schedule()  # waiting work and room: prefill before decode
     assert [s.request_id for s in second.seqs] == ["r2", "r3"]
@@ -195,9 +194,9 @@ def test_preemption_by_recompute_completes_all_tokens():
         if batch.is_prefill:
             # A re-prefill covers prompt and the output generated so far.
             for row, s in enumerate(batch.seqs):
-                lo, hi = batch.query_start_loc[row : row + 2].tolist()
-                assert batch.input_ids[lo:hi].tolist() == s.token_ids
-        sched.postprocess(batch, model.step(batch, batch.input_ids))
+                lo, hi = batch.inputs.query_start_loc[row : row + 2].tolist()
+                assert batch.inputs.input_ids[lo:hi].tolist() == s.token_ids
+        sched.postprocess(batch, model.step(batch, batch.inputs.input_ids))
     assert len(preempted) >= 2
     assert_complete(seqs)
     assert sched.block_manager.num_free == 16
@@ -324,10 +323,8 @@ def test_rejects_requests_that_can_never_run():
 
 def test_invalid_configuration():
     bm = BlockManager(16, 4)
-    with pytest.raises(ValueError, match="decode_buckets"):
-        Scheduler(bm, max_batch=16, max_prefill_tokens=64, max_model_len=32, decode_buckets=[1, 8])
     with pytest.raises(ValueError, match="block_table_width"):
-        Scheduler(bm, 8, 64, max_model_len=32, decode_buckets=[8], block_table_width=4)
+        Scheduler(bm, 8, 64, max_model_len=32, block_table_width=4)
 
 
 # ---------------------------------------------------------------- n sequences (forks)
@@ -347,7 +344,7 @@ def run_forked_overlapped(sched: Scheduler, max_steps: int = 10_000) -> list[Sch
             bm = sched.block_manager
             held = {b for s in sched.running for b in s.block_table}
             assert len(held) + bm.num_free == bm.num_blocks, "blocks leaked"
-            ids = batch.input_ids.clone()
+            ids = batch.inputs.input_ids.clone()
             for i in (batch.input_src_step >= 0).nonzero().flatten().tolist():
                 ids[i] = sampled[int(batch.input_src_step[i])][int(batch.input_src_row[i])]
             rows = model.step(batch, ids)

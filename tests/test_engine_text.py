@@ -153,7 +153,7 @@ def test_stop_string_with_multibyte_text(tokenizer):
 
 def test_scheduler_streams_text_and_stops_on_string(tokenizer):
     bm = BlockManager(num_blocks=32, block_size=4)
-    sched = Scheduler(bm, 4, 64, 256, [1, 2, 4], eos_token_ids=[tokenizer.eos_token_id], tokenizer=tokenizer)
+    sched = Scheduler(bm, 4, 64, 256, eos_token_ids=[tokenizer.eos_token_id], tokenizer=tokenizer)
     answer = tokenizer.encode("Answer: 42. END of answer.")
     seq = Sequence("s", tokenizer.encode("Q: "), SamplingParams(max_tokens=100, stop=["END"]))
     sched.add(seq)

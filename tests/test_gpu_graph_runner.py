@@ -59,39 +59,38 @@ class Seqs:
 
     def prefill_step(self, idx: list[int]):
         from hybridd.model import StepInputs
-        from hybridd.runtime.step_buffers import HostStep
 
         prompts = [self.tokens[i] for i in idx]
-        step = StepInputs.prefill(prompts, [self.tables[i] for i in idx], BLOCK)
-        return HostStep(True, step.input_ids.tolist(), step.positions.tolist(), step.slot_mapping.tolist(),
-                        [self.tables[i] for i in idx], step.seq_lens.tolist(), step.query_start_loc.tolist(),
-                        step.logits_indices.tolist())
+        return StepInputs.prefill(prompts, [self.tables[i] for i in idx], BLOCK)
 
     def decode_step(self, idx: list[int]):
         from hybridd.model import StepInputs
-        from hybridd.runtime.step_buffers import HostStep
 
         toks = [int(torch.randint(3, 32000, (1,), generator=self.g)) for _ in idx]
         pos = [len(self.tokens[i]) for i in idx]
         for i, t in zip(idx, toks):
             self.tokens[i].append(t)
-        step = StepInputs.decode(toks, pos, [self.tables[i] for i in idx], BLOCK)
-        return HostStep(False, toks, pos, step.slot_mapping.tolist(), [self.tables[i] for i in idx],
-                        step.seq_lens.tolist(), step.query_start_loc.tolist(), step.logits_indices.tolist())
+        return StepInputs.decode(toks, pos, [self.tables[i] for i in idx], BLOCK)
+
+
+def run_step(runner, step):
+    """The step's rows written on the serving stream (never the legacy default stream,
+    which is illegal while the background thread captures), then run."""
+    with torch.cuda.stream(runner.stream):
+        runner.buffers.write(step)
+    return runner.run(step.is_prefill, step.num_tokens, step.num_seqs)
 
 
 def run_both(graph_runner, eager_runner, step):
     """The graph path, and the eager path on the same padded shape."""
-    from hybridd.runtime.graph_runner import StepShape
-
-    shape = graph_runner.stage(step)
-    graph_runner.execute(shape)
+    shape = run_step(graph_runner, step)
     with torch.cuda.stream(eager_runner.stream):
-        eager_runner.buffers.stage(step, shape.tokens, shape.seqs)
-    eager_runner.execute(StepShape(shape.is_prefill, shape.tokens, shape.seqs, False, None))
+        eager_runner.buffers.write(step)
+        eager_runner.buffers.pad(step.num_tokens, step.num_seqs, shape.tokens, shape.seqs)
+    assert not eager_runner.run(shape.is_prefill, shape.tokens, shape.seqs).graph
     # Per-stream waits only: a device-wide synchronize is illegal while a capture runs.
-    graph_runner.synchronize()
-    eager_runner.synchronize()
+    graph_runner.stream.synchronize()
+    eager_runner.stream.synchronize()
     n = step.num_seqs
     return shape, graph_runner.buffers.logits[:n].clone(), eager_runner.buffers.logits[:n].clone()
 
@@ -143,8 +142,8 @@ def test_background_capture_during_decode_replays(model):
     seqs = Seqs(8, seed=3)
     for i in range(8):  # one at a time: every prompt fits the largest prefill bucket
         step = seqs.prefill_step([i])
-        graphs.run(step)
-        eager.run(step)
+        run_step(graphs, step)
+        run_step(eager, step)
     mismatches = []
     stop = threading.Event()
     steps = [0]
@@ -167,7 +166,7 @@ def test_background_capture_during_decode_replays(model):
     import time
 
     deadline = time.time() + 120
-    while not graphs.background_capture_idle() and time.time() < deadline:
+    while not all(graphs.stats[("prefill", s)].captured for s in PREFILL) and time.time() < deadline:
         time.sleep(0.05)
     time.sleep(0.5)
     stop.set()

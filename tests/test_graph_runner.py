@@ -10,8 +10,8 @@ import torch
 
 from hybridd.model import KVCache, StepInputs, load_model
 from hybridd.runtime.buckets import BucketPlan, pick
-from hybridd.runtime.graph_runner import GraphRunner
-from hybridd.runtime.step_buffers import HostStep, StepBuffers
+from hybridd.runtime.graph_runner import GraphRunner, StepShape
+from hybridd.runtime.step_buffers import StepBuffers
 from tests.tiny_models import build_tiny_model
 
 BLOCK = 8
@@ -31,20 +31,11 @@ def make_runner(model, decode=(1, 2, 4, 8), prefill=(16, 32, 64), budget=1 << 40
     return GraphRunner(model, kv, buffers, plan, memory_budget_bytes=budget, **kw)
 
 
-def host_prefill(prompts, tables) -> HostStep:
-    step = StepInputs.prefill(prompts, tables, BLOCK)
-    return HostStep(
-        True, step.input_ids.tolist(), step.positions.tolist(), step.slot_mapping.tolist(), tables,
-        step.seq_lens.tolist(), step.query_start_loc.tolist(), step.logits_indices.tolist(),
-    )
-
-
-def host_decode(tokens, positions, tables) -> HostStep:
-    step = StepInputs.decode(tokens, positions, tables, BLOCK)
-    return HostStep(
-        False, tokens, positions, step.slot_mapping.tolist(), tables, step.seq_lens.tolist(),
-        step.query_start_loc.tolist(), step.logits_indices.tolist(),
-    )
+def run_step(runner: GraphRunner, step: StepInputs) -> StepShape:
+    """What the two workers do for one step: the context generator writes its rows, the
+    graph generator runs it."""
+    runner.buffers.write(step)
+    return runner.run(step.is_prefill, step.num_tokens, step.num_seqs)
 
 
 def test_pick_smallest_bucket_that_fits():
@@ -66,10 +57,8 @@ def test_padded_graph_steps_equal_plain_forward(model):
     tables = [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
     ref_kv = KVCache.allocate(model.config, 64, BLOCK, torch.float32, "cpu")
 
-    step = host_prefill(prompts, tables)
-    shape = runner.stage(step)
+    shape = run_step(runner, StepInputs.prefill(prompts, tables, BLOCK))
     assert (shape.graph, shape.tokens, shape.seqs) == (True, 32, 4)  # 31 tokens pad to 32, 3 seqs to 4
-    runner.execute(shape)
     ref = model.forward_logits(StepInputs.prefill(prompts, tables, BLOCK), ref_kv)
     assert torch.allclose(runner.buffers.logits[:3], ref, rtol=1e-5, atol=1e-5)
     assert torch.allclose(runner.kv_cache.arena[:, :, :9], ref_kv.arena[:, :, :9], atol=1e-6)
@@ -78,10 +67,8 @@ def test_padded_graph_steps_equal_plain_forward(model):
     tokens = ref.argmax(-1).tolist()
     positions = [len(p) for p in prompts]
     for _ in range(6):
-        step = host_decode(tokens, positions, tables)
-        shape = runner.stage(step)
+        shape = run_step(runner, StepInputs.decode(tokens, positions, tables, BLOCK))
         assert (shape.graph, shape.tokens) == (True, 4)
-        runner.execute(shape)
         ref = model.forward_logits(StepInputs.decode(tokens, positions, tables, BLOCK), ref_kv)
         assert torch.allclose(runner.buffers.logits[:3], ref, rtol=1e-5, atol=1e-5)
         tokens = ref.argmax(-1).tolist()
@@ -93,10 +80,8 @@ def test_padded_graph_steps_equal_plain_forward(model):
 
 def test_uncaptured_buckets_run_eagerly_and_count(model):
     runner = make_runner(model)
-    step = host_decode([5, 6, 7], [3, 4, 5], [[0], [1], [2]])
-    shape = runner.stage(step)
+    shape = run_step(runner, StepInputs.decode([5, 6, 7], [3, 4, 5], [[0], [1], [2]], BLOCK))
     assert not shape.graph and shape.tokens == 3
-    runner.execute(shape)
     assert runner.stats[("decode", 4)].eager_runs == 1
     # Over the largest bucket: eager at the exact size.
     assert not runner.plan_step(False, 9, 9).graph
@@ -130,7 +115,7 @@ def test_background_capture_most_demanded_first(model):
     runner._capture = recording
     runner.start_background_capture()
     deadline = time.time() + 30
-    while not runner.background_capture_idle() and time.time() < deadline:
+    while not all(runner.stats[("prefill", s)].captured for s in (16, 32, 64)) and time.time() < deadline:
         time.sleep(0.01)
     runner.stop_background_capture()
     assert order == [64, 32, 16]
@@ -155,7 +140,7 @@ def test_memory_budget_evicts_least_recently_used(model):
     for _ in range(5):
         runner.plan_step(True, 60, 1)
     runner.plan_step(True, 10, 1)  # 16 was used more recently than 32
-    runner.execute(runner.plan_step(True, 10, 1))
+    runner.run(True, 10, 1)
     assert runner._next_prefill_bucket() == 64
     with runner._lock:
         runner._evict_for(cost[64], runner.stats[("prefill", 64)].demand)
@@ -174,7 +159,7 @@ def test_failed_capture_disables_bucket_and_keeps_serving(model, capfd):
     err = capfd.readouterr().err
     assert "graph_capture_failed" in err and "1. lower graph_memory_budget_mb" in err and "4. set use_cuda_graphs" in err
     assert runner._capture(True, 16)
-    runner.execute(runner.stage(host_prefill([[4, 5, 6]], [[0]])))
+    run_step(runner, StepInputs.prefill([[4, 5, 6]], [[0]], BLOCK))
     assert runner.buffers.logits[0].abs().sum() > 0
 
 

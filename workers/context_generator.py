@@ -156,7 +156,6 @@ class ContextGenerator:
             max_batch=ready.max_batch,
             max_prefill_tokens=config.max_prefill_tokens,
             max_model_len=ready.max_model_len,
-            decode_buckets=ready.decode_buckets,
             block_table_width=self.buffers.max_blocks_per_seq,
             max_prefill_seqs=ready.max_prefill_seqs,
             eos_token_ids=ready.eos_token_ids,

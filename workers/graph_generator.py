@@ -23,7 +23,7 @@ from hybridd.log import configure, get_logger
 from hybridd.model import KVCache, load_model
 from hybridd.model.kv_cache import kv_arena_shape, kv_bytes_per_block
 from hybridd.runtime.buckets import BucketPlan
-from hybridd.runtime.graph_runner import GraphRunner, StepShape
+from hybridd.runtime.graph_runner import GraphRunner
 from hybridd.runtime.kernels import select_kernels
 from hybridd.runtime.step_buffers import StepBuffers, buffer_layout, geometry
 from hybridd.runtime.step_trace import StepTracer
@@ -175,18 +175,10 @@ class GraphGenerator:
                 self.log.warning("unexpected_control_message", type=kind)
 
     def _step(self, step: control.Step) -> None:
-        is_prefill = step.kind == "prefill"
-        n_seqs = step.n_real
-        shape = self.runner.plan_step(is_prefill, step.n_tokens, n_seqs)
+        """Wait for the step's inputs, run it, record its logits, reply: all enqueued, no host wait."""
         stream = self.runner.stream
-        # The context generator wrote the real rows; the padding is ours to write.
-        if stream is not None:
-            self.inputs_ready.wait(stream)
-            with torch.cuda.stream(stream):
-                self.buffers.pad(step.n_tokens, n_seqs, shape.tokens, shape.seqs)
-        else:
-            self.buffers.pad(step.n_tokens, n_seqs, shape.tokens, shape.seqs)
-        self.runner.execute(shape)
+        self.inputs_ready.wait(stream)
+        shape = self.runner.run(step.kind == "prefill", step.n_tokens, step.n_real)
         self.logits_ready.record(stream)
         self.tracer.step()
         self.link.steps += 1

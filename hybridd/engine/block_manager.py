@@ -1,8 +1,7 @@
 """KV-cache block allocation: which arena blocks each sequence owns.
 
 Blocks `0 .. num_blocks-1` are real block ids of the graph generator's KV arena; a
-token at position p of a sequence lives in slot `block_table[p // block_size] *
-block_size + p % block_size`. Admission (`can_allocate`) keeps a watermark of free
+token lives in the slot of `hybridd.model.kv_cache.slot`. Admission (`can_allocate`) keeps a watermark of free
 blocks in reserve so that running sequences can still grow; growth (`append_slot`)
 may use every free block.
 
@@ -18,6 +17,7 @@ from __future__ import annotations
 from collections import deque
 
 from hybridd.engine.sequence import Sequence
+from hybridd.model import kv_cache
 
 
 class BlockManager:
@@ -48,7 +48,7 @@ class BlockManager:
         return self.num_blocks - self.watermark_blocks
 
     def blocks_for(self, num_tokens: int) -> int:
-        return (num_tokens + self.block_size - 1) // self.block_size
+        return kv_cache.blocks_for(num_tokens, self.block_size)
 
     def can_allocate(self, num_tokens: int) -> bool:
         return self.num_free - self.blocks_for(num_tokens) >= self.watermark_blocks
@@ -100,7 +100,7 @@ class BlockManager:
             if not self._free:
                 raise RuntimeError(f"no free KV block for {seq.request_id}")
             seq.block_table.append(self._take())
-        return self.slot(seq, seq.last_position)
+        return kv_cache.slot(seq.block_table, seq.last_position, self.block_size)
 
     def free(self, seq: Sequence) -> None:
         """Let go of all of `seq`'s blocks (a shared one is freed by its last holder); a
@@ -112,9 +112,6 @@ class BlockManager:
                 self._free.append(block_id)
         seq.block_table = []
         seq.num_computed_tokens = 0
-
-    def slot(self, seq: Sequence, position: int) -> int:
-        return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size
 
     def _needs_block(self, seq: Sequence) -> bool:
         return seq.last_position // self.block_size >= len(seq.block_table)

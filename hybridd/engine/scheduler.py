@@ -32,7 +32,7 @@ from hybridd.engine.detokenizer import IncrementalDetokenizer, Tokenizer
 from hybridd.engine.sequence import Sequence, SequenceStatus
 from hybridd.engine.stop_criteria import StopCriteria
 from hybridd.log import get_logger
-from hybridd.runtime import buckets as bucket_rules
+from hybridd.model.step_inputs import StepInputs
 
 log = get_logger("scheduler")
 
@@ -44,23 +44,15 @@ class BatchKind(enum.Enum):
 
 @dataclass
 class ScheduledBatch:
-    """One step's sequences and host-side inputs; rows follow `seqs`, tokens are
-    flattened in row order. Arrays are unpadded except `block_tables`; the graph
-    runner pads rows up to `bucket` (slot -1 for padding)."""
+    """One step: its sequences (row i is `seqs[i]`), its inputs, and where the input
+    tokens that are still on the device come from."""
 
     kind: BatchKind
     step_id: int
     seqs: list[Sequence]
-    input_ids: torch.Tensor  # [T] int64; -1 where the token is still on the device
+    inputs: StepInputs  # on the host, unpadded; input_ids are -1 where the token is still on the device
     input_src_step: torch.Tensor  # [T] int64; step that sampled the input token, -1 when on host
     input_src_row: torch.Tensor  # [T] int64; its row in that step's sampled tokens
-    positions: torch.Tensor  # [T] int64
-    slot_mapping: torch.Tensor  # [T] int64
-    block_tables: torch.Tensor  # [n, width] int32, padded with 0
-    seq_lens: torch.Tensor  # [n] int32, length of each sequence's KV after this step
-    query_start_loc: torch.Tensor  # [n + 1] int32, cu_seqlens of the step's tokens
-    logits_indices: torch.Tensor  # [n] int64, each row's last token in the flattened step
-    bucket: int | None  # decode: padded batch size; prefill: None (the runner picks by tokens)
     # Forks sampled from a row's logits in this step: (row, forked sequence), and the KV
     # blocks to copy (source, destination) before the next step reads them.
     forks: list[tuple[int, Sequence]] = field(default_factory=list)
@@ -76,7 +68,7 @@ class ScheduledBatch:
 
     @property
     def num_tokens(self) -> int:
-        return int(self.input_ids.numel())
+        return self.inputs.num_tokens
 
     @property
     def sampled_seqs(self) -> list[Sequence]:
@@ -101,7 +93,6 @@ class Scheduler:
         max_batch: int,
         max_prefill_tokens: int,
         max_model_len: int,
-        decode_buckets: Collection[int],
         block_table_width: int | None = None,
         max_prefill_seqs: int | None = None,
         eos_token_ids: Collection[int] = (),
@@ -113,9 +104,6 @@ class Scheduler:
         self.max_model_len = max_model_len
         # Prefill steps with more rows than the graph runner's prefill graphs hold run eagerly.
         self.max_prefill_seqs = min(max_batch, max_prefill_seqs or max_batch)
-        self.decode_buckets = bucket_rules.normalize(tuple(decode_buckets), "decode_buckets")
-        if self.decode_buckets[-1] < max_batch:
-            raise ValueError(f"decode_buckets {self.decode_buckets} must include a bucket >= max_batch {max_batch}")
         min_width = block_manager.blocks_for(max_model_len)
         self.block_table_width = block_table_width if block_table_width is not None else min_width
         if self.block_table_width < min_width:
@@ -260,42 +248,20 @@ class Scheduler:
         step_id = self._take_step_id()
         for sample_row, (row, fork) in enumerate(forks, start=len(seqs)):
             self._mark_scheduled(fork, step_id, sample_row, num_computed=len(seqs[row]))
-        input_ids, positions, slots, seq_lens = [], [], [], []
         for row, seq in enumerate(seqs):
-            n = len(seq)
-            input_ids.append(torch.tensor(seq.token_ids, dtype=torch.int64))
-            pos = torch.arange(n, dtype=torch.int64)
-            table = torch.tensor(seq.block_table, dtype=torch.int64)
-            positions.append(pos)
-            slots.append(table[pos // bm.block_size] * bm.block_size + pos % bm.block_size)
-            seq_lens.append(n)
-            self._mark_scheduled(seq, step_id, row, num_computed=n)
-        lens = torch.tensor(seq_lens, dtype=torch.int32)
-        query_start_loc = torch.zeros(len(seqs) + 1, dtype=torch.int32)
-        torch.cumsum(lens, 0, out=query_start_loc[1:])
-        ids = torch.cat(input_ids)
+            self._mark_scheduled(seq, step_id, row, num_computed=len(seq))
+        inputs = StepInputs.prefill(
+            [seq.token_ids for seq in seqs], [seq.block_table for seq in seqs], bm.block_size,
+            table_width=self.block_table_width,
+        )
+        not_on_device = torch.full_like(inputs.input_ids, -1)
         return ScheduledBatch(
-            kind=BatchKind.PREFILL,
-            step_id=step_id,
-            seqs=seqs,
-            input_ids=ids,
-            input_src_step=torch.full_like(ids, -1),
-            input_src_row=torch.full_like(ids, -1),
-            positions=torch.cat(positions),
-            slot_mapping=torch.cat(slots),
-            block_tables=self._block_tables(seqs),
-            seq_lens=lens,
-            query_start_loc=query_start_loc,
-            logits_indices=query_start_loc[1:].to(torch.int64) - 1,
-            bucket=None,
-            forks=forks,
-            kv_copies=kv_copies,
+            BatchKind.PREFILL, step_id, seqs, inputs, not_on_device, not_on_device, forks=forks, kv_copies=kv_copies
         )
 
     def _schedule_decode(self) -> ScheduledBatch | None:
         bm = self.block_manager
         seqs: list[Sequence] = []
-        slots: list[int] = []
         row = 0
         while row < len(self.running):
             seq = self.running[row]
@@ -305,7 +271,7 @@ class Scheduler:
                 row += 1  # its in-flight token is its last: a step now would be thrown away
                 continue
             if bm.can_append(seq):
-                slots.append(bm.append_slot(seq))
+                bm.append_slot(seq)
                 seqs.append(seq)
                 row += 1
             else:
@@ -328,37 +294,18 @@ class Scheduler:
                 src_row.append(-1)
             positions.append(seq.last_position)
             self._mark_scheduled(seq, step_id, row, num_computed=seq.last_position + 1)
-        n = len(seqs)
-
-        def i64(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int64)
-
+        inputs = StepInputs.decode(
+            input_ids, positions, [seq.block_table for seq in seqs], bm.block_size, table_width=self.block_table_width
+        )
         return ScheduledBatch(
-            kind=BatchKind.DECODE,
-            step_id=step_id,
-            seqs=seqs,
-            input_ids=i64(input_ids),
-            input_src_step=i64(src_step),
-            input_src_row=i64(src_row),
-            positions=i64(positions),
-            slot_mapping=i64(slots),
-            block_tables=self._block_tables(seqs),
-            seq_lens=torch.tensor([p + 1 for p in positions], dtype=torch.int32),
-            query_start_loc=torch.arange(n + 1, dtype=torch.int32),
-            logits_indices=torch.arange(n, dtype=torch.int64),
-            bucket=bucket_rules.pick(self.decode_buckets, n),
+            BatchKind.DECODE, step_id, seqs, inputs,
+            torch.tensor(src_step, dtype=torch.int64), torch.tensor(src_row, dtype=torch.int64),
         )
 
     def _mark_scheduled(self, seq: Sequence, step_id: int, row: int, num_computed: int) -> None:
         seq.num_computed_tokens = num_computed
         seq.num_inflight_tokens += 1
         seq.inflight_source = (step_id, row)
-
-    def _block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
-        tables = torch.zeros(len(seqs), self.block_table_width, dtype=torch.int32)
-        for row, seq in enumerate(seqs):
-            tables[row, : len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int32)
-        return tables
 
     def _preempt(self, seq: Sequence) -> None:
         self.num_preemptions += 1

@@ -120,10 +120,6 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
-    def num_blocks_needed(self, block_size: int, num_tokens: int | None = None) -> int:
-        n = len(self) if num_tokens is None else num_tokens
-        return (n + block_size - 1) // block_size
-
     def append_token(self, token_id: int) -> None:
         if not self.output_token_ids and self.first_token_time is None:
             self.first_token_time = time.monotonic()

@@ -29,7 +29,7 @@ import torch
 from hybridd.engine.sampler import Logprobs, Sampler, SamplingTensors
 from hybridd.errors import EngineDeadError
 from hybridd.engine.scheduler import ScheduledBatch
-from hybridd.runtime.step_buffers import HostStep, StepBuffers
+from hybridd.runtime.step_buffers import StepBuffers
 from hybridd.ipc.channel import Channel
 from hybridd.ipc.events import InterprocessEvent
 from hybridd.protocol import control
@@ -86,16 +86,8 @@ class StepPipeline:
     def _launch(self, batch: ScheduledBatch) -> InflightStep:
         n_tokens, n_seqs = batch.num_tokens, batch.num_seqs
         on_device = batch.inputs_on_device
-        self.buffers.write(HostStep(
-            batch.is_prefill,
-            batch.input_ids.clamp(min=0),
-            batch.positions,
-            batch.slot_mapping,
-            batch.block_tables,
-            batch.seq_lens,
-            batch.query_start_loc,
-            batch.logits_indices,
-        ))
+        # Input ids of -1 (still on the device) are overwritten by the gather below.
+        self.buffers.write(batch.inputs)
         if on_device:
             self._gather_inputs(batch, n_tokens)
         self.inputs_ready.record(self.stream)

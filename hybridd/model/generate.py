@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from hybridd.model.kv_cache import KVCache
+from hybridd.model.kv_cache import KVCache, blocks_for
 from hybridd.model.llama import LlamaModel
 from hybridd.model.step_inputs import StepInputs
 
@@ -26,7 +26,7 @@ def greedy_generate(
     device = model.device
     lengths = [len(p) + max_new_tokens for p in prompts]
     model.check_sequence_length(max(lengths, default=0))
-    blocks_each = [-(-n // block_size) for n in lengths]
+    blocks_each = [blocks_for(n, block_size) for n in lengths]
     if kv_cache is None:
         kv_cache = KVCache.allocate(model.config, sum(blocks_each), block_size, model.dtype, device)
     tables, start = [], 0

@@ -3,13 +3,31 @@
 The extra last block is scratch: writes for padded rows (slot -1) are redirected
 there by the torch path, so no real block is ever touched by padding. The block
 manager hands out blocks `0 .. num_blocks - 1` only.
+
+A sequence's token at position p lives in slot `block_table[p // block_size] *
+block_size + p % block_size`: `slot` is that formula, for one position or a tensor of them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TypeVar
+
 import torch
 
 from hybridd.model.config import ModelConfig
+
+Position = TypeVar("Position", int, torch.Tensor)
+
+
+def slot(block_table: Sequence[int] | torch.Tensor, position: Position, block_size: int) -> Position:
+    """The KV slot of the token at `position` (an int, or a tensor with a tensor table)."""
+    return block_table[position // block_size] * block_size + position % block_size
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    """KV blocks that hold `num_tokens` tokens."""
+    return -(-num_tokens // block_size)
 
 
 def kv_arena_shape(config: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:

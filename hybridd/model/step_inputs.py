@@ -1,7 +1,10 @@
-"""The per-step inputs of a forward pass, all device tensors.
+"""The per-step inputs of a forward pass: the one description of a step.
 
-Everything that varies from step to step lives here, in device memory, so a CUDA
-Graph captured over these tensors stays valid when their contents change.
+The scheduler builds it on the host (`prefill`, `decode`); the step buffers copy it
+into their fixed-address device tensors, and hand the forward a bucket-shaped view
+of those (another `StepInputs`). Everything that varies from step to step lives in
+those device tensors, so a CUDA Graph captured over them stays valid when their
+contents change.
 """
 
 from __future__ import annotations
@@ -9,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from hybridd.model.kv_cache import slot
 
 
 @dataclass
@@ -49,28 +54,28 @@ class StepInputs:
         block_size: int,
         device: torch.device | str = "cpu",
         start_positions: list[int] | None = None,
+        table_width: int | None = None,
     ) -> StepInputs:
-        """Host-side construction of a prefill step (tests, eager callers)."""
+        """A prefill step of whole prompts (or of their tails from `start_positions`)."""
         starts = start_positions or [0] * len(prompts)
-        ids, pos, slots, qsl = [], [], [], [0]
+        positions, slots = [], []
         for prompt, table, start in zip(prompts, block_tables, starts, strict=True):
-            for i, tok in enumerate(prompt):
-                p = start + i
-                ids.append(tok)
-                pos.append(p)
-                slots.append(table[p // block_size] * block_size + p % block_size)
-            qsl.append(qsl[-1] + len(prompt))
-        seq_lens = [s + len(p) for s, p in zip(starts, prompts, strict=True)]
+            pos = torch.arange(start, start + len(prompt), dtype=torch.int64)
+            positions.append(pos)
+            slots.append(slot(torch.tensor(table, dtype=torch.int64), pos, block_size))
+        lens = torch.tensor([len(p) for p in prompts], dtype=torch.int32)
+        query_start_loc = torch.zeros(len(prompts) + 1, dtype=torch.int32)
+        torch.cumsum(lens, 0, out=query_start_loc[1:])
         return cls(
-            input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
-            positions=torch.tensor(pos, dtype=torch.int64, device=device),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-            block_tables=_pad_tables(block_tables, device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
-            logits_indices=torch.tensor([q - 1 for q in qsl[1:]], dtype=torch.int64, device=device),
+            input_ids=torch.tensor([t for p in prompts for t in p], dtype=torch.int64),
+            positions=torch.cat(positions),
+            slot_mapping=torch.cat(slots),
+            block_tables=_pad_tables(block_tables, table_width),
+            seq_lens=lens + torch.tensor(starts, dtype=torch.int32),
+            query_start_loc=query_start_loc,
+            logits_indices=query_start_loc[1:].to(torch.int64) - 1,
             is_prefill=True,
-        )
+        ).to(device)
 
     @classmethod
     def decode(
@@ -80,22 +85,35 @@ class StepInputs:
         block_tables: list[list[int]],
         block_size: int,
         device: torch.device | str = "cpu",
+        table_width: int | None = None,
     ) -> StepInputs:
-        """Host-side construction of a decode step: one new token per sequence."""
-        slots = [t[p // block_size] * block_size + p % block_size for t, p in zip(block_tables, positions, strict=True)]
+        """A decode step: one new token per sequence, at `positions` (a token of -1 is
+        one the device still has to fill in, in the overlapped pipeline)."""
         n = len(tokens)
+        slots = [slot(t, p, block_size) for t, p in zip(block_tables, positions, strict=True)]
         return cls(
-            input_ids=torch.tensor(tokens, dtype=torch.int64, device=device),
-            positions=torch.tensor(positions, dtype=torch.int64, device=device),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-            block_tables=_pad_tables(block_tables, device),
-            seq_lens=torch.tensor([p + 1 for p in positions], dtype=torch.int32, device=device),
-            query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=device),
-            logits_indices=torch.arange(n, dtype=torch.int64, device=device),
+            input_ids=torch.tensor(tokens, dtype=torch.int64),
+            positions=torch.tensor(positions, dtype=torch.int64),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            block_tables=_pad_tables(block_tables, table_width),
+            seq_lens=torch.tensor([p + 1 for p in positions], dtype=torch.int32),
+            query_start_loc=torch.arange(n + 1, dtype=torch.int32),
+            logits_indices=torch.arange(n, dtype=torch.int64),
             is_prefill=False,
+        ).to(device)
+
+    def to(self, device: torch.device | str) -> StepInputs:
+        if torch.device(device) == self.input_ids.device:
+            return self
+        return StepInputs(
+            **{name: getattr(self, name).to(device) for name in _TENSORS}, is_prefill=self.is_prefill
         )
 
 
-def _pad_tables(tables: list[list[int]], device: torch.device | str) -> torch.Tensor:
-    width = max((len(t) for t in tables), default=1) or 1
-    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device)
+_TENSORS = ("input_ids", "positions", "slot_mapping", "block_tables", "seq_lens", "query_start_loc", "logits_indices")
+
+
+def _pad_tables(tables: list[list[int]], width: int | None) -> torch.Tensor:
+    """Block tables as one [n, width] tensor, padded with block 0 (default width: the longest)."""
+    width = width or max((len(t) for t in tables), default=1) or 1
+    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)

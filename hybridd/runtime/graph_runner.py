@@ -35,7 +35,7 @@ from hybridd.runtime import buckets as bucket_rules
 from hybridd.runtime.buckets import BucketPlan
 from hybridd.runtime.graph_memory import activation_bytes, free_device_bytes, pool_bytes
 from hybridd.runtime.graph_stats import BucketStats
-from hybridd.runtime.step_buffers import HostStep, StepBuffers
+from hybridd.runtime.step_buffers import StepBuffers
 
 log = get_logger("graph_runner")
 
@@ -149,22 +149,20 @@ class GraphRunner:
         return StepShape(True, chosen, self.plan.max_prefill_seqs, True, chosen)
 
     # --------------------------------------------------------------- execution
-    def stage(self, step: HostStep) -> StepShape:
-        shape = self.plan_step(step.is_prefill, step.num_tokens, step.num_seqs)
+    def run(self, is_prefill: bool, num_tokens: int, num_seqs: int) -> StepShape:
+        """Run one step whose real rows are in the buffers, on the serving stream: pick its
+        bucket, pad the rest of the bucket, replay the bucket's graph (or run eagerly).
+        The logits of its sequences land in `buffers.logits[:num_seqs]`."""
+        shape = self.plan_step(is_prefill, num_tokens, num_seqs)
         if self.stream is not None:
             with torch.cuda.stream(self.stream):
-                self.buffers.stage(step, shape.tokens, shape.seqs)
+                self._pad_and_execute(shape, num_tokens, num_seqs)
         else:
-            self.buffers.stage(step, shape.tokens, shape.seqs)
+            self._pad_and_execute(shape, num_tokens, num_seqs)
         return shape
 
-    def synchronize(self) -> None:
-        """Wait for the serving stream (never the whole device: a capture may be running)."""
-        if self.stream is not None:
-            self.stream.synchronize()
-
-    def execute(self, shape: StepShape) -> None:
-        """Run a staged step on the serving stream; logits land in `buffers.logits`."""
+    def _pad_and_execute(self, shape: StepShape, num_tokens: int, num_seqs: int) -> None:
+        self.buffers.pad(num_tokens, num_seqs, shape.tokens, shape.seqs)
         if shape.graph:
             key = ("prefill" if shape.is_prefill else "decode", shape.bucket)
             with self._lock:
@@ -174,28 +172,10 @@ class GraphRunner:
                     if shape.is_prefill:
                         graphs.move_to_end(shape.bucket)
                     self.stats[key].replays += 1
-                    if self.stream is not None:
-                        with torch.cuda.stream(self.stream):
-                            graph.replay()
-                    else:
-                        graph.replay()
+                    graph.replay()
                     return
             # Evicted between planning and execution: the padded inputs are still valid.
-        self._run_eager(shape)
-
-    def run(self, step: HostStep) -> torch.Tensor:
-        """Stage and execute one step; returns the logits rows of its sequences."""
-        shape = self.stage(step)
-        self.execute(shape)
-        return self.buffers.logits[: step.num_seqs]
-
-    def _run_eager(self, shape: StepShape) -> None:
-        view = self.buffers.view(shape.is_prefill, shape.tokens, shape.seqs)
-        if self.stream is not None:
-            with torch.cuda.stream(self.stream):
-                self._step_body(view, self.buffers.logits)
-        else:
-            self._step_body(view, self.buffers.logits)
+        self._step_body(self.buffers.view(shape.is_prefill, shape.tokens, shape.seqs), self.buffers.logits)
 
     @torch.inference_mode()
     def _step_body(self, view: StepInputs, logits_out: torch.Tensor) -> None:
@@ -357,11 +337,6 @@ class GraphRunner:
             self._thread.join(timeout)
             self._thread = None
             sys.setswitchinterval(self._switch_interval)
-
-    def background_capture_idle(self) -> bool:
-        """True when no prefill bucket is waiting to be captured."""
-        with self._lock:
-            return self._next_prefill_bucket() is None
 
     def _next_prefill_bucket(self) -> int | None:
         pending = [

@@ -1,9 +1,10 @@
 """The static step buffers: fixed-address input and output tensors that every graph reads
 and writes, sized for the largest bucket.
 
-A step is staged by writing its rows and padding the rest of the bucket (slot -1,
-so padded rows write nothing to the KV cache); graphs then see the new contents at
-the same addresses. In the two-process runtime these tensors live in a shared arena.
+The context generator writes a step's rows (`write`); the graph runner pads the rest of
+the bucket (`pad`: slot -1, so padded rows write nothing to the KV cache); graphs then
+see the new contents at the same addresses. In the two-process runtime these tensors
+live in a shared arena.
 
 All integer inputs live in one packed int32 region (`step_inputs`), so a step's
 inputs reach the device in a single host-to-device copy from a pinned mirror;
@@ -12,10 +13,9 @@ per-buffer copies were seven small transfers on the critical path of every step.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from hybridd.model.kv_cache import blocks_for
 from hybridd.model.step_inputs import StepInputs
 
 
@@ -24,7 +24,7 @@ def geometry(max_prefill_tokens: int, max_batch: int, max_model_len: int, block_
 
     A prompt longer than the prefill token budget still runs (alone, eagerly), and so does
     the recompute of a preempted sequence: the buffers hold a whole max_model_len."""
-    return max(max_prefill_tokens, max_batch, max_model_len), -(-max_model_len // block_size)
+    return max(max_prefill_tokens, max_batch, max_model_len), blocks_for(max_model_len, block_size)
 
 
 def input_fields(max_tokens: int, max_seqs: int, max_blocks_per_seq: int) -> dict[str, tuple[int, ...]]:
@@ -68,28 +68,6 @@ def _split(packed: torch.Tensor, fields: dict[str, tuple[int, ...]]) -> dict[str
     return views
 
 
-@dataclass
-class HostStep:
-    """A step as the scheduler describes it, on the host, before padding."""
-
-    is_prefill: bool
-    input_ids: list[int] | torch.Tensor | None  # None: the tokens are already in the device buffer
-    positions: list[int] | torch.Tensor
-    slot_mapping: list[int] | torch.Tensor
-    block_tables: list[list[int]] | torch.Tensor
-    seq_lens: list[int] | torch.Tensor
-    query_start_loc: list[int] | torch.Tensor  # [n_seqs + 1]
-    logits_indices: list[int] | torch.Tensor
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.positions)
-
-    @property
-    def num_seqs(self) -> int:
-        return len(self.seq_lens)
-
-
 class StepBuffers:
     def __init__(self, tensors: dict[str, torch.Tensor], max_tokens: int, max_blocks_per_seq: int):
         """`tensors`: the regions of `buffer_layout` (`step_inputs`, `logits`)."""
@@ -130,27 +108,17 @@ class StepBuffers:
             is_prefill=is_prefill,
         )
 
-    def stage(self, step: HostStep, num_tokens: int, num_seqs: int) -> None:
-        """Write a step's rows and pad it to (num_tokens, num_seqs)."""
-        t, s = step.num_tokens, step.num_seqs
-        if num_tokens > self.max_tokens or num_seqs > self.max_seqs:
-            raise ValueError(
-                f"step of {num_tokens} tokens / {num_seqs} seqs exceeds the step buffers "
-                f"({self.max_tokens} tokens / {self.max_seqs} seqs): the scheduler's limits must not exceed them"
-            )
-        if t > num_tokens or s > num_seqs:
-            raise ValueError(f"step of {t} tokens / {s} seqs does not fit bucket {num_tokens}/{num_seqs}")
-        self.write(step)
-        self.pad(t, s, num_tokens, num_seqs)
-
-    def write(self, step: HostStep) -> None:
-        """The step's real rows, in one host-to-device copy of the packed inputs (on the
-        current stream). Rows past the step's own are left for `pad` or never read."""
+    def write(self, step: StepInputs) -> None:
+        """A host-side step's real rows, in one host-to-device copy of the packed inputs
+        (on the current stream). Rows past the step's own are left for `pad` or never read."""
         if step.num_tokens > self.max_tokens or step.num_seqs > self.max_seqs:
             raise ValueError(
                 f"step of {step.num_tokens} tokens / {step.num_seqs} seqs exceeds the step buffers "
                 f"({self.max_tokens} tokens / {self.max_seqs} seqs)"
             )
+        width = step.block_tables.shape[1]
+        if width > self.max_blocks_per_seq:
+            raise ValueError(f"block tables are {width} wide; the buffer holds {self.max_blocks_per_seq}")
         if not self._mirrors:
             pin = self.packed.device.type == "cuda"
             self._mirrors = [torch.zeros(self.packed.shape, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
@@ -160,32 +128,13 @@ class StepBuffers:
         if self._mirror_done[index] is not None:
             self._mirror_done[index].synchronize()  # its previous copy has been read
         host = self._mirror_views[index]
-        if step.input_ids is not None:
-            _fill(host["input_ids"], step.input_ids)
-        _fill(host["positions"], step.positions)
-        _fill(host["slot_mapping"], step.slot_mapping)
-        _fill(host["seq_lens"], step.seq_lens)
-        _fill(host["query_start_loc"], step.query_start_loc)
-        _fill(host["logits_indices"], step.logits_indices)
+        for name in ("input_ids", "positions", "slot_mapping", "seq_lens", "query_start_loc", "logits_indices"):
+            values = getattr(step, name)
+            host[name][: values.shape[0]].copy_(values)
         table = host["block_tables"][: step.num_seqs]
         table.zero_()
-        if isinstance(step.block_tables, torch.Tensor):
-            width = step.block_tables.shape[1] if step.block_tables.dim() == 2 else 0
-            if width > self.max_blocks_per_seq:
-                raise ValueError(f"block tables are {width} wide; the buffer holds {self.max_blocks_per_seq}")
-            table[:, :width] = step.block_tables
-        else:
-            for i, row in enumerate(step.block_tables):
-                if len(row) > self.max_blocks_per_seq:
-                    raise ValueError(f"a block table exceeds {self.max_blocks_per_seq} blocks")
-                table[i, : len(row)] = torch.tensor(row, dtype=torch.int32)
-        if step.input_ids is None:
-            # The device already holds this step's tokens (input_ids lead the packed
-            # region): copy everything after them.
-            skip = self.max_tokens
-            self.packed[skip:].copy_(self._mirrors[index][skip:], non_blocking=True)
-        else:
-            self.packed.copy_(self._mirrors[index], non_blocking=True)
+        table[:, :width] = step.block_tables
+        self.packed.copy_(self._mirrors[index], non_blocking=True)
         if self.packed.device.type == "cuda":
             done = torch.cuda.Event()
             done.record()
@@ -205,8 +154,3 @@ class StepBuffers:
             self.logits_indices[num_seqs:to_seqs].zero_()
             self.block_tables[num_seqs:to_seqs].zero_()
 
-
-
-def _fill(dest: torch.Tensor, values: list[int] | torch.Tensor) -> None:
-    src = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=torch.int32)
-    dest[: src.shape[0]].copy_(src)
