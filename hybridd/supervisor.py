@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
-import fcntl
 import multiprocessing
 import os
 import signal
@@ -40,6 +39,7 @@ from hybridd.log import configure as configure_logging
 from hybridd.log import get_logger
 from hybridd.sd_notify import Notifier, watchdog_interval_s
 from hybridd.ipc.channel import MAX_IPC_PATH_BYTES, PeerProtocolError, bind_ipc_endpoint, ensure_runtime_dir
+from hybridd.ipc import pid_lock
 from hybridd.ipc.posix_shm import reap_stale_segments
 from hybridd.protocol.errors import ProtocolError
 from hybridd.protocol.supervisor import (
@@ -104,86 +104,37 @@ class AlreadyRunningError(RuntimeError):
 
 
 class PidFile:
-    """`{runtime_dir}/hybridd.pid`: holds the supervisor's pid under an exclusive flock.
-
-    The lock, not the pid, proves liveness: it dies with the process, so a stale file
-    never blocks a start and a reused pid never looks alive.
-    """
+    """`{runtime_dir}/hybridd.pid`: the supervisor's pid lock file (`hybridd.ipc.pid_lock`)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self._fd: int | None = None
 
     def acquire(self) -> None:
-        while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o640)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-                os.close(fd)
-                raise AlreadyRunningError(
-                    f"hybridd is already running in {self.path.parent} (pid {holder}, lock {self.path}); "
-                    "stop it with `hybridd stop`, or configure another runtime_dir"
-                ) from None
-            # The previous owner may have unlinked the file between our open and our
-            # lock: then we hold a lock on a name nobody sees. Retry on the new file.
-            try:
-                if os.stat(self.path).st_ino == os.fstat(fd).st_ino:
-                    break
-            except FileNotFoundError:
-                pass
-            os.close(fd)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        self._fd = fd
+        try:
+            self._fd = pid_lock.acquire(self.path)
+        except pid_lock.LockHeldError as held:
+            raise AlreadyRunningError(
+                f"hybridd is already running in {self.path.parent} (pid {held.holder}, lock {self.path}); "
+                "stop it with `hybridd stop`, or configure another runtime_dir"
+            ) from None
 
     def release(self) -> None:
-        if self._fd is None:
-            return
-        with contextlib.suppress(FileNotFoundError):
-            if os.stat(self.path).st_ino == os.fstat(self._fd).st_ino:
-                os.unlink(self.path)
-        os.close(self._fd)
-        self._fd = None
+        if self._fd is not None:
+            pid_lock.release(self.path, self._fd)
+            self._fd = None
 
 
 def running_pid(runtime_dir: str | os.PathLike[str]) -> int | None:
     """The pid of the supervisor that holds `runtime_dir`, or None when none does."""
-    path = Path(runtime_dir) / PID_FILE_NAME
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            text = os.pread(fd, 32, 0).decode(errors="replace").strip()
-            return int(text) if text.isdigit() else None
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        return None
-    finally:
-        os.close(fd)
+    return pid_lock.holder(Path(runtime_dir) / PID_FILE_NAME) or None
 
 
 def _endpoint_locked(endpoint: str) -> bool:
     """True when a live server holds the lock next to an `ipc://` endpoint (see ipc.channel)."""
     if not endpoint.startswith("ipc://"):
         return False
-    lock = Path(endpoint.removeprefix("ipc://") + ".lock")
-    try:
-        fd = os.open(lock, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        return False
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
+    return pid_lock.holder(Path(endpoint.removeprefix("ipc://") + ".lock")) is not None
 
 
 # ---------------------------------------------------------------- the worker side

@@ -12,7 +12,6 @@ A channel is used from one thread (zmq sockets are not thread-safe).
 from __future__ import annotations
 
 import errno
-import fcntl
 import os
 import stat
 import weakref
@@ -24,6 +23,7 @@ from typing import Any
 
 import zmq
 
+from hybridd.ipc import pid_lock
 from hybridd.log import get_logger
 from hybridd.protocol.codec import WireMessage, decode, encode
 from hybridd.protocol.errors import ErrorCode, ProtocolError
@@ -287,20 +287,6 @@ def ensure_runtime_dir(directory: Path) -> None:
         log.warning("runtime directory is accessible to other users", path=str(directory), mode=oct(mode))
 
 
-def _lock(path: Path) -> int:
-    lock_path = path.with_name(path.name + ".lock")
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o640)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-        os.close(fd)
-        raise EndpointInUseError(path, f"lock {lock_path} is held by pid {holder}") from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    return fd
-
-
 def _answers_health(path: Path, context: zmq.Context, timeout_ms: int) -> bool:
     """True when something at `path` answers a health request within `timeout_ms`."""
     probe = context.socket(zmq.DEALER)
@@ -341,7 +327,11 @@ def bind_ipc_endpoint(
         )
     context = context or zmq.Context.instance()
     ensure_runtime_dir(path.parent)
-    lock_fd = _lock(path)
+    lock_path = path.with_name(path.name + ".lock")
+    try:
+        lock_fd = pid_lock.acquire(lock_path)
+    except pid_lock.LockHeldError as held:
+        raise EndpointInUseError(path, f"lock {lock_path} is held by pid {held.holder}") from None
     try:
         if path.exists() or path.is_symlink():
             if not stat.S_ISSOCK(path.lstat().st_mode):

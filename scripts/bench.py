@@ -70,6 +70,8 @@ for _p in (str(ROOT), str(ROOT / "scripts")):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
+from hybridd.stats import percentile  # noqa: E402
+
 TTFT_LENGTHS = (10, 32, 128, 256, 500)
 ITL_PROMPT = 128
 ITL_TOKENS = 256
@@ -90,16 +92,8 @@ ESTIMATE_S_SMALL = {"ceilings": 3, "checkpoint": 5, "hybridd_eager": 12, "hybrid
 # ----------------------------------------------------------------------------- statistics
 
 
-def pct(values: list[float], q: float) -> float | None:
-    """Nearest-rank percentile (the convention of bench_graphs.py and the daemon's status)."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
-
-
 def itl_summary(gaps: list[float]) -> dict[str, Any]:
-    p50, p99 = pct(gaps, 50), pct(gaps, 99)
+    p50, p99 = percentile(gaps, 50), percentile(gaps, 99)
     return {"n": len(gaps), "p50_s": p50, "p99_s": p99, "p99_over_p50": (p99 / p50) if p50 and p99 else None,
             "mean_s": statistics.fmean(gaps) if gaps else None, "max_s": max(gaps) if gaps else None}
 
@@ -417,7 +411,7 @@ def measure_itl(stream_fn, prompt_len: int, tokens: int, runs: int, vocab: int, 
             break
         g = stream_fn(random_prompt(rng, prompt_len, vocab), tokens)
         gaps.extend(g)
-        per_run.append({"p50_s": pct(g, 50), "p99_s": pct(g, 99), "n": len(g)})
+        per_run.append({"p50_s": percentile(g, 50), "p99_s": percentile(g, 99), "n": len(g)})
     return {**itl_summary(gaps), "prompt_tokens": prompt_len, "tokens": tokens, "runs": per_run}
 
 
@@ -454,7 +448,7 @@ def measure_concurrency(client: HybriddClient, levels, prompt_len: int, tokens: 
             "tokens_per_s": total / (end - start),
             "decode_tokens_per_s": decode_tokens / (end - first) if end > first else None,
             "ttft_median_s": statistics.median([r.ttft for r in records if r.ttft is not None]),
-            "itl_p50_s": pct(gaps, 50), "itl_p99_s": pct(gaps, 99), "itl_n": len(gaps),
+            "itl_p50_s": percentile(gaps, 50), "itl_p99_s": percentile(gaps, 99), "itl_n": len(gaps),
         }
     return out
 
@@ -511,8 +505,8 @@ def measure_during_capture(client: HybriddClient, server: HybriddServer, vocab: 
     steady = [b - a for a, b in pairs if a > steady_from]
     result = {
         "during": itl_summary(during), "early": itl_summary(early), "steady": itl_summary(steady),
-        "p99_ratio": ratio(pct(during, 99), pct(steady, 99)) if len(during) >= 5 else None,
-        "early_p99_ratio": ratio(pct(early, 99), pct(steady, 99)) if len(early) >= 5 else None,
+        "p99_ratio": ratio(percentile(during, 99), percentile(steady, 99)) if len(during) >= 5 else None,
+        "early_p99_ratio": ratio(percentile(early, 99), percentile(steady, 99)) if len(early) >= 5 else None,
         "early_s": early_s,
         "capture_window_s": final_state[2],
         "capture_observed_done_after_start_s": (t_observed_done - t_start) if t_observed_done else None,

@@ -31,8 +31,9 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from hybridd.model import KVCache, StepInputs, load_model  # noqa: E402
 from hybridd.runtime.buckets import BucketPlan  # noqa: E402
 from hybridd.runtime.graph_runner import GraphRunner  # noqa: E402
-from hybridd.runtime.kernels import select_kernels  # noqa: E402
+from hybridd.model.kernels import select_kernels  # noqa: E402
 from hybridd.runtime.step_buffers import StepBuffers  # noqa: E402
+from hybridd.stats import percentile  # noqa: E402
 
 BLOCK = 16
 
@@ -115,11 +116,6 @@ def time_gpu(runner: GraphRunner, fn, iters: int) -> float:
         e.synchronize()
         times.append(s.elapsed_time(e) / 1e3)
     return statistics.median(times)
-
-
-def pct(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
 
 
 def main() -> int:
@@ -207,8 +203,8 @@ def main() -> int:
     background_s = time.perf_counter() - t0
     fused.stop_background_capture()
     results["background_capture"] = {
-        "steady_p50_s": pct(steady, 50), "steady_p99_s": pct(steady, 99),
-        "during_p50_s": pct(during, 50), "during_p99_s": pct(during, 99),
+        "steady_p50_s": percentile(steady, 50), "steady_p99_s": percentile(steady, 99),
+        "during_p50_s": percentile(during, 50), "during_p99_s": percentile(during, 99),
         "steps_during": len(during), "capture_wall_s": background_s,
     }
 

@@ -18,7 +18,7 @@ CUDA = torch.cuda.is_available()
 if not CUDA and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("Triton kernels need CUDA or TRITON_INTERPRET=1", allow_module_level=True)
 
-from hybridd.runtime import triton_attention, triton_ops  # noqa: E402
+from hybridd.model import triton_attention, triton_ops  # noqa: E402
 
 DEVICE = "cuda" if CUDA else "cpu"
 DTYPE = torch.bfloat16 if CUDA else torch.float32

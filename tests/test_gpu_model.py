@@ -37,7 +37,7 @@ def test_bf16_matches_transformers_teacher_forced(checkpoint):
     from transformers import AutoModelForCausalLM
 
     from hybridd.model import KVCache, StepInputs, load_model
-    from hybridd.runtime.kernels import select_kernels
+    from hybridd.model.kernels import select_kernels
 
     g = torch.Generator().manual_seed(0)
     prompt_len, decode_len, n_seqs = 96, 32, 4

@@ -34,6 +34,7 @@ from hybridd.log import configure, get_logger
 from hybridd.model import load_tokenizer
 from hybridd.runtime.step_buffers import StepBuffers, geometry
 from hybridd.serving_metrics import ServingMetrics
+from hybridd.stats import percentile
 from hybridd.runtime.step_trace import StepTracer
 from hybridd.ipc.channel import CLIENT_SOCKET_MODE, Channel, PeerProtocolError, bind_ipc_endpoint
 from hybridd.ipc.posix_shm import pid_alive
@@ -99,13 +100,6 @@ class ClientRequest:
     @property
     def seqs(self) -> list[Sequence]:
         return [out.seq for out in self.outputs]
-
-
-def percentile(values, q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
 
 
 class ContextGenerator:

@@ -20,11 +20,10 @@ import zmq
 
 from hybridd.config import Config, resolve_device, resolve_dtype
 from hybridd.log import configure, get_logger
-from hybridd.model import KVCache, load_model
+from hybridd.model import KVCache, ModelConfig, load_model
 from hybridd.model.kv_cache import kv_arena_shape, kv_bytes_per_block
 from hybridd.runtime.buckets import BucketPlan
 from hybridd.runtime.graph_runner import GraphRunner
-from hybridd.runtime.kernels import select_kernels
 from hybridd.runtime.step_buffers import StepBuffers, buffer_layout, geometry
 from hybridd.runtime.step_trace import StepTracer
 from hybridd.ipc.arena_layout import ArenaLayout
@@ -67,12 +66,10 @@ class GraphGenerator:
         if slow_load_s > 0:  # the test hook: a load as slow as a cold disk's
             self.log.warning("loading slowly on purpose", seconds=slow_load_s, hook=SLOW_LOAD_HOOK)
             time.sleep(slow_load_s)
-        model = load_model(config.model, dtype=dtype, device=self.device)
-        model.kernels = select_kernels(self.device)
+        model_config = ModelConfig.from_dir(config.model)
+        max_model_len = min(config.max_model_len or model_config.max_model_len, model_config.max_model_len)
+        model = load_model(config.model, dtype=dtype, device=self.device, max_positions=max_model_len)
         mc = model.config
-        max_model_len = min(config.max_model_len or mc.max_model_len, mc.max_model_len)
-        model.max_positions = max_model_len
-        model.init_rotary(self.device)
         self.model = model
         self.max_model_len = max_model_len
         self.plan = BucketPlan.create(config.decode_buckets, config.prefill_buckets, config.max_prefill_seqs)

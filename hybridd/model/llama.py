@@ -1,8 +1,10 @@
 """The Llama-family Transformer (Llama 2/3, Mistral, Qwen2) with fused projections,
 written for graph capture: no host syncs, no data-dependent shapes inside `forward`.
 
-Per-layer operations go through `self.kernels` (plain torch by default, fused Triton
-on the GPU runtime) with identical rounding points, so the torch path is the reference.
+The model builds what it needs from its config and its device: the kernels (fused
+Triton on CUDA, plain torch elsewhere, with identical rounding points, so the torch path
+is the reference) and the RoPE cos/sin tables for `max_positions`. Each layer is handed
+those at every call; no layer reaches back into the model.
 """
 
 from __future__ import annotations
@@ -12,8 +14,8 @@ from torch import nn
 
 from hybridd.model.config import ModelConfig
 from hybridd.model.errors import ModelLoadError, SequenceTooLongError
+from hybridd.model.kernels import Kernels, select_kernels
 from hybridd.model.kv_cache import KVCache
-from hybridd.model.ops import TorchKernels
 from hybridd.model.rope import cos_sin_table
 from hybridd.model.step_inputs import StepInputs
 
@@ -28,9 +30,11 @@ class RMSNormWeight(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, index: int):
+    def __init__(self, config: ModelConfig, index: int, sliding_window: int | None = None):
         super().__init__()
         self.index = index
+        # Attention over the last `sliding_window` positions only (None: simply causal).
+        self.window = {} if sliding_window is None else {"sliding_window": sliding_window}
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
@@ -45,9 +49,14 @@ class DecoderLayer(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(
-        self, hidden: torch.Tensor, residual: torch.Tensor | None, step: StepInputs, kv_cache: KVCache, model: LlamaModel
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        step: StepInputs,
+        kv_cache: KVCache,
+        ops: Kernels,
+        rope: tuple[torch.Tensor, torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        ops = model.kernels
         t = hidden.shape[0]
         norm = self.input_layernorm
         if residual is None:
@@ -58,14 +67,13 @@ class DecoderLayer(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = ops.rotary(step.positions, q, k, model.rope_cos, model.rope_sin)
+        q, k = ops.rotary(step.positions, q, k, *rope)
         k_cache, v_cache = kv_cache.layer(self.index)
         ops.write_kv(k_cache, v_cache, k, v, step.slot_mapping)
-        window = {} if model.sliding_window is None else {"sliding_window": model.sliding_window}
         if step.is_prefill:
-            o = ops.prefill_attention(q, k, v, step, self.scale, **window)
+            o = ops.prefill_attention(q, k, v, step, self.scale, **self.window)
         else:
-            o = ops.decode_attention(q, k_cache, v_cache, step.block_tables, step.seq_lens, self.scale, **window)
+            o = ops.decode_attention(q, k_cache, v_cache, step.block_tables, step.seq_lens, self.scale, **self.window)
         hidden = self.o_proj(o.reshape(t, self.q_size))
         norm = self.post_attention_layernorm
         x, residual = ops.add_rms_norm(hidden, residual, norm.weight, norm.eps)
@@ -75,23 +83,29 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Embedding, decoder layers, final norm and LM head."""
 
-    def __init__(self, config: ModelConfig, max_positions: int | None = None):
+    def __init__(
+        self,
+        config: ModelConfig,
+        device: torch.device | str = "cpu",
+        max_positions: int | None = None,
+        kernels: str = "auto",
+    ):
+        """The weights are created on the current default device (meta, when loading);
+        the kernels and the RoPE tables are for `device`. `max_positions` (default: the
+        config's own limit) bounds the positions the tables cover; `kernels` is "auto"
+        (Triton on CUDA), "triton" or "torch"."""
         super().__init__()
         self.config = config
+        self.max_positions = max_positions or config.max_model_len
+        window = config.sliding_window
+        # The attention window, when sequences can outgrow it (else attention is simply causal).
+        self.sliding_window = window if window is not None and self.max_positions > window else None
+        self.kernels: Kernels = select_kernels(device, kernels)
+        self.rope = cos_sin_table(config.rope, config.head_dim, self.max_positions, torch.device(device))
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i, self.sliding_window) for i in range(config.num_layers))
         self.norm = RMSNormWeight(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.max_positions = max_positions or config.max_model_len
-        self.kernels = TorchKernels()
-        self.rope_cos: torch.Tensor | None = None
-        self.rope_sin: torch.Tensor | None = None
-
-    @property
-    def sliding_window(self) -> int | None:
-        """The attention window, when sequences can outgrow it (else attention is simply causal)."""
-        window = self.config.sliding_window
-        return window if window is not None and self.max_positions > window else None
 
     def check_sequence_length(self, length: int) -> None:
         """Refuse a sequence of `length` tokens that the RoPE table cannot position."""
@@ -100,10 +114,6 @@ class LlamaModel(nn.Module):
                 f"a sequence of {length} tokens reaches position {length - 1}, past max_positions {self.max_positions} "
                 f"of this model (the longest sequence it was loaded for; see load_model's max_positions)"
             )
-
-    def init_rotary(self, device: torch.device) -> None:
-        """Build the cos/sin table on the weights' device (after loading from meta)."""
-        self.rope_cos, self.rope_sin = cos_sin_table(self.config.rope, self.config.head_dim, self.max_positions, device)
 
     @property
     def device(self) -> torch.device:
@@ -128,7 +138,7 @@ class LlamaModel(nn.Module):
         hidden = self.embed_tokens(step.input_ids)
         residual = None
         for layer in self.layers:
-            hidden, residual = layer(hidden, residual, step, kv_cache, self)
+            hidden, residual = layer(hidden, residual, step, kv_cache, self.kernels, self.rope)
         hidden, _ = self.kernels.add_rms_norm(hidden, residual, self.norm.weight, self.norm.eps)
         return hidden
 

@@ -105,7 +105,9 @@ def load_model(
     dtype: torch.dtype | str | None = None,
     device: torch.device | str = "cpu",
     max_positions: int | None = None,
+    kernels: str = "auto",
 ) -> LlamaModel:
+    """The model of `model_dir` on `device`; `max_positions` and `kernels` as `LlamaModel` takes them."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise ModelLoadError(f"{model_dir}: model directory does not exist")
@@ -117,7 +119,7 @@ def load_model(
     torch.set_default_dtype(dtype)
     try:
         with torch.device("meta"):
-            model = LlamaModel(config, max_positions)
+            model = LlamaModel(config, device, max_positions, kernels)
     finally:
         torch.set_default_dtype(previous)
     model.to_empty(device=device)
@@ -156,7 +158,6 @@ def load_model(
     if expected:
         missing = sorted(expected)
         raise ModelLoadError(f"{model_dir}: checkpoint lacks tensor(s) {', '.join(missing[:8])}")
-    model.init_rotary(device)
     model.eval()
     log.info("model_loaded", path=str(model_dir), arch=config.architecture, dtype=str(dtype), device=str(device))
     return model

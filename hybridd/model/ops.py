@@ -1,7 +1,7 @@
 """The per-layer operations of the forward in plain torch: the CPU path and the reference.
 
 The GPU runtime supplies fused Triton versions with the same signatures and the same
-rounding points (`hybridd/runtime/triton_ops.py`); `LlamaModel.kernels` selects one.
+rounding points (`hybridd/model/triton_ops.py`); `LlamaModel.kernels` selects one.
 """
 
 from __future__ import annotations

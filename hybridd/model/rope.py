@@ -11,7 +11,8 @@ from hybridd.model.config import RopeConfig
 
 
 def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
-    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    """On the CPU (explicitly: a model is built under the meta device)."""
+    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim))
     if rope.rope_type == "linear":
         return inv_freq / rope.factor
     if rope.rope_type == "llama3":

@@ -15,7 +15,7 @@ class TritonKernels:
     name = "triton"
 
     def __init__(self) -> None:
-        from hybridd.runtime import triton_attention, triton_ops
+        from hybridd.model import triton_attention, triton_ops
 
         self.rms_norm = triton_ops.rms_norm
         self.add_rms_norm = triton_ops.add_rms_norm
@@ -26,8 +26,14 @@ class TritonKernels:
         self.decode_attention = triton_attention.decode_attention
 
 
-def select_kernels(device: torch.device | str, prefer: str = "auto"):
+Kernels = TorchKernels | TritonKernels
+KERNEL_CHOICES = ("auto", "triton", "torch")
+
+
+def select_kernels(device: torch.device | str, prefer: str = "auto") -> Kernels:
     """`prefer` is "auto" (Triton on CUDA), "triton" or "torch"."""
+    if prefer not in KERNEL_CHOICES:
+        raise ValueError(f"kernels must be one of {', '.join(KERNEL_CHOICES)}, got {prefer!r}")
     device = torch.device(device)
     if prefer == "torch" or (prefer == "auto" and device.type != "cuda"):
         return TorchKernels()
