@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from hybridd.version import __version__
 
 # The wheel installs ipc/, protocol/ and workers/ inside this package (hybridd.ipc, ...).
 # Run from a source checkout without installing (PYTHONPATH=checkout, as on the GPU

@@ -38,6 +38,7 @@ from hybridd.lifecycle import Lifecycle, State
 from hybridd.log import configure as configure_logging
 from hybridd.log import get_logger
 from hybridd.sd_notify import Notifier, watchdog_interval_s
+from hybridd.version import __version__
 from hybridd.ipc.channel import MAX_IPC_PATH_BYTES, PeerProtocolError, bind_ipc_endpoint, ensure_runtime_dir
 from hybridd.ipc import pid_lock
 from hybridd.ipc.posix_shm import reap_stale_segments
@@ -716,8 +717,6 @@ class Supervisor:
 
     def status(self) -> dict[str, Any]:
         """What the supervisor knows, for the fallback endpoint's `status_reply` (SPEC §3.2)."""
-        from hybridd import __version__
-
         now = time.monotonic()
         pids = self._pids()
         phases = {}
