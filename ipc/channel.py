@@ -145,12 +145,6 @@ class Channel:
         self._socket.setsockopt(zmq.CURVE_SERVER, 1)
         self._socket.setsockopt(zmq.CURVE_SECRETKEY, secret_key)
 
-    def use_curve_client(self, server_public_key: bytes, public_key: bytes, secret_key: bytes) -> None:
-        """Encrypt this (TCP) client socket with CURVE; call before connect."""
-        self._socket.setsockopt(zmq.CURVE_SERVERKEY, server_public_key)
-        self._socket.setsockopt(zmq.CURVE_PUBLICKEY, public_key)
-        self._socket.setsockopt(zmq.CURVE_SECRETKEY, secret_key)
-
     def bind(self, endpoint: str) -> str:
         """Bind to `endpoint`; returns the resolved endpoint (e.g. the port of tcp://*:0).
 

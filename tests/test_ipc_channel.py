@@ -247,7 +247,10 @@ def test_curve_encrypted_tcp(tmp_path):
     with Channel(zmq.ROUTER) as server, Channel(zmq.DEALER) as client, Channel(zmq.DEALER) as plain:
         server.use_curve_server(server_secret)
         endpoint = server.bind("tcp://127.0.0.1:0")
-        client.use_curve_client(server_public, client_public, client_secret)
+        # The client side's keys, as the SDK sets them on its own socket.
+        client.socket.curve_serverkey = server_public
+        client.socket.curve_publickey = client_public
+        client.socket.curve_secretkey = client_secret
         client.connect(endpoint)
         plain.connect(endpoint)
         plain.send(HealthRequest(id="plain"))

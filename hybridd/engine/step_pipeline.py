@@ -39,11 +39,11 @@ RING_STEPS = 4  # > pipeline depth, so a step's tokens stay until every reader h
 
 @dataclass
 class InflightStep:
+    """A launched step: its batch, and its sampled tokens on their way to the host."""
+
     batch: ScheduledBatch
     host_tokens: torch.Tensor
-    done: torch.cuda.Event | None
-    launched_at: float
-    graph: bool
+    done: torch.cuda.Event | None  # the copy to the host; None on the CPU (already there)
     host_logprobs: Logprobs | None = None  # pinned host copies, when a row asked for logprobs
 
 
@@ -95,7 +95,7 @@ class StepPipeline:
             step=batch.step_id, kind="prefill" if batch.is_prefill else "decode",
             bucket=max(1, n_tokens), n_real=n_seqs, n_tokens=n_tokens,
         ))
-        launched = self._await_launched(batch.step_id)
+        self._await_launched(batch.step_id)
 
         # Sampling runs after the forward on the GPU, and its tokens go straight into
         # the ring that the next step's inputs gather from.
@@ -131,7 +131,7 @@ class StepPipeline:
             host.copy_(out)
             if logprobs is not None:
                 logprobs.to(host_logprobs)
-        return InflightStep(batch, host, done, time.monotonic(), launched.graph, host_logprobs)
+        return InflightStep(batch, host, done, host_logprobs)
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Fill forked sequences' blocks from the prompt's, in every layer (one copy each way)."""
