@@ -267,10 +267,6 @@ class ContextGenerator:
         """Launch the next step while fewer than PIPELINE_DEPTH are in flight; retire the
         oldest when the pipeline is full or nothing new can start."""
         scheduler = self.scheduler
-        # Penalties count output tokens on the host, so those batches run unpipelined.
-        if self.inflight and any(s.params.has_penalties for s in scheduler.running):
-            self._retire(self.inflight.popleft())
-            return
         if len(self.inflight) < PIPELINE_DEPTH:
             batch = scheduler.schedule()
             if batch is not None:

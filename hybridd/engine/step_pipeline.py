@@ -100,6 +100,10 @@ class StepPipeline:
         # Sampling runs after the forward on the GPU, and its tokens go straight into
         # the ring that the next step's inputs gather from.
         tensors = self._sampling_tensors(batch)
+        if on_device:
+            # A decode row's input is the token it sampled a step ago, which the host has
+            # not collected yet: penalties count it on the device.
+            tensors.record(self.buffers.input_ids[:n_seqs], self._to_device(batch.input_src_step >= 0))
         self.logits_ready.wait(self.stream)
         if batch.kv_copies:
             self._copy_blocks(batch.kv_copies)
