@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import zmq
 
-from hybridd import __version__
+from hybridd.version import __version__
 from hybridd.config import Config, resolve_device, resolve_dtype
 from hybridd.engine.block_manager import BlockManager
 from hybridd.engine.prompt import PromptError, prompt_token_ids
