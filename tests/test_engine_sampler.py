@@ -181,12 +181,16 @@ def test_noise_is_standard_gumbel():
         assert abs(float(row.var()) - math.pi**2 / 6) < 0.1
 
 
-def test_record_advances_positions_and_counts_on_device():
+def test_record_counts_tokens_on_device():
     params = [SamplingParams(temperature=1.0, frequency_penalty=0.5, seed=1)] * 2
     t = build(params, seeds=[1, 2], positions=[3, 9], prompts=[[1], [2]], outputs=[[4], []])
     t.record(torch.tensor([4, 6]))
-    rebuilt = build(params, seeds=[1, 2], positions=[4, 10], prompts=[[1], [2]], outputs=[[4, 4], [6]])
+    rebuilt = build(params, seeds=[1, 2], positions=[3, 9], prompts=[[1], [2]], outputs=[[4, 4], [6]])
     assert torch.equal(t.positions, rebuilt.positions)
+    assert torch.equal(t.output_counts, rebuilt.output_counts)
+    # Only the rows whose token is in flight: the second row's token is already counted.
+    t.record(torch.tensor([7, 6]), torch.tensor([True, False]))
+    rebuilt = build(params, seeds=[1, 2], positions=[3, 9], prompts=[[1], [2]], outputs=[[4, 4, 7], [6]])
     assert torch.equal(t.output_counts, rebuilt.output_counts)
 
 
@@ -202,6 +206,7 @@ def test_compiled_matches_eager():
             logits = torch.randn(batch, V, generator=gen) * 3
             assert torch.equal(compiled(logits, t), eager(logits, t))
             t.record(eager(logits, t))
+            t.positions.add_(1)
     greedy = build([SamplingParams(temperature=0.0, presence_penalty=1.0)] * 3, prompts=[[1]] * 3, outputs=[[2]] * 3)
     logits = torch.randn(3, V, generator=gen)
     assert torch.equal(compiled(logits, greedy), eager(logits, greedy))

@@ -166,16 +166,16 @@ class SamplingTensors:
             [s.output_token_ids for s in seqs],
         )
 
-    def record(self, tokens: torch.Tensor, in_flight: torch.Tensor) -> None:
-        """Count `tokens` [B] (on the device) as output of the rows where `in_flight` [B]
-        is true: the tokens a step ahead of the host, which sampled them but has not seen
-        them yet. Penalties then see every output token without a host wait, so penalty
-        batches pipeline like any other."""
+    def record(self, tokens: torch.Tensor, in_flight: torch.Tensor | None = None) -> None:
+        """Count `tokens` [B] (on the device) as output of their rows (only those where
+        `in_flight` [B] is true, when given): the tokens a step ahead of the host, which
+        sampled them but has not seen them yet. Penalties then see every output token
+        without a host wait, so penalty batches pipeline like any other."""
         if self.output_counts is None:
             return
-        self.output_counts.scatter_add_(
-            1, tokens.to(torch.int64).view(-1, 1), in_flight.to(torch.int32).view(-1, 1)
-        )
+        index = tokens.to(torch.int64).view(-1, 1)
+        ones = torch.ones_like(index, dtype=torch.int32) if in_flight is None else in_flight.to(torch.int32).view(-1, 1)
+        self.output_counts.scatter_add_(1, index, ones)
 
 
 def float32_parameters(params: SamplingParams) -> dict[str, float]:
