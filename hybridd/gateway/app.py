@@ -1,11 +1,12 @@
 """The gateway's routes: OpenAI's completions, chat completions and models, plus
 `/health` and `/metrics`, served by Starlette over one `hybridd.AsyncClient`.
 
-Every generation is one or more daemon requests (one per prompt and choice); a
-response streams as server-sent events (`data: {...}`, then `data: [DONE]`). The
-daemon's first reply is awaited before the HTTP status is chosen, so that a refusal
-(overloaded, draining, invalid) is an HTTP error, not an event in a 200 stream. A
-client that disconnects has its daemon requests cancelled at once, streaming or not.
+Every generation is one daemon request per prompt (its `n` choices share the prompt's
+prefill in the engine); a response streams as server-sent events (`data: {...}`, then
+`data: [DONE]`). The daemon's first reply is awaited before the HTTP status is chosen,
+so that a refusal (overloaded, draining, invalid) is an HTTP error, not an event in a
+200 stream. A client that disconnects has its daemon requests cancelled at once,
+streaming or not.
 """
 
 from __future__ import annotations
