@@ -42,7 +42,7 @@ from hybridd.version import __version__
 from hybridd.ipc.channel import MAX_IPC_PATH_BYTES, PeerProtocolError, bind_ipc_endpoint, ensure_runtime_dir
 from hybridd.ipc import pid_lock
 from hybridd.ipc.posix_shm import reap_stale_segments
-from hybridd.protocol.errors import ProtocolError
+from hybridd.protocol import codec
 from hybridd.protocol.supervisor import (
     WORKER_IDENTITIES,
     MAX_FAILURE_CHARS,
@@ -51,9 +51,9 @@ from hybridd.protocol.supervisor import (
     Heartbeat,
     Reconfigure,
     SupervisorInfo,
+    SupervisorStatus,
     WorkerInfo,
     WorkerPhase,
-    supervisor_from_wire,
 )
 from hybridd.workers import entry_points
 
@@ -294,7 +294,8 @@ class Supervisor:
             self._log.info("supervisor starting", runtime_dir=str(self.runtime_dir), endpoint=self.config.client_endpoint)
             reap_stale_segments()
             self._router = bind_ipc_endpoint(
-                self.config.supervisor_endpoint.removeprefix("ipc://"), socket_type=zmq.ROUTER, name="supervisor"
+                self.config.supervisor_endpoint.removeprefix("ipc://"), socket_type=zmq.ROUTER,
+                decoder=codec.WORKER_REPORTS, name="supervisor",
             )
             # A restarted worker reconnects with the same identity before the ROUTER
             # may have noticed that the dead one's connection is gone.
@@ -506,14 +507,9 @@ class Supervisor:
                 continue
             if received is None:
                 return
-            identity, data = received
-            try:
-                message = supervisor_from_wire(data)
-            except ProtocolError as error:
-                self._log.warning("bad message from a worker", identity=identity, error=str(error))
-                continue
-            if isinstance(message, Drain | SupervisorInfo | Reconfigure) or WORKER_IDENTITIES.get(message.worker) != identity:
-                self._log.warning("message from the wrong peer", identity=identity, type=message.TYPE)
+            identity, message = received
+            if WORKER_IDENTITIES.get(message.worker) != identity:
+                self._log.warning("message from the wrong peer", identity=identity, type=type(message).__name__)
                 continue
             worker = self.workers.get(message.worker)
             if worker is None or not worker.alive:
@@ -707,13 +703,13 @@ class Supervisor:
         workers = {name: WorkerInfo(pid=pids.get(name, 0), restarts=self.lifecycle.restarts) for name in WORKER_NAMES}
         if self.gateway is not None:
             workers[supervised_gateway.NAME] = self.gateway.info()
-        return SupervisorInfo(
+        return SupervisorInfo(info=SupervisorStatus(
             state=self.lifecycle.state,
             uptime_s=time.monotonic() - self._started_mono,
             started_at=self.started_at,
             workers=workers,
             last_failure=self.lifecycle.last_failure[:MAX_FAILURE_CHARS],
-        )
+        ))
 
     def status(self) -> dict[str, Any]:
         """What the supervisor knows, for the fallback endpoint's `status_reply` (SPEC §3.2)."""
@@ -740,7 +736,7 @@ class Supervisor:
             "started_at": self.started_at,
             "model": self.config.model,
             "endpoints": {"ipc": self.config.client_endpoint, "tcp": self.config.tcp_endpoint or None},
-            "workers": {name: worker.to_wire() for name, worker in self.info().workers.items()},
+            "workers": {name: worker.to_wire() for name, worker in self.info().info.workers.items()},
             "phases": phases,
             "restarts": self.lifecycle.restarts,
             "last_restart_reason": self.lifecycle.last_failure or None,

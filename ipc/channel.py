@@ -1,8 +1,9 @@
 """ZeroMQ channels that carry protocol messages, one msgpack map per frame.
 
 `Channel` owns one zmq socket: it bounds inbound frames (MAXMSGSIZE, the codec's
-unpacker limits), never lingers on close, and turns bad input into `ProtocolError`
-instead of crashing the caller's loop. `bind_ipc_endpoint` owns the life of an
+limits), decodes them into the typed messages of its family (or plain maps when it
+has none), never lingers on close, and turns bad input into `ProtocolError` instead
+of crashing the caller's loop. `bind_ipc_endpoint` owns the life of an
 `ipc://` socket file: runtime directory (0750), one live server per endpoint, stale
 file takeover, removal on close.
 
@@ -19,18 +20,21 @@ from collections import Counter
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import zmq
 
 from hybridd.ipc import pid_lock
 from hybridd.log import get_logger
-from hybridd.protocol.codec import WireMessage, decode, encode
+from hybridd.protocol.codec import MessageDecoder, decode, encode
 from hybridd.protocol.errors import ErrorCode, ProtocolError
 from hybridd.protocol.limits import MAX_MESSAGE_BYTES
+from hybridd.protocol.envelope import Fields
 from hybridd.protocol.messages import ErrorReply, HealthRequest
 
 log = get_logger("hybridd.ipc.channel")
+
+M = TypeVar("M")
 
 # sockaddr_un.sun_path is 108 bytes on Linux, one of them the terminating NUL.
 MAX_IPC_PATH_BYTES = 107
@@ -100,18 +104,20 @@ def _release(socket: zmq.Socket, bound: list[_BoundPath]) -> None:
     bound.clear()
 
 
-class Channel:
-    """One zmq socket speaking the hybridd protocol."""
+class Channel(Generic[M]):
+    """One zmq socket speaking the hybridd protocol; `decoder` is the family of messages it receives."""
 
     def __init__(
         self,
         socket_type: int,
         *,
+        decoder: MessageDecoder[M] | None = None,
         context: zmq.Context | None = None,
         name: str = "",
         send_timeout_ms: int | None = None,
     ) -> None:
         self._type = socket_type
+        self._decode = decode if decoder is None else decoder.decode
         self._socket = (context or zmq.Context.instance()).socket(socket_type)
         self._socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         self._socket.setsockopt(zmq.LINGER, 0)
@@ -161,7 +167,7 @@ class Channel:
 
     # ------------------------------------------------------------ send
 
-    def send(self, message: WireMessage | dict[str, Any]) -> None:
+    def send(self, message: Fields | dict[str, Any]) -> None:
         """Send one message as one frame (DEALER, PAIR, PUSH)."""
         frame = encode(message)
         try:
@@ -170,7 +176,7 @@ class Channel:
             raise TimeoutError(f"send on channel {self.name} timed out") from None
         self.stats.sent += 1
 
-    def send_to(self, identity: bytes, message: WireMessage | dict[str, Any]) -> bool:
+    def send_to(self, identity: bytes, message: Fields | dict[str, Any]) -> bool:
         """Send one message to one ROUTER peer; False when the peer is gone or not reading."""
         return self.deliver(identity, encode(message)) is Delivery.SENT
 
@@ -201,8 +207,8 @@ class Channel:
         self.stats.rejected[error.code.value] += 1
         self._log.debug("rejected inbound message", code=error.code.value, error=error.message, field=error.field)
 
-    def recv(self, timeout_ms: int | None = None) -> dict[str, Any] | None:
-        """Next message as a checked map (DEALER, PAIR, PULL); None on timeout.
+    def recv(self, timeout_ms: int | None = None) -> M | None:
+        """Next message (DEALER, PAIR, PULL); None on timeout.
 
         None waits forever, 0 polls. Raises ProtocolError for a bad frame; the
         channel stays usable.
@@ -216,13 +222,13 @@ class Channel:
         try:
             if len(frames) != 1:
                 raise ProtocolError(ErrorCode.MALFORMED, f"expected one frame per message, got {len(frames)}")
-            return decode(frames[0])
+            return self._decode(frames[0])
         except ProtocolError as error:
             self._reject(error)
             raise
 
-    def recv_from(self, timeout_ms: int | None = None) -> tuple[bytes, dict[str, Any]] | None:
-        """Next (peer identity, checked map) on a ROUTER; None on timeout.
+    def recv_from(self, timeout_ms: int | None = None) -> tuple[bytes, M] | None:
+        """Next (peer identity, message) on a ROUTER; None on timeout.
 
         Raises PeerProtocolError (a ProtocolError carrying the identity) for a bad
         frame, so that the caller can route an error reply. `last_peer_fd` then names
@@ -243,7 +249,7 @@ class Channel:
                     f"expected exactly one frame per message, got {len(frames) - 1} "
                     "(DEALER clients send no empty delimiter frame)",
                 )
-            return identity, decode(frames[1].buffer)
+            return identity, self._decode(frames[1].buffer)
         except ProtocolError as error:
             self._reject(error)
             raise PeerProtocolError(error, identity) from None
@@ -260,7 +266,7 @@ class Channel:
             self._socket.setsockopt(zmq.LINGER, linger_ms)
         self._closer()
 
-    def __enter__(self) -> Channel:
+    def __enter__(self) -> Channel[M]:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
@@ -298,12 +304,13 @@ def bind_ipc_endpoint(
     path: str | os.PathLike[str],
     *,
     socket_type: int = zmq.ROUTER,
+    decoder: MessageDecoder[M] | None = None,
     context: zmq.Context | None = None,
     name: str = "",
     probe_timeout_ms: int = DEFAULT_PROBE_TIMEOUT_MS,
     options: dict[int, int] | None = None,
     mode: int | None = None,
-) -> Channel:
+) -> Channel[M]:
     """Bind a new channel at `ipc://<path>`, refusing when a live process serves it.
 
     Liveness is decided twice: a lock file next to the socket (held for the channel's
@@ -334,7 +341,7 @@ def bind_ipc_endpoint(
                 raise EndpointInUseError(path, "it answered a health probe")
             log.warning("removing stale socket file", path=str(path))
             path.unlink(missing_ok=True)
-        channel = Channel(socket_type, context=context, name=name or f"{path.name}")
+        channel = Channel(socket_type, decoder=decoder, context=context, name=name or f"{path.name}")
         for option, value in (options or {}).items():
             channel.socket.setsockopt(option, value)
         try:

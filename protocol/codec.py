@@ -1,19 +1,31 @@
 """Bytes ↔ messages: bounded msgpack encoding and decoding, never pickle.
 
 `decode` turns one frame into a checked map (size, msgpack validity, map at the top,
-supported version) and raises `ProtocolError` otherwise; `parse_request`,
-`parse_reply` and `parse_control` add the per-message validation.
+supported version) and raises `ProtocolError` otherwise; `parse_reply` and
+`request_from_wire` add the client messages' validation.
+
+`MessageDecoder` turns one frame into one typed `Message` of a family (`CONTROL`,
+`WORKER_REPORTS`, `SUPERVISOR_COMMANDS`): the envelope is read first (version), then
+msgspec decodes the frame straight into the message's struct, checking every type,
+range and length in one pass. A frame that fails is diagnosed again on the slow
+path, in the order SPEC.md gives: frame size, msgpack validity and the decoder
+bounds (`malformed`, `too_large`), a map at the top, the version, then the first
+offending field, named by its dotted path in `ProtocolError.field` and at the start
+of the message.
 """
 
 from __future__ import annotations
 
+import re
+import typing
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import Any, Generic, NoReturn, Protocol, TypeVar
 
 import msgpack
+import msgspec
 
-from hybridd.protocol.control import ControlMessage, control_from_wire
-from hybridd.protocol.envelope import check_version, peek_request_id
+from hybridd.protocol.control import ControlMessage
+from hybridd.protocol.envelope import Envelope, check_version, peek_request_id
 from hybridd.protocol.errors import ErrorCode, ProtocolError
 from hybridd.protocol.limits import (
     MAX_MESSAGE_BYTES,
@@ -23,7 +35,10 @@ from hybridd.protocol.limits import (
     UNPACK_MAX_MAP_LEN,
     UNPACK_MAX_STR_LEN,
 )
-from hybridd.protocol.messages import Reply, Request, reply_from_wire, request_from_wire
+from hybridd.protocol.messages import Reply, reply_from_wire
+from hybridd.protocol.supervisor import SupervisorCommand, WorkerReport
+
+M = TypeVar("M")
 
 _UNPACK_OPTIONS: dict[str, Any] = {
     "raw": False,
@@ -41,18 +56,22 @@ class WireMessage(Protocol):
     def to_wire(self) -> dict[str, Any]: ...
 
 
-def encode(message: WireMessage | Mapping[str, Any]) -> bytes:
+_encoder = msgspec.msgpack.Encoder()
+_envelope_decoder = msgspec.msgpack.Decoder(Envelope)
+
+
+def encode(message: WireMessage | msgspec.Struct | Mapping[str, Any]) -> bytes:
     """One message → one frame. Refuses frames the peer would drop as too large."""
-    data = message if isinstance(message, Mapping) else message.to_wire()
+    data = message if isinstance(message, Mapping | msgspec.Struct) else message.to_wire()
     try:
-        frame = msgpack.packb(data, use_bin_type=True, strict_types=False)
+        frame = _encoder.encode(data)
     except (TypeError, ValueError, OverflowError) as error:
         raise ProtocolError(ErrorCode.INTERNAL, f"cannot encode message: {error}") from error
     if len(frame) > MAX_MESSAGE_BYTES:
         raise ProtocolError(
             ErrorCode.TOO_LARGE,
             f"encoded message is {len(frame)} bytes, over the limit of {MAX_MESSAGE_BYTES}",
-            request_id=peek_request_id(data),
+            request_id=peek_request_id(data if isinstance(data, Mapping) else {"id": getattr(data, "id", None)}),
         )
     return frame
 
@@ -83,13 +102,95 @@ def decode(frame: bytes | memoryview) -> dict[str, Any]:
     return data
 
 
-def parse_request(frame: bytes | memoryview) -> Request:
-    return request_from_wire(decode(frame))
-
-
 def parse_reply(frame: bytes | memoryview) -> Reply:
     return reply_from_wire(decode(frame))
 
 
-def parse_control(frame: bytes | memoryview) -> ControlMessage:
-    return control_from_wire(decode(frame))
+class MessageDecoder(Generic[M]):
+    """Frames → the messages of one family (a union of `Message` structs tagged by `type`)."""
+
+    def __init__(self, family: Any) -> None:
+        self._decoder = msgspec.msgpack.Decoder(family)
+        self.types = sorted(member.__struct_config__.tag for member in typing.get_args(family))
+
+    def decode(self, frame: bytes | memoryview) -> M:
+        if len(frame) > MAX_MESSAGE_BYTES:
+            decode(frame)  # raises too_large
+        try:
+            check_version(_envelope_decoder.decode(frame))
+            return self._decoder.decode(frame)
+        except (msgspec.MsgspecError, RecursionError, ProtocolError) as error:
+            self._diagnose(frame, error)
+
+    def _diagnose(self, frame: bytes | memoryview, error: Exception) -> NoReturn:
+        """Raise the ProtocolError SPEC.md asks for, for a frame the fast path refused."""
+        data = decode(frame)  # malformed, too_large, not a map, bad version: the earlier rules win
+        request_id = peek_request_id(data)
+        if isinstance(error, msgspec.ValidationError):
+            kind = data.get("type")
+            if type(kind) is str and kind not in self.types:
+                raise ProtocolError(
+                    ErrorCode.INVALID_REQUEST,
+                    f"type: unknown message type {kind!r}; expected one of {self.types}",
+                    field="type",
+                    request_id=request_id,
+                )
+            raise _field_error(str(error), data, request_id) from None
+        if isinstance(error, ProtocolError):
+            error.request_id = request_id
+            raise error
+        raise ProtocolError(ErrorCode.MALFORMED, f"not one valid message ({error})", request_id=request_id) from None
+
+
+# msgspec's messages: "<what> - at `$.info.workers`", "... - at `key` in `$.info.workers`".
+_LOCATION = re.compile(r"^(?P<text>.*?)(?: - at `(?P<key>key` in `)?\$(?P<path>[^`]*)`)?$", re.DOTALL)
+_BAD_KEY = re.compile(r"^Invalid enum value '(?P<name>[^']*)'$")
+_UNKNOWN = re.compile(r"^Object contains unknown field `(?P<name>[^`]*)`$")
+_MISSING = re.compile(r"^Object missing required field `(?P<name>[^`]*)`$")
+_STEP = re.compile(r"\.(\w+)|\[(\d+)\]")
+
+
+def _field_error(text: str, data: Any, request_id: str | None) -> ProtocolError:
+    match = _LOCATION.match(text)
+    assert match is not None  # the pattern matches any text
+    text, path = match["text"], match["path"] or ""
+    code = ErrorCode.INVALID_REQUEST
+    if match["key"] and (named := _BAD_KEY.match(text)):
+        path, text = f"{path}.{named['name']}", "not a known key"
+    elif named := _UNKNOWN.match(text):
+        path, text = f"{path}.{named['name']}", "unknown field"
+    elif named := _MISSING.match(text):
+        path, text = f"{path}.{named['name']}", "is required"
+    else:
+        if " of length <= " in text:
+            code = ErrorCode.TOO_LARGE
+        text = text[:1].lower() + text[1:] + _got(text, _value_at(data, path))
+    field = path.removeprefix(".") or "message"
+    return ProtocolError(code, f"{field}: {text}", field=field, request_id=request_id)
+
+
+def _value_at(data: Any, path: str) -> Any:
+    if "[...]" in path:  # msgspec does not say which key of a map
+        return None
+    for name, index in _STEP.findall(path):
+        try:
+            data = data[name] if name else data[int(index)]
+        except (KeyError, IndexError, TypeError):
+            return None
+    return data
+
+
+def _got(text: str, value: Any) -> str:
+    """What the value was, where msgspec's message does not say."""
+    if ", got " in text:
+        return ""
+    if isinstance(value, str | bytes | list):
+        return "" if "length" not in text else f", got length {len(value)}"
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return f", got {value!r}"
+    return ""
+
+
+CONTROL: MessageDecoder[ControlMessage] = MessageDecoder(ControlMessage)
+WORKER_REPORTS: MessageDecoder[WorkerReport] = MessageDecoder(WorkerReport)
+SUPERVISOR_COMMANDS: MessageDecoder[SupervisorCommand] = MessageDecoder(SupervisorCommand)

@@ -2,12 +2,20 @@
 
 Client messages also carry `id`; the rules for it live here too, because error
 replies must be attributable even when the rest of a message is broken.
+
+`Message` is the base of the messages decoded by msgspec (the worker control and
+supervisor messages): a `msgspec.Struct` tagged by its `type` field, with unknown
+fields refused at every nesting level; its field types, with `msgspec.Meta`
+constraints for ranges and lengths, are its validation (see `codec.MessageDecoder`).
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
-from typing import Any
+from typing import Annotated, Any
+
+import msgspec
 
 from hybridd.protocol.errors import ErrorCode, ProtocolError
 from hybridd.protocol.fields import FieldReader, check_int, check_str
@@ -15,10 +23,39 @@ from hybridd.protocol.limits import MAX_REQUEST_ID_CHARS, OLDEST_PROTOCOL_VERSIO
 
 SUPPORTED_VERSIONS = frozenset(range(OLDEST_PROTOCOL_VERSION, PROTOCOL_VERSION + 1))
 
+MAX_FLOAT = sys.float_info.max
+"""The largest finite float: as an upper bound it refuses infinities (NaN fails every bound)."""
+Count = Annotated[int, msgspec.Meta(ge=0)]
+Seconds = Annotated[float, msgspec.Meta(ge=0.0, le=MAX_FLOAT)]
 
-def check_version(data: Mapping[str, Any]) -> int:
+
+class Fields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """A map inside a message: its fields are all it may hold."""
+
+    def to_wire(self) -> dict[str, Any]:
+        """The msgpack-ready map (bytes stay bytes)."""
+        return msgspec.to_builtins(self, builtin_types=(bytes,))
+
+
+class Message(Fields, tag_field="type", kw_only=True):
+    """A whole message: its `tag=` is the wire `type`."""
+
+    v: int = PROTOCOL_VERSION
+
+
+class Envelope(msgspec.Struct):
+    """The envelope alone, read before the message: the other fields are skipped."""
+
+    v: Any = None
+    type: Any = None
+    id: Any = None
+
+
+def check_version(data: Envelope | Mapping[str, Any]) -> int:
     """The message's version. Missing or mistyped `v` is invalid_request; an unknown
     integer is unsupported_version."""
+    if isinstance(data, Envelope):
+        data = {"v": data.v}
     if not isinstance(data, Mapping):
         raise ProtocolError(ErrorCode.MALFORMED, f"a message must be a map, got {type(data).__name__}")
     if data.get("v") is None:

@@ -3,10 +3,8 @@
 Each message is a dataclass with `to_wire()` (a msgpack-ready dict, envelope
 included) and `from_wire(dict)` (full validation: unknown fields, wrong types, sizes
 and ranges raise `ProtocolError` naming the field). SPEC.md documents the same
-fields for implementers in other languages.
-
-The control messages between the two workers live in `protocol.control` and are
-re-exported here so that every message type has one import point.
+fields for implementers in other languages. `SamplingParams` is also what the engine
+samples and stops with: the wire rules are the only rules.
 """
 
 from __future__ import annotations
@@ -15,18 +13,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
-from hybridd.protocol.control import (  # noqa: F401  re-exported, see module docstring
-    CONTROL_TYPES,
-    ControlMessage,
-    Launched,
-    Ready,
-    ReadyAck,
-    Shutdown,
-    Stats,
-    StatsRequest,
-    Step,
-    control_from_wire,
-)
 from hybridd.protocol.envelope import check_request_id, check_version, envelope, message_type, open_envelope, peek_request_id
 from hybridd.protocol.errors import ErrorCode, ProtocolError
 from hybridd.protocol.fields import FieldReader
@@ -92,9 +78,18 @@ class SamplingParams:
     logprobs: bool = False  # the logprob of each sampled token
     top_logprobs: int = 0  # and of this many most likely alternatives
 
+    def __post_init__(self) -> None:
+        # Python callers may give one stop string as OpenAI clients do; the wire needs a list.
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     def to_wire(self, version: int = PROTOCOL_VERSION) -> dict[str, Any]:
         wire = {
@@ -566,9 +561,6 @@ class ErrorReply:
             message=error.message[:MAX_ERROR_MESSAGE_CHARS],
             field=error.field,
         )
-
-    def to_error(self) -> ProtocolError:
-        return ProtocolError(self.code, self.message, field=self.field, request_id=self.id or None)
 
     def to_wire(self) -> dict[str, Any]:
         return _envelope(self.TYPE, self.id, self.v) | {"code": self.code.value, "message": self.message,

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hybridd.engine.sampler import Sampler, SamplingTensors, gumbel_noise
-from hybridd.engine.sampling_params import SamplingParams
+from hybridd.protocol.messages import SamplingParams
 
 V = 40
 

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hybridd.engine.sampler import MAX_POSITIVE, MIN_POSITIVE, Sampler, SamplingTensors, float32_parameters
-from hybridd.engine.sampling_params import SamplingParams
+from hybridd.protocol.messages import SamplingParams
 from hybridd.protocol.limits import MAX_ABS_PENALTY, MAX_SEED, MAX_TOKEN_ID
 
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)

@@ -7,7 +7,7 @@ import torch
 
 from hybridd.engine import sampler as sampler_module
 from hybridd.engine.sampler import Sampler, SamplingTensors
-from hybridd.engine.sampling_params import SamplingParams
+from hybridd.protocol.messages import SamplingParams
 
 
 def test_failed_path_falls_back_to_eager_and_still_samples():

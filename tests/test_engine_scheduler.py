@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hybridd.engine.block_manager import BlockManager
-from hybridd.engine.sampling_params import SamplingParams
+from hybridd.protocol.messages import SamplingParams
 from hybridd.engine.scheduler import BatchKind, ScheduledBatch, Scheduler
 from hybridd.engine.sequence import Sequence, SequenceStatus
 

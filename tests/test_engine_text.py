@@ -9,7 +9,7 @@ from transformers import PreTrainedTokenizerFast
 
 from hybridd.engine.block_manager import BlockManager
 from hybridd.engine.detokenizer import IncrementalDetokenizer
-from hybridd.engine.sampling_params import SamplingParams
+from hybridd.protocol.messages import SamplingParams
 from hybridd.engine.scheduler import Scheduler
 from hybridd.engine.sequence import Sequence
 from hybridd.engine.stop_criteria import StopCriteria
@@ -167,25 +167,3 @@ def test_scheduler_streams_text_and_stops_on_string(tokenizer):
     assert finished == [seq] and seq.finish_reason == "stop" and seq.stop_reason == "END"
     assert "".join(streamed) == seq.output_text == "Answer: 42. "
     assert bm.num_free == 32
-
-
-def test_sampling_params_validation_names_the_field():
-    good = SamplingParams(max_tokens=5, temperature=0.0, top_k=-1, top_p=0.5, seed=-3, stop="x")
-    good.validate(vocab_size=100)
-    assert good.stop == ["x"]
-    bad = {
-        "max_tokens": 0,
-        "temperature": -0.1,
-        "top_k": -2,
-        "top_p": 0.0,
-        "seed": 2**63,
-        "repetition_penalty": 0.0,
-        "presence_penalty": 2.5,
-        "frequency_penalty": float("nan"),
-        "stop": [""],
-        "stop_token_ids": [100],
-        "ignore_eos": "yes",
-    }
-    for field, value in bad.items():
-        with pytest.raises(ValueError, match=field):
-            SamplingParams(**{field: value}).validate(vocab_size=100)

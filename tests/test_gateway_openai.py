@@ -23,7 +23,8 @@ import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
 import hybridd
-from hybridd.protocol.codec import encode, parse_request
+from hybridd.protocol.codec import decode, encode
+from hybridd.protocol.messages import request_from_wire
 from hybridd.protocol.errors import ErrorCode
 from hybridd.protocol.messages import ErrorReply, GenerateRequest, HealthReply, HealthRequest
 from tests.gateway_daemon import (
@@ -343,7 +344,7 @@ def daemon_that_fails(path: Path) -> Iterator[str]:
             if not router.poll(50):
                 continue
             identity, frame = router.recv_multipart()
-            request = parse_request(frame)
+            request = request_from_wire(decode(frame))
             if isinstance(request, HealthRequest):
                 reply = HealthReply(id=request.id, state="ready", ok=True)
             elif isinstance(request, GenerateRequest):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hybridd.engine.sampler import Sampler, SamplingTensors
-from hybridd.engine.sampling_params import SamplingParams
+from hybridd.protocol.messages import SamplingParams
 
 pytestmark = [
     pytest.mark.gpu,

@@ -24,6 +24,8 @@ from hybridd.ipc.channel import (
 from hybridd.protocol import limits
 from hybridd.protocol.codec import encode, parse_reply
 from hybridd.protocol.errors import ErrorCode, ProtocolError
+from hybridd.protocol import codec
+from hybridd.protocol.control import Launched
 from hybridd.protocol.messages import ErrorReply, HealthReply, HealthRequest, request_from_wire
 
 SPAWN = multiprocessing.get_context("spawn")
@@ -230,12 +232,14 @@ def test_bind_refuses_a_regular_file_and_an_overlong_path(runtime_dir):
 
 def test_pair_channel_between_processes_uses_the_same_framing(runtime_dir):
     path = runtime_dir / "ctl.sock"
-    with bind_ipc_endpoint(path, socket_type=zmq.PAIR) as a:
+    with bind_ipc_endpoint(path, socket_type=zmq.PAIR, decoder=codec.CONTROL) as a:
         b = Channel(zmq.PAIR)
         b.connect(f"ipc://{path}")
         with b:
             b.send({"v": 1, "type": "launched", "step": 3, "graph": False})
-            assert a.recv(2000) == {"v": 1, "type": "launched", "step": 3, "graph": False}
+            assert a.recv(2000) == Launched(v=1, step=3, graph=False)
+            b.send(Launched(step=4, graph=True))
+            assert a.recv(2000) == Launched(step=4, graph=True)
         with pytest.raises(TypeError):
             a.recv_from(0)
 

@@ -19,7 +19,8 @@ from hybridd.ipc.arena_layout import ArenaLayout  # noqa: E402
 from hybridd.ipc.channel import Channel, bind_ipc_endpoint  # noqa: E402
 from hybridd.ipc.events import InterprocessEvent  # noqa: E402
 from hybridd.ipc.shared_arena import SharedArena  # noqa: E402
-from hybridd.protocol.control import Ready, ReadyAck, Stats, Step, control_from_wire  # noqa: E402
+from hybridd.protocol import codec
+from hybridd.protocol.control import Ready, ReadyAck, Stats, Step  # noqa: E402
 
 SPAWN = multiprocessing.get_context("spawn")
 TIMEOUT_MS = 120_000
@@ -30,14 +31,14 @@ def _layout() -> ArenaLayout:
 
 
 def _recv(channel: Channel):
-    data = channel.recv(TIMEOUT_MS)
-    assert data is not None, "peer did not answer"
-    return control_from_wire(data)
+    message = channel.recv(TIMEOUT_MS)
+    assert message is not None, "peer did not answer"
+    return message
 
 
 def _importer(endpoint: str) -> None:
     """Maps the owner's arena, waits on its event on the GPU, reads and writes."""
-    with Channel(zmq.PAIR) as channel:
+    with Channel(zmq.PAIR, decoder=codec.CONTROL) as channel:
         channel.connect(endpoint)
         ready = _recv(channel)
         manifest = ready.arenas["io"]
@@ -69,7 +70,7 @@ def test_cuda_arena_and_event_across_processes(tmp_path):
     assert event.is_cuda and len(event.ipc_handle()) == 64
 
     path = tmp_path / "ctl.sock"
-    channel = bind_ipc_endpoint(path, socket_type=zmq.PAIR)
+    channel = bind_ipc_endpoint(path, socket_type=zmq.PAIR, decoder=codec.CONTROL)
     child = SPAWN.Process(target=_importer, args=(f"ipc://{path}",))
     child.start()
     try:

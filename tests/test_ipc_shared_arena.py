@@ -20,7 +20,8 @@ from hybridd.ipc import posix_shm
 from hybridd.ipc.arena_layout import ALIGNMENT, ArenaLayout
 from hybridd.ipc.channel import Channel, bind_ipc_endpoint
 from hybridd.ipc.shared_arena import SharedArena
-from hybridd.protocol.control import Ready, ReadyAck, Stats, Step, control_from_wire
+from hybridd.protocol import codec
+from hybridd.protocol.control import Ready, ReadyAck, Stats, Step
 from hybridd.protocol.errors import ProtocolError
 
 SPAWN = multiprocessing.get_context("spawn")
@@ -55,9 +56,9 @@ def _ready(arena: SharedArena) -> Ready:
 
 
 def _recv(channel: Channel):
-    data = channel.recv(TIMEOUT_MS)
-    assert data is not None, "peer did not answer"
-    return control_from_wire(data)
+    message = channel.recv(TIMEOUT_MS)
+    assert message is not None, "peer did not answer"
+    return message
 
 
 def _segment_exists(name: str) -> bool:
@@ -69,7 +70,7 @@ def _segment_exists(name: str) -> bool:
 
 def _importer_child(endpoint: str, ack: bool) -> None:
     """Maps the arena from `Ready`, reports what it sees, writes its own results."""
-    with Channel(zmq.PAIR) as channel:
+    with Channel(zmq.PAIR, decoder=codec.CONTROL) as channel:
         channel.connect(endpoint)
         ready = _recv(channel)
         arena = SharedArena.open(ready.arenas["io"])
@@ -92,7 +93,7 @@ def _owner_child(endpoint: str, unlink_on_ack: bool, exit_after_ready: bool) -> 
     arena = SharedArena.create(_layout(), "cpu")
     arena["token_ids"].copy_(torch.arange(8) * 10)
     arena["kv_cache"].fill_(0.25)
-    with Channel(zmq.PAIR) as channel:
+    with Channel(zmq.PAIR, decoder=codec.CONTROL) as channel:
         channel.connect(endpoint)
         channel.send(_ready(arena))
         if exit_after_ready:
@@ -120,7 +121,7 @@ def _kill(process: multiprocessing.Process) -> None:
 @pytest.fixture
 def control(tmp_path_factory):
     path = Path(tmp_path_factory.mktemp("arena")) / "ctl.sock"
-    with bind_ipc_endpoint(path, socket_type=zmq.PAIR) as channel:
+    with bind_ipc_endpoint(path, socket_type=zmq.PAIR, decoder=codec.CONTROL) as channel:
         yield channel, f"ipc://{path}"
 
 

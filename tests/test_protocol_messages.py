@@ -8,12 +8,19 @@ import msgpack
 import pytest
 
 from hybridd.protocol import limits
-from hybridd.protocol.codec import encode, parse_control, parse_reply, parse_request
+from hybridd.protocol import codec
+from hybridd.protocol.codec import decode, encode, parse_reply
+from hybridd.protocol.control import Launched, Step
 from hybridd.protocol.errors import ErrorCode, ProtocolError
-from hybridd.protocol.messages import ErrorReply, GenerateRequest, Launched, SamplingParams, Step
+from hybridd.protocol.messages import ErrorReply, GenerateRequest, SamplingParams, request_from_wire
 
 INVALID = ErrorCode.INVALID_REQUEST
 TOO_LARGE = ErrorCode.TOO_LARGE
+
+
+def parse_request(frame: bytes):
+    """What the daemon does with a client's frame."""
+    return request_from_wire(decode(frame))
 
 
 def _generate(**overrides) -> dict:
@@ -147,7 +154,7 @@ def test_error_reply_from_error_is_routable():
     error = _rejects(_with_sampling(top_k=-5))
     reply = ErrorReply.from_error(error)
     assert (reply.id, reply.code, reply.field) == ("req-1", INVALID, "sampling.top_k")
-    assert parse_reply(encode(reply)).to_error().field == "sampling.top_k"
+    assert parse_reply(encode(reply)).field == "sampling.top_k"
     anonymous = ErrorReply.from_error(ProtocolError(ErrorCode.MALFORMED, "x" * 10_000))
     assert anonymous.id == "" and len(anonymous.message) == limits.MAX_ERROR_MESSAGE_CHARS
 
@@ -208,5 +215,31 @@ def test_reply_validation_rejects_wrong_types():
     ids=["step-kind", "step-bucket", "step-type", "launched-graph", "launched-extra", "ready-empty"],
 )
 def test_control_messages_reject_wrong_types(data, field):
-    error = _rejects(data, parse_control)
+    error = _rejects(data, codec.CONTROL.decode)
     assert (error.code, error.field) == (INVALID, field)
+
+
+def test_the_engine_samples_with_the_wire_sampling_params():
+    """One SamplingParams, one set of rules, checked when a request is decoded; the field is named."""
+    good = SamplingParams(max_tokens=5, temperature=0.0, top_k=-1, top_p=0.5, seed=0, stop="x")
+    assert good.stop == ["x"] and good.greedy and not good.has_penalties
+    assert parse_request(encode(GenerateRequest(id="r", prompt="p", sampling=good))).sampling == good
+    bad = {
+        "max_tokens": 0,
+        "temperature": -0.1,
+        "top_k": -2,
+        "top_p": 0.0,
+        "seed": -3,  # SPEC: 0 ... 2**63 - 1
+        "repetition_penalty": 0.0,
+        "presence_penalty": 2.5,
+        "frequency_penalty": float("nan"),
+        "stop": [""],
+        "stop_token_ids": [-1],
+        "ignore_eos": "yes",
+    }
+    for name, value in bad.items():
+        request = GenerateRequest(id="r", prompt="p", sampling=SamplingParams(**{name: value}))
+        with pytest.raises(ProtocolError) as info:
+            parse_request(encode(request))
+        assert info.value.field.startswith(f"sampling.{name}"), info.value
+        assert info.value.message.startswith(info.value.field), info.value

@@ -30,7 +30,8 @@ from hybridd import exit_codes
 from hybridd.protocol.codec import decode, encode
 from hybridd.protocol.messages import GenerateRequest, HealthRequest, StatusRequest
 from hybridd.protocol.control import Shutdown
-from hybridd.protocol.supervisor import Drain, Heartbeat, SupervisorInfo, WorkerPhase, supervisor_from_wire
+from hybridd.protocol import codec
+from hybridd.protocol.supervisor import Drain, Heartbeat, SupervisorInfo, WorkerPhase
 
 ROOT = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
@@ -90,7 +91,7 @@ def fixture_graph(config: dict, ctl_endpoint: str) -> None:
     steps = 0
     interval_ms = int(config["heartbeat_interval_s"] * 1000)
     while True:
-        if ctl.poll(interval_ms) and decode(ctl.recv())["type"] == Shutdown.TYPE:
+        if ctl.poll(interval_ms) and isinstance(codec.CONTROL.decode(ctl.recv()), Shutdown):
             sup.send(encode(WorkerPhase(worker="graph", phase="stopped")))
             sup.close()
             return
@@ -116,9 +117,9 @@ def fixture_context(config: dict, ctl_endpoint: str) -> None:
             _record("context-ready", time.time())
             sup.send(encode(WorkerPhase(worker="context", phase="ready")))
         if sup.poll(interval_ms):
-            message = supervisor_from_wire(decode(sup.recv()))
+            message = codec.SUPERVISOR_COMMANDS.decode(sup.recv())
             if isinstance(message, SupervisorInfo):
-                _record("info.json", message.info())
+                _record("info.json", message.info.to_wire())
             elif isinstance(message, Drain):
                 _record("drain.json", {"timeout_s": message.timeout_s, "at": time.time()})
                 if mode == "ignore-drain":

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from hybridd.lifecycle import MAX_BACKOFF_S, Lifecycle, LifecycleError, State
-from hybridd.protocol.codec import decode, encode
+from hybridd.protocol import codec, limits
+from hybridd.protocol.codec import encode
 from hybridd.protocol.errors import ErrorCode, ProtocolError
 from hybridd.protocol.supervisor import (
     Drain,
@@ -13,9 +14,8 @@ from hybridd.protocol.supervisor import (
     LifecycleState,
     SupervisorInfo,
     WorkerInfo,
+    SupervisorStatus,
     WorkerPhase,
-    parse_supervisor,
-    supervisor_from_wire,
 )
 
 
@@ -111,12 +111,24 @@ def test_drain_is_terminal_and_illegal_moves_raise():
         WorkerPhase(worker="graph", phase="capturing", detail="capturing decode graphs", done=5, total=9),
         Heartbeat(worker="context", steps=12345),
         Drain(timeout_s=30.0),
-        SupervisorInfo(state=LifecycleState.READY, uptime_s=1.5, started_at=1.7e9,
-                       workers={"graph": WorkerInfo(pid=10, restarts=1), "context": WorkerInfo(pid=11, restarts=1)}),
+        SupervisorInfo(info=SupervisorStatus(
+            state=LifecycleState.READY, uptime_s=1.5, started_at=1.7e9, last_failure="graph generator hung",
+            workers={"graph": WorkerInfo(pid=10, restarts=1), "context": WorkerInfo(pid=11, restarts=1),
+                     "gateway": WorkerInfo(pid=12, restarts=0)},
+        )),
     ],
 )
 def test_messages_round_trip(message):
-    assert parse_supervisor(encode(message)) == message
+    decoder = codec.WORKER_REPORTS if isinstance(message, WorkerPhase | Heartbeat) else codec.SUPERVISOR_COMMANDS
+    assert decoder.decode(encode(message)) == message
+
+
+def test_each_side_accepts_only_its_peers_messages():
+    for decoder, message in [(codec.WORKER_REPORTS, Drain(timeout_s=1.0)),
+                             (codec.SUPERVISOR_COMMANDS, Heartbeat(worker="graph", steps=1))]:
+        with pytest.raises(ProtocolError) as caught:
+            decoder.decode(encode(message))
+        assert (caught.value.code, caught.value.field) == (ErrorCode.INVALID_REQUEST, "type")
 
 
 @pytest.mark.parametrize(
@@ -129,7 +141,7 @@ def test_messages_round_trip(message):
         ({"v": 1, "type": "heartbeat", "worker": "graph", "steps": -1}, ErrorCode.INVALID_REQUEST, "steps"),
         ({"v": 1, "type": "heartbeat", "worker": "graph", "steps": 1, "extra": 1}, ErrorCode.INVALID_REQUEST, "extra"),
         ({"v": 1, "type": "drain", "timeout_s": 3601}, ErrorCode.INVALID_REQUEST, "timeout_s"),
-        ({"v": 2, "type": "drain", "timeout_s": 1}, ErrorCode.UNSUPPORTED_VERSION, "v"),
+        ({"v": limits.PROTOCOL_VERSION + 1, "type": "drain", "timeout_s": 1}, ErrorCode.UNSUPPORTED_VERSION, "v"),
         ({"v": 1, "type": "supervisor_info", "info": {"state": "ready", "uptime_s": 1, "started_at": 1,
                                                       "workers": {"cpu": {"pid": 1, "restarts": 0}}}},
          ErrorCode.INVALID_REQUEST, "info.workers.cpu"),
@@ -140,7 +152,8 @@ def test_messages_round_trip(message):
 )
 def test_bad_messages_are_refused_naming_the_field(data, code, field):
     with pytest.raises(ProtocolError) as caught:
-        supervisor_from_wire(decode(encode(data)))
+        decoder = codec.WORKER_REPORTS if data["type"] in ("worker_phase", "heartbeat") else codec.SUPERVISOR_COMMANDS
+        decoder.decode(encode(data))
     assert caught.value.code == code
     assert caught.value.field == field
 

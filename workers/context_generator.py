@@ -24,8 +24,7 @@ from hybridd.config import Config, resolve_device, resolve_dtype
 from hybridd.engine.block_manager import BlockManager
 from hybridd.engine.prompt import PromptError, prompt_token_ids
 from hybridd.engine.sampler import Logprobs, Sampler
-from hybridd.engine.sampling_params import SamplingParams
-from hybridd.engine.scheduler import Scheduler
+from hybridd.engine.scheduler import AdmissionError, Scheduler
 from hybridd.engine.sequence import Sequence
 from hybridd.engine.step_pipeline import InflightStep, StepPipeline
 from hybridd.engine.throughput import Throughput
@@ -39,7 +38,7 @@ from hybridd.runtime.step_trace import StepTracer
 from hybridd.ipc.channel import CLIENT_SOCKET_MODE, Channel, PeerProtocolError, bind_ipc_endpoint
 from hybridd.ipc.posix_shm import pid_alive
 from hybridd.ipc.shared_arena import SharedArena
-from hybridd.protocol import control
+from hybridd.protocol import codec, control
 from hybridd.protocol.codec import encode
 from hybridd.protocol.envelope import reply_version
 from hybridd.protocol.limits import SESSION_BACKLOG_LIMIT
@@ -107,7 +106,7 @@ class ContextGenerator:
         self.config = config
         self.log = get_logger("context_generator", pid=os.getpid())
         self.link = SupervisorLink(config.supervisor_endpoint, "context", config.heartbeat_interval_s)
-        self.ctl = Channel(zmq.PAIR, name="ctl-context")
+        self.ctl = Channel(zmq.PAIR, decoder=codec.CONTROL, name="ctl-context")
         self.ctl.bind(ctl_endpoint)
         self.device = resolve_device(config)
         self.tracer = StepTracer("context")
@@ -219,16 +218,16 @@ class ContextGenerator:
             message = self.ctl.recv(timeout_ms=int(self.config.heartbeat_interval_s * 1000))
             if message is None:
                 continue
-            if message.get("type") == "ready":
-                return control.Ready.from_wire(message)
+            if isinstance(message, control.Ready):
+                return message
         raise EngineDeadError("graph generator never became ready")
 
     def _graph_alive(self) -> bool:
         return self.ready.pid <= 0 or pid_alive(self.ready.pid)
 
-    def _on_control(self, message: dict) -> None:
-        if message.get("type") == "stats":
-            self.graph_stats = control.Stats.from_wire(message).stats
+    def _on_control(self, message: control.ControlMessage) -> None:
+        if isinstance(message, control.Stats):
+            self.graph_stats = message.stats
 
     # ------------------------------------------------------------------- loop
     def serve(self) -> None:
@@ -488,23 +487,19 @@ class ContextGenerator:
         except PromptError as exc:
             refuse(ErrorCode.INVALID_REQUEST, str(exc), exc.field)
             return
-        s = req.sampling
-        params = SamplingParams(
-            max_tokens=s.max_tokens, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed,
-            repetition_penalty=s.repetition_penalty, presence_penalty=s.presence_penalty,
-            frequency_penalty=s.frequency_penalty, stop=list(s.stop), stop_token_ids=list(s.stop_token_ids),
-            ignore_eos=s.ignore_eos, n=s.n, logprobs=s.logprobs, top_logprobs=s.top_logprobs,
-        )
+        params = req.sampling  # checked when decoded; only the vocabulary is known here alone
+        bad = next((i for i, t in enumerate(params.stop_token_ids) if t >= vocab), None)
+        if bad is not None:
+            where = f"sampling.stop_token_ids[{bad}]"
+            refuse(ErrorCode.INVALID_REQUEST,
+                   f"{where}: token id {params.stop_token_ids[bad]} is outside the vocabulary of {vocab}", where)
+            return
+        seqs = [Sequence(key if i == 0 else f"{key}#{i}", ids, params, index=i) for i in range(params.n)]
+        seqs[0].forks = seqs[1:]
         try:
-            params.validate(vocab)
-            seqs = [Sequence(key if i == 0 else f"{key}#{i}", ids, params, index=i) for i in range(params.n)]
-            seqs[0].forks = seqs[1:]
             self.scheduler.add(seqs[0])
-        except ValueError as exc:
-            text = str(exc)
-            field_name = ("prompt" if "max_model_len" in text and "prompt has" in text
-                          else "sampling.n" if text.startswith("n is") else "sampling")
-            refuse(ErrorCode.INVALID_REQUEST, text, field_name)
+        except AdmissionError as exc:
+            refuse(ErrorCode.INVALID_REQUEST, f"{exc.field}: {exc}", exc.field)
             return
         now = time.monotonic()
         deadline = now + req.timeout_s if req.timeout_s else None
@@ -583,7 +578,7 @@ class ContextGenerator:
             if isinstance(command, Drain):
                 self._begin_drain(command.timeout_s)
             elif isinstance(command, SupervisorInfo):
-                self.supervisor_info = command.info()
+                self.supervisor_info = command.info.to_wire()
 
     def _begin_drain(self, timeout_s: float) -> None:
         if self.state != "ready":

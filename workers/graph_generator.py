@@ -30,7 +30,7 @@ from hybridd.ipc.arena_layout import ArenaLayout
 from hybridd.ipc.channel import Channel
 from hybridd.ipc.events import InterprocessEvent
 from hybridd.ipc.shared_arena import SharedArena
-from hybridd.protocol import control
+from hybridd.protocol import codec, control
 from hybridd.protocol.errors import ProtocolError
 from hybridd.workers.supervisor_link import SupervisorLink
 
@@ -50,7 +50,7 @@ class GraphGenerator:
         self.config = config
         self.log = get_logger("graph_generator", pid=os.getpid())
         self.link = SupervisorLink(config.supervisor_endpoint, "graph", config.heartbeat_interval_s)
-        self.ctl = Channel(zmq.PAIR, name="ctl-graph")
+        self.ctl = Channel(zmq.PAIR, decoder=codec.CONTROL, name="ctl-graph")
         self.ctl.connect(ctl_endpoint)
         self.device = resolve_device(config)
         self.tracer = StepTracer("graph")
@@ -149,27 +149,19 @@ class GraphGenerator:
                 continue
             if message is None:
                 continue
-            kind = message.get("type")
-            if kind == "step":
-                try:
-                    step = control.Step.from_wire(message)
-                except ProtocolError as exc:
-                    self.log.error("bad_step_message", error=str(exc))
-                    continue
-                self._step(step)
-            elif kind == "ready_ack" and not ack_seen:
+            if isinstance(message, control.Step):
+                self._step(message)
+            elif isinstance(message, control.ReadyAck) and not ack_seen:
                 ack_seen = True
                 # The peer has mapped the arenas: their names can go, mappings stay valid.
                 self.kv_arena.unlink_name()
                 self.step_arena.unlink_name()
                 self.runner.start_background_capture()
                 self.link.phase("ready", "serving")
-            elif kind == "stats_request":
-                self.ctl.send(control.Stats(stats=self.runner.snapshot()))
-            elif kind == "shutdown":
+            elif isinstance(message, control.Shutdown):
                 self._stop = True
             else:
-                self.log.warning("unexpected_control_message", type=kind)
+                self.log.warning("unexpected_control_message", type=type(message).__name__)
 
     def _step(self, step: control.Step) -> None:
         """Wait for the step's inputs, run it, record its logits, reply: all enqueued, no host wait."""

@@ -29,9 +29,8 @@ from hybridd.protocol.supervisor import (
     MAX_PHASE_DETAIL_CHARS,
     Heartbeat,
     Reconfigure,
-    SupervisorMessage,
+    SupervisorCommand,
     WorkerPhase,
-    parse_supervisor,
 )
 from hybridd.workers import startup_errors
 
@@ -104,7 +103,7 @@ class SupervisorLink:
             stop.set()
             thread.join()
 
-    def poll_command(self) -> SupervisorMessage | None:
+    def poll_command(self) -> SupervisorCommand | None:
         """The next command from the supervisor, if one is waiting (malformed ones are dropped,
         `reconfigure` is applied here)."""
         while True:
@@ -114,7 +113,7 @@ class SupervisorLink:
             except zmq.Again:
                 return None
             try:
-                command = parse_supervisor(frame)
+                command = codec.SUPERVISOR_COMMANDS.decode(frame)
             except ProtocolError:
                 self.dropped += 1
                 continue

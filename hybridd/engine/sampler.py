@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridd.engine.sampling_params import SamplingParams
+from hybridd.protocol.messages import SamplingParams
 from hybridd.engine.sequence import Sequence
 from hybridd.log import get_logger
 from hybridd.protocol.limits import MAX_TOP_LOGPROBS

@@ -37,6 +37,14 @@ from hybridd.model.step_inputs import StepInputs
 log = get_logger("scheduler")
 
 
+class AdmissionError(ValueError):
+    """A request that can never run; `field` names the request field to change."""
+
+    def __init__(self, message: str, field: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
 class BatchKind(enum.Enum):
     PREFILL = "prefill"
     DECODE = "decode"
@@ -125,31 +133,33 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def add(self, seq: Sequence) -> None:
-        """Queue a new request; raise ValueError when it can never run."""
+        """Queue a new request; raise AdmissionError when it can never run."""
         if seq.request_id in self.requests:
             raise ValueError(f"request_id {seq.request_id!r} is already scheduled")
         if len(seq) >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {len(seq)} tokens; max_model_len is {self.max_model_len} "
-                f"and at least one token must be generated"
+            raise AdmissionError(
+                f"{len(seq)} tokens; max_model_len is {self.max_model_len} and at least one token must be generated",
+                "prompt",
             )
         # A request must fit the KV cache alone even at its longest, or preemption
         # could never make room for it.
         longest = min(len(seq) + seq.params.max_tokens, self.max_model_len)
         bm = self.block_manager
         if bm.blocks_for(longest) > bm.num_admissible_blocks:
-            raise ValueError(
+            prompt_fits = bm.blocks_for(len(seq) + 1) <= bm.num_admissible_blocks
+            raise AdmissionError(
                 f"request may reach {longest} tokens (prompt {len(seq)} + max_tokens {seq.params.max_tokens}, "
                 f"max_model_len {self.max_model_len}), needing {bm.blocks_for(longest)} KV blocks; "
-                f"the KV cache has num_blocks {bm.num_blocks} ({bm.num_admissible_blocks} admissible)"
+                f"the KV cache has num_blocks {bm.num_blocks} ({bm.num_admissible_blocks} admissible)",
+                "sampling.max_tokens" if prompt_fits else "prompt",
             )
         if 1 + len(seq.forks) > self.max_batch:
-            raise ValueError(f"n is {1 + len(seq.forks)}; the daemon runs at most max_batch {self.max_batch} "
-                             f"sequences at once")
+            raise AdmissionError(f"{1 + len(seq.forks)}; the daemon runs at most max_batch {self.max_batch} "
+                                 f"sequences at once", "sampling.n")
         at_prefill = bm.blocks_for(len(seq)) + len(seq.forks) * bm.fork_blocks(len(seq))
         if seq.forks and at_prefill > bm.num_admissible_blocks:
-            raise ValueError(f"n is {1 + len(seq.forks)}: the sequences need {at_prefill} KV blocks at their "
-                             f"prefill; the KV cache has {bm.num_admissible_blocks} admissible")
+            raise AdmissionError(f"{1 + len(seq.forks)} sequences need {at_prefill} KV blocks at their "
+                                 f"prefill; the KV cache has {bm.num_admissible_blocks} admissible", "sampling.n")
         for fork in seq.forks:
             if fork.request_id in self.requests or fork.prompt_token_ids != seq.prompt_token_ids:
                 raise ValueError(f"fork {fork.request_id!r} is already scheduled or has another prompt")

@@ -19,7 +19,7 @@ import random
 import time
 from typing import TYPE_CHECKING
 
-from hybridd.engine.sampling_params import SamplingParams
+from hybridd.protocol.messages import SamplingParams
 
 if TYPE_CHECKING:
     from hybridd.engine.detokenizer import IncrementalDetokenizer

@@ -52,10 +52,10 @@ class StepPipeline:
         self,
         ready: control.Ready,
         buffers: StepBuffers,
-        ctl: Channel,
+        ctl: Channel[control.ControlMessage],
         sampler: Sampler,
         device: torch.device,
-        on_control: Callable[[dict], None],
+        on_control: Callable[[control.ControlMessage], None],
         peer_alive: Callable[[], bool],
         launch_timeout_s: float = 60.0,
         kv_cache: torch.Tensor | None = None,
@@ -194,11 +194,10 @@ class StepPipeline:
                 if not self.peer_alive() or time.monotonic() > deadline:
                     raise EngineDeadError(f"graph generator did not launch step {step_id}")
                 continue
-            if message.get("type") == "launched":
-                launched = control.Launched.from_wire(message)
-                if launched.step != step_id:
-                    raise EngineDeadError(f"graph generator launched step {launched.step}, expected {step_id}")
-                return launched
+            if isinstance(message, control.Launched):
+                if message.step != step_id:
+                    raise EngineDeadError(f"graph generator launched step {message.step}, expected {step_id}")
+                return message
             self.on_control(message)
 
     @staticmethod

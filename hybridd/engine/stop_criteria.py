@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Collection
 from dataclasses import dataclass
 
-from hybridd.engine.sampling_params import SamplingParams
+from hybridd.protocol.messages import SamplingParams
 
 
 @dataclass(frozen=True, slots=True)
