@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from hybridd.config import EMBEDDED_MODEL, Config
-from hybridd.engine.sampling_params import SamplingParams
+from hybridd.protocol.messages import SamplingParams
 from hybridd.engine.sequence import Sequence
 from hybridd.model import KVCache, StepInputs, load_model, load_tokenizer
 from hybridd.workers import graph_generator
