@@ -96,10 +96,6 @@ class ClientRequest:
     first_token: float | None = None
     chunks: int = 0
 
-    @property
-    def seqs(self) -> list[Sequence]:
-        return [out.seq for out in self.outputs]
-
 
 class ContextGenerator:
     def __init__(self, config: Config, ctl_endpoint: str):
