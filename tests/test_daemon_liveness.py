@@ -5,6 +5,7 @@ caught within `heartbeat_timeout_s`."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -96,8 +97,8 @@ def test_slow_load_on_a_saturated_host_is_ready_with_no_restart():
 @pytest.mark.parametrize("worker", ["context", "graph"])
 def test_a_stopped_serving_loop_is_caught_and_in_flight_requests_end_with_engine_dead(worker):
     heartbeat_timeout_s = 4.0
-    with daemon_process("--no-compile-sampler", "--heartbeat-timeout-s", str(heartbeat_timeout_s)) as (
-            process, rd, log_path):
+    with daemon_process("--no-compile-sampler", "--heartbeat-timeout-s", str(heartbeat_timeout_s),
+                        "--log-format", "json") as (process, rd, log_path):
         endpoint = f"ipc://{rd}/hybridd.sock"
         wait_ready(endpoint, process, 300, log_path)
         with Client(endpoint, timeout=120) as client:
@@ -126,7 +127,10 @@ def test_a_stopped_serving_loop_is_caught_and_in_flight_requests_end_with_engine
         assert second["context"]["pid"] != first["context"]["pid"]
         assert second["graph"]["pid"] != first["graph"]["pid"]
         assert second["context"]["restarts"] == 1
-        assert f"{worker} generator missed heartbeats for {heartbeat_timeout_s:g} s (hung)" in log_path.read_text()
+    records = [json.loads(line) for line in log_path.read_text().splitlines()]  # every line is JSON
+    failures = [r for r in records if r["event"] == "worker failed" and r["component"] == "supervisor"]
+    assert [(r["worker"], r["reason"]) for r in failures] == [
+        (worker, f"{worker} generator missed heartbeats for {heartbeat_timeout_s:g} s (hung)")]
 
 
 def test_workers_outlive_a_killed_supervisor_by_under_two_seconds_and_the_next_start_cleans_up():
