@@ -73,7 +73,7 @@ def _no_tokenizer(model: Path) -> None:
     (["--runtime-dir", "/etc/hostname/run"], "runtime_dir /etc/hostname/run: /etc/hostname is not a directory"),
     (["--runtime-dir", "/tmp/" + "r" * 120], "bytes; Unix sockets allow at most 107: choose a shorter runtime_dir"),
     (["--model", "/etc/hostname"], "model /etc/hostname: not a directory"),
-    (["--tcp-endpoint", "tcp://127.0.0.1:1", "--curve-secret-key-file", "/no/such.key_secret"],
+    (["--tcp-endpoint", "tcp://127.0.0.1:1", "--curve-allow-any", "--curve-secret-key-file", "/no/such.key_secret"],
      "curve_secret_key_file /no/such.key_secret: cannot read"),
 ], ids=lambda v: " ".join(v) if isinstance(v, list) else None)
 def test_bad_settings_are_refused_before_anything_starts(tmp_path, flags, message):
