@@ -203,7 +203,8 @@ class Channel(Generic[M]):
     def _poll(self, timeout_ms: int | None) -> bool:
         return bool(self._socket.poll(timeout_ms, zmq.POLLIN))
 
-    def _reject(self, error: ProtocolError) -> None:
+    def count_rejected(self, error: ProtocolError) -> None:
+        """Count an inbound message refused by the protocol (here or by the caller)."""
         self.stats.rejected[error.code.value] += 1
         self._log.debug("rejected inbound message", code=error.code.value, error=error.message, field=error.field)
 
@@ -224,7 +225,7 @@ class Channel(Generic[M]):
                 raise ProtocolError(ErrorCode.MALFORMED, f"expected one frame per message, got {len(frames)}")
             return self._decode(frames[0])
         except ProtocolError as error:
-            self._reject(error)
+            self.count_rejected(error)
             raise
 
     def recv_from(self, timeout_ms: int | None = None) -> tuple[bytes, M] | None:
@@ -234,6 +235,20 @@ class Channel(Generic[M]):
         frame, so that the caller can route an error reply. `last_peer_fd` then names
         the connection it came in on.
         """
+        received = self.recv_frame_from(timeout_ms)
+        if received is None:
+            return None
+        identity, frame = received
+        try:
+            return identity, self._decode(frame)
+        except ProtocolError as error:
+            self.count_rejected(error)
+            raise PeerProtocolError(error, identity) from None
+
+    def recv_frame_from(self, timeout_ms: int | None = None) -> tuple[bytes, memoryview] | None:
+        """Next (peer identity, frame) on a ROUTER, the frame not decoded (the caller
+        may screen it first); None on timeout. Raises PeerProtocolError for a message
+        that is not exactly one frame."""
         if self._type != zmq.ROUTER:
             raise TypeError("recv_from() is for ROUTER channels")
         if not self._poll(timeout_ms):
@@ -242,17 +257,15 @@ class Channel(Generic[M]):
         identity = frames[0].bytes
         self.last_peer_fd = frames[-1].get(zmq.SRCFD)
         self.stats.received += 1
-        try:
-            if len(frames) != 2:
-                raise ProtocolError(
-                    ErrorCode.MALFORMED,
-                    f"expected exactly one frame per message, got {len(frames) - 1} "
-                    "(DEALER clients send no empty delimiter frame)",
-                )
-            return identity, self._decode(frames[1].buffer)
-        except ProtocolError as error:
-            self._reject(error)
-            raise PeerProtocolError(error, identity) from None
+        if len(frames) != 2:
+            error = ProtocolError(
+                ErrorCode.MALFORMED,
+                f"expected exactly one frame per message, got {len(frames) - 1} "
+                "(DEALER clients send no empty delimiter frame)",
+            )
+            self.count_rejected(error)
+            raise PeerProtocolError(error, identity)
+        return identity, frames[1].buffer
 
     # ------------------------------------------------------------ lifetime
 

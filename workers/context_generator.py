@@ -13,6 +13,7 @@ import os
 import signal
 import time
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,9 +40,9 @@ from hybridd.ipc.channel import CLIENT_SOCKET_MODE, Channel, PeerProtocolError, 
 from hybridd.ipc.posix_shm import pid_alive
 from hybridd.ipc.shared_arena import SharedArena
 from hybridd.protocol import codec, control
-from hybridd.protocol.codec import encode
+from hybridd.protocol.codec import decode, encode
 from hybridd.protocol.envelope import reply_version
-from hybridd.protocol.limits import SESSION_BACKLOG_LIMIT
+from hybridd.protocol.limits import PROTOCOL_VERSION, SESSION_BACKLOG_LIMIT
 from hybridd.protocol.errors import ErrorCode, ProtocolError
 from hybridd.protocol.supervisor import Drain, SupervisorInfo
 from hybridd.protocol.messages import (
@@ -53,6 +54,7 @@ from hybridd.protocol.messages import (
     GenerateRequest,
     HealthReply,
     HealthRequest,
+    Request,
     StatusReply,
     StatusRequest,
     Timings,
@@ -62,9 +64,13 @@ from hybridd.protocol.messages import (
     request_from_wire,
 )
 from hybridd.workers.client_sessions import ClientSessions, client_chosen, socket_options
+from hybridd.workers.intake import Intake
 from hybridd.workers.supervisor_link import SupervisorLink
 
 PIPELINE_DEPTH = 2
+# Frames larger than this are screened by their byte counts before they are decoded
+# (decoding a 4 MiB frame of non-ASCII text takes milliseconds of the loop's time).
+SCREEN_FRAMES_OVER_BYTES = 64 * 1024
 LATENCY_WINDOW = 2048
 READY_TIMEOUT_S = 3600.0
 # How soon the loop comes back to a session's outbox while nothing else is due.
@@ -97,6 +103,22 @@ class ClientRequest:
     chunks: int = 0
 
 
+@dataclass
+class PendingPrompt:
+    """A generate whose prompt the intake's thread is tokenizing; admitted when done."""
+
+    identity: bytes
+    request: GenerateRequest
+    received: float
+    deadline: float | None
+    encoding: Future | None
+
+
+def _field_first(field: str, message: str) -> str:
+    """SPEC: an error's message names the field first."""
+    return message if message.startswith(f"{field}:") else f"{field}: {message}"
+
+
 class ContextGenerator:
     def __init__(self, config: Config, ctl_endpoint: str):
         self.config = config
@@ -107,6 +129,7 @@ class ContextGenerator:
         self.device = resolve_device(config)
         self.tracer = StepTracer("context")
         self.requests: dict[str, ClientRequest] = {}
+        self.encoding: dict[str, PendingPrompt] = {}  # prompts on the intake's thread
         self.owners: dict[str, ClientRequest] = {}  # a sequence's id -> its request
         self._token_texts: dict[int, str] = {}
         self.inflight: deque[InflightStep] = deque()
@@ -130,6 +153,8 @@ class ContextGenerator:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.tokenizer = load_tokenizer(config.model)
+        # A tokenizer of its own: the intake's thread never shares one with the loop.
+        intake_tokenizer = load_tokenizer(config.model)
         self.link.phase("loading", "waiting for the graph generator")
         ready = self._await_ready()
         self.ready = ready
@@ -140,6 +165,7 @@ class ContextGenerator:
                                               ready.block_size)
         self.buffers = StepBuffers(dict(self.step_arena.tensors), max_tokens, blocks_per_seq)
         self.block_manager = BlockManager(ready.num_kv_blocks, ready.block_size)
+        self.intake = Intake(intake_tokenizer, ready.max_model_len)
         self.scheduler = Scheduler(
             self.block_manager,
             max_batch=ready.max_batch,
@@ -232,6 +258,7 @@ class ContextGenerator:
         sockets += [sessions.monitor for sessions in self.sessions.values()]
         for sock in sockets:
             poller.register(sock, zmq.POLLIN)
+        poller.register(self.intake.fileno(), zmq.POLLIN)
         last_alive_check = 0.0
         idle_ms = int(self.config.heartbeat_interval_s * 1000)
         while not self.stop:
@@ -244,6 +271,8 @@ class ContextGenerator:
             for channel in (self.client, self.tcp):
                 if channel is not None and channel.socket in events:
                     self._client_messages(channel)
+            if self.intake.fileno() in events:
+                self._encoded_prompts()
             self._serve_sessions()
             if self.ctl.socket in events and not self.inflight:
                 while (message := self.ctl.recv(timeout_ms=0)) is not None:
@@ -379,6 +408,8 @@ class ContextGenerator:
 
     def _end_session(self, identity: bytes) -> None:
         """The client is gone: its requests are cancelled, their KV blocks freed; no reply."""
+        for key in [key for key, pending in self.encoding.items() if pending.identity == identity]:
+            del self.encoding[key]  # its prompt's ids are dropped when they come
         ended = [key for key, request in self.requests.items() if request.identity == identity]
         now = time.monotonic()
         for key in ended:
@@ -411,17 +442,22 @@ class ContextGenerator:
         sessions = self.sessions[prefix]
         for _ in range(256):
             try:
-                received = channel.recv_from(timeout_ms=0)
+                received = channel.recv_frame_from(timeout_ms=0)
             except PeerProtocolError as exc:
                 if client_chosen(exc.identity) or sessions.admit(exc.identity, channel.last_peer_fd):
                     self._send(prefix + exc.identity, ErrorReply.from_error(exc))
                 continue
             if received is None:
                 return
-            routing_id, message = received
+            routing_id, frame = received
             identity = prefix + routing_id
+            now = time.monotonic()
+            try:
+                message = decode(frame) if len(frame) <= SCREEN_FRAMES_OVER_BYTES else None
+            except ProtocolError as error:
+                message = error
             if client_chosen(routing_id):
-                rid = message.get("id") if isinstance(message.get("id"), str) else ""
+                rid = message.get("id") if isinstance(message, dict) and isinstance(message.get("id"), str) else ""
                 self._error(identity, rid if len(rid) <= 128 else "", ErrorCode.INVALID_REQUEST,
                             "ZMQ_ROUTING_ID: this connection chose its own routing id; the daemon names "
                             "sessions itself, so leave ZMQ_ROUTING_ID unset (the message was not executed)",
@@ -434,55 +470,71 @@ class ContextGenerator:
                             "ZMQ_ROUTING_ID: this routing id belongs to a session that has ended; "
                             "leave ZMQ_ROUTING_ID unset (the message was not executed)", v=reply_version(message))
                 continue
-            try:
-                request = request_from_wire(message)
-            except ProtocolError as exc:
-                rid = message.get("id") if isinstance(message.get("id"), str) else ""
-                self._error(identity, rid[:128], exc.code, exc.message, exc.field, v=reply_version(message))
+            if message is None:  # a large frame: its prompt may be refused from its byte counts
+                screened = self.intake.screen(frame)
+                if screened is not None:
+                    error, version = screened
+                    self._on_request(channel, identity, error, version, now)
+                    continue
+                try:
+                    message = decode(frame)
+                except ProtocolError as error:
+                    message = error
+            if isinstance(message, ProtocolError):
+                self._on_request(channel, identity, message, PROTOCOL_VERSION, now)
                 continue
-            if isinstance(request, GenerateRequest):
-                self._generate(identity, request)
-            elif isinstance(request, CancelRequest):
-                self._cancel(identity, request.target)
-            elif isinstance(request, StatusRequest):
-                self._send(identity, StatusReply(id=request.id, status=self.status(), v=request.v))
-            elif isinstance(request, HealthRequest):
-                self._send(identity, HealthReply(id=request.id, state=self._lifecycle_state(),
-                                                 ok=self.state == "ready", v=request.v))
-            else:
-                self._error(identity, getattr(request, "id", ""), ErrorCode.INVALID_REQUEST,
-                            f"{type(request).__name__} is a reply, not a request", v=reply_version(message))
+            try:
+                request: Request | ProtocolError = request_from_wire(message)
+            except ProtocolError as error:
+                request = error
+            self._on_request(channel, identity, request, reply_version(message), now)
+
+    def _on_request(self, channel: Channel, identity: bytes, request: Request | ProtocolError, version: int,
+                    received: float) -> None:
+        if isinstance(request, ProtocolError):
+            channel.count_rejected(request)
+            # The id only if the message had a valid one (SPEC: "" otherwise, never a prefix).
+            self._error(identity, request.request_id or "", request.code, request.message, request.field, v=version)
+        elif isinstance(request, GenerateRequest):
+            self._generate(identity, request, received)
+        elif isinstance(request, CancelRequest):
+            self._cancel(identity, request.target)
+        elif isinstance(request, StatusRequest):
+            self._send(identity, StatusReply(id=request.id, status=self.status(), v=request.v))
+        elif isinstance(request, HealthRequest):
+            self._send(identity, HealthReply(id=request.id, state=self._lifecycle_state(),
+                                             ok=self.state == "ready", v=request.v))
+        else:
+            self._error(identity, getattr(request, "id", ""), ErrorCode.INVALID_REQUEST,
+                        f"{type(request).__name__} is a reply, not a request", v=version)
 
     def _key(self, identity: bytes, request_id: str) -> str:
         return f"{identity.hex()}:{request_id}"
 
-    def _generate(self, identity: bytes, req: GenerateRequest) -> None:
-        def refuse(code: ErrorCode, message: str, field: str | None = None) -> None:
-            self._error(identity, req.id, code, message, field, v=req.v)
+    def _generate(self, identity: bytes, req: GenerateRequest, received: float) -> None:
+        """Admit at once what needs no tokenizing; a prompt or a chat goes to the
+        intake's thread after the checks that cost nothing (a prompt's characters first)."""
+        def refuse(code: ErrorCode, message: str, field: str | None = None, request_id: str = req.id) -> None:
+            self._error(identity, request_id, code, message, field, v=req.v)
 
         if self.state != "ready":
             refuse(ErrorCode.DRAINING, "the daemon is draining and accepts no new requests")
             return
         key = self._key(identity, req.id)
-        if key in self.requests:
-            refuse(ErrorCode.INVALID_REQUEST, f"request id {req.id!r} is already in flight", "id")
+        if key in self.requests or key in self.encoding:
+            # Not under req.id: an error is terminal for its id, and that id is the running request's.
+            refuse(ErrorCode.INVALID_REQUEST, f"id: {req.id!r} is already in flight in this session; "
+                   "the request was not run", "id", request_id="")
             return
         if self._backlog(identity) >= SESSION_BACKLOG_LIMIT:
             refuse(ErrorCode.OVERLOADED, f"client too slow: {self._backlog(identity)} replies unread "
                                          f"(limit {SESSION_BACKLOG_LIMIT}); read them before sending more")
             return
-        if len(self.requests) >= self.config.max_queued_requests:
-            refuse(ErrorCode.OVERLOADED, f"{len(self.requests)} requests in flight (max_queued_requests); retry later")
+        in_flight = len(self.requests) + len(self.encoding)
+        if in_flight >= self.config.max_queued_requests:
+            refuse(ErrorCode.OVERLOADED, f"{in_flight} requests in flight (max_queued_requests); retry later")
             return
         vocab = self.ready.vocab_size
-        try:
-            ids = prompt_token_ids(
-                self.tokenizer, prompt=req.prompt, token_ids=req.prompt_token_ids, vocab_size=vocab,
-                messages=None if req.messages is None else [m.as_dict() for m in req.messages],
-            )
-        except PromptError as exc:
-            refuse(ErrorCode.INVALID_REQUEST, str(exc), exc.field)
-            return
         params = req.sampling  # checked when decoded; only the vocabulary is known here alone
         bad = next((i for i, t in enumerate(params.stop_token_ids) if t >= vocab), None)
         if bad is not None:
@@ -490,31 +542,107 @@ class ContextGenerator:
             refuse(ErrorCode.INVALID_REQUEST,
                    f"{where}: token id {params.stop_token_ids[bad]} is outside the vocabulary of {vocab}", where)
             return
+        deadline = received + req.timeout_s if req.timeout_s else None
+        if req.prompt_token_ids is not None:
+            if len(req.prompt_token_ids) >= self.ready.max_model_len:  # before looking at every id
+                refuse(ErrorCode.INVALID_REQUEST,
+                       f"prompt_token_ids: {len(req.prompt_token_ids)} tokens; max_model_len is "
+                       f"{self.ready.max_model_len} and at least one token must be generated", "prompt_token_ids")
+                return
+            try:
+                ids = prompt_token_ids(self.tokenizer, token_ids=req.prompt_token_ids, vocab_size=vocab)
+            except PromptError as exc:
+                refuse(ErrorCode.INVALID_REQUEST, _field_first(exc.field, str(exc)), exc.field)
+                return
+            self._admit(key, PendingPrompt(identity, req, received, deadline, None), ids)
+            return
+        if req.prompt is not None and (refusal := self.intake.refusal(req.prompt)) is not None:
+            refuse(ErrorCode.INVALID_REQUEST, refusal, "prompt")
+            return
+        if req.prompt is not None:
+            encoding = self.intake.submit(self._prompt_ids, req.prompt)
+        else:
+            messages = [m.as_dict() for m in req.messages or []]
+            encoding = self.intake.submit(prompt_token_ids, self.intake.tokenizer, messages=messages, vocab_size=vocab)
+        self.encoding[key] = PendingPrompt(identity, req, received, deadline, encoding)
+
+    def _prompt_ids(self, prompt: str) -> list[int]:
+        """On the intake's thread: the prompt's ids (the first max_model_len at most)."""
+        ids = self.intake.prompt_ids(prompt)
+        if not ids:
+            raise PromptError("is empty once tokenized", "prompt")
+        if len(ids) >= self.ready.max_model_len:
+            raise PromptError(f"has at least {len(ids)} tokens; max_model_len is {self.ready.max_model_len} and at "
+                              f"least one token must be generated", "prompt")
+        return ids
+
+    def _encoded_prompts(self) -> None:
+        """Admit the requests whose prompts the intake's thread has tokenized."""
+        self.intake.clear_wakeups()
+        for key, pending in list(self.encoding.items()):
+            if not pending.encoding.done():
+                continue
+            del self.encoding[key]
+            req = pending.request
+            try:
+                ids = pending.encoding.result()
+            except PromptError as exc:
+                self._error(pending.identity, req.id, ErrorCode.INVALID_REQUEST, _field_first(exc.field, str(exc)),
+                            exc.field, v=req.v)
+                continue
+            except Exception as exc:  # the tokenizer's failure is this request's alone
+                self._error(pending.identity, req.id, ErrorCode.INTERNAL,
+                            f"prompt: the tokenizer failed: {type(exc).__name__}: {exc}", "prompt", v=req.v)
+                continue
+            self._admit(key, pending, ids)
+
+    def _admit(self, key: str, pending: PendingPrompt, ids: list[int]) -> None:
+        """Hand a request with its prompt's token ids to the scheduler, or refuse it."""
+        req = pending.request
+        params = req.sampling
         seqs = [Sequence(key if i == 0 else f"{key}#{i}", ids, params, index=i) for i in range(params.n)]
         seqs[0].forks = seqs[1:]
         try:
             self.scheduler.add(seqs[0])
         except AdmissionError as exc:
-            refuse(ErrorCode.INVALID_REQUEST, f"{exc.field}: {exc}", exc.field)
+            self._error(pending.identity, req.id, ErrorCode.INVALID_REQUEST, _field_first(exc.field, str(exc)),
+                        exc.field, v=req.v)
             return
-        now = time.monotonic()
-        deadline = now + req.timeout_s if req.timeout_s else None
         outputs = [SequenceOutput(seq, logprobs=[] if params.logprobs else None) for seq in seqs]
-        request = ClientRequest(identity, req.id, req.stream, outputs, now, deadline, req.v)
+        request = ClientRequest(pending.identity, req.id, req.stream, outputs, pending.received, pending.deadline,
+                                req.v)
         self.requests[key] = request
         for seq in seqs:
             self.owners[seq.request_id] = request
+
+    def _end_pending(self, key: str, reason: str) -> None:
+        """A request ended (cancel, timeout, drain) while its prompt was being tokenized:
+        its final has no output; the thread's result is dropped when it comes."""
+        pending = self.encoding.pop(key)
+        req = pending.request
+        now = time.monotonic()
+        self._send(pending.identity, FinalReply(
+            id=req.id,
+            choices=[Choice(index=i, text="", token_ids=[], finish_reason=reason, logprobs=None)
+                     for i in range(req.sampling.n)],
+            usage=Usage(prompt_tokens=0, completion_tokens=0),
+            timings=Timings(ttft_s=None, total_s=now - pending.received, queue_s=now - pending.received),
+            v=req.v,
+        ))
 
     def _cancel(self, identity: bytes, target: str) -> None:
         self._end(self._key(identity, target), "cancelled")
 
     def _expire_timeouts(self, now: float) -> None:
-        for key, request in list(self.requests.items()):
+        for key, request in list(self.requests.items()) + list(self.encoding.items()):
             if request.deadline is not None and now > request.deadline:
                 self._end(key, "timeout")
 
     def _end(self, key: str, reason: str) -> None:
         """Stop every unfinished sequence of a request (cancel, timeout, drain)."""
+        if key in self.encoding:
+            self._end_pending(key, reason)
+            return
         request = self.requests.get(key)
         if request is None:
             return
@@ -565,6 +693,9 @@ class ContextGenerator:
         for key, request in list(self.requests.items()):
             self._error(request.identity, request.id, code, message, v=request.v)
             self.requests.pop(key, None)
+        for key, pending in list(self.encoding.items()):
+            self._error(pending.identity, pending.request.id, code, message, v=pending.request.v)
+            self.encoding.pop(key, None)
         for sessions in getattr(self, "sessions", {}).values():
             sessions.flush()
 
@@ -586,9 +717,9 @@ class ContextGenerator:
 
     def _check_drain(self) -> None:
         unread = any(sessions.pending for sessions in self.sessions.values())
-        if (self.requests or unread) and time.monotonic() < self.drain_deadline:
+        if (self.requests or self.encoding or unread) and time.monotonic() < self.drain_deadline:
             return
-        for key in list(self.requests):
+        for key in list(self.requests) + list(self.encoding):
             self._end(key, "cancelled")
         while self.inflight:
             self.pipeline.collect(self.inflight.popleft())
@@ -621,11 +752,15 @@ class ContextGenerator:
             "kv_usage": (bm.num_blocks - bm.num_free) / bm.num_blocks if bm.num_blocks else 0.0,
             "version": __version__,
             "max_model_len": self.ready.max_model_len,
+            "max_prompt_chars": self.intake.max_prompt_chars,
+            "vocab_size": self.ready.vocab_size,
+            "rejected": self._rejected(),
             "tokens_per_s": self.throughput.per_second(),
             "endpoints": {"ipc": self.config.client_endpoint, "tcp": self.config.tcp_endpoint or None},
             "restarts": info.get("workers", {}).get("context", {}).get("restarts", 0),
             "last_restart_reason": info.get("last_failure") or None,
-            "requests": {"running": len(self.scheduler.running), "queued": len(self.scheduler.waiting),
+            "requests": {"running": len(self.scheduler.running),
+                         "queued": len(self.scheduler.waiting) + len(self.encoding),
                          "served": self.served, "failed": self.failed,
                          "preemptions": self.scheduler.num_preemptions},
             "latency": {"ttft_p50_s": percentile(self.ttft, 50), "ttft_p99_s": percentile(self.ttft, 99),
@@ -634,12 +769,21 @@ class ContextGenerator:
             "metrics": self.metrics.to_status(),
         }
 
+    def _rejected(self) -> dict[str, int]:
+        """Messages refused while being read (SPEC §6) since the worker started, by code."""
+        counts: dict[str, int] = {}
+        for channel in (self.client, self.tcp):
+            if channel is not None:
+                for code, n in channel.stats.rejected.items():
+                    counts[code] = counts.get(code, 0) + n
+        return {"total": sum(counts.values()), **counts}
+
     def close(self) -> None:
         try:
             self.ctl.send(control.Shutdown())
         except Exception:  # the peer may be gone already
             pass
-        for name in ("kv_arena", "step_arena"):
+        for name in ("kv_arena", "step_arena", "intake"):
             if hasattr(self, name):
                 getattr(self, name).close()
         self.link.phase("stopped")
