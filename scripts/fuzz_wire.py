@@ -498,6 +498,8 @@ def main() -> int:
     summary = {
         "messages": report.sent, "replies": report.replies, "seconds": round(report.seconds, 1),
         "violations": len(report.violations), "first_violations": report.violations[:20],
+        "violations_by_kind": dict(Counter(v.split(":")[0] + ": " + v.split(":")[1].split(" for id ")[0][:60]
+                                           for v in report.violations).most_common()),
         "error_codes": dict(report.codes), "kinds": len(report.by_label),
     }
     print(json.dumps(summary, indent=2))

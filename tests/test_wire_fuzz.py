@@ -1,0 +1,56 @@
+"""The wire fuzzer (scripts/fuzz_wire.py) against the real daemon, bounded for CI: the
+corpus of messages that once hurt the daemon, then 2,000 generated messages from a fixed
+seed. Every reply must match protocol/SPEC.md, every request must get exactly its
+replies, and the worker pids and restart counters must not change. The full run
+(10,000+ messages) is `python scripts/fuzz_wire.py --start --count 10000`."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.test_client_sdk import run_daemon
+
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "fuzz_wire.py"
+
+
+def _fuzzer():
+    spec = importlib.util.spec_from_file_location("fuzz_wire", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def _known_gap(violation: str) -> bool:
+    """Spec points the daemon does not meet yet (see the strict xfail below)."""
+    return ("characters exceeds the limit of 128" in violation and "expected ''" in violation
+            or "does not start with its field" in violation)
+
+
+@pytest.fixture(scope="module")
+def fuzzed():
+    fuzz_wire = _fuzzer()
+    with run_daemon() as daemon:
+        report = fuzz_wire.fuzz(daemon.endpoint, count=2000, seed=13)
+    return fuzz_wire, report
+
+
+def test_fuzzed_messages_get_spec_replies_and_hurt_no_worker(fuzzed):
+    fuzz_wire, report = fuzzed
+    assert report.sent == 2000 + len(fuzz_wire.corpus())
+    violations = [v for v in report.violations if not _known_gap(v)]
+    assert not violations, "\n".join(violations[:30])
+    # The generated mix reaches every kind of refusal, not only one.
+    assert {"malformed", "invalid_request", "unsupported_version", "too_large"} <= set(report.codes)
+
+
+@pytest.mark.xfail(strict=True, reason="SPEC §3.2: an id over 128 characters is answered with id '' (it is echoed "
+                                       "truncated); §3.2: a vocabulary error's message names its field first")
+def test_fuzzed_messages_meet_the_id_and_field_naming_rules(fuzzed):
+    _, report = fuzzed
+    gaps = [v for v in report.violations if _known_gap(v)]
+    assert not gaps, "\n".join(gaps[:10])

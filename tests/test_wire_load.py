@@ -1,0 +1,30 @@
+"""The load script (scripts/load_wire.py) bounded for CI, against the real daemon: 6 raw
+clients (well-behaved greedy streams, some cancelling; one that disconnects mid-stream
+and reconnects; one slow reader), 96 requests. Nothing may be lost, hang or differ
+from the same greedy request run alone; nothing may be left running; the KV blocks come
+back and no worker restarts. The full run, with a client sending maximal prompts too, is
+`python scripts/load_wire.py --start --requests 2048 --clients 32`."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+from tests.test_client_sdk import run_daemon
+
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "load_wire.py"
+
+
+def test_misbehaving_clients_cost_the_others_nothing():
+    spec = importlib.util.spec_from_file_location("load_wire", SCRIPT)
+    load_wire = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = load_wire  # its dataclasses look their module up
+    spec.loader.exec_module(load_wire)
+    with run_daemon() as daemon:
+        report = load_wire.run_load(daemon.endpoint, requests=96, clients=6, seed=5, paused_s=3.0, maximal=False)
+    assert report["lost"] == report["hung"] == report["mismatched"] == report["engine_dead"] == 0, report
+    assert report["orphans_after"] == 0 and report["workers_unchanged"], report
+    assert report["kv_blocks_used"]["after"] == report["kv_blocks_used"]["before"], report
+    assert report["completed"] > 50 and report["disconnected_on_purpose"] > 0, report
+    assert report["ok"], report
