@@ -146,7 +146,7 @@ class Intake:
         prompt_bytes = _str_bytes(outline.prompt)
         if prompt_bytes is not None and prompt_bytes > UTF8_MAX_BYTES_PER_CHAR * self.max_prompt_chars:
             return ProtocolError(
-                ErrorCode.INVALID_REQUEST,
+                ErrorCode.TOO_LARGE,
                 f"prompt: {prompt_bytes} bytes of UTF-8 are more than {self.max_prompt_chars} characters "
                 f"(max_prompt_chars) can be, at {UTF8_MAX_BYTES_PER_CHAR} bytes each; the model's context is "
                 f"{self.max_model_len} tokens",
@@ -156,7 +156,7 @@ class Intake:
         items = _array_items(outline.prompt_token_ids)
         if items is not None and items >= self.max_model_len:
             return ProtocolError(
-                ErrorCode.INVALID_REQUEST,
+                ErrorCode.TOO_LARGE,
                 f"prompt_token_ids: {items} tokens; max_model_len is {self.max_model_len} "
                 f"and at least one token must be generated",
                 field="prompt_token_ids",
