@@ -10,6 +10,8 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import pytest
+
 
 from tests.test_client_sdk import run_daemon
 
