@@ -262,7 +262,7 @@ def maximal_prompts(context, endpoint, jobs, tally, references, rng) -> None:
     conn = Conn(context, endpoint)
     try:
         for n, _ in enumerate(jobs):
-            prompt = ("😀" if n % 2 else "a") * MAX_PROMPT_CHARS
+            prompt = ("€" if n % 2 else "a") * MAX_PROMPT_CHARS  # 3 MiB at most: within the 4 MiB frame
             rid = conn.send(generate(prompt, 8))
             final, _ = collect(conn, rid, tally)
             with tally.lock:
