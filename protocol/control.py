@@ -51,13 +51,12 @@ class ReadyAck(Message, tag="ready_ack"):
 class Step(Message, tag="step"):
     """Context generator → graph generator: run step `step` on the inputs now in the arena.
 
-    `bucket` is the captured shape to use (batch size for decode, token count for
-    prefill); `n_real` sequences and `n_tokens` tokens of it are real, the rest padding.
+    `n_real` sequences and `n_tokens` tokens are real; the graph generator's runner picks
+    the captured bucket and pads the rest.
     """
 
     step: Count
     kind: StepKind
-    bucket: Positive
     n_real: Count
     n_tokens: Count
 

@@ -93,7 +93,7 @@ def test_cuda_arena_and_event_across_processes(tmp_path):
         torch.cuda._sleep(200_000_000)  # keep the GPU busy so that the peer really has to wait
         arena["token_ids"].copy_(torch.arange(32, device=device))
         event.record()
-        channel.send(Step(step=0, kind="decode", bucket=1, n_real=1, n_tokens=1))
+        channel.send(Step(step=0, kind="decode", n_real=1, n_tokens=1))
         assert _recv(channel).stats == {"total": sum(range(32))}
         child.join(60)
         assert child.exitcode == 0

@@ -147,7 +147,7 @@ def test_child_importer_and_parent_owner_see_each_others_writes(control):
         assert arena["kv_cache"][1, 0, 3].eq(2.0).all() and arena["kv_cache"][0].eq(0).all()
 
         arena["token_ids"][0] = 99  # the importer sees writes made after it mapped
-        channel.send(Step(step=0, kind="decode", bucket=1, n_real=1, n_tokens=1))
+        channel.send(Step(step=0, kind="decode", n_real=1, n_tokens=1))
         assert _recv(channel).stats == {"token_ids": [99, *range(1, 8)]}
         channel.send(ReadyAck())  # anything but a Step ends the child
         child.join(30)

@@ -125,7 +125,7 @@ CONTROL = [
         prefill_buckets=[16, 32, 64],
     ),
     ReadyAck(),
-    Step(step=7, kind="decode", bucket=8, n_real=5, n_tokens=5),
+    Step(step=7, kind="decode", n_real=5, n_tokens=5),
     Launched(step=7, graph=True),
     Stats(stats={"graphs": 6, "replays": 1000}),
     Shutdown(),

@@ -278,13 +278,8 @@ class Sampler:
 
     @staticmethod
     def processed_logits(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
-        """The logits sampled rows draw from (penalised, scaled, filtered with -inf);
-        greedy rows get their penalised logits. Eager; for logprobs and tests."""
-        logits = _penalize(_finite(logits), *_penalty_tensors(t))
-        scaled = _scale(logits, t.inverse_temperature)
-        if t.do_sort:
-            scaled = _top_k_top_p(scaled, t.top_k, t.top_p)
-        return torch.where((t.inverse_temperature > 0).unsqueeze(1), scaled, logits)
+        """The logits each row draws from, as the logprobs see them (eager)."""
+        return _processed(logits, t.inverse_temperature, t.top_k, t.top_p, *_penalty_tensors(t), t.do_sort)
 
 
 def _penalty_tensors(t: SamplingTensors) -> tuple:
@@ -418,15 +413,27 @@ def _sample_sorted(
     return _pick(logits, perturbed, inverse_temperature)
 
 
-def _logprobs(
-    logits, tokens, inverse_temperature, top_k, top_p, repetition, inverse_repetition, presence, frequency,
+def _processed(
+    logits, inverse_temperature, top_k, top_p, repetition, inverse_repetition, presence, frequency,
     counts, prompt_mask, do_sort: bool,
 ):
+    """The logits sampled rows draw from (penalised, scaled, filtered with -inf); greedy
+    rows get their penalised logits."""
     logits = _penalize(_finite(logits), repetition, inverse_repetition, presence, frequency, counts, prompt_mask)
     scaled = _scale(logits, inverse_temperature)
     if do_sort:
         scaled = _top_k_top_p(scaled, top_k, top_p)
-    processed = torch.where((inverse_temperature > 0).unsqueeze(1), scaled, logits)
+    return torch.where((inverse_temperature > 0).unsqueeze(1), scaled, logits)
+
+
+def _logprobs(
+    logits, tokens, inverse_temperature, top_k, top_p, repetition, inverse_repetition, presence, frequency,
+    counts, prompt_mask, do_sort: bool,
+):
+    processed = _processed(
+        logits, inverse_temperature, top_k, top_p, repetition, inverse_repetition, presence, frequency,
+        counts, prompt_mask, do_sort,
+    )
     logprobs = processed.log_softmax(dim=-1)
     sampled = logprobs.gather(1, tokens.view(-1, 1).to(torch.int64)).squeeze(1)
     top = logprobs.topk(min(MAX_TOP_LOGPROBS, logprobs.shape[-1]), dim=-1)

@@ -93,7 +93,7 @@ class StepPipeline:
         self.inputs_ready.record(self.stream)
         self.ctl.send(control.Step(
             step=batch.step_id, kind="prefill" if batch.is_prefill else "decode",
-            bucket=max(1, n_tokens), n_real=n_seqs, n_tokens=n_tokens,
+            n_real=n_seqs, n_tokens=n_tokens,
         ))
         self._await_launched(batch.step_id)
 
