@@ -96,7 +96,9 @@ def test_slow_load_on_a_saturated_host_is_ready_with_no_restart():
 
 @pytest.mark.parametrize("worker", ["context", "graph"])
 def test_a_stopped_serving_loop_is_caught_and_in_flight_requests_end_with_engine_dead(worker):
-    heartbeat_timeout_s = 4.0
+    # Short enough to keep the test quick, long enough that on a busy host only the
+    # stopped worker misses it.
+    heartbeat_timeout_s = float(round(on_this_host(4.0)))
     with daemon_process("--no-compile-sampler", "--heartbeat-timeout-s", str(heartbeat_timeout_s),
                         "--log-format", "json") as (process, rd, log_path):
         endpoint = f"ipc://{rd}/hybridd.sock"
