@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 from multiprocessing.process import BaseProcess
 
 from hybridd.lifecycle import MAX_BACKOFF_S, STABLE_AFTER_S
@@ -21,7 +22,17 @@ from hybridd.protocol.supervisor import WorkerInfo
 log = get_logger("supervisor")
 
 NAME = "gateway"
-TARGET = "hybridd.gateway.process:main"
+
+
+def gateway_process(config: dict[str, Any], supervisor_endpoint: str) -> None:
+    """The gateway's entry point as the supervisor spawns it: the ASGI stack is imported
+    in the fresh process, so the supervisor stays light."""
+    from hybridd.gateway import process
+
+    process.main(config, supervisor_endpoint)
+
+
+TARGET = gateway_process
 
 
 class SupervisedGateway:
