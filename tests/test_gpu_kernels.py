@@ -30,7 +30,7 @@ def rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-def test_norms_rotary_silu_match_reference():
+def test_norms_silu_match_reference():
     g = torch.Generator(device=DEVICE).manual_seed(0)
     x = torch.randn(37, 512, dtype=DTYPE, device=DEVICE, generator=g)
     r = torch.randn(37, 512, dtype=DTYPE, device=DEVICE, generator=g)
@@ -41,30 +41,40 @@ def test_norms_rotary_silu_match_reference():
     assert torch.equal(summed, ref_summed)
     assert rel(out, ref_out) < TOL
 
-    cos, sin = cos_sin_table(RopeConfig(theta=10000.0), 64, 4096, torch.device(DEVICE))
-    qkv = torch.randn(37, 8 * 64 + 2 * 2 * 64, dtype=DTYPE, device=DEVICE, generator=g)
-    q, k, _ = qkv.split([512, 128, 128], dim=-1)
-    q, k = q.view(37, 8, 64), k.view(37, 2, 64)
-    pos = torch.randint(0, 4096, (37,), device=DEVICE, generator=g)
-    tq, tk = triton_ops.rotary(pos, q, k, cos, sin)
-    rq, rk = ref_ops.rotary(pos, q, k, cos, sin)
-    assert rel(tq, rq) < TOL and rel(tk, rk) < TOL
-
     gu = torch.randn(37, 2 * 700, dtype=DTYPE, device=DEVICE, generator=g)
     assert rel(triton_ops.silu_and_mul(gu), ref_ops.silu_and_mul(gu)) < TOL
 
 
-def test_write_kv_skips_padding_slots():
-    kc = torch.randn(9, 4, 2, 64, dtype=DTYPE, device=DEVICE)
+@pytest.mark.parametrize(("heads", "kv_heads", "d"), [(8, 2, 64), (4, 4, 128)])
+def test_rotary_write_kv_matches_reference_and_skips_padding_slots(heads, kv_heads, d):
+    g = torch.Generator(device=DEVICE).manual_seed(heads + d)
+    t, page, blocks = 13, 4, 8
+    cos, sin = cos_sin_table(RopeConfig(theta=10000.0), d, 4096, torch.device(DEVICE))
+    # q, k, v as the projection leaves them: strided views of one fused row.
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * d, dtype=DTYPE, device=DEVICE, generator=g)
+    q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    q, k, v = q.view(t, heads, d), k.view(t, kv_heads, d), v.view(t, kv_heads, d)
+    pos = torch.randint(0, 4096, (t,), device=DEVICE, generator=g)
+    slots = torch.randperm(blocks * page, device=DEVICE, generator=g)[:t]
+    slots[[1, 5, 12]] = -1
+    kc = torch.randn(blocks + 1, page, kv_heads, d, dtype=DTYPE, device=DEVICE, generator=g)
     vc = torch.randn_like(kc)
     kc_ref, vc_ref = kc.clone(), vc.clone()
-    k = torch.randn(6, 2, 64, dtype=DTYPE, device=DEVICE)
-    v = torch.randn_like(k)
-    slots = torch.tensor([3, -1, 17, 0, -1, 31], device=DEVICE)
-    triton_ops.write_kv(kc, vc, k, v, slots)
-    ref_attention.write_kv(kc_ref, vc_ref, k, v, slots)
-    # The torch path parks padded rows in the scratch block; real blocks must agree.
-    assert torch.equal(kc[:8], kc_ref[:8]) and torch.equal(vc[:8], vc_ref[:8])
+    before = kc.clone(), vc.clone()
+
+    tq, tk = triton_ops.rotary_write_kv(pos, q, k, v, kc, vc, slots, cos, sin)
+    rq, rk = ref_ops.rotary_write_kv(pos, q, k, v, kc_ref, vc_ref, slots, cos, sin)
+    assert rel(tq, rq) < TOL and rel(tk, rk) < TOL
+    # Each real row holds the kernel's own rotated k and the untouched v; the torch path
+    # parks padded rows in the scratch block, the kernel writes nothing for them.
+    real = slots >= 0
+    flat_k, flat_v = kc.view(-1, kv_heads, d), vc.view(-1, kv_heads, d)
+    assert torch.equal(flat_k[slots[real]], tk[real]) and torch.equal(flat_v[slots[real]], v[real])
+    untouched = torch.ones(flat_k.shape[0], dtype=torch.bool, device=DEVICE)
+    untouched[slots[real]] = False
+    assert torch.equal(flat_k[untouched], before[0].view(-1, kv_heads, d)[untouched])
+    assert torch.equal(flat_v[untouched], before[1].view(-1, kv_heads, d)[untouched])
+    assert rel(kc[:blocks], kc_ref[:blocks]) < TOL and torch.equal(vc[:blocks], vc_ref[:blocks])
 
 
 @pytest.mark.parametrize(("heads", "kv_heads"), [(8, 8), (8, 2), (32, 8)])

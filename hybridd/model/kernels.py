@@ -9,7 +9,7 @@ from hybridd.model.ops import TorchKernels
 
 
 class TritonKernels:
-    """Fused Triton kernels for norms, RoPE, SiLU·mul, the KV write and decode attention;
+    """Fused Triton kernels for norms, RoPE with the KV write, SiLU·mul and decode attention;
     prefill attention stays on torch SDPA with a packed-sequence mask (graph-safe)."""
 
     name = "triton"
@@ -19,9 +19,8 @@ class TritonKernels:
 
         self.rms_norm = triton_ops.rms_norm
         self.add_rms_norm = triton_ops.add_rms_norm
-        self.rotary = triton_ops.rotary
+        self.rotary_write_kv = triton_ops.rotary_write_kv
         self.silu_and_mul = triton_ops.silu_and_mul
-        self.write_kv = triton_ops.write_kv
         self.prefill_attention = attention.prefill_attention
         self.decode_attention = triton_attention.decode_attention
 

@@ -67,9 +67,8 @@ class DecoderLayer(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = ops.rotary(step.positions, q, k, *rope)
         k_cache, v_cache = kv_cache.layer(self.index)
-        ops.write_kv(k_cache, v_cache, k, v, step.slot_mapping)
+        q, k = ops.rotary_write_kv(step.positions, q, k, v, k_cache, v_cache, step.slot_mapping, *rope)
         if step.is_prefill:
             o = ops.prefill_attention(q, k, v, step, self.scale, **self.window)
         else:

@@ -35,6 +35,23 @@ def rotary(
     return q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s
 
 
+def rotary_write_kv(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE of q and k, then the rotated k and v stored at their slots; returns (q, k) rotated."""
+    q, k = rotary(positions, q, k, cos, sin)
+    attention.write_kv(k_cache, v_cache, k, v, slot_mapping)
+    return q, k
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -52,8 +69,7 @@ class TorchKernels:
     supports_sliding_window = True
     rms_norm = staticmethod(rms_norm)
     add_rms_norm = staticmethod(add_rms_norm)
-    rotary = staticmethod(rotary)
+    rotary_write_kv = staticmethod(rotary_write_kv)
     silu_and_mul = staticmethod(silu_and_mul)
-    write_kv = staticmethod(attention.write_kv)
     prefill_attention = staticmethod(attention.prefill_attention)
     decode_attention = staticmethod(attention.decode_attention)

@@ -53,43 +53,93 @@ def add_rms_norm(
 
 
 @triton.jit
-def _rotary_kernel(
-    pos_ptr, x_ptr, out_ptr, cos_ptr, sin_ptr, stride_xt, stride_xh, n_heads, HALF: tl.constexpr
-):
-    t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    pos = tl.load(pos_ptr + t).to(tl.int64)
+def _rope_rows(base, stride_h, heads, mask, c1, c2, s1, s2, HALF: tl.constexpr):
+    """The two rotated halves of rows `heads` of one token, rounded as torch rounds:
+    out = x * cos + rotate_half(x) * sin, each product in the activation dtype."""
     offs = tl.arange(0, HALF)
-    base = x_ptr + t * stride_xt + h * stride_xh
-    x1 = tl.load(base + offs)
-    x2 = tl.load(base + HALF + offs)
+    x1 = tl.load(base + heads[:, None] * stride_h + offs[None, :], mask=mask, other=0.0)
+    x2 = tl.load(base + heads[:, None] * stride_h + HALF + offs[None, :], mask=mask, other=0.0)
     dt = x1.dtype
-    c1 = tl.load(cos_ptr + pos * (2 * HALF) + offs).to(dt).to(tl.float32)
-    c2 = tl.load(cos_ptr + pos * (2 * HALF) + HALF + offs).to(dt).to(tl.float32)
-    s1 = tl.load(sin_ptr + pos * (2 * HALF) + offs).to(dt).to(tl.float32)
-    s2 = tl.load(sin_ptr + pos * (2 * HALF) + HALF + offs).to(dt).to(tl.float32)
     x1f = x1.to(tl.float32)
     x2f = x2.to(tl.float32)
-    # out = x * cos + rotate_half(x) * sin, each product rounded as torch rounds it.
     o1 = ((x1f * c1).to(dt).to(tl.float32) + (-(x2f * s1)).to(dt).to(tl.float32)).to(dt)
     o2 = ((x2f * c2).to(dt).to(tl.float32) + (x1f * s2).to(dt).to(tl.float32)).to(dt)
-    out = out_ptr + (t * n_heads + h) * (2 * HALF)
-    tl.store(out + offs, o1)
-    tl.store(out + HALF + offs, o2)
+    return o1, o2
 
 
-def _rotate(positions: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    t, h, d = x.shape
-    out = torch.empty((t, h, d), dtype=x.dtype, device=x.device)
-    if t:
-        _rotary_kernel[(t, h)](positions, x, out, cos, sin, x.stride(0), x.stride(1), h, HALF=d // 2)
-    return out
+@triton.jit
+def _rotary_write_kv_kernel(
+    pos_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr, kc_ptr, vc_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, KV_PAD: tl.constexpr, HALF: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    offs = tl.arange(0, HALF)
+    dt = q_ptr.dtype.element_ty
+    # cos/sin are float32 tables; torch rounds them to the activation dtype first.
+    c1 = tl.load(cos_ptr + pos * (2 * HALF) + offs).to(dt).to(tl.float32)[None, :]
+    c2 = tl.load(cos_ptr + pos * (2 * HALF) + HALF + offs).to(dt).to(tl.float32)[None, :]
+    s1 = tl.load(sin_ptr + pos * (2 * HALF) + offs).to(dt).to(tl.float32)[None, :]
+    s2 = tl.load(sin_ptr + pos * (2 * HALF) + HALF + offs).to(dt).to(tl.float32)[None, :]
+
+    hq = tl.arange(0, HEADS_PAD)
+    qmask = (hq < HEADS)[:, None]
+    o1, o2 = _rope_rows(q_ptr + t * stride_qt, stride_qh, hq, qmask, c1, c2, s1, s2, HALF)
+    q_out = q_out_ptr + t * (HEADS * 2 * HALF) + hq[:, None] * (2 * HALF) + offs[None, :]
+    tl.store(q_out, o1, mask=qmask)
+    tl.store(q_out + HALF, o2, mask=qmask)
+
+    hk = tl.arange(0, KV_PAD)
+    kmask = (hk < KV_HEADS)[:, None]
+    k1, k2 = _rope_rows(k_ptr + t * stride_kt, stride_kh, hk, kmask, c1, c2, s1, s2, HALF)
+    row = hk[:, None] * (2 * HALF) + offs[None, :]
+    k_out = k_out_ptr + t * (KV_HEADS * 2 * HALF) + row
+    tl.store(k_out, k1, mask=kmask)
+    tl.store(k_out + HALF, k2, mask=kmask)
+    # Slot -1 (bucket padding) writes nothing to the cache.
+    cmask = kmask & (slot >= 0)
+    cache = slot * (KV_HEADS * 2 * HALF) + row
+    tl.store(kc_ptr + cache, k1, mask=cmask)
+    tl.store(kc_ptr + cache + HALF, k2, mask=cmask)
+    v_row = v_ptr + t * stride_vt + hk[:, None] * stride_vh + offs[None, :]
+    v1 = tl.load(v_row, mask=cmask, other=0.0)
+    v2 = tl.load(v_row + HALF, mask=cmask, other=0.0)
+    tl.store(vc_ptr + cache, v1, mask=cmask)
+    tl.store(vc_ptr + cache + HALF, v2, mask=cmask)
 
 
-def rotary(
-    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+def rotary_write_kv(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _rotate(positions, q, cos, sin), _rotate(positions, k, cos, sin)
+    """RoPE of q [T, H, d] and k [T, KVH, d], and the rotated k with v stored in the paged
+    caches at their slots, in one launch; returns the rotated (q, k). Slot -1 writes nothing."""
+    t, h, d = q.shape
+    kvh = k.shape[1]
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.stride(2) != 1:
+            raise ValueError(f"{name} must be contiguous in its head dimension, got strides {x.stride()}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("the KV caches of a layer must be contiguous")
+    q_out = torch.empty((t, h, d), dtype=q.dtype, device=q.device)
+    k_out = torch.empty((t, kvh, d), dtype=k.dtype, device=k.device)
+    if t:
+        _rotary_write_kv_kernel[(t,)](
+            positions, slot_mapping, q, k, v, cos, sin, q_out, k_out, k_cache, v_cache,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            HEADS=h, KV_HEADS=kvh, HEADS_PAD=triton.next_power_of_2(h), KV_PAD=triton.next_power_of_2(kvh),
+            HALF=d // 2,
+        )
+    return q_out, k_out
 
 
 @triton.jit
@@ -112,30 +162,3 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if t:
         _silu_and_mul_kernel[(t, triton.cdiv(n, block))](gate_up.contiguous(), out, n, BLOCK=block)
     return out
-
-
-@triton.jit
-def _write_kv_kernel(
-    k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, stride_kt, stride_vt, ROW: tl.constexpr, BLOCK: tl.constexpr
-):
-    t = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slot_ptr + t).to(tl.int64)
-    offs = tl.arange(0, BLOCK)
-    mask = (offs < ROW) & ((tl.zeros([BLOCK], tl.int64) + slot) >= 0)
-    k = tl.load(k_ptr + t * stride_kt + offs, mask=mask)
-    v = tl.load(v_ptr + t * stride_vt + offs, mask=mask)
-    tl.store(kc_ptr + slot * ROW + offs, k, mask=mask)
-    tl.store(vc_ptr + slot * ROW + offs, v, mask=mask)
-
-
-def write_kv(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
-) -> None:
-    """Store k, v [T, kv_heads, d] at their slots; rows whose slot is -1 write nothing."""
-    t, h, d = k.shape
-    k = k.reshape(t, h * d)
-    v = v.reshape(t, h * d)
-    if t:
-        _write_kv_kernel[(t,)](
-            k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0), ROW=h * d, BLOCK=triton.next_power_of_2(h * d)
-        )
