@@ -20,8 +20,9 @@ from pathlib import Path
 ATTRIBUTE_US = 20.0
 
 
-def kernel_intervals(path: Path) -> list[tuple[float, float, str]]:
-    """(start µs, end µs, "worker:kernel") of every kernel, copy and memset in a trace."""
+def kernel_intervals(path: Path, name_chars: int | None = 60) -> list[tuple[float, float, str]]:
+    """(start µs, end µs, "worker:kernel") of every kernel, copy and memset in a trace
+    (kernel names cut to `name_chars` characters; None keeps them whole)."""
     trace = json.loads(path.read_text())
     base_us = trace.get("baseTimeNanoseconds", 0) / 1000.0
     worker = path.stem.split("-")[1] if path.stem.count("-") >= 2 else path.stem
@@ -29,7 +30,7 @@ def kernel_intervals(path: Path) -> list[tuple[float, float, str]]:
     for event in trace.get("traceEvents", []):
         if event.get("ph") == "X" and event.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
             start = base_us + float(event["ts"])
-            out.append((start, start + float(event.get("dur", 0)), f"{worker}:{str(event.get('name', '?'))[:60]}"))
+            out.append((start, start + float(event.get("dur", 0)), f"{worker}:{str(event.get('name', '?'))[:name_chars]}"))
     return out
 
 

@@ -1,10 +1,14 @@
 """Write a Hugging Face checkpoint with random weights of a real model's shape.
 
 No checkpoint can be downloaded on the benchmark machines, so benchmarks and GPU
-tests use random weights of the Llama-2-7B shape (or a smaller preset) with a fixed
-seed, saved by transformers itself so that both transformers and hybridd load it.
+tests use random weights of the Llama-2-7B shape, the Llama-3-8B shape, or a smaller
+preset, with a fixed seed, saved by transformers itself so that both transformers and
+hybridd load it. The tokenizer is a synthetic word-level one over the preset's
+vocabulary size (32000 or 128256 ids): benchmarks send token ids, and no real tokenizer
+is needed to serve them.
 
     python scripts/make_random_checkpoint.py --preset llama2-7b --out /tmp/llama2-7b-random
+    python scripts/make_random_checkpoint.py --preset llama3-8b --out /tmp/llama3-8b-random
 """
 
 from __future__ import annotations
@@ -19,6 +23,9 @@ import torch
 PRESETS = {
     "llama2-7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
                       num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096),
+    # Llama-3-8B: grouped-query attention (8 KV heads), a 128256-token vocabulary, RoPE theta 500000.
+    "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0),
     "llama-1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=16, num_attention_heads=32,
                      num_key_value_heads=8, vocab_size=32000, max_position_embeddings=4096),
     "small": dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=4, num_attention_heads=8,

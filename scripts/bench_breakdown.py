@@ -1,0 +1,361 @@
+"""Where one step's time goes: its kernels by category, each against its own floor.
+
+    python scripts/bench_breakdown.py --model DIR [--device cuda] [--out breakdown.json]
+
+(`scripts/bench.py` runs it as its `breakdown` part.) The model's decode graphs for
+batch 1 and 32 and its 16-token prefill graph are captured with the graph runner, as
+the daemon captures them; each step (decode at batch 1 and 32 with 512 tokens of
+context, the 16-token prefill) is replayed under the PyTorch profiler, and every kernel
+of a step (CUPTI records the kernels a graph launches) is put in a category by its name:
+GEMM by projection (qkv, o, gate_up, down, lm_head), attention, norm, RoPE/KV write,
+other; `gaps` is the step's GPU time (CUDA events, no profiler) minus its kernels' sum.
+Each category's floor is the bytes it must move over the measured copy bandwidth (or
+its FLOPs over the matmul rate, whichever is longer): the weights of each projection,
+the KV cache read by attention, the activations read and written by norms, RoPE, the KV
+write and the rest. Kernels no rule names land in `other` and are listed by name.
+
+On the CPU the same code profiles the eager step's top-level operators (there are no
+kernels), so the classification and the floors are exercised there too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+for _p in (str(ROOT), str(ROOT / "scripts")):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+BLOCK = 16
+CONTEXT = 512
+DECODE_BATCHES = (1, 32)
+PREFILL_TOKENS = 16
+PROJECTIONS = ("qkv", "o", "gate_up", "down")  # in the order a decoder layer runs them
+STEP_RANGE = "bench.breakdown.step"
+
+# Kernel name -> category, first match wins (case-insensitive search). Add a row for a new
+# kernel; a name no row matches is counted in "other" and listed under `unlisted_kernels`.
+# Attention comes before GEMM: fused attention kernels are often built from cutlass.
+CATEGORY_RULES: tuple[tuple[str, str], ...] = (
+    ("attention", r"attention|attn|flash|fmha|_decode_split|_decode_merge|paged|sdpa|scaled_dot_product"
+                  r"|^aten::einsum|^aten::_?softmax"),
+    ("gemm_reduce", r"splitk|split_k|splitKreduce|gemm.*reduce|reduce.*gemm"),  # split-K epilogue of the GEMM before
+    ("rope_kv", r"rotary|rope|write_kv|kv_write|reshape_and_cache|store_kv|cache_write"),
+    ("norm", r"rms_?norm|layer_?norm|_norm_kernel"),
+    ("gemm", r"gemm|gemv|matmul|nvjet|cutlass|cublas|xmma|skinny|_linear|^aten::(linear|mm|addmm)$"),
+    ("other", r"silu|swiglu|act_and_mul|gelu|embedding|index_select|indexselect|gather|memcpy|memset|fill"
+              r"|elementwise|copy|cast|argmax|arange|^aten::(mul|add|cat|to|_to_copy|copy_|index_select|view"
+              r"|reshape|split|empty|zeros|float|select|slice|t|transpose|contiguous)$"),
+)
+_RULES = tuple((category, re.compile(pattern, re.IGNORECASE)) for category, pattern in CATEGORY_RULES)
+CATEGORY_ORDER = ("gemm.qkv", "gemm.o", "gemm.gate_up", "gemm.down", "gemm.lm_head", "gemm", "attention", "norm",
+                  "rope_kv", "other", "gaps")
+
+
+def classify(name: str) -> str | None:
+    """The category of a kernel (or CPU operator) name; None when no rule names it."""
+    for category, pattern in _RULES:
+        if pattern.search(name):
+            return category
+    return None
+
+
+def attribute(names: list[str], num_layers: int) -> tuple[list[str], str | None]:
+    """Each kernel's category in one step's launch order, GEMMs by projection.
+
+    A decoder layer runs its four projections in a fixed order and the LM head comes
+    last, so the k-th GEMM of a step with 4·layers + 1 of them is known by its position
+    (a split-K reduce kernel belongs to the GEMM before it). With any other count the
+    GEMMs stay unattributed (category `gemm`) and the note says why."""
+    raw = [classify(n) for n in names]
+    mains = sum(1 for c in raw if c == "gemm")
+    expected = 4 * num_layers + 1
+    note = None
+    if mains != expected:
+        note = f"{mains} GEMM kernels per step, not 4 x {num_layers} layers + 1: GEMMs not attributed to projections"
+    out, index = [], -1
+    for category in raw:
+        if category in ("gemm", "gemm_reduce"):
+            if category == "gemm":
+                index += 1
+            if note is not None or index < 0:
+                out.append("gemm")
+            else:
+                out.append("gemm.lm_head" if index == expected - 1 else f"gemm.{PROJECTIONS[index % 4]}")
+        else:
+            out.append(category or "other")
+    return out, note
+
+
+def step_floors(config, tokens: int, seqs: int, context: int, prefill: bool, elem: int, bw: float,
+                flops: float) -> dict[str, dict]:
+    """Bytes each category must move (read + written) and its floor in seconds."""
+    h, q, kv, inter, vocab, layers = (config.hidden_size, config.q_size, config.kv_size, config.intermediate_size,
+                                      config.vocab_size, config.num_layers)
+
+    def entry(nbytes: float, flop: float = 0.0) -> dict:
+        return {"floor_bytes": nbytes, "floor_flops": flop, "floor_s": max(nbytes / bw, flop / flops)}
+
+    out = {}
+    for name, (k, n) in zip(PROJECTIONS, ((h, q + 2 * kv), (q, h), (h, 2 * inter), (inter, h))):
+        out[f"gemm.{name}"] = entry(layers * (k * n + tokens * (k + n)) * elem, layers * 2.0 * tokens * k * n)
+    out["gemm.lm_head"] = entry(h * vocab * elem + seqs * h * elem + seqs * vocab * elem, 2.0 * seqs * h * vocab)
+    if prefill:  # each token attends to the step's own tokens (causal): K/V of the step, read once
+        attn_bytes = layers * tokens * (2 * q + 2 * kv) * elem
+        attn_flops = layers * 2.0 * 2 * q * tokens * (tokens + 1) / 2
+    else:  # every sequence reads its whole context's K and V
+        attn_bytes = layers * (seqs * context * 2 * kv + tokens * 2 * q) * elem
+        attn_flops = layers * 2.0 * 2 * q * seqs * context
+    out["attention"] = entry(attn_bytes, attn_flops)
+    # First norm reads x and writes it; each add+norm reads x and the residual and writes both.
+    out["norm"] = entry((2 * layers + 1) * (4 * tokens * h + h) * elem)
+    # RoPE reads and writes q and k; the KV write reads k and v and writes them to the cache.
+    out["rope_kv"] = entry(layers * tokens * (2 * (q + kv) + 2 * 2 * kv) * elem)
+    # SiLU*mul reads 2I and writes I per token; the embedding row; the logits' float copy.
+    out["other"] = entry(layers * tokens * 3 * inter * elem + 2 * tokens * h * elem + seqs * vocab * (elem + 4))
+    out["gaps"] = entry(0.0)
+    return out
+
+
+def summarize(steps: list[list[tuple[str, float]]], num_layers: int, step_s: float, floors: dict) -> dict:
+    """Per-category time per step from the kernels of `steps` (each a list of (name,
+    seconds) in launch order), with each category's floor and its ratio."""
+    n = len(steps)
+    lengths = {len(s) for s in steps}
+    notes = []
+    if len(lengths) == 1:
+        labels, note = attribute([name for name, _ in steps[0]], num_layers)
+        if note:
+            notes.append(note)
+    else:  # steps differ: no positions to go by
+        notes.append(f"kernels per step differ across steps ({sorted(lengths)}): GEMMs not attributed to projections")
+        labels = None
+    per_cat: dict[str, dict] = {}
+    unlisted: dict[str, dict] = {}
+    by_name: dict[str, dict] = {}
+    for kernels in steps:
+        step_labels = labels if labels is not None else attribute([k for k, _ in kernels], -1)[0]
+        for (name, seconds), category in zip(kernels, step_labels):
+            c = per_cat.setdefault(category, {"time_s": 0.0, "kernels": 0})
+            c["time_s"] += seconds / n
+            c["kernels"] += 1
+            k = by_name.setdefault(name, {"name": name, "category": category, "count": 0, "time_s": 0.0})
+            k["count"] += 1
+            k["time_s"] += seconds / n
+            if classify(name) is None:
+                u = unlisted.setdefault(name, {"name": name, "count": 0, "time_s": 0.0})
+                u["count"] += 1
+                u["time_s"] += seconds / n
+    kernel_s = sum(c["time_s"] for c in per_cat.values())
+    per_cat["gaps"] = {"time_s": max(0.0, step_s - kernel_s), "kernels": 0}
+    categories = {}
+    for name in CATEGORY_ORDER:
+        if name not in per_cat and name == "gemm":
+            continue
+        c = per_cat.get(name, {"time_s": 0.0, "kernels": 0})
+        fl = floors.get(name) or {"floor_bytes": 0.0, "floor_flops": 0.0, "floor_s": 0.0}
+        if name == "gemm":  # unattributed: the floor of all projections together
+            fl = {key: sum(floors[f"gemm.{p}"][key] for p in (*PROJECTIONS, "lm_head"))
+                  for key in ("floor_bytes", "floor_flops", "floor_s")}
+        categories[name] = {"time_s": c["time_s"], "kernels_per_step": c["kernels"] / n, **fl,
+                            "x_floor": c["time_s"] / fl["floor_s"] if fl["floor_s"] else None}
+    if "gemm" in categories:
+        for p in (*PROJECTIONS, "lm_head"):
+            categories.pop(f"gemm.{p}", None)
+    floor_s = sum(c["floor_s"] for c in categories.values())
+    for kernel in by_name.values():
+        kernel["count"] /= n
+    return {
+        "step_s": step_s, "kernel_s": kernel_s, "kernels_per_step": sum(len(s) for s in steps) / n,
+        "floor_s": floor_s, "x_floor": step_s / floor_s if floor_s else None, "categories": categories,
+        "top_kernels": sorted(by_name.values(), key=lambda k: -k["time_s"])[:12],
+        "unlisted_kernels": sorted(unlisted.values(), key=lambda k: -k["time_s"]),
+        "steps_profiled": n, "notes": notes,
+    }
+
+
+# ----------------------------------------------------------------------------- profiling
+
+
+def profile_steps(run, sync, steps: int, cuda: bool) -> list[list[tuple[str, float]]]:
+    """The kernels (CUDA) or top-level operators (CPU) of `steps` calls of `run`, per step,
+    in launch order, as (name, seconds)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    activity = ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU
+    with profile(activities=[activity]) as prof:
+        for _ in range(steps):
+            with record_function(STEP_RANGE):
+                run()
+            sync()
+    if cuda:
+        from gpu_idle_gaps import kernel_intervals
+
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "trace-breakdown-0.json"
+            prof.export_chrome_trace(str(path))
+            intervals = sorted(kernel_intervals(path, name_chars=None))
+        kernels = [(name.split(":", 1)[1], (end - start) / 1e6) for start, end, name in intervals]
+        if not kernels or len(kernels) % steps:
+            return [kernels] if kernels else []  # one list: positions are not comparable across steps
+        per = len(kernels) // steps
+        return [kernels[i * per:(i + 1) * per] for i in range(steps)]
+    out = []
+    for event in prof.events():
+        if event.name == STEP_RANGE:
+            out.append([])
+    index = -1
+    for event in sorted(prof.events(), key=lambda e: e.time_range.start):
+        if event.name == STEP_RANGE:
+            index += 1
+        elif event.cpu_parent is not None and event.cpu_parent.name == STEP_RANGE and index >= 0:
+            out[index].append((event.name, event.time_range.elapsed_us() / 1e6))
+    return out
+
+
+def median_step_s(runner, run, iters: int, cuda: bool) -> float:
+    """Median time of one step: CUDA events on the serving stream, or wall time on the CPU."""
+    if cuda:
+        from bench_graphs import time_gpu
+
+        return time_gpu(runner, run, iters)
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def run_breakdown(model_dir: Path, device: str, ceilings: dict, steps: int = 20) -> dict:
+    """Capture the graphs, then profile decode batch 1 and 32 (context 512) and the
+    16-token prefill; one summary per step kind."""
+    from bench_graphs import decode_step, prefill_step, stepper
+
+    from hybridd.config import Config
+    from hybridd.model import KVCache, load_model
+    from hybridd.runtime.buckets import BucketPlan
+    from hybridd.runtime.graph_runner import GraphRunner
+    from hybridd.runtime.step_buffers import StepBuffers
+
+    cuda = device == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    max_positions = 1024
+    model = load_model(model_dir, dtype=dtype, device=device, max_positions=max_positions)
+    config = model.config
+    elem = torch.finfo(dtype).bits // 8
+    plan = BucketPlan.create(list(DECODE_BATCHES), [PREFILL_TOKENS], Config().max_prefill_seqs)
+    width = max_positions // BLOCK
+    batch = max(DECODE_BATCHES)
+    kv = KVCache.allocate(config, batch * width, BLOCK, dtype, device)
+    buffers = StepBuffers.allocate(max(plan.max_batch, plan.max_prefill_tokens), plan.max_rows, width,
+                                   config.vocab_size, device)
+    runner = GraphRunner(model, kv, buffers, plan, use_graphs=True)
+    runner.capture_decode_graphs()
+    runner.plan_step(True, PREFILL_TOKENS, 1)
+    runner.start_background_capture()
+    deadline = time.monotonic() + 120
+    stats = runner.stats[("prefill", PREFILL_TOKENS)]
+    while not (stats.captured or stats.disabled) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    runner.stop_background_capture()
+    tables = [list(range(i * width, (i + 1) * width)) for i in range(batch)]
+    sync = runner.stream.synchronize if cuda else (lambda: None)
+    bw, flops = ceilings["copy_bandwidth_Bps"], ceilings["matmul_flops"]
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    cases = [(f"decode_b{b}", decode_step(b, CONTEXT, tables[:b]), b, b, CONTEXT, False) for b in DECODE_BATCHES]
+    cases.append((f"prefill_{PREFILL_TOKENS}", prefill_step(PREFILL_TOKENS, tables[0]), PREFILL_TOKENS, 1, 0, True))
+    out: dict = {"device": device, "dtype": str(dtype).removeprefix("torch."), "block_size": BLOCK,
+                 "weight_bytes": weight_bytes, "rules": [list(r) for r in CATEGORY_RULES]}
+    for key, step, tokens, seqs, context, prefill in cases:
+        run = stepper(runner, step)
+        for _ in range(5 if cuda else 1):
+            run()
+        sync()
+        step_s = median_step_s(runner, run, 50 if cuda else 3, cuda)
+        shape = runner.plan_step(prefill, tokens, seqs)
+        kernels = profile_steps(run, sync, steps, cuda)
+        source = "graph replays" if shape.graph and cuda else ("eager steps" if not cuda else "eager (no graph)")
+        if cuda and kernels and len(kernels[0]) < 4 * config.num_layers:
+            # The profiler did not see the kernels inside the graph: profile the same step eagerly.
+            eager = GraphRunner(model, kv, buffers, plan, use_graphs=False, stream=runner.stream)
+            kernels = profile_steps(stepper(eager, step), sync, steps, cuda)
+            source = "eager replays of the same step (graph kernels not visible to the profiler)"
+        floors = step_floors(config, tokens, seqs, context, prefill, elem, bw, flops)
+        summary = summarize(kernels, config.num_layers, step_s, floors) if kernels else {"notes": ["no kernels"]}
+        kv_bytes = 0 if prefill else config.num_layers * seqs * context * 2 * config.kv_size * elem
+        out[key] = {"tokens": tokens, "seqs": seqs, "context": context, "source": source, "graph": shape.graph,
+                    "weights_kv_floor_s": (weight_bytes + kv_bytes) / bw, "kv_bytes": kv_bytes, **summary}
+    del runner, kv, buffers, model
+    if cuda:
+        torch.cuda.empty_cache()
+    return out
+
+
+def render(breakdown: dict) -> list[str]:
+    """Table lines: one column per step kind, ms per category and × its own floor."""
+    keys = [k for k in breakdown if isinstance(breakdown[k], dict) and "categories" in breakdown[k]]
+    if not keys:
+        return []
+    head = f"{'category (ms, x own floor)':28s}" + "".join(f" | {k:>19s}" for k in keys)
+    lines = [head, "-" * len(head)]
+    names = [n for n in CATEGORY_ORDER if any(n in breakdown[k]["categories"] for k in keys)]
+
+    def cell(c: dict | None) -> str:
+        if not c:
+            return f"{'-':>19s}"
+        x = f"{c['x_floor']:.2f}x" if c.get("x_floor") is not None else "-"
+        return f"{c['time_s'] * 1e3:8.3f} {x:>10s}"
+
+    for n in names:
+        lines.append(f"{n:28s}" + "".join(f" | {cell(breakdown[k]['categories'].get(n))}" for k in keys))
+    lines.append(f"{'step (GPU time) / floor sum':28s}" + "".join(
+        f" | {breakdown[k]['step_s'] * 1e3:8.3f} {breakdown[k]['floor_s'] * 1e3:9.3f}f" for k in keys))
+    lines.append(f"{'kernels per step':28s}" + "".join(f" | {breakdown[k]['kernels_per_step']:19.0f}" for k in keys))
+    for k in keys:
+        for note in breakdown[k].get("notes", []):
+            lines.append(f"  {k}: {note}")
+        unlisted = breakdown[k].get("unlisted_kernels") or []
+        if unlisted:
+            lines.append(f"  {k}: kernels no rule names (in other): " + "; ".join(
+                f"{u['name'][:70]} {u['time_s'] * 1e3:.3f} ms" for u in unlisted[:5]))
+    return lines
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, required=True)
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--out", type=Path, default=Path("breakdown.json"))
+    parser.add_argument("--copy-bandwidth", type=float, help="bytes/s (default: measured here)")
+    parser.add_argument("--matmul-flops", type=float, help="FLOP/s (default: measured here)")
+    parser.add_argument("--steps", type=int, default=20, help="steps profiled per step kind")
+    args = parser.parse_args()
+    if args.copy_bandwidth and args.matmul_flops:
+        ceilings = {"copy_bandwidth_Bps": args.copy_bandwidth, "matmul_flops": args.matmul_flops}
+    else:
+        from bench import device_ceilings
+
+        ceilings = device_ceilings(args.device)
+    if args.device == "cpu":
+        import os
+
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    result = run_breakdown(args.model, args.device, ceilings, steps=args.steps)
+    args.out.write_text(json.dumps(result, indent=2))
+    print("\n".join(render(result)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

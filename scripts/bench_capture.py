@@ -1,0 +1,170 @@
+"""Prefill graphs captured while decode streams run, forced through the daemon: ITL of a
+batch-1 stream during those captures against steady state (scripts/bench.py's
+`capture_evict` part).
+
+The daemon is started with prefill buckets 16 < X < Y and a graph memory budget that
+holds the decode graphs, the 16-token graph and one of X, Y but not both: at ready the
+graph generator captures 16 and X and finds Y blocked by the budget. While one client
+streams tokens without pause (its prompts fall in bucket 16), another sends prompts of
+the bucket that is not captured until its demand exceeds the captured one's (the bench
+counts both demands itself: only its prompts reach X and Y), so the background thread
+evicts the captured graph and captures the demanded one at once, during decode. The
+capture window of a cycle is [the last trigger prompt sent, its first token + the
+capture's own duration + 50 ms]; a cycle counts only when a status read after the
+daemon's next statistics report (they come once a second) shows the bucket's capture
+count up. Inter-token gaps inside a counted window are "during"; gaps outside every
+window are "steady"; gaps that overlap a trigger prompt's own prefill (sent to first
+token) or a window that did not count are left out of both.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+MiB = 1 << 20
+SMALL = 16  # the bucket of the decode stream's own prompts
+# Bucket pairs tried in order: the first whose estimates force an eviction is used.
+PAIRS = ((512, 1024), (256, 512), (1024, 2048), (128, 256))
+DECODE_BUCKETS = [1, 2]  # one decode stream plus one trigger prompt at a time
+STATS_WAIT_S = 1.3  # longer than the graph generator's statistics interval (1 s)
+
+
+def plan_budget(model: Path, cuda: bool, max_prefill_seqs: int, max_tokens: int) -> dict:
+    """Choose X, Y and a budget (MiB) by the graph runner's own activation estimates: the
+    decode graphs, bucket 16 and Y fit; with X as well they do not."""
+    from hybridd.model.config import ModelConfig
+    from hybridd.runtime.graph_memory import activation_bytes
+
+    config = ModelConfig.from_dir(model)
+    elem = 2 if cuda else 4
+    # Decode graphs measured on the H200 take a few MiB; allow 8 MiB there, the estimate on the CPU.
+    decode = 8 * MiB if cuda else sum(activation_bytes(config, b, b, elem) for b in DECODE_BUCKETS)
+    fixed = decode + activation_bytes(config, SMALL, max_prefill_seqs, elem)
+    for x, y in PAIRS:
+        if y > max_tokens or y >= config.max_model_len:  # a prompt of Y tokens plus one generated must fit
+            continue
+        need_x = activation_bytes(config, x, max_prefill_seqs, elem)
+        need_y = activation_bytes(config, y, max_prefill_seqs, elem)
+        budget_mb = math.ceil((fixed + need_y) / MiB)
+        if fixed + need_x + need_y > budget_mb * MiB:
+            return {"x": x, "y": y, "budget_mb": budget_mb, "need_x_bytes": need_x, "need_y_bytes": need_y,
+                    "fixed_bytes": fixed}
+    raise RuntimeError("no prefill bucket pair whose graphs cannot share a budget that holds either one")
+
+
+def prefill_buckets(status: dict) -> dict[int, dict]:
+    return {b["size"]: b for b in status.get("buckets", []) if b.get("kind") == "prefill"}
+
+
+def measure_capture_under_eviction(client_factory, model: Path, cuda: bool, vocab: int, quick: bool,
+                                   server_factory, notes: list[str]) -> dict:
+    """Start the daemon (server_factory(**overrides)), run the phase, return its figures."""
+    from bench import StreamRecord, itl_summary, random_prompt, ratio
+    from hybridd.config import Config
+    from hybridd.stats import percentile
+
+    defaults = Config()
+    plan = plan_budget(model, cuda, defaults.max_prefill_seqs, defaults.max_prefill_tokens)
+    x, y = plan["x"], plan["y"]
+    overrides = {"decode_buckets": DECODE_BUCKETS, "max_batch": max(DECODE_BUCKETS),
+                 "prefill_buckets": [SMALL, x, y], "graph_memory_budget_mb": plan["budget_mb"]}
+    result: dict[str, Any] = {"plan": plan, "config": overrides}
+    server = server_factory(**overrides)
+    ctl = decoder = None
+    stop = threading.Event()
+    records: list[StreamRecord] = []
+    failures: list[str] = []
+    windows: list[dict] = []
+    dropped: list[tuple[float, float]] = []
+    triggers: list[StreamRecord] = []
+    try:
+        ctl = client_factory(server.endpoint)
+        decoder = client_factory(server.endpoint)
+        # The captures that follow ready: until 16 and X are captured (or 30 s), then a fresh report.
+        settle_end = time.perf_counter() + 30
+        while time.perf_counter() < settle_end:
+            b = prefill_buckets(ctl.status())
+            if all(b.get(s, {}).get("captured") or b.get(s, {}).get("disabled") for s in (SMALL, x)):
+                break
+            time.sleep(0.2)
+        time.sleep(STATS_WAIT_S)
+        buckets = prefill_buckets(ctl.status())
+        result["at_ready"] = {s: {k: b.get(k) for k in ("captured", "bytes", "demand", "disabled")}
+                              for s, b in buckets.items()}
+        demand = {s: buckets[s].get("demand", 0) for s in (x, y)}
+        rng = random.Random(11)
+        tokens = 64 if quick else 256
+
+        def decode_loop() -> None:
+            drng = random.Random(12)
+            try:
+                while not stop.is_set():
+                    records.append(decoder.stream(random_prompt(drng, 8, vocab), tokens))
+            except Exception as exc:  # noted; the main thread ends the phase
+                failures.append(f"{type(exc).__name__}: {exc}")
+
+        thread = threading.Thread(target=decode_loop, name="bench-decode", daemon=True)
+        thread.start()
+        decode_from = time.perf_counter()
+        time.sleep(1.0 if quick else 2.0)  # steady decode before the first forced capture
+        for _ in range(2 if quick else 4):
+            if failures:
+                break
+            pending = [s for s in (y, x) if not buckets[s].get("captured") and not buckets[s].get("disabled")]
+            if not pending:
+                notes.append("capture_evict: both buckets captured (no eviction was needed), nothing left to force")
+                break
+            target = pending[0]
+            other = x if target == y else y
+            before = buckets[target].get("captures", 0)
+            while demand[target] <= demand[other]:
+                triggers.append(ctl.stream(random_prompt(rng, target, vocab), 1))
+                demand[target] += 1
+            last = triggers[-1]
+            time.sleep(STATS_WAIT_S)
+            buckets = prefill_buckets(ctl.status())
+            start = last.sent
+            end = (last.times[0] if last.times else last.sent) + (buckets[target].get("capture_s") or 0.0) + 0.05
+            if buckets[target].get("captures", 0) > before:
+                windows.append({"bucket": target, "start": start, "end": end,
+                                "capture_s": buckets[target].get("capture_s"), "bytes": buckets[target].get("bytes")})
+            else:
+                dropped.append((start, end))
+            time.sleep(0.5 if quick else 1.0)
+        stop.set()
+        thread.join(120)
+        final = prefill_buckets(ctl.status())
+    finally:
+        stop.set()
+        for c in (ctl, decoder):
+            if c is not None:
+                c.close()
+        server.close()
+    if failures:
+        raise RuntimeError(f"decode stream failed: {failures[0]}")
+    blocked = [(t.sent, (t.times[0] if t.times else t.sent) + 0.001) for t in triggers] + dropped
+    during, steady = [], []
+    for record in records:
+        for a, b in zip(record.times, record.times[1:]):
+            if a < decode_from or any(a < e and b > s for s, e in blocked):
+                continue
+            (during if any(a < w["end"] and b > w["start"] for w in windows) else steady).append(b - a)
+    result.update({
+        "during": itl_summary(during), "steady": itl_summary(steady),
+        "p99_ratio": ratio(percentile(during, 99), percentile(steady, 99)) if len(during) >= 5 else None,
+        "p50_ratio": ratio(percentile(during, 50), percentile(steady, 50)) if during else None,
+        "captures_during_decode": len(windows), "cycles_without_capture": len(dropped),
+        "capture_windows": [{k: (v - decode_from if k in ("start", "end") else v) for k, v in w.items()}
+                            for w in windows],
+        "evictions": sum(b.get("evictions", 0) for b in final.values()),
+        "triggers": len(triggers), "decode_streams": len(records), "tokens_per_stream": tokens,
+    })
+    if len(during) < 5:
+        result["note"] = (f"{len(windows)} captures during decode gave {len(during)} decode gaps inside their "
+                          f"windows: too few for a p99")
+    return result
