@@ -1,12 +1,21 @@
-"""Plot the results of scripts/bench.py: TTFT against prompt length, ITL p50 against concurrency.
+"""Plot the results of scripts/bench.py for a reader: one row of panels per model shape.
 
-    python docs/benchmarks_plot.py OUT/bench.json [--png docs/benchmarks.png] [--theirs paper.json]
+    python docs/benchmarks_plot.py OUT/llama2-7b/bench.json [OUT/llama3-8b/bench.json ...] \\
+        [--png docs/benchmarks.png] [--theirs paper.json]
 
 Runs where matplotlib is installed (a dev tool, not a runtime dependency of hybridd);
-the GPU machine only has to produce bench.json. Left panel: median TTFT at the client
-for hybridd, hybridd with graphs off, HF eager and HF static+compile, with the prefill
-floor. Right panel: hybridd's ITL p50 (and p99, dashed) at 1/4/16/32 streams, the
-peers' batch-1 ITL p50 as single points, and the decode floor.
+the GPU machine only has to produce bench.json. Every axis is linear, in milliseconds
+or tokens per second; floors are drawn as black lines. Panels, left to right:
+
+1. TTFT at the client (median) at each prompt length: hybridd beside each peer
+   (hybridd with graphs off, transformers eager, transformers static cache +
+   torch.compile), the prefill floor as a line over each group.
+2. ITL at batch 1: p50 bars and p99 ticks for hybridd and each peer, the decode floor.
+3. hybridd at 1-32 concurrent streams: aggregate decode tokens/s (bars) and ITL
+   p50/p99 (lines, right axis) with the decode floor.
+4. Where a step goes (when the bench ran its breakdown): GPU time per kernel category,
+   stacked, beside the same categories' floors, for decode at batch 1 and 32 and the
+   16-token prefill.
 
 Published figures of others may stand beside ours only labelled as theirs: `--theirs`
 takes a JSON file `{"label": "...", "source": "...", "ttft_ms": {"10": 12.3, ...}}`
@@ -20,83 +29,175 @@ import json
 import sys
 from pathlib import Path
 
-SERIES = (("hybridd", "hybridd", "C0", "o"), ("hybridd_eager", "hybridd, graphs off", "C1", "s"),
-          ("hf_eager", "HF generate eager", "C2", "^"), ("hf_static", "HF generate static+compile", "C3", "v"))
+SERIES = (("hybridd", "hybridd", "C0"), ("hybridd_eager", "hybridd, graphs off", "C1"),
+          ("hf_eager", "HF generate, eager", "C2"), ("hf_static", "HF generate, static + compile", "C3"))
+SHAPES = {"llama2-7b": "Llama-2-7B", "llama3-8b": "Llama-3-8B", "llama-1b": "Llama-1B"}
+CATEGORY_COLORS = {"gemm.qkv": "#1f77b4", "gemm.o": "#4a90c8", "gemm.gate_up": "#7fb2dd", "gemm.down": "#aecde9",
+                   "gemm.lm_head": "#d4e4f3", "gemm": "#1f77b4", "attention": "#d62728", "norm": "#2ca02c",
+                   "rope_kv": "#9467bd", "other": "#8c564b", "gaps": "#bbbbbb"}
 
 
-def plot(results: dict, png: Path, theirs: dict | None = None) -> Path:
+def model_name(results: dict) -> str:
+    """The model by its shape, as the bench names it; older results by their preset."""
+    meta = results.get("meta", {})
+    if meta.get("shape"):
+        return meta["shape"]
+    dtype = "bf16" if meta.get("device") == "cuda" else "float32"
+    preset = meta.get("preset")
+    if preset in SHAPES and "random" in str(meta.get("model", "")):
+        return f"{SHAPES[preset]} shape, random {dtype} weights"
+    return f"{Path(str(meta.get('model', '?'))).name} ({dtype})"
+
+
+def present(results: dict) -> list[tuple[str, str, str]]:
+    return [s for s in SERIES if results.get(s[0])]
+
+
+def ttft_panel(ax, results: dict, theirs: dict | None) -> None:
+    series = present(results)
+    lengths = sorted({int(n) for key, _, _ in series for n in (results[key].get("ttft_s") or {})})
+    if not lengths:
+        ax.set_axis_off()
+        return
+    width = 0.8 / max(1, len(series))
+    floors = (results.get("floors") or {}).get("prefill_floor_s") or {}
+    for j, (key, label, color) in enumerate(series):
+        ttft = results[key].get("ttft_s") or {}
+        xs = [i + (j - (len(series) - 1) / 2) * width for i, n in enumerate(lengths)]
+        ys = [(ttft.get(str(n)) or {}).get("median_s") for n in lengths]
+        ax.bar([x for x, y in zip(xs, ys) if y is not None], [y * 1e3 for y in ys if y is not None], width,
+               color=color, label=label)
+    for i, n in enumerate(lengths):
+        if floors.get(str(n)) is not None:
+            ax.hlines(floors[str(n)] * 1e3, i - 0.45, i + 0.45, color="k", linewidth=2,
+                      label="prefill floor" if i == 0 else None)
+    if theirs and theirs.get("ttft_ms"):
+        pts = [(lengths.index(int(n)), float(v)) for n, v in theirs["ttft_ms"].items() if int(n) in lengths]
+        if pts:
+            ax.plot(*zip(*sorted(pts)), color="grey", marker="x", linestyle="none",
+                    label=f"{theirs.get('label', 'published')} (theirs, not measured here)")
+    ax.set_xticks(range(len(lengths)), [str(n) for n in lengths])
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("TTFT at the client, median (ms)")
+    ax.set_title("Time to first token, batch 1")
+    ax.set_ylim(bottom=0)
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=7)
+
+
+def itl_panel(ax, results: dict) -> None:
+    series = [s for s in present(results) if (results[s[0]].get("itl") or {}).get("p50_s") is not None]
+    if not series:
+        ax.set_axis_off()
+        return
+    for i, (key, label, color) in enumerate(series):
+        itl = results[key]["itl"]
+        ax.bar(i, itl["p50_s"] * 1e3, 0.6, color=color)
+        ax.text(i, itl["p50_s"] * 1e3, f"{itl['p50_s'] * 1e3:.2f}", ha="center", va="bottom", fontsize=7)
+        if itl.get("p99_s") is not None:
+            ax.hlines(itl["p99_s"] * 1e3, i - 0.3, i + 0.3, color=color, linestyle="--",
+                      label="p99 (dashed)" if i == 0 else None)
+    floor = (results.get("floors") or {}).get("decode_floor_s")
+    if floor:
+        ax.axhline(floor * 1e3, color="k", linewidth=1.5, label=f"decode floor {floor * 1e3:.2f} ms")
+    ax.set_xticks(range(len(series)), [label.replace(", ", "\n") for _, label, _ in series], fontsize=7)
+    ax.set_ylabel("inter-token latency, batch 1 (ms)")
+    ax.set_title("ITL p50 (bars) and p99, batch 1")
+    ax.set_ylim(bottom=0)
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=7)
+
+
+def streams_panel(ax, results: dict) -> None:
+    conc = (results.get("hybridd") or {}).get("concurrency") or {}
+    if not conc:
+        ax.set_axis_off()
+        return
+    levels = sorted(int(n) for n in conc)
+    xs = range(len(levels))
+    tput = [conc[str(n)].get("decode_tokens_per_s") or conc[str(n)]["tokens_per_s"] for n in levels]
+    ax.bar(xs, tput, 0.6, color="C0", alpha=0.35, label="decode tokens/s (left)")
+    ax.set_ylabel("aggregate decode tokens/s")
+    ax.set_ylim(bottom=0)
+    ax.set_xticks(list(xs), [str(n) for n in levels])
+    ax.set_xlabel("concurrent streams")
+    right = ax.twinx()
+    right.plot(xs, [conc[str(n)]["itl_p50_s"] * 1e3 for n in levels], marker="o", color="C0", label="ITL p50 (right)")
+    right.plot(xs, [conc[str(n)]["itl_p99_s"] * 1e3 for n in levels], marker="o", color="C0", linestyle="--",
+               label="ITL p99 (right)")
+    floor = (results.get("floors") or {}).get("decode_floor_s")
+    if floor:
+        right.axhline(floor * 1e3, color="k", linewidth=1.5, label="decode floor (weights)")
+    right.set_ylabel("ITL (ms)")
+    right.set_ylim(bottom=0)
+    ax.set_title("hybridd: throughput and ITL against streams")
+    handles = ax.get_legend_handles_labels()
+    more = right.get_legend_handles_labels()
+    ax.legend(handles[0] + more[0], handles[1] + more[1], fontsize=7, loc="upper left")
+    ax.grid(True, axis="y", alpha=0.3)
+
+
+def breakdown_panel(ax, results: dict) -> None:
+    bd = results.get("breakdown") or {}
+    steps = [k for k in ("decode_b1", "decode_b32", "prefill_16") if (bd.get(k) or {}).get("categories")]
+    if not steps:
+        ax.set_axis_off()
+        return
+    labels = {"decode_b1": "decode b=1", "decode_b32": "decode b=32", "prefill_16": "prefill 16"}
+    seen: set[str] = set()
+    for i, key in enumerate(steps):
+        cats = bd[key]["categories"]
+        for offset, field in ((-0.2, "time_s"), (0.2, "floor_s")):
+            bottom = 0.0
+            for name, c in cats.items():
+                value = (c.get(field) or 0.0) * 1e3
+                if value <= 0:
+                    continue
+                ax.bar(i + offset, value, 0.38, bottom=bottom, color=CATEGORY_COLORS.get(name, "#777777"),
+                       edgecolor="white", linewidth=0.3, label=name if name not in seen else None,
+                       hatch="//" if field == "floor_s" else None)
+                seen.add(name)
+                bottom += value
+    ax.set_xticks(range(len(steps)), [f"{labels[k]}\nmeasured | floor" for k in steps], fontsize=7)
+    ax.set_ylabel("GPU time per step (ms)")
+    ax.set_title("Where a step goes, by kernel category")
+    ax.set_ylim(bottom=0)
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=6, ncol=2)
+
+
+def plot(runs: list[dict], png: Path, theirs: dict | None = None) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8))
-    meta = results.get("meta", {})
-    floors = results.get("floors", {})
-
-    for key, label, color, marker in SERIES:
-        ttft = (results.get(key) or {}).get("ttft_s") or {}
-        points = sorted((int(n), v["median_s"] * 1e3) for n, v in ttft.items() if v.get("median_s") is not None)
-        if points:
-            left.plot(*zip(*points), marker=marker, color=color, label=label)
-    prefill = floors.get("prefill_floor_s") or {}
-    if prefill:
-        points = sorted((int(n), v * 1e3) for n, v in prefill.items())
-        left.plot(*zip(*points), color="k", linestyle=":", label="prefill floor")
-    if theirs and theirs.get("ttft_ms"):
-        points = sorted((int(n), float(v)) for n, v in theirs["ttft_ms"].items())
-        left.plot(*zip(*points), color="grey", marker="x", linestyle="--",
-                  label=f"{theirs.get('label', 'published')} (theirs, not measured here)")
-    left.set_xscale("log")
-    left.set_yscale("log")
-    left.set_xlabel("prompt tokens")
-    left.set_ylabel("TTFT at the client, median (ms)")
-    left.set_title("Time to first token, batch 1")
-    left.grid(True, which="both", alpha=0.3)
-    left.legend(fontsize=8)
-
-    conc = (results.get("hybridd") or {}).get("concurrency") or {}
-    if conc:
-        levels = sorted(int(n) for n in conc)
-        right.plot(levels, [conc[str(n)]["itl_p50_s"] * 1e3 for n in levels], marker="o", color="C0",
-                   label="hybridd ITL p50")
-        right.plot(levels, [conc[str(n)]["itl_p99_s"] * 1e3 for n in levels], marker="o", color="C0",
-                   linestyle="--", alpha=0.6, label="hybridd ITL p99")
-    for key, label, color, marker in SERIES[1:]:
-        p50 = ((results.get(key) or {}).get("itl") or {}).get("p50_s")
-        if p50 is not None:
-            right.plot([1], [p50 * 1e3], marker=marker, color=color, linestyle="none", label=f"{label} (batch 1)")
-    if floors.get("decode_floor_s"):
-        right.axhline(floors["decode_floor_s"] * 1e3, color="k", linestyle=":", label="decode floor")
-    right.set_xscale("log", base=2)
-    if conc:
-        right.set_xticks(levels, [str(n) for n in levels])
-    right.set_yscale("log")
-    right.set_xlabel("concurrent streams")
-    right.set_ylabel("inter-token latency (ms)")
-    right.set_title("ITL against concurrency")
-    right.grid(True, which="both", alpha=0.3)
-    right.legend(fontsize=8)
-
-    device = (results.get("device") or {}).get("name", "?")
-    fig.suptitle(f"hybridd vs peers - {device} - {Path(str(meta.get('model', '?'))).name} - {meta.get('date', '')}",
-                 fontsize=10)
+    fig, axes = plt.subplots(len(runs), 4, figsize=(22, 5.2 * len(runs)), squeeze=False)
+    for row, results in zip(axes, runs):
+        ttft_panel(row[0], results, theirs)
+        itl_panel(row[1], results)
+        streams_panel(row[2], results)
+        breakdown_panel(row[3], results)
+        meta = results.get("meta", {})
+        device = (results.get("device") or {}).get("name", "?")
+        row[0].annotate(f"{model_name(results)} - {device} - {meta.get('date', '')}", (0, 1.12),
+                        xycoords="axes fraction", fontsize=10, fontweight="bold")
     fig.tight_layout()
     png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png, dpi=120)
+    fig.savefig(png, dpi=110)
     plt.close(fig)
     return png
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("json", type=Path, help="bench.json written by scripts/bench.py")
-    parser.add_argument("--png", type=Path, help="output image (default: next to the JSON, bench.png)")
+    parser.add_argument("json", type=Path, nargs="+", help="bench.json files written by scripts/bench.py")
+    parser.add_argument("--png", type=Path, help="output image (default: next to the first JSON, bench.png)")
     parser.add_argument("--theirs", type=Path, help="published TTFT figures of others, labelled as theirs")
     args = parser.parse_args(argv)
-    results = json.loads(args.json.read_text())
+    runs = [json.loads(p.read_text()) for p in args.json]
     theirs = json.loads(args.theirs.read_text()) if args.theirs else None
-    print(plot(results, args.png or args.json.with_name("bench.png"), theirs))
+    print(plot(runs, args.png or args.json[0].with_name("bench.png"), theirs))
     return 0
 
 

@@ -36,7 +36,8 @@ def test_json_has_every_figure(bench_out):
     assert sorted(p.name for p in out.iterdir()) == ["bench.json", "bench_table.txt"]
     r = json.loads((out / "bench.json").read_text())
     assert r["meta"]["errors"] == {}, r["meta"]["errors"]
-    assert set(r["meta"]["skipped"]) == {"in_process", "hf_static"}  # CUDA-only parts
+    assert set(r["meta"]["skipped"]) == {"in_process", "hf_static", "hybridd_mps"}  # CUDA-only parts
+    assert r["meta"]["shape"] == "tiny shape, random float32 weights"
     assert r["device"]["copy_bandwidth_Bps"] > 0 and r["device"]["matmul_flops"] > 0
     floors = r["floors"]
     assert floors["decode_floor_s"] > 0 and set(floors["prefill_floor_s"]) == {"10", "32", "128", "256", "500"}
@@ -54,8 +55,11 @@ def test_json_has_every_figure(bench_out):
     assert {"during", "early", "steady", "p99_ratio", "capture_window_s"} <= set(hy["background_capture"])
     assert hy["graph_memory"]["buckets"] and "graph_pool_bytes" in hy["graph_memory"]
     assert hy["client"]
-    assert [t["target"] for t in r["targets"]][:2] == ["decode ITL p50, batch 1", "decode ITL p99/p50, batch 1"]
-    assert len(r["targets"]) == 9
+    names = [t["target"] for t in r["targets"]]
+    assert names[:4] == ["decode GPU step, batch 1, context 512 (x weights floor)", "decode ITL p50, batch 1",
+                         "decode ITL p50, batch 1 (stretch)", "decode ITL p99/p50, batch 1"]
+    assert len(names) == 13 and all(t["value"] is not None for t in r["targets"] if "one process" not in t["target"])
+    assert names[8].startswith("ITL p99 during forced prefill capture / steady")
     gateway = hy["gateway"]
     for side in ("sdk", "http"):
         assert gateway[side]["ttft_p50_s"] > 0 and gateway[side]["itl_p50_s"] > 0, gateway
@@ -64,6 +68,34 @@ def test_json_has_every_figure(bench_out):
     figures = [row["figure"] for row in r["table"]]
     assert figures[:5] == [f"TTFT {n} tok" for n in (10, 32, 128, 256, 500)] and "ITL p50 (b=1)" in figures
     assert "targets (BENCHMARKS.md)" in stdout and "TTFT 500 tok" in stdout
+
+
+def test_kernel_breakdown(bench_out):
+    """Each step kind split into categories with their floors; on the CPU the "kernels"
+    are the eager step's top-level operators, so the projections are found by position."""
+    out, stdout = bench_out
+    bd = json.loads((out / "bench.json").read_text())["breakdown"]
+    for key, tokens in (("decode_b1", 1), ("decode_b32", 32), ("prefill_16", 16)):
+        step = bd[key]
+        assert step["tokens"] == tokens and step["step_s"] > 0 and step["floor_s"] > 0, key
+        cats = step["categories"]
+        assert list(cats) == ["gemm.qkv", "gemm.o", "gemm.gate_up", "gemm.down", "gemm.lm_head", "attention", "norm",
+                              "rope_kv", "other", "gaps"], (key, list(cats), step["notes"])
+        assert all(cats[c]["time_s"] > 0 and cats[c]["floor_s"] > 0 for c in list(cats)[:6]), key
+        assert cats["gemm.qkv"]["kernels_per_step"] == 2  # one per layer of the tiny model
+        assert all(u["name"] and u["time_s"] >= 0 for u in step["unlisted_kernels"])
+    assert bd["decode_b32"]["weights_kv_floor_s"] > bd["decode_b1"]["weights_kv_floor_s"]
+    assert "where the step goes" in stdout and "gemm.gate_up" in stdout
+
+
+def test_capture_forced_during_decode(bench_out):
+    """The small budget and the demand for the evicted bucket make the daemon capture
+    prefill graphs while the decode stream runs."""
+    out, stdout = bench_out
+    ce = json.loads((out / "bench.json").read_text())["capture_evict"]
+    assert ce["captures_during_decode"] >= 1 and ce["evictions"] >= 1, ce
+    assert ce["steady"]["n"] > 20 and ce["during"]["n"] >= 1, ce
+    assert "forced prefill capture" in stdout
 
 
 def test_plot(bench_out, tmp_path):
