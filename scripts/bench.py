@@ -1,6 +1,7 @@
 """hybridd against its peers and the hardware floor, in one command, on the same weights.
 
-    python scripts/bench.py --out $OUT                       # H200: random Llama-2-7B shape, bf16
+    python scripts/bench.py --out $OUT/llama2-7b --budget-s 470                      # H200: Llama-2-7B shape, bf16
+    python scripts/bench.py --out $OUT/llama3-8b --preset llama3-8b --budget-s 470   # H200: Llama-3-8B shape
     python scripts/bench.py --out $OUT --model /path/to/hf   # any local Hugging Face directory
     python scripts/bench.py --out /tmp/b --device cpu --preset tiny --quick   # CI smoke, seconds
 
@@ -13,33 +14,47 @@ goes on; the JSON is rewritten after every part, so a killed run still leaves re
    floor(n) = max(weight bytes / bandwidth, 2 * params * n / matmul rate).
 2. `checkpoint`: random weights of the preset's shape (scripts/make_random_checkpoint.py;
    reused when already on disk) unless `--model` is given.
-3. `hybridd_eager`: both worker processes with `use_cuda_graphs=False`: TTFT and batch-1
-   ITL. Run first: it also warms the on-disk Triton/Inductor caches, so the graphs run
-   below measures a warm restart of the daemon.
-4. `hybridd`: both worker processes, graphs on (the daemon's defaults): time to ready
+3. `breakdown`: where the decode step at batch 1 and 32 (context 512) and the 16-token
+   prefill step go, kernel by kernel under the PyTorch profiler over graph replays, by
+   category (GEMM per projection, attention, norm, RoPE/KV write, other, gaps), each
+   against its own floor (scripts/bench_breakdown.py, in its own process). Run first:
+   it also warms the on-disk Triton/Inductor caches.
+4. `hybridd_eager`: both worker processes with `use_cuda_graphs=False`: TTFT and batch-1 ITL.
+5. `hybridd`: both worker processes, graphs on (the daemon's defaults): time to ready
    (split into interpreter start, weight load and capture from the workers' lifecycle
    phases, which the bench receives by binding the supervisor socket itself); ITL while
    the background thread is still capturing prefill graphs against steady state; TTFT at
    10/32/128/256/500 prompt tokens; ITL p50/p99 over 256 tokens after a 128-token prompt;
    aggregate tokens/s and ITL at 1/4/16/32 concurrent streams; graph memory per bucket;
    what the HTTP gateway adds: TTFT and ITL p50 streamed through `/v1/completions` vs
-   through the SDK, interleaved (scripts/bench_gateway.py).
+   through the SDK, interleaved (scripts/bench_gateway.py; `--skip gateway` leaves it out).
    Every hybridd figure is taken at the client, through a `HybriddClient` adapter:
    `hybridd.Client.stream()` (and `AsyncClient` for concurrent streams) when the SDK
    works, else the raw protocol client of tests/engine_pair.py (`--client`).
-5. `in_process`: the same decode graphs replayed in one process (scripts/bench_pipeline.py),
+6. `hybridd_mps`: the same daemon with both workers under a private MPS control daemon
+   (`cuda_mps = "on"`): TTFT at 10 and 128 tokens and batch-1 ITL, each divided by the
+   `hybridd` part's figure with MPS off (CUDA only).
+7. `capture_evict`: prefill graphs captured while a decode stream runs, forced through
+   the daemon by a small graph memory budget and prompts for the evicted bucket: ITL
+   p99 during those captures / steady (scripts/bench_capture.py).
+8. `in_process`: the same decode graphs replayed in one process (scripts/bench_pipeline.py),
    for the two-process overhead target (CUDA only).
-6. `hf_eager`: transformers `generate()` with DynamicCache on the same weights and prompts;
+9. `hf_eager`: transformers `generate()` with DynamicCache on the same weights and prompts;
    per-token timestamps from a streamer (TTFT, ITL p50/p99).
-7. `hf_static`: transformers `generate()` with `cache_implementation="static"` and its
+10. `hf_static`: transformers `generate()` with `cache_implementation="static"` and its
    own `torch.compile` of the decode step (CompileConfig(fullgraph=True,
    mode="reduce-overhead")); `--hf-static-compile forward` instead compiles
    `model.forward` by hand (prefill too: one compile per prompt length, much slower to
    warm up). Warm-up time reported. CUDA only.
 
-Prints one table (each figure, its ratio to the floor and to each peer, each target of
-BENCHMARKS.md met or not) and writes `bench.json` and `bench_table.txt` under `--out`.
-Plot it with `python docs/benchmarks_plot.py OUT/bench.json`.
+`--preset llama3-8b` (grouped-query attention with 8 KV heads, a 128256-token
+vocabulary) skips hybridd_eager, hybridd_mps, capture_evict, in_process and the gateway
+by default (`--skip` replaces that list), so that each shape's command fits 10 minutes
+on an H200; give each shape its own `--out` and plot them together.
+
+Prints one table (each figure, its ratio to the floor and to each peer, the breakdown,
+each target met or not) and writes `bench.json` and `bench_table.txt` under `--out`.
+Plot with `python docs/benchmarks_plot.py OUT/llama2-7b/bench.json OUT/llama3-8b/bench.json`.
 
 The workers are spawned (multiprocessing "spawn"), which re-imports this file in each
 worker: keep the module top level light (stdlib only).

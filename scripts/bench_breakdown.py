@@ -47,9 +47,11 @@ STEP_RANGE = "bench.breakdown.step"
 # kernel; a name no row matches is counted in "other" and listed under `unlisted_kernels`.
 # Attention comes before GEMM: fused attention kernels are often built from cutlass.
 CATEGORY_RULES: tuple[tuple[str, str], ...] = (
-    ("attention", r"attention|attn|flash|fmha|_decode_split|_decode_merge|paged|sdpa|scaled_dot_product"
-                  r"|^aten::einsum|^aten::_?softmax"),
-    ("gemm_reduce", r"splitk|split_k|splitKreduce|gemm.*reduce|reduce.*gemm"),  # split-K epilogue of the GEMM before
+    ("attention", r"attention|attn|flash|fmha|_decode_split|_decode_merge|paged|sdpa|scaled_dot_product|softmax"
+                  r"|^aten::einsum"),
+    # The separate reduction of a split-K GEMM (cuBLAS splitKreduce_kernel): part of the GEMM before it.
+    # A main GEMM kernel may carry "splitK" in its name too, so the rule needs "reduce".
+    ("gemm_reduce", r"split_?k_?reduce|reduce_?split_?k"),
     ("rope_kv", r"rotary|rope|write_kv|kv_write|reshape_and_cache|store_kv|cache_write"),
     ("norm", r"rms_?norm|layer_?norm|_norm_kernel"),
     ("gemm", r"gemm|gemv|matmul|nvjet|cutlass|cublas|xmma|skinny|_linear|^aten::(linear|mm|addmm)$"),
@@ -127,13 +129,20 @@ def step_floors(config, tokens: int, seqs: int, context: int, prefill: bool, ele
     return out
 
 
-def summarize(steps: list[list[tuple[str, float]]], num_layers: int, step_s: float, floors: dict) -> dict:
+def summarize(steps: list[list[tuple[str, float]]], num_layers: int, step_s: float, floors: dict,
+              num_steps: int | None = None) -> dict:
     """Per-category time per step from the kernels of `steps` (each a list of (name,
-    seconds) in launch order), with each category's floor and its ratio."""
-    n = len(steps)
+    seconds) in launch order, or one list holding `num_steps` steps' kernels when they
+    could not be split), with each category's floor and its ratio."""
+    n = num_steps or len(steps)
+    if len(steps) != n and len(steps) != 1:
+        raise ValueError(f"{len(steps)} kernel lists for {n} steps")
     lengths = {len(s) for s in steps}
     notes = []
-    if len(lengths) == 1:
+    if len(steps) != n:
+        notes.append(f"{len(steps[0])} kernels over {n} steps do not split evenly: GEMMs not attributed to projections")
+        labels = None
+    elif len(lengths) == 1:
         labels, note = attribute([name for name, _ in steps[0]], num_layers)
         if note:
             notes.append(note)
@@ -292,7 +301,10 @@ def run_breakdown(model_dir: Path, device: str, ceilings: dict, steps: int = 20)
             kernels = profile_steps(stepper(eager, step), sync, steps, cuda)
             source = "eager replays of the same step (graph kernels not visible to the profiler)"
         floors = step_floors(config, tokens, seqs, context, prefill, elem, bw, flops)
-        summary = summarize(kernels, config.num_layers, step_s, floors) if kernels else {"notes": ["no kernels"]}
+        if kernels:
+            summary = summarize(kernels, config.num_layers, step_s, floors, num_steps=steps)
+        else:
+            summary = {"notes": ["the profiler recorded no kernels"]}
         kv_bytes = 0 if prefill else config.num_layers * seqs * context * 2 * config.kv_size * elem
         out[key] = {"tokens": tokens, "seqs": seqs, "context": context, "source": source, "graph": shape.graph,
                     "weights_kv_floor_s": (weight_bytes + kv_bytes) / bw, "kv_bytes": kv_bytes, **summary}

@@ -10,9 +10,8 @@ the bucket that is not captured until its demand exceeds the captured one's (the
 counts both demands itself: only its prompts reach X and Y), so the background thread
 evicts the captured graph and captures the demanded one at once, during decode. The
 capture window of a cycle is [the last trigger prompt sent, its first token + the
-capture's own duration + 50 ms]; a cycle counts only when a status read after the
-daemon's next statistics report (they come once a second) shows the bucket's capture
-count up. Inter-token gaps inside a counted window are "during"; gaps outside every
+capture's own duration + 50 ms]; a cycle counts only when the daemon's statistics
+(reported once a second) show the bucket's capture count up within CAPTURE_WAIT_S. Inter-token gaps inside a counted window are "during"; gaps outside every
 window are "steady"; gaps that overlap a trigger prompt's own prefill (sent to first
 token) or a window that did not count are left out of both.
 """
@@ -32,6 +31,7 @@ SMALL = 16  # the bucket of the decode stream's own prompts
 PAIRS = ((512, 1024), (256, 512), (1024, 2048), (128, 256))
 DECODE_BUCKETS = [1, 2]  # one decode stream plus one trigger prompt at a time
 STATS_WAIT_S = 1.3  # longer than the graph generator's statistics interval (1 s)
+CAPTURE_WAIT_S = 8.0  # the longest a forced capture is waited for
 
 
 def plan_budget(model: Path, cuda: bool, max_prefill_seqs: int, max_tokens: int) -> dict:
@@ -126,8 +126,12 @@ def measure_capture_under_eviction(client_factory, model: Path, cuda: bool, voca
                 triggers.append(ctl.stream(random_prompt(rng, target, vocab), 1))
                 demand[target] += 1
             last = triggers[-1]
-            time.sleep(STATS_WAIT_S)
-            buckets = prefill_buckets(ctl.status())
+            seen_by = time.perf_counter() + CAPTURE_WAIT_S
+            while True:  # the statistics arrive once a second: poll until they show the capture
+                time.sleep(0.3)
+                buckets = prefill_buckets(ctl.status())
+                if buckets[target].get("captures", 0) > before or time.perf_counter() > seen_by:
+                    break
             start = last.sent
             end = (last.times[0] if last.times else last.sent) + (buckets[target].get("capture_s") or 0.0) + 0.05
             if buckets[target].get("captures", 0) > before:

@@ -1,0 +1,65 @@
+"""The kernel classifier of scripts/bench_breakdown.py on kernel names as the PyTorch
+profiler reports them on the H200 (cuBLAS, Triton, PyTorch's own kernels), and the
+attribution of GEMMs to projections by their position in a step."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+import bench_breakdown as bb  # noqa: E402
+
+
+@pytest.mark.parametrize("name, category", [
+    ("nvjet_tst_64x8_64x16_4x1_v_bz_splitK_TNT", "gemm"),  # a main GEMM, "splitK" in its name
+    ("void cublasLt::splitKreduce_kernel<32, 16, int, __nv_bfloat16, __nv_bfloat16, float>", "gemm_reduce"),
+    ("std::enable_if<!(false), void>::type internal::gemvx::kernel<int, int, __nv_bfloat16>", "gemm"),
+    ("void cutlass::Kernel2<cutlass_80_tensorop_bf16_s16816gemm_relu_bf16_64x64_64x4_tn_align8>", "gemm"),
+    ("fmha_cutlassF_bf16_aligned_64x64_rf_sm80(PyTorchMemEffAttention::AttentionKernel)", "attention"),
+    ("_decode_split_kernel", "attention"),
+    ("_decode_merge_kernel", "attention"),
+    ("_rotary_write_kv_kernel", "rope_kv"),
+    ("_write_kv_kernel", "rope_kv"),
+    ("_rms_norm_kernel", "norm"),
+    ("_silu_and_mul_kernel", "other"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::bfloat16_copy_kernel_cuda>", "other"),
+    ("Memcpy DtoD (Device -> Device)", "other"),
+    ("a_kernel_nobody_named", None),
+])
+def test_classify(name, category):
+    assert bb.classify(name) == category
+
+
+LAYER = ["_rms_norm_kernel", "nvjet_qkv", "_rotary_write_kv_kernel", "_decode_split_kernel", "nvjet_o",
+         "void cublasLt::splitKreduce_kernel<>", "_rms_norm_kernel", "nvjet_gate_up", "_silu_and_mul_kernel",
+         "nvjet_down"]
+
+
+def test_gemms_attributed_by_position():
+    step = ["indexSelectLargeIndex", *LAYER, *LAYER, "_rms_norm_kernel", "gemvx_lm_head", "elementwise_copy"]
+    labels, note = bb.attribute(step, num_layers=2)
+    assert note is None
+    gemms = [(n, c) for n, c in zip(step, labels) if c.startswith("gemm")]
+    assert [c for _, c in gemms] == ["gemm.qkv", "gemm.o", "gemm.o", "gemm.gate_up", "gemm.down"] * 2 + \
+        ["gemm.lm_head"]
+    assert labels[0] == "other" and labels[3] == "rope_kv"
+    _, note = bb.attribute(step, num_layers=3)  # a count that does not fit the model: no guessing
+    assert note and "not attributed" in note
+
+
+def test_summary_splits_time_and_lists_unnamed_kernels():
+    from types import SimpleNamespace
+
+    config = SimpleNamespace(hidden_size=64, q_size=64, kv_size=32, intermediate_size=176, vocab_size=1024,
+                             num_layers=2)
+    step = [(n, 1e-6) for n in ["mystery", *LAYER, *LAYER, "_rms_norm_kernel", "gemvx_lm_head"]]
+    floors = bb.step_floors(config, 1, 1, 512, False, 2, 1e12, 1e14)
+    out = bb.summarize([step, step], 2, step_s=30e-6, floors=floors)
+    cats = out["categories"]
+    assert cats["gemm.o"]["kernels_per_step"] == 4 and cats["gemm.o"]["time_s"] == pytest.approx(4e-6)
+    assert cats["gaps"]["time_s"] == pytest.approx(30e-6 - len(step) * 1e-6)
+    assert [u["name"] for u in out["unlisted_kernels"]] == ["mystery"]
+    assert cats["attention"]["floor_bytes"] == 2 * (512 * 2 * 32 + 2 * 64) * 2  # the KV read dominates
