@@ -9,18 +9,20 @@ from hybridd.model.ops import TorchKernels
 
 
 class TritonKernels:
-    """Fused Triton kernels for norms, RoPE with the KV write, SiLU·mul and decode attention;
+    """Fused Triton kernels for norms, RoPE with the KV write, SiLU·mul, decode attention and
+    the projections of a few token rows (cuBLAS for more rows, or where it is faster);
     prefill attention stays on torch SDPA with a packed-sequence mask (graph-safe)."""
 
     name = "triton"
 
     def __init__(self) -> None:
-        from hybridd.model import triton_attention, triton_ops
+        from hybridd.model import triton_attention, triton_gemm, triton_ops
 
         self.rms_norm = triton_ops.rms_norm
         self.add_rms_norm = triton_ops.add_rms_norm
         self.rotary_write_kv = triton_ops.rotary_write_kv
         self.silu_and_mul = triton_ops.silu_and_mul
+        self.linear = triton_gemm.linear
         self.prefill_attention = attention.prefill_attention
         self.decode_attention = triton_attention.decode_attention
 

@@ -63,7 +63,8 @@ class DecoderLayer(nn.Module):
             x, residual = ops.rms_norm(hidden, norm.weight, norm.eps), hidden
         else:
             x, residual = ops.add_rms_norm(hidden, residual, norm.weight, norm.eps)
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = ops.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
@@ -73,10 +74,11 @@ class DecoderLayer(nn.Module):
             o = ops.prefill_attention(q, k, v, step, self.scale, **self.window)
         else:
             o = ops.decode_attention(q, k_cache, v_cache, step.block_tables, step.seq_lens, self.scale, **self.window)
-        hidden = self.o_proj(o.reshape(t, self.q_size))
+        hidden = ops.linear(o.reshape(t, self.q_size), self.o_proj.weight, self.o_proj.bias)
         norm = self.post_attention_layernorm
         x, residual = ops.add_rms_norm(hidden, residual, norm.weight, norm.eps)
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x))), residual
+        gate_up = ops.linear(x, self.gate_up_proj.weight)
+        return ops.linear(ops.silu_and_mul(gate_up), self.down_proj.weight), residual
 
 
 class LlamaModel(nn.Module):
@@ -145,7 +147,7 @@ class LlamaModel(nn.Module):
         """Float32 logits for the rows that need them (each sequence's last token)."""
         if logits_indices is not None:
             hidden = hidden.index_select(0, logits_indices)
-        return self.lm_head(hidden).float()
+        return self.kernels.linear(hidden, self.lm_head.weight).float()
 
     def forward_logits(self, step: StepInputs, kv_cache: KVCache) -> torch.Tensor:
         return self.compute_logits(self.forward(step, kv_cache), step.logits_indices)

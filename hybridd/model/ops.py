@@ -62,6 +62,10 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return F.linear(x, weight, bias)
+
+
 class TorchKernels:
     """The plain torch implementation of every per-layer operation."""
 
@@ -71,5 +75,6 @@ class TorchKernels:
     add_rms_norm = staticmethod(add_rms_norm)
     rotary_write_kv = staticmethod(rotary_write_kv)
     silu_and_mul = staticmethod(silu_and_mul)
+    linear = staticmethod(linear)
     prefill_attention = staticmethod(attention.prefill_attention)
     decode_attention = staticmethod(attention.decode_attention)

@@ -1,0 +1,209 @@
+"""Skinny projections for decode: y = x @ W.T for a few token rows, at the weight-read limit.
+
+With M <= 32 rows the product is bound by reading W [N, K] (as `nn.Linear` stores it)
+once. Each program streams a [BLOCK_N, K / split] slab of W through the pipelined loads
+and multiplies it by the tiny activation tile on the tensor cores (the activation is
+padded to BLOCK_M = 16 or 32 rows, which costs nothing at this intensity). Where the
+N tiles alone cannot fill the GPU (o_proj, down_proj) K is split; the split programs
+store float32 partials and the last one to arrive for an N tile (a per-tile counter,
+reset by that program) sums them and writes the output, so a split product is one
+kernel with no memset and no reduce launch, and its launch grid depends only on the
+shape: safe to capture in a CUDA graph.
+
+Configs per (N, K) and row count come from `scripts/bench_gemm.py`'s sweep on the H200
+(`_TABLE`); a shape or row count without an entry, or where cuBLAS measured faster,
+goes to cuBLAS (`F.linear`).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+MAX_ROWS = 32
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# Float32 partials and per-tile counters for split-K, per (device, stream, capturing).
+_WORKSPACE_FLOATS = 1 << 21
+_COUNTERS = 1 << 14
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+@triton.jit
+def _multiply_add(acc, w_rows, x_ptr, offs_m, k_idx, mask_m, mask_n, stride_xm, K, EVEN_K: tl.constexpr):
+    """acc [BLOCK_N, BLOCK_M] += W[n, k_idx] @ x[m, k_idx].T; the weight is read once, so it
+    is evicted first."""
+    a_ptrs = x_ptr + offs_m[:, None] * stride_xm + k_idx[None, :]
+    if EVEN_K:
+        w = tl.load(w_rows + k_idx[None, :], mask=mask_n[:, None], other=0.0, eviction_policy="evict_first")
+        a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
+    else:
+        mask_k = k_idx < K
+        w = tl.load(
+            w_rows + k_idx[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0, eviction_policy="evict_first"
+        )
+        a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+    return tl.dot(w, tl.trans(a), acc)
+
+
+@triton.jit
+def _store_out(y_ptr, b_ptr, acc, offs_m, offs_n, mask_m, mask_n, stride_ym, HAS_BIAS: tl.constexpr):
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
+    ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
+    tl.store(ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask_m[None, :] & mask_n[:, None])
+
+
+@triton.jit(do_not_specialize=["M"])
+def _skinny_gemm_kernel(
+    x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, count_ptr,
+    M, N, K, k_per_split, split_k, stride_xm, stride_ym,
+    HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    k_start = pid_k * k_per_split
+    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * K
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    # The last split may run past K: its loads there are masked off (EVEN_K: never happens).
+    if INTERPRET:
+        # Triton's CPU interpreter cannot take a runtime loop bound in range(); a while
+        # loop is not software-pipelined when compiled, so it serves the interpreter only.
+        k = 0
+        while k < k_per_split:
+            acc = _multiply_add(acc, w_rows, x_ptr, offs_m, k_start + k + offs_k, mask_m, mask_n, stride_xm, K, EVEN_K)
+            k += BLOCK_K
+    else:
+        for k in range(0, k_per_split, BLOCK_K):
+            acc = _multiply_add(acc, w_rows, x_ptr, offs_m, k_start + k + offs_k, mask_m, mask_n, stride_xm, K, EVEN_K)
+    if SPLIT:
+        # Every split stores its partial; the last to arrive for this N tile sums the others
+        # into its own, writes y and re-arms the counter for the next launch.
+        ws_n = ws_ptr + offs_m[None, :] * N + offs_n[:, None]
+        tl.store(ws_n + pid_k * BLOCK_M * N, acc, mask=mask_n[:, None])
+        tl.debug_barrier()
+        arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
+        if arrived == split_k - 1:
+            s = 0
+            while s < split_k:
+                if s != pid_k:
+                    acc += tl.load(ws_n + s * BLOCK_M * N, mask=mask_n[:, None], other=0.0, cache_modifier=".cg")
+                s += 1
+            tl.atomic_xchg(count_ptr + pid_n, 0)
+            _store_out(y_ptr, b_ptr, acc, offs_m, offs_n, mask_m, mask_n, stride_ym, HAS_BIAS)
+    else:
+        _store_out(y_ptr, b_ptr, acc, offs_m, offs_n, mask_m, mask_n, stride_ym, HAS_BIAS)
+
+
+_scratch: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _split_scratch(device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Workspace and counters for split-K launches. Launches on one stream run in order, so
+    one set per stream suffices; graphs (all replayed on one serving stream) share one set
+    of their own, so an eager run on a side stream never races a replay. The set for graphs
+    is made outside capture (None while capturing without it: the caller uses cuBLAS)."""
+    capturing = torch.cuda.is_current_stream_capturing() if device.type == "cuda" else False
+    stream = None if capturing or device.type != "cuda" else torch.cuda.current_stream(device).cuda_stream
+    key = (device, stream)
+    if key not in _scratch:
+        if capturing:
+            return None
+        for k in (key, (device, None)):
+            if k not in _scratch:
+                _scratch[k] = (
+                    torch.empty(_WORKSPACE_FLOATS, dtype=torch.float32, device=device),
+                    torch.zeros(_COUNTERS, dtype=torch.int32, device=device),
+                )
+    return _scratch[key]
+
+
+def launch(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: GemmConfig
+) -> torch.Tensor | None:
+    """The skinny product with an explicit config; None where it cannot run (the caller
+    falls back to cuBLAS): too many rows, or split-K scratch missing during capture."""
+    m = x.shape[0]
+    n, k = weight.shape
+    if m == 0 or m > MAX_ROWS or x.shape[1] != k:
+        return None
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    block_m = 16 if m <= 16 else 32
+    tiles_n = triton.cdiv(n, config.block_n)
+    split = max(1, min(config.split_k, triton.cdiv(k, config.block_k)))
+    k_per_split = triton.cdiv(triton.cdiv(k, split), config.block_k) * config.block_k
+    split = triton.cdiv(k, k_per_split)
+    if split > 1:
+        if split * block_m * n > _WORKSPACE_FLOATS or tiles_n > _COUNTERS:
+            return None
+        scratch = _split_scratch(x.device)
+        if scratch is None:
+            return None
+        ws, counts = scratch
+    else:
+        ws, counts = x, x
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    _skinny_gemm_kernel[(tiles_n, split)](
+        x, weight, bias if bias is not None else weight, y, ws, counts,
+        m, n, k, k_per_split, split, x.stride(0), y.stride(0),
+        HAS_BIAS=bias is not None, SPLIT=split > 1, EVEN_K=k % k_per_split == 0,
+        BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, INTERPRET=_INTERPRET,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    return y
+
+
+# (N, K) -> [(largest row count, config or None for cuBLAS), ...] ascending, from
+# `python scripts/bench_gemm.py --sweep` on the H200 (2026-12-01); where configs were within
+# the run-to-run spread of each other, one config serves all row counts.
+_TABLE: dict[tuple[int, int], list[tuple[int, GemmConfig | None]]] = {
+    # o_proj of both models
+    (4096, 4096): [(32, GemmConfig(64, 256, 1, 4, 4))],
+    # Llama-2-7B
+    (12288, 4096): [(32, GemmConfig(64, 128, 1, 4, 4))],
+    (22016, 4096): [(8, GemmConfig(64, 256, 1, 4, 4)), (32, None)],
+    (4096, 11008): [(32, GemmConfig(64, 256, 1, 4, 4))],
+    (32000, 4096): [(16, GemmConfig(64, 128, 1, 4, 4)), (32, GemmConfig(128, 128, 1, 4, 4))],
+    # Llama-3-8B
+    (6144, 4096): [(32, GemmConfig(64, 128, 1, 4, 6))],
+    (28672, 4096): [(32, GemmConfig(64, 128, 1, 4, 4))],
+    (4096, 14336): [(16, GemmConfig(64, 256, 1, 4, 4)), (32, GemmConfig(64, 256, 2, 4, 4))],
+    (128256, 4096): [(32, GemmConfig(128, 128, 1, 4, 4))],
+}
+
+
+def config_for(m: int, n: int, k: int) -> GemmConfig | None:
+    for rows, config in _TABLE.get((n, k), ()):
+        if m <= rows:
+            return config
+    return None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) for x [M, K]; the skinny kernel where the table has a config."""
+    if x.dim() == 2 and x.is_cuda:
+        config = config_for(x.shape[0], *weight.shape)
+        if config is not None:
+            y = launch(x, weight, bias, config)
+            if y is not None:
+                return y
+    return F.linear(x, weight, bias)
