@@ -77,10 +77,12 @@ def test_split_counters_rearm_between_calls():
 
 
 def test_rows_beyond_the_kernel_go_to_torch():
-    """More than 32 rows, or a shape the table has no config for, is F.linear itself."""
+    """More than 32 rows, a weight not stored row-major, or a shape the table has no config
+    for, is F.linear itself."""
     x, w, b = operands(33, 24, 40, True, seed=5)
     assert triton_gemm.launch(x, w, b, GemmConfig(16, 32)) is None
     assert torch.equal(triton_gemm.linear(x, w, b), F.linear(x, w, b))
+    assert triton_gemm.launch(x[:3], w.t().contiguous().t(), b, GemmConfig(16, 32)) is None  # column-major
     small = x[:3]
     assert triton_gemm.config_for(3, 24, 40) is None
     assert torch.equal(triton_gemm.linear(small, w, b), F.linear(small, w, b))
@@ -166,3 +168,23 @@ def test_norm_projection_chain_in_a_graph_matches_torch():
         graph.replay()
         torch.cuda.synchronize()
         assert rel(out, reference()) < 2 * TOL
+
+
+@pytest.mark.gpu
+def test_capture_after_one_eager_call_needs_no_compile():
+    """The graph runner warms up at one row and then captures every decode bucket: the first
+    eager call compiles every variant the table can pick for that shape, so a capture at
+    32 rows (BLOCK_M 32, another config for the LM head) launches a loaded kernel."""
+    n, k = 32000, 4096
+    x, w, b = operands(32, n, k, True, seed=17)  # with a bias: kernels no other test compiles
+    triton_gemm.linear(x[:1], w, b)
+    torch.cuda.synchronize()
+    kernels = triton_gemm._skinny_gemm_kernel.device_caches[torch.cuda.current_device()][0]
+    compiled = len(kernels)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = triton_gemm.linear(x, w, b)
+    assert len(kernels) == compiled
+    graph.replay()
+    torch.cuda.synchronize()
+    assert rel(out, F.linear(x, w, b)) < TOL

@@ -140,11 +140,14 @@ def launch(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: GemmConfig
 ) -> torch.Tensor | None:
     """The skinny product with an explicit config; None where it cannot run (the caller
-    falls back to cuBLAS): too many rows, or split-K scratch missing during capture."""
+    falls back to cuBLAS): too many rows, a weight not stored row-major as `nn.Linear`
+    keeps it, or split-K scratch missing during capture."""
     m = x.shape[0]
     n, k = weight.shape
-    if m == 0 or m > MAX_ROWS or x.shape[1] != k:
+    if m == 0 or m > MAX_ROWS or x.shape[1] != k or weight.stride() != (k, 1):
         return None
+    if bias is not None and bias.stride(0) != 1:
+        bias = bias.contiguous()
     if x.stride(-1) != 1:
         x = x.contiguous()
     block_m = 16 if m <= 16 else 32
@@ -198,11 +201,32 @@ def config_for(m: int, n: int, k: int) -> GemmConfig | None:
     return None
 
 
+_compiled: set[tuple] = set()
+
+
+def _compile_every_bucket(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """Launch each kernel variant this shape's table can pick (its config at BLOCK_M 16 and
+    32) once, on the first eager call: a graph captured later for another row count then
+    finds its kernel compiled and loaded instead of compiling inside the capture."""
+    key = (tuple(weight.shape), weight.dtype, x.device, bias is not None)
+    if key in _compiled or torch.cuda.is_current_stream_capturing():
+        return
+    _compiled.add(key)
+    rows = torch.zeros((MAX_ROWS, weight.shape[1]), dtype=x.dtype, device=x.device)
+    seen = set()
+    for m in range(1, MAX_ROWS + 1):
+        config = config_for(m, *weight.shape)
+        if config is not None and (config, m <= 16) not in seen:
+            seen.add((config, m <= 16))
+            launch(rows[:m], weight, bias, config)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias) for x [M, K]; the skinny kernel where the table has a config."""
     if x.dim() == 2 and x.is_cuda:
         config = config_for(x.shape[0], *weight.shape)
         if config is not None:
+            _compile_every_bucket(x, weight, bias)
             y = launch(x, weight, bias, config)
             if y is not None:
                 return y
