@@ -1,5 +1,6 @@
 """The fused Triton kernels against the torch reference: on the GPU in bf16, and on
-the CPU through Triton's interpreter in float32 (the same kernel source)."""
+the CPU through Triton's interpreter in float32 (the same kernel source). The tests
+marked `gpu` sweep the shapes of the supported models on the GPU only."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from hybridd.model import attention as ref_attention
 from hybridd.model import ops as ref_ops
 from hybridd.model.config import RopeConfig
 from hybridd.model.rope import cos_sin_table
+from hybridd.model.step_inputs import StepInputs
 
 pytest.importorskip("triton")
 CUDA = torch.cuda.is_available()
@@ -77,23 +79,77 @@ def test_rotary_write_kv_matches_reference_and_skips_padding_slots(heads, kv_hea
     assert rel(kc[:blocks], kc_ref[:blocks]) < TOL and torch.equal(vc[:blocks], vc_ref[:blocks])
 
 
+def paged_case(g, lens, heads, kv_heads, d, page, extra_blocks=8):
+    """Random caches, block tables (shuffled blocks) and queries for sequences of `lens`."""
+    width = max(-(-n // page) for n in lens)
+    blocks = len(lens) * width + extra_blocks
+    kc = torch.randn(blocks + 1, page, kv_heads, d, dtype=DTYPE, device=DEVICE, generator=g)
+    vc = torch.randn_like(kc)
+    perm = torch.randperm(blocks, device=DEVICE, generator=g)
+    tables = perm[: len(lens) * width].view(len(lens), width).int()
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    q = torch.randn(len(lens), heads, d, dtype=DTYPE, device=DEVICE, generator=g)
+    return q, kc, vc, tables, seq_lens
+
+
 @pytest.mark.parametrize(("heads", "kv_heads"), [(8, 8), (8, 2), (32, 8)])
 @pytest.mark.parametrize("page", [16, 4])
 def test_decode_attention_matches_reference(heads, kv_heads, page):
     g = torch.Generator(device=DEVICE).manual_seed(heads * 100 + page)
     d = 64 if not CUDA else 128
-    blocks = 300
-    kc = torch.randn(blocks + 1, page, kv_heads, d, dtype=DTYPE, device=DEVICE, generator=g)
-    vc = torch.randn_like(kc)
     lens = [1, 2, page, page + 1, 63, 64, 65, 300, 777] if CUDA else [1, page + 1, 65, 130]
-    width = max(-(-n // page) for n in lens)
-    tables = torch.stack([torch.randperm(blocks, device=DEVICE, generator=g)[:width] for _ in lens]).int()
-    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
-    q = torch.randn(len(lens), heads, d, dtype=DTYPE, device=DEVICE, generator=g)
-    out = triton_attention.decode_attention(q, kc, vc, tables, seq_lens, d**-0.5)
+    q, kc, vc, tables, seq_lens = paged_case(g, lens, heads, kv_heads, d, page)
     ref = ref_attention.decode_attention(q, kc, vc, tables, seq_lens, d**-0.5)
+    # The default plan (several splits merged by the last one to finish), then one split.
+    out = triton_attention.decode_attention(q, kc, vc, tables, seq_lens, d**-0.5)
+    assert triton_attention.decode_plan(len(lens), kv_heads, tables.shape[1] * page).splits > 1
     assert rel(out, ref) < (1e-2 if CUDA else 1e-5)
+    single = triton_attention.DecodePlan(splits=1, tile=32, num_warps=4, num_stages=2)
+    assert rel(triton_attention.decode_attention(q, kc, vc, tables, seq_lens, d**-0.5, plan=single), ref) < (
+        1e-2 if CUDA else 1e-5
+    )
+    # A second call gives the same result: the merge left every split counter at zero.
+    assert torch.equal(triton_attention.decode_attention(q, kc, vc, tables, seq_lens, d**-0.5), out)
     # Zero-length rows (bucket padding) give zeros, never NaN.
     seq_lens[0] = 0
     out = triton_attention.decode_attention(q, kc, vc, tables, seq_lens, d**-0.5)
     assert not out.isnan().any() and out[0].abs().sum() == 0
+
+
+def packed_prefill(g, lens, pad, heads, kv_heads, d, padded_seqs=0):
+    """A packed prefill step of sequences of `lens` plus `pad` padding tokens and
+    `padded_seqs` empty sequences, laid out as the graph runner pads a bucket."""
+    step = StepInputs.prefill([[1] * n for n in lens], [[0] * 1 for _ in lens], 1 << 20, DEVICE)
+    real = sum(lens)
+    positions = torch.cat([step.positions, torch.zeros(pad, dtype=step.positions.dtype, device=DEVICE)])
+    qsl = torch.cat([step.query_start_loc, torch.full((padded_seqs,), real, dtype=torch.int32, device=DEVICE)])
+    step = StepInputs(
+        input_ids=torch.zeros(real + pad, dtype=torch.int64, device=DEVICE),
+        positions=positions,
+        slot_mapping=torch.full((real + pad,), -1, dtype=torch.int64, device=DEVICE),
+        block_tables=step.block_tables,
+        seq_lens=step.seq_lens,
+        query_start_loc=qsl,
+        logits_indices=step.logits_indices,
+        is_prefill=True,
+    )
+    t = real + pad
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * d, dtype=DTYPE, device=DEVICE, generator=g)
+    q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    return step, q.view(t, heads, d), k.view(t, kv_heads, d), v.view(t, kv_heads, d)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (8, 2)])
+def test_prefill_attention_matches_reference_with_padding(heads, kv_heads):
+    g = torch.Generator(device=DEVICE).manual_seed(heads)
+    d = 64
+    step, q, k, v = packed_prefill(g, [1, 70, 5, 33], pad=11, heads=heads, kv_heads=kv_heads, d=d, padded_seqs=2)
+    out = triton_attention.prefill_attention(q, k, v, step, d**-0.5)
+    ref = ref_attention.prefill_attention(q, k, v, step, d**-0.5)
+    assert not out.isnan().any()
+    # Every row, the padding rows too, follows the reference's rule.
+    assert rel(out, ref) < (2e-2 if CUDA else 1e-5)
+    real = int(step.query_start_loc[-1])
+    assert rel(out[:real], ref[:real]) < (2e-2 if CUDA else 1e-5)
+
+

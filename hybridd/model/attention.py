@@ -25,30 +25,34 @@ def write_kv(
     flat_v.index_copy_(0, slots, v)
 
 
-def prefill_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: StepInputs, scale: float,
-    sliding_window: int | None = None,
-) -> torch.Tensor:
-    """Causal attention within each packed sequence. q [T, H, d], k/v [T, KVH, d] -> [T, H, d].
-
-    With `sliding_window` W a token sees itself and the W - 1 tokens before it (Mistral).
+def prefill_mask(step: StepInputs, num_tokens: int, sliding_window: int | None = None) -> torch.Tensor:
+    """[T, T] bool: which keys each query of the packed step sees — the same sequence,
+    at a position not after its own (and within `sliding_window` W: itself and the W - 1
+    tokens before it). The Triton prefill kernel applies this rule tile by tile.
 
     Tokens after the last sequence (bucket padding) form one extra sequence of their
-    own, so no row is fully masked and no NaN appears.
-    """
-    t = q.shape[0]
-    token_index = torch.arange(t, device=q.device, dtype=step.query_start_loc.dtype)
+    own, so no row is fully masked and no NaN appears."""
+    token_index = torch.arange(num_tokens, device=step.positions.device, dtype=step.query_start_loc.dtype)
     seq_of_token = torch.searchsorted(step.query_start_loc[1:], token_index, right=True)
     same_seq = seq_of_token[:, None] == seq_of_token[None, :]
     causal = step.positions[None, :] <= step.positions[:, None]
     mask = same_seq & causal
     if sliding_window is not None:
         mask &= step.positions[:, None] - step.positions[None, :] < sliding_window
+    return mask
+
+
+def prefill_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: StepInputs, scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Causal attention within each packed sequence (`prefill_mask`). q [T, H, d],
+    k/v [T, KVH, d] -> [T, H, d]."""
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1).unsqueeze(0),
         k.transpose(0, 1).unsqueeze(0),
         v.transpose(0, 1).unsqueeze(0),
-        attn_mask=mask,
+        attn_mask=prefill_mask(step, q.shape[0], sliding_window),
         scale=scale,
         enable_gqa=True,
     )

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from hybridd.model import attention
 from hybridd.model.ops import TorchKernels
 
 
 class TritonKernels:
-    """Fused Triton kernels for norms, RoPE with the KV write, SiLU·mul, decode attention and
-    the projections of a few token rows (cuBLAS for more rows, or where it is faster);
-    prefill attention stays on torch SDPA with a packed-sequence mask (graph-safe)."""
+    """Fused Triton kernels for norms, RoPE with the KV write, SiLU·mul, paged attention
+    (prefill over the packed step, decode over block tables; no sliding window) and the
+    projections of a few token rows (cuBLAS for more rows, or where it is faster)."""
 
     name = "triton"
 
@@ -23,7 +22,7 @@ class TritonKernels:
         self.rotary_write_kv = triton_ops.rotary_write_kv
         self.silu_and_mul = triton_ops.silu_and_mul
         self.linear = triton_gemm.linear
-        self.prefill_attention = attention.prefill_attention
+        self.prefill_attention = triton_attention.prefill_attention
         self.decode_attention = triton_attention.decode_attention
 
 

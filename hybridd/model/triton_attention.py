@@ -1,28 +1,98 @@
-"""Graph-safe paged decode attention ("flash-decoding") in Triton.
+"""Graph-safe paged attention in Triton: decode over block tables ("flash-decoding")
+and prefill over the packed step (varlen flash attention, no T×T mask).
 
-Each program handles one (sequence, kv head, split) and walks its share of the
-sequence's tokens through the block table; the sequence length and the block table
-are read from device memory, so a graph captured once serves every length. A second
-kernel merges the splits by their log-sum-exp. The grid depends only on the batch
-bucket, the kv heads and the split count, all fixed per captured graph.
+Decode: each program handles one (sequence, kv head, split); the query heads of the kv
+head's group share each key/value tile it reads. It walks its share of the sequence's
+tokens through the block table; the sequence length and the block table are read from
+device memory, so a graph captured once serves every length. With one split the program
+writes the output itself; with several, each writes its partial output and log-sum-exp
+and the last split of a (sequence, kv head) to finish merges them (a ticket counter,
+reset by that same program), so a step is one launch either way. The grid depends only
+on the batch bucket, the kv heads and the split count, all fixed per captured graph.
+
+Prefill: each program handles a tile of query rows of the packed step for one head and
+walks the keys of its rows' sequences up to the causal bound; the sequences' bounds come
+from `query_start_loc` on the device, so the grid depends only on the bucket's token count.
+Masking follows the torch reference (`hybridd/model/attention.py`): same sequence and
+key position <= query position; tokens after the last sequence form one sequence of their
+own, so padding rows see at least themselves and never produce NaN.
 """
 
 from __future__ import annotations
+
+import os
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-_TILE = 64
-_TARGET_PROGRAMS = 264  # about two waves on an H200's 132 multiprocessors
+from hybridd.model.step_inputs import StepInputs
+
+_SMS = 132  # an H200's multiprocessors; the split heuristic aims at a few waves of them
+# Triton's CPU interpreter (the CPU tests) cannot loop over a bound read from memory
+# with `range`; the compiled kernel must, so that the loop is software-pipelined.
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """Launch shape of one decode attention call: fixed per captured batch bucket."""
+
+    splits: int
+    tile: int
+    num_warps: int
+    num_stages: int
+
+
+def decode_plan(batch: int, kv_heads: int, max_tokens: int, target_programs: int = 2 * _SMS) -> DecodePlan:
+    """Enough splits per (sequence, kv head) to fill the GPU at the bucket's width, no more
+    than tiles; at large batch one split, so each program streams its whole context."""
+    tile = 64
+    want = max(1, -(-target_programs // (batch * kv_heads)))
+    most = max(1, -(-max_tokens // tile))
+    splits = triton.next_power_of_2(min(want, most, 64))
+    return DecodePlan(splits=splits, tile=tile, num_warps=4, num_stages=3)
 
 
 @triton.jit
-def _decode_split_kernel(
-    q_ptr, kc_ptr, vc_ptr, bt_ptr, len_ptr, part_o_ptr, part_lse_ptr, scale,
-    stride_qb, stride_qh, stride_c_blk, stride_c_tok, stride_c_head, stride_bt,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-    TILE: tl.constexpr, NUM_SPLITS: tl.constexpr, NUM_HEADS: tl.constexpr, PRECISION: tl.constexpr,
+def _decode_tile(
+    q, kc_ptr, vc_ptr, bt_row, kvh, tok0, end, scale, m_i, l_i, acc,
+    stride_c_blk, stride_c_tok, stride_c_head,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, TILE: tl.constexpr, PRECISION: tl.constexpr,
+):
+    d = tl.arange(0, HEAD_DIM)
+    toks = tok0 + tl.arange(0, TILE)
+    valid = toks < end
+    blk = tl.load(bt_row + toks // PAGE, mask=valid, other=0).to(tl.int64)
+    off = blk * stride_c_blk + (toks % PAGE) * stride_c_tok + kvh * stride_c_head
+    k = tl.load(kc_ptr + off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+    v = tl.load(vc_ptr + off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+    if GROUP == 1:
+        # One query row: a dot product per key on the CUDA cores, no padded matrix tile.
+        s = tl.sum(q.to(tl.float32) * k.to(tl.float32), axis=1)[None, :] * scale
+    else:
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+    s = tl.where(valid[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    p = tl.exp(s - m_new[:, None])
+    alpha = tl.exp(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if GROUP == 1:
+        pv = tl.sum(p.reshape(TILE, 1) * v.to(tl.float32), axis=0)[None, :]
+    else:
+        pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    acc = acc * alpha[:, None] + pv
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, kc_ptr, vc_ptr, bt_ptr, len_ptr, out_ptr, part_o_ptr, part_lse_ptr, ticket_ptr, scale,
+    stride_qb, stride_qh, stride_ob, stride_oh, stride_c_blk, stride_c_tok, stride_c_head, stride_bt,
+    GROUP: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, TILE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, NUM_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, PRECISION: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
@@ -32,61 +102,80 @@ def _decode_split_kernel(
     start = split * per_split
     end = tl.minimum(start + per_split, seq_len)
 
-    g = tl.arange(0, GROUP_PAD)
+    g = tl.arange(0, ROWS)
     d = tl.arange(0, HEAD_DIM)
+    hmask = g < GROUP
     heads = kvh * GROUP + g
-    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=(g < GROUP)[:, None], other=0.0)
-    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-    # A while loop (not range) so the bound read from memory also works in Triton's
-    # CPU interpreter, which the CPU tests use.
-    tok0 = start
-    while tok0 < end:
-        toks = tok0 + tl.arange(0, TILE)
-        valid = toks < end
-        blk = tl.load(bt_ptr + b * stride_bt + toks // PAGE, mask=valid, other=0).to(tl.int64)
-        off = blk * stride_c_blk + (toks % PAGE) * stride_c_tok + kvh * stride_c_head
-        k = tl.load(kc_ptr + off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(vc_ptr + off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
-        tok0 += TILE
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=hmask[:, None], other=0.0)
+    m_i = tl.full([ROWS], float("-inf"), tl.float32)
+    l_i = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
+    bt_row = bt_ptr + b * stride_bt
+    if INTERPRET:
+        tok0 = start
+        while tok0 < end:
+            m_i, l_i, acc = _decode_tile(
+                q, kc_ptr, vc_ptr, bt_row, kvh, tok0, end, scale, m_i, l_i, acc,
+                stride_c_blk, stride_c_tok, stride_c_head, GROUP, HEAD_DIM, PAGE, TILE, PRECISION,
+            )
+            tok0 += TILE
+    else:
+        for tok0 in tl.range(start, end, TILE):
+            m_i, l_i, acc = _decode_tile(
+                q, kc_ptr, vc_ptr, bt_row, kvh, tok0, end, scale, m_i, l_i, acc,
+                stride_c_blk, stride_c_tok, stride_c_head, GROUP, HEAD_DIM, PAGE, TILE, PRECISION,
+            )
     has = l_i > 0
     out = tl.where(has[:, None], acc / tl.where(has, l_i, 1.0)[:, None], 0.0)
-    lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
-    row = (b * NUM_HEADS + heads) * NUM_SPLITS + split
-    hmask = g < GROUP
-    tl.store(part_o_ptr + row[:, None] * HEAD_DIM + d[None, :], out, mask=hmask[:, None])
-    tl.store(part_lse_ptr + row, lse, mask=hmask)
+    out_rows = out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
+    if NUM_SPLITS == 1:
+        tl.store(out_rows, out.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
+    else:
+        lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
+        row = (b * NUM_HEADS + heads) * NUM_SPLITS + split
+        tl.store(part_o_ptr + row[:, None] * HEAD_DIM + d[None, :], out, mask=hmask[:, None])
+        tl.store(part_lse_ptr + row, lse, mask=hmask)
+        # Every thread's partial is stored before the ticket is taken; the program that
+        # takes the last ticket sees all splits' partials and merges them.
+        tl.debug_barrier()
+        ticket = ticket_ptr + b * KV_HEADS + kvh
+        taken = tl.atomic_add(ticket, 1, sem="acq_rel")
+        if taken == NUM_SPLITS - 1:
+            rows = (b * NUM_HEADS + heads) * NUM_SPLITS
+            s = tl.arange(0, NUM_SPLITS)
+            lses = tl.load(part_lse_ptr + rows[:, None] + s[None, :], mask=hmask[:, None], other=float("-inf"),
+                           cache_modifier=".cg")
+            m = tl.max(lses, axis=1)
+            m = tl.where(m == float("-inf"), 0.0, m)
+            total = tl.zeros([ROWS], tl.float32)
+            merged = tl.zeros([ROWS, HEAD_DIM], tl.float32)
+            for i in range(NUM_SPLITS):
+                lse_i = tl.load(part_lse_ptr + rows + i, mask=hmask, other=float("-inf"), cache_modifier=".cg")
+                w = tl.exp(lse_i - m)
+                o_i = tl.load(part_o_ptr + (rows + i)[:, None] * HEAD_DIM + d[None, :], mask=hmask[:, None],
+                              other=0.0, cache_modifier=".cg")
+                total += w
+                merged += w[:, None] * o_i
+            res = merged / tl.where(total > 0, total, 1.0)[:, None]
+            tl.store(out_rows, res.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
+            tl.atomic_xchg(ticket, 0)
 
 
-@triton.jit
-def _decode_merge_kernel(part_o_ptr, part_lse_ptr, out_ptr, NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr):
-    bh = tl.program_id(0).to(tl.int64)
-    s = tl.arange(0, NUM_SPLITS)
-    d = tl.arange(0, HEAD_DIM)
-    lse = tl.load(part_lse_ptr + bh * NUM_SPLITS + s)
-    m = tl.max(lse, axis=0)
-    m = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp(lse - m)
-    o = tl.load(part_o_ptr + (bh * NUM_SPLITS + s)[:, None] * HEAD_DIM + d[None, :])
-    total = tl.sum(w, axis=0)
-    res = tl.sum(w[:, None] * o, axis=0) / tl.where(total > 0, total, 1.0)
-    tl.store(out_ptr + bh * HEAD_DIM + d, res.to(out_ptr.dtype.element_ty))
+_tickets: dict[torch.device, torch.Tensor] = {}
 
 
-def num_splits_for(batch: int, kv_heads: int, max_tokens: int) -> int:
-    """Splits per (sequence, kv head): enough programs to fill the GPU, no more than tiles."""
-    want = max(1, -(-_TARGET_PROGRAMS // (batch * kv_heads)))
-    most = max(1, -(-max_tokens // _TILE))
-    return triton.next_power_of_2(min(want, most, 64))
+def _ticket_counters(device: torch.device, n: int) -> torch.Tensor:
+    """Zeroed split counters, one per (sequence, kv head); each merge resets its own to 0.
+
+    Kept per device and grown outside graph capture; a graph captured before they were
+    large enough gets its own (zeroed inside the graph) rather than one it must not keep."""
+    have = _tickets.get(device)
+    if have is not None and have.numel() >= n:
+        return have
+    if torch.cuda.is_available() and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return torch.zeros(n, dtype=torch.int32, device=device)
+    _tickets[device] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+    return _tickets[device]
 
 
 def decode_attention(
@@ -96,24 +185,137 @@ def decode_attention(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    plan: DecodePlan | None = None,
 ) -> torch.Tensor:
     """q [B, H, d], caches [blocks, page, KVH, d] -> [B, H, d]; same contract as the torch path."""
     b, h, d = q.shape
     kvh = k_cache.shape[2]
     page = k_cache.shape[1]
     group = h // kvh
-    splits = num_splits_for(b, kvh, block_tables.shape[1] * page)
-    q = q.contiguous()
-    part_o = torch.empty((b, h, splits, d), dtype=torch.float32, device=q.device)
-    part_lse = torch.empty((b, h, splits), dtype=torch.float32, device=q.device)
+    plan = plan or decode_plan(b, kvh, block_tables.shape[1] * page)
+    splits = plan.splits
     out = torch.empty_like(q)
-    _decode_split_kernel[(b, kvh, splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, part_o, part_lse, scale,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=d, PAGE=page,
-        TILE=_TILE, NUM_SPLITS=splits, NUM_HEADS=h,
+    if splits > 1:
+        part_o = torch.empty((b, h, splits, d), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((b, h, splits), dtype=torch.float32, device=q.device)
+        tickets = _ticket_counters(q.device, b * kvh)
+    else:
+        part_o = part_lse = tickets = out
+    _decode_kernel[(b, kvh, splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, out, part_o, part_lse, tickets, scale,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        GROUP=group, ROWS=1 if group == 1 else max(16, triton.next_power_of_2(group)), HEAD_DIM=d, PAGE=page,
+        TILE=plan.tile, NUM_SPLITS=splits, NUM_HEADS=h, KV_HEADS=kvh,
         # float32 caches get true float32 products, not TF32 (bf16 ignores this).
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        INTERPRET=_INTERPRET, num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
-    _decode_merge_kernel[(b * h,)](part_o, part_lse, out, NUM_SPLITS=splits, HEAD_DIM=d)
+    return out
+
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _prefill_tile(
+    q, k_ptr, v_ptr, pos_ptr, n0, pos_q, row_start, row_end, qk_scale, m_i, l_i, acc, stride_kt, stride_vt,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+):
+    d = tl.arange(0, HEAD_DIM)
+    keys = n0 + tl.arange(0, BLOCK_N)
+    kvalid = keys < tl.max(row_end, axis=0)
+    keys64 = keys.to(tl.int64)
+    k = tl.load(k_ptr + keys64[:, None] * stride_kt + d[None, :], mask=kvalid[:, None], other=0.0)
+    v = tl.load(v_ptr + keys64[:, None] * stride_vt + d[None, :], mask=kvalid[:, None], other=0.0)
+    pos_k = tl.load(pos_ptr + keys, mask=kvalid, other=0)
+    visible = (
+        (keys[None, :] >= row_start[:, None]) & (keys[None, :] < row_end[:, None])
+        & (pos_k[None, :] <= pos_q[:, None]) & kvalid[None, :]
+    )
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    # Rows that see no key of this tile yet keep m = -inf; subtract 0 for them instead.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_ptr, v_ptr, pos_ptr, qsl_ptr, out_ptr, qk_scale, num_tokens, num_seqs,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SEQS_PAD: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    h = tl.program_id(1)
+    kvh = h // GROUP
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rvalid = rows < num_tokens
+    # Each row's sequence [row_start, row_end) from the sequences' ends; rows past the
+    # last end (bucket padding) form one sequence up to num_tokens.
+    si = tl.arange(0, SEQS_PAD)
+    ends = tl.load(qsl_ptr + 1 + si, mask=si < num_seqs, other=num_tokens)
+    row_start = tl.max(tl.where(ends[None, :] <= rows[:, None], ends[None, :], 0), axis=1)
+    row_end = tl.min(tl.where(ends[None, :] > rows[:, None], ends[None, :], num_tokens), axis=1)
+    last_end = tl.load(qsl_ptr + num_seqs)
+    # A sequence's positions ascend, so no key after a real row in the packed order is
+    # visible to it; padding rows (all at position 0) see their whole pseudo-sequence.
+    row_hi = tl.where(rows < last_end, rows + 1, row_end)
+    lo = tl.min(tl.where(rvalid, row_start, num_tokens), axis=0)
+    hi = tl.max(tl.where(rvalid, row_hi, 0), axis=0)
+    row_end = tl.where(rvalid, row_end, 0)
+
+    d = tl.arange(0, HEAD_DIM)
+    rows64 = rows.to(tl.int64)
+    q = tl.load(q_ptr + rows64[:, None] * stride_qt + h * stride_qh + d[None, :], mask=rvalid[:, None], other=0.0)
+    pos_q = tl.load(pos_ptr + rows, mask=rvalid, other=0)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    k_head = k_ptr + kvh * stride_kh
+    v_head = v_ptr + kvh * stride_vh
+    if INTERPRET:
+        n0 = lo
+        while n0 < hi:
+            m_i, l_i, acc = _prefill_tile(
+                q, k_head, v_head, pos_ptr, n0, pos_q, row_start, row_end, qk_scale, m_i, l_i, acc,
+                stride_kt, stride_vt, HEAD_DIM, BLOCK_N, PRECISION,
+            )
+            n0 += BLOCK_N
+    else:
+        for n0 in tl.range(lo, hi, BLOCK_N):
+            m_i, l_i, acc = _prefill_tile(
+                q, k_head, v_head, pos_ptr, n0, pos_q, row_start, row_end, qk_scale, m_i, l_i, acc,
+                stride_kt, stride_vt, HEAD_DIM, BLOCK_N, PRECISION,
+            )
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(
+        out_ptr + rows64[:, None] * stride_ot + h * stride_oh + d[None, :],
+        out.to(out_ptr.dtype.element_ty), mask=rvalid[:, None],
+    )
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: StepInputs, scale: float) -> torch.Tensor:
+    """Causal attention within each packed sequence. q [T, H, d], k/v [T, KVH, d] -> [T, H, d];
+    same contract as the torch path (without a sliding window)."""
+    t, h, d = q.shape
+    kvh = k.shape[1]
+    out = torch.empty((t, h, d), dtype=q.dtype, device=q.device)
+    if t == 0:
+        return out
+    block_m = 16 if t <= 16 else (32 if t <= 32 else 64)
+    seqs = step.query_start_loc.shape[0] - 1
+    _prefill_kernel[(triton.cdiv(t, block_m), h)](
+        q, k, v, step.positions, step.query_start_loc, out, scale * _LOG2E, t, seqs,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+        GROUP=h // kvh, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=64,
+        SEQS_PAD=max(2, triton.next_power_of_2(seqs)),
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        INTERPRET=_INTERPRET, num_warps=4, num_stages=2,
+    )
     return out
