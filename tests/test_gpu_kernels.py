@@ -153,3 +153,72 @@ def test_prefill_attention_matches_reference_with_padding(heads, kv_heads):
     assert rel(out[:real], ref[:real]) < (2e-2 if CUDA else 1e-5)
 
 
+# The shapes of the supported models on the GPU: Llama-2-7B (32 heads, 32 kv heads, d 128),
+# Llama-3-8B (32 / 8, d 128), and odd ones (d 64, GQA 8), over both block sizes.
+MODEL_SHAPES = [(32, 32, 128), (32, 8, 128), (16, 2, 64), (8, 8, 64)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("heads", "kv_heads", "d"), MODEL_SHAPES)
+@pytest.mark.parametrize("page", [16, 32])
+def test_decode_attention_model_shapes(heads, kv_heads, d, page):
+    g = torch.Generator(device=DEVICE).manual_seed(heads * kv_heads + d + page)
+    for batch in (1, 3, 8, 32):
+        # Lengths on, just before and just after block boundaries, up to 4 K tokens.
+        edges = torch.tensor([1, page - 1, page, page + 1, 4 * page + 1, 511, 512, 513, 4095, 4097])
+        lens = edges[torch.randint(0, len(edges), (batch,), generator=torch.Generator().manual_seed(batch))].tolist()
+        q, kc, vc, tables, seq_lens = paged_case(g, lens, heads, kv_heads, d, page)
+        out = triton_attention.decode_attention(q, kc, vc, tables, seq_lens, d**-0.5)
+        ref = ref_attention.decode_attention(q, kc, vc, tables, seq_lens, d**-0.5)
+        assert rel(out, ref) < 1e-2, (batch, lens)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("heads", "kv_heads", "d"), MODEL_SHAPES[:3])
+def test_decode_attention_graph_replays_new_lengths(heads, kv_heads, d):
+    """One capture serves every length and block table written into its inputs."""
+    g = torch.Generator(device=DEVICE).manual_seed(7)
+    page, batch = 16, 4
+    q, kc, vc, tables, seq_lens = paged_case(g, [4096] * batch, heads, kv_heads, d, page)
+    triton_attention.decode_attention(q, kc, vc, tables, seq_lens, d**-0.5)  # compile outside capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = triton_attention.decode_attention(q, kc, vc, tables, seq_lens, d**-0.5)
+    for lens in ([1, 17, 300, 4096], [4000, 2, 33, 1000], [5, 5, 5, 5]):
+        seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+        tables.copy_(tables[torch.randperm(batch, generator=torch.Generator().manual_seed(lens[0]))])
+        q.copy_(torch.randn(q.shape, dtype=q.dtype, device=DEVICE, generator=g))
+        graph.replay()
+        ref = ref_attention.decode_attention(q, kc, vc, tables, seq_lens, d**-0.5)
+        assert rel(out, ref) < 1e-2, lens
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("heads", "kv_heads", "d"), MODEL_SHAPES)
+def test_prefill_attention_model_shapes(heads, kv_heads, d):
+    g = torch.Generator(device=DEVICE).manual_seed(heads + kv_heads + d)
+    cases = [([16], 0, 0), ([3, 9], 4, 2), ([100, 1, 27], 0, 1), ([200, 311], 1, 3), ([1000, 1000, 37], 11, 0)]
+    for lens, pad, padded_seqs in cases:
+        step, q, k, v = packed_prefill(g, lens, pad, heads, kv_heads, d, padded_seqs)
+        out = triton_attention.prefill_attention(q, k, v, step, d**-0.5)
+        ref = ref_attention.prefill_attention(q, k, v, step, d**-0.5)
+        assert not out.isnan().any()
+        assert rel(out, ref) < 2e-2, lens
+
+
+@pytest.mark.gpu
+def test_prefill_attention_at_a_long_context():
+    """One 16 K-token sequence (a max_model_len prompt): no T×T buffer in the kernel;
+    compared on a slice of rows against the reference restricted to them."""
+    g = torch.Generator(device=DEVICE).manual_seed(3)
+    heads, kv_heads, d, t = 32, 8, 128, 16384
+    step, q, k, v = packed_prefill(g, [t], 0, heads, kv_heads, d)
+    out = triton_attention.prefill_attention(q, k, v, step, d**-0.5)
+    assert not out.isnan().any()
+    for lo in (0, 8000, t - 64):
+        rows = slice(lo, lo + 64)
+        scores = torch.einsum("qhd,khd->hqk", q[rows].float(), k.float().repeat_interleave(heads // kv_heads, 1))
+        visible = torch.arange(t, device=DEVICE)[None, :] <= torch.arange(lo, lo + 64, device=DEVICE)[:, None]
+        probs = (scores * d**-0.5).masked_fill(~visible, float("-inf")).softmax(-1)
+        ref = torch.einsum("hqk,khd->qhd", probs, v.float().repeat_interleave(heads // kv_heads, 1))
+        assert rel(out[rows], ref) < 2e-2, lo

@@ -1,0 +1,205 @@
+"""Microbenchmark of the paged attention kernels on the GPU.
+
+    python scripts/bench_attention.py [--old path/to/old_triton_attention.py] [--sweep] [--out DIR]
+
+Decode attention at batch 1/8/32 × context 512/4096 for the Llama-2-7B (32 heads, 32 kv
+heads, d 128) and Llama-3-8B (32 / 8, d 128) attention shapes, bf16, block size 16, block
+tables as wide as a 4096-token max_model_len and filled with shuffled blocks: time per
+call and the KV bytes read over that time as a share of the measured device copy
+bandwidth (the floor). Each call is timed as the model runs it: a CUDA graph of one call
+per layer over distinct caches (as many layers as keep the data well past the L2 cache),
+replayed; time per call is a replay's time over the layers. `--old` times another module
+with the same `decode_attention` signature beside it (e.g. an earlier version of
+hybridd/model/triton_attention.py); `--sweep` also times other launch plans and prints
+the best per case. Every timed kernel's output is checked against the torch reference.
+
+Prefill attention over one packed sequence of 16/128/512/2048 tokens: the Triton varlen
+kernel against torch SDPA with the packed-step mask (the torch path), time and TFLOP/s
+of the causal attention.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import torch
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from hybridd.model import attention as ref_attention  # noqa: E402
+from hybridd.model import triton_attention  # noqa: E402
+from hybridd.model.step_inputs import StepInputs  # noqa: E402
+
+SHAPES = {"llama2-7b": (32, 32, 128), "llama3-8b": (32, 8, 128)}
+PAGE = 16
+MAX_MODEL_LEN = 4096
+DTYPE = torch.bfloat16
+
+
+def copy_bandwidth() -> float:
+    """Bytes per second of a large device-to-device copy (read + write)."""
+    src = torch.randn(1 << 29, dtype=torch.float32, device="cuda")  # 2 GiB
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=50, rep=300, return_mode="median")
+    return 2 * src.numel() * 4 / (ms * 1e-3)
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def graph_time_ms(fn, calls: int, rep: int = 150) -> float:
+    """Median time of one replay of a graph of `fn`, over the calls it makes."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return triton.testing.do_bench(graph.replay, warmup=10, rep=rep, return_mode="median") / calls
+
+
+class DecodeCase:
+    def __init__(self, shape: str, batch: int, ctx: int):
+        heads, kv_heads, d = SHAPES[shape]
+        self.name, self.batch, self.ctx = shape, batch, ctx
+        self.d = d
+        width = MAX_MODEL_LEN // PAGE
+        per_seq = ctx // PAGE
+        self.kv_bytes = 2 * batch * ctx * kv_heads * d * 2
+        # Enough layers that one replay's KV is far past the 60 MB L2.
+        self.layers = max(2, min(32, math.ceil(512e6 / self.kv_bytes)))
+        g = torch.Generator(device="cuda").manual_seed(batch * ctx)
+        blocks = batch * per_seq
+        self.caches = [
+            (
+                torch.randn(blocks + 1, PAGE, kv_heads, d, dtype=DTYPE, device="cuda", generator=g),
+                torch.randn(blocks + 1, PAGE, kv_heads, d, dtype=DTYPE, device="cuda", generator=g),
+            )
+            for _ in range(self.layers)
+        ]
+        tables = torch.zeros(batch, width, dtype=torch.int32)
+        tables[:, :per_seq] = torch.randperm(blocks).view(batch, per_seq)
+        self.tables = tables.cuda()
+        self.seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+        self.q = torch.randn(batch, heads, d, dtype=DTYPE, device="cuda", generator=g)
+        kc, vc = self.caches[0]
+        self.ref = ref_attention.decode_attention(self.q, kc, vc, self.tables, self.seq_lens, d**-0.5)
+
+    def time(self, decode, rep: int = 150, **kwargs) -> tuple[float, float]:
+        """(ms per call, relative error against the reference)."""
+        scale = self.d**-0.5
+
+        def step():
+            for kc, vc in self.caches:
+                decode(self.q, kc, vc, self.tables, self.seq_lens, scale, **kwargs)
+
+        kc, vc = self.caches[0]
+        err = rel(decode(self.q, kc, vc, self.tables, self.seq_lens, scale, **kwargs), self.ref)
+        return graph_time_ms(step, self.layers, rep), err
+
+
+def sweep_plans(case: DecodeCase) -> list[triton_attention.DecodePlan]:
+    kv_heads = SHAPES[case.name][1]
+    plans = []
+    for target in (264, 528):
+        base = triton_attention.decode_plan(case.batch, kv_heads, MAX_MODEL_LEN, target_programs=target)
+        for tile, warps, stages in ((64, 4, 3), (32, 4, 3), (128, 8, 3), (64, 4, 4), (64, 8, 2)):
+            if tile * base.splits > MAX_MODEL_LEN:
+                continue
+            plans.append(triton_attention.DecodePlan(base.splits, tile, warps, stages))
+    return list(dict.fromkeys(plans))
+
+
+def prefill_case(shape: str, tokens: int):
+    heads, kv_heads, d = SHAPES[shape]
+    g = torch.Generator(device="cuda").manual_seed(tokens)
+    step = StepInputs.prefill([[1] * tokens], [[0]], 1 << 20, "cuda")
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d, dtype=DTYPE, device="cuda", generator=g)
+    q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    q, k, v = q.reshape(tokens, heads, d), k.reshape(tokens, kv_heads, d), v.reshape(tokens, kv_heads, d)
+    return step, q, k, v, d
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--old", type=Path, help="a module file with an older decode_attention to time beside")
+    parser.add_argument("--sweep", action="store_true", help="also time other decode launch plans")
+    parser.add_argument("--out", type=Path, help="folder for attention_bench.json")
+    args = parser.parse_args()
+    old = None
+    if args.old:
+        spec = importlib.util.spec_from_file_location("old_attention", args.old)
+        old = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(old)
+
+    bw = copy_bandwidth()
+    print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    results = {"copy_bandwidth_tbs": bw / 1e12, "decode": [], "prefill": []}
+    lines = ["| decode | batch | ctx | KV MB | new ms | new % bw | old ms | old % bw | best plan | best ms | best % |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|"]
+    for shape in SHAPES:
+        for batch in (1, 8, 32):
+            for ctx in (512, 4096):
+                case = DecodeCase(shape, batch, ctx)
+                floor_ms = case.kv_bytes / bw * 1e3
+                row = {"shape": shape, "batch": batch, "ctx": ctx, "kv_bytes": case.kv_bytes, "floor_ms": floor_ms}
+                row["new_ms"], row["new_err"] = case.time(triton_attention.decode_attention)
+                if old is not None:
+                    row["old_ms"], row["old_err"] = case.time(old.decode_attention)
+                if args.sweep:
+                    timed = []
+                    for plan in sweep_plans(case):
+                        ms, err = case.time(triton_attention.decode_attention, rep=50, plan=plan)
+                        timed.append((ms, plan, err))
+                        assert err < 1e-2, (plan, err)
+                    ms, plan, _ = min(timed, key=lambda x: x[0])
+                    row["best_ms"], row["best_plan"] = ms, plan.__dict__
+                    row["sweep"] = [(m, p.__dict__) for m, p, _ in timed]
+                assert row["new_err"] < 1e-2, row
+                results["decode"].append(row)
+                pct = lambda ms: f"{100 * floor_ms / ms:.0f}" if ms else "-"  # noqa: E731
+                best = row.get("best_plan")
+                best_s = f"s{best['splits']} t{best['tile']} w{best['num_warps']} st{best['num_stages']}" if best else "-"
+                lines.append(
+                    f"| {shape} | {batch} | {ctx} | {case.kv_bytes / 1e6:.1f} | {row['new_ms'] * 1e3:.1f} us | "
+                    f"{pct(row['new_ms'])} | {row.get('old_ms', 0) * 1e3:.1f} us | {pct(row.get('old_ms'))} | {best_s} | "
+                    f"{row.get('best_ms', 0) * 1e3:.1f} us | {pct(row.get('best_ms'))} |"
+                )
+                print(lines[-1], flush=True)
+                del case
+                torch.cuda.empty_cache()
+
+    lines += ["", "| prefill | tokens | Triton varlen | TFLOP/s | SDPA + mask | TFLOP/s | max rel err |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for shape in SHAPES:
+        for tokens in (16, 128, 512, 2048):
+            step, q, k, v, d = prefill_case(shape, tokens)
+            heads = q.shape[1]
+            flops = 4 * heads * d * tokens * (tokens + 1) / 2  # QK^T and PV over the causal half
+            new = triton.testing.do_bench(
+                lambda: triton_attention.prefill_attention(q, k, v, step, d**-0.5), warmup=20, rep=100, return_mode="median"
+            )
+            sdpa = triton.testing.do_bench(
+                lambda: ref_attention.prefill_attention(q, k, v, step, d**-0.5), warmup=20, rep=100, return_mode="median"
+            )
+            err = rel(triton_attention.prefill_attention(q, k, v, step, d**-0.5), ref_attention.prefill_attention(q, k, v, step, d**-0.5))
+            assert err < 2e-2, (shape, tokens, err)
+            results["prefill"].append({"shape": shape, "tokens": tokens, "triton_ms": new, "sdpa_mask_ms": sdpa, "err": err})
+            lines.append(
+                f"| {shape} | {tokens} | {new * 1e3:.1f} us | {flops / new / 1e9:.0f} | {sdpa * 1e3:.1f} us | "
+                f"{flops / sdpa / 1e9:.0f} | {err:.1e} |"
+            )
+            print(lines[-1], flush=True)
+    print("\n" + "\n".join(lines))
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "attention_bench.json").write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
