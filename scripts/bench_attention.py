@@ -46,7 +46,7 @@ def copy_bandwidth() -> float:
     """Bytes per second of a large device-to-device copy (read + write)."""
     src = torch.randn(1 << 29, dtype=torch.float32, device="cuda")  # 2 GiB
     dst = torch.empty_like(src)
-    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=50, rep=300, return_mode="median")
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=30, rep=150, return_mode="median")
     return 2 * src.numel() * 4 / (ms * 1e-3)
 
 
@@ -141,7 +141,28 @@ def main() -> None:
     bw = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     results = {"copy_bandwidth_tbs": bw / 1e12, "decode": [], "prefill": []}
-    lines = ["| decode | batch | ctx | KV MB | new ms | new % bw | old ms | old % bw | best plan | best ms | best % |",
+    lines = ["| prefill | tokens | Triton varlen | TFLOP/s | SDPA + mask | TFLOP/s | max rel err |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for shape in SHAPES:
+        for tokens in (16, 128, 512, 2048):
+            step, q, k, v, d = prefill_case(shape, tokens)
+            heads = q.shape[1]
+            flops = 4 * heads * d * tokens * (tokens + 1) / 2  # QK^T and PV over the causal half
+            new = triton.testing.do_bench(
+                lambda: triton_attention.prefill_attention(q, k, v, step, d**-0.5), warmup=20, rep=100, return_mode="median"
+            )
+            sdpa = triton.testing.do_bench(
+                lambda: ref_attention.prefill_attention(q, k, v, step, d**-0.5), warmup=20, rep=100, return_mode="median"
+            )
+            err = rel(triton_attention.prefill_attention(q, k, v, step, d**-0.5), ref_attention.prefill_attention(q, k, v, step, d**-0.5))
+            if not err < 2e-2:
+                print(f"!! prefill {shape} {tokens}: relative error {err:.2e} against the reference", flush=True)
+            results["prefill"].append({"shape": shape, "tokens": tokens, "triton_ms": new, "sdpa_mask_ms": sdpa, "err": err})
+            lines.append(
+                f"| {shape} | {tokens} | {new * 1e3:.1f} us | {flops / new / 1e9:.0f} | {sdpa * 1e3:.1f} us | "
+                f"{flops / sdpa / 1e9:.0f} | {err:.1e} |"
+            )
+            print(lines[-1], flush=True)
+    lines += ["", "| decode | batch | ctx | KV MB | new ms | new % bw | old ms | old % bw | best plan | best ms | best % |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|"]
     for shape in SHAPES:
         for batch in (1, 8, 32):
@@ -156,12 +177,17 @@ def main() -> None:
                     timed = []
                     for plan in sweep_plans(case):
                         ms, err = case.time(triton_attention.decode_attention, rep=50, plan=plan)
-                        timed.append((ms, plan, err))
-                        assert err < 1e-2, (plan, err)
-                    ms, plan, _ = min(timed, key=lambda x: x[0])
-                    row["best_ms"], row["best_plan"] = ms, plan.__dict__
+                        if err < 1e-2:
+                            timed.append((ms, plan, err))
+                        else:
+                            print(f"!! decode {shape} b{batch} ctx{ctx} {plan}: relative error {err:.2e}", flush=True)
+                    if timed:
+                        ms, plan, _ = min(timed, key=lambda x: x[0])
+                        row["best_ms"], row["best_plan"] = ms, plan.__dict__
                     row["sweep"] = [(m, p.__dict__) for m, p, _ in timed]
-                assert row["new_err"] < 1e-2, row
+                for key in ("new_err", "old_err"):
+                    if not row.get(key, 0) < 1e-2:
+                        print(f"!! decode {shape} b{batch} ctx{ctx} {key} {row[key]:.2e}", flush=True)
                 results["decode"].append(row)
                 pct = lambda ms: f"{100 * floor_ms / ms:.0f}" if ms else "-"  # noqa: E731
                 best = row.get("best_plan")
@@ -174,31 +200,16 @@ def main() -> None:
                 print(lines[-1], flush=True)
                 del case
                 torch.cuda.empty_cache()
+                write(args.out, results)
 
-    lines += ["", "| prefill | tokens | Triton varlen | TFLOP/s | SDPA + mask | TFLOP/s | max rel err |", "|---|---:|---:|---:|---:|---:|---:|"]
-    for shape in SHAPES:
-        for tokens in (16, 128, 512, 2048):
-            step, q, k, v, d = prefill_case(shape, tokens)
-            heads = q.shape[1]
-            flops = 4 * heads * d * tokens * (tokens + 1) / 2  # QK^T and PV over the causal half
-            new = triton.testing.do_bench(
-                lambda: triton_attention.prefill_attention(q, k, v, step, d**-0.5), warmup=20, rep=100, return_mode="median"
-            )
-            sdpa = triton.testing.do_bench(
-                lambda: ref_attention.prefill_attention(q, k, v, step, d**-0.5), warmup=20, rep=100, return_mode="median"
-            )
-            err = rel(triton_attention.prefill_attention(q, k, v, step, d**-0.5), ref_attention.prefill_attention(q, k, v, step, d**-0.5))
-            assert err < 2e-2, (shape, tokens, err)
-            results["prefill"].append({"shape": shape, "tokens": tokens, "triton_ms": new, "sdpa_mask_ms": sdpa, "err": err})
-            lines.append(
-                f"| {shape} | {tokens} | {new * 1e3:.1f} us | {flops / new / 1e9:.0f} | {sdpa * 1e3:.1f} us | "
-                f"{flops / sdpa / 1e9:.0f} | {err:.1e} |"
-            )
-            print(lines[-1], flush=True)
     print("\n" + "\n".join(lines))
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "attention_bench.json").write_text(json.dumps(results, indent=1))
+    write(args.out, results)
+
+
+def write(out: Path | None, results: dict) -> None:
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "attention_bench.json").write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":
