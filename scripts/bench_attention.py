@@ -105,15 +105,27 @@ class DecodeCase:
 
 
 def sweep_plans(case: DecodeCase) -> list[triton_attention.DecodePlan]:
-    kv_heads = SHAPES[case.name][1]
+    """Split counts that give the GPU between half a wave and 32 programs per
+    multiprocessor, each with 32- and 64-token tiles (and, without GQA, the CUDA-core path)."""
+    heads, kv_heads, _ = SHAPES[case.name]
     plans = []
-    for target in (264, 528):
-        base = triton_attention.decode_plan(case.batch, kv_heads, MAX_MODEL_LEN, target_programs=target)
-        for tile, warps, stages in ((64, 4, 3), (32, 4, 3), (128, 8, 3), (64, 4, 4), (64, 8, 2)):
-            if tile * base.splits > MAX_MODEL_LEN:
-                continue
-            plans.append(triton_attention.DecodePlan(base.splits, tile, warps, stages))
-    return list(dict.fromkeys(plans))
+    for splits in (1, 2, 4, 8, 16, 32, 64):
+        programs = case.batch * kv_heads * splits
+        if not 66 <= programs <= 4224 or splits * 32 > case.ctx:
+            continue
+        for tile in (32, 64):
+            for dot in (True, False) if heads == kv_heads else (True,):
+                plans.append(triton_attention.DecodePlan(splits, tile, 4, 3, dot))
+    return plans
+
+
+def prefill_plans(tokens: int) -> list[triton_attention.PrefillPlan]:
+    plan = triton_attention.prefill_plan(tokens)
+    if tokens <= 32:
+        others = [(plan.block_m, 32, 4, 2), (plan.block_m, 64, 2, 1)]
+    else:
+        others = [(128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 4, 3), (64, 32, 4, 2)]
+    return [plan] + [triton_attention.PrefillPlan(*o) for o in others]
 
 
 def prefill_case(shape: str, tokens: int):
@@ -141,25 +153,33 @@ def main() -> None:
     bw = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     results = {"copy_bandwidth_tbs": bw / 1e12, "decode": [], "prefill": []}
-    lines = ["| prefill | tokens | Triton varlen | TFLOP/s | SDPA + mask | TFLOP/s | max rel err |", "|---|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| prefill | tokens | Triton varlen | TFLOP/s | SDPA + mask | TFLOP/s | rel err | best plan | best |", "|---|---:|---:|---:|---:|---:|---:|---|---:|"]
     for shape in SHAPES:
         for tokens in (16, 128, 512, 2048):
             step, q, k, v, d = prefill_case(shape, tokens)
             heads = q.shape[1]
             flops = 4 * heads * d * tokens * (tokens + 1) / 2  # QK^T and PV over the causal half
-            new = triton.testing.do_bench(
-                lambda: triton_attention.prefill_attention(q, k, v, step, d**-0.5), warmup=20, rep=100, return_mode="median"
-            )
-            sdpa = triton.testing.do_bench(
-                lambda: ref_attention.prefill_attention(q, k, v, step, d**-0.5), warmup=20, rep=100, return_mode="median"
-            )
+            timed = []
+            for plan in prefill_plans(tokens) if args.sweep else [None]:
+                run = lambda: triton_attention.prefill_attention(q, k, v, step, d**-0.5, plan=plan)  # noqa: E731
+                run()
+                timed.append((triton.testing.do_bench(run, warmup=20, rep=60, return_mode="median"), plan))
+            new = timed[0][0]
+            best_ms, best_plan = min(timed, key=lambda x: x[0])
+            mask_sdpa = lambda: ref_attention.prefill_attention(q, k, v, step, d**-0.5)  # noqa: E731
+            mask_sdpa()
+            sdpa = triton.testing.do_bench(mask_sdpa, warmup=20, rep=60, return_mode="median")
             err = rel(triton_attention.prefill_attention(q, k, v, step, d**-0.5), ref_attention.prefill_attention(q, k, v, step, d**-0.5))
             if not err < 2e-2:
                 print(f"!! prefill {shape} {tokens}: relative error {err:.2e} against the reference", flush=True)
-            results["prefill"].append({"shape": shape, "tokens": tokens, "triton_ms": new, "sdpa_mask_ms": sdpa, "err": err})
+            results["prefill"].append({
+                "shape": shape, "tokens": tokens, "triton_ms": new, "sdpa_mask_ms": sdpa, "err": err,
+                "best_ms": best_ms, "best_plan": best_plan and best_plan.__dict__,
+            })
+            best_s = "-" if best_plan is None else "m{block_m} n{block_n} w{num_warps} st{num_stages}".format(**best_plan.__dict__)
             lines.append(
                 f"| {shape} | {tokens} | {new * 1e3:.1f} us | {flops / new / 1e9:.0f} | {sdpa * 1e3:.1f} us | "
-                f"{flops / sdpa / 1e9:.0f} | {err:.1e} |"
+                f"{flops / sdpa / 1e9:.0f} | {err:.1e} | {best_s} | {best_ms * 1e3:.1f} us |"
             )
             print(lines[-1], flush=True)
     lines += ["", "| decode | batch | ctx | KV MB | new ms | new % bw | old ms | old % bw | best plan | best ms | best % |",
@@ -191,7 +211,7 @@ def main() -> None:
                 results["decode"].append(row)
                 pct = lambda ms: f"{100 * floor_ms / ms:.0f}" if ms else "-"  # noqa: E731
                 best = row.get("best_plan")
-                best_s = f"s{best['splits']} t{best['tile']} w{best['num_warps']} st{best['num_stages']}" if best else "-"
+                best_s = "s{splits} t{tile} w{num_warps} st{num_stages} dot={dot}".format(**best) if best else "-"
                 lines.append(
                     f"| {shape} | {batch} | {ctx} | {case.kv_bytes / 1e6:.1f} | {row['new_ms'] * 1e3:.1f} us | "
                     f"{pct(row['new_ms'])} | {row.get('old_ms', 0) * 1e3:.1f} us | {pct(row.get('old_ms'))} | {best_s} | "

@@ -4,8 +4,10 @@
 #     bash scripts/gpu_checks.sh
 # 1. the tests marked `gpu` except the 7B model-accuracy ones (tests/test_gpu_model.py:
 #    run it alone, it writes two 13 GB checkpoints);
+#    tests/test_gpu_kernels.py whole (its unmarked tests run on the CPU too: here in bf16);
 # 2. the two-process end-to-end tests over CUDA IPC (HYBRIDD_TEST_DEVICE=cuda);
-# 3. scripts/bench_pipeline.py with both workers traced, and the GPU's idle gaps.
+# 3. scripts/bench_pipeline.py with both workers traced, and the GPU's idle gaps;
+# 4. scripts/bench_attention.py (decode and prefill attention against their floors).
 set -uo pipefail
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -13,10 +15,13 @@ source scripts/device_env.sh
 status=0
 timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests --ignore tests/test_gpu_model.py \
     2>&1 | tee "$OUT/gpu_tests.log" || status=1
+timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_kernels.py -m "not gpu" \
+    2>&1 | tee "$OUT/gpu_kernels.log" || status=1
 HYBRIDD_TEST_DEVICE=cuda timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_runtime_decoupled.py \
     2>&1 | tee "$OUT/gpu_e2e.log" || status=1
 rm -rf /tmp/hybridd-trace
 timeout 240 python3 scripts/bench_pipeline.py --out "$OUT" --trace /tmp/hybridd-trace 2>&1 | tee "$OUT/bench_pipeline.log" \
     || status=1
 cp /tmp/hybridd-trace/idle_gaps.json "$OUT/" 2>/dev/null || status=1
+timeout 240 python3 scripts/bench_attention.py --out "$OUT" 2>&1 | tee "$OUT/bench_attention.log" || status=1
 exit $status

@@ -4,6 +4,7 @@ marked `gpu` sweep the shapes of the supported models on the GPU only."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -104,10 +105,14 @@ def test_decode_attention_matches_reference(heads, kv_heads, page):
     out = triton_attention.decode_attention(q, kc, vc, tables, seq_lens, d**-0.5)
     assert triton_attention.decode_plan(len(lens), kv_heads, tables.shape[1] * page).splits > 1
     assert rel(out, ref) < (1e-2 if CUDA else 1e-5)
-    single = triton_attention.DecodePlan(splits=1, tile=32, num_warps=4, num_stages=2)
-    assert rel(triton_attention.decode_attention(q, kc, vc, tables, seq_lens, d**-0.5, plan=single), ref) < (
-        1e-2 if CUDA else 1e-5
-    )
+    # One split writing the output itself; the CUDA-core path of a single-head group.
+    for plan in (
+        triton_attention.DecodePlan(splits=1, tile=32, num_warps=4, num_stages=2),
+        triton_attention.DecodePlan(splits=1, tile=32, num_warps=4, num_stages=2, dot=False),
+        triton_attention.DecodePlan(splits=4, tile=16, num_warps=4, num_stages=3, dot=False),
+    ):
+        got = triton_attention.decode_attention(q, kc, vc, tables, seq_lens, d**-0.5, plan=plan)
+        assert rel(got, ref) < (1e-2 if CUDA else 1e-5), plan
     # A second call gives the same result: the merge left every split counter at zero.
     assert torch.equal(triton_attention.decode_attention(q, kc, vc, tables, seq_lens, d**-0.5), out)
     # Zero-length rows (bucket padding) give zeros, never NaN.
@@ -144,13 +149,12 @@ def test_prefill_attention_matches_reference_with_padding(heads, kv_heads):
     g = torch.Generator(device=DEVICE).manual_seed(heads)
     d = 64
     step, q, k, v = packed_prefill(g, [1, 70, 5, 33], pad=11, heads=heads, kv_heads=kv_heads, d=d, padded_seqs=2)
-    out = triton_attention.prefill_attention(q, k, v, step, d**-0.5)
     ref = ref_attention.prefill_attention(q, k, v, step, d**-0.5)
-    assert not out.isnan().any()
-    # Every row, the padding rows too, follows the reference's rule.
-    assert rel(out, ref) < (2e-2 if CUDA else 1e-5)
-    real = int(step.query_start_loc[-1])
-    assert rel(out[:real], ref[:real]) < (2e-2 if CUDA else 1e-5)
+    for plan in (None, triton_attention.PrefillPlan(block_m=16, block_n=16, num_warps=2, num_stages=1)):
+        out = triton_attention.prefill_attention(q, k, v, step, d**-0.5, plan=plan)
+        assert not out.isnan().any()
+        # Every row, the padding rows too, follows the reference's rule.
+        assert rel(out, ref) < (2e-2 if CUDA else 1e-5), plan
 
 
 # The shapes of the supported models on the GPU: Llama-2-7B (32 heads, 32 kv heads, d 128),
@@ -168,9 +172,13 @@ def test_decode_attention_model_shapes(heads, kv_heads, d, page):
         edges = torch.tensor([1, page - 1, page, page + 1, 4 * page + 1, 511, 512, 513, 4095, 4097])
         lens = edges[torch.randint(0, len(edges), (batch,), generator=torch.Generator().manual_seed(batch))].tolist()
         q, kc, vc, tables, seq_lens = paged_case(g, lens, heads, kv_heads, d, page)
-        out = triton_attention.decode_attention(q, kc, vc, tables, seq_lens, d**-0.5)
         ref = ref_attention.decode_attention(q, kc, vc, tables, seq_lens, d**-0.5)
-        assert rel(out, ref) < 1e-2, (batch, lens)
+        plan = triton_attention.decode_plan(batch, kv_heads, tables.shape[1] * page)
+        # A single-head group also runs on the path its default plan does not take.
+        plans = [plan, dataclasses.replace(plan, dot=not plan.dot)] if heads == kv_heads else [plan]
+        for plan in plans:
+            out = triton_attention.decode_attention(q, kc, vc, tables, seq_lens, d**-0.5, plan=plan)
+            assert rel(out, ref) < 1e-2, (batch, lens, plan)
 
 
 @pytest.mark.gpu

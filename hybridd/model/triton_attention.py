@@ -43,6 +43,9 @@ class DecodePlan:
     tile: int
     num_warps: int
     num_stages: int
+    # Scores and values through the tensor cores (query rows padded to 16) rather than
+    # the CUDA cores; only a single-head group (no GQA) can use the CUDA cores.
+    dot: bool = True
 
 
 def decode_plan(batch: int, kv_heads: int, max_tokens: int, target_programs: int = 2 * _SMS) -> DecodePlan:
@@ -59,7 +62,7 @@ def decode_plan(batch: int, kv_heads: int, max_tokens: int, target_programs: int
 def _decode_tile(
     q, kc_ptr, vc_ptr, bt_row, kvh, tok0, end, scale, m_i, l_i, acc,
     stride_c_blk, stride_c_tok, stride_c_head,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, TILE: tl.constexpr, PRECISION: tl.constexpr,
+    HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, TILE: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
 ):
     d = tl.arange(0, HEAD_DIM)
     toks = tok0 + tl.arange(0, TILE)
@@ -68,21 +71,22 @@ def _decode_tile(
     off = blk * stride_c_blk + (toks % PAGE) * stride_c_tok + kvh * stride_c_head
     k = tl.load(kc_ptr + off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
     v = tl.load(vc_ptr + off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-    if GROUP == 1:
-        # One query row: a dot product per key on the CUDA cores, no padded matrix tile.
-        s = tl.sum(q.to(tl.float32) * k.to(tl.float32), axis=1)[None, :] * scale
-    else:
+    if DOT:
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+    else:
+        # One query row (q is float32 [1, d]): a dot product per key on the CUDA cores.
+        s = tl.sum(q * k.to(tl.float32), axis=1)[None, :] * scale
     s = tl.where(valid[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     p = tl.exp(s - m_new[:, None])
     alpha = tl.exp(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    if GROUP == 1:
-        pv = tl.sum(p.reshape(TILE, 1) * v.to(tl.float32), axis=0)[None, :]
+    if DOT:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     else:
-        pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-    acc = acc * alpha[:, None] + pv
+        # acc is [TILE, d]: each key's weighted value stays in its own row until the end,
+        # so no tile needs a reduction across warps.
+        acc = acc * alpha[:, None] + p.reshape(TILE, 1) * v.to(tl.float32)
     return m_new, l_i, acc
 
 
@@ -91,8 +95,8 @@ def _decode_kernel(
     q_ptr, kc_ptr, vc_ptr, bt_ptr, len_ptr, out_ptr, part_o_ptr, part_lse_ptr, ticket_ptr, scale,
     stride_qb, stride_qh, stride_ob, stride_oh, stride_c_blk, stride_c_tok, stride_c_head, stride_bt,
     GROUP: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, TILE: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, NUM_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, PRECISION: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, NUM_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, DOT: tl.constexpr,
+    PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
@@ -109,22 +113,28 @@ def _decode_kernel(
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=hmask[:, None], other=0.0)
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
-    acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
+    if DOT:
+        acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
+    else:
+        q = q.to(tl.float32)
+        acc = tl.zeros([TILE, HEAD_DIM], tl.float32)
     bt_row = bt_ptr + b * stride_bt
     if INTERPRET:
         tok0 = start
         while tok0 < end:
             m_i, l_i, acc = _decode_tile(
                 q, kc_ptr, vc_ptr, bt_row, kvh, tok0, end, scale, m_i, l_i, acc,
-                stride_c_blk, stride_c_tok, stride_c_head, GROUP, HEAD_DIM, PAGE, TILE, PRECISION,
+                stride_c_blk, stride_c_tok, stride_c_head, HEAD_DIM, PAGE, TILE, DOT, PRECISION,
             )
             tok0 += TILE
     else:
         for tok0 in tl.range(start, end, TILE):
             m_i, l_i, acc = _decode_tile(
                 q, kc_ptr, vc_ptr, bt_row, kvh, tok0, end, scale, m_i, l_i, acc,
-                stride_c_blk, stride_c_tok, stride_c_head, GROUP, HEAD_DIM, PAGE, TILE, PRECISION,
+                stride_c_blk, stride_c_tok, stride_c_head, HEAD_DIM, PAGE, TILE, DOT, PRECISION,
             )
+    if not DOT:
+        acc = tl.sum(acc, axis=0)[None, :]
     has = l_i > 0
     out = tl.where(has[:, None], acc / tl.where(has, l_i, 1.0)[:, None], 0.0)
     out_rows = out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
@@ -141,23 +151,17 @@ def _decode_kernel(
         ticket = ticket_ptr + b * KV_HEADS + kvh
         taken = tl.atomic_add(ticket, 1, sem="acq_rel")
         if taken == NUM_SPLITS - 1:
-            rows = (b * NUM_HEADS + heads) * NUM_SPLITS
             s = tl.arange(0, NUM_SPLITS)
-            lses = tl.load(part_lse_ptr + rows[:, None] + s[None, :], mask=hmask[:, None], other=float("-inf"),
-                           cache_modifier=".cg")
-            m = tl.max(lses, axis=1)
-            m = tl.where(m == float("-inf"), 0.0, m)
-            total = tl.zeros([ROWS], tl.float32)
-            merged = tl.zeros([ROWS, HEAD_DIM], tl.float32)
-            for i in range(NUM_SPLITS):
-                lse_i = tl.load(part_lse_ptr + rows + i, mask=hmask, other=float("-inf"), cache_modifier=".cg")
-                w = tl.exp(lse_i - m)
-                o_i = tl.load(part_o_ptr + (rows + i)[:, None] * HEAD_DIM + d[None, :], mask=hmask[:, None],
-                              other=0.0, cache_modifier=".cg")
-                total += w
-                merged += w[:, None] * o_i
-            res = merged / tl.where(total > 0, total, 1.0)[:, None]
-            tl.store(out_rows, res.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
+            for gi in tl.static_range(GROUP):
+                head = kvh * GROUP + gi
+                first = (b * NUM_HEADS + head) * NUM_SPLITS
+                lses = tl.load(part_lse_ptr + first + s, cache_modifier=".cg")
+                m = tl.max(lses, axis=0)
+                w = tl.exp(lses - tl.where(m == float("-inf"), 0.0, m))
+                parts = tl.load(part_o_ptr + (first + s)[:, None] * HEAD_DIM + d[None, :], cache_modifier=".cg")
+                total = tl.sum(w, axis=0)
+                res = tl.sum(w[:, None] * parts, axis=0) / tl.where(total > 0, total, 1.0)
+                tl.store(out_ptr + b * stride_ob + head * stride_oh + d, res.to(out_ptr.dtype.element_ty))
             tl.atomic_xchg(ticket, 0)
 
 
@@ -194,6 +198,7 @@ def decode_attention(
     group = h // kvh
     plan = plan or decode_plan(b, kvh, block_tables.shape[1] * page)
     splits = plan.splits
+    dot = plan.dot or group > 1
     out = torch.empty_like(q)
     if splits > 1:
         part_o = torch.empty((b, h, splits, d), dtype=torch.float32, device=q.device)
@@ -205,8 +210,8 @@ def decode_attention(
         q, k_cache, v_cache, block_tables, seq_lens, out, part_o, part_lse, tickets, scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        GROUP=group, ROWS=1 if group == 1 else max(16, triton.next_power_of_2(group)), HEAD_DIM=d, PAGE=page,
-        TILE=plan.tile, NUM_SPLITS=splits, NUM_HEADS=h, KV_HEADS=kvh,
+        GROUP=group, ROWS=max(16, triton.next_power_of_2(group)) if dot else 1, HEAD_DIM=d, PAGE=page,
+        TILE=plan.tile, NUM_SPLITS=splits, NUM_HEADS=h, KV_HEADS=kvh, DOT=dot,
         # float32 caches get true float32 products, not TF32 (bf16 ignores this).
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         INTERPRET=_INTERPRET, num_warps=plan.num_warps, num_stages=plan.num_stages,
@@ -215,6 +220,22 @@ def decode_attention(
 
 
 _LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class PrefillPlan:
+    """Launch shape of one prefill attention call: fixed per captured token bucket."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def prefill_plan(tokens: int) -> PrefillPlan:
+    """Query tiles no taller than the step (a 16-token bucket runs 16-row tiles)."""
+    block_m = 16 if tokens <= 16 else (32 if tokens <= 32 else 64)
+    return PrefillPlan(block_m=block_m, block_n=64, num_warps=4, num_stages=2)
 
 
 @triton.jit
@@ -300,7 +321,10 @@ def _prefill_kernel(
     )
 
 
-def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: StepInputs, scale: float) -> torch.Tensor:
+def prefill_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: StepInputs, scale: float,
+    plan: PrefillPlan | None = None,
+) -> torch.Tensor:
     """Causal attention within each packed sequence. q [T, H, d], k/v [T, KVH, d] -> [T, H, d];
     same contract as the torch path (without a sliding window)."""
     t, h, d = q.shape
@@ -308,14 +332,14 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: S
     out = torch.empty((t, h, d), dtype=q.dtype, device=q.device)
     if t == 0:
         return out
-    block_m = 16 if t <= 16 else (32 if t <= 32 else 64)
+    plan = plan or prefill_plan(t)
     seqs = step.query_start_loc.shape[0] - 1
-    _prefill_kernel[(triton.cdiv(t, block_m), h)](
+    _prefill_kernel[(triton.cdiv(t, plan.block_m), h)](
         q, k, v, step.positions, step.query_start_loc, out, scale * _LOG2E, t, seqs,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-        GROUP=h // kvh, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=64,
+        GROUP=h // kvh, HEAD_DIM=d, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
         SEQS_PAD=max(2, triton.next_power_of_2(seqs)),
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        INTERPRET=_INTERPRET, num_warps=4, num_stages=2,
+        INTERPRET=_INTERPRET, num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
     return out
