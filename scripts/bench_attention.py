@@ -106,16 +106,15 @@ class DecodeCase:
 
 def sweep_plans(case: DecodeCase) -> list[triton_attention.DecodePlan]:
     """Split counts that give the GPU between half a wave and 32 programs per
-    multiprocessor, each with 32- and 64-token tiles (and, without GQA, the CUDA-core path)."""
-    heads, kv_heads, _ = SHAPES[case.name]
+    multiprocessor, each with 32- and 64-token tiles."""
+    kv_heads = SHAPES[case.name][1]
     plans = []
     for splits in (1, 2, 4, 8, 16, 32, 64):
         programs = case.batch * kv_heads * splits
         if not 66 <= programs <= 4224 or splits * 32 > case.ctx:
             continue
         for tile in (32, 64):
-            for dot in (True, False) if heads == kv_heads else (True,):
-                plans.append(triton_attention.DecodePlan(splits, tile, 4, 3, dot))
+            plans.append(triton_attention.DecodePlan(splits, tile, 4, 3))
     return plans
 
 
@@ -211,7 +210,7 @@ def main() -> None:
                 results["decode"].append(row)
                 pct = lambda ms: f"{100 * floor_ms / ms:.0f}" if ms else "-"  # noqa: E731
                 best = row.get("best_plan")
-                best_s = "s{splits} t{tile} w{num_warps} st{num_stages} dot={dot}".format(**best) if best else "-"
+                best_s = "s{splits} t{tile} w{num_warps} st{num_stages}".format(**best) if best else "-"
                 lines.append(
                     f"| {shape} | {batch} | {ctx} | {case.kv_bytes / 1e6:.1f} | {row['new_ms'] * 1e3:.1f} us | "
                     f"{pct(row['new_ms'])} | {row.get('old_ms', 0) * 1e3:.1f} us | {pct(row.get('old_ms'))} | {best_s} | "

@@ -29,7 +29,6 @@ import triton.language as tl
 
 from hybridd.model.step_inputs import StepInputs
 
-_SMS = 132  # an H200's multiprocessors; the split heuristic aims at a few waves of them
 # Triton's CPU interpreter (the CPU tests) cannot loop over a bound read from memory
 # with `range`; the compiled kernel must, so that the loop is software-pipelined.
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -43,18 +42,22 @@ class DecodePlan:
     tile: int
     num_warps: int
     num_stages: int
-    # Scores and values through the tensor cores (query rows padded to 16) rather than
-    # the CUDA cores; only a single-head group (no GQA) can use the CUDA cores.
-    dot: bool = True
 
 
-def decode_plan(batch: int, kv_heads: int, max_tokens: int, target_programs: int = 2 * _SMS) -> DecodePlan:
-    """Enough splits per (sequence, kv head) to fill the GPU at the bucket's width, no more
-    than tiles; at large batch one split, so each program streams its whole context."""
+def decode_plan(batch: int, kv_heads: int, max_tokens: int) -> DecodePlan:
+    """Splits per (sequence, kv head) for about 512 programs (256 at batch 1, where the
+    last split's merge is on the critical path: two to four per multiprocessor), at most
+    32 and no more than tiles of the bucket's width; at large batch one split streams the
+    whole context.
+
+    Chosen by scripts/bench_attention.py's sweep on an H200 (Llama-2-7B and Llama-3-8B
+    shapes, batch 1/8/32, context 512/4096): 64-token tiles won everywhere, and these
+    split counts were the best or within 12 % of it."""
     tile = 64
-    want = max(1, -(-target_programs // (batch * kv_heads)))
+    target = 256 if batch == 1 else 512
+    want = max(1, -(-target // (batch * kv_heads)))
     most = max(1, -(-max_tokens // tile))
-    splits = triton.next_power_of_2(min(want, most, 64))
+    splits = triton.next_power_of_2(min(want, most, 32))
     return DecodePlan(splits=splits, tile=tile, num_warps=4, num_stages=3)
 
 
@@ -62,7 +65,7 @@ def decode_plan(batch: int, kv_heads: int, max_tokens: int, target_programs: int
 def _decode_tile(
     q, kc_ptr, vc_ptr, bt_row, kvh, tok0, end, scale, m_i, l_i, acc,
     stride_c_blk, stride_c_tok, stride_c_head,
-    HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, TILE: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
+    HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, TILE: tl.constexpr, PRECISION: tl.constexpr,
 ):
     d = tl.arange(0, HEAD_DIM)
     toks = tok0 + tl.arange(0, TILE)
@@ -71,22 +74,13 @@ def _decode_tile(
     off = blk * stride_c_blk + (toks % PAGE) * stride_c_tok + kvh * stride_c_head
     k = tl.load(kc_ptr + off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
     v = tl.load(vc_ptr + off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-    if DOT:
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-    else:
-        # One query row (q is float32 [1, d]): a dot product per key on the CUDA cores.
-        s = tl.sum(q * k.to(tl.float32), axis=1)[None, :] * scale
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
     s = tl.where(valid[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     p = tl.exp(s - m_new[:, None])
     alpha = tl.exp(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    if DOT:
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-    else:
-        # acc is [TILE, d]: each key's weighted value stays in its own row until the end,
-        # so no tile needs a reduction across warps.
-        acc = acc * alpha[:, None] + p.reshape(TILE, 1) * v.to(tl.float32)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return m_new, l_i, acc
 
 
@@ -95,8 +89,8 @@ def _decode_kernel(
     q_ptr, kc_ptr, vc_ptr, bt_ptr, len_ptr, out_ptr, part_o_ptr, part_lse_ptr, ticket_ptr, scale,
     stride_qb, stride_qh, stride_ob, stride_oh, stride_c_blk, stride_c_tok, stride_c_head, stride_bt,
     GROUP: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, TILE: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, NUM_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, DOT: tl.constexpr,
-    PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, NUM_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, PRECISION: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
@@ -113,28 +107,22 @@ def _decode_kernel(
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=hmask[:, None], other=0.0)
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
-    if DOT:
-        acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
-    else:
-        q = q.to(tl.float32)
-        acc = tl.zeros([TILE, HEAD_DIM], tl.float32)
+    acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
     bt_row = bt_ptr + b * stride_bt
     if INTERPRET:
         tok0 = start
         while tok0 < end:
             m_i, l_i, acc = _decode_tile(
                 q, kc_ptr, vc_ptr, bt_row, kvh, tok0, end, scale, m_i, l_i, acc,
-                stride_c_blk, stride_c_tok, stride_c_head, HEAD_DIM, PAGE, TILE, DOT, PRECISION,
+                stride_c_blk, stride_c_tok, stride_c_head, HEAD_DIM, PAGE, TILE, PRECISION,
             )
             tok0 += TILE
     else:
         for tok0 in tl.range(start, end, TILE):
             m_i, l_i, acc = _decode_tile(
                 q, kc_ptr, vc_ptr, bt_row, kvh, tok0, end, scale, m_i, l_i, acc,
-                stride_c_blk, stride_c_tok, stride_c_head, HEAD_DIM, PAGE, TILE, DOT, PRECISION,
+                stride_c_blk, stride_c_tok, stride_c_head, HEAD_DIM, PAGE, TILE, PRECISION,
             )
-    if not DOT:
-        acc = tl.sum(acc, axis=0)[None, :]
     has = l_i > 0
     out = tl.where(has[:, None], acc / tl.where(has, l_i, 1.0)[:, None], 0.0)
     out_rows = out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
@@ -198,7 +186,6 @@ def decode_attention(
     group = h // kvh
     plan = plan or decode_plan(b, kvh, block_tables.shape[1] * page)
     splits = plan.splits
-    dot = plan.dot or group > 1
     out = torch.empty_like(q)
     if splits > 1:
         part_o = torch.empty((b, h, splits, d), dtype=torch.float32, device=q.device)
@@ -210,8 +197,10 @@ def decode_attention(
         q, k_cache, v_cache, block_tables, seq_lens, out, part_o, part_lse, tickets, scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        GROUP=group, ROWS=max(16, triton.next_power_of_2(group)) if dot else 1, HEAD_DIM=d, PAGE=page,
-        TILE=plan.tile, NUM_SPLITS=splits, NUM_HEADS=h, KV_HEADS=kvh, DOT=dot,
+        # The group's query rows padded to the 16 rows of a tensor-core tile: faster than
+        # one row on the CUDA cores even without GQA (measured), and the KV read is the cost.
+        GROUP=group, ROWS=max(16, triton.next_power_of_2(group)), HEAD_DIM=d, PAGE=page,
+        TILE=plan.tile, NUM_SPLITS=splits, NUM_HEADS=h, KV_HEADS=kvh,
         # float32 caches get true float32 products, not TF32 (bf16 ignores this).
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         INTERPRET=_INTERPRET, num_warps=plan.num_warps, num_stages=plan.num_stages,
