@@ -1052,7 +1052,8 @@ def render_table(results: dict) -> str:
         lines.append(f"HTTP gateway vs SDK: TTFT p50 {fmt(g(gw, 'http', 'ttft_p50_s'), 1e3, 3)} vs "
                      f"{fmt(g(gw, 'sdk', 'ttft_p50_s'), 1e3, 3)} ms (+{fmt(gw.get('added_ttft_p50_s'), 1e3, 3)}), "
                      f"ITL p50 {fmt(g(gw, 'http', 'itl_p50_s'), 1e3, 3)} vs {fmt(g(gw, 'sdk', 'itl_p50_s'), 1e3, 3)} "
-                     f"ms (+{fmt(gw.get('added_itl_p50_s'), 1e3, 3)})")
+                     f"ms (+{fmt(gw.get('added_itl_p50_s'), 1e3, 3)}); TTFT through httpx +"
+                     f"{fmt(g(gw, 'httpx', 'added_ttft_p50_s'), 1e3, 3)} ms")
     ip = results.get("in_process")
     if ip:
         lines.append(f"same graphs in one process: ITL p50/p99 {fmt(ip.get('in_process_itl_p50_s'), 1e3)}/"

@@ -64,6 +64,7 @@ def test_json_has_every_figure(bench_out):
     for side in ("sdk", "http"):
         assert gateway[side]["ttft_p50_s"] > 0 and gateway[side]["itl_p50_s"] > 0, gateway
     assert gateway["added_ttft_p50_s"] is not None and gateway["added_itl_p50_s"] is not None
+    assert gateway["httpx"]["ttft_p50_s"] > 0 and gateway["httpx"]["ttft_n"] == gateway["http"]["ttft_n"], gateway
     assert r["targets"][-1]["target"].startswith("HTTP gateway: ITL p50 added")
     figures = [row["figure"] for row in r["table"]]
     assert figures[:5] == [f"TTFT {n} tok" for n in (10, 32, 128, 256, 500)] and "ITL p50 (b=1)" in figures

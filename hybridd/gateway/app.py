@@ -16,7 +16,7 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -61,13 +61,15 @@ class EventStream(StreamingResponse):
         with contextlib.suppress(OSError):
             async with anyio.create_task_group() as group:
 
-                async def stream() -> None:
-                    await self.stream_response(send)
+                async def watch() -> None:
+                    await self.listen_for_disconnect(receive)
+                    log.debug("client disconnected; cancelling its stream")
                     group.cancel_scope.cancel()
 
-                group.start_soon(stream)
-                await self.listen_for_disconnect(receive)
-                log.debug("client disconnected; cancelling its stream")
+                group.start_soon(watch)
+                # The events are written from this task, so the first one (the daemon's
+                # first reply is already here) goes out without waiting for a new task's turn.
+                await self.stream_response(send)
                 group.cancel_scope.cancel()
 
 
@@ -253,20 +255,32 @@ async def _drain(jobs: list[Job], streams: list[AsyncStream], firsts: list[Any])
             stream.close()
 
 
-async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
-    """Run `work` unless the HTTP client disconnects first (then it is cancelled)."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_until_disconnected(request))
+async def _unless_disconnected(request: Request, work: Coroutine[Any, Any, Any]) -> Any:
+    """Await `work` unless the HTTP client disconnects first (then it is cancelled).
+
+    `work` runs in the calling task, and a watcher cancels that task on a disconnect:
+    the outcome reaches the caller without the extra turns of the loop that a task of
+    its own and a wait on both would cost (this is the first token's path)."""
+    task = asyncio.current_task()
+    assert task is not None
+    disconnected = False
+
+    async def watch() -> None:
+        nonlocal disconnected
+        await _until_disconnected(request)
+        disconnected = True
+        task.cancel()
+
+    watcher = asyncio.ensure_future(watch())
     try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        return await work
+    except asyncio.CancelledError:
+        if not disconnected:
+            raise
+        task.uncancel()
+        raise ClientDisconnected() from None
     finally:
         watcher.cancel()
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-    if task.cancelled():
-        raise ClientDisconnected()
-    return task.result()
 
 
 _END = object()
@@ -280,6 +294,8 @@ async def _first_reply(stream: AsyncStream) -> Chunk | object:
 
 
 async def _first_replies(streams: list[AsyncStream]) -> list[Chunk | object]:
+    if len(streams) == 1:
+        return [await _first_reply(streams[0])]
     outcomes = await asyncio.gather(*(_first_reply(s) for s in streams), return_exceptions=True)
     for outcome in outcomes:
         if isinstance(outcome, BaseException):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
-from collections.abc import Iterator
+from collections.abc import Coroutine, Iterator
 from typing import Any
 
 import uvicorn
@@ -86,11 +86,22 @@ async def serve(config: Config, *, endpoint: str | None = None,
             await gateway.fallback.close()
 
 
+def run(main: Coroutine[Any, Any, None]) -> None:
+    """Run the gateway's loop: uvloop's when it is installed (as uvicorn would choose it),
+    whose faster wake-ups and socket writes shorten the way of every first token."""
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(main)
+        return
+    uvloop.run(main)
+
+
 def main(config: dict[str, Any], supervisor_endpoint: str) -> None:
     """The supervised entry point (see hybridd.supervisor.worker_main)."""
     cfg = Config.from_dict(config)
     configure(cfg.log_level)
-    asyncio.run(serve(cfg))
+    run(serve(cfg))
 
 
 def run_standalone(argv: list[str] | None = None) -> None:
@@ -108,7 +119,7 @@ def run_standalone(argv: list[str] | None = None) -> None:
     endpoint = args.pop("endpoint")
     config = load_config(overrides=args)
     configure(config.log_level)
-    asyncio.run(serve(config, endpoint=endpoint, stop_signals=(signal.SIGTERM, signal.SIGINT)))
+    run(serve(config, endpoint=endpoint, stop_signals=(signal.SIGTERM, signal.SIGINT)))
 
 
 if __name__ == "__main__":
