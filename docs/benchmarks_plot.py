@@ -163,7 +163,7 @@ def breakdown_panel(ax, results: dict) -> None:
     ax.set_title("Where a step goes, by kernel category")
     ax.set_ylim(bottom=0)
     ax.grid(True, axis="y", alpha=0.3)
-    ax.legend(fontsize=6, ncol=2)
+    ax.legend(fontsize=6, ncol=2, loc="upper left")
 
 
 def plot(runs: list[dict], png: Path, theirs: dict | None = None) -> Path:

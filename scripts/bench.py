@@ -1218,7 +1218,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.model is not None and "model" not in meta:
             meta["model"] = str(args.model)
         vocab = lambda: state["vocab"]  # noqa: E731
-        part("breakdown", lambda out: run_breakdown_subprocess(args, state["model"], state["ceilings"]),
+        part("breakdown", lambda out: run_breakdown_subprocess(args, state["model"], state["ceilings"], deadline),
              needs=("model", "ceilings"))
         part("hybridd_eager", lambda out: run_hybridd(args, state["model"], vocab(), False, deadline, meta["notes"], out),
              needs=("model", "vocab"))
@@ -1260,7 +1260,7 @@ def model_shape_name(args) -> str:
     return f"{SHAPE_NAMES.get(args.preset, args.preset)} shape, random {dtype} weights"
 
 
-def run_breakdown_subprocess(args, model: Path, ceilings: dict) -> dict:
+def run_breakdown_subprocess(args, model: Path, ceilings: dict, deadline: float) -> dict:
     """scripts/bench_breakdown.py in its own process: the model it loads and the graphs
     it captures are gone, whatever happens, before the daemons start."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -1268,7 +1268,9 @@ def run_breakdown_subprocess(args, model: Path, ceilings: dict) -> dict:
         cmd = [sys.executable, str(ROOT / "scripts" / "bench_breakdown.py"), "--model", str(model), "--device",
                args.device, "--out", str(out), "--copy-bandwidth", repr(ceilings["copy_bandwidth_Bps"]),
                "--matmul-flops", repr(ceilings["matmul_flops"]), "--steps", "2" if args.device == "cpu" else "20"]
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+        # Past the budget's end the part is cut short (recorded as failed) and the run goes on.
+        timeout = max(60.0, deadline - time.perf_counter())
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
         if proc.returncode != 0 or not out.is_file():
             raise RuntimeError(f"bench_breakdown.py exited {proc.returncode}: {proc.stderr[-3000:]}")
         return json.loads(out.read_text())

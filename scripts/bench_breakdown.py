@@ -47,8 +47,8 @@ STEP_RANGE = "bench.breakdown.step"
 # kernel; a name no row matches is counted in "other" and listed under `unlisted_kernels`.
 # Attention comes before GEMM: fused attention kernels are often built from cutlass.
 CATEGORY_RULES: tuple[tuple[str, str], ...] = (
-    ("attention", r"attention|attn|flash|fmha|_decode_split|_decode_merge|paged|sdpa|scaled_dot_product|softmax"
-                  r"|^aten::einsum"),
+    ("attention", r"attention|attn|flash|fmha|^_?(decode|prefill)(_split|_merge)?_kernel|paged|sdpa"
+                  r"|scaled_dot_product|softmax|^aten::einsum"),
     # The separate reduction of a split-K GEMM (cuBLAS splitKreduce_kernel): part of the GEMM before it.
     # A main GEMM kernel may carry "splitK" in its name too, so the rule needs "reduce".
     ("gemm_reduce", r"split_?k_?reduce|reduce_?split_?k"),
