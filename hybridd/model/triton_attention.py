@@ -184,7 +184,9 @@ def decode_attention(
     kvh = k_cache.shape[2]
     page = k_cache.shape[1]
     group = h // kvh
-    plan = plan or decode_plan(b, kvh, block_tables.shape[1] * page)
+    if plan is None:
+        _compile_decode_plans(q, k_cache, v_cache, block_tables, scale)
+        plan = decode_plan(b, kvh, block_tables.shape[1] * page)
     splits = plan.splits
     out = torch.empty_like(q)
     if splits > 1:
@@ -321,8 +323,10 @@ def prefill_attention(
     out = torch.empty((t, h, d), dtype=q.dtype, device=q.device)
     if t == 0:
         return out
-    plan = plan or prefill_plan(t)
     seqs = step.query_start_loc.shape[0] - 1
+    if plan is None:
+        _compile_prefill_plans(q, k, v, step, scale)
+        plan = prefill_plan(t)
     _prefill_kernel[(triton.cdiv(t, plan.block_m), h)](
         q, k, v, step.positions, step.query_start_loc, out, scale * _LOG2E, t, seqs,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
@@ -332,3 +336,52 @@ def prefill_attention(
         INTERPRET=_INTERPRET, num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
     return out
+
+
+# Graph buckets of other sizes pick other launch plans (split counts, query tile heights),
+# each its own compiled kernel. The first eager call for a geometry (the graph runner's
+# warm-up) launches every plan a bucket can pick, on empty inputs, so a later capture
+# finds them compiled and loaded instead of compiling inside the capture.
+_MAX_BUCKET_BATCH = 512
+_compiled: set[tuple] = set()
+
+
+def _first_eager_call(key: tuple, device: torch.device) -> bool:
+    if key in _compiled or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        return False
+    _compiled.add(key)
+    return True
+
+
+def _compile_decode_plans(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor, scale: float
+) -> None:
+    h, kvh, page, width = q.shape[1], k_cache.shape[2], k_cache.shape[1], block_tables.shape[1]
+    key = ("decode", q.device, q.dtype, tuple(q.shape[1:]), tuple(k_cache.shape[1:]), width)
+    if not _first_eager_call(key, q.device):
+        return
+    plans = {decode_plan(b, kvh, width * page) for b in range(1, _MAX_BUCKET_BATCH + 1)}
+    empty = torch.zeros(1, dtype=torch.int32, device=q.device)
+    for plan in plans:
+        decode_attention(q[:1], k_cache, v_cache, block_tables[:1], empty, scale, plan=plan)
+
+
+def _compile_prefill_plans(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: StepInputs, scale: float) -> None:
+    seqs = step.query_start_loc.shape[0] - 1
+    key = ("prefill", q.device, q.dtype, tuple(q.shape[1:]), tuple(k.shape[1:]), seqs)
+    if not _first_eager_call(key, q.device):
+        return
+    for tokens in (16, 32, 64):
+        plan = prefill_plan(tokens)
+        dummy = StepInputs(
+            input_ids=step.input_ids[:0],
+            positions=torch.zeros(tokens, dtype=step.positions.dtype, device=q.device),
+            slot_mapping=step.slot_mapping[:0],
+            block_tables=step.block_tables,
+            seq_lens=step.seq_lens,
+            query_start_loc=torch.zeros(seqs + 1, dtype=step.query_start_loc.dtype, device=q.device),
+            logits_indices=step.logits_indices,
+            is_prefill=True,
+        )
+        rows = [torch.zeros((tokens, *x.shape[1:]), dtype=x.dtype, device=x.device) for x in (q, k, v)]
+        prefill_attention(*rows, dummy, scale, plan=plan)
