@@ -257,7 +257,9 @@ def _prefill_tile(
     return m_new, l_i, acc
 
 
-@triton.jit
+# Token and sequence counts are not specialised on (divisibility, == 1): an eager step of
+# any size reuses the bucket's compiled kernel instead of compiling one while serving.
+@triton.jit(do_not_specialize=["num_tokens", "num_seqs"])
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, pos_ptr, qsl_ptr, out_ptr, qk_scale, num_tokens, num_seqs,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
