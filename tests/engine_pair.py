@@ -12,6 +12,7 @@ import zmq
 
 from hybridd.config import Config
 from hybridd.protocol import codec
+from tests.host_load import on_this_host
 
 
 class EnginePair:
@@ -34,8 +35,10 @@ class EnginePair:
         return Client(self.zmq, self.config.client_endpoint, version)
 
     def wait_ready(self, timeout: float = 120.0) -> None:
+        """Until the pair serves: `timeout` seconds as on an idle host, stretched by the
+        host's load (two workers importing torch and loading a model share its cores)."""
         client = self.client()
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + on_this_host(timeout)
         try:
             while time.monotonic() < deadline:
                 if not (self.context.is_alive() and self.graph.is_alive()):

@@ -78,6 +78,28 @@ def test_padded_graph_steps_equal_plain_forward(model):
     assert decode4.replays == 6 and decode4.eager_runs == 0
 
 
+def test_written_steps_are_padded_past_their_rows():
+    """`write` leaves every row past a step's own as padding (slot -1, position 0, length-1
+    sequences over block 0, starting where the real tokens end), whatever larger step the
+    alternating host mirror held before: graphs read it with no padding pass of their own."""
+    buffers = StepBuffers.allocate(64, 8, 4, 32, "cpu")
+    big = StepInputs.prefill([list(range(3, 30)), [7] * 20, [9] * 10], [[1, 2, 3, 4], [5, 6, 7], [8, 9]], BLOCK)
+    small = StepInputs.prefill([[5, 6, 7]], [[3]], BLOCK)
+    for step in (big, big, small, StepInputs.decode([4, 5], [3, 9], [[3], [4, 5]], BLOCK), small):
+        buffers.write(step)
+        n, s = step.num_tokens, step.num_seqs
+        assert buffers.input_ids[:n].tolist() == step.input_ids.tolist()
+        assert buffers.slot_mapping[:n].tolist() == step.slot_mapping.tolist()
+        assert buffers.query_start_loc[: s + 1].tolist() == step.query_start_loc.tolist()
+        assert (buffers.input_ids[n:] == 0).all() and (buffers.positions[n:] == 0).all()
+        assert (buffers.slot_mapping[n:] == -1).all()
+        assert (buffers.seq_lens[s:] == 1).all() and (buffers.logits_indices[s:] == 0).all()
+        assert (buffers.block_tables[s:] == 0).all()
+        assert (buffers.query_start_loc[s + 1 :] == n).all()
+        width = step.block_tables.shape[1]
+        assert (buffers.block_tables[:s, width:] == 0).all()
+
+
 def test_uncaptured_buckets_run_eagerly_and_count(model):
     runner = make_runner(model)
     shape = run_step(runner, StepInputs.decode([5, 6, 7], [3, 4, 5], [[0], [1], [2]], BLOCK))

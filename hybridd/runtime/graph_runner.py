@@ -4,7 +4,8 @@ Decode graphs (one per batch-size bucket) are captured before the daemon is read
 largest first. Prefill graphs (one per token-count bucket) are captured afterwards
 by a background thread, most-demanded first, into a rolling set bounded by a memory
 budget with least-recently-used eviction; until a bucket exists its steps run eagerly
-or pad into a larger captured bucket. All graphs share one memory pool.
+or pad into a larger captured bucket. All graphs share one memory pool, and each is
+uploaded to the device right after its capture, so that no replay pays for the upload.
 
 Concurrency: captures happen on a side stream with `capture_error_mode="thread_local"`
 through `capture_begin/end` directly (the `torch.cuda.graph` helper would synchronize
@@ -150,19 +151,18 @@ class GraphRunner:
 
     # --------------------------------------------------------------- execution
     def run(self, is_prefill: bool, num_tokens: int, num_seqs: int) -> StepShape:
-        """Run one step whose real rows are in the buffers, on the serving stream: pick its
-        bucket, pad the rest of the bucket, replay the bucket's graph (or run eagerly).
-        The logits of its sequences land in `buffers.logits[:num_seqs]`."""
+        """Run one step written to the buffers (`StepBuffers.write`: its real rows, padding
+        past them), on the serving stream: pick its bucket and replay the bucket's graph
+        (or run eagerly). The logits of its sequences land in `buffers.logits[:num_seqs]`."""
         shape = self.plan_step(is_prefill, num_tokens, num_seqs)
         if self.stream is not None:
             with torch.cuda.stream(self.stream):
-                self._pad_and_execute(shape, num_tokens, num_seqs)
+                self._execute(shape)
         else:
-            self._pad_and_execute(shape, num_tokens, num_seqs)
+            self._execute(shape)
         return shape
 
-    def _pad_and_execute(self, shape: StepShape, num_tokens: int, num_seqs: int) -> None:
-        self.buffers.pad(num_tokens, num_seqs, shape.tokens, shape.seqs)
+    def _execute(self, shape: StepShape) -> None:
         if shape.graph:
             key = ("prefill" if shape.is_prefill else "decode", shape.bucket)
             with self._lock:
@@ -174,7 +174,7 @@ class GraphRunner:
                     self.stats[key].replays += 1
                     graph.replay()
                     return
-            # Evicted between planning and execution: the padded inputs are still valid.
+            # Evicted between planning and execution: the padded inputs serve the eager run.
         self._step_body(self.buffers.view(shape.is_prefill, shape.tokens, shape.seqs), self.buffers.logits)
 
     @torch.inference_mode()
@@ -225,6 +225,7 @@ class GraphRunner:
         tokens, seqs = self._shape_of(is_prefill, size)
         started = time.perf_counter()
         free_before = 0
+        uploaded = False
         try:
             self._warm_up(is_prefill, tokens, seqs)
             free_before = free_device_bytes(self.device)
@@ -232,6 +233,7 @@ class GraphRunner:
             if self.cuda:
                 graph = torch.cuda.CUDAGraph()
                 self._capture_graph(graph, view)
+                uploaded = self._upload(graph, key)
             else:
                 graph = _EagerGraph(lambda: self._step_body(view, self.buffers.logits))
         except Exception as exc:  # a failed capture disables the bucket, never the process
@@ -251,6 +253,7 @@ class GraphRunner:
             (self._prefill_graphs if is_prefill else self._decode_graphs)[size] = graph
             stats.captured = True
             stats.captures += 1
+            stats.uploaded = uploaded
             stats.bytes = used
             stats.capture_s = time.perf_counter() - started
         log.info("graph_captured", kind=key[0], size=size, bytes=used, seconds=round(stats.capture_s, 4))
@@ -277,6 +280,27 @@ class GraphRunner:
             self.capture_stream.synchronize()
         else:
             self._step_body(dummy, scratch_logits)
+
+    def _upload(self, graph: torch.cuda.CUDAGraph, key: tuple[str, int]) -> bool:
+        """Upload a captured graph's executable to the device now (cudaGraphUpload on the
+        capture stream), so that its first replay, often a request's first token, does
+        not pay for the upload while the GPU waits. Without the means (a PyTorch without
+        `raw_cuda_graph_exec`, no cupy) or on an error the graph still serves: its first
+        launch uploads it. Returns whether it was uploaded."""
+        raw_exec = getattr(graph, "raw_cuda_graph_exec", None)
+        if raw_exec is None:
+            return False
+        try:
+            import cupy
+
+            with cupy.cuda.Device(self.device.index or 0):
+                cupy.cuda.runtime.graphUpload(raw_exec(), self.capture_stream.cuda_stream)
+            # A replay from the serving stream must not race the upload.
+            self.capture_stream.synchronize()
+        except Exception as exc:  # the launch uploads it instead
+            log.warning("graph_upload_failed", kind=key[0], size=key[1], error=f"{type(exc).__name__}: {exc}"[:200])
+            return False
+        return True
 
     def _capture_pool_anchor(self) -> torch.cuda.CUDAGraph:
         """A one-kernel graph in the pool that lives as long as the runner. PyTorch counts

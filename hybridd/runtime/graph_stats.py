@@ -13,6 +13,7 @@ class BucketStats:
     bytes: int = 0
     capture_s: float = 0.0
     captures: int = 0  # successful captures, a re-capture after an eviction included
+    uploaded: bool = False  # the live graph was uploaded to the device before its first replay
     replays: int = 0
     eager_runs: int = 0
     demand: int = 0

@@ -1,14 +1,16 @@
 """The static step buffers: fixed-address input and output tensors that every graph reads
 and writes, sized for the largest bucket.
 
-The context generator writes a step's rows (`write`); the graph runner pads the rest of
-the bucket (`pad`: slot -1, so padded rows write nothing to the KV cache); graphs then
-see the new contents at the same addresses. In the two-process runtime these tensors
-live in a shared arena.
+The context generator writes a step (`write`): its real rows, and every row past them
+as padding (slot -1, so padded rows write nothing to the KV cache), so a graph of any
+bucket reads a padded step without a padding kernel of its own; graphs then see the new
+contents at the same addresses. In the two-process runtime these tensors live in a
+shared arena.
 
 All integer inputs live in one packed int32 region (`step_inputs`), so a step's
-inputs reach the device in a single host-to-device copy from a pinned mirror;
-per-buffer copies were seven small transfers on the critical path of every step.
+inputs, padding included, reach the device in a single host-to-device copy from a
+pinned mirror; per-buffer copies were seven small transfers on the critical path of
+every step, and padding on the device seven more kernels before every graph.
 """
 
 from __future__ import annotations
@@ -80,11 +82,13 @@ class StepBuffers:
         self.fields = input_fields(max_tokens, self.max_seqs, max_blocks_per_seq)
         for name, view in _split(self.packed, self.fields).items():
             setattr(self, name, view)
-        # Two pinned host mirrors, alternated, each with the event of its last copy; made
-        # on the first write, since the graph generator only ever pads.
+        # Two pinned host mirrors, alternated, each with the event of its last copy and
+        # the (tokens, seqs) rows its last step filled; made on the first write, since the
+        # graph generator never writes.
         self._mirrors: list[torch.Tensor] = []
         self._mirror_views: list[dict[str, torch.Tensor]] = []
         self._mirror_done: list[torch.cuda.Event | None] = [None, None]
+        self._mirror_rows: list[tuple[int, int]] = []
         self._next_mirror = 0
 
     @classmethod
@@ -109,8 +113,8 @@ class StepBuffers:
         )
 
     def write(self, step: StepInputs) -> None:
-        """A host-side step's real rows, in one host-to-device copy of the packed inputs
-        (on the current stream). Rows past the step's own are left for `pad` or never read."""
+        """A host-side step's real rows, and padding in every row past them, in one
+        host-to-device copy of the packed inputs (on the current stream)."""
         if step.num_tokens > self.max_tokens or step.num_seqs > self.max_seqs:
             raise ValueError(
                 f"step of {step.num_tokens} tokens / {step.num_seqs} seqs exceeds the step buffers "
@@ -123,14 +127,23 @@ class StepBuffers:
             pin = self.packed.device.type == "cuda"
             self._mirrors = [torch.zeros(self.packed.shape, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
             self._mirror_views = [_split(m, self.fields) for m in self._mirrors]
+            for host in self._mirror_views:
+                _pad(host, 0, self.max_tokens, 0, self.max_seqs)
+            self._mirror_rows = [(0, 0), (0, 0)]
         index = self._next_mirror
         self._next_mirror ^= 1
         if self._mirror_done[index] is not None:
             self._mirror_done[index].synchronize()  # its previous copy has been read
         host = self._mirror_views[index]
+        # Rows that this mirror's previous step filled and this one does not go back to padding.
+        filled_tokens, filled_seqs = self._mirror_rows[index]
+        _pad(host, step.num_tokens, filled_tokens, step.num_seqs, filled_seqs)
+        self._mirror_rows[index] = (step.num_tokens, step.num_seqs)
         for name in ("input_ids", "positions", "slot_mapping", "seq_lens", "query_start_loc", "logits_indices"):
             values = getattr(step, name)
             host[name][: values.shape[0]].copy_(values)
+        # Padded sequences start (and end) where the real tokens end.
+        host["query_start_loc"][step.num_seqs + 1 :].fill_(step.num_tokens)
         table = host["block_tables"][: step.num_seqs]
         table.zero_()
         table[:, :width] = step.block_tables
@@ -140,17 +153,16 @@ class StepBuffers:
             done.record()
             self._mirror_done[index] = done
 
-    def pad(self, num_tokens: int, num_seqs: int, to_tokens: int, to_seqs: int) -> None:
-        """Fill rows [num_tokens, to_tokens) and sequences [num_seqs, to_seqs) as padding:
-        slot -1 (no KV write) at position 0; padded sequences have length 1 over block 0
-        (a harmless read) and no tokens of their own."""
-        if to_tokens > num_tokens:
-            self.input_ids[num_tokens:to_tokens].zero_()
-            self.positions[num_tokens:to_tokens].zero_()
-            self.slot_mapping[num_tokens:to_tokens].fill_(-1)
-        if to_seqs > num_seqs:
-            self.seq_lens[num_seqs:to_seqs].fill_(1)
-            self.query_start_loc[num_seqs + 1 : to_seqs + 1].fill_(num_tokens)
-            self.logits_indices[num_seqs:to_seqs].zero_()
-            self.block_tables[num_seqs:to_seqs].zero_()
 
+def _pad(host: dict[str, torch.Tensor], tokens_from: int, tokens_to: int, seqs_from: int, seqs_to: int) -> None:
+    """Rows [tokens_from, tokens_to) and sequences [seqs_from, seqs_to) of a host mirror as
+    padding: slot -1 (no KV write) at position 0; padded sequences have length 1 over
+    block 0 (a harmless read). Their `query_start_loc` is set by `write`, from its step."""
+    if tokens_to > tokens_from:
+        host["input_ids"][tokens_from:tokens_to].zero_()
+        host["positions"][tokens_from:tokens_to].zero_()
+        host["slot_mapping"][tokens_from:tokens_to].fill_(-1)
+    if seqs_to > seqs_from:
+        host["seq_lens"][seqs_from:seqs_to].fill_(1)
+        host["logits_indices"][seqs_from:seqs_to].zero_()
+        host["block_tables"][seqs_from:seqs_to].zero_()
