@@ -368,8 +368,8 @@ def generate(prompt: str, config_path, runtime_dir, endpoint, server_key, client
                 result = client.generate(prompt, **sampling)
                 click.echo(json.dumps({
                     "id": result.id, "text": result.text, "token_ids": result.token_ids,
-                    "finish_reason": result.finish_reason, "usage": dataclasses.asdict(result.usage),
-                    "timings": dataclasses.asdict(result.timings)}, indent=2))
+                    "finish_reason": result.finish_reason, "usage": result.usage.to_wire(),
+                    "timings": result.timings.to_wire()}, indent=2))
                 return
             stream = client.stream(prompt, **sampling)
             for chunk in stream:

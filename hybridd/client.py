@@ -60,9 +60,10 @@ from hybridd.errors import (
     error_for_code,
 )
 from hybridd.log import get_logger
-from hybridd.protocol.codec import encode, parse_reply
+from hybridd.protocol import codec
+from hybridd.protocol.codec import encode
 from hybridd.protocol.errors import ErrorCode, ProtocolError
-from hybridd.protocol.limits import MAX_MESSAGE_BYTES, MAX_TIMEOUT_S
+from hybridd.protocol.limits import MAX_MESSAGE_BYTES, MAX_TIMEOUT_S, PROTOCOL_VERSION
 from hybridd.protocol.messages import (
     CancelRequest,
     ChatMessage,
@@ -127,7 +128,7 @@ HEARTBEAT_IVL_MS = 1000
 HEARTBEAT_TIMEOUT_MS = 3000
 RECONNECT_IVL_MS = 100
 RECONNECT_IVL_MAX_MS = 1000
-SAMPLING_FIELDS = frozenset(SamplingParams.__dataclass_fields__)
+SAMPLING_FIELDS = frozenset(SamplingParams.__struct_fields__)
 Messages = list[ChatMessage | dict[str, str]]
 
 
@@ -208,27 +209,28 @@ def _build_generate(
     timeout: float | None,
     messages: Messages | None = None,
 ) -> GenerateRequest:
-    unknown = set(options) - SAMPLING_FIELDS
-    if unknown:
-        raise TypeError(f"unknown sampling option(s): {', '.join(sorted(unknown))}")
-    if sampling is None:
-        sampling = SamplingParams(**options)
-    elif isinstance(sampling, dict):
-        sampling = SamplingParams(**(sampling | options))
-    elif options:
-        raise TypeError("give sampling options either as `sampling` or as keywords, not both")
+    if isinstance(sampling, SamplingParams):
+        if options:
+            raise TypeError("give sampling options either as `sampling` or as keywords, not both")
+        fields: SamplingParams | dict[str, Any] = sampling
+    else:
+        fields = (sampling or {}) | options
+        unknown = set(fields) - SAMPLING_FIELDS
+        if unknown:
+            raise TypeError(f"unknown sampling option(s): {', '.join(sorted(unknown))}")
     text, ids = (prompt, None) if isinstance(prompt, str) or prompt is None else (None, list(prompt))
-    chat = None
-    if messages is not None:
-        chat = [m if isinstance(m, ChatMessage) else ChatMessage(**m) for m in messages]
-    request = GenerateRequest(
-        id=request_id or new_request_id(), prompt=text, prompt_token_ids=ids, messages=chat, sampling=sampling,
-        stream=stream, timeout_s=None if timeout is None else min(timeout, MAX_TIMEOUT_S),
-    )
-    try:  # the daemon's own validation, so that a bad request fails here, naming its field
-        return GenerateRequest.from_wire(request.to_wire())
+    request_id = request_id or new_request_id()
+    wire = {
+        "v": PROTOCOL_VERSION, "type": "generate", "id": request_id, "prompt": text, "prompt_token_ids": ids,
+        "messages": None if messages is None else list(messages), "sampling": fields, "stream": stream,
+        "timeout_s": None if timeout is None else min(timeout, MAX_TIMEOUT_S),
+    }
+    try:  # the daemon's own decoder, so that a bad request fails here, naming its field
+        request = codec.REQUESTS.decode(encode(wire))
     except ProtocolError as error:
-        raise error_for_code(error.code, error.message, field=error.field, request_id=request.id) from None
+        raise error_for_code(error.code, error.message, field=error.field, request_id=request_id) from None
+    assert isinstance(request, GenerateRequest)
+    return request
 
 
 # ---------------------------------------------------------------- the session (one event loop)
@@ -279,7 +281,7 @@ class _Session:
         while True:
             frame = await self._socket.recv(copy=False)
             try:
-                reply = parse_reply(frame.buffer)
+                reply = codec.REPLIES.decode(frame.buffer)
             except ProtocolError as error:
                 log.warning("undecodable reply from the daemon", error=str(error))
                 continue

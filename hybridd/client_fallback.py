@@ -14,11 +14,12 @@ from typing import Any
 
 import zmq
 
-from hybridd.protocol.codec import decode, encode
+from hybridd.protocol import codec
+from hybridd.protocol.codec import encode
 from hybridd.protocol.endpoints import fallback_endpoint
 from hybridd.protocol.errors import ProtocolError
 from hybridd.protocol.limits import MAX_MESSAGE_BYTES
-from hybridd.protocol.messages import Reply, reply_from_wire
+from hybridd.protocol.messages import Reply
 
 # The supervisor answers between two turns of its loop (0.1 s), unless it is busy
 # stopping a worker pair (about a second).
@@ -40,7 +41,7 @@ def ask(client_endpoint: str, request: Any, timeout: float | None = None) -> Rep
         if not sock.poll(int(wait_s * 1000)):
             return None
         try:
-            return reply_from_wire(decode(sock.recv()))
+            return codec.REPLIES.decode(sock.recv())
         except ProtocolError:
             return None
     finally:

@@ -26,16 +26,16 @@ from typing import Any
 from hybridd.ipc.channel import CLIENT_SOCKET_MODE, MAX_IPC_PATH_BYTES, Channel, PeerProtocolError, bind_ipc_endpoint
 from hybridd.log import get_logger
 from hybridd.protocol.endpoints import fallback_endpoint
-from hybridd.protocol.errors import ErrorCode, ProtocolError
+from hybridd.protocol import codec
+from hybridd.protocol.errors import ErrorCode
 from hybridd.protocol.messages import (
-    CancelRequest,
     ErrorReply,
     GenerateRequest,
     HealthReply,
     HealthRequest,
     StatusReply,
     StatusRequest,
-    request_from_wire,
+    Request,
 )
 
 log = get_logger("fallback_endpoint")
@@ -58,7 +58,7 @@ class FallbackEndpoint:
         if len(os.fsencode(path)) > MAX_IPC_PATH_BYTES:
             log.warning("no fallback endpoint: its path is too long for a Unix socket", path=path)
             return
-        self.channel = bind_ipc_endpoint(path, name="fallback", mode=CLIENT_SOCKET_MODE)
+        self.channel = bind_ipc_endpoint(path, decoder=codec.REQUESTS, name="fallback", mode=CLIENT_SOCKET_MODE)
 
     @property
     def socket(self):
@@ -76,15 +76,10 @@ class FallbackEndpoint:
                 continue
             if received is None:
                 return
-            identity, data = received
-            try:
-                request = request_from_wire(data)
-            except ProtocolError as error:
-                self.channel.send_error_to(identity, error, error.request_id or "")
-                continue
+            identity, request = received
             self._answer(identity, request)
 
-    def _answer(self, identity: bytes, request: Any) -> None:
+    def _answer(self, identity: bytes, request: Request) -> None:
         if isinstance(request, HealthRequest):
             state = self._status()["state"]
             self.channel.send_to(identity, HealthReply(id=request.id, state=state, ok=False, v=request.v))
@@ -93,11 +88,7 @@ class FallbackEndpoint:
         elif isinstance(request, GenerateRequest):
             self.channel.send_to(identity, ErrorReply(id=request.id, code=ErrorCode.UNAVAILABLE,
                                                       message=self._explain(), v=request.v))
-        elif isinstance(request, CancelRequest):
-            pass
-        else:
-            self.channel.send_to(identity, ErrorReply(id=getattr(request, "id", ""), code=ErrorCode.INVALID_REQUEST,
-                                                      message=f"{type(request).__name__} is a reply, not a request"))
+        # A cancel has no reply of its own, and nothing runs here to cancel.
 
     def close(self) -> None:
         if self.channel is not None:

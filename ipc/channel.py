@@ -51,7 +51,8 @@ class PeerProtocolError(ProtocolError):
     """A bad inbound frame on a ROUTER: `identity` says where to send the error reply."""
 
     def __init__(self, error: ProtocolError, identity: bytes) -> None:
-        super().__init__(error.code, error.message, field=error.field, request_id=error.request_id)
+        super().__init__(error.code, error.message, field=error.field, request_id=error.request_id,
+                         version=error.version)
         self.identity = identity
 
 

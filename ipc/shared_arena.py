@@ -23,21 +23,35 @@ import mmap
 import os
 import weakref
 from collections.abc import Mapping
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import torch
+from msgspec import Meta
 
 from hybridd.log import get_logger
 from hybridd.ipc import posix_shm
 from hybridd.ipc.arena_layout import ArenaLayout, Region
+from hybridd.protocol.codec import convert
+from hybridd.protocol.envelope import Fields
 from hybridd.protocol.errors import ErrorCode, ProtocolError
-from hybridd.protocol.fields import FieldReader
 
 log = get_logger("hybridd.ipc.shared_arena")
 
 KIND_SHM = "shm"
 KIND_CUDA = "cuda"
 CUDA_IPC_HANDLE_BYTES = 64  # sizeof(cudaIpcMemHandle_t)
+
+
+class _Manifest(Fields):
+    """The wire form of `SharedArena.manifest()`, as the importer checks it."""
+
+    kind: Literal["shm", "cuda"]
+    nbytes: Annotated[int, Meta(ge=1)]
+    device: Annotated[int, Meta(ge=-1)]
+    owner_pid: Annotated[int, Meta(ge=1)]
+    regions: dict[str, Any]  # checked by ArenaLayout.from_wire
+    name: Annotated[str, Meta(min_length=1, max_length=255)] | None = None  # shm
+    handle: Annotated[bytes, Meta(max_length=CUDA_IPC_HANDLE_BYTES)] | None = None  # cuda
 
 
 class _ShmBacking:
@@ -163,27 +177,26 @@ class SharedArena:
     @classmethod
     def open(cls, manifest: Mapping[str, Any]) -> SharedArena:
         """Map an arena from the owner's manifest (the importer side)."""
-        r = FieldReader(manifest, "manifest")
-        kind = r.string("kind", choices=frozenset({KIND_SHM, KIND_CUDA}))
-        nbytes = r.integer("nbytes", lo=1)
-        device_index = r.integer("device", lo=-1)
-        r.integer("owner_pid", lo=1)
-        layout = ArenaLayout.from_wire(r.mapping("regions"), "manifest.regions")
+        checked = convert(manifest, _Manifest, "manifest")
+        nbytes, device_index = checked.nbytes, checked.device
+        layout = ArenaLayout.from_wire(checked.regions, "manifest.regions")
         if layout.nbytes != nbytes:
             raise ProtocolError(
                 ErrorCode.INVALID_REQUEST,
                 f"manifest.nbytes: {nbytes} differs from the regions' total {layout.nbytes}",
                 field="manifest.nbytes",
             )
-        if kind == KIND_SHM:
-            name = r.string("name", min_chars=1, max_chars=255)
-            r.finish()
+        if checked.kind == KIND_SHM:
+            name = checked.name
+            if name is None or checked.handle is not None:
+                raise ProtocolError(
+                    ErrorCode.INVALID_REQUEST, "manifest.name: a shm arena has a name and no handle", field="manifest.name"
+                )
             backing: _ShmBacking | _CudaBacking = _ShmBacking(name, posix_shm.open_segment(name, nbytes), owner=False)
             device = torch.device("cpu")
         else:
-            handle = r.binary("handle", max_len=CUDA_IPC_HANDLE_BYTES)
-            r.finish()
-            if len(handle) != CUDA_IPC_HANDLE_BYTES or device_index < 0:
+            handle = checked.handle
+            if handle is None or checked.name is not None or len(handle) != CUDA_IPC_HANDLE_BYTES or device_index < 0:
                 raise ProtocolError(
                     ErrorCode.INVALID_REQUEST,
                     f"manifest: a cuda arena needs a {CUDA_IPC_HANDLE_BYTES}-byte handle and a device index >= 0",

@@ -1,13 +1,10 @@
 """Bytes ↔ messages: bounded msgpack encoding and decoding, never pickle.
 
-`decode` turns one frame into a checked map (size, msgpack validity, map at the top,
-supported version) and raises `ProtocolError` otherwise; `parse_reply` and
-`request_from_wire` add the client messages' validation.
-
-`MessageDecoder` turns one frame into one typed `Message` of a family (`CONTROL`,
-`WORKER_REPORTS`, `SUPERVISOR_COMMANDS`): the envelope is read first (version), then
-msgspec decodes the frame straight into the message's struct, checking every type,
-range and length in one pass. A frame that fails is diagnosed again on the slow
+`MessageDecoder` turns one frame into one typed message of a family (`REQUESTS`,
+`REPLIES`, `CONTROL`, `WORKER_REPORTS`, `SUPERVISOR_COMMANDS`): the envelope is read
+first (version), then msgspec decodes the frame straight into that version's struct,
+checking every type, range and length in one pass. `decode` is the untyped path: one
+frame into a checked map (size, msgpack validity, map at the top, supported version). A frame that fails is diagnosed again on the slow
 path, in the order SPEC.md gives: frame size, msgpack validity and the decoder
 bounds (`malformed`, `too_large`), a map at the top, the version, then the first
 offending field, named by its dotted path in `ProtocolError.field` and at the start
@@ -25,17 +22,18 @@ import msgpack
 import msgspec
 
 from hybridd.protocol.control import ControlMessage
-from hybridd.protocol.envelope import Envelope, check_version, peek_request_id
+from hybridd.protocol.envelope import SUPPORTED_VERSIONS, Envelope, Fields, check_version, peek_request_id, reply_version
 from hybridd.protocol.errors import ErrorCode, ProtocolError
 from hybridd.protocol.limits import (
     MAX_MESSAGE_BYTES,
+    PROTOCOL_VERSION,
     UNPACK_MAX_ARRAY_LEN,
     UNPACK_MAX_BIN_LEN,
     UNPACK_MAX_EXT_LEN,
     UNPACK_MAX_MAP_LEN,
     UNPACK_MAX_STR_LEN,
 )
-from hybridd.protocol.messages import Reply, reply_from_wire
+from hybridd.protocol.messages import REPLY_FORMS, REQUEST_FORMS, Reply, Request
 from hybridd.protocol.supervisor import SupervisorCommand, WorkerReport
 
 M = TypeVar("M")
@@ -62,7 +60,8 @@ _envelope_decoder = msgspec.msgpack.Decoder(Envelope)
 
 def encode(message: WireMessage | msgspec.Struct | Mapping[str, Any]) -> bytes:
     """One message → one frame. Refuses frames the peer would drop as too large."""
-    data = message if isinstance(message, Mapping | msgspec.Struct) else message.to_wire()
+    data = message.wire_form() if isinstance(message, Fields) else message
+    data = data if isinstance(data, Mapping | msgspec.Struct) else data.to_wire()
     try:
         frame = _encoder.encode(data)
     except (TypeError, ValueError, OverflowError) as error:
@@ -102,44 +101,46 @@ def decode(frame: bytes | memoryview) -> dict[str, Any]:
     return data
 
 
-def parse_reply(frame: bytes | memoryview) -> Reply:
-    return reply_from_wire(decode(frame))
-
-
 class MessageDecoder(Generic[M]):
-    """Frames → the messages of one family (a union of `Message` structs tagged by `type`)."""
+    """Frames → the messages of one family: a union of `Message` structs tagged by `type`,
+    the same in every version unless `forms` gives a version its own union."""
 
-    def __init__(self, family: Any) -> None:
-        self._decoder = msgspec.msgpack.Decoder(family)
-        self.types = sorted(member.__struct_config__.tag for member in typing.get_args(family))
+    def __init__(self, family: Any, forms: dict[int, Any] | None = None) -> None:
+        forms = forms or {}
+        self._decoders = {v: msgspec.msgpack.Decoder(forms.get(v, family)) for v in SUPPORTED_VERSIONS}
+        self.types = sorted({member.__struct_config__.tag for form in [family, *forms.values()]
+                             for member in typing.get_args(form)} - {None})
 
     def decode(self, frame: bytes | memoryview) -> M:
         if len(frame) > MAX_MESSAGE_BYTES:
             decode(frame)  # raises too_large
         try:
-            check_version(_envelope_decoder.decode(frame))
-            return self._decoder.decode(frame)
+            version = check_version(_envelope_decoder.decode(frame))
+            return self._decoders[version].decode(frame).current()
         except (msgspec.MsgspecError, RecursionError, ProtocolError) as error:
             self._diagnose(frame, error)
 
     def _diagnose(self, frame: bytes | memoryview, error: Exception) -> NoReturn:
         """Raise the ProtocolError SPEC.md asks for, for a frame the fast path refused."""
-        data = decode(frame)  # malformed, too_large, not a map, bad version: the earlier rules win
-        request_id = peek_request_id(data)
+        try:
+            data = decode(frame)  # malformed, too_large, not a map, bad version: the earlier rules win
+        except ProtocolError as refused:
+            refused.version = PROTOCOL_VERSION
+            raise
+        request_id, version = peek_request_id(data), reply_version(data)
         if isinstance(error, msgspec.ValidationError):
             kind = data.get("type")
             if type(kind) is str and kind not in self.types:
-                raise ProtocolError(
-                    ErrorCode.INVALID_REQUEST,
-                    f"type: unknown message type {kind!r}; expected one of {self.types}",
+                error = ProtocolError(
+                    ErrorCode.INVALID_REQUEST, f"type: unknown message type {kind!r}; expected one of {self.types}",
                     field="type",
-                    request_id=request_id,
                 )
-            raise _field_error(str(error), data, request_id) from None
-        if isinstance(error, ProtocolError):
-            error.request_id = request_id
-            raise error
-        raise ProtocolError(ErrorCode.MALFORMED, f"not one valid message ({error})", request_id=request_id) from None
+            else:
+                error = _field_error(str(error), data)
+        elif not isinstance(error, ProtocolError):
+            error = ProtocolError(ErrorCode.MALFORMED, f"not one valid message ({error})")
+        error.request_id, error.version = request_id, version
+        raise error from None
 
 
 # msgspec's messages: "<what> - at `$.info.workers`", "... - at `key` in `$.info.workers`".
@@ -147,10 +148,11 @@ _LOCATION = re.compile(r"^(?P<text>.*?)(?: - at `(?P<key>key` in `)?\$(?P<path>[
 _BAD_KEY = re.compile(r"^Invalid enum value '(?P<name>[^']*)'$")
 _UNKNOWN = re.compile(r"^Object contains unknown field `(?P<name>[^`]*)`$")
 _MISSING = re.compile(r"^Object missing required field `(?P<name>[^`]*)`$")
+_NAMED = re.compile(r"^(?P<name>[A-Za-z_]\w*): (?P<text>.*)$", re.DOTALL)  # __post_init__'s "field: reason"
 _STEP = re.compile(r"\.(\w+)|\[(\d+)\]")
 
 
-def _field_error(text: str, data: Any, request_id: str | None) -> ProtocolError:
+def _field_error(text: str, data: Any, prefix: str = "") -> ProtocolError:
     match = _LOCATION.match(text)
     assert match is not None  # the pattern matches any text
     text, path = match["text"], match["path"] or ""
@@ -161,12 +163,14 @@ def _field_error(text: str, data: Any, request_id: str | None) -> ProtocolError:
         path, text = f"{path}.{named['name']}", "unknown field"
     elif named := _MISSING.match(text):
         path, text = f"{path}.{named['name']}", "is required"
+    elif named := _NAMED.match(text):
+        path, text = f"{path}.{named['name']}", named["text"]
     else:
         if " of length <= " in text:
             code = ErrorCode.TOO_LARGE
         text = text[:1].lower() + text[1:] + _got(text, _value_at(data, path))
-    field = path.removeprefix(".") or "message"
-    return ProtocolError(code, f"{field}: {text}", field=field, request_id=request_id)
+    field = f"{prefix}{path}".removeprefix(".") or "message"
+    return ProtocolError(code, f"{field}: {text}", field=field)
 
 
 def _value_at(data: Any, path: str) -> Any:
@@ -191,6 +195,16 @@ def _got(text: str, value: Any) -> str:
     return ""
 
 
+def convert(data: Any, type_: type[M], where: str) -> M:
+    """A plain map nested in a message (e.g. an arena manifest) → its typed form; errors name `where.field`."""
+    try:
+        return msgspec.convert(data, type_)
+    except msgspec.ValidationError as error:
+        raise _field_error(str(error), data, prefix=where) from None
+
+
+REQUESTS: MessageDecoder[Request] = MessageDecoder(Request, REQUEST_FORMS)
+REPLIES: MessageDecoder[Reply] = MessageDecoder(Reply, REPLY_FORMS)
 CONTROL: MessageDecoder[ControlMessage] = MessageDecoder(ControlMessage)
 WORKER_REPORTS: MessageDecoder[WorkerReport] = MessageDecoder(WorkerReport)
 SUPERVISOR_COMMANDS: MessageDecoder[SupervisorCommand] = MessageDecoder(SupervisorCommand)

@@ -18,7 +18,6 @@ from typing import Annotated, Any
 import msgspec
 
 from hybridd.protocol.errors import ErrorCode, ProtocolError
-from hybridd.protocol.fields import FieldReader, check_int, check_str
 from hybridd.protocol.limits import MAX_REQUEST_ID_CHARS, OLDEST_PROTOCOL_VERSION, PROTOCOL_VERSION
 
 SUPPORTED_VERSIONS = frozenset(range(OLDEST_PROTOCOL_VERSION, PROTOCOL_VERSION + 1))
@@ -29,12 +28,26 @@ Count = Annotated[int, msgspec.Meta(ge=0)]
 Seconds = Annotated[float, msgspec.Meta(ge=0.0, le=MAX_FLOAT)]
 
 
+RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_REQUEST_ID_CHARS)]
+"""A client-chosen request id."""
+ReplyId = Annotated[str, msgspec.Meta(max_length=MAX_REQUEST_ID_CHARS)]
+"""A reply's id: the request's, or "" when the request's id was unreadable."""
+
+
 class Fields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """A map inside a message: its fields are all it may hold."""
 
+    def wire_form(self) -> msgspec.Struct:
+        """What is written for this message: itself, or its shape in an older version."""
+        return self
+
+    def current(self) -> Fields:
+        """What a decoded message is read as: itself, or an older version's shape as today's class."""
+        return self
+
     def to_wire(self) -> dict[str, Any]:
         """The msgpack-ready map (bytes stay bytes)."""
-        return msgspec.to_builtins(self, builtin_types=(bytes,))
+        return msgspec.to_builtins(self.wire_form(), builtin_types=(bytes,))
 
 
 class Message(Fields, tag_field="type", kw_only=True):
@@ -60,7 +73,10 @@ def check_version(data: Envelope | Mapping[str, Any]) -> int:
         raise ProtocolError(ErrorCode.MALFORMED, f"a message must be a map, got {type(data).__name__}")
     if data.get("v") is None:
         raise ProtocolError(ErrorCode.INVALID_REQUEST, "v: is required (the protocol version)", field="v")
-    version = check_int(data["v"], "v")
+    version = data["v"]
+    if type(version) is not int:
+        raise ProtocolError(ErrorCode.INVALID_REQUEST, f"v: expected an integer, got {type(version).__name__}",
+                            field="v")
     if version not in SUPPORTED_VERSIONS:
         raise ProtocolError(
             ErrorCode.UNSUPPORTED_VERSION,
@@ -70,42 +86,10 @@ def check_version(data: Envelope | Mapping[str, Any]) -> int:
     return version
 
 
-def envelope(type_: str, version: int = PROTOCOL_VERSION) -> dict[str, Any]:
-    """The version and type fields every message starts with."""
-    return {"v": version, "type": type_}
-
-
-def open_envelope(data: Mapping[str, Any]) -> FieldReader:
-    """Check the version; a reader over the rest of the message (the envelope skipped)."""
-    check_version(data)
-    reader = FieldReader(data)
-    reader.skip("v", "type")
-    return reader
-
-
-def message_type(data: Mapping[str, Any], known: Mapping[str, Any]) -> str:
-    if data.get("type") is None:
-        raise ProtocolError(ErrorCode.INVALID_REQUEST, "type: is required", field="type")
-    kind = check_str(data["type"], "type")
-    if kind not in known:
-        raise ProtocolError(
-            ErrorCode.INVALID_REQUEST, f"type: unknown message type {kind!r}; expected one of {sorted(known)}", field="type"
-        )
-    return kind
-
-
-def check_request_id(value: Any, path: str = "id", *, allow_empty: bool = False) -> str:
-    return check_str(value, path, min_chars=0 if allow_empty else 1, max_chars=MAX_REQUEST_ID_CHARS)
-
-
 def peek_request_id(data: Any) -> str | None:
     """The message's `id` if it is a valid one, else None; never raises."""
-    if not isinstance(data, Mapping):
-        return None
-    try:
-        return check_request_id(data.get("id"))
-    except ProtocolError:
-        return None
+    value = data.get("id") if isinstance(data, Mapping) else None
+    return value if type(value) is str and 1 <= len(value) <= MAX_REQUEST_ID_CHARS else None
 
 
 def reply_version(data: Any) -> int:

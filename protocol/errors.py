@@ -51,12 +51,14 @@ class ProtocolError(Exception):
         *,
         field: str | None = None,
         request_id: str | None = None,
+        version: int | None = None,
     ) -> None:
         super().__init__(message)
         self.code = ErrorCode(code)
         self.message = message
         self.field = field
         self.request_id = request_id
+        self.version = version  # the version to answer in, when the message's own is known
 
     def __str__(self) -> str:
         where = f" (field {self.field!r})" if self.field else ""

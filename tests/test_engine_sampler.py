@@ -3,9 +3,9 @@ frequencies, seed reproducibility across batches, compiled == eager."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
+import msgspec
 import pytest
 import torch
 
@@ -218,7 +218,7 @@ def reference_logprobs(logits: torch.Tensor, p: SamplingParams, prompt: list[int
     penalties, the temperature and the top-k/top-p cut; greedy rows are unscaled."""
     if p.temperature > 0:
         return reference_probs(logits, p, prompt, output).log()
-    penalised = reference_probs(logits, dataclasses.replace(p, temperature=1.0, top_k=0, top_p=1.0),
+    penalised = reference_probs(logits, msgspec.structs.replace(p, temperature=1.0, top_k=0, top_p=1.0),
                                 prompt, output)
     return penalised.log()
 

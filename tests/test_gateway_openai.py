@@ -23,8 +23,7 @@ import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
 import hybridd
-from hybridd.protocol.codec import decode, encode
-from hybridd.protocol.messages import request_from_wire
+from hybridd.protocol.codec import REQUESTS, encode
 from hybridd.protocol.errors import ErrorCode
 from hybridd.protocol.messages import ErrorReply, GenerateRequest, HealthReply, HealthRequest
 from tests.gateway_daemon import (
@@ -344,7 +343,7 @@ def daemon_that_fails(path: Path) -> Iterator[str]:
             if not router.poll(50):
                 continue
             identity, frame = router.recv_multipart()
-            request = request_from_wire(decode(frame))
+            request = REQUESTS.decode(frame)
             if isinstance(request, HealthRequest):
                 reply = HealthReply(id=request.id, state="ready", ok=True)
             elif isinstance(request, GenerateRequest):

@@ -22,11 +22,11 @@ from hybridd.ipc.channel import (
     bind_ipc_endpoint,
 )
 from hybridd.protocol import limits
-from hybridd.protocol.codec import encode, parse_reply
-from hybridd.protocol.errors import ErrorCode, ProtocolError
 from hybridd.protocol import codec
+from hybridd.protocol.codec import encode
 from hybridd.protocol.control import Launched
-from hybridd.protocol.messages import ErrorReply, HealthReply, HealthRequest, request_from_wire
+from hybridd.protocol.errors import ErrorCode, ProtocolError
+from hybridd.protocol.messages import ErrorReply, HealthReply, HealthRequest
 
 SPAWN = multiprocessing.get_context("spawn")
 
@@ -38,7 +38,7 @@ def runtime_dir(tmp_path_factory) -> Path:
 
 
 def _dealer(path: Path) -> Channel:
-    channel = Channel(zmq.DEALER, name="test-client")
+    channel = Channel(zmq.DEALER, decoder=codec.REPLIES, name="test-client")
     channel.connect(f"ipc://{path}")
     return channel
 
@@ -46,14 +46,13 @@ def _dealer(path: Path) -> Channel:
 def _answer_health(server: Channel, timeout_ms: int = 2000) -> None:
     received = server.recv_from(timeout_ms)
     assert received is not None, "no request arrived"
-    identity, data = received
-    request = request_from_wire(data)
+    identity, request = received
     server.send_to(identity, HealthReply(id=request.id, state="ready", ok=True))
 
 
 def _serve_health(path: str, ready, stop) -> None:
     """Child process: a live server on `path` that answers health until told to stop."""
-    server = bind_ipc_endpoint(path)
+    server = bind_ipc_endpoint(path, decoder=codec.REQUESTS)
     ready.set()
     while not stop.is_set():
         try:
@@ -61,14 +60,14 @@ def _serve_health(path: str, ready, stop) -> None:
         except ProtocolError:
             continue
         if received is not None:
-            identity, data = received
-            server.send_to(identity, HealthReply(id=data["id"], state="ready", ok=True))
+            identity, request = received
+            server.send_to(identity, HealthReply(id=request.id, state="ready", ok=True))
     server.close()
 
 
 def _bind_and_hang(path: str, ready) -> None:
     """Child process: binds, then waits to be SIGKILLed (leaving a stale socket file)."""
-    server = bind_ipc_endpoint(path)
+    server = bind_ipc_endpoint(path, decoder=codec.REQUESTS)
     ready.set()
     time.sleep(60)
     server.close()
@@ -76,25 +75,25 @@ def _bind_and_hang(path: str, ready) -> None:
 
 def test_dealer_router_round_trip(runtime_dir):
     path = runtime_dir / "d.sock"
-    with bind_ipc_endpoint(path) as server, _dealer(path) as client:
+    with bind_ipc_endpoint(path, decoder=codec.REQUESTS) as server, _dealer(path) as client:
         client.send(HealthRequest(id="h-1"))
-        identity, data = server.recv_from(2000)
-        assert request_from_wire(data) == HealthRequest(id="h-1")
+        identity, request = server.recv_from(2000)
+        assert request == HealthRequest(id="h-1")
         assert server.send_to(identity, HealthReply(id="h-1", state="ready", ok=True))
-        assert parse_reply(encode(client.recv(2000))) == HealthReply(id="h-1", state="ready", ok=True)
+        assert client.recv(2000) == HealthReply(id="h-1", state="ready", ok=True)
         assert client.recv(0) is None and server.recv_from(0) is None
         assert (server.stats.received, server.stats.sent) == (1, 1)
 
 
 def test_malformed_message_raises_and_the_next_one_works(runtime_dir):
     path = runtime_dir / "m.sock"
-    with bind_ipc_endpoint(path) as server, _dealer(path) as client:
+    with bind_ipc_endpoint(path, decoder=codec.REQUESTS) as server, _dealer(path) as client:
         client.socket.send(b"\xc1garbage")
         with pytest.raises(PeerProtocolError) as info:
             server.recv_from(2000)
         assert info.value.code is ErrorCode.MALFORMED
         assert server.send_error_to(info.value.identity, info.value)
-        reply = parse_reply(encode(client.recv(2000)))
+        reply = client.recv(2000)
         assert isinstance(reply, ErrorReply) and (reply.id, reply.code) == ("", ErrorCode.MALFORMED)
 
         # A REQ-style empty delimiter frame is a protocol violation, reported as such.
@@ -109,19 +108,19 @@ def test_malformed_message_raises_and_the_next_one_works(runtime_dir):
 
         client.send(HealthRequest(id="h-4"))
         _answer_health(server)
-        assert client.recv(2000)["id"] == "h-4"
+        assert client.recv(2000).id == "h-4"
         assert server.stats.rejected == {"malformed": 2, "unsupported_version": 1}
 
 
 def test_oversized_frame_is_dropped_and_the_socket_stays_usable(runtime_dir):
     path = runtime_dir / "o.sock"
-    with bind_ipc_endpoint(path) as server, _dealer(path) as offender, _dealer(path) as bystander:
+    with bind_ipc_endpoint(path, decoder=codec.REQUESTS) as server, _dealer(path) as offender, _dealer(path) as bystander:
         offender.socket.send(b"\x00" * (limits.MAX_MESSAGE_BYTES + 1))
         assert server.recv_from(300) is None  # ZeroMQ drops it (and that connection)
 
         bystander.send(HealthRequest(id="ok-1"))
         _answer_health(server)
-        assert bystander.recv(2000)["id"] == "ok-1"
+        assert bystander.recv(2000).id == "ok-1"
 
         # The offender reconnects on its own; its later messages get through.
         deadline = time.monotonic() + 5
@@ -129,7 +128,7 @@ def test_oversized_frame_is_dropped_and_the_socket_stays_usable(runtime_dir):
             offender.send(HealthRequest(id="again"))
             received = server.recv_from(200)
             if received is not None:
-                assert received[1]["id"] == "again"
+                assert received[1].id == "again"
                 break
         else:
             pytest.fail("the offending client never got through again")
@@ -137,7 +136,7 @@ def test_oversized_frame_is_dropped_and_the_socket_stays_usable(runtime_dir):
 
 def test_a_peer_that_is_gone_is_unroutable(runtime_dir):
     path = runtime_dir / "g.sock"
-    with bind_ipc_endpoint(path) as server:
+    with bind_ipc_endpoint(path, decoder=codec.REQUESTS) as server:
         assert not server.send_to(b"\x00nobody", HealthReply(id="x", state="ready", ok=True))
         assert server.stats.unroutable == 1
 
@@ -150,11 +149,11 @@ def test_second_bind_on_a_live_endpoint_refuses(runtime_dir):
     try:
         assert ready.wait(30)
         with pytest.raises(EndpointInUseError) as info:
-            bind_ipc_endpoint(path)
+            bind_ipc_endpoint(path, decoder=codec.REQUESTS)
         assert str(path) in str(info.value) and str(child.pid) in str(info.value)
         with _dealer(path) as client:  # the live server was not disturbed
             client.send(HealthRequest(id="still-there"))
-            assert client.recv(5000)["id"] == "still-there"
+            assert client.recv(5000).id == "still-there"
     finally:
         stop.set()
         child.join(10)
@@ -180,7 +179,7 @@ def test_a_foreign_server_that_answers_health_is_detected(runtime_dir):
     thread.start()
     try:
         with pytest.raises(EndpointInUseError, match="health probe"):
-            bind_ipc_endpoint(path)
+            bind_ipc_endpoint(path, decoder=codec.REQUESTS)
     finally:
         stop.set()
         thread.join()
@@ -197,10 +196,10 @@ def test_stale_socket_file_is_taken_over(runtime_dir):
     child.join(10)
     assert stat.S_ISSOCK(path.lstat().st_mode), "SIGKILL leaves the socket file behind"
 
-    with bind_ipc_endpoint(path, probe_timeout_ms=100) as server, _dealer(path) as client:
+    with bind_ipc_endpoint(path, decoder=codec.REQUESTS, probe_timeout_ms=100) as server, _dealer(path) as client:
         client.send(HealthRequest(id="new"))
         _answer_health(server)
-        assert client.recv(2000)["id"] == "new"
+        assert client.recv(2000).id == "new"
     assert not path.exists()
 
 
@@ -208,7 +207,7 @@ def test_runtime_dir_is_created_0750_even_with_a_lax_umask(runtime_dir):
     path = runtime_dir / "deep" / "x.sock"
     old = os.umask(0)
     try:
-        channel = bind_ipc_endpoint(path)
+        channel = bind_ipc_endpoint(path, decoder=codec.REQUESTS)
     finally:
         os.umask(old)
     with channel:

@@ -7,10 +7,9 @@ import pytest
 
 from hybridd.protocol import limits
 from hybridd.protocol import codec
-from hybridd.protocol.codec import decode, encode, parse_reply
+from hybridd.protocol.codec import decode, encode
 from hybridd.protocol.control import Launched, Ready, ReadyAck, Shutdown, Stats, Step
 from hybridd.protocol.errors import ErrorCode, ProtocolError
-from hybridd.protocol.messages import request_from_wire
 from hybridd.protocol.messages import (
     CancelRequest,
     ChatMessage,
@@ -29,11 +28,6 @@ from hybridd.protocol.messages import (
     TopLogprob,
     Usage,
 )
-
-def parse_request(frame: bytes):
-    """What the daemon does with a client's frame."""
-    return request_from_wire(decode(frame))
-
 
 REQUESTS = [
     GenerateRequest(id="r1", prompt="Hello, wörld ✓"),
@@ -138,12 +132,12 @@ def _name(message) -> str:
 
 @pytest.mark.parametrize("message", REQUESTS, ids=_name)
 def test_requests_round_trip(message):
-    assert parse_request(encode(message)) == message
+    assert codec.REQUESTS.decode(encode(message)) == message
 
 
 @pytest.mark.parametrize("message", REPLIES, ids=_name)
 def test_replies_round_trip(message):
-    assert parse_reply(encode(message)) == message
+    assert codec.REPLIES.decode(encode(message)) == message
 
 
 @pytest.mark.parametrize("message", CONTROL, ids=lambda m: type(m).__name__)
@@ -160,18 +154,18 @@ def test_ints_are_accepted_where_floats_are_expected():
     data = GenerateRequest(id="r", prompt="x").to_wire()
     data["sampling"]["temperature"] = 1
     data["timeout_s"] = 3
-    request = parse_request(msgpack.packb(data))
+    request = codec.REQUESTS.decode(msgpack.packb(data))
     assert request.sampling.temperature == 1.0 and request.timeout_s == 3.0
 
 
 @pytest.mark.parametrize("version", [1, 2])
 def test_optional_fields_may_be_omitted_or_nil(version):
     minimal = {"v": version, "type": "generate", "id": "r", "prompt": "hi"}
-    assert parse_request(msgpack.packb(minimal)) == GenerateRequest(id="r", prompt="hi", v=version)
+    assert codec.REQUESTS.decode(msgpack.packb(minimal)) == GenerateRequest(id="r", prompt="hi", v=version)
     with_nils = minimal | {"prompt_token_ids": None, "sampling": None, "stream": None, "timeout_s": None}
     if version >= 2:
         with_nils |= {"messages": None}
-    assert parse_request(msgpack.packb(with_nils)) == GenerateRequest(id="r", prompt="hi", v=version)
+    assert codec.REQUESTS.decode(msgpack.packb(with_nils)) == GenerateRequest(id="r", prompt="hi", v=version)
 
 
 def test_version_1_writes_the_version_1_shapes():
@@ -199,7 +193,7 @@ def test_chat_messages_are_unknown_in_version_1():
     assert (error.code, error.field) == (ErrorCode.INVALID_REQUEST, "messages")
 
 
-def _error(frame: bytes, parse=parse_request) -> ProtocolError:
+def _error(frame: bytes, parse=codec.REQUESTS.decode) -> ProtocolError:
     with pytest.raises(ProtocolError) as info:
         parse(frame)
     return info.value
@@ -297,5 +291,5 @@ def test_decode_returns_the_map():
 
 def test_unknown_error_codes_from_a_newer_daemon_read_as_internal():
     frame = msgpack.packb({"v": 1, "type": "error", "id": "r", "code": "quota", "message": "m", "field": None})
-    reply = parse_reply(frame)
+    reply = codec.REPLIES.decode(frame)
     assert reply.code is ErrorCode.INTERNAL and "quota" in reply.message

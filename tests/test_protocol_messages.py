@@ -9,18 +9,13 @@ import pytest
 
 from hybridd.protocol import limits
 from hybridd.protocol import codec
-from hybridd.protocol.codec import decode, encode, parse_reply
+from hybridd.protocol.codec import decode, encode
 from hybridd.protocol.control import Launched, Step
 from hybridd.protocol.errors import ErrorCode, ProtocolError
-from hybridd.protocol.messages import ErrorReply, GenerateRequest, SamplingParams, request_from_wire
+from hybridd.protocol.messages import ErrorReply, GenerateRequest, SamplingParams
 
 INVALID = ErrorCode.INVALID_REQUEST
 TOO_LARGE = ErrorCode.TOO_LARGE
-
-
-def parse_request(frame: bytes):
-    """What the daemon does with a client's frame."""
-    return request_from_wire(decode(frame))
 
 
 def _generate(**overrides) -> dict:
@@ -35,7 +30,7 @@ def _with_sampling(**overrides) -> dict:
     return data
 
 
-def _rejects(data: dict, parse=parse_request) -> ProtocolError:
+def _rejects(data: dict, parse=codec.REQUESTS.decode) -> ProtocolError:
     with pytest.raises(ProtocolError) as info:
         parse(msgpack.packb(data, use_bin_type=True))
     return info.value
@@ -154,13 +149,13 @@ def test_error_reply_from_error_is_routable():
     error = _rejects(_with_sampling(top_k=-5))
     reply = ErrorReply.from_error(error)
     assert (reply.id, reply.code, reply.field) == ("req-1", INVALID, "sampling.top_k")
-    assert parse_reply(encode(reply)).field == "sampling.top_k"
+    assert codec.REPLIES.decode(encode(reply)).field == "sampling.top_k"
     anonymous = ErrorReply.from_error(ProtocolError(ErrorCode.MALFORMED, "x" * 10_000))
     assert anonymous.id == "" and len(anonymous.message) == limits.MAX_ERROR_MESSAGE_CHARS
 
 
 def test_defaults_match_the_spec():
-    request = parse_request(msgpack.packb({"v": 1, "type": "generate", "id": "r", "prompt_token_ids": [1]}))
+    request = codec.REQUESTS.decode(msgpack.packb({"v": 1, "type": "generate", "id": "r", "prompt_token_ids": [1]}))
     assert request.stream is True and request.timeout_s is None
     assert request.sampling == SamplingParams()
     s = request.sampling
@@ -180,9 +175,9 @@ def test_limits_at_the_boundary_are_accepted():
     )
     data["id"] = "i" * limits.MAX_REQUEST_ID_CHARS
     data["prompt"] = "p" * limits.MAX_PROMPT_CHARS
-    assert parse_request(msgpack.packb(data)).sampling.greedy
+    assert codec.REQUESTS.decode(msgpack.packb(data)).sampling.greedy
     by_ids = _generate(prompt=None, prompt_token_ids=[limits.MAX_TOKEN_ID] * limits.MAX_PROMPT_TOKEN_IDS)
-    assert len(parse_request(msgpack.packb(by_ids)).prompt_token_ids) == limits.MAX_PROMPT_TOKEN_IDS
+    assert len(codec.REQUESTS.decode(msgpack.packb(by_ids)).prompt_token_ids) == limits.MAX_PROMPT_TOKEN_IDS
 
 
 def test_reply_validation_rejects_wrong_types():
@@ -196,10 +191,10 @@ def test_reply_validation_rejects_wrong_types():
         "usage": {"prompt_tokens": 1, "completion_tokens": 1},
         "timings": {"ttft_s": 0.1, "total_s": 0.2, "queue_s": 0.0},
     }
-    assert _rejects(final, parse_reply).field == "finish_reason"
+    assert _rejects(final, codec.REPLIES.decode).field == "finish_reason"
     broken_usage = copy.deepcopy(final) | {"finish_reason": "stop"}
     broken_usage["usage"]["completion_tokens"] = "1"
-    assert _rejects(broken_usage, parse_reply).field == "usage.completion_tokens"
+    assert _rejects(broken_usage, codec.REPLIES.decode).field == "usage.completion_tokens"
 
 
 @pytest.mark.parametrize(
@@ -223,7 +218,7 @@ def test_the_engine_samples_with_the_wire_sampling_params():
     """One SamplingParams, one set of rules, checked when a request is decoded; the field is named."""
     good = SamplingParams(max_tokens=5, temperature=0.0, top_k=-1, top_p=0.5, seed=0, stop="x")
     assert good.stop == ["x"] and good.greedy and not good.has_penalties
-    assert parse_request(encode(GenerateRequest(id="r", prompt="p", sampling=good))).sampling == good
+    assert codec.REQUESTS.decode(encode(GenerateRequest(id="r", prompt="p", sampling=good))).sampling == good
     bad = {
         "max_tokens": 0,
         "temperature": -0.1,
@@ -240,6 +235,6 @@ def test_the_engine_samples_with_the_wire_sampling_params():
     for name, value in bad.items():
         request = GenerateRequest(id="r", prompt="p", sampling=SamplingParams(**{name: value}))
         with pytest.raises(ProtocolError) as info:
-            parse_request(encode(request))
+            codec.REQUESTS.decode(encode(request))
         assert info.value.field.startswith(f"sampling.{name}"), info.value
         assert info.value.message.startswith(info.value.field), info.value

@@ -40,10 +40,9 @@ from hybridd.ipc.channel import CLIENT_SOCKET_MODE, Channel, PeerProtocolError, 
 from hybridd.ipc.posix_shm import pid_alive
 from hybridd.ipc.shared_arena import SharedArena
 from hybridd.protocol import codec, control
-from hybridd.protocol.codec import decode, encode
-from hybridd.protocol.envelope import reply_version
-from hybridd.protocol.limits import PROTOCOL_VERSION, SESSION_BACKLOG_LIMIT
+from hybridd.protocol.codec import encode
 from hybridd.protocol.errors import ErrorCode, ProtocolError
+from hybridd.protocol.limits import PROTOCOL_VERSION, SESSION_BACKLOG_LIMIT
 from hybridd.protocol.supervisor import Drain, SupervisorInfo
 from hybridd.protocol.messages import (
     CancelRequest,
@@ -61,7 +60,6 @@ from hybridd.protocol.messages import (
     TokenLogprob,
     TopLogprob,
     Usage,
-    request_from_wire,
 )
 from hybridd.workers.client_sessions import ClientSessions, client_chosen, socket_options
 from hybridd.workers.intake import Intake
@@ -117,6 +115,22 @@ class PendingPrompt:
 def _field_first(field: str, message: str) -> str:
     """SPEC: an error's message names the field first."""
     return message if message.startswith(f"{field}:") else f"{field}: {message}"
+
+
+def _decode_request(frame: bytes | memoryview) -> Request | ProtocolError:
+    try:
+        return codec.REQUESTS.decode(frame)
+    except ProtocolError as error:
+        return error
+
+
+def _attribution(request: Request | ProtocolError | None) -> tuple[str, int]:
+    """The id (when valid) and version an error about this message is answered with."""
+    if request is None:  # not decoded yet
+        return "", PROTOCOL_VERSION
+    if isinstance(request, ProtocolError):
+        return request.request_id or "", request.version or PROTOCOL_VERSION
+    return request.id, request.v
 
 
 class ContextGenerator:
@@ -184,7 +198,7 @@ class ContextGenerator:
             on_control=self._on_control, peer_alive=self._graph_alive,
             kv_cache=self.kv_arena.tensors["kv_cache"],
         )
-        self.client = bind_ipc_endpoint(self._ipc_path(config.client_endpoint), name="client",
+        self.client = bind_ipc_endpoint(self._ipc_path(config.client_endpoint), decoder=codec.REQUESTS, name="client",
                                         options=socket_options("ipc"), mode=CLIENT_SOCKET_MODE)
         self.tcp = None
         self.sessions = {b"": ClientSessions(self.client)}
@@ -219,7 +233,7 @@ class ContextGenerator:
         import zmq.auth
         from zmq.auth.thread import ThreadAuthenticator
 
-        channel = Channel(zmq.ROUTER, name="client-tcp")
+        channel = Channel(zmq.ROUTER, decoder=codec.REQUESTS, name="client-tcp")
         _, secret = zmq.auth.load_certificate(config.curve_secret_key_file)
         self._auth = ThreadAuthenticator(zmq.Context.instance())
         self._auth.start()
@@ -452,49 +466,38 @@ class ContextGenerator:
             routing_id, frame = received
             identity = prefix + routing_id
             now = time.monotonic()
-            try:
-                message = decode(frame) if len(frame) <= SCREEN_FRAMES_OVER_BYTES else None
-            except ProtocolError as error:
-                message = error
+            request = _decode_request(frame) if len(frame) <= SCREEN_FRAMES_OVER_BYTES else None
             if client_chosen(routing_id):
-                rid = message.get("id") if isinstance(message, dict) and isinstance(message.get("id"), str) else ""
-                self._error(identity, rid if len(rid) <= 128 else "", ErrorCode.INVALID_REQUEST,
+                rid, version = _attribution(request)
+                self._error(identity, rid, ErrorCode.INVALID_REQUEST,
                             "ZMQ_ROUTING_ID: this connection chose its own routing id; the daemon names "
                             "sessions itself, so leave ZMQ_ROUTING_ID unset (the message was not executed)",
-                            v=reply_version(message))
+                            v=version)
                 continue
             if not sessions.admit(routing_id, channel.last_peer_fd):
                 # A message queued behind its connection's disconnect (the reply is
                 # unroutable), or a new connection that set an ended session's id.
                 self._error(identity, "", ErrorCode.INVALID_REQUEST,
                             "ZMQ_ROUTING_ID: this routing id belongs to a session that has ended; "
-                            "leave ZMQ_ROUTING_ID unset (the message was not executed)", v=reply_version(message))
+                            "leave ZMQ_ROUTING_ID unset (the message was not executed)", v=_attribution(request)[1])
                 continue
-            if message is None:  # a large frame: its prompt may be refused from its byte counts
+            if request is None:  # a large frame: its prompt may be refused from its byte counts
                 screened = self.intake.screen(frame)
                 if screened is not None:
                     error, version = screened
-                    self._on_request(channel, identity, error, version, now)
-                    continue
-                try:
-                    message = decode(frame)
-                except ProtocolError as error:
-                    message = error
-            if isinstance(message, ProtocolError):
-                self._on_request(channel, identity, message, PROTOCOL_VERSION, now)
-                continue
-            try:
-                request: Request | ProtocolError = request_from_wire(message)
-            except ProtocolError as error:
-                request = error
-            self._on_request(channel, identity, request, reply_version(message), now)
+                    error.version = version
+                    request = error
+                else:
+                    request = _decode_request(frame)
+            self._on_request(channel, identity, request, now)
 
-    def _on_request(self, channel: Channel, identity: bytes, request: Request | ProtocolError, version: int,
+    def _on_request(self, channel: Channel, identity: bytes, request: Request | ProtocolError,
                     received: float) -> None:
         if isinstance(request, ProtocolError):
             channel.count_rejected(request)
             # The id only if the message had a valid one (SPEC: "" otherwise, never a prefix).
-            self._error(identity, request.request_id or "", request.code, request.message, request.field, v=version)
+            self._error(identity, request.request_id or "", request.code, request.message, request.field,
+                        v=request.version or PROTOCOL_VERSION)
         elif isinstance(request, GenerateRequest):
             self._generate(identity, request, received)
         elif isinstance(request, CancelRequest):
@@ -504,9 +507,6 @@ class ContextGenerator:
         elif isinstance(request, HealthRequest):
             self._send(identity, HealthReply(id=request.id, state=self._lifecycle_state(),
                                              ok=self.state == "ready", v=request.v))
-        else:
-            self._error(identity, getattr(request, "id", ""), ErrorCode.INVALID_REQUEST,
-                        f"{type(request).__name__} is a reply, not a request", v=version)
 
     def _key(self, identity: bytes, request_id: str) -> str:
         return f"{identity.hex()}:{request_id}"
