@@ -47,13 +47,14 @@ MESSAGES: list[tuple[str, Any, str]] = [
         id="g-1", choices=[Choice(index=0, text="x" * 1024, token_ids=list(range(256)), finish_reason="length")],
         usage=Usage(prompt_tokens=12, completion_tokens=256), timings=Timings(ttft_s=0.012, total_s=0.9, queue_s=0.0004),
     ), "reply"),
-    ("step (control)", Step(step=123456, kind="decode", bucket=8, n_real=5, n_tokens=5), "control"),
+    ("step (control)", Step(step=123456, kind="decode", n_real=5, n_tokens=5), "control"),
     ("launched (control)", Launched(step=123456, graph=True), "control"),
 ]
 
 
-def load_baseline(revision: str) -> dict[str, Callable[[bytes], Any]]:
-    """The decoders of `revision`'s protocol/, as the daemon used them (decode, then from_wire)."""
+def load_baseline(revision: str) -> tuple[dict[str, Callable[[bytes], Any]], Callable[[Any], bytes]]:
+    """The decoders of `revision`'s protocol/, as the daemon used them (decode, then from_wire, or
+    its typed decoder where it had one), and its encoder."""
     root = Path(tempfile.mkdtemp(prefix="hybridd-protocol-"))
     package = root / "baseline_protocol"
     package.mkdir()
@@ -72,11 +73,17 @@ def load_baseline(revision: str) -> dict[str, Callable[[bytes], Any]]:
     old = importlib.import_module("baseline_protocol.codec")
     messages = importlib.import_module("baseline_protocol.messages")
     control = importlib.import_module("baseline_protocol.control")
-    return {
-        "request": lambda frame: messages.request_from_wire(old.decode(frame)),
-        "reply": lambda frame: messages.reply_from_wire(old.decode(frame)),
-        "control": lambda frame: control.control_from_wire(old.decode(frame)),
+
+    def typed_or(family: str, from_wire: Callable[[Any], Any]) -> Callable[[bytes], Any]:
+        decoder = getattr(old, family, None)
+        return decoder.decode if decoder is not None else lambda frame: from_wire(old.decode(frame))
+
+    decoders = {
+        "request": typed_or("REQUESTS", getattr(messages, "request_from_wire", None)),
+        "reply": typed_or("REPLIES", getattr(messages, "reply_from_wire", None)),
+        "control": typed_or("CONTROL", getattr(control, "control_from_wire", None)),
     }
+    return decoders, old.encode
 
 
 def per_call_us(function: Callable[[], Any], budget_s: float = 0.2) -> float:
@@ -91,11 +98,11 @@ def main() -> None:
     parser.add_argument("--baseline", help="a git revision whose protocol/ to compare against")
     args = parser.parse_args()
     current = {"request": codec.REQUESTS.decode, "reply": codec.REPLIES.decode, "control": codec.CONTROL.decode}
-    baseline = load_baseline(args.baseline) if args.baseline else None
+    baseline, baseline_encode = load_baseline(args.baseline) if args.baseline else (None, None)
 
     header = f"{'message':26} {'bytes':>8} {'encode µs':>10} {'decode µs':>10}"
     if baseline:
-        header += f" {'baseline µs':>12} {'speed-up':>9}"
+        header += f" {'base enc µs':>12} {'base dec µs':>12} {'dec speed-up':>12}"
     print(header)
     for name, message, family in MESSAGES:
         frame = codec.encode(message)
@@ -106,8 +113,9 @@ def main() -> None:
         if baseline:
             decoded = baseline[family](frame)  # the same bytes must be valid for both
             assert type(decoded).__name__ == type(message).__name__
+            old_encode_us = per_call_us(lambda: baseline_encode(decoded))
             old_us = per_call_us(lambda: baseline[family](frame))
-            line += f" {old_us:>12.2f} {old_us / decode_us:>8.1f}x"
+            line += f" {old_encode_us:>12.2f} {old_us:>12.2f} {old_us / decode_us:>11.1f}x"
         print(line)
 
 
