@@ -34,13 +34,13 @@ import time
 import uuid
 import weakref
 from collections.abc import Callable, Iterator
-from dataclasses import replace
 from pathlib import Path
 from types import EllipsisType
 from typing import Any
 
 import zmq
 import zmq.asyncio
+from msgspec.structs import replace
 from zmq.utils.monitor import parse_monitor_message
 
 from hybridd import client_fallback
