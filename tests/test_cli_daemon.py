@@ -109,7 +109,7 @@ def test_daemon_commands_tcp_and_drain(keys):
         assert set(final["timings"]) == {"ttft_s", "total_s", "queue_s"}
         bad = _hybridd("generate", "ROMEO:", "--runtime-dir", rd, "--top-p", "0")
         assert bad.returncode == 1
-        assert bad.stderr.strip() == "hybridd: invalid_request: sampling.top_p: 0.0 must be > 0.0"
+        assert bad.stderr.strip() == "hybridd: invalid_request: sampling.top_p: expected `float` > 0.0, got 0.0"
 
         # TCP: CURVE with an authorised key works, from the SDK and the CLI
         server_public, _ = load_curve_keys(str(keys / "server.key"))
