@@ -154,16 +154,19 @@ def breakdown_panel(ax, results: dict) -> None:
                 if value <= 0:
                     continue
                 ax.bar(i + offset, value, 0.38, bottom=bottom, color=CATEGORY_COLORS.get(name, "#777777"),
-                       edgecolor="white", linewidth=0.3, label=name if name not in seen else None,
-                       hatch="//" if field == "floor_s" else None)
+                       edgecolor="white", linewidth=0.3, hatch="//" if field == "floor_s" else None)
                 seen.add(name)
                 bottom += value
     ax.set_xticks(range(len(steps)), [f"{labels[k]}\nmeasured | floor" for k in steps], fontsize=7)
-    ax.set_ylabel("GPU time per step (ms)")
+    from matplotlib.patches import Patch
+
+    handles = [Patch(color=CATEGORY_COLORS.get(n, "#777777"), label=n) for n in CATEGORY_COLORS if n in seen]
+    handles.append(Patch(facecolor="white", edgecolor="k", hatch="//", label="floor (hatched)"))
+    ax.set_ylabel("time per step (ms; GPU time on CUDA)")
     ax.set_title("Where a step goes, by kernel category")
     ax.set_ylim(bottom=0)
     ax.grid(True, axis="y", alpha=0.3)
-    ax.legend(fontsize=6, ncol=2, loc="upper left")
+    ax.legend(handles=handles, fontsize=6, ncol=2, loc="upper left")
 
 
 def plot(runs: list[dict], png: Path, theirs: dict | None = None) -> Path:
