@@ -41,10 +41,8 @@ def hf():
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    engine = EnginePair(tmp_path_factory.mktemp("run"), **ENGINE)
-    engine.wait_ready()
-    yield engine
-    engine.close()
+    with EnginePair(tmp_path_factory.mktemp("run"), **ENGINE) as engine:
+        yield engine
 
 
 @pytest.fixture
@@ -229,6 +227,23 @@ def test_cancelling_n_sequences_ends_them_all_and_frees_their_blocks(v2):
     assert [c["finish_reason"] for c in final["choices"]] == ["cancelled"] * 4
     status = v2.request({"type": "status"})["status"]
     assert status["kv_blocks"]["used"] == 0 and status["requests"]["running"] == 0
+
+
+def test_a_timeout_ends_n_sequences_with_timeout_and_their_output_so_far(v2):
+    """Each sequence's final output (tokens, text, reason) is what it streamed: the one
+    record of a sequence, read once for the chunks and once for the final."""
+    final, chunks = v2.generate(prompt="ROMEO:", timeout_s=0.5,
+                                sampling={"max_tokens": 2000, "ignore_eos": True, "n": 3, "seed": 5})
+    assert final["type"] == "final", final
+    assert [c["finish_reason"] for c in final["choices"]] == ["timeout"] * 3
+    for choice in final["choices"]:
+        mine = [c for c in chunks if c["index"] == choice["index"]]
+        assert [t for c in mine for t in c["token_ids"]] == choice["token_ids"]
+        assert "".join(c["text"] for c in mine) == choice["text"]
+    assert final["usage"]["completion_tokens"] == sum(len(c["token_ids"]) for c in final["choices"])
+    timings = final["timings"]
+    assert 0 <= timings["queue_s"] <= timings["total_s"] and timings["total_s"] >= 0.5
+    assert timings["ttft_s"] is None or timings["queue_s"] <= timings["ttft_s"] <= timings["total_s"]
 
 
 # ---------------------------------------------------------------- chat

@@ -14,7 +14,7 @@ import signal
 import time
 from collections import deque
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -77,28 +77,27 @@ TCP_PREFIX = b"tcp:"
 
 
 @dataclass
-class SequenceOutput:
-    """What one of a request's sequences has produced so far."""
-
-    seq: Sequence
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] | None = None
-    finish_reason: str | None = None
-    last_token: float | None = None
-
-
-@dataclass
 class ClientRequest:
+    """A client's generate request while it runs: where its replies go and how. Its
+    output, text and timings live in its sequences (`seqs`, by index), each a
+    `Sequence`; the request's own timings are those of sequence 0, the one queued,
+    which the others are forked from at its prefill."""
+
     identity: bytes
     id: str
     stream: bool
-    outputs: list[SequenceOutput]  # by sequence index
-    arrival: float
+    seqs: list[Sequence]
     deadline: float | None
     v: int  # the protocol version of the request, and so of its replies
-    admitted: float | None = None
-    first_token: float | None = None
-    chunks: int = 0
+    chunks: int = 0  # chunks sent, numbered on the wire in version 1
+
+    @property
+    def arrival(self) -> float:
+        return self.seqs[0].arrival_time
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(seq.num_output_tokens for seq in self.seqs)
 
 
 @dataclass
@@ -310,10 +309,10 @@ class ContextGenerator:
             if batch is not None:
                 now = time.monotonic()
                 for seq in batch.seqs:
-                    request = self.owners.get(seq.request_id)
-                    if request is not None and request.admitted is None:
-                        request.admitted = now
-                        self.metrics.scheduled(now - request.arrival)
+                    if seq.scheduled_time is None:
+                        seq.scheduled_time = now
+                        if seq.index == 0 and seq.request_id in self.owners:
+                            self.metrics.scheduled(now - seq.arrival_time)
                 self.inflight.append(self.pipeline.launch(batch))
                 self.tracer.step()
                 self.link.steps += 1
@@ -329,29 +328,24 @@ class ContextGenerator:
     def _retire(self, step: InflightStep) -> None:
         tokens = self.pipeline.collect(step)
         seqs = step.batch.sampled_seqs
-        before = [seq.num_output_tokens for seq in seqs]
+        before = [(seq.num_output_tokens, seq.last_token_time) for seq in seqs]
         finished = self.scheduler.postprocess(step.batch, tokens)
-        now = time.monotonic()
-        self.throughput.add(sum(seq.num_output_tokens > count for seq, count in zip(seqs, before)))
-        for row, (seq, token, count) in enumerate(zip(seqs, tokens, before, strict=True)):
+        self.throughput.add(sum(seq.num_output_tokens > count for seq, (count, _) in zip(seqs, before)))
+        for row, (seq, token, (count, previous)) in enumerate(zip(seqs, tokens, before, strict=True)):
             request = self.owners.get(seq.request_id)
             # A sequence that finished a step earlier had one more token sampled; it is dropped.
             if request is None or seq.num_output_tokens == count:
                 continue
-            out = request.outputs[seq.index]
-            if request.first_token is None:
-                request.first_token = now
-                self.ttft.append(now - request.arrival)
-                self.metrics.first_token(now - request.arrival)
-            if out.last_token is not None:
-                self.itl.append(now - out.last_token)
-                self.metrics.inter_token(now - out.last_token)
-            out.last_token = now
-            out.token_ids.append(token)
+            if count == 0 and seq.index == 0:  # the request's first token
+                self.ttft.append(seq.first_token_time - seq.arrival_time)
+                self.metrics.first_token(seq.first_token_time - seq.arrival_time)
+            if previous is not None:
+                self.itl.append(seq.last_token_time - previous)
+                self.metrics.inter_token(seq.last_token_time - previous)
             logprob = None
-            if seq.params.logprobs:
+            if seq.logprobs is not None:
                 logprob = self._token_logprob(step.host_logprobs, row, token, seq.params.top_logprobs)
-                out.logprobs.append(logprob)
+                seq.logprobs.append(logprob)
             if request.stream and self._backlog(request.identity) >= SESSION_BACKLOG_LIMIT:
                 self._too_slow(request.identity)
             elif request.stream:
@@ -360,7 +354,7 @@ class ContextGenerator:
                     logprobs=None if logprob is None else [logprob], v=request.v))
                 request.chunks += 1
         for seq in finished:
-            self._finish_sequence(seq, seq.finish_reason or "stop")
+            self._finish_sequence(seq)
 
     def _token_logprob(self, logprobs: Logprobs, row: int, token: int, top: int) -> TokenLogprob:
         """The host's view of one row's logprobs: the sampled token's and its top
@@ -414,10 +408,9 @@ class ContextGenerator:
         request = self.requests.pop(key, None)
         if request is None:
             return None
-        for out in request.outputs:
-            self.owners.pop(out.seq.request_id, None)
-            if out.finish_reason is None:
-                self.scheduler.abort(out.seq.request_id)
+        for seq in request.seqs:
+            self.owners.pop(seq.request_id, None)
+            self.scheduler.abort(seq.request_id)
         return request
 
     def _end_session(self, identity: bytes) -> None:
@@ -428,9 +421,8 @@ class ContextGenerator:
         now = time.monotonic()
         for key in ended:
             request = self._drop(key)
-            self.metrics.finished_request("cancelled", prompt_tokens=request.outputs[0].seq.num_prompt_tokens,
-                                          generation_tokens=sum(len(out.token_ids) for out in request.outputs),
-                                          e2e_s=now - request.arrival)
+            self.metrics.finished_request("cancelled", prompt_tokens=request.seqs[0].num_prompt_tokens,
+                                          generation_tokens=request.completion_tokens, e2e_s=now - request.arrival)
         if ended:
             self.log.info("session ended; its requests are cancelled", requests=len(ended))
 
@@ -440,7 +432,7 @@ class ContextGenerator:
         backlog = self._backlog(identity)
         for key in [key for key, request in self.requests.items() if request.identity == identity]:
             request = self._drop(key)
-            tokens = sum(len(out.token_ids) for out in request.outputs)
+            tokens = request.completion_tokens
             self._error(identity, request.id, ErrorCode.OVERLOADED,
                         f"client too slow: {backlog} replies unread beyond the transport's queue "
                         f"(limit {SESSION_BACKLOG_LIMIT}); the request was ended after {tokens} tokens", v=request.v)
@@ -600,7 +592,8 @@ class ContextGenerator:
         """Hand a request with its prompt's token ids to the scheduler, or refuse it."""
         req = pending.request
         params = req.sampling
-        seqs = [Sequence(key if i == 0 else f"{key}#{i}", ids, params, index=i) for i in range(params.n)]
+        seqs = [Sequence(key if i == 0 else f"{key}#{i}", ids, params, pending.received, index=i)
+                for i in range(params.n)]
         seqs[0].forks = seqs[1:]
         try:
             self.scheduler.add(seqs[0])
@@ -608,9 +601,7 @@ class ContextGenerator:
             self._error(pending.identity, req.id, ErrorCode.INVALID_REQUEST, _field_first(exc.field, str(exc)),
                         exc.field, v=req.v)
             return
-        outputs = [SequenceOutput(seq, logprobs=[] if params.logprobs else None) for seq in seqs]
-        request = ClientRequest(pending.identity, req.id, req.stream, outputs, pending.received, pending.deadline,
-                                req.v)
+        request = ClientRequest(pending.identity, req.id, req.stream, seqs, pending.deadline, req.v)
         self.requests[key] = request
         for seq in seqs:
             self.owners[seq.request_id] = request
@@ -646,44 +637,41 @@ class ContextGenerator:
         request = self.requests.get(key)
         if request is None:
             return
-        for out in request.outputs:
-            if out.finish_reason is None:
-                self.scheduler.abort(out.seq.request_id)
-                self._finish_sequence(out.seq, reason)
+        for seq in request.seqs:
+            if self.scheduler.abort(seq.request_id, reason) is not None:
+                self._finish_sequence(seq)
 
-    def _finish_sequence(self, seq: Sequence, reason: str) -> None:
+    def _finish_sequence(self, seq: Sequence) -> None:
         """One sequence ended; the request's final goes out when its last one has."""
-        request = self.owners.pop(seq.request_id, None)
-        if request is None:
-            return
-        request.outputs[seq.index].finish_reason = reason
-        if all(out.finish_reason is not None for out in request.outputs):
+        request = self.owners.get(seq.request_id)
+        if request is not None and all(member.is_finished for member in request.seqs):
             self._finish(request)
 
     def _finish(self, request: ClientRequest) -> None:
         self.requests.pop(self._key(request.identity, request.id), None)
+        for seq in request.seqs:
+            self.owners.pop(seq.request_id, None)
         now = time.monotonic()
-        reasons = [out.finish_reason for out in request.outputs]
+        reasons = [seq.finish_reason for seq in request.seqs]
         if all(reason in ("stop", "length") for reason in reasons):
             self.served += 1
         # The request's reason: the first sequence's, unless one ended otherwise than by stop or length.
         reason = next((r for r in reasons if r not in ("stop", "length")), reasons[0])
-        self.metrics.finished_request(reason, prompt_tokens=request.outputs[0].seq.num_prompt_tokens,
-                                      generation_tokens=sum(len(out.token_ids) for out in request.outputs),
-                                      e2e_s=now - request.arrival)
+        self.metrics.finished_request(reason, prompt_tokens=request.seqs[0].num_prompt_tokens,
+                                      generation_tokens=request.completion_tokens, e2e_s=now - request.arrival)
+        first = request.seqs[0]
         self._send(request.identity, FinalReply(
             id=request.id,
-            choices=[Choice(index=i, text=out.seq.output_text, token_ids=list(out.token_ids),
-                            finish_reason=out.finish_reason,
+            choices=[Choice(index=seq.index, text=seq.output_text, token_ids=list(seq.output_token_ids),
+                            finish_reason=seq.finish_reason,
                             # a stream's chunks carried them already
-                            logprobs=None if request.stream else out.logprobs)
-                     for i, out in enumerate(request.outputs)],
-            usage=Usage(prompt_tokens=request.outputs[0].seq.num_prompt_tokens,
-                        completion_tokens=sum(len(out.token_ids) for out in request.outputs)),
+                            logprobs=None if request.stream else seq.logprobs)
+                     for seq in request.seqs],
+            usage=Usage(prompt_tokens=first.num_prompt_tokens, completion_tokens=request.completion_tokens),
             timings=Timings(
-                ttft_s=None if request.first_token is None else request.first_token - request.arrival,
-                total_s=now - request.arrival,
-                queue_s=(request.admitted or now) - request.arrival,
+                ttft_s=None if first.first_token_time is None else first.first_token_time - first.arrival_time,
+                total_s=now - first.arrival_time,
+                queue_s=(first.scheduled_time or now) - first.arrival_time,
             ),
             v=request.v,
         ))

@@ -23,31 +23,37 @@ class Tokenizer(Protocol):
 
 
 class IncrementalDetokenizer:
+    """The text of one sequence's output, token by token. The output ids are the
+    sequence's own (passed to each call); only the prompt's last few ids are kept
+    here, as the first output tokens' left context."""
+
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        self.token_ids = list(prompt_ids)
-        self.prefix_offset = max(len(self.token_ids) - INITIAL_CONTEXT_TOKENS, 0)
-        self.read_offset = len(self.token_ids)
+        self.context = list(prompt_ids[max(len(prompt_ids) - INITIAL_CONTEXT_TOKENS, 0) :])
+        # Offsets into the context followed by the output ids.
+        self.prefix_offset = 0
+        self.read_offset = len(self.context)
 
-    def add(self, token_id: int) -> str:
-        """Append one token; return the text it completes (possibly empty)."""
-        self.token_ids.append(token_id)
-        prefix_text = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
-        full_text = self._decode(self.token_ids[self.prefix_offset :])
+    def add(self, output_ids: list[int]) -> str:
+        """The text that the newest of `output_ids` (the output so far) completes, possibly empty."""
+        end = len(self.context) + len(output_ids)
+        prefix_text = self._decode(output_ids, self.prefix_offset, self.read_offset)
+        full_text = self._decode(output_ids, self.prefix_offset, end)
         if len(full_text) <= len(prefix_text) or full_text.endswith(REPLACEMENT_CHAR):
             return ""
-        new_text = full_text[len(prefix_text) :]
-        self.prefix_offset = self.read_offset
-        self.read_offset = len(self.token_ids)
-        return new_text
-
-    def flush(self) -> str:
-        """Emit whatever is still held back, replacement characters included."""
-        prefix_text = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
-        full_text = self._decode(self.token_ids[self.prefix_offset :])
-        self.prefix_offset = self.read_offset = len(self.token_ids)
+        self.prefix_offset, self.read_offset = self.read_offset, end
         return full_text[len(prefix_text) :]
 
-    def _decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
+    def flush(self, output_ids: list[int]) -> str:
+        """Emit whatever is still held back, replacement characters included."""
+        end = len(self.context) + len(output_ids)
+        prefix_text = self._decode(output_ids, self.prefix_offset, self.read_offset)
+        full_text = self._decode(output_ids, self.prefix_offset, end)
+        self.prefix_offset = self.read_offset = end
+        return full_text[len(prefix_text) :]
+
+    def _decode(self, output_ids: list[int], start: int, end: int) -> str:
+        n = len(self.context)
+        window = output_ids[start - n : end - n] if start >= n else self.context[start:] + output_ids[: end - n]
+        return self.tokenizer.decode(window, skip_special_tokens=self.skip_special_tokens)

@@ -173,14 +173,15 @@ class Scheduler:
             self._fork_parent[fork.request_id] = seq
         self.waiting.append(seq)
 
-    def abort(self, request_id: str) -> Sequence | None:
-        """Cancel a waiting or running request; returns it, or None when it is
-        unknown or already finished. A token still in flight for it is discarded."""
+    def abort(self, request_id: str, reason: str = "cancelled") -> Sequence | None:
+        """End a waiting or running request for `reason` (cancelled, timeout); returns it,
+        or None when it is unknown or already finished. A token still in flight for it
+        is discarded."""
         seq = self.requests.get(request_id)
         if seq is None:
             return None
-        self._finish(seq, "cancelled")
-        log.info("request aborted", request_id=request_id, output_tokens=seq.num_output_tokens)
+        self._finish(seq, reason)
+        log.info("request aborted", request_id=request_id, reason=reason, output_tokens=seq.num_output_tokens)
         return seq
 
     def schedule(self) -> ScheduledBatch | None:
@@ -203,7 +204,7 @@ class Scheduler:
             if seq.is_finished:
                 continue  # sampled one step past its end, or aborted meanwhile
             seq.append_token(token_id)
-            new_text = seq.detokenizer.add(token_id) if seq.detokenizer is not None else ""
+            new_text = seq.detokenizer.add(seq.output_token_ids) if seq.detokenizer is not None else ""
             result = seq.stop_criteria.check(token_id, new_text, seq.num_output_tokens, len(seq))
             seq.new_text = result.text
             seq.output_text += result.text

@@ -1,6 +1,8 @@
-"""One generation request as the scheduler sees it: tokens, status, KV blocks, timings.
+"""One generated sequence: its tokens, text, logprobs, status, KV blocks and timings.
 
-A `Sequence` is host-side state only. Its `block_table` lists the KV-arena blocks
+A `Sequence` is the one record of a sequence's output: the scheduler appends its
+tokens and text, the context generator its logprobs, and the client's final reply
+is read from it. A `Sequence` is host-side state only. Its `block_table` lists the KV-arena blocks
 that hold its cache; `num_computed_tokens` counts the tokens whose KV the scheduled
 steps write. In the overlapped pipeline a sampled token may still be on the device
 when the next step is scheduled; `num_inflight_tokens` counts those.
@@ -19,7 +21,7 @@ import random
 import time
 from typing import TYPE_CHECKING
 
-from hybridd.protocol.messages import SamplingParams
+from hybridd.protocol.messages import SamplingParams, TokenLogprob
 
 if TYPE_CHECKING:
     from hybridd.engine.detokenizer import IncrementalDetokenizer
@@ -75,8 +77,11 @@ class Sequence:
         # (step id, row) of the step that samples the in-flight token, for the
         # overlapped pipeline to gather it from that step's device output.
         self.inflight_source: tuple[int, int] | None = None
+        # Timings (time.monotonic()): received, first scheduled, first and latest output token, finished.
         self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
+        self.scheduled_time: float | None = None
         self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
         self.finish_time: float | None = None
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
@@ -85,6 +90,8 @@ class Sequence:
         self.stop_criteria: StopCriteria | None = None
         self.output_text = ""
         self.new_text = ""  # what the last postprocess added to output_text
+        # One per output token when the request asked for logprobs, else None.
+        self.logprobs: list[TokenLogprob] | None = [] if self.params.logprobs else None
 
     def __len__(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
@@ -121,8 +128,9 @@ class Sequence:
         return self.status is SequenceStatus.FINISHED
 
     def append_token(self, token_id: int) -> None:
-        if not self.output_token_ids and self.first_token_time is None:
-            self.first_token_time = time.monotonic()
+        self.last_token_time = time.monotonic()
+        if self.first_token_time is None:
+            self.first_token_time = self.last_token_time
         self.output_token_ids.append(token_id)
 
     def finish(self, reason: str, stop_reason: str | int | None = None) -> None:
