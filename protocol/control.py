@@ -62,10 +62,10 @@ class Step(Message, tag="step"):
 
 
 class Launched(Message, tag="launched"):
-    """Graph generator → context generator: step `step` is enqueued (`graph`: replayed, else eager)."""
+    """Graph generator → context generator: step `step` is enqueued (its tokens are sampled
+    after `logits_ready`)."""
 
     step: Count
-    graph: bool
 
 
 class Stats(Message, tag="stats"):

@@ -48,7 +48,7 @@ MESSAGES: list[tuple[str, Any, str]] = [
         usage=Usage(prompt_tokens=12, completion_tokens=256), timings=Timings(ttft_s=0.012, total_s=0.9, queue_s=0.0004),
     ), "reply"),
     ("step (control)", Step(step=123456, kind="decode", n_real=5, n_tokens=5), "control"),
-    ("launched (control)", Launched(step=123456, graph=True), "control"),
+    ("launched (control)", Launched(step=123456), "control"),
 ]
 
 

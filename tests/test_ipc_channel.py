@@ -235,10 +235,10 @@ def test_pair_channel_between_processes_uses_the_same_framing(runtime_dir):
         b = Channel(zmq.PAIR)
         b.connect(f"ipc://{path}")
         with b:
-            b.send({"v": 1, "type": "launched", "step": 3, "graph": False})
-            assert a.recv(2000) == Launched(v=1, step=3, graph=False)
-            b.send(Launched(step=4, graph=True))
-            assert a.recv(2000) == Launched(step=4, graph=True)
+            b.send({"v": 1, "type": "launched", "step": 3})
+            assert a.recv(2000) == Launched(v=1, step=3)
+            b.send(Launched(step=4))
+            assert a.recv(2000) == Launched(step=4)
         with pytest.raises(TypeError):
             a.recv_from(0)
 

@@ -120,7 +120,7 @@ CONTROL = [
     ),
     ReadyAck(),
     Step(step=7, kind="decode", n_real=5, n_tokens=5),
-    Launched(step=7, graph=True),
+    Launched(step=7),
     Stats(stats={"graphs": 6, "replays": 1000}),
     Shutdown(),
 ]

@@ -203,11 +203,11 @@ def test_reply_validation_rejects_wrong_types():
         (Step(step=1, kind="decode", n_real=3, n_tokens=3).to_wire() | {"kind": "verify"}, "kind"),
         (Step(step=1, kind="decode", n_real=3, n_tokens=3).to_wire() | {"n_real": -1}, "n_real"),
         (Step(step=1, kind="decode", n_real=3, n_tokens=3).to_wire() | {"step": "1"}, "step"),
-        (Launched(step=1, graph=True).to_wire() | {"graph": 1}, "graph"),
-        (Launched(step=1, graph=True).to_wire() | {"extra": 1}, "extra"),
+        (Launched(step=1).to_wire() | {"step": -1}, "step"),
+        (Launched(step=1).to_wire() | {"extra": 1}, "extra"),
         ({"v": 1, "type": "ready"}, "arenas"),
     ],
-    ids=["step-kind", "step-n-real", "step-type", "launched-graph", "launched-extra", "ready-empty"],
+    ids=["step-kind", "step-n-real", "step-type", "launched-step", "launched-extra", "ready-empty"],
 )
 def test_control_messages_reject_wrong_types(data, field):
     error = _rejects(data, codec.CONTROL.decode)

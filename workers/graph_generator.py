@@ -167,11 +167,11 @@ class GraphGenerator:
         """Wait for the step's inputs, run it, record its logits, reply: all enqueued, no host wait."""
         stream = self.runner.stream
         self.inputs_ready.wait(stream)
-        shape = self.runner.run(step.kind == "prefill", step.n_tokens, step.n_real)
+        self.runner.run(step.kind == "prefill", step.n_tokens, step.n_real)
         self.logits_ready.record(stream)
         self.tracer.step()
         self.link.steps += 1
-        self.ctl.send(control.Launched(step=step.step, graph=shape.graph))
+        self.ctl.send(control.Launched(step=step.step))
 
     def close(self) -> None:
         self.runner.stop_background_capture() if hasattr(self, "runner") else None
