@@ -16,10 +16,23 @@ from hybridd.protocol.errors import ErrorCode
 from hybridd.results import GenerateResult
 
 
+_BY_CODE: dict[ErrorCode, type[HybriddError]] = {}
+
+
 class HybriddError(Exception):
-    """Base class: `code` is the wire error code (an unknown one reads as `internal`)."""
+    """Base class: `code` is the wire error code (an unknown one reads as `internal`).
+
+    A subclass names the code it stands for (`code=`, its default) and any other codes
+    that read as it (`also=`); `error_for_code` picks the class by code."""
 
     default_code = ErrorCode.INTERNAL
+
+    def __init_subclass__(cls, code: ErrorCode | None = None, also: tuple[ErrorCode, ...] = (), **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if code is not None:
+            cls.default_code = code
+            for each in (code, *also):
+                _BY_CODE[each] = cls
 
     def __init__(
         self,
@@ -41,29 +54,22 @@ class HybriddError(Exception):
         return f"{self.code.value}: {self.message}"
 
 
-class InvalidRequestError(HybriddError):
+class InvalidRequestError(HybriddError, code=ErrorCode.INVALID_REQUEST,
+                          also=(ErrorCode.MALFORMED, ErrorCode.TOO_LARGE, ErrorCode.UNSUPPORTED_VERSION)):
     """The daemon (or the SDK's own check, with the same rules) refused the request as invalid."""
 
-    default_code = ErrorCode.INVALID_REQUEST
 
-
-class OverloadedError(HybriddError):
+class OverloadedError(HybriddError, code=ErrorCode.OVERLOADED):
     """The daemon's queue is full; retry with backoff."""
 
-    default_code = ErrorCode.OVERLOADED
 
-
-class DrainingError(HybriddError):
+class DrainingError(HybriddError, code=ErrorCode.DRAINING):
     """The daemon is shutting down and takes no new requests."""
 
-    default_code = ErrorCode.DRAINING
 
-
-class UnavailableError(HybriddError):
+class UnavailableError(HybriddError, code=ErrorCode.UNAVAILABLE):
     """The daemon cannot serve the call now: it is starting, loading or restarting its
     workers (the message says which), or it could not be reached (the subclasses)."""
-
-    default_code = ErrorCode.UNAVAILABLE
 
 
 class DaemonUnreachableError(UnavailableError, ConnectionError):
@@ -76,51 +82,27 @@ class HandshakeRefusedError(DaemonUnreachableError, ConnectionRefusedError):
     authorised keys, or the server key given is not the daemon's. Retrying does not help."""
 
 
-class EngineDeadError(HybriddError):
+class EngineDeadError(HybriddError, code=ErrorCode.ENGINE_DEAD):
     """A worker died, or the daemon's socket disconnected, while the request was in flight.
 
     Not sticky: the client reconnects by itself, and new calls succeed once the daemon is back.
     """
 
-    default_code = ErrorCode.ENGINE_DEAD
 
-
-class RequestTimeoutError(HybriddError, TimeoutError):
+class RequestTimeoutError(HybriddError, TimeoutError, code=ErrorCode.TIMEOUT):
     """The call's timeout expired (on the client, or on the daemon via `timeout_s`)."""
 
-    default_code = ErrorCode.TIMEOUT
 
-
-class RequestCancelledError(HybriddError):
+class RequestCancelledError(HybriddError, code=ErrorCode.CANCELLED):
     """The request was cancelled (`cancel()`, or the daemon's drain deadline)."""
 
-    default_code = ErrorCode.CANCELLED
+
+class NotFoundError(HybriddError, code=ErrorCode.NOT_FOUND):
+    """The daemon knows no such request."""
 
 
-class NotFoundError(HybriddError):
-    default_code = ErrorCode.NOT_FOUND
-
-
-class InternalError(HybriddError):
+class InternalError(HybriddError, code=ErrorCode.INTERNAL):
     """A failure inside the daemon (also a generation that ended with `finish_reason: error`)."""
-
-    default_code = ErrorCode.INTERNAL
-
-
-_BY_CODE: dict[ErrorCode, type[HybriddError]] = {
-    ErrorCode.MALFORMED: InvalidRequestError,
-    ErrorCode.TOO_LARGE: InvalidRequestError,
-    ErrorCode.UNSUPPORTED_VERSION: InvalidRequestError,
-    ErrorCode.INVALID_REQUEST: InvalidRequestError,
-    ErrorCode.OVERLOADED: OverloadedError,
-    ErrorCode.DRAINING: DrainingError,
-    ErrorCode.UNAVAILABLE: UnavailableError,
-    ErrorCode.ENGINE_DEAD: EngineDeadError,
-    ErrorCode.TIMEOUT: RequestTimeoutError,
-    ErrorCode.CANCELLED: RequestCancelledError,
-    ErrorCode.NOT_FOUND: NotFoundError,
-    ErrorCode.INTERNAL: InternalError,
-}
 
 
 def error_for_code(code: ErrorCode | str, message: str, **details: Any) -> HybriddError:

@@ -20,7 +20,7 @@ from hybridd import (
     UnavailableError,
 )
 from hybridd.client import CONNECT_TIMEOUT_S
-from hybridd.errors import HandshakeRefusedError, error_for_code
+from hybridd.errors import HandshakeRefusedError, InternalError, InvalidRequestError, error_for_code
 from hybridd.protocol.errors import ErrorCode
 
 # Fail-fast answers must come well inside this even on a saturated host.
@@ -159,6 +159,20 @@ def test_a_daemon_that_starts_later_is_reached_by_the_same_client(tmp_path):
         finally:
             router.close(0)
             context.term()
+
+
+@pytest.mark.parametrize("code", list(ErrorCode))
+def test_every_error_code_reads_as_its_exception(code):
+    error = error_for_code(code.value, "why")
+    assert error.code is code and type(error).default_code in (code, ErrorCode.INVALID_REQUEST)
+    assert isinstance(error, InvalidRequestError) == (code in (ErrorCode.MALFORMED, ErrorCode.TOO_LARGE,
+                                                              ErrorCode.UNSUPPORTED_VERSION, ErrorCode.INVALID_REQUEST))
+    assert str(error) == f"{code.value}: why"
+
+
+def test_an_unknown_error_code_reads_as_internal():
+    error = error_for_code("from_the_future", "why")
+    assert type(error) is InternalError and error.code is ErrorCode.INTERNAL and error.message == "[from_the_future] why"
 
 
 def test_unavailable_code_maps_to_its_exception():
