@@ -14,7 +14,6 @@ violation.
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import string
@@ -23,10 +22,14 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import msgpack
 import zmq
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # wire_daemon, next to this script
+import wire_daemon  # noqa: E402
 
 ERROR_CODES = {"malformed", "too_large", "unsupported_version", "invalid_request", "overloaded", "draining",
                "engine_dead", "timeout", "cancelled", "not_found", "internal"}
@@ -480,21 +483,13 @@ def fuzz(endpoint: str, count: int, seed: int, lanes: int = 8, with_corpus: bool
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--endpoint", help="a running daemon (default: --start one)")
-    parser.add_argument("--start", action="store_true", help="start a daemon on the embedded model for the run")
+    parser = wire_daemon.argument_parser(__doc__)
     parser.add_argument("--count", type=int, default=10_000)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--lanes", type=int, default=8)
     args = parser.parse_args()
-    if args.endpoint and not args.start:
-        report = fuzz(args.endpoint, args.count, args.seed, args.lanes)
-    else:
-        sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent.parent))
-        from tests.test_client_sdk import run_daemon
-
-        with run_daemon() as daemon:
-            report = fuzz(daemon.endpoint, args.count, args.seed, args.lanes)
+    with wire_daemon.daemon_endpoint(args) as endpoint:
+        report = fuzz(endpoint, args.count, args.seed, args.lanes)
     summary = {
         "messages": report.sent, "replies": report.replies, "seconds": round(report.seconds, 1),
         "violations": len(report.violations), "first_violations": report.violations[:20],

@@ -22,7 +22,6 @@ pids and restart counters must be unchanged. Prints a JSON report; exits 1 on an
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import sys
@@ -35,6 +34,11 @@ from pathlib import Path
 import msgpack
 import zmq
 from zmq.utils.monitor import parse_monitor_message
+
+from hybridd.stats import percentile
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # wire_daemon, next to this script
+import wire_daemon  # noqa: E402
 
 PROMPTS = ["ROMEO:", "JULIET:", "First Citizen:", "KING HENRY:", "O, what a", "To be, or not"]
 MAX_TOKENS = [8, 16, 32]
@@ -300,13 +304,6 @@ def references_of(context, endpoint) -> dict:
     return references
 
 
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
-
-
 def run_load(endpoint: str, requests: int = 2048, clients: int = 32, seed: int = 1, paused_s: float = 30.0,
              maximal: bool = True) -> dict:
     """The whole run; `paused_s`: how long the slow reader leaves its first batch unread;
@@ -363,21 +360,13 @@ def run_load(endpoint: str, requests: int = 2048, clients: int = 32, seed: int =
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--endpoint", help="a running daemon (default: --start one)")
-    parser.add_argument("--start", action="store_true", help="start a daemon on the embedded model for the run")
+    parser = wire_daemon.argument_parser(__doc__)
     parser.add_argument("--requests", type=int, default=2048)
     parser.add_argument("--clients", type=int, default=32)
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args()
-    if args.endpoint and not args.start:
-        report = run_load(args.endpoint, args.requests, args.clients, args.seed)
-    else:
-        sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-        from tests.test_client_sdk import run_daemon
-
-        with run_daemon() as daemon:
-            report = run_load(daemon.endpoint, args.requests, args.clients, args.seed)
+    with wire_daemon.daemon_endpoint(args) as endpoint:
+        report = run_load(endpoint, args.requests, args.clients, args.seed)
     print(json.dumps(report, indent=2))
     return 0 if report["ok"] else 1
 

@@ -50,6 +50,18 @@ class EnginePair:
         finally:
             client.close()
 
+    def __enter__(self) -> EnginePair:
+        """The pair once it serves (closed if it never does)."""
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
     def close(self) -> None:
         for proc in (self.context, self.graph):
             if proc.is_alive():

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -17,20 +16,11 @@ from pathlib import Path
 
 import httpx
 
-HYBRIDD = str(Path(sys.executable).parent / "hybridd")
+from tests.daemon import RunningDaemon, clean_env, daemon_process, free_port, stop
+
 # Generous: the CI host has two busy cores and a worker imports torch.
 STARTUP_TIMEOUT_S = 180.0
 API_KEY = "sk-test-0123456789"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def clean_env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if not k.startswith("HYBRIDD_") and k != "NOTIFY_SOCKET"}
 
 
 def wait_healthy(url: str, timeout: float, process: subprocess.Popen | None = None,
@@ -55,24 +45,14 @@ def wait_healthy(url: str, timeout: float, process: subprocess.Popen | None = No
 
 
 @dataclass
-class GatewayDaemon:
-    process: subprocess.Popen
-    runtime_dir: Path
-    log_path: Path
-    port: int
-    key_file: Path
+class GatewayDaemon(RunningDaemon):
+    port: int = 0
+    key_file: Path | None = None
     startup_states: list[str] = field(default_factory=list)
-
-    @property
-    def endpoint(self) -> str:
-        return f"ipc://{self.runtime_dir}/hybridd.sock"
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")[-6000:]
 
 
 @contextlib.contextmanager
@@ -82,26 +62,12 @@ def run_daemon_with_gateway(*flags: str) -> Iterator[GatewayDaemon]:
     key_file = base / "api_keys"
     key_file.write_text(f"# test keys\n{API_KEY}\n")
     port = free_port()
-    log_path = base / "daemon.log"
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(
-            [HYBRIDD, "start", "--runtime-dir", str(base / "run"), "--no-compile-sampler",
-             "--heartbeat-interval-s", "3", "--http-endpoint", f"127.0.0.1:{port}",
-             "--http-api-key-file", str(key_file), *flags],
-            env=clean_env() | {"HYBRIDD_LOG_LEVEL": os.environ.get("HYBRIDD_TEST_LOG_LEVEL", "warning")}, stdout=log, stderr=subprocess.STDOUT,
-        )
-    daemon = GatewayDaemon(process, base / "run", log_path, port, key_file)
-    try:
-        daemon.startup_states = wait_healthy(daemon.url, STARTUP_TIMEOUT_S, process, log_path)
+    log_level = {"HYBRIDD_LOG_LEVEL": os.environ.get("HYBRIDD_TEST_LOG_LEVEL", "warning")}
+    with daemon_process("--no-compile-sampler", "--heartbeat-interval-s", "3", "--http-endpoint", f"127.0.0.1:{port}",
+                        "--http-api-key-file", str(key_file), *flags, env=log_level) as started:
+        daemon = GatewayDaemon(started.process, started.runtime_dir, started.log_path, port, key_file)
+        daemon.startup_states = wait_healthy(daemon.url, STARTUP_TIMEOUT_S, daemon.process, daemon.log_path)
         yield daemon
-    finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(60)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
 
 
 @contextlib.contextmanager
@@ -114,13 +80,7 @@ def run_gateway(endpoint: str, *flags: str) -> Iterator[tuple[subprocess.Popen, 
     try:
         yield process, log_path
     finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(20)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        stop(process, 20)
 
 
 def wait_listening(port: int, process: subprocess.Popen, log: Path, timeout: float = 60.0) -> None:

@@ -16,17 +16,11 @@ import pytest
 from hybridd import Client, DrainingError, HandshakeRefusedError, HybriddError, RequestCancelledError
 from hybridd.cli import EXIT_NOT_RUNNING, EXIT_REFUSED
 from hybridd.client import load_curve_keys
-from tests.test_client_sdk import HYBRIDD, run_daemon, wait_until_ok
+from tests.daemon import HYBRIDD, free_port, run_daemon, wait_until_ok
 
 
 def _hybridd(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     return subprocess.run([HYBRIDD, *args], capture_output=True, text=True, timeout=timeout)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +74,7 @@ def test_commands_say_clearly_that_a_socket_is_stale(tmp_path):
 
 
 def test_daemon_commands_tcp_and_drain(keys):
-    port = _free_port()
+    port = free_port()
     tcp = f"tcp://127.0.0.1:{port}"
     with run_daemon("--tcp-endpoint", tcp, "--curve-secret-key-file", str(keys / "server.key_secret"),
                     "--curve-client-keys-dir", str(keys / "clients"), "--drain-timeout-s", "40") as daemon:

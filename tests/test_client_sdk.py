@@ -5,18 +5,12 @@ test runs last because it kills a worker."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gc
 import os
 import signal
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 
@@ -29,68 +23,10 @@ from hybridd import (
     RequestCancelledError,
     RequestTimeoutError,
 )
+from tests.daemon import RunningDaemon, run_daemon, wait_idle, wait_until_ok
 from tests.host_load import on_this_host
 
-HYBRIDD = str(Path(sys.executable).parent / "hybridd")
-STARTUP_TIMEOUT_S = 300.0  # a busy 2-core host can take minutes to start the daemon
 LONG = {"max_tokens": 4000, "ignore_eos": True}
-
-
-@dataclass
-class RunningDaemon:
-    process: subprocess.Popen
-    runtime_dir: Path
-    log_path: Path
-
-    @property
-    def endpoint(self) -> str:
-        return f"ipc://{self.runtime_dir}/hybridd.sock"
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")[-6000:]
-
-
-def wait_until_ok(endpoint: str, timeout: float, process: subprocess.Popen | None = None, **keys) -> None:
-    deadline = time.monotonic() + timeout
-    with Client(endpoint, **keys) as client:
-        while time.monotonic() < deadline:
-            if process is not None and process.poll() is not None:
-                raise AssertionError(f"the daemon exited with {process.returncode}")
-            with contextlib.suppress(hybridd.HybriddError):
-                if client.health(timeout=0.5).ok:
-                    return
-            time.sleep(0.1)
-    raise AssertionError(f"{endpoint} not ready within {timeout} s")
-
-
-@contextlib.contextmanager
-def run_daemon(*flags: str, **popen_options) -> Iterator[RunningDaemon]:
-    """`hybridd start` in a subprocess, until it is ready; drained (SIGTERM) at the end.
-    `popen_options` go to subprocess.Popen (e.g. `group`, `umask`)."""
-    base = Path(tempfile.mkdtemp(prefix="hc-"))
-    runtime_dir = base / "run"
-    log_path = base / "daemon.log"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HYBRIDD_") and k != "NOTIFY_SOCKET"}
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(
-            [HYBRIDD, "start", "--runtime-dir", str(runtime_dir), "--no-compile-sampler", *flags],
-            env=env | {"HYBRIDD_LOG_LEVEL": "warning"}, stdout=log, stderr=subprocess.STDOUT, **popen_options,
-        )
-    daemon = RunningDaemon(process, runtime_dir, log_path)
-    try:
-        try:
-            wait_until_ok(daemon.endpoint, STARTUP_TIMEOUT_S, process)
-        except AssertionError as error:
-            raise AssertionError(f"{error}\n{daemon.log()}") from None
-        yield daemon
-    finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(60)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
 
 
 @pytest.fixture(scope="module")
@@ -105,15 +41,6 @@ def client(daemon) -> Iterator[Client]:
         yield c
 
 
-def _wait_idle(client: Client, timeout: float = 2.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        requests = client.status()["requests"]
-        if requests["running"] == 0 and requests["queued"] == 0 or time.monotonic() > deadline:
-            return requests
-        time.sleep(0.02)
-
-
 def test_generate_returns_text_ids_reason_usage_and_timings(client):
     result = client.generate("ROMEO:", max_tokens=12, temperature=0)
     assert len(result.id) == 32 and int(result.id, 16) >= 0  # uuid4 hex
@@ -121,7 +48,7 @@ def test_generate_returns_text_ids_reason_usage_and_timings(client):
     assert len(result.token_ids) == result.usage.completion_tokens == 12
     assert result.usage.prompt_tokens > 0
     assert result.text
-    assert 0 < result.timings.ttft_s <= result.timings.total_s
+    assert 0 <= result.timings.queue_s <= result.timings.ttft_s <= result.timings.total_s and result.timings.ttft_s > 0
     again = client.generate("ROMEO:", sampling=hybridd.SamplingParams(max_tokens=12, temperature=0),
                             request_id="my-id")
     assert again.id == "my-id"
@@ -187,7 +114,7 @@ def test_dropping_a_stream_cancels_it(client, how):
     else:
         del stream
         gc.collect()
-    assert _wait_idle(client)["running"] == 0
+    assert wait_idle(client, 2.0)["running"] == 0
 
 
 def test_per_call_timeout(client):
@@ -196,7 +123,7 @@ def test_per_call_timeout(client):
         client.generate("ROMEO:", timeout=0.3, **LONG)
     assert isinstance(caught.value, TimeoutError)
     assert time.monotonic() - started < 1.5
-    assert _wait_idle(client)["running"] == 0  # the daemon stopped the work too
+    assert wait_idle(client, 2.0)["running"] == 0  # the daemon stopped the work too
 
 
 def test_invalid_requests_raise_typed_errors_naming_the_field(client):

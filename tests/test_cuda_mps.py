@@ -18,7 +18,7 @@ import torch
 from hybridd import Client
 from hybridd.config import Config, ConfigError
 from hybridd.cuda_mps import CONTROL_BINARY, MpsDaemon, MpsError
-from tests.test_client_sdk import wait_until_ok
+from tests.daemon import wait_until_ok
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -10,15 +10,15 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from hybridd import Client, EngineDeadError, HybriddError, exit_codes
-from tests.test_client_sdk import HYBRIDD, LONG
+from hybridd import Client, EngineDeadError, exit_codes
+from tests.daemon import HYBRIDD, daemon_process, wait_until_ok
+from tests.test_client_sdk import LONG
 from tests.host_load import on_this_host
 
 SLOW_LOAD_S = 60.0
@@ -36,27 +36,6 @@ def busy_cores() -> Iterator[list[subprocess.Popen]]:
             spinner.wait()
 
 
-@contextlib.contextmanager
-def daemon_process(*flags: str, env: dict[str, str] | None = None,
-                   runtime_dir: Path | None = None) -> Iterator[tuple[subprocess.Popen, Path, Path]]:
-    base = Path(tempfile.mkdtemp(prefix="hl-"))
-    runtime_dir, log_path = runtime_dir or base / "run", base / "daemon.log"
-    environment = {k: v for k, v in os.environ.items() if not k.startswith("HYBRIDD_") and k != "NOTIFY_SOCKET"}
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen([HYBRIDD, "start", "--runtime-dir", str(runtime_dir), *flags],
-                                   env=environment | (env or {}), stdout=log, stderr=subprocess.STDOUT)
-    try:
-        yield process, runtime_dir, log_path
-    finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(60)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-
-
 def _alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
@@ -65,24 +44,13 @@ def _alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
-def wait_ready(endpoint: str, process: subprocess.Popen, timeout: float, log_path: Path) -> float:
-    deadline = time.monotonic() + timeout
-    with Client(endpoint) as client:
-        while time.monotonic() < deadline:
-            assert process.poll() is None, f"the daemon exited with {process.returncode}\n{log_path.read_text()[-6000:]}"
-            with contextlib.suppress(HybriddError):
-                if client.health(timeout=0.5).ok:
-                    return time.monotonic()
-            time.sleep(0.2)
-    raise AssertionError(f"not ready within {timeout} s\n{log_path.read_text()[-6000:]}")
-
-
 @pytest.mark.slow
 def test_slow_load_on_a_saturated_host_is_ready_with_no_restart():
     """Default settings; every core spinning; the weight load stalled for 60 s."""
-    with busy_cores(), daemon_process(env={"HYBRIDD_TEST_SLOW_LOAD_S": str(SLOW_LOAD_S)}) as (process, rd, log_path):
+    with busy_cores(), daemon_process(env={"HYBRIDD_TEST_SLOW_LOAD_S": str(SLOW_LOAD_S)}) as daemon:
+        process, rd, log_path = daemon.process, daemon.runtime_dir, daemon.log_path
         started = time.monotonic()
-        ready_at = wait_ready(f"ipc://{rd}/hybridd.sock", process, SLOW_LOAD_S + 600, log_path)
+        ready_at = wait_until_ok(f"ipc://{rd}/hybridd.sock", SLOW_LOAD_S + 600, process, log_path)
         assert ready_at - started >= SLOW_LOAD_S
         with Client(f"ipc://{rd}/hybridd.sock", timeout=120) as client:
             status = client.status()
@@ -100,9 +68,10 @@ def test_a_stopped_serving_loop_is_caught_and_in_flight_requests_end_with_engine
     # stopped worker misses it.
     heartbeat_timeout_s = float(round(on_this_host(4.0)))
     with daemon_process("--no-compile-sampler", "--heartbeat-timeout-s", str(heartbeat_timeout_s),
-                        "--log-format", "json") as (process, rd, log_path):
+                        "--log-format", "json") as daemon:
+        process, rd, log_path = daemon.process, daemon.runtime_dir, daemon.log_path
         endpoint = f"ipc://{rd}/hybridd.sock"
-        wait_ready(endpoint, process, 300, log_path)
+        wait_until_ok(endpoint, 300, process, log_path)
         with Client(endpoint, timeout=120) as client:
             first = client.status()["workers"]
             stream = client.stream("ROMEO:", **LONG)
@@ -123,7 +92,7 @@ def test_a_stopped_serving_loop_is_caught_and_in_flight_requests_end_with_engine
             finally:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(first[worker]["pid"], signal.SIGCONT)
-        wait_ready(endpoint, process, 300, log_path)
+        wait_until_ok(endpoint, 300, process, log_path)
         with Client(endpoint, timeout=60) as client:
             second = client.status()["workers"]
         assert second["context"]["pid"] != first["context"]["pid"]
@@ -136,9 +105,10 @@ def test_a_stopped_serving_loop_is_caught_and_in_flight_requests_end_with_engine
 
 
 def test_workers_outlive_a_killed_supervisor_by_under_two_seconds_and_the_next_start_cleans_up():
-    with daemon_process("--no-compile-sampler") as (process, rd, log_path):
+    with daemon_process("--no-compile-sampler") as daemon:
+        process, rd, log_path = daemon.process, daemon.runtime_dir, daemon.log_path
         endpoint = f"ipc://{rd}/hybridd.sock"
-        wait_ready(endpoint, process, 300, log_path)
+        wait_until_ok(endpoint, 300, process, log_path)
         with Client(endpoint, timeout=60) as client:
             pids = [info["pid"] for info in client.status()["workers"].values()]
         process.kill()
@@ -162,7 +132,8 @@ def test_workers_outlive_a_killed_supervisor_by_under_two_seconds_and_the_next_s
             assert time.monotonic() - started < on_this_host(15.0)
         stop = subprocess.run([HYBRIDD, "stop", "--runtime-dir", str(rd)], capture_output=True, text=True, timeout=60)
         assert stop.returncode == exit_codes.NOT_RUNNING and stop.stderr.startswith("hybridd is not running")
-    with daemon_process("--no-compile-sampler", runtime_dir=rd) as (process, rd, log_path):
-        wait_ready(endpoint, process, 300, log_path)
+    with daemon_process("--no-compile-sampler", runtime_dir=rd) as daemon:
+        process, rd, log_path = daemon.process, daemon.runtime_dir, daemon.log_path
+        wait_until_ok(endpoint, 300, process, log_path)
         with Client(endpoint, timeout=60) as client:
             assert client.generate("ROMEO:", max_tokens=3, temperature=0).usage.completion_tokens == 3

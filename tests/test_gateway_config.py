@@ -7,17 +7,14 @@ from __future__ import annotations
 import multiprocessing
 import socket
 import subprocess
-import sys
 import time
 from multiprocessing.connection import wait
-from pathlib import Path
 
 import pytest
 
 from hybridd.config import ConfigError, load_config, parse_host_port
 from hybridd.gateway.supervised import SupervisedGateway
-
-HYBRIDD = str(Path(sys.executable).parent / "hybridd")
+from tests.daemon import HYBRIDD
 
 
 @pytest.mark.parametrize("value, expected", [

@@ -26,10 +26,10 @@ import hybridd
 from hybridd.protocol.codec import REQUESTS, encode
 from hybridd.protocol.errors import ErrorCode
 from hybridd.protocol.messages import ErrorReply, GenerateRequest, HealthReply, HealthRequest
+from tests.daemon import free_port, wait_idle
 from tests.gateway_daemon import (
     API_KEY,
     GatewayDaemon,
-    free_port,
     run_daemon_with_gateway,
     run_gateway,
     wait_listening,
@@ -55,15 +55,6 @@ def oai(daemon) -> openai.OpenAI:
 def sdk(daemon) -> Iterator[hybridd.Client]:
     with hybridd.Client(daemon.endpoint, timeout=120) as client:
         yield client
-
-
-def wait_idle(sdk: hybridd.Client, timeout: float = 30.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        requests = sdk.status()["requests"]
-        if requests["running"] == 0 and requests["queued"] == 0 or time.monotonic() > deadline:
-            return requests
-        time.sleep(0.02)
 
 
 # ---------------------------------------------------------------- completions

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_client_sdk import run_daemon
+from tests.daemon import run_daemon
 
 ROOT = Path(__file__).resolve().parent.parent
 FOREIGN = ("protocol", "ipc", "workers")  # PyPI projects whose import names the repository's folders share

@@ -31,10 +31,8 @@ def reference():
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    engine = EnginePair(tmp_path_factory.mktemp("run"), **ENGINE)
-    engine.wait_ready()
-    yield engine
-    engine.close()
+    with EnginePair(tmp_path_factory.mktemp("run"), **ENGINE) as engine:
+        yield engine
 
 
 @pytest.fixture

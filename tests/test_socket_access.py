@@ -21,8 +21,7 @@ import zmq
 import zmq.auth
 
 from hybridd.protocol import codec
-from tests.test_client_sdk import run_daemon
-from tests.test_cli_daemon import _free_port
+from tests.daemon import free_port, run_daemon
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as other users")
 
@@ -90,7 +89,7 @@ def test_group_members_reach_the_socket_under_umask_0027_and_tcp_allow_any_is_ex
     keys.mkdir()
     _, server_secret = zmq.auth.create_certificates(keys, "server")
     _, client_secret = zmq.auth.create_certificates(keys, "anyone")  # on no allow-list
-    port = _free_port()
+    port = free_port()
     # The daemon as the service unit runs it: its own group, UMask=0027.
     with run_daemon("--tcp-endpoint", f"tcp://127.0.0.1:{port}", "--curve-secret-key-file", str(server_secret),
                     "--curve-allow-any", group=gid, umask=0o027) as daemon:

@@ -19,17 +19,16 @@ import pytest
 
 from hybridd import exit_codes
 from hybridd.config import EMBEDDED_MODEL
-from tests.test_client_sdk import HYBRIDD
+from tests.daemon import HYBRIDD, clean_env
 
 # Exit 2 takes about half a second on an idle host; the bound leaves room for a busy one.
 REFUSAL_BOUND_S = 10.0
 
 
 def _start(*args: str, timeout: float = 60, env: dict[str, str] | None = None) -> tuple[subprocess.CompletedProcess, float]:
-    environment = {k: v for k, v in os.environ.items() if not k.startswith("HYBRIDD_") and k != "NOTIFY_SOCKET"}
     started = time.monotonic()
     done = subprocess.run([HYBRIDD, "start", *args], capture_output=True, text=True, timeout=timeout,
-                          env=environment | (env or {}))
+                          env=clean_env() | (env or {}))
     return done, time.monotonic() - started
 
 

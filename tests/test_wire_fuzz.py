@@ -6,29 +6,15 @@ replies, and the worker pids and restart counters must not change. The full run
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-
-from tests.test_client_sdk import run_daemon
-
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "fuzz_wire.py"
-
-
-def _fuzzer():
-    spec = importlib.util.spec_from_file_location("fuzz_wire", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+from tests.daemon import run_daemon
+from tests.wire_scripts import load_script
 
 
 @pytest.fixture(scope="module")
 def fuzzed():
-    fuzz_wire = _fuzzer()
+    fuzz_wire = load_script("fuzz_wire")
     with run_daemon() as daemon:
         report = fuzz_wire.fuzz(daemon.endpoint, count=2000, seed=13)
     return fuzz_wire, report

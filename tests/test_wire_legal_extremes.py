@@ -19,7 +19,8 @@ import pytest
 import zmq
 
 import hybridd
-from tests.test_client_sdk import RunningDaemon, run_daemon
+from hybridd.stats import percentile
+from tests.daemon import RunningDaemon, run_daemon
 
 VOCAB = 4096  # the embedded model's
 REPLY_TIMEOUT_S = 60.0
@@ -151,11 +152,6 @@ def _emoji_heavy(chars: int) -> str:
     return (unit * (chars // len(unit) + 1))[:chars]
 
 
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
-
-
 class Flood:
     """One client sending maximal prompts while `on` is set, from a thread of its
     own: each after the previous one's reply, a set of them every `PAUSE_S` (the
@@ -269,8 +265,8 @@ def test_maximal_prompts_do_not_slow_running_streams(daemon, context):
             for client in streams:
                 client.close()
             assert len(during) > 50 and len(between) > 50, (len(during), len(between))
-            p99 = (_percentile(during, 99), _percentile(between, 99))
-            p50 = (_percentile(during, 50), _percentile(between, 50))
+            p99 = (percentile(during, 99), percentile(between, 99))
+            p50 = (percentile(during, 50), percentile(between, 50))
             results.append((p99, p50))
             print(f"\nITL p99 during bursts {p99[0] * 1e3:.1f} ms, between {p99[1] * 1e3:.1f} ms; "
                   f"p50 {p50[0] * 1e3:.1f} / {p50[1] * 1e3:.1f} ms ({len(during)} / {len(between)} gaps)")

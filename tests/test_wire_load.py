@@ -7,20 +7,12 @@ back and no worker restarts. The full run, with a client sending maximal prompts
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
-from tests.test_client_sdk import run_daemon
-
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "load_wire.py"
+from tests.daemon import run_daemon
+from tests.wire_scripts import load_script
 
 
 def test_misbehaving_clients_cost_the_others_nothing():
-    spec = importlib.util.spec_from_file_location("load_wire", SCRIPT)
-    load_wire = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = load_wire  # its dataclasses look their module up
-    spec.loader.exec_module(load_wire)
+    load_wire = load_script("load_wire")
     with run_daemon() as daemon:
         report = load_wire.run_load(daemon.endpoint, requests=96, clients=6, seed=5, paused_s=3.0, maximal=False)
     assert report["lost"] == report["hung"] == report["mismatched"] == report["engine_dead"] == 0, report

@@ -19,7 +19,7 @@ from hybridd.protocol import codec
 from hybridd.protocol.limits import MAX_MESSAGE_BYTES, PROTOCOL_VERSION, SESSION_BACKLOG_LIMIT
 from tests.engine_pair import Client as RawClient
 from tests.host_load import on_this_host
-from tests.test_client_sdk import run_daemon, wait_until_ok
+from tests.daemon import run_daemon, wait_until_ok
 
 LONG = {"max_tokens": 1000, "ignore_eos": True, "temperature": 0}
 # "Within a second" on an idle host, measured from the moment the event is known to
