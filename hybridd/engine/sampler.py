@@ -250,20 +250,7 @@ class Sampler:
             tokens = self._greedy(logits, *_penalty_tensors(t))
         else:
             fn = self._sorted if t.do_sort else self._random
-            tokens = fn(
-                logits,
-                t.inverse_temperature,
-                t.top_k,
-                t.top_p,
-                t.repetition_penalty,
-                t.inverse_repetition_penalty,
-                t.presence_penalty,
-                t.frequency_penalty,
-                t.output_counts,
-                t.prompt_mask,
-                t.seeds,
-                t.positions,
-            )
+            tokens = fn(logits, t.inverse_temperature, t.top_k, t.top_p, *_penalty_tensors(t), t.seeds, t.positions)
         if out is not None:
             out.copy_(tokens)
             return out
