@@ -187,11 +187,17 @@ def test_capture_out_of_memory_disables_bucket(model):
     from hybridd.runtime.graph_runner import GraphRunner
     from hybridd.runtime.step_buffers import StepBuffers
 
-    huge = 1 << 20  # a 1M-token prefill needs a 1 TB attention mask
-    plan = BucketPlan.create([1], [16, huge], max_prefill_seqs=1)
+    plan = BucketPlan.create([1], [16, 512], max_prefill_seqs=1)
     kv = KVCache.allocate(model.config, 64, BLOCK, torch.bfloat16, "cuda")
-    buffers = StepBuffers.allocate(huge, 1, 4, model.config.vocab_size, "cuda")
+    buffers = StepBuffers.allocate(512, 1, 4, model.config.vocab_size, "cuda")
     runner = GraphRunner(model, kv, buffers, plan)
-    assert not runner._capture(True, huge)
-    assert "OutOfMemory" in runner.stats[("prefill", huge)].disabled or "memory" in runner.stats[("prefill", huge)].disabled
+    # Hold all but a sliver of the GPU's memory: capturing the 512-token prefill runs out.
+    torch.cuda.empty_cache()
+    free, _ = torch.cuda.mem_get_info()
+    hog = torch.empty(free - (4 << 20), dtype=torch.uint8, device="cuda")
+    try:
+        assert not runner._capture(True, 512)
+    finally:
+        del hog
+    assert "OutOfMemory" in runner.stats[("prefill", 512)].disabled or "memory" in runner.stats[("prefill", 512)].disabled
     assert runner._capture(True, 16) and runner._capture(False, 1)

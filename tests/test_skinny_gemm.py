@@ -17,6 +17,7 @@ CUDA = torch.cuda.is_available()
 if not CUDA and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("Triton kernels need CUDA or TRITON_INTERPRET=1", allow_module_level=True)
 
+from hybridd.model import split_scratch  # noqa: E402
 from hybridd.model import triton_gemm  # noqa: E402
 from hybridd.model.triton_gemm import GemmConfig  # noqa: E402
 
@@ -71,7 +72,7 @@ def test_split_counters_rearm_between_calls():
     first = triton_gemm.launch(x, w, None, config)
     second = triton_gemm.launch(x, w, None, config)
     assert torch.equal(first, second)
-    _, counters = triton_gemm._split_scratch(x.device)
+    counters = split_scratch.scratch(x.device, "gemm_counters", triton_gemm._COUNTERS, torch.int32)
     assert int(counters.abs().sum()) == 0
     assert rel(first, F.linear(x, w)) < TOL
 

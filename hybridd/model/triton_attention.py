@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from hybridd.model import split_scratch
 from hybridd.model.step_inputs import StepInputs
 
 # Triton's CPU interpreter (the CPU tests) cannot loop over a bound read from memory
@@ -153,23 +154,6 @@ def _decode_kernel(
             tl.atomic_xchg(ticket, 0)
 
 
-_tickets: dict[torch.device, torch.Tensor] = {}
-
-
-def _ticket_counters(device: torch.device, n: int) -> torch.Tensor:
-    """Zeroed split counters, one per (sequence, kv head); each merge resets its own to 0.
-
-    Kept per device and grown outside graph capture; a graph captured before they were
-    large enough gets its own (zeroed inside the graph) rather than one it must not keep."""
-    have = _tickets.get(device)
-    if have is not None and have.numel() >= n:
-        return have
-    if torch.cuda.is_available() and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return torch.zeros(n, dtype=torch.int32, device=device)
-    _tickets[device] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-    return _tickets[device]
-
-
 def decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -192,7 +176,9 @@ def decode_attention(
     if splits > 1:
         part_o = torch.empty((b, h, splits, d), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((b, h, splits), dtype=torch.float32, device=q.device)
-        tickets = _ticket_counters(q.device, b * kvh)
+        tickets = split_scratch.scratch(q.device, "decode_tickets", max(b * kvh, 4096), torch.int32)
+        if tickets is None:  # a capture before any eager call this large: the graph zeroes its own
+            tickets = torch.zeros(b * kvh, dtype=torch.int32, device=q.device)
     else:
         part_o = part_lse = tickets = out
     _decode_kernel[(b, kvh, splits)](

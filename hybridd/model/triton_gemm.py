@@ -25,6 +25,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from hybridd.model import split_scratch
+
 MAX_ROWS = 32
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # Float32 partials and per-tile counters for split-K, per (device, stream, capturing).
@@ -113,29 +115,6 @@ def _skinny_gemm_kernel(
         _store_out(y_ptr, b_ptr, acc, offs_m, offs_n, mask_m, mask_n, stride_ym, HAS_BIAS)
 
 
-_scratch: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-
-
-def _split_scratch(device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Workspace and counters for split-K launches. Launches on one stream run in order, so
-    one set per stream suffices; graphs (all replayed on one serving stream) share one set
-    of their own, so an eager run on a side stream never races a replay. The set for graphs
-    is made outside capture (None while capturing without it: the caller uses cuBLAS)."""
-    capturing = torch.cuda.is_current_stream_capturing() if device.type == "cuda" else False
-    stream = None if capturing or device.type != "cuda" else torch.cuda.current_stream(device).cuda_stream
-    key = (device, stream)
-    if key not in _scratch:
-        if capturing:
-            return None
-        for k in (key, (device, None)):
-            if k not in _scratch:
-                _scratch[k] = (
-                    torch.empty(_WORKSPACE_FLOATS, dtype=torch.float32, device=device),
-                    torch.zeros(_COUNTERS, dtype=torch.int32, device=device),
-                )
-    return _scratch[key]
-
-
 def launch(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: GemmConfig
 ) -> torch.Tensor | None:
@@ -158,10 +137,10 @@ def launch(
     if split > 1:
         if split * block_m * n > _WORKSPACE_FLOATS or tiles_n > _COUNTERS:
             return None
-        scratch = _split_scratch(x.device)
-        if scratch is None:
+        ws = split_scratch.scratch(x.device, "gemm_partials", _WORKSPACE_FLOATS, torch.float32)
+        counts = split_scratch.scratch(x.device, "gemm_counters", _COUNTERS, torch.int32)
+        if ws is None or counts is None:
             return None
-        ws, counts = scratch
     else:
         ws, counts = x, x
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
