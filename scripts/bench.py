@@ -284,10 +284,9 @@ class SdkClient(HybriddClient):
 
 
 def vars_of(obj: Any) -> Any:
-    try:
-        return {k: getattr(obj, k) for k in obj.__dataclass_fields__}
-    except AttributeError:
-        return str(obj)
+    """A result's fields as a dict: msgspec structs (the SDK's results) or dataclasses."""
+    fields = getattr(obj, "__struct_fields__", None) or getattr(obj, "__dataclass_fields__", None)
+    return {k: getattr(obj, k) for k in fields} if fields else str(obj)
 
 
 def open_client(kind: str, endpoint: str, notes: list[str]) -> HybriddClient:
