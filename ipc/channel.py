@@ -20,6 +20,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
 import zmq
@@ -324,6 +325,7 @@ def bind_ipc_endpoint(
     probe_timeout_ms: int = DEFAULT_PROBE_TIMEOUT_MS,
     options: dict[int, int] | None = None,
     mode: int | None = None,
+    before_bind: Callable[[Channel[M]], None] | None = None,
 ) -> Channel[M]:
     """Bind a new channel at `ipc://<path>`, refusing when a live process serves it.
 
@@ -333,6 +335,8 @@ def bind_ipc_endpoint(
     A socket file nobody answers on is stale: it is removed and the path rebound.
     `options` are socket options set before the bind; `mode`, when given, is the
     socket file's mode whatever the umask (connecting needs write permission).
+    `before_bind` is called with the channel just before it binds: what must see every
+    connection (a socket monitor) is attached there.
     """
     path = Path(path).absolute()
     if len(os.fsencode(path)) > MAX_IPC_PATH_BYTES:
@@ -359,6 +363,8 @@ def bind_ipc_endpoint(
         for option, value in (options or {}).items():
             channel.socket.setsockopt(option, value)
         try:
+            if before_bind is not None:
+                before_bind(channel)
             channel.bind(f"ipc://{path}")
             if mode is not None:
                 os.chmod(path, mode)

@@ -21,8 +21,8 @@ def router(tmp_path):
     for option, value in socket_options("ipc").items():
         channel.socket.setsockopt(option, value)
     endpoint = f"ipc://{tmp_path}/s.sock"
+    sessions = ClientSessions(channel)  # before the bind, so it sees the first connection
     channel.bind(endpoint)
-    sessions = ClientSessions(channel)
     yield context, channel, sessions, endpoint
     sessions.close()
     channel.close()
@@ -125,3 +125,40 @@ def test_an_outbox_keeps_order_while_the_peer_does_not_read(router):
             received.append(reader.recv())
     assert received == frames
     assert not sessions.pending
+
+
+def test_a_client_connected_before_tracking_began_would_be_refused_so_tracking_must_precede_the_bind(tmp_path):
+    """A connection accepted before the monitor is attached is never reported, and its
+    session would be refused as ended forever: tracking a bound socket is refused."""
+    context = zmq.Context()
+    channel = Channel(zmq.ROUTER, context=context)
+    channel.bind(f"ipc://{tmp_path}/late.sock")
+    try:
+        with pytest.raises(ValueError, match="before the socket binds"):
+            ClientSessions(channel)
+    finally:
+        channel.close()
+        context.destroy(linger=0)
+
+
+def test_a_client_already_waiting_when_the_endpoint_binds_is_admitted(tmp_path):
+    """A client that connected while the daemon was still starting (its connect retries
+    until the socket exists) gets a live session on the first message."""
+    from hybridd.ipc.channel import bind_ipc_endpoint
+    from hybridd.protocol import codec
+
+    context = zmq.Context()
+    path = tmp_path / "early.sock"
+    early = _dealer(context, f"ipc://{path}")
+    early.send(codec.encode({"v": 1, "id": "early", "type": "health"}))
+    tracked = []
+    channel = bind_ipc_endpoint(path, context=context, decoder=codec.REQUESTS,
+                                before_bind=lambda ch: tracked.append(ClientSessions(ch)))
+    try:
+        routing_id, admitted = _receive(channel, tracked[0], timeout=30)
+        assert admitted
+    finally:
+        tracked[0].close()
+        early.close(linger=0)
+        channel.close()
+        context.destroy(linger=0)

@@ -64,6 +64,11 @@ class ClientSessions:
     """Connection tracking and outboxes of one ROUTER channel; identities carry `prefix`."""
 
     def __init__(self, channel: Channel, prefix: bytes = b"") -> None:
+        """Track `channel`'s connections; made before the socket binds, or a connection
+        accepted before the monitor is attached would never be reported (and its
+        session refused as ended)."""
+        if channel.socket.getsockopt(zmq.LAST_ENDPOINT):
+            raise ValueError("ClientSessions must track a socket before the socket binds")
         self.channel = channel
         self.prefix = prefix
         # The monitor's queue is unbounded (RCVHWM 0 before connecting): a dropped event

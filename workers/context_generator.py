@@ -197,13 +197,17 @@ class ContextGenerator:
             on_control=self._on_control, peer_alive=self._graph_alive,
             kv_cache=self.kv_arena.tensors["kv_cache"],
         )
-        self.client = bind_ipc_endpoint(self._ipc_path(config.client_endpoint), decoder=codec.REQUESTS, name="client",
-                                        options=socket_options("ipc"), mode=CLIENT_SOCKET_MODE)
+        # Sessions are tracked from before each bind: a client already waiting connects
+        # the moment the socket exists.
+        self.sessions: dict[bytes, ClientSessions] = {}
+        self.client = bind_ipc_endpoint(
+            self._ipc_path(config.client_endpoint), decoder=codec.REQUESTS, name="client",
+            options=socket_options("ipc"), mode=CLIENT_SOCKET_MODE,
+            before_bind=lambda channel: self.sessions.__setitem__(b"", ClientSessions(channel)),
+        )
         self.tcp = None
-        self.sessions = {b"": ClientSessions(self.client)}
         if config.tcp_endpoint:
             self.tcp = self._bind_tcp(config)
-            self.sessions[TCP_PREFIX] = ClientSessions(self.tcp, TCP_PREFIX)
         self.state = "ready"
         self.link.phase("ready", "serving")
         self.log.info("serving", endpoint=config.client_endpoint, kv_blocks=ready.num_kv_blocks)
@@ -243,6 +247,7 @@ class ContextGenerator:
         channel.use_curve_server(secret)
         for option, value in socket_options("tcp").items():
             channel.socket.setsockopt(option, value)
+        self.sessions[TCP_PREFIX] = ClientSessions(channel, TCP_PREFIX)
         channel.bind(config.tcp_endpoint)
         return channel
 
