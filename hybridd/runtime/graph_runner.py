@@ -263,15 +263,18 @@ class GraphRunner:
         """One eager run on private inputs (slots all -1): lazy init and kernel compilation
         happen here, not during capture, and live buffers are left alone.
 
-        On CUDA a thread warms up once per kind, at the smallest size: the kernels are
-        shape-generic, and a full-size warm-up of a large prefill bucket would compete
-        with serving for the GPU while the background thread runs."""
+        On CUDA a thread warms up prefill once, at the smallest size: a full-size warm-up
+        of a large prefill bucket would compete with serving for the GPU while the
+        background thread runs. Decode buckets are small and captured before serving, so
+        each is warmed up at its own size: a kernel specialised on a row count then
+        compiles here, never inside the capture (which it would invalidate)."""
         if self.cuda:
-            key = (threading.get_ident(), is_prefill)
+            key = (threading.get_ident(), is_prefill, None if is_prefill else tokens)
             if key in self._warm_threads:
                 return
             self._warm_threads.add(key)
-            tokens, seqs = (self.plan.prefill[0], self.plan.max_prefill_seqs) if is_prefill else (1, 1)
+            if is_prefill:
+                tokens, seqs = self.plan.prefill[0], self.plan.max_prefill_seqs
         dummy = self._dummy_inputs(is_prefill, tokens, seqs)
         scratch_logits = torch.empty((seqs, self.model.config.vocab_size), device=self.device)
         if self.cuda:
