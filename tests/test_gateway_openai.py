@@ -319,6 +319,48 @@ def test_gateway_without_a_daemon_is_503_with_the_state(tmp_path):
         assert httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).status_code == 503
 
 
+def test_workers_the_supervisor_calls_ready_but_the_gateway_cannot_reach_are_unavailable(tmp_path):
+    """The supervisor's fallback endpoint says `ready` while the workers' socket does not
+    answer the gateway: /health is 503 `unavailable`, never a 503 that says `ready`."""
+    from hybridd.fallback_endpoint import fallback_endpoint
+
+    port = free_port()
+    endpoint = f"ipc://{tmp_path}/unreachable.sock"
+    with supervisor_saying_ready(fallback_endpoint(endpoint)), \
+            run_gateway(endpoint, "--http-endpoint", f"127.0.0.1:{port}") as (process, log):
+        wait_listening(port, process, log)
+        health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=30)
+        assert health.status_code == 503 and health.json()["error"]["state"] == "unavailable", health.text
+
+
+@contextlib.contextmanager
+def supervisor_saying_ready(endpoint: str) -> Iterator[None]:
+    """A ROUTER at the supervisor's fallback endpoint that calls the workers ready (its
+    lifecycle state) while it, not being them, does not serve: what the supervisor says."""
+    context = zmq.Context()
+    router = context.socket(zmq.ROUTER)
+    router.bind(endpoint)
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            if router.poll(50):
+                identity, frame = router.recv_multipart()
+                request = REQUESTS.decode(frame)
+                if isinstance(request, HealthRequest):
+                    router.send_multipart([identity, encode(HealthReply(id=request.id, state="ready", ok=False))])
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+        router.close(linger=0)
+        context.term()
+
+
 @contextlib.contextmanager
 def daemon_that_fails(path: Path) -> Iterator[str]:
     """A ROUTER that speaks the protocol and answers every generate with `internal`: the

@@ -29,6 +29,7 @@ from starlette.routing import Route
 from hybridd.client import AsyncClient, AsyncStream, Chunk, GenerateResult
 from hybridd.errors import HybriddError
 from hybridd.protocol.errors import ErrorCode
+from hybridd.protocol.messages import HealthReply
 from hybridd.gateway.api_keys import key_matches
 from hybridd.gateway.errors import GatewayError, from_daemon, not_ready
 from hybridd.gateway.openai_output import DONE_EVENT, Job, Reply, event
@@ -113,18 +114,27 @@ class Gateway:
                                type="not_found_error", param="model", code="model_not_found")
 
     async def health_state(self) -> tuple[bool, str]:
+        health = await self._health()
+        if health is not None and not health.ok and health.state == "ready":
+            # The supervisor calls the workers ready, yet they did not answer: ask once
+            # more (they may have only just bound), else they are unreachable from here.
+            health = await self._health()
+            if health is not None and not health.ok and health.state == "ready":
+                return False, "unavailable"
+        return (health.ok, health.state) if health is not None else (False, "unavailable")
+
+    async def _health(self) -> HealthReply | None:
         try:
-            health = await self.client.health(timeout=HEALTH_TIMEOUT_S)
+            return await self.client.health(timeout=HEALTH_TIMEOUT_S)
         except HybriddError:
             # The workers do not serve (starting, restarting): the supervisor's fallback
             # endpoint knows the lifecycle state.
             if self.fallback is None:
-                return False, "unavailable"
+                return None
             try:
-                health = await self.fallback.health(timeout=HEALTH_TIMEOUT_S)
+                return await self.fallback.health(timeout=HEALTH_TIMEOUT_S)
             except HybriddError:
-                return False, "unavailable"
-        return health.ok, health.state
+                return None
 
     async def ensure_ready(self) -> None:
         """Refuse with 503 and the state unless the daemon serves. Asked only while the
