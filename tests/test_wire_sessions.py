@@ -215,10 +215,10 @@ def test_a_slow_reader_ends_only_its_own_requests_each_with_a_terminal_reply(dae
     for reply in too_slow:
         assert reply["code"] == "overloaded" and reply["message"].startswith("client too slow: "), reply
     # The well-behaved stream kept its pace while the other session backed up.
-    # (Both measured on a shared, busy host: the bounds allow for its noise, not for a
-    # loop that waits on the slow reader, which would stall the stream until the
-    # reader's requests end.)
-    assert _median(beside) < 1.5 * _median(baseline) + 0.005, (_median(baseline), _median(beside))
+    # (Both measured on a shared, busy host whose load moves between the two: the bounds
+    # allow for that noise, scaled by the load, not for a loop that waits on the slow
+    # reader, which would stall the stream until the reader's requests end.)
+    assert _median(beside) < 1.5 * _median(baseline) + on_this_host(0.01), (_median(baseline), _median(beside))
     assert max(beside) < on_this_host(1.0), max(beside)
     # The session itself lives on: its next request is served.
     final, _ = sleeper.generate(prompt="ROMEO:", sampling={"max_tokens": 3})
