@@ -272,7 +272,6 @@ class GraphRunner:
             key = (threading.get_ident(), is_prefill, None if is_prefill else tokens)
             if key in self._warm_threads:
                 return
-            self._warm_threads.add(key)
             if is_prefill:
                 tokens, seqs = self.plan.prefill[0], self.plan.max_prefill_seqs
         dummy = self._dummy_inputs(is_prefill, tokens, seqs)
@@ -281,6 +280,9 @@ class GraphRunner:
             with torch.cuda.stream(self.capture_stream):
                 self._step_body(dummy, scratch_logits)
             self.capture_stream.synchronize()
+            # Only a warm-up that ran counts: one that failed (out of memory) is redone
+            # before the next capture, or that capture would compile inside itself.
+            self._warm_threads.add(key)
         else:
             self._step_body(dummy, scratch_logits)
 
