@@ -31,7 +31,9 @@ import torch
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench_graphs import copy_bandwidth  # noqa: E402
 from hybridd.model import attention as ref_attention  # noqa: E402
 from hybridd.model import triton_attention  # noqa: E402
 from hybridd.model.step_inputs import StepInputs  # noqa: E402
@@ -40,14 +42,6 @@ SHAPES = {"llama2-7b": (32, 32, 128), "llama3-8b": (32, 8, 128)}
 PAGE = 16
 MAX_MODEL_LEN = 4096
 DTYPE = torch.bfloat16
-
-
-def copy_bandwidth() -> float:
-    """Bytes per second of a large device-to-device copy (read + write)."""
-    src = torch.randn(1 << 29, dtype=torch.float32, device="cuda")  # 2 GiB
-    dst = torch.empty_like(src)
-    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=30, rep=150, return_mode="median")
-    return 2 * src.numel() * 4 / (ms * 1e-3)
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -29,7 +28,9 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
 
+from bench_graphs import copy_bandwidth, median_gpu_time  # noqa: E402
 from hybridd.model import triton_gemm  # noqa: E402
 from hybridd.model.triton_gemm import GemmConfig  # noqa: E402
 
@@ -57,24 +58,6 @@ CANDIDATES = [
 ]
 SPLITS = (1, 2, 3, 4, 6, 8, 12, 16)
 ROTATE_BYTES = 400 << 20  # several times the H200's 50 MB L2
-
-
-def copy_bandwidth(nbytes: int = 4 << 30) -> float:
-    """Bytes read plus written per second by a large device-to-device copy."""
-    src = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda").random_(0, 255)
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(10):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        dst.copy_(src)
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return nbytes / statistics.median(times)
 
 
 class Operands:
@@ -111,16 +94,9 @@ def time_per_call(fn, ops: Operands, m: int, min_calls: int = 24) -> float:
     torch.cuda.current_stream().wait_stream(side)
     graph.replay()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(5):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
+    seconds = median_gpu_time(graph.replay, 5)
     del graph
-    return statistics.median(times) / (reps * len(pairs))
+    return seconds / (reps * len(pairs))
 
 
 def check(fn, ops: Operands, m: int) -> float:
@@ -328,15 +304,7 @@ def decode_step(bw: float, results: dict, context: int = 512) -> None:
         if baseline is None:
             baseline = logits.clone()
         vs_cublas = ((logits - baseline).norm() / baseline.norm()).item()
-        times = []
-        for _ in range(30):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            graph.replay()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) / 1e3)
-        out[label] = statistics.median(times)
+        out[label] = median_gpu_time(graph.replay, 30)
         print(f"decode step {label:8s} {out[label] * 1e3:.3f} ms ({out[label] / floor:.3f}x floor); graph and eager "
               f"top-1 agree: {agree}; logits vs the cuBLAS step: rel {vs_cublas:.2e}", flush=True)
         del graph

@@ -105,17 +105,22 @@ def time_steps(runner: GraphRunner, fn, iters: int) -> list[float]:
     return out
 
 
-def time_gpu(runner: GraphRunner, fn, iters: int) -> float:
-    """Median GPU time of fn() by CUDA events on the runner's stream, in seconds."""
+def median_gpu_time(fn, iters: int, stream: torch.cuda.Stream | None = None) -> float:
+    """Median GPU time of fn() by CUDA events on `stream` (default: the current one), in seconds."""
     times = []
     for _ in range(iters):
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record(runner.stream)
+        s.record(stream)
         fn()
-        e.record(runner.stream)
+        e.record(stream)
         e.synchronize()
         times.append(s.elapsed_time(e) / 1e3)
     return statistics.median(times)
+
+
+def time_gpu(runner: GraphRunner, fn, iters: int) -> float:
+    """Median GPU time of fn() on the runner's stream, in seconds."""
+    return median_gpu_time(fn, iters, runner.stream)
 
 
 def main() -> int:
