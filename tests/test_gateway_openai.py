@@ -13,7 +13,8 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 from pathlib import Path
 
 import httpx
@@ -334,38 +335,9 @@ def test_workers_the_supervisor_calls_ready_but_the_gateway_cannot_reach_are_una
 
 
 @contextlib.contextmanager
-def supervisor_saying_ready(endpoint: str) -> Iterator[None]:
-    """A ROUTER at the supervisor's fallback endpoint that calls the workers ready (its
-    lifecycle state) while it, not being them, does not serve: what the supervisor says."""
-    context = zmq.Context()
-    router = context.socket(zmq.ROUTER)
-    router.bind(endpoint)
-    stop = threading.Event()
-
-    def serve() -> None:
-        while not stop.is_set():
-            if router.poll(50):
-                identity, frame = router.recv_multipart()
-                request = REQUESTS.decode(frame)
-                if isinstance(request, HealthRequest):
-                    router.send_multipart([identity, encode(HealthReply(id=request.id, state="ready", ok=False))])
-
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        thread.join()
-        router.close(linger=0)
-        context.term()
-
-
-@contextlib.contextmanager
-def daemon_that_fails(path: Path) -> Iterator[str]:
-    """A ROUTER that speaks the protocol and answers every generate with `internal`: the
-    daemon's failure that the gateway must report as a 500."""
-    endpoint = f"ipc://{path}"
+def protocol_router(endpoint: str, answer: Callable[[Any], Any]) -> Iterator[str]:
+    """A ROUTER at `endpoint` that decodes each request and sends back `answer(request)`
+    (nothing when that is None): a stand-in for a daemon or a supervisor."""
     context = zmq.Context()
     router = context.socket(zmq.ROUTER)
     router.bind(endpoint)
@@ -376,14 +348,9 @@ def daemon_that_fails(path: Path) -> Iterator[str]:
             if not router.poll(50):
                 continue
             identity, frame = router.recv_multipart()
-            request = REQUESTS.decode(frame)
-            if isinstance(request, HealthRequest):
-                reply = HealthReply(id=request.id, state="ready", ok=True)
-            elif isinstance(request, GenerateRequest):
-                reply = ErrorReply(id=request.id, code=ErrorCode.INTERNAL, message="the engine hit a bug", field=None)
-            else:
-                continue
-            router.send_multipart([identity, encode(reply)])
+            reply = answer(REQUESTS.decode(frame))
+            if reply is not None:
+                router.send_multipart([identity, encode(reply)])
 
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
@@ -394,6 +361,27 @@ def daemon_that_fails(path: Path) -> Iterator[str]:
         thread.join()
         router.close(linger=0)
         context.term()
+
+
+def supervisor_saying_ready(endpoint: str) -> contextlib.AbstractContextManager[str]:
+    """The supervisor's fallback endpoint calling the workers ready (its lifecycle state)
+    while it, not being them, does not serve: what the supervisor says."""
+    return protocol_router(endpoint, lambda request: HealthReply(id=request.id, state="ready", ok=False)
+                           if isinstance(request, HealthRequest) else None)
+
+
+def daemon_that_fails(path: Path) -> contextlib.AbstractContextManager[str]:
+    """A daemon that speaks the protocol and answers every generate with `internal`: the
+    daemon's failure that the gateway must report as a 500."""
+
+    def answer(request):
+        if isinstance(request, HealthRequest):
+            return HealthReply(id=request.id, state="ready", ok=True)
+        if isinstance(request, GenerateRequest):
+            return ErrorReply(id=request.id, code=ErrorCode.INTERNAL, message="the engine hit a bug", field=None)
+        return None
+
+    return protocol_router(f"ipc://{path}", answer)
 
 
 def test_daemon_internal_error_is_500(tmp_path):
