@@ -4,8 +4,6 @@ marked `gpu` sweep the shapes of the supported models on the GPU only."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -14,22 +12,14 @@ from hybridd.model import ops as ref_ops
 from hybridd.model.config import RopeConfig
 from hybridd.model.rope import cos_sin_table
 from hybridd.model.step_inputs import StepInputs
+from tests.triton_target import CUDA, DEVICE, DTYPE, rel, require_triton
 
-pytest.importorskip("triton")
-CUDA = torch.cuda.is_available()
-if not CUDA and os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("Triton kernels need CUDA or TRITON_INTERPRET=1", allow_module_level=True)
+require_triton()
 
 from hybridd.model import triton_attention, triton_ops  # noqa: E402
 
-DEVICE = "cuda" if CUDA else "cpu"
-DTYPE = torch.bfloat16 if CUDA else torch.float32
 # bf16 outputs may differ by one rounding step where float32 reduction order differs.
 TOL = 2e-2 if CUDA else 1e-5
-
-
-def rel(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 def test_norms_silu_match_reference():

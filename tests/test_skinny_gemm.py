@@ -4,25 +4,19 @@ bf16 for every projection of Llama-2-7B and Llama-3-8B (tests marked `gpu`)."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from hybridd.model import ops as ref_ops
+from tests.triton_target import CUDA, DEVICE, DTYPE, rel, require_triton
 
-pytest.importorskip("triton")
-CUDA = torch.cuda.is_available()
-if not CUDA and os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("Triton kernels need CUDA or TRITON_INTERPRET=1", allow_module_level=True)
+require_triton()
 
 from hybridd.model import split_scratch  # noqa: E402
 from hybridd.model import triton_gemm  # noqa: E402
 from hybridd.model.triton_gemm import GemmConfig  # noqa: E402
 
-DEVICE = "cuda" if CUDA else "cpu"
-DTYPE = torch.bfloat16 if CUDA else torch.float32
 # bf16 outputs round once from float32 sums whose order differs from cuBLAS's.
 TOL = 1e-2 if CUDA else 1e-5
 
@@ -30,10 +24,6 @@ LLAMA2_7B = {"qkv": (12288, 4096), "o": (4096, 4096), "gate_up": (22016, 4096), 
              "lm_head": (32000, 4096)}
 LLAMA3_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
              "lm_head": (128256, 4096)}
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 def operands(m: int, n: int, k: int, bias: bool, seed: int):
