@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import sys
 import threading
 import time
 import uuid
@@ -362,6 +363,24 @@ def test_intake_encodes_prompts_as_the_model_tokenizer_does():
             assert intake.prompt_ids(prompt) == reference.encode(prompt)[:64], prompt
         assert intake.longest_token_chars == max(len(entry) for entry in reference.get_vocab())
         assert intake.max_prompt_chars == 63 * intake.longest_token_chars
+    finally:
+        intake.close()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a nice value per thread is Linux's")
+def test_intake_thread_runs_below_the_serving_loop():
+    """Tokenizing runs at a lower CPU priority than the thread that created the
+    intake (the serving loop): on a host with no idle core it takes what serving leaves."""
+    from hybridd.model import load_tokenizer
+    from hybridd.workers.intake import INTAKE_NICENESS, Intake
+
+    def niceness() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    intake = Intake(load_tokenizer(Path(hybridd.__file__).parent / "assets" / "tiny-shakespeare"), max_model_len=64)
+    try:
+        assert intake.submit(niceness).result(timeout=REPLY_TIMEOUT_S) == max(niceness(), INTAKE_NICENESS)
+        assert niceness() < INTAKE_NICENESS
     finally:
         intake.close()
 

@@ -9,7 +9,8 @@ refuses a prompt whose UTF-8 is over 4 bytes × max_prompt_chars, or token ids
 numbering max_model_len or more, before the frame is decoded; `refusal` counts
 the characters of a decoded prompt. Tokenizing what passes (seconds for the
 longest prompts of a long-context model) runs on one thread of the intake's own,
-with a tokenizer of its own, and a pipe wakes the loop's poller when it is done;
+with a tokenizer of its own and a lower CPU priority than the loop's, and a pipe
+wakes the loop's poller when it is done;
 the serving loop keeps its step cadence whatever arrives. A prompt is encoded by
 the tokenizer's Rust backend, which holds no GIL while it works, truncated to
 max_model_len tokens (a prompt that long is refused anyway), so turning its ids
@@ -20,6 +21,7 @@ Unicode code points (Python's `len`).
 from __future__ import annotations
 
 import os
+import sys
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Protocol
@@ -81,6 +83,23 @@ def _array_items(raw: msgspec.Raw) -> int | None:
     return None if width is None or len(head) < 1 + width else int.from_bytes(head[1 : 1 + width], "big")
 
 
+# The intake's thread runs at this nice value: when the host has fewer free cores than
+# runnable threads, the scheduler serves the loop and the model's threads first, so a
+# client's long prompts take the CPU time the serving leaves, not the serving's time.
+INTAKE_NICENESS = 10
+
+
+def _lower_priority() -> None:
+    """Lower the calling thread's CPU priority (Linux: a nice value per thread)."""
+    if not hasattr(os, "setpriority") or not sys.platform.startswith("linux"):
+        return
+    tid = threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, max(os.getpriority(os.PRIO_PROCESS, tid), INTAKE_NICENESS))
+    except OSError:  # a seccomp'd container may refuse it: the thread then runs at the loop's priority
+        pass
+
+
 class Encoder(Protocol):
     def encode(self, text: str) -> list[int]: ...
 
@@ -107,7 +126,7 @@ class Intake:
         self.longest_token_chars = longest_token_chars(tokenizer)
         self.max_prompt_chars = max(max_model_len - 1, 1) * self.longest_token_chars
         self.max_model_len = max_model_len
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="intake")
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="intake", initializer=_lower_priority)
         self._wake_lock = threading.Lock()  # no wake-up write after close (the fd could be reused)
         self._closed = False
         self._wake_read, self._wake_write = os.pipe()
