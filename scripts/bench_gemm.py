@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from bench_graphs import copy_bandwidth, median_gpu_time  # noqa: E402
-from hybridd.model import triton_gemm  # noqa: E402
+from hybridd.model import pdl, triton_gemm  # noqa: E402
 from hybridd.model.triton_gemm import GemmConfig  # noqa: E402
 
 # name -> (N, K)
@@ -269,7 +269,10 @@ def compare(bw: float, results: dict) -> None:
 
 
 def decode_step(bw: float, results: dict, context: int = 512) -> None:
-    """One Llama-2-7B-shape decode step at batch 1 (graph replay): skinny kernels vs cuBLAS."""
+    """One Llama-2-7B-shape decode step at batch 1 (graph replay): skinny kernels vs cuBLAS,
+    and the skinny kernels chained with programmatic dependent launch (with and without
+    the GEMM's weight prefetch) where the GPU has it."""
+    pdl_default = pdl.ENABLED, triton_gemm.PREFETCH_COLUMNS
     from hybridd.model import KVCache, StepInputs
     from hybridd.model import ops as torch_ops
     from hybridd.model.config import ModelConfig
@@ -290,8 +293,15 @@ def decode_step(bw: float, results: dict, context: int = 512) -> None:
     step = StepInputs.decode([7], [context], [list(range(context // block + 1))], block).to("cuda")
     out = {}
     baseline = None
-    for label, lin in {"cublas": torch_ops.linear, "skinny": triton_gemm.linear}.items():
+    # label -> (projection, PDL on, GEMM prefetch columns); PDL changes no arithmetic,
+    # so its logits must equal those without it bit for bit.
+    variants = {"cublas": (torch_ops.linear, False, 0), "skinny": (triton_gemm.linear, False, 0)}
+    if pdl.enabled(torch.device("cuda")):
+        variants |= {f"skinny+pdl+prefetch{c}": (triton_gemm.linear, True, c) for c in (0, 512, 2048)}
+    no_pdl = None
+    for label, (lin, with_pdl, prefetch) in variants.items():
         model.kernels.linear = lin
+        pdl.ENABLED, triton_gemm.PREFETCH_COLUMNS = with_pdl, prefetch
         with torch.no_grad():
             eager = model.forward_logits(step, kv).clone()
             torch.cuda.synchronize()
@@ -304,11 +314,15 @@ def decode_step(bw: float, results: dict, context: int = 512) -> None:
         if baseline is None:
             baseline = logits.clone()
         vs_cublas = ((logits - baseline).norm() / baseline.norm()).item()
+        if label == "skinny":
+            no_pdl = logits.clone()
+        same = "" if not with_pdl else f"; equal to the step without PDL: {torch.equal(logits, no_pdl)}"
         out[label] = median_gpu_time(graph.replay, 30)
         print(f"decode step {label:8s} {out[label] * 1e3:.3f} ms ({out[label] / floor:.3f}x floor); graph and eager "
-              f"top-1 agree: {agree}; logits vs the cuBLAS step: rel {vs_cublas:.2e}", flush=True)
+              f"top-1 agree: {agree}; logits vs the cuBLAS step: rel {vs_cublas:.2e}{same}", flush=True)
         del graph
     model.kernels.linear = triton_gemm.linear
+    pdl.ENABLED, triton_gemm.PREFETCH_COLUMNS = pdl_default
     results["decode_step"] = {"floor_s": floor, "weight_bytes": weight_bytes, "context": context, **out}
     print(f"\ndecode step, Llama-2-7B shape, batch 1, context {context}: floor {floor * 1e3:.3f} ms; "
           + "; ".join(f"{k} {v * 1e3:.3f} ms ({v / floor:.3f}x floor)" for k, v in out.items()), flush=True)

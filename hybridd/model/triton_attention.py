@@ -27,7 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from hybridd.model import split_scratch
+from hybridd.model import pdl, split_scratch
+from hybridd.model.pdl import wait_for_predecessor
 from hybridd.model.step_inputs import StepInputs
 
 # Triton's CPU interpreter (the CPU tests) cannot loop over a bound read from memory
@@ -91,8 +92,9 @@ def _decode_kernel(
     stride_qb, stride_qh, stride_ob, stride_oh, stride_c_blk, stride_c_tok, stride_c_head, stride_bt,
     GROUP: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, TILE: tl.constexpr,
     NUM_SPLITS: tl.constexpr, NUM_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, PRECISION: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    INTERPRET: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_predecessor(PDL)
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -192,6 +194,7 @@ def decode_attention(
         # float32 caches get true float32 products, not TF32 (bf16 ignores this).
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         INTERPRET=_INTERPRET, num_warps=plan.num_warps, num_stages=plan.num_stages,
+        PDL=pdl.enabled(q.device), **pdl.launch_options(q.device),
     )
     return out
 
@@ -250,8 +253,9 @@ def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, pos_ptr, qsl_ptr, out_ptr, qk_scale, num_tokens, num_seqs,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    SEQS_PAD: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
+    SEQS_PAD: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_predecessor(PDL)
     h = tl.program_id(1)
     kvh = h // GROUP
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -322,6 +326,7 @@ def prefill_attention(
         SEQS_PAD=max(2, triton.next_power_of_2(seqs)),
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         INTERPRET=_INTERPRET, num_warps=plan.num_warps, num_stages=plan.num_stages,
+        PDL=pdl.enabled(q.device), **pdl.launch_options(q.device),
     )
     return out
 

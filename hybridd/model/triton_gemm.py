@@ -25,7 +25,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from hybridd.model import split_scratch
+from hybridd.model import pdl, split_scratch
+from hybridd.model.pdl import wait_for_predecessor
 
 MAX_ROWS = 32
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -68,12 +69,23 @@ def _store_out(y_ptr, b_ptr, acc, offs_m, offs_n, mask_m, mask_n, stride_ym, HAS
     tl.store(ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask_m[None, :] & mask_n[:, None])
 
 
+@triton.jit
+def _prefetch_to_l2(ptrs, nbytes):
+    """Start copying `nbytes` from each of `ptrs` into L2 (Hopper's bulk prefetch; no
+    registers, no waiting)."""
+    tl.inline_asm_elementwise(
+        "cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;",
+        "=r,l,r", [ptrs, nbytes], dtype=tl.int32, is_pure=False, pack=1,
+    )
+
+
 @triton.jit(do_not_specialize=["M"])
 def _skinny_gemm_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, count_ptr,
     M, N, K, k_per_split, split_k, stride_xm, stride_ym,
     HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr,
+    PDL: tl.constexpr, PREFETCH_K: tl.constexpr, W_BYTES: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -84,6 +96,13 @@ def _skinny_gemm_kernel(
     mask_n = offs_n < N
     k_start = pid_k * k_per_split
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * K
+    if PREFETCH_K > 0:
+        # The weights are never written by a step: their first columns can be on their
+        # way to L2 while the previous kernel still runs.
+        rows = w_ptr + tl.minimum(offs_n, N - 1).to(tl.int64) * K + k_start
+        cols = tl.minimum(tl.minimum(k_per_split, K - k_start), PREFETCH_K)
+        _prefetch_to_l2(rows, tl.full([BLOCK_N], 0, tl.int32) + cols * W_BYTES)
+    wait_for_predecessor(PDL)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     # The last split may run past K: its loads there are masked off (EVEN_K: never happens).
     if INTERPRET:
@@ -113,6 +132,20 @@ def _skinny_gemm_kernel(
             _store_out(y_ptr, b_ptr, acc, offs_m, offs_n, mask_m, mask_n, stride_ym, HAS_BIAS)
     else:
         _store_out(y_ptr, b_ptr, acc, offs_m, offs_n, mask_m, mask_n, stride_ym, HAS_BIAS)
+
+
+# Columns of its weight rows each program prefetches into L2 before waiting for the
+# previous kernel (0: none). The prefetch runs only under PDL, where the wait overlaps it.
+PREFETCH_COLUMNS = int(os.environ.get("HYBRIDD_GEMM_PREFETCH_K", "512"))
+
+
+def _prefetch_columns(weight: torch.Tensor, config: GemmConfig) -> int:
+    """The bulk prefetch copies whole 16-byte units from 16-byte aligned addresses."""
+    k = weight.shape[1]
+    size = weight.element_size()
+    if not pdl.enabled(weight.device) or (k * size) % 16 or weight.data_ptr() % 16:
+        return 0
+    return max(0, PREFETCH_COLUMNS - PREFETCH_COLUMNS % (16 // size))
 
 
 def launch(
@@ -149,7 +182,8 @@ def launch(
         m, n, k, k_per_split, split, x.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, SPLIT=split > 1, EVEN_K=k % k_per_split == 0,
         BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, INTERPRET=_INTERPRET,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        PDL=pdl.enabled(x.device), PREFETCH_K=_prefetch_columns(weight, config), W_BYTES=weight.element_size(),
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl.launch_options(x.device),
     )
     return y
 

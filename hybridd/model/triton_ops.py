@@ -11,11 +11,16 @@ import torch
 import triton
 import triton.language as tl
 
+from hybridd.model import pdl
+from hybridd.model.pdl import wait_for_predecessor
+
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr
+    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_predecessor(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < n_cols
@@ -35,7 +40,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x = x.contiguous()
     out = torch.empty_like(x)
     n = x.shape[-1]
-    _rms_norm_kernel[(x.numel() // n,)](x, x, weight, out, out, n, eps, HAS_RESIDUAL=False, BLOCK=triton.next_power_of_2(n))
+    _rms_norm_kernel[(x.numel() // n,)](
+        x, x, weight, out, out, n, eps, HAS_RESIDUAL=False, BLOCK=triton.next_power_of_2(n),
+        PDL=pdl.enabled(x.device), **pdl.launch_options(x.device),
+    )
     return out
 
 
@@ -47,7 +55,8 @@ def add_rms_norm(
     summed = torch.empty_like(x)
     n = x.shape[-1]
     _rms_norm_kernel[(x.numel() // n,)](
-        x, residual, weight, out, summed, n, eps, HAS_RESIDUAL=True, BLOCK=triton.next_power_of_2(n)
+        x, residual, weight, out, summed, n, eps, HAS_RESIDUAL=True, BLOCK=triton.next_power_of_2(n),
+        PDL=pdl.enabled(x.device), **pdl.launch_options(x.device),
     )
     return out, summed
 
@@ -72,7 +81,9 @@ def _rotary_write_kv_kernel(
     pos_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr, kc_ptr, vc_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, KV_PAD: tl.constexpr, HALF: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_predecessor(PDL)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -137,13 +148,14 @@ def rotary_write_kv(
             positions, slot_mapping, q, k, v, cos, sin, q_out, k_out, k_cache, v_cache,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             HEADS=h, KV_HEADS=kvh, HEADS_PAD=triton.next_power_of_2(h), KV_PAD=triton.next_power_of_2(kvh),
-            HALF=d // 2,
+            HALF=d // 2, PDL=pdl.enabled(q.device), **pdl.launch_options(q.device),
         )
     return q_out, k_out
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, n_cols, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, n_cols, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_for_predecessor(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n_cols
@@ -160,5 +172,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty((t, n), dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
     if t:
-        _silu_and_mul_kernel[(t, triton.cdiv(n, block))](gate_up.contiguous(), out, n, BLOCK=block)
+        _silu_and_mul_kernel[(t, triton.cdiv(n, block))](
+            gate_up.contiguous(), out, n, BLOCK=block, PDL=pdl.enabled(out.device), **pdl.launch_options(out.device)
+        )
     return out

@@ -1,0 +1,53 @@
+"""Programmatic dependent launch (PDL) for the fused kernels of a step.
+
+A decode step is a few hundred short kernels, each bound by reading its weights; what
+separates the step from the weight-read floor is mostly the time from one kernel's
+last memory access to the next kernel's first: the launch, the new grid's ramp-up and
+its first loads. On Hopper and newer a kernel launched with PDL may start while the
+kernel before it in the stream is still running. It then waits (`gdc_wait`) for that
+kernel's completion and memory before its first load of step data and before any
+store, and lets its own successor launch right after; what it may do before the wait
+touches only what no kernel of the step writes (the skinny GEMM's L2 prefetch of its
+weights). CUDA graphs capture these launches as programmatic edges.
+
+Every kernel launched with PDL waits, even one with nothing to read, so that the
+order of the whole chain holds: a kernel completes only after its predecessor did.
+Kernels launched without PDL (torch's, cuBLAS's) keep the stream's full ordering.
+`HYBRIDD_PDL=0` in the environment turns it off (for measuring it against no PDL).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+ENABLED = os.environ.get("HYBRIDD_PDL", "1") != "0"
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+_capable: dict[int, bool] = {}
+
+
+def enabled(device: torch.device) -> bool:
+    """Whether kernels on `device` are launched with PDL (CUDA, compute capability 9+)."""
+    if not ENABLED or _INTERPRET or device.type != "cuda":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _capable:
+        _capable[index] = torch.cuda.get_device_capability(index)[0] >= 9
+    return _capable[index]
+
+
+def launch_options(device: torch.device) -> dict:
+    """Keyword arguments for a Triton launch that also passes `PDL=enabled(device)`."""
+    return {"launch_pdl": True} if enabled(device) else {}
+
+
+@triton.jit
+def wait_for_predecessor(PDL: tl.constexpr):
+    """Wait until the previous kernel in the stream has completed and its writes are
+    visible, then let the next kernel launch. Call before the first load of step data."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
