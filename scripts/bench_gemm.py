@@ -296,7 +296,7 @@ def decode_step(bw: float, results: dict, context: int = 512) -> None:
     # label -> (projection, PDL on, GEMM prefetch columns); PDL changes no arithmetic,
     # so its logits must equal those without it bit for bit.
     variants = {"cublas": (torch_ops.linear, False, 0), "skinny": (triton_gemm.linear, False, 0)}
-    if pdl.enabled(torch.device("cuda")):
+    if pdl.supported(torch.device("cuda")):
         variants |= {f"skinny+pdl+prefetch{c}": (triton_gemm.linear, True, c) for c in (0, 512, 2048)}
     no_pdl = None
     for label, (lin, with_pdl, prefetch) in variants.items():

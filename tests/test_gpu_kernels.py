@@ -239,3 +239,48 @@ def test_prefill_attention_at_a_long_context():
         probs = (scores * d**-0.5).masked_fill(~visible, float("-inf")).softmax(-1)
         ref = torch.einsum("hqk,khd->qhd", probs, v.float().repeat_interleave(heads // kv_heads, 1))
         assert rel(out[rows], ref) < 2e-2, lo
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("prefetch", [0, 512])
+def test_dependent_launch_changes_no_bit_of_a_decode_step(prefetch):
+    """A decode step captured as a graph with programmatic dependent launch (and the
+    GEMM's weight prefetch) gives the logits of the same step without it, bit for bit:
+    a kernel that touched step data before its predecessor finished would not."""
+    from hybridd.model import KVCache, pdl, triton_gemm
+    from hybridd.model.config import ModelConfig
+    from hybridd.model.llama import LlamaModel
+
+    if not pdl.supported(torch.device("cuda")):
+        pytest.skip("programmatic dependent launch needs compute capability 9+")
+    cfg = ModelConfig.from_dict({
+        "architectures": ["LlamaForCausalLM"], "hidden_size": 1024, "intermediate_size": 2816,
+        "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2, "vocab_size": 4096,
+        "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16",
+    })
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = LlamaModel(cfg, "cuda", max_positions=2048, kernels="triton").to(torch.bfloat16)
+    page, lens = 16, [700, 33, 1]
+    kv = KVCache.allocate(cfg, 3 * 45 + 1, page, torch.bfloat16, "cuda")
+    tables = [list(range(i * 45, i * 45 + 45)) for i in range(len(lens))]
+    step = StepInputs.decode([7, 8, 9], lens, tables, page).to("cuda")
+    saved = pdl.ENABLED, triton_gemm.PREFETCH_COLUMNS
+    logits = {}
+    try:
+        for on in (False, True):
+            pdl.ENABLED, triton_gemm.PREFETCH_COLUMNS = on, prefetch
+            with torch.no_grad():
+                model.forward_logits(step, kv)  # compiles this variant's kernels
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    out = model.forward_logits(step, kv)
+            for _ in range(3):
+                graph.replay()
+            torch.cuda.synchronize()
+            logits[on] = out.clone()
+    finally:
+        pdl.ENABLED, triton_gemm.PREFETCH_COLUMNS = saved
+    assert torch.equal(logits[True], logits[False])
