@@ -137,9 +137,18 @@ def streams_panel(ax, results: dict) -> None:
     ax.grid(True, axis="y", alpha=0.3)
 
 
+def breakdown_steps(results: dict) -> list[str]:
+    bd = results.get("breakdown") or {}
+    return [k for k in ("decode_b1", "decode_b32", "prefill_16") if (bd.get(k) or {}).get("categories")]
+
+
+def has_breakdown(results: dict) -> bool:
+    return bool(breakdown_steps(results))
+
+
 def breakdown_panel(ax, results: dict) -> None:
     bd = results.get("breakdown") or {}
-    steps = [k for k in ("decode_b1", "decode_b32", "prefill_16") if (bd.get(k) or {}).get("categories")]
+    steps = breakdown_steps(results)
     if not steps:
         ax.set_axis_off()
         return
@@ -175,17 +184,21 @@ def plot(runs: list[dict], png: Path, theirs: dict | None = None) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(len(runs), 4, figsize=(22, 5.2 * len(runs)), squeeze=False)
+    # The breakdown's column only where some run has one: no empty panel beside the others.
+    columns = 4 if any(has_breakdown(results) for results in runs) else 3
+    fig, axes = plt.subplots(len(runs), columns, figsize=(5.6 * columns, 5.2 * len(runs)), squeeze=False)
     for row, results in zip(axes, runs):
         ttft_panel(row[0], results, theirs)
         itl_panel(row[1], results)
         streams_panel(row[2], results)
-        breakdown_panel(row[3], results)
+        if columns == 4:
+            breakdown_panel(row[3], results)
         meta = results.get("meta", {})
         device = (results.get("device") or {}).get("name", "?")
-        row[0].annotate(f"{model_name(results)} - {device} - {meta.get('date', '')}", (0, 1.12),
-                        xycoords="axes fraction", fontsize=10, fontweight="bold")
-    fig.tight_layout()
+        caption = row[0].annotate(f"{model_name(results)} - {device} - {meta.get('date', '')}", (0, 1.12),
+                                  xycoords="axes fraction", fontsize=10, fontweight="bold")
+        caption.set_in_layout(False)  # else the layout keeps the caption's width free beside the panel
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.45 / fig.get_figheight()), h_pad=4.5)  # room for the captions
     png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(png, dpi=110)
     plt.close(fig)
