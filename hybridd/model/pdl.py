@@ -48,9 +48,10 @@ def supported(device: torch.device) -> bool:
     return _capable[index]
 
 
-def launch_options(device: torch.device) -> dict:
-    """Keyword arguments for a Triton launch that also passes `PDL=enabled(device)`."""
-    return {"launch_pdl": True} if enabled(device) else {}
+def launch_args(device: torch.device) -> dict:
+    """Keyword arguments for launching a kernel that takes `PDL: tl.constexpr` (and calls
+    `wait_for_predecessor(PDL)`) on `device`."""
+    return {"PDL": True, "launch_pdl": True} if enabled(device) else {"PDL": False}
 
 
 @triton.jit

@@ -194,7 +194,7 @@ def decode_attention(
         # float32 caches get true float32 products, not TF32 (bf16 ignores this).
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         INTERPRET=_INTERPRET, num_warps=plan.num_warps, num_stages=plan.num_stages,
-        PDL=pdl.enabled(q.device), **pdl.launch_options(q.device),
+        **pdl.launch_args(q.device),
     )
     return out
 
@@ -326,7 +326,7 @@ def prefill_attention(
         SEQS_PAD=max(2, triton.next_power_of_2(seqs)),
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         INTERPRET=_INTERPRET, num_warps=plan.num_warps, num_stages=plan.num_stages,
-        PDL=pdl.enabled(q.device), **pdl.launch_options(q.device),
+        **pdl.launch_args(q.device),
     )
     return out
 

@@ -182,8 +182,8 @@ def launch(
         m, n, k, k_per_split, split, x.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, SPLIT=split > 1, EVEN_K=k % k_per_split == 0,
         BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, INTERPRET=_INTERPRET,
-        PDL=pdl.enabled(x.device), PREFETCH_K=_prefetch_columns(weight, config), W_BYTES=weight.element_size(),
-        num_warps=config.num_warps, num_stages=config.num_stages, **pdl.launch_options(x.device),
+        PREFETCH_K=_prefetch_columns(weight, config), W_BYTES=weight.element_size(),
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl.launch_args(x.device),
     )
     return y
 

@@ -42,7 +42,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     n = x.shape[-1]
     _rms_norm_kernel[(x.numel() // n,)](
         x, x, weight, out, out, n, eps, HAS_RESIDUAL=False, BLOCK=triton.next_power_of_2(n),
-        PDL=pdl.enabled(x.device), **pdl.launch_options(x.device),
+        **pdl.launch_args(x.device),
     )
     return out
 
@@ -56,7 +56,7 @@ def add_rms_norm(
     n = x.shape[-1]
     _rms_norm_kernel[(x.numel() // n,)](
         x, residual, weight, out, summed, n, eps, HAS_RESIDUAL=True, BLOCK=triton.next_power_of_2(n),
-        PDL=pdl.enabled(x.device), **pdl.launch_options(x.device),
+        **pdl.launch_args(x.device),
     )
     return out, summed
 
@@ -148,7 +148,7 @@ def rotary_write_kv(
             positions, slot_mapping, q, k, v, cos, sin, q_out, k_out, k_cache, v_cache,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             HEADS=h, KV_HEADS=kvh, HEADS_PAD=triton.next_power_of_2(h), KV_PAD=triton.next_power_of_2(kvh),
-            HALF=d // 2, PDL=pdl.enabled(q.device), **pdl.launch_options(q.device),
+            HALF=d // 2, **pdl.launch_args(q.device),
         )
     return q_out, k_out
 
@@ -173,6 +173,6 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     block = 1024
     if t:
         _silu_and_mul_kernel[(t, triton.cdiv(n, block))](
-            gate_up.contiguous(), out, n, BLOCK=block, PDL=pdl.enabled(out.device), **pdl.launch_options(out.device)
+            gate_up.contiguous(), out, n, BLOCK=block, **pdl.launch_args(out.device)
         )
     return out
