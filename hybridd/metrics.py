@@ -51,8 +51,8 @@ def status_families(status: dict[str, Any], model_name: str) -> Iterator[Metric]
     requests = status.get("requests") or {}
     metrics = status.get("metrics") or {}
     kv = status.get("kv_blocks") or {}
-    yield gauge("num_requests_running", "Requests in the running batch.", requests.get("running", 0))
-    yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", requests.get("queued", 0))
+    yield gauge("num_requests_running", "Sequences in the running batch (a request with n > 1 counts n, as vLLM's child requests).", requests.get("running", 0))
+    yield gauge("num_requests_waiting", "Requests waiting to be scheduled or tokenized.", requests.get("queued", 0))
     total = kv.get("total") or 0
     yield gauge("kv_cache_usage_perc", "Fraction of the KV-cache blocks in use (1 = full).",
                 kv.get("used", 0) / total if total else 0.0)
