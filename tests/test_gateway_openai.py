@@ -265,6 +265,43 @@ def test_malformed_json_is_400(daemon):
     assert response.json()["error"]["type"] == "invalid_request_error"
 
 
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("/v1/completions", {"prompt": "ROMEO:"}, "model"),
+    ("/v1/completions", {"model": MODEL, "prompt": "ROMEO:", "n": "two"}, "n"),
+    ("/v1/completions", {"model": MODEL, "prompt": "ROMEO:", "temperature": "hot"}, "temperature"),
+    ("/v1/completions", {"model": MODEL, "prompt": [1, 2.5]}, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": [[1], ["x"]]}, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": "ROMEO:", "stream": True, "stream_options": {"every": 1}},
+     "stream_options"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "robot", "content": "hi"}]}, "messages"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi", "tone": "x"}]},
+     "messages"),
+])
+def test_wrongly_typed_fields_are_400_naming_the_field(daemon, path, body, param):
+    response = httpx.post(daemon.url + path, json=body, headers={"Authorization": f"Bearer {API_KEY}"})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error"
+    assert error["message"].startswith(f"{param}: "), error["message"]
+
+
+def test_oversized_body_is_413(daemon):
+    from hybridd.gateway.app import MAX_BODY_BYTES
+
+    body = b'{"model": "' + b"x" * MAX_BODY_BYTES + b'"}'
+    response = httpx.post(daemon.url + "/v1/completions", content=body, timeout=60,
+                          headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"})
+    assert response.status_code == 413
+    assert str(MAX_BODY_BYTES) in response.json()["error"]["message"]
+
+
+def test_other_methods_on_the_generation_routes_are_405(daemon):
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        response = httpx.get(daemon.url + path, headers={"Authorization": f"Bearer {API_KEY}"})
+        assert response.status_code == 405 and response.headers["allow"] == "POST"
+        assert "use POST" in response.json()["error"]["message"]
+
+
 def test_api_key_missing_or_wrong_is_401(daemon):
     for key in ("wrong-key", None):
         headers = {"Authorization": f"Bearer {key}"} if key else {}

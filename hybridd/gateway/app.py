@@ -1,5 +1,7 @@
 """The gateway's routes: OpenAI's completions, chat completions and models, plus
-`/health` and `/metrics`, served by Starlette over one `hybridd.AsyncClient`.
+`/health` and `/metrics`, over one `hybridd.AsyncClient`. The generation routes are
+served in raw ASGI (`exchange.Exchange`: they are every first token's path), the
+others by Starlette.
 
 Every generation is one daemon request per prompt (its `n` choices share the prompt's
 prefill in the engine); a response streams as server-sent events (`data: {...}`, then
@@ -12,18 +14,15 @@ streaming or not.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
-import anyio
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from hybridd.client import AsyncClient, AsyncStream, Chunk, GenerateResult
@@ -32,6 +31,7 @@ from hybridd.protocol.errors import ErrorCode
 from hybridd.protocol.messages import HealthReply
 from hybridd.gateway.api_keys import key_matches
 from hybridd.gateway.errors import GatewayError, from_daemon, not_ready
+from hybridd.gateway.exchange import ClientDisconnected, Exchange
 from hybridd.gateway.openai_output import DONE_EVENT, Job, Reply, event
 from hybridd.gateway.openai_schema import ChatCompletionRequest, CompletionRequest, parse_body
 from hybridd.log import get_logger
@@ -52,37 +52,6 @@ def model_id(model_path: str) -> str:
     return Path(model_path).name or model_path
 
 
-class EventStream(StreamingResponse):
-    """Server-sent events that stop (and cancel their daemon requests) as soon as the
-    client disconnects, even while no event is being written."""
-
-    media_type = "text/event-stream"
-
-    async def __call__(self, scope, receive, send) -> None:
-        with contextlib.suppress(OSError):
-            async with anyio.create_task_group() as group:
-
-                async def watch() -> None:
-                    await self.listen_for_disconnect(receive)
-                    log.debug("client disconnected; cancelling its stream")
-                    group.cancel_scope.cancel()
-
-                group.start_soon(watch)
-                # The events are written from this task, so the first one (the daemon's
-                # first reply is already here) goes out without waiting for a new task's turn.
-                await self.stream_response(send)
-                group.cancel_scope.cancel()
-
-
-async def _until_disconnected(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-class ClientDisconnected(Exception):
-    """The HTTP client went away before the answer was ready."""
-
-
 class Gateway:
     """The routes' state: the daemon client, the served model's name, the API keys."""
 
@@ -98,10 +67,11 @@ class Gateway:
 
     # ------------------------------------------------------------ checks
 
-    def authorize(self, request: Request) -> None:
+    def authorize(self, authorization: str) -> None:
+        """Check the `Authorization` header's value against the API keys (if any)."""
         if not self.api_keys:
             return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        scheme, _, token = authorization.partition(" ")
         if scheme.lower() != "bearer" or not token:
             raise GatewayError(401, "missing API key: send `Authorization: Bearer <key>`",
                                type="authentication_error", code="invalid_api_key")
@@ -152,18 +122,6 @@ class Gateway:
         if error.code in UNSERVED_CODES:
             self.serving = False
 
-    async def body(self, request: Request, model: type) -> Any:
-        raw = bytearray()
-        async for part in request.stream():
-            raw += part
-            if len(raw) > MAX_BODY_BYTES:
-                raise GatewayError(413, f"the request body exceeds {MAX_BODY_BYTES} bytes")
-        try:
-            decoded = json.loads(raw)
-        except ValueError as error:
-            raise GatewayError(400, f"the request body is not valid JSON: {error}") from None
-        return parse_body(model, decoded)
-
     # ------------------------------------------------------------ routes
 
     async def health(self, request: Request) -> Response:
@@ -181,15 +139,14 @@ class Gateway:
         return Response(render(status, self.model), media_type=CONTENT_TYPE)
 
     async def models(self, request: Request) -> Response:
-        self.authorize(request)
+        self.authorize(request.headers.get("authorization", ""))
         return JSONResponse({"object": "list", "data": [
             {"id": self.model, "object": "model", "created": self.created, "owned_by": "hybridd",
              "root": self.model_path},
         ]})
 
-    async def completions(self, request: Request) -> Response:
-        self.authorize(request)
-        body: CompletionRequest = await self.body(request, CompletionRequest)
+    async def completions(self, exchange: Exchange) -> None:
+        body: CompletionRequest = parse_body(CompletionRequest, await exchange.body(MAX_BODY_BYTES))
         self.check_model(body.model)
         prompts = body.prompts()
         sampling = body.sampling()
@@ -197,15 +154,37 @@ class Gateway:
                     echo=prompt if body.echo and isinstance(prompt, str) else "")
                 for i, prompt in enumerate(prompts)]
         reply = Reply(id=f"cmpl-{uuid.uuid4().hex}", model=body.model, chat=False)
-        return await self.generate(request, jobs, reply, stream=body.stream, include_usage=body.include_usage)
+        await self.generate(exchange, jobs, reply, stream=body.stream, include_usage=body.include_usage)
 
-    async def chat_completions(self, request: Request) -> Response:
-        self.authorize(request)
-        body: ChatCompletionRequest = await self.body(request, ChatCompletionRequest)
+    async def chat_completions(self, exchange: Exchange) -> None:
+        body: ChatCompletionRequest = parse_body(ChatCompletionRequest, await exchange.body(MAX_BODY_BYTES))
         self.check_model(body.model)
         jobs = [Job(base=0, prompt=None, messages=body.chat_messages(), sampling=body.sampling())]
         reply = Reply(id=f"chatcmpl-{uuid.uuid4().hex}", model=body.model, chat=True)
-        return await self.generate(request, jobs, reply, stream=body.stream, include_usage=body.include_usage)
+        await self.generate(exchange, jobs, reply, stream=body.stream, include_usage=body.include_usage)
+
+    async def serve_generation(self, route: Callable[[Exchange], Any], exchange: Exchange) -> None:
+        """Run a generation route; an error before the answer began is an HTTP error in
+        OpenAI's format (after it began, a daemon error is the stream's last event)."""
+        try:
+            self.authorize(exchange.header(b"authorization"))
+            await route(exchange)
+            return
+        except ClientDisconnected:
+            return  # nobody reads an answer
+        except GatewayError as error:
+            failure = error
+        except HybriddError as error:
+            self.daemon_failed(error)
+            failure = from_daemon(error)
+        except Exception as error:
+            log.error("internal error", path=exchange.scope["path"], error=repr(error))
+            if exchange.started:
+                raise
+            failure = GatewayError(500, f"internal error: {type(error).__name__}", type="internal_error")
+        if exchange.started:
+            raise RuntimeError("an HTTP error after the answer began") from failure
+        await exchange.json(failure.status, failure.body(), failure.headers())
 
     # ------------------------------------------------------------ generation
 
@@ -214,25 +193,32 @@ class Gateway:
             return self.client.chat_stream(job.messages, **job.sampling)
         return self.client.stream(job.prompt, **job.sampling)
 
-    async def generate(self, request: Request, jobs: list[Job], reply: Reply, *, stream: bool,
-                       include_usage: bool) -> Response:
+    async def generate(self, exchange: Exchange, jobs: list[Job], reply: Reply, *, stream: bool,
+                       include_usage: bool) -> None:
         await self.ensure_ready()
         if not stream and not jobs[0].sampling.get("logprobs"):
-            await _unless_disconnected(request, self._run_whole(jobs))
-            return JSONResponse(reply.whole(jobs))
+            with exchange.watch():
+                await self._run_whole(jobs)
+            await exchange.json(200, reply.whole(jobs))
+            return
         # Logprobs travel in the daemon's chunks (a final reply holds only so many), so a
         # whole answer with logprobs is streamed from the daemon and gathered here.
         streams = [self._stream(job) for job in jobs]
         try:
-            firsts = await _unless_disconnected(request, _first_replies(streams))
-        except BaseException:
+            # The first reply is awaited in this task, and the events are written from it
+            # too: the first token goes out without waiting for another task's turn.
+            with exchange.watch():
+                firsts = await _first_replies(streams)
+                if not stream:
+                    await _drain(jobs, streams, firsts)
+                else:
+                    await exchange.events(_events(reply, jobs, streams, firsts, include_usage, self.daemon_failed),
+                                          last=DONE_EVENT)
+        finally:
             for s in streams:
                 s.close()
-            raise
         if not stream:
-            await _unless_disconnected(request, _drain(jobs, streams, firsts))
-            return JSONResponse(reply.whole(jobs))
-        return EventStream(_events(reply, jobs, streams, firsts, include_usage, self.daemon_failed))
+            await exchange.json(200, reply.whole(jobs))
 
     async def _run_whole(self, jobs: list[Job]) -> None:
         async def one(job: Job) -> GenerateResult:
@@ -263,34 +249,6 @@ async def _drain(jobs: list[Job], streams: list[AsyncStream], firsts: list[Any])
     finally:
         for stream in streams:
             stream.close()
-
-
-async def _unless_disconnected(request: Request, work: Coroutine[Any, Any, Any]) -> Any:
-    """Await `work` unless the HTTP client disconnects first (then it is cancelled).
-
-    `work` runs in the calling task, and a watcher cancels that task on a disconnect:
-    the outcome reaches the caller without the extra turns of the loop that a task of
-    its own and a wait on both would cost (this is the first token's path)."""
-    task = asyncio.current_task()
-    assert task is not None
-    disconnected = False
-
-    async def watch() -> None:
-        nonlocal disconnected
-        await _until_disconnected(request)
-        disconnected = True
-        task.cancel()
-
-    watcher = asyncio.ensure_future(watch())
-    try:
-        return await work
-    except asyncio.CancelledError:
-        if not disconnected:
-            raise
-        task.uncancel()
-        raise ClientDisconnected() from None
-    finally:
-        watcher.cancel()
 
 
 _END = object()
@@ -392,35 +350,43 @@ def _merged(jobs: list[Job], streams: list[AsyncStream], firsts: list[Any]) -> C
     return events
 
 
-def create_app(gateway: Gateway) -> Starlette:
+class GatewayApp:
+    """The OpenAI-compatible application over `gateway` (an ASGI callable): the generation
+    routes served on their own fast path (`Exchange`), everything else by Starlette."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+        self.generation = {"/v1/completions": gateway.completions, "/v1/chat/completions": gateway.chat_completions}
+
+        async def gateway_error(request: Request, error: Exception) -> Response:
+            assert isinstance(error, GatewayError)
+            return error.response()
+
+        async def internal(request: Request, error: Exception) -> Response:
+            log.error("internal error", path=request.url.path, error=repr(error))
+            return GatewayError(500, f"internal error: {type(error).__name__}", type="internal_error").response()
+
+        self.rest = Starlette(routes=[
+            Route("/health", gateway.health, methods=["GET"]),
+            Route("/metrics", gateway.metrics, methods=["GET"]),
+            Route("/v1/models", gateway.models, methods=["GET"]),
+        ], exception_handlers={GatewayError: gateway_error, Exception: internal})
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and (route := self.generation.get(scope["path"])) is not None:
+            exchange = Exchange(scope, receive, send)
+            if scope["method"] != "POST":
+                error = GatewayError(405, f"{scope['method']} is not allowed on {scope['path']}: use POST")
+                await exchange.json(405, error.body(), ((b"allow", b"POST"),))
+                return
+            await self.gateway.serve_generation(route, exchange)
+            return
+        await self.rest(scope, receive, send)
+
+
+def create_app(gateway: Gateway) -> GatewayApp:
     """The OpenAI-compatible application over `gateway`."""
-
-    async def gateway_error(request: Request, error: Exception) -> Response:
-        assert isinstance(error, GatewayError)
-        return error.response()
-
-    async def daemon_error(request: Request, error: Exception) -> Response:
-        assert isinstance(error, HybriddError)
-        gateway.daemon_failed(error)
-        return from_daemon(error).response()
-
-    async def disconnected(request: Request, error: Exception) -> Response:
-        return Response(status_code=499)  # nobody reads it
-
-    async def internal(request: Request, error: Exception) -> Response:
-        log.error("internal error", path=request.url.path, error=repr(error))
-        return GatewayError(500, f"internal error: {type(error).__name__}", type="internal_error").response()
-
-    routes = [
-        Route("/health", gateway.health, methods=["GET"]),
-        Route("/metrics", gateway.metrics, methods=["GET"]),
-        Route("/v1/models", gateway.models, methods=["GET"]),
-        Route("/v1/completions", gateway.completions, methods=["POST"]),
-        Route("/v1/chat/completions", gateway.chat_completions, methods=["POST"]),
-    ]
-    return Starlette(routes=routes, exception_handlers={
-        GatewayError: gateway_error, HybriddError: daemon_error, ClientDisconnected: disconnected, Exception: internal,
-    })
+    return GatewayApp(gateway)
 
 
 def create_metrics_app(gateway: Gateway) -> Starlette:

@@ -51,9 +51,13 @@ class GatewayError(Exception):
             error["state"] = self.state
         return {"error": error}
 
+    def headers(self) -> tuple[tuple[bytes, bytes], ...]:
+        """The response's own headers (raw ASGI)."""
+        return ((b"www-authenticate", b"Bearer"),) if self.status == 401 else ()
+
     def response(self) -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+        headers = {k.decode(): v.decode() for k, v in self.headers()}
+        return JSONResponse(self.body(), status_code=self.status, headers=headers or None)
 
 
 def bad_request(message: str, param: str | None = None) -> GatewayError:

@@ -6,6 +6,9 @@ become the choices `base … base + n − 1` of the response. Logprobs come from
 daemon (computed from the distribution each token was sampled from) and are written
 in the endpoint's format: the legacy `tokens` / `token_logprobs` / `top_logprobs` /
 `text_offset` lists for completions, `content` entries for chat.
+
+A streamed text chunk is most of what is written, the first token's among them: its
+event is two pre-encoded halves around the choice's index and the JSON-encoded text.
 """
 
 from __future__ import annotations
@@ -15,7 +18,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from hybridd.client import GenerateResult, TokenLogprob
+
+_encode = msgspec.json.encode
 
 DONE_EVENT = b"data: [DONE]\n\n"
 
@@ -46,6 +53,14 @@ class Reply:
     model: str
     chat: bool
     created: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self) -> None:
+        # The text chunk's event, as `event(self._object(".chunk", [choice], None))` writes it.
+        kind = b"chat.completion.chunk" if self.chat else b"text_completion"
+        self._delta_head = (b'data: {"id":' + _encode(self.id) + b',"object":"' + kind + b'","created":'
+                            + b"%d" % self.created + b',"model":' + _encode(self.model) + b',"choices":[{"index":')
+        self._delta_text = b',"delta":{"content":' if self.chat else b',"text":'
+        self._delta_tail = (b'},' if self.chat else b',') + b'"logprobs":null,"finish_reason":null}],"usage":null}\n\n'
 
     def _object(self, suffix: str, choices: list[dict[str, Any]], usage: dict[str, int] | None) -> dict[str, Any]:
         kind = "chat.completion" + suffix if self.chat else "text_completion"
@@ -81,6 +96,8 @@ class Reply:
                                               "logprobs": None, "finish_reason": None}], None))
 
     def delta(self, index: int, text: str, logprobs: dict[str, Any] | None = None) -> bytes:
+        if logprobs is None:
+            return b"".join((self._delta_head, b"%d" % index, self._delta_text, _encode(text), self._delta_tail))
         if self.chat:
             choice = {"index": index, "delta": {"content": text}, "logprobs": logprobs, "finish_reason": None}
         else:

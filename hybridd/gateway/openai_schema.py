@@ -1,6 +1,7 @@
 """The OpenAI request bodies the gateway accepts, and how they become daemon requests.
 
-Each body is a pydantic model. A field the gateway does not implement is refused
+Each body is a msgspec struct, decoded and checked in one pass of compiled code (it
+is on every first token's path). A field the gateway does not implement is refused
 with a 400 that names it — never silently ignored — except the documented no-ops in
 `NO_OP_FIELDS` (a JSON `null` counts as absent). The value ranges of the sampling
 fields are the daemon's own (`hybridd.protocol`): the SDK checks them before sending
@@ -9,9 +10,10 @@ and its error names the field, which becomes OpenAI's `param`.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+import re
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+import msgspec
 
 from hybridd.gateway.errors import GatewayError, bad_request
 from hybridd.protocol.limits import MAX_N, MAX_TOKENS_CAP, MAX_TOP_LOGPROBS
@@ -20,24 +22,25 @@ from hybridd.protocol.limits import MAX_N, MAX_TOKENS_CAP, MAX_TOP_LOGPROBS
 NO_OP_FIELDS = frozenset({"user"})
 MAX_PROMPTS = 64
 
+Positive = Annotated[int, msgspec.Meta(ge=1)]
+TopLogprobs = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOP_LOGPROBS)]
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
 
+class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
     include_usage: bool = False
 
 
-class _Body(BaseModel):
+class _Body(msgspec.Struct, kw_only=True):
     """Fields shared by completions and chat completions."""
 
-    model_config = ConfigDict(extra="allow")
     SAMPLING: ClassVar[tuple[str, ...]] = (
         "temperature", "top_p", "top_k", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty",
         "ignore_eos",
     )
+    FIELDS: ClassVar[frozenset[str]]  # the body's known fields (set below each class)
 
     model: str
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: Positive | None = None
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
@@ -47,16 +50,12 @@ class _Body(BaseModel):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool | None = None
-    n: int = Field(default=1, ge=1, le=MAX_N)
+    n: Annotated[int, msgspec.Meta(ge=1, le=MAX_N)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
 
     def check_supported(self) -> None:
-        unsupported = sorted(k for k, v in (self.model_extra or {}).items() if v is not None and k not in NO_OP_FIELDS)
-        if unsupported:
-            names = ", ".join(unsupported)
-            raise bad_request(f"unsupported field(s): {names}; hybridd does not implement them", unsupported[0])
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed with stream: true", "stream_options")
 
@@ -66,7 +65,7 @@ class _Body(BaseModel):
 
     def sampling(self, default_max_tokens: int) -> dict[str, Any]:
         """The SDK's sampling keywords (only those given, so the daemon's defaults apply)."""
-        options: dict[str, Any] = {name: getattr(self, name) for name in self.SAMPLING if getattr(self, name) is not None}
+        options: dict[str, Any] = {name: value for name in self.SAMPLING if (value := getattr(self, name)) is not None}
         options["max_tokens"] = self.max_tokens if self.max_tokens is not None else default_max_tokens
         if self.stop is not None:
             options["stop"] = [self.stop] if isinstance(self.stop, str) else list(self.stop)
@@ -75,11 +74,13 @@ class _Body(BaseModel):
         return options
 
 
-class CompletionRequest(_Body):
+class CompletionRequest(_Body, kw_only=True):
     """`POST /v1/completions`."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    # A string, strings, token ids, or lists of token ids: told apart in `prompts`
+    # (one struct field cannot be a union of several array types).
+    prompt: str | list[Any]
+    logprobs: TopLogprobs | None = None
     echo: bool = False
     DEFAULT_MAX_TOKENS: ClassVar[int] = 16  # OpenAI's default for completions
 
@@ -88,10 +89,15 @@ class CompletionRequest(_Body):
         prompt = self.prompt
         if isinstance(prompt, str):
             prompts: list[str | list[int]] = [prompt]
-        elif prompt and all(isinstance(p, int) for p in prompt):
-            prompts = [list(prompt)]  # type: ignore[arg-type]
         else:
-            prompts = list(prompt)  # type: ignore[arg-type]
+            try:  # checked by msgspec's compiled code: a prompt can hold many thousands of ids
+                if prompt and type(prompt[0]) is int:
+                    prompts = [msgspec.convert(prompt, list[int])]
+                else:
+                    prompts = msgspec.convert(prompt, list[str | list[int]])
+            except msgspec.ValidationError:
+                raise bad_request("prompt: give a string, a list of strings, a list of token ids or a list of "
+                                  "lists of token ids", "prompt") from None
         if not prompts:
             raise bad_request("prompt: no prompt given", "prompt")
         if len(prompts) > MAX_PROMPTS:
@@ -109,16 +115,12 @@ class CompletionRequest(_Body):
         return options
 
 
-class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class ContentPart(msgspec.Struct, forbid_unknown_fields=True):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
@@ -131,13 +133,13 @@ class ChatMessage(BaseModel):
         return "".join(part.text for part in self.content)
 
 
-class ChatCompletionRequest(_Body):
+class ChatCompletionRequest(_Body, kw_only=True):
     """`POST /v1/chat/completions`."""
 
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1)]
+    max_completion_tokens: Positive | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    top_logprobs: TopLogprobs | None = None
     # Chat has no length default at OpenAI: the answer runs to its end or the context's.
     DEFAULT_MAX_TOKENS: ClassVar[int] = MAX_TOKENS_CAP
 
@@ -160,15 +162,39 @@ class ChatCompletionRequest(_Body):
         return [{"role": m.role, "content": m.text()} | ({"name": m.name} if m.name else {}) for m in self.messages]
 
 
-def parse_body(model: type[_Body], body: Any) -> Any:
-    """Validate a decoded JSON body; a failure is a 400 naming the first offending field."""
+CompletionRequest.FIELDS = frozenset(CompletionRequest.__struct_fields__)
+ChatCompletionRequest.FIELDS = frozenset(ChatCompletionRequest.__struct_fields__)
+
+# msgspec's error ends with where it happened: " - at `$.messages[0].role`".
+_WHERE = re.compile(r" - at `\$\.?([A-Za-z_][A-Za-z0-9_]*)?[^`]*`$")
+_MISSING = re.compile(r"^Object missing required field `([^`]+)`")
+
+
+def parse_body(model: type[_Body], raw: bytes | bytearray) -> Any:
+    """Decode and check a JSON body; a failure is a 400 naming the first offending field,
+    and every unsupported field at once."""
+    try:
+        body = msgspec.json.decode(raw)
+    except msgspec.DecodeError as error:
+        raise GatewayError(400, f"the request body is not valid JSON: {error}") from None
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
+    unsupported = sorted(k for k in body.keys() - model.FIELDS if body[k] is not None and k not in NO_OP_FIELDS)
+    if unsupported:
+        names = ", ".join(unsupported)
+        raise bad_request(f"unsupported field(s): {names}; hybridd does not implement them", unsupported[0])
     try:
-        request = model.model_validate(body)
-    except ValidationError as error:
-        first = error.errors()[0]
-        param = str(first["loc"][0]) if first["loc"] else None
-        raise GatewayError(400, f"{param or 'body'}: {first['msg']}", param=param) from None
+        request = msgspec.convert(body, model)
+    except msgspec.ValidationError as error:
+        raise _invalid(str(error)) from None
     request.check_supported()
     return request
+
+
+def _invalid(message: str) -> GatewayError:
+    where = _WHERE.search(message)
+    param = where.group(1) if where else None
+    if param is None and (missing := _MISSING.match(message)):
+        param = missing.group(1)
+    text = message[:where.start()] if where else message
+    return GatewayError(400, f"{param or 'body'}: {text}", param=param)
