@@ -2,7 +2,9 @@
 
 Both speak protocol/SPEC.md over one ZeroMQ DEALER socket (one session). The socket
 lives in one asyncio event loop, in `_Session`: it routes replies to per-request sinks
-by request id, and fails every in-flight request with `EngineDeadError` as soon as
+by request id (read in the loop's callback for the socket's file descriptor, so that a
+reply wakes its waiter with no task in between), and fails every in-flight request with
+`EngineDeadError` as soon as
 a socket monitor reports that the daemon's connection dropped (ZMTP heartbeats catch
 a peer that vanished without closing). The DEALER reconnects by itself, so calls made
 after the daemon is back succeed.
@@ -26,6 +28,7 @@ queue, so any number of threads can share one `Client`.
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import contextlib
 import queue
@@ -245,7 +248,9 @@ class _Session:
                  secret_key: bytes | None) -> None:
         self.endpoint = endpoint
         self._context = zmq.asyncio.Context()
-        self._socket = self._context.socket(zmq.DEALER)
+        # A plain socket read from the loop's reader callback (`_readable`); its monitor is
+        # an asyncio socket of the same context.
+        self._socket = zmq.Socket(self._context, zmq.DEALER)
         for option, value in (
             (zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES),
             (zmq.LINGER, 0),
@@ -274,25 +279,59 @@ class _Session:
         self._refused: str | None = None  # why the daemon refused the last handshake
         self._changed = asyncio.Event()
         self.pending: dict[str, Sink] = {}
-        self._tasks = [asyncio.ensure_future(self._read()), asyncio.ensure_future(self._watch())]
+        self._outbox: collections.deque[bytes] = collections.deque()  # frames the socket could not take yet
         self.closed = False
+        self._loop = asyncio.get_running_loop()
+        self._fd = self._socket.get(zmq.FD)
+        self._loop.add_reader(self._fd, self._readable)
+        self._tasks = [asyncio.ensure_future(self._watch())]
 
-    async def _read(self) -> None:
-        while True:
-            frame = await self._socket.recv(copy=False)
+    def _readable(self) -> None:
+        """The socket's descriptor signalled: take every reply it holds and hand each to
+        its request's sink, and send what waited for room. ZeroMQ's descriptor is edge-
+        triggered (it signals a change, not a level), so the socket's events are read
+        until nothing is left."""
+        socket, pending = self._socket, self.pending
+        while not self.closed:
+            events = socket.get(zmq.EVENTS)
+            if self._outbox and events & zmq.POLLOUT:
+                self._flush()
+            if not events & zmq.POLLIN:
+                return
+            frame = socket.recv(zmq.NOBLOCK, copy=False)
             try:
                 reply = codec.REPLIES.decode(frame.buffer)
             except ProtocolError as error:
                 log.warning("undecodable reply from the daemon", error=str(error))
                 continue
-            sink = self.pending.get(reply.id)
+            sink = pending.get(reply.id)
             if sink is None:
                 if isinstance(reply, ErrorReply) and not reply.id:
                     log.warning("unattributed error from the daemon", code=reply.code.value, message=reply.message)
                 continue  # a reply for a request that already ended (timed out, dropped)
             if _is_terminal(reply):
-                del self.pending[reply.id]
+                del pending[reply.id]
             sink(reply)
+
+    def _send(self, frame: bytes) -> None:
+        if not self._outbox:
+            try:
+                self._socket.send(frame, zmq.NOBLOCK)
+            except zmq.Again:  # no room (high-water mark) or no connection yet: sent when there is
+                self._outbox.append(frame)
+        else:
+            self._outbox.append(frame)
+        # A send can consume the descriptor's signal of replies that arrived meanwhile.
+        if self._socket.get(zmq.EVENTS) & zmq.POLLIN:
+            self._loop.call_soon(self._readable)
+
+    def _flush(self) -> None:
+        while self._outbox:
+            try:
+                self._socket.send(self._outbox[0], zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._outbox.popleft()
 
     async def _watch(self) -> None:
         while True:
@@ -366,7 +405,7 @@ class _Session:
         except ProtocolError as error:  # over MAX_MESSAGE_BYTES: the daemon would drop the connection
             raise error_for_code(error.code, error.message, field=error.field, request_id=request.id) from None
         self.pending[request.id] = sink
-        self._socket.send(frame)
+        self._send(frame)
 
     def forget(self, request_id: str) -> None:
         self.pending.pop(request_id, None)
@@ -375,7 +414,7 @@ class _Session:
         """Fire and forget: a valid cancel has no reply of its own; the target's waiter
         receives its terminal `final` (`cancelled`) as usual."""
         if not self.closed:
-            self._socket.send(encode(CancelRequest(id=new_request_id(), target=target)))
+            self._send(encode(CancelRequest(id=new_request_id(), target=target)))
 
     def abandon(self, target: str) -> None:
         """A caller stopped waiting (timeout, dropped stream): free the daemon's work too."""
@@ -390,6 +429,7 @@ class _Session:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._loop.remove_reader(self._fd)
         self._socket.disable_monitor()
         self._monitor.close(linger=0)
         self._socket.close(linger=0)
@@ -704,6 +744,41 @@ async def _create_session(endpoint: str, keys: dict[str, bytes | None]) -> _Sess
 # ---------------------------------------------------------------- async client
 
 
+class _Inbox:
+    """The replies of one request, in order, for the one task that awaits them (leaner
+    than an asyncio.Queue on every token's way)."""
+
+    __slots__ = ("_items", "_waiter", "_loop")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._items: collections.deque = collections.deque()
+        self._waiter: asyncio.Future | None = None
+        self._loop = loop
+
+    def put(self, item: Reply | HybriddError) -> None:
+        self._items.append(item)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def get(self) -> Reply | HybriddError:
+        while not self._items:
+            self._waiter = self._loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return self._items.popleft()
+
+    async def get_until(self, deadline: float | None) -> Reply | HybriddError:
+        """The next reply; TimeoutError once `deadline` (time.monotonic) has passed."""
+        if self._items:
+            return self._items.popleft()
+        if deadline is None:
+            return await self.get()
+        return await asyncio.wait_for(self.get(), _remaining(deadline))
+
+
 class AsyncStream:
     """Async counterpart of `Stream`: `async for chunk in stream`; `aclose()` or GC cancels."""
 
@@ -712,11 +787,11 @@ class AsyncStream:
         self.id = request.id
         self.result: GenerateResult | None = None
         self._session = client._session_now()
-        self._queue: asyncio.Queue = asyncio.Queue()
+        self._loop = asyncio.get_running_loop()
+        self._inbox = _Inbox(self._loop)
         self._deadline = _deadline(timeout)
         self._done = False
         self._logprobs: dict[int, list[TokenLogprob]] = {}
-        self._loop = asyncio.get_running_loop()
         # Sent at once over an established connection, else on the first iteration,
         # once the connection is made within the connect timeout.
         self._unsent: tuple[GenerateRequest, float] | None = (request, connect_timeout)
@@ -726,7 +801,7 @@ class AsyncStream:
     def _send(self) -> None:
         assert self._unsent is not None
         request, self._unsent = self._unsent[0], None
-        self._session.submit(request, self._queue.put_nowait)
+        self._session.submit(request, self._inbox.put)
 
     def __aiter__(self) -> AsyncStream:
         return self
@@ -750,7 +825,7 @@ class AsyncStream:
                 raise
             self._send()
         try:
-            reply = await asyncio.wait_for(self._queue.get(), _remaining(self._deadline))
+            reply = await self._inbox.get_until(self._deadline)
         except TimeoutError:
             self.close()
             raise RequestTimeoutError("the call's timeout expired", request_id=self.id) from None
@@ -808,8 +883,8 @@ class AsyncClient(_ClientOptions):
 
     async def _request(self, request: Any, timeout: float | None, connect_timeout: float) -> Reply:
         deadline = _deadline(timeout)
-        replies: asyncio.Queue = asyncio.Queue()
         session = self._session_now()
+        replies = _Inbox(asyncio.get_running_loop())
         if not session.connected:
             wait = _connect_wait(connect_timeout, deadline)
             try:
@@ -820,9 +895,9 @@ class AsyncClient(_ClientOptions):
                     raise
                 _raise_for(reply)
                 return reply
-        session.submit(request, replies.put_nowait)
+        session.submit(request, replies.put)
         try:
-            reply = await asyncio.wait_for(replies.get(), _remaining(deadline))
+            reply = await replies.get_until(deadline)
         except TimeoutError:
             session.abandon(request.id)
             raise RequestTimeoutError("the call's timeout expired", request_id=request.id) from None
