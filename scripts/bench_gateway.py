@@ -238,6 +238,9 @@ def measure_gateway(endpoint: str, model: str, *, prompt_len: int, ttft_reps: in
     for key in ("ttft_p50_s", "itl_p50_s"):
         http, sdk_value = out["http"][key], out["sdk"][key]
         out[f"added_{key}"] = http - sdk_value if http is not None and sdk_value is not None else None
+    # The median of the per-prompt differences (the two sides ran back to back on the same
+    # prompt): steadier than the difference of the medians where TTFT itself varies.
+    out["added_ttft_paired_p50_s"] = _p50([h - s for h, s in zip(ttft["http"], ttft["sdk"], strict=True)])
     httpx_p50 = _p50(ttft["httpx"])
     out["httpx"] = {"ttft_p50_s": httpx_p50, "ttft_n": len(ttft["httpx"]),
                     "added_ttft_p50_s": None if httpx_p50 is None else httpx_p50 - out["sdk"]["ttft_p50_s"]}
