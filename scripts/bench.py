@@ -34,21 +34,24 @@ goes on; the JSON is rewritten after every part, so a killed run still leaves re
 6. `hybridd_mps`: the same daemon with both workers under a private MPS control daemon
    (`cuda_mps = "on"`): TTFT at 10 and 128 tokens and batch-1 ITL, each divided by the
    `hybridd` part's figure with MPS off (CUDA only).
-7. `capture_evict`: prefill graphs captured while a decode stream runs, forced through
+7. `hybridd_pdl`: the same daemon with its fused kernels chained by programmatic
+   dependent launch (`HYBRIDD_PDL=1`, hybridd/model/pdl.py), the same figures divided by
+   the `hybridd` part's without it (CUDA only).
+8. `capture_evict`: prefill graphs captured while a decode stream runs, forced through
    the daemon by a small graph memory budget and prompts for the evicted bucket: ITL
    p99 during those captures / steady (scripts/bench_capture.py).
-8. `in_process`: the same decode graphs replayed in one process (scripts/bench_pipeline.py),
+9. `in_process`: the same decode graphs replayed in one process (scripts/bench_pipeline.py),
    for the two-process overhead target (CUDA only).
-9. `hf_eager`: transformers `generate()` with DynamicCache on the same weights and prompts;
+10. `hf_eager`: transformers `generate()` with DynamicCache on the same weights and prompts;
    per-token timestamps from a streamer (TTFT, ITL p50/p99).
-10. `hf_static`: transformers `generate()` with `cache_implementation="static"` and its
+11. `hf_static`: transformers `generate()` with `cache_implementation="static"` and its
    own `torch.compile` of the decode step (CompileConfig(fullgraph=True,
    mode="reduce-overhead")); `--hf-static-compile forward` instead compiles
    `model.forward` by hand (prefill too: one compile per prompt length, much slower to
    warm up). Warm-up time reported. CUDA only.
 
 `--preset llama3-8b` (grouped-query attention with 8 KV heads, a 128256-token
-vocabulary) skips hybridd_eager, hybridd_mps, capture_evict, in_process and the gateway
+vocabulary) skips hybridd_eager, hybridd_mps, hybridd_pdl, capture_evict, in_process and the gateway
 by default (`--skip` replaces that list), so that each shape's command fits 10 minutes
 on an H200; give each shape its own `--out` and plot them together.
 
@@ -99,13 +102,16 @@ TINY_PRESET = dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, n
 
 # Estimated seconds per part on an H200 with the Llama-2-7B / Llama-3-8B shape (the budget check uses them).
 ESTIMATE_S_7B = {"ceilings": 8, "checkpoint": 60, "breakdown": 45, "hybridd_eager": 50, "hybridd": 100,
-                 "hybridd_mps": 60, "capture_evict": 60, "in_process": 35, "hf_eager": 45, "hf_static": 120}
+                 "hybridd_mps": 60, "hybridd_pdl": 60, "capture_evict": 60, "in_process": 35, "hf_eager": 45,
+                 "hf_static": 120}
 ESTIMATE_S_SMALL = {"ceilings": 3, "checkpoint": 5, "breakdown": 10, "hybridd_eager": 12, "hybridd": 20,
-                    "hybridd_mps": 20, "capture_evict": 20, "in_process": 10, "hf_eager": 8, "hf_static": 60}
+                    "hybridd_mps": 20, "hybridd_pdl": 20, "capture_evict": 20, "in_process": 10, "hf_eager": 8,
+                    "hf_static": 60}
 LARGE_PRESETS = ("llama2-7b", "llama3-8b")
 # What a preset measures unless --skip says otherwise: the second shape runs the parts that
 # show its kernels and latency (breakdown, TTFT, ITL, streams, peers), so that it fits 10 minutes.
-PRESET_SKIP = {"llama3-8b": ("hybridd_eager", "hybridd_mps", "capture_evict", "in_process", "gateway")}
+PRESET_SKIP = {"llama3-8b": ("hybridd_eager", "hybridd_mps", "hybridd_pdl", "capture_evict", "in_process",
+                             "gateway")}
 # How a model is named in tables and plots: its shape, never the directory it was written to.
 SHAPE_NAMES = {"llama2-7b": "Llama-2-7B", "llama3-8b": "Llama-3-8B", "llama-1b": "Llama-1B", "small": "small",
                "tiny": "tiny"}
@@ -564,61 +570,79 @@ def server_overrides(args, graphs: bool = True) -> dict[str, Any]:
     return overrides
 
 
-MPS_TTFT_LENGTHS = (10, 128)
+# The lengths a variant of the daemon measured beside the `hybridd` part is timed at.
+BESIDE_TTFT_LENGTHS = (10, 128)
 
 
-def run_hybridd_mps(args, model: Path, vocab: int, deadline: float, notes: list[str], result: dict,
-                    base: dict) -> None:
-    """The graphs-on daemon again with both workers under a private MPS control daemon
-    (what the supervisor does for `cuda_mps = "on"`, hybridd/cuda_mps.py): TTFT and
-    batch-1 ITL at the client, against the same figures of the `hybridd` part (MPS off)
-    of this run. The workers inherit the MPS directories from the environment at spawn."""
-    from hybridd.cuda_mps import MpsDaemon
-
-    mps_dir = Path(tempfile.mkdtemp(prefix="hbm-"))
-    mps = MpsDaemon(mps_dir)
-    mps.start()
-    saved = {k: os.environ.get(k) for k in mps.env}
+def run_hybridd_beside(args, model: Path, vocab: int, deadline: float, notes: list[str], result: dict,
+                       base: dict, worker_env: dict[str, str], overrides: dict) -> None:
+    """The graphs-on daemon again with `worker_env` in its workers' environment and
+    `overrides` in its config: TTFT and batch-1 ITL at the client, divided by the same
+    figures of this run's `hybridd` part. The workers inherit the environment at spawn;
+    the bench's own process gets it back as it was once they are started."""
+    saved = {k: os.environ.get(k) for k in worker_env}
     server = client = None
     try:
-        os.environ.update(mps.env)
-        overrides = {**server_overrides(args), "cuda_mps": "on"}
+        os.environ.update(worker_env)
+        overrides = {**server_overrides(args), **overrides}
         result["config"] = {k: v for k, v in overrides.items() if k != "log_level"}
+        result["worker_env"] = dict(worker_env)
         server = HybriddServer(model, args.device, 600, **overrides)
-        for key, value in saved.items():  # only the workers are MPS clients, not the bench
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+        _restore_env(saved)
         result["startup"] = server.startup()
         client = open_client(args.client, server.endpoint, notes)
         result["client"] = client.kind
         rng = random.Random(4)
         ttft_fn, gaps_fn = hybridd_stream_fns(client)
-        result["ttft_s"] = measure_ttft(ttft_fn, MPS_TTFT_LENGTHS, args.ttft_reps, vocab, rng, deadline)
+        result["ttft_s"] = measure_ttft(ttft_fn, BESIDE_TTFT_LENGTHS, args.ttft_reps, vocab, rng, deadline)
         result["itl"] = measure_itl(gaps_fn, ITL_PROMPT, args.itl_tokens, args.itl_runs, vocab, rng, deadline)
-        result["mps_server_pids"] = mps.server_pids()  # non-empty: the workers went through an MPS server
     finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+        _restore_env(saved)
         if client is not None:
             client.close()
         if server is not None:
             server.close()
+    result["vs_off"] = beside_comparison(result, base)
+
+
+def _restore_env(saved: dict[str, str | None]) -> None:
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+def run_hybridd_mps(args, model: Path, vocab: int, deadline: float, notes: list[str], result: dict,
+                    base: dict) -> None:
+    """Both workers under a private MPS control daemon (what the supervisor does for
+    `cuda_mps = "on"`, hybridd/cuda_mps.py), against the `hybridd` part (MPS off); only
+    the workers are MPS clients, not the bench."""
+    from hybridd.cuda_mps import MpsDaemon
+
+    mps = MpsDaemon(Path(tempfile.mkdtemp(prefix="hbm-")))
+    mps.start()
+    try:
+        run_hybridd_beside(args, model, vocab, deadline, notes, result, base, mps.env, {"cuda_mps": "on"})
+        result["mps_server_pids"] = mps.server_pids()  # non-empty: the workers went through an MPS server
+    finally:
         mps.stop()
-    result["vs_off"] = mps_comparison(result, base)
 
 
-def mps_comparison(on: dict, off: dict) -> dict:
-    """MPS on ÷ off for ITL p50/p99 at batch 1 and TTFT p50 at each length both measured."""
+def run_hybridd_pdl(args, model: Path, vocab: int, deadline: float, notes: list[str], result: dict,
+                    base: dict) -> None:
+    """The fused kernels chained with programmatic dependent launch (`HYBRIDD_PDL=1`,
+    hybridd/model/pdl.py) against the `hybridd` part (without it)."""
+    run_hybridd_beside(args, model, vocab, deadline, notes, result, base, {"HYBRIDD_PDL": "1"}, {})
+
+
+def beside_comparison(on: dict, off: dict) -> dict:
+    """On ÷ off for ITL p50/p99 at batch 1 and TTFT p50 at each length both measured."""
     out = {"itl_p50_on_s": g(on, "itl", "p50_s"), "itl_p50_off_s": g(off, "itl", "p50_s"),
            "itl_p99_on_s": g(on, "itl", "p99_s"), "itl_p99_off_s": g(off, "itl", "p99_s")}
     out["itl_p50_ratio"] = ratio(out["itl_p50_on_s"], out["itl_p50_off_s"])
     out["itl_p99_ratio"] = ratio(out["itl_p99_on_s"], out["itl_p99_off_s"])
-    for n in MPS_TTFT_LENGTHS:
+    for n in BESIDE_TTFT_LENGTHS:
         a, b = g(on, "ttft_s", str(n), "median_s"), g(off, "ttft_s", str(n), "median_s")
         out[f"ttft_{n}_on_s"], out[f"ttft_{n}_off_s"], out[f"ttft_{n}_ratio"] = a, b, ratio(a, b)
     return out
@@ -1011,7 +1035,7 @@ def render_table(results: dict) -> str:
                      f"{fmt(bc.get('first_token_after_capture_start_s'))} s after capture began")
         if bc.get("note"):
             lines.append(f"  note: {bc['note']}")
-    for name in ("hybridd", "hybridd_eager", "hybridd_mps"):
+    for name in ("hybridd", "hybridd_eager", "hybridd_mps", "hybridd_pdl"):
         st = g(results, name, "startup")
         if st:
             lines.append(f"{name} start: spawn->ready {fmt(st['spawn_to_ready_s'])} s (imports "
@@ -1029,13 +1053,14 @@ def render_table(results: dict) -> str:
         lines += ["", f"where the step goes ({g(bd, 'decode_b1', 'source') or '-'}; each category against its own "
                       f"floor: bytes / copy bandwidth or FLOPs / matmul rate)"]
         lines += render_breakdown(bd)
-    mps = g(results, "hybridd_mps", "vs_off")
-    if mps:
-        lines.append(f"MPS on vs off (client, batch 1): ITL p50 {fmt(mps['itl_p50_on_s'], 1e3, 3)} vs "
-                     f"{fmt(mps['itl_p50_off_s'], 1e3, 3)} ms (x{fmt(mps['itl_p50_ratio'], 1, 3)}), ITL p99 "
-                     f"{fmt(mps['itl_p99_on_s'], 1e3, 3)} vs {fmt(mps['itl_p99_off_s'], 1e3, 3)} ms; " + ", ".join(
-                         f"TTFT {n} tok {fmt(mps[f'ttft_{n}_on_s'], 1e3, 3)} vs {fmt(mps[f'ttft_{n}_off_s'], 1e3, 3)} "
-                         f"ms (x{fmt(mps[f'ttft_{n}_ratio'], 1, 3)})" for n in MPS_TTFT_LENGTHS))
+    for name, what in (("hybridd_mps", "MPS"), ("hybridd_pdl", "PDL")):
+        vs = g(results, name, "vs_off")
+        if vs:
+            lines.append(f"{what} on vs off (client, batch 1): ITL p50 {fmt(vs['itl_p50_on_s'], 1e3, 3)} vs "
+                         f"{fmt(vs['itl_p50_off_s'], 1e3, 3)} ms (x{fmt(vs['itl_p50_ratio'], 1, 3)}), ITL p99 "
+                         f"{fmt(vs['itl_p99_on_s'], 1e3, 3)} vs {fmt(vs['itl_p99_off_s'], 1e3, 3)} ms; " + ", ".join(
+                             f"TTFT {n} tok {fmt(vs[f'ttft_{n}_on_s'], 1e3, 3)} vs {fmt(vs[f'ttft_{n}_off_s'], 1e3, 3)} "
+                             f"ms (x{fmt(vs[f'ttft_{n}_ratio'], 1, 3)})" for n in BESIDE_TTFT_LENGTHS))
     ce = results.get("capture_evict")
     if ce:
         lines.append(f"ITL p50/p99 during forced prefill capture {fmt(g(ce, 'during', 'p50_s'), 1e3)}/"
@@ -1140,7 +1165,8 @@ def main(argv: list[str] | None = None) -> int:
     skip = args.skip_set
     meta["shape"] = model_shape_name(args)
     cuda_only = {"in_process": "CUDA only", "hf_static": "CUDA only (reduce-overhead compiles to CUDA graphs)",
-                 "hybridd_mps": "CUDA only (MPS is a CUDA feature)"}
+                 "hybridd_mps": "CUDA only (MPS is a CUDA feature)",
+                 "hybridd_pdl": "CUDA only (programmatic dependent launch is a CUDA feature)"}
     if args.hf_static_on_cpu:
         cuda_only.pop("hf_static")
     shared: dict[str, Any] = {}
@@ -1225,6 +1251,8 @@ def main(argv: list[str] | None = None) -> int:
              needs=("model", "vocab"))
         meta["client"] = g(results, "hybridd", "client") or g(results, "hybridd_eager", "client")
         part("hybridd_mps", lambda out: run_hybridd_mps(args, state["model"], vocab(), deadline, meta["notes"], out,
+                                                        results.get("hybridd", {})), needs=("model", "vocab"))
+        part("hybridd_pdl", lambda out: run_hybridd_pdl(args, state["model"], vocab(), deadline, meta["notes"], out,
                                                         results.get("hybridd", {})), needs=("model", "vocab"))
         part("capture_evict", lambda out: run_capture_evict(args, state["model"], vocab(), meta["notes"]),
              needs=("model", "vocab"))
