@@ -241,10 +241,19 @@ def test_prefill_attention_at_a_long_context():
         assert rel(out[rows], ref) < 2e-2, lo
 
 
+# Two layers of each supported shape: every projection then runs through the skinny
+# GEMM's table (the shapes it has configs for), so its weight prefetch is exercised.
+PDL_SHAPES = {
+    "llama2-7b": {"intermediate_size": 11008, "num_key_value_heads": 32, "vocab_size": 32000},
+    "llama3-8b": {"intermediate_size": 14336, "num_key_value_heads": 8, "vocab_size": 128256, "rope_theta": 500000.0},
+}
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("prefetch", [0, 512])
-def test_dependent_launch_changes_no_bit_of_a_decode_step(prefetch):
+@pytest.mark.parametrize("shape", sorted(PDL_SHAPES))
+def test_dependent_launch_changes_no_bit_of_a_decode_step(shape, prefetch):
     """A decode step captured as a graph with programmatic dependent launch (and the
     GEMM's weight prefetch) gives the logits of the same step without it, bit for bit:
     a kernel that touched step data before its predecessor finished would not."""
@@ -255,9 +264,9 @@ def test_dependent_launch_changes_no_bit_of_a_decode_step(prefetch):
     if not pdl.supported(torch.device("cuda")):
         pytest.skip("programmatic dependent launch needs compute capability 9+")
     cfg = ModelConfig.from_dict({
-        "architectures": ["LlamaForCausalLM"], "hidden_size": 1024, "intermediate_size": 2816,
-        "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2, "vocab_size": 4096,
-        "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16",
+        "architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "num_hidden_layers": 2,
+        "num_attention_heads": 32, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5,
+        "torch_dtype": "bfloat16", **PDL_SHAPES[shape],
     })
     torch.manual_seed(0)
     with torch.device("cuda"):
@@ -266,6 +275,9 @@ def test_dependent_launch_changes_no_bit_of_a_decode_step(prefetch):
     kv = KVCache.allocate(cfg, 3 * 45 + 1, page, torch.bfloat16, "cuda")
     tables = [list(range(i * 45, i * 45 + 45)) for i in range(len(lens))]
     step = StepInputs.decode([7, 8, 9], lens, tables, page).to("cuda")
+    assert all(triton_gemm.config_for(3, *w.shape) is not None
+               for w in (model.layers[0].qkv_proj.weight, model.layers[0].o_proj.weight,
+                         model.layers[0].gate_up_proj.weight, model.layers[0].down_proj.weight, model.lm_head.weight))
     saved = pdl.ENABLED, triton_gemm.PREFETCH_COLUMNS
     logits = {}
     try:
