@@ -998,7 +998,7 @@ def render_table(results: dict) -> str:
     rows, targets = results["table"], results["targets"]
     meta, fl, dev = results["meta"], results.get("floors", {}), results.get("device", {})
     lines = [f"hybridd bench {meta['date']}  {dev.get('name', '?')}  {meta.get('shape') or meta.get('model')}  "
-             f"client: {meta.get('client', '-')}"]
+             f"client: {meta.get('client', '-')}  code: {meta.get('git') or '-'}, sources {meta.get('source_sha256', '-')}"]
     if dev:
         lines.append(f"copy bw {fmt(dev.get('copy_bandwidth_Bps'), 1e-12)} TB/s  {dev.get('matmul_dtype')} matmul "
                      f"{fmt(dev.get('matmul_flops'), 1e-12, 1)} TFLOP/s  weights {fmt(fl.get('weight_bytes'), 1e-9)} GB  "
@@ -1152,7 +1152,7 @@ def main(argv: list[str] | None = None) -> int:
         "date": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join([sys.executable, *sys.argv]),
         "python": platform.python_version(), "torch": torch.__version__, "preset": args.preset,
         "device": args.device, "quick": args.quick, "budget_s": args.budget_s, "skipped": {}, "errors": {},
-        "notes": [], "part_s": {}, "git": git_rev(),
+        "notes": [], "part_s": {}, "git": git_rev(), "source_sha256": source_digest(),
     }
     try:
         import transformers
@@ -1304,11 +1304,27 @@ def run_breakdown_subprocess(args, model: Path, ceilings: dict, deadline: float)
 
 
 def git_rev() -> str | None:
+    """HEAD, with `-dirty` when the tree has changes (a copy of a working tree can carry
+    an older .git than its files: `source_digest` names the code itself)."""
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              timeout=5).stdout.strip() or None
+        return subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7"], cwd=ROOT,
+                              capture_output=True, text=True, timeout=5).stdout.strip() or None
     except Exception:
         return None
+
+
+SOURCE_DIRS = ("hybridd", "workers", "ipc", "protocol", "scripts")
+
+
+def source_digest() -> str:
+    """SHA-256 (first 12 hex digits) of the Python sources that ran, paths and contents:
+    the same code gives the same digest wherever it was copied."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for path in sorted(p for d in SOURCE_DIRS for p in (ROOT / d).rglob("*.py")):
+        digest.update(str(path.relative_to(ROOT)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:12]
 
 
 if __name__ == "__main__":
