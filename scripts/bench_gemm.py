@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from bench_graphs import copy_bandwidth, median_gpu_time  # noqa: E402
-from hybridd.model import pdl, triton_gemm  # noqa: E402
+from hybridd.model import pdl, triton_gemm, triton_ops  # noqa: E402
 from hybridd.model.triton_gemm import GemmConfig  # noqa: E402
 
 # name -> (N, K)
@@ -270,9 +270,9 @@ def compare(bw: float, results: dict) -> None:
 
 def decode_step(bw: float, results: dict, context: int = 512) -> None:
     """One Llama-2-7B-shape decode step at batch 1 (graph replay): skinny kernels vs cuBLAS,
-    and the skinny kernels chained with programmatic dependent launch (with and without
-    the GEMM's weight prefetch) where the GPU has it."""
-    pdl_default = pdl.ENABLED, triton_gemm.PREFETCH_COLUMNS
+    with SiLU·mul fused into the gate/up product or not, and chained with programmatic
+    dependent launch (with and without the GEMM's weight prefetch) where the GPU has it."""
+    defaults = pdl.ENABLED, triton_gemm.PREFETCH_COLUMNS, triton_gemm.FUSE_SILU_AND_MUL
     from hybridd.model import KVCache, StepInputs
     from hybridd.model import ops as torch_ops
     from hybridd.model.config import ModelConfig
@@ -293,14 +293,19 @@ def decode_step(bw: float, results: dict, context: int = 512) -> None:
     step = StepInputs.decode([7], [context], [list(range(context // block + 1))], block).to("cuda")
     out = {}
     baseline = None
-    # label -> (projection, PDL on, GEMM prefetch columns); PDL changes no arithmetic,
-    # so its logits must equal those without it bit for bit.
-    variants = {"cublas": (torch_ops.linear, False, 0), "skinny": (triton_gemm.linear, False, 0)}
+    # label -> (projection, SiLU·mul in the gate/up product's epilogue, PDL on, GEMM
+    # prefetch columns); neither the fusion nor PDL changes the arithmetic, so their logits
+    # must equal the plain skinny step's bit for bit.
+    variants = {"cublas": (torch_ops.linear, False, False, 0), "skinny": (triton_gemm.linear, False, False, 0),
+                "skinny+fused": (triton_gemm.linear, True, False, 0)}
     if pdl.supported(torch.device("cuda")):
-        variants |= {f"skinny+pdl+prefetch{c}": (triton_gemm.linear, True, c) for c in (0, 512, 2048)}
-    no_pdl = None
-    for label, (lin, with_pdl, prefetch) in variants.items():
+        variants |= {f"skinny+fused+pdl+prefetch{c}": (triton_gemm.linear, True, True, c) for c in (0, 512, 2048)}
+    plain = None
+    for label, (lin, fused, with_pdl, prefetch) in variants.items():
         model.kernels.linear = lin
+        model.kernels.linear_silu_and_mul = (triton_gemm.linear_silu_and_mul if lin is triton_gemm.linear
+                                             else lambda x, w: triton_ops.silu_and_mul(F.linear(x, w)))
+        triton_gemm.FUSE_SILU_AND_MUL = fused
         pdl.ENABLED, triton_gemm.PREFETCH_COLUMNS = with_pdl, prefetch
         with torch.no_grad():
             eager = model.forward_logits(step, kv).clone()
@@ -315,14 +320,15 @@ def decode_step(bw: float, results: dict, context: int = 512) -> None:
             baseline = logits.clone()
         vs_cublas = ((logits - baseline).norm() / baseline.norm()).item()
         if label == "skinny":
-            no_pdl = logits.clone()
-        same = "" if not with_pdl else f"; equal to the step without PDL: {torch.equal(logits, no_pdl)}"
+            plain = logits.clone()
+        same = "" if label in ("cublas", "skinny") else f"; equal to the plain skinny step: {torch.equal(logits, plain)}"
         out[label] = median_gpu_time(graph.replay, 30)
         print(f"decode step {label:8s} {out[label] * 1e3:.3f} ms ({out[label] / floor:.3f}x floor); graph and eager "
               f"top-1 agree: {agree}; logits vs the cuBLAS step: rel {vs_cublas:.2e}{same}", flush=True)
         del graph
     model.kernels.linear = triton_gemm.linear
-    pdl.ENABLED, triton_gemm.PREFETCH_COLUMNS = pdl_default
+    model.kernels.linear_silu_and_mul = triton_gemm.linear_silu_and_mul
+    pdl.ENABLED, triton_gemm.PREFETCH_COLUMNS, triton_gemm.FUSE_SILU_AND_MUL = defaults
     results["decode_step"] = {"floor_s": floor, "weight_bytes": weight_bytes, "context": context, **out}
     print(f"\ndecode step, Llama-2-7B shape, batch 1, context {context}: floor {floor * 1e3:.3f} ms; "
           + "; ".join(f"{k} {v * 1e3:.3f} ms ({v / floor:.3f}x floor)" for k, v in out.items()), flush=True)

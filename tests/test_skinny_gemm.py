@@ -54,6 +54,29 @@ def test_skinny_matches_linear_on_odd_shapes(m, n, k, split, bias):
     assert rel(out, F.linear(x, w, b)) < TOL
 
 
+@pytest.mark.parametrize(("m", "inter", "k", "block_n"), [(1, 48, 96, 16), (5, 50, 200, 32), (17, 40, 130, 16),
+                                                      (32, 64, 256, 64)])
+def test_gated_product_is_the_projection_then_silu_and_mul(m, inter, k, block_n):
+    """SiLU·mul in the product's epilogue gives the bits of the projection followed by
+    the separate SiLU·mul kernel, on odd shapes (I not a multiple of the tile, K not of
+    BLOCK_K), and matches the torch reference."""
+    from hybridd.model import triton_ops
+
+    x, w, _ = operands(m, 2 * inter, k, False, seed=m + inter + k)
+    config = GemmConfig(block_n=block_n, block_k=32)
+    fused = triton_gemm.launch(x, w, None, config, gated=True)
+    assert fused is not None and fused.shape == (m, inter)
+    separate = triton_ops.silu_and_mul(triton_gemm.launch(x, w, None, config))
+    assert torch.equal(fused, separate)
+    assert rel(fused, ref_ops.silu_and_mul(F.linear(x, w))) < TOL
+
+
+def test_gated_product_leaves_splits_and_biases_to_the_separate_kernels():
+    x, w, b = operands(3, 64, 128, True, seed=5)
+    assert triton_gemm.launch(x, w, None, GemmConfig(16, 32, split_k=2), gated=True) is None
+    assert triton_gemm.launch(x, w, b, GemmConfig(16, 32), gated=True) is None
+
+
 def test_split_counters_rearm_between_calls():
     """A split product leaves its arrival counters at zero, so the next launch (or graph
     replay) of any split product starts clean and gets the same answer."""
@@ -89,6 +112,21 @@ def _shapes():
     for model, shapes in (("llama2-7b", LLAMA2_7B), ("llama3-8b", LLAMA3_8B)):
         for name, (n, k) in shapes.items():
             yield pytest.param(n, k, id=f"{model}-{name}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("n", "k"), [LLAMA2_7B["gate_up"], LLAMA3_8B["gate_up"]], ids=["llama2-7b", "llama3-8b"])
+def test_gated_product_on_gpu_is_the_separate_kernels_bit_for_bit(n, k):
+    """The gate/up projection with SiLU·mul in its epilogue, through the dispatch, for M in
+    {1, 2, 7, 8, 16, 32}: the bits of the projection then the SiLU·mul kernel."""
+    from hybridd.model import triton_ops
+
+    x_full, w, _ = operands(32, n, k, False, seed=n)
+    for m in (1, 2, 7, 8, 16, 32):
+        x = x_full[:m]
+        separate = triton_ops.silu_and_mul(triton_gemm.linear(x, w))
+        assert torch.equal(triton_gemm.linear_silu_and_mul(x, w), separate), m
+        assert rel(separate, ref_ops.silu_and_mul(F.linear(x, w))) < TOL
 
 
 @pytest.mark.gpu

@@ -10,7 +10,8 @@ from hybridd.model.ops import TorchKernels
 class TritonKernels:
     """Fused Triton kernels for norms, RoPE with the KV write, SiLU·mul, paged attention
     (prefill over the packed step, decode over block tables; no sliding window) and the
-    projections of a few token rows (cuBLAS for more rows, or where it is faster)."""
+    projections of a few token rows (cuBLAS for more rows, or where it is faster), the
+    gate/up projection with SiLU·mul in its epilogue."""
 
     name = "triton"
 
@@ -22,6 +23,7 @@ class TritonKernels:
         self.rotary_write_kv = triton_ops.rotary_write_kv
         self.silu_and_mul = triton_ops.silu_and_mul
         self.linear = triton_gemm.linear
+        self.linear_silu_and_mul = triton_gemm.linear_silu_and_mul
         self.prefill_attention = triton_attention.prefill_attention
         self.decode_attention = triton_attention.decode_attention
 

@@ -77,8 +77,7 @@ class DecoderLayer(nn.Module):
         hidden = ops.linear(o.reshape(t, self.q_size), self.o_proj.weight, self.o_proj.bias)
         norm = self.post_attention_layernorm
         x, residual = ops.add_rms_norm(hidden, residual, norm.weight, norm.eps)
-        gate_up = ops.linear(x, self.gate_up_proj.weight)
-        return ops.linear(ops.silu_and_mul(gate_up), self.down_proj.weight), residual
+        return ops.linear(ops.linear_silu_and_mul(x, self.gate_up_proj.weight), self.down_proj.weight), residual
 
 
 class LlamaModel(nn.Module):

@@ -66,6 +66,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
+def linear_silu_and_mul(x: torch.Tensor, gate_up_weight: torch.Tensor) -> torch.Tensor:
+    """The MLP's input to its down projection: SiLU·mul of the fused gate/up projection."""
+    return silu_and_mul(linear(x, gate_up_weight))
+
+
 class TorchKernels:
     """The plain torch implementation of every per-layer operation."""
 
@@ -76,5 +81,6 @@ class TorchKernels:
     rotary_write_kv = staticmethod(rotary_write_kv)
     silu_and_mul = staticmethod(silu_and_mul)
     linear = staticmethod(linear)
+    linear_silu_and_mul = staticmethod(linear_silu_and_mul)
     prefill_attention = staticmethod(attention.prefill_attention)
     decode_attention = staticmethod(attention.decode_attention)

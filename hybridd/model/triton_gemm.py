@@ -8,7 +8,10 @@ N tiles alone cannot fill the GPU (o_proj, down_proj) K is split; the split prog
 store float32 partials and the last one to arrive for an N tile (a per-tile counter,
 reset by that program) sums them and writes the output, so a split product is one
 kernel with no memset and no reduce launch, and its launch grid depends only on the
-shape: safe to capture in a CUDA graph.
+shape: safe to capture in a CUDA graph. For a fused gate/up projection the kernel can
+also compute the MLP's SiLU·mul in its epilogue (`linear_silu_and_mul`): each tile takes
+its rows alternately from the gate and the up half of W, so it holds both halves of its
+output columns.
 
 Configs per (N, K) and row count come from `scripts/bench_gemm.py`'s sweep on the H200
 (`_TABLE`); a shape or row count without an entry, or where cuBLAS measured faster,
@@ -70,6 +73,22 @@ def _store_out(y_ptr, b_ptr, acc, offs_m, offs_n, mask_m, mask_n, stride_ym, HAS
 
 
 @triton.jit
+def _store_silu_and_mul(y_ptr, acc, offs_m, pid_n, mask_m, n_out, stride_ym, HALF: tl.constexpr,
+                        BLOCK_M: tl.constexpr):
+    """y = silu(gate) * up from a tile whose rows alternate gate, up; rounded where the
+    separate kernels round (the product stored in the activation dtype, then
+    `triton_ops.silu_and_mul`), so the fused result is theirs bit for bit."""
+    dt = y_ptr.dtype.element_ty
+    gate, up = tl.split(tl.permute(tl.reshape(acc, (HALF, 2, BLOCK_M)), (0, 2, 1)))
+    g = gate.to(dt).to(tl.float32)
+    s = (g / (1.0 + tl.exp(-g))).to(dt)
+    out = (s.to(tl.float32) * up.to(dt).to(tl.float32)).to(dt)
+    cols = pid_n * HALF + tl.arange(0, HALF)
+    ptrs = y_ptr + offs_m[None, :] * stride_ym + cols[:, None]
+    tl.store(ptrs, out, mask=mask_m[None, :] & (cols < n_out)[:, None])
+
+
+@triton.jit
 def _prefetch_to_l2(ptrs, nbytes):
     """Start copying `nbytes` from each of `ptrs` into L2 (Hopper's bulk prefetch; no
     registers, no waiting)."""
@@ -85,15 +104,23 @@ def _skinny_gemm_kernel(
     M, N, K, k_per_split, split_k, stride_xm, stride_ym,
     HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr,
-    PDL: tl.constexpr, PREFETCH_K: tl.constexpr, W_BYTES: tl.constexpr,
+    PDL: tl.constexpr, PREFETCH_K: tl.constexpr, W_BYTES: tl.constexpr, GATED: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     mask_m = offs_m < M
-    mask_n = offs_n < N
+    if GATED:
+        # Rows alternate between the gate half of W and the up half: row 2j is gate row
+        # c and row 2j+1 up row c, for the tile's output column c = pid_n * BLOCK_N/2 + j.
+        r = tl.arange(0, BLOCK_N)
+        cols_out = pid_n * (BLOCK_N // 2) + r // 2
+        offs_n = cols_out + (r % 2) * (N // 2)
+        mask_n = cols_out < N // 2
+    else:
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < N
     k_start = pid_k * k_per_split
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * K
     if PREFETCH_K > 0:
@@ -130,6 +157,8 @@ def _skinny_gemm_kernel(
                 s += 1
             tl.atomic_xchg(count_ptr + pid_n, 0)
             _store_out(y_ptr, b_ptr, acc, offs_m, offs_n, mask_m, mask_n, stride_ym, HAS_BIAS)
+    elif GATED:
+        _store_silu_and_mul(y_ptr, acc, offs_m, pid_n, mask_m, N // 2, stride_ym, BLOCK_N // 2, BLOCK_M)
     else:
         _store_out(y_ptr, b_ptr, acc, offs_m, offs_n, mask_m, mask_n, stride_ym, HAS_BIAS)
 
@@ -149,24 +178,30 @@ def _prefetch_columns(weight: torch.Tensor, config: GemmConfig) -> int:
 
 
 def launch(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: GemmConfig
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: GemmConfig, gated: bool = False
 ) -> torch.Tensor | None:
     """The skinny product with an explicit config; None where it cannot run (the caller
     falls back to cuBLAS): too many rows, a weight not stored row-major as `nn.Linear`
-    keeps it, or split-K scratch missing during capture."""
+    keeps it, or split-K scratch missing during capture. `gated`: W stacks a gate and an
+    up projection ([2I, K], as a fused gate_up_proj) and the result is silu(gate) * up
+    [M, I], computed in the product's epilogue; a split or a bias is not supported there."""
     m = x.shape[0]
     n, k = weight.shape
     if m == 0 or m > MAX_ROWS or x.shape[1] != k or weight.stride() != (k, 1):
+        return None
+    if gated and (bias is not None or n % 2 or config.block_n < 2):
         return None
     if bias is not None and bias.stride(0) != 1:
         bias = bias.contiguous()
     if x.stride(-1) != 1:
         x = x.contiguous()
     block_m = 16 if m <= 16 else 32
-    tiles_n = triton.cdiv(n, config.block_n)
+    tiles_n = triton.cdiv(n // 2, config.block_n // 2) if gated else triton.cdiv(n, config.block_n)
     split = max(1, min(config.split_k, triton.cdiv(k, config.block_k)))
     k_per_split = triton.cdiv(triton.cdiv(k, split), config.block_k) * config.block_k
     split = triton.cdiv(k, k_per_split)
+    if gated and split > 1:
+        return None
     if split > 1:
         if split * block_m * n > _WORKSPACE_FLOATS or tiles_n > _COUNTERS:
             return None
@@ -176,13 +211,13 @@ def launch(
             return None
     else:
         ws, counts = x, x
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    y = torch.empty((m, n // 2 if gated else n), dtype=x.dtype, device=x.device)
     _skinny_gemm_kernel[(tiles_n, split)](
         x, weight, bias if bias is not None else weight, y, ws, counts,
         m, n, k, k_per_split, split, x.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, SPLIT=split > 1, EVEN_K=k % k_per_split == 0,
         BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, INTERPRET=_INTERPRET,
-        PREFETCH_K=_prefetch_columns(weight, config), W_BYTES=weight.element_size(),
+        PREFETCH_K=_prefetch_columns(weight, config), W_BYTES=weight.element_size(), GATED=gated,
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl.launch_args(x.device),
     )
     return y
@@ -217,11 +252,12 @@ def config_for(m: int, n: int, k: int) -> GemmConfig | None:
 _compiled: set[tuple] = set()
 
 
-def _compile_every_bucket(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+def _compile_every_bucket(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                          gated: bool = False) -> None:
     """Launch each kernel variant this shape's table can pick (its config at BLOCK_M 16 and
     32) once, on the first eager call: a graph captured later for another row count then
     finds its kernel compiled and loaded instead of compiling inside the capture."""
-    key = (tuple(weight.shape), weight.dtype, x.device, bias is not None)
+    key = (tuple(weight.shape), weight.dtype, x.device, bias is not None, gated)
     if key in _compiled or torch.cuda.is_current_stream_capturing():
         return
     _compiled.add(key)
@@ -231,7 +267,7 @@ def _compile_every_bucket(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
         config = config_for(m, *weight.shape)
         if config is not None and (config, m <= 16) not in seen:
             seen.add((config, m <= 16))
-            launch(rows[:m], weight, bias, config)
+            launch(rows[:m], weight, bias, config, gated)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -244,3 +280,24 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             if y is not None:
                 return y
     return F.linear(x, weight, bias)
+
+
+# Whether `linear_silu_and_mul` computes SiLU·mul in the product's epilogue (one kernel)
+# or runs the separate kernel after it; the two give the same bits.
+FUSE_SILU_AND_MUL = True
+
+
+def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """silu(x @ W_gate.T) * (x @ W_up.T) for W = [W_gate; W_up] [2I, K] (a fused
+    gate_up_proj) and x [M, K]: one skinny kernel where the table has a config, else
+    the projection and then `triton_ops.silu_and_mul`."""
+    if FUSE_SILU_AND_MUL and x.dim() == 2 and x.is_cuda:
+        config = config_for(x.shape[0], *weight.shape)
+        if config is not None:
+            _compile_every_bucket(x, weight, None, gated=True)
+            y = launch(x, weight, None, config, gated=True)
+            if y is not None:
+                return y
+    from hybridd.model import triton_ops
+
+    return triton_ops.silu_and_mul(linear(x, weight))
