@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -133,6 +134,39 @@ def test_chat_completion_matches_the_sdk_chat(oai, sdk):
     assert chunks[0].object == "chat.completion.chunk" and chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == direct.text
     assert chunks[-1].usage.completion_tokens == direct.usage.completion_tokens
+
+
+def _data_segments_received(sock: socket.socket) -> int:
+    """Linux's count of the TCP segments with data that arrived on `sock` (tcp_info's
+    tcpi_data_segs_in, at its fixed place in the kernel's append-only struct)."""
+    info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
+    return int.from_bytes(info[152:156], "little")
+
+
+def _post(body: dict) -> bytes:
+    data = json.dumps(body).encode()
+    return (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {API_KEY}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n").encode() + data
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_the_response_head_leaves_with_the_first_body_bytes(daemon, stream):
+    """One write carries the status line, the headers and the first event (or the whole
+    JSON body): the client reads its first token without a second read."""
+    with socket.create_connection(("127.0.0.1", daemon.port), timeout=60) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.sendall(_post({"model": MODEL, "prompt": "ROMEO:", "max_tokens": 1, "stream": stream}))
+        received = b""
+        end = b"data: [DONE]\n\n\r\n0\r\n\r\n" if stream else b"}}"
+        while not received.endswith(end):
+            chunk = sock.recv(65536)
+            assert chunk, received
+            received += chunk
+        segments = _data_segments_received(sock)
+    assert received.startswith(b"HTTP/1.1 200"), received
+    # whole: head and body in one segment; streamed: head with the first event, the
+    # finish event, then [DONE] with the end of the chunked body
+    assert segments == (3 if stream else 1), (segments, received)
 
 
 def test_chat_refuses_what_it_does_not_implement(oai):

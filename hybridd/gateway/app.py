@@ -153,15 +153,15 @@ class Gateway:
         jobs = [Job(base=i * body.n, prompt=prompt, sampling=sampling,
                     echo=prompt if body.echo and isinstance(prompt, str) else "")
                 for i, prompt in enumerate(prompts)]
-        reply = Reply(id=f"cmpl-{uuid.uuid4().hex}", model=body.model, chat=False)
-        await self.generate(exchange, jobs, reply, stream=body.stream, include_usage=body.include_usage)
+        await self.generate(exchange, jobs, body.model, chat=False, stream=body.stream,
+                            include_usage=body.include_usage)
 
     async def chat_completions(self, exchange: Exchange) -> None:
         body: ChatCompletionRequest = parse_body(ChatCompletionRequest, await exchange.body(MAX_BODY_BYTES))
         self.check_model(body.model)
         jobs = [Job(base=0, prompt=None, messages=body.chat_messages(), sampling=body.sampling())]
-        reply = Reply(id=f"chatcmpl-{uuid.uuid4().hex}", model=body.model, chat=True)
-        await self.generate(exchange, jobs, reply, stream=body.stream, include_usage=body.include_usage)
+        await self.generate(exchange, jobs, body.model, chat=True, stream=body.stream,
+                            include_usage=body.include_usage)
 
     async def serve_generation(self, route: Callable[[Exchange], Any], exchange: Exchange) -> None:
         """Run a generation route; an error before the answer began is an HTTP error in
@@ -193,17 +193,20 @@ class Gateway:
             return self.client.chat_stream(job.messages, **job.sampling)
         return self.client.stream(job.prompt, **job.sampling)
 
-    async def generate(self, exchange: Exchange, jobs: list[Job], reply: Reply, *, stream: bool,
+    async def generate(self, exchange: Exchange, jobs: list[Job], model: str, *, chat: bool, stream: bool,
                        include_usage: bool) -> None:
+        """Send the daemon requests first, then build the answer's writer while the daemon
+        works: only what the request needs stands before the first token."""
         await self.ensure_ready()
         if not stream and not jobs[0].sampling.get("logprobs"):
             with exchange.watch():
                 await self._run_whole(jobs)
-            await exchange.json(200, reply.whole(jobs))
+            await exchange.json(200, _reply(model, chat).whole(jobs))
             return
         # Logprobs travel in the daemon's chunks (a final reply holds only so many), so a
         # whole answer with logprobs is streamed from the daemon and gathered here.
         streams = [self._stream(job) for job in jobs]
+        reply = _reply(model, chat)
         try:
             # The first reply is awaited in this task, and the events are written from it
             # too: the first token goes out without waiting for another task's turn.
@@ -236,6 +239,10 @@ class Gateway:
             raise
         for job, result in zip(jobs, results, strict=True):
             job.result = result
+
+
+def _reply(model: str, chat: bool) -> Reply:
+    return Reply(id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", model=model, chat=chat)
 
 
 async def _drain(jobs: list[Job], streams: list[AsyncStream], firsts: list[Any]) -> None:

@@ -23,13 +23,13 @@ from hybridd.config import Config, parse_host_port
 from hybridd.fallback_endpoint import fallback_endpoint
 from hybridd.gateway.api_keys import load_api_keys
 from hybridd.gateway.app import Gateway, create_app, create_metrics_app
+from hybridd.gateway.http_protocol import HeadWithBodyProtocol
 from hybridd.log import configure, get_logger
 
 log = get_logger("gateway")
 
 # After SIGTERM: how long open connections get to finish before they are closed.
 GRACEFUL_SHUTDOWN_S = 5.0
-HTTP_PARSER = "httptools"  # a dependency of the server extra
 
 
 class _Server(uvicorn.Server):
@@ -42,12 +42,13 @@ class _Server(uvicorn.Server):
 
 def _server(app: Any, address: str, name: str) -> _Server:
     host, port = parse_host_port(address, name)
-    # httptools parses in C; no access log and no proxy-header rewriting on every
+    # httptools parses in C, and a response's head leaves with its first event in one
+    # write (HeadWithBodyProtocol); no access log and no proxy-header rewriting on every
     # request's way (the gateway logs no client addresses). The event loop's TCP
     # transports already set TCP_NODELAY, so a small event is never held back by Nagle.
     return _Server(uvicorn.Config(
-        app, host=host, port=port, http=HTTP_PARSER, log_config=None, access_log=False, proxy_headers=False,
-        lifespan="off", server_header=False, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        app, host=host, port=port, http=HeadWithBodyProtocol, ws="none", log_config=None, access_log=False,
+        proxy_headers=False, lifespan="off", server_header=False, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
     ))
 
 
