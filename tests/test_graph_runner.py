@@ -3,6 +3,7 @@ runner code on the CPU (where a "graph" replays the same step body eagerly)."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -190,3 +191,28 @@ def test_graphs_disabled_always_eager(model):
     runner.capture_decode_graphs()
     assert not any(s.captured for s in runner.stats.values())
     assert not runner.plan_step(False, 2, 2).graph
+
+
+class CountingCondition(type(threading.Condition())):
+    """The runner's condition, counting the wake-ups it sends the capture thread."""
+
+    def __init__(self, lock):
+        super().__init__(lock)
+        self.notified = 0
+
+    def notify_all(self):
+        self.notified += 1
+        super().notify_all()
+
+
+def test_only_demand_for_an_uncaptured_bucket_wakes_the_capture_thread(model):
+    runner = make_runner(model, prefill=(16, 32, 64))
+    assert runner._capture(True, 16)
+    runner._demand_changed = CountingCondition(runner._lock)
+    for _ in range(5):
+        assert runner.plan_step(True, 10, 1).bucket == 16  # its graph serves it: nothing to capture
+    assert runner._demand_changed.notified == 0
+    assert runner.stats[("prefill", 16)].demand == 5
+    assert not runner.plan_step(True, 200, 1).graph  # larger than any bucket: no capture either
+    runner.plan_step(True, 50, 1)  # demand for 64, which has no graph yet
+    assert runner._demand_changed.notified == 1

@@ -140,7 +140,11 @@ class GraphRunner:
             return eager
         with self._lock:
             self.stats[("prefill", exact)].demand += 1
-            self._demand_changed.notify_all()
+            if exact not in self._prefill_graphs:
+                # Only demand for a bucket without a graph can start a capture. Waking the
+                # capture thread for the others would have it contend for this lock and
+                # the GIL while this step is being launched.
+                self._demand_changed.notify_all()
             candidates = [b for b in self.plan.prefill if b >= exact and b in self._prefill_graphs]
             chosen = candidates[0] if candidates and candidates[0] <= exact * self.pad_factor else None
             if chosen is None:
