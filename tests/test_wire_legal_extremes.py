@@ -367,6 +367,31 @@ def test_intake_encodes_prompts_as_the_model_tokenizer_does():
         intake.close()
 
 
+def test_short_prompts_are_encoded_on_the_loop_within_a_turn_budget():
+    """`encode_now` gives a short prompt's ids as the intake's thread would, on the
+    calling thread; a prompt over INLINE_PROMPT_CHARS, or one past the turn's budget of
+    INLINE_TURN_CHARS, is left to the thread (None) until the next turn."""
+    from hybridd.model import load_tokenizer
+    from hybridd.workers.intake import INLINE_PROMPT_CHARS, INLINE_TURN_CHARS, Intake
+
+    intake = Intake(load_tokenizer(Path(hybridd.__file__).parent / "assets" / "tiny-shakespeare"), max_model_len=64)
+    try:
+        for prompt in ("ROMEO:", "😀🎉 héllo wörld", "<s> looks special </s>", "a" * INLINE_PROMPT_CHARS):
+            intake.new_turn()
+            assert intake.encode_now(prompt) == intake.prompt_ids(prompt), prompt
+        intake.new_turn()
+        assert intake.encode_now("a" * (INLINE_PROMPT_CHARS + 1)) is None
+        spent = 0
+        while spent + INLINE_PROMPT_CHARS <= INLINE_TURN_CHARS:
+            assert intake.encode_now("b" * INLINE_PROMPT_CHARS) is not None
+            spent += INLINE_PROMPT_CHARS
+        assert intake.encode_now("c" * (INLINE_TURN_CHARS - spent + 1)) is None  # over what is left
+        intake.new_turn()
+        assert intake.encode_now("ROMEO:") == intake.prompt_ids("ROMEO:")
+    finally:
+        intake.close()
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a nice value per thread is Linux's")
 def test_intake_thread_runs_below_the_serving_loop():
     """Tokenizing runs at a lower CPU priority than the thread that created the

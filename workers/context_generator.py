@@ -451,6 +451,7 @@ class ContextGenerator:
     def _client_messages(self, channel: Channel) -> None:
         prefix = TCP_PREFIX if channel is self.tcp else b""
         sessions = self.sessions[prefix]
+        self.intake.new_turn()
         for _ in range(256):
             try:
                 received = channel.recv_frame_from(timeout_ms=0)
@@ -556,6 +557,23 @@ class ContextGenerator:
         if req.prompt is not None and (refusal := self.intake.refusal(req.prompt)) is not None:
             refuse(ErrorCode.INVALID_REQUEST, refusal, "prompt")
             return
+        ids = None
+        if req.prompt is not None and not self.encoding:
+            # A short prompt, and none before it still on the intake's thread (admission
+            # keeps the order of arrival): encoded here and admitted at once.
+            try:
+                ids = self.intake.encode_now(req.prompt)
+                if ids is not None:
+                    ids = self._checked_prompt_ids(ids)
+            except PromptError as exc:
+                refuse(ErrorCode.INVALID_REQUEST, _field_first(exc.field, str(exc)), exc.field)
+                return
+            except Exception as exc:  # the tokenizer's failure is this request's alone
+                refuse(ErrorCode.INTERNAL, f"prompt: the tokenizer failed: {type(exc).__name__}: {exc}", "prompt")
+                return
+        if ids is not None:
+            self._admit(key, PendingPrompt(identity, req, received, deadline, None), ids)
+            return
         if req.prompt is not None:
             encoding = self.intake.submit(self._prompt_ids, req.prompt)
         else:
@@ -565,7 +583,10 @@ class ContextGenerator:
 
     def _prompt_ids(self, prompt: str) -> list[int]:
         """On the intake's thread: the prompt's ids (the first max_model_len at most)."""
-        ids = self.intake.prompt_ids(prompt)
+        return self._checked_prompt_ids(self.intake.prompt_ids(prompt))
+
+    def _checked_prompt_ids(self, ids: list[int]) -> list[int]:
+        """A prompt's ids as encoded (the first max_model_len at most), if they can run."""
         if not ids:
             raise PromptError("is empty once tokenized", "prompt")
         if len(ids) >= self.ready.max_model_len:

@@ -11,7 +11,13 @@ the characters of a decoded prompt. Tokenizing what passes (seconds for the
 longest prompts of a long-context model) runs on one thread of the intake's own,
 with a tokenizer of its own and a lower CPU priority than the loop's, and a pipe
 wakes the loop's poller when it is done;
-the serving loop keeps its step cadence whatever arrives. A prompt is encoded by
+the serving loop keeps its step cadence whatever arrives. A short prompt is the
+exception (`encode_now`): handing it to the thread and back costs more than encoding
+it (two thread wake-ups and a turn of the poller, a few hundred microseconds of its
+time to first token on a busy host), so up to `INLINE_PROMPT_CHARS` characters are
+encoded on the loop itself, with a tokenizer of the loop's own, within a budget of
+`INLINE_TURN_CHARS` per turn of the loop (a burst of short prompts goes to the thread
+beyond it). A prompt is encoded by
 the tokenizer's Rust backend, which holds no GIL while it works, truncated to
 max_model_len tokens (a prompt that long is refused anyway), so turning its ids
 into Python objects takes little of the loop's GIL either. Characters are
@@ -100,6 +106,12 @@ def _lower_priority() -> None:
         pass
 
 
+# Prompts up to this many characters may be encoded on the loop (tens of microseconds
+# each); a turn of the loop encodes at most INLINE_TURN_CHARS characters so.
+INLINE_PROMPT_CHARS = 256
+INLINE_TURN_CHARS = 1024
+
+
 class Encoder(Protocol):
     def encode(self, text: str) -> list[int]: ...
 
@@ -117,12 +129,15 @@ class Intake:
     def __init__(self, tokenizer: Encoder, max_model_len: int):
         self.tokenizer = tokenizer  # used by the intake's thread only
         self._backend = None  # a private copy of the Rust tokenizer that truncates
+        self._loop_backend = None  # another, for `encode_now` (a tokenizer is used by one thread)
         backend = getattr(tokenizer, "backend_tokenizer", None)
         if backend is not None:
             from tokenizers import Tokenizer
 
             self._backend = Tokenizer.from_str(backend.to_str())
             self._backend.enable_truncation(max_length=max_model_len)
+            self._loop_backend = Tokenizer.from_str(self._backend.to_str())
+        self._inline_chars_left = INLINE_TURN_CHARS
         self.longest_token_chars = longest_token_chars(tokenizer)
         self.max_prompt_chars = max(max_model_len - 1, 1) * self.longest_token_chars
         self.max_model_len = max_model_len
@@ -190,6 +205,21 @@ class Intake:
         if self._backend is None:
             return self.tokenizer.encode(prompt)
         return self._backend.encode_batch([prompt], add_special_tokens=True)[0].ids
+
+    def new_turn(self) -> None:
+        """The loop starts a turn: `encode_now` has its whole budget again."""
+        self._inline_chars_left = INLINE_TURN_CHARS
+
+    def encode_now(self, prompt: str) -> list[int] | None:
+        """A short prompt's ids (as `prompt_ids` gives them), encoded here on the
+        loop's thread within this turn's budget; None when the prompt is longer than
+        `INLINE_PROMPT_CHARS`, the turn's budget is spent, or no Rust tokenizer is at
+        hand: it then goes to the intake's thread (`submit`)."""
+        chars = len(prompt)
+        if self._loop_backend is None or chars > INLINE_PROMPT_CHARS or chars > self._inline_chars_left:
+            return None
+        self._inline_chars_left -= chars
+        return self._loop_backend.encode_batch([prompt], add_special_tokens=True)[0].ids
 
     def submit(self, job: Callable[..., Any], *args: Any, **kwargs: Any) -> Future:
         """Run `job(*args, **kwargs)` on the intake's thread (tokenizing: give it this
