@@ -90,8 +90,9 @@ class ScheduledBatch:
 
     @property
     def inputs_on_device(self) -> bool:
-        """True when some input tokens must be gathered from earlier steps' device output."""
-        return bool((self.input_src_step >= 0).any())
+        """True when some input tokens must be gathered from earlier steps' device output
+        (a prefill's never are: its tokens are the prompt's, and output the host has)."""
+        return self.kind is BatchKind.DECODE and bool((self.input_src_step >= 0).any())
 
 
 class Scheduler:
