@@ -31,10 +31,10 @@ import asyncio
 import collections
 import concurrent.futures
 import contextlib
+import os
 import queue
 import threading
 import time
-import uuid
 import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -152,7 +152,7 @@ def _as_key(value: str | bytes | None, name: str) -> bytes | None:
 
 
 def new_request_id() -> str:
-    return uuid.uuid4().hex
+    return os.urandom(16).hex()  # 128 random bits, as a uuid4's hex, for less work per request
 
 
 # ---------------------------------------------------------------- replies → outcomes
