@@ -1,6 +1,7 @@
 """Penalty batches pipeline like any other: the context generator launches the next step
 before it has collected the last one's tokens, the in-flight token is counted on the
-device (`SamplingTensors.record`), and the tokens equal a plain host-side reference.
+device (`SamplingTensors.record`), and the tokens equal a plain host-side reference;
+the steps that have landed are retired while the next one launches.
 
 The graph generator is a real worker process; the context generator runs in this
 process, driven step by step through its own loop body (`_advance`)."""
@@ -96,3 +97,27 @@ def test_penalty_batches_pipeline_and_match_the_host_reference(context_generator
     model = load_model(EMBEDDED_MODEL, dtype=torch.float32)
     for seq, ids, params in zip(seqs, prompts, PENALTIES, strict=True):
         assert seq.output_token_ids == reference(model, ids, params), seq.request_id
+
+
+def test_landed_tokens_are_retired_while_the_next_step_launches(context_generator):
+    """A step's tokens go to the client while the graph generator launches the next step,
+    not after it: on the CPU, where every step has landed when its launch returns, the
+    host has every earlier token by the time it waits for the next step's launch."""
+    worker = context_generator
+    tokenizer = load_tokenizer(EMBEDDED_MODEL)
+    seq = Sequence("r0", tokenizer.encode("ROMEO:"), SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    worker.scheduler.add(seq)
+    seen: list[tuple[int, int]] = []  # (step, tokens on the host) when the host waits for its launch
+    await_launched = worker.pipeline._await_launched
+
+    def recording(step_id):
+        seen.append((step_id, seq.num_output_tokens))
+        return await_launched(step_id)
+
+    worker.pipeline._await_launched = recording
+    for _ in range(100):
+        if not (worker.scheduler.has_work or worker.inflight):
+            break
+        worker._advance()
+    assert seq.is_finished and seq.num_output_tokens == 6
+    assert seen == [(step, step) for step in range(6)], seen

@@ -195,7 +195,7 @@ class ContextGenerator:
         self.pipeline = StepPipeline(
             ready, self.buffers, self.ctl, sampler, self.device,
             on_control=self._on_control, peer_alive=self._graph_alive,
-            kv_cache=self.kv_arena.tensors["kv_cache"],
+            kv_cache=self.kv_arena.tensors["kv_cache"], while_launching=self._retire_landed,
         )
         # Sessions are tracked from before each bind: a client already waiting connects
         # the moment the socket exists.
@@ -306,8 +306,9 @@ class ContextGenerator:
                 self._check_drain()
 
     def _advance(self) -> None:
-        """Launch the next step while fewer than PIPELINE_DEPTH are in flight; retire the
-        oldest when the pipeline is full or nothing new can start."""
+        """Launch the next step while fewer than PIPELINE_DEPTH are in flight (the steps
+        that have landed by then are retired during the launch); retire the oldest when
+        the pipeline is full or nothing new can start."""
         scheduler = self.scheduler
         if len(self.inflight) < PIPELINE_DEPTH:
             batch = scheduler.schedule()
@@ -328,6 +329,12 @@ class ContextGenerator:
                 # a request arriving meanwhile starts now, not after the wait.
                 return
         if self.inflight:
+            self._retire(self.inflight.popleft())
+
+    def _retire_landed(self) -> None:
+        """Retire the steps in flight whose tokens are on the host already (called while
+        the next step is being launched: a first token goes out then, not after)."""
+        while self.inflight and self.pipeline.landed(self.inflight[0]):
             self._retire(self.inflight.popleft())
 
     def _retire(self, step: InflightStep) -> None:

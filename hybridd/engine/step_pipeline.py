@@ -2,8 +2,10 @@
 
 For each scheduled step it writes the inputs into the shared step buffers (tokens
 still on the device are gathered from the ring of sampled tokens, never copied to
-the host first), records `inputs_ready`, sends `Step` and waits for `Launched` (the
-graph generator has *enqueued* the forward); it then enqueues sampling after
+the host first), records `inputs_ready`, sends `Step`, does its `while_launching`
+host work (the steps that have landed are retired: their tokens go to the clients
+while the graph generator launches, and on the CPU runs, the next step) and waits
+for `Launched` (the graph generator has *enqueued* the forward); it then enqueues sampling after
 `logits_ready` on its own stream, writes the sampled tokens into the ring and a
 pinned host buffer, and returns at once. The host learns the tokens later, in
 `collect`, while the GPU already runs the next step. GPU ordering between the two
@@ -59,6 +61,7 @@ class StepPipeline:
         peer_alive: Callable[[], bool],
         launch_timeout_s: float = 60.0,
         kv_cache: torch.Tensor | None = None,
+        while_launching: Callable[[], None] | None = None,
     ):
         self.buffers = buffers
         self.kv_cache = kv_cache  # the KV arena [layers, 2, blocks + 1, ...], for copying forked blocks
@@ -69,6 +72,10 @@ class StepPipeline:
         self.on_control = on_control
         self.peer_alive = peer_alive
         self.launch_timeout_s = launch_timeout_s
+        # Host work done while the graph generator launches a step (the context generator
+        # retires the steps that have landed): it runs after the step's sampling inputs
+        # are built, since retiring a step appends to the sequences' output.
+        self.while_launching = while_launching
         self.cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
@@ -95,8 +102,6 @@ class StepPipeline:
             step=batch.step_id, kind="prefill" if batch.is_prefill else "decode",
             n_real=n_seqs, n_tokens=n_tokens,
         ))
-        self._await_launched(batch.step_id)
-
         # Sampling runs after the forward on the GPU, and its tokens go straight into
         # the ring that the next step's inputs gather from.
         tensors = self._sampling_tensors(batch)
@@ -104,6 +109,9 @@ class StepPipeline:
             # A decode row's input is the token it sampled a step ago, which the host has
             # not collected yet: penalties count it on the device.
             tensors.record(self.buffers.input_ids[:n_seqs], self._to_device(batch.input_src_step >= 0))
+        if self.while_launching is not None:
+            self.while_launching()
+        self._await_launched(batch.step_id)
         self.logits_ready.wait(self.stream)
         if batch.kv_copies:
             self._copy_blocks(batch.kv_copies)
