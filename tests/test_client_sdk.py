@@ -43,7 +43,7 @@ def client(daemon) -> Iterator[Client]:
 
 def test_generate_returns_text_ids_reason_usage_and_timings(client):
     result = client.generate("ROMEO:", max_tokens=12, temperature=0)
-    assert len(result.id) == 32 and int(result.id, 16) >= 0  # uuid4 hex
+    assert len(result.id) == 32 and int(result.id, 16) >= 0  # 128 random bits in hex
     assert result.finish_reason == "length"
     assert len(result.token_ids) == result.usage.completion_tokens == 12
     assert result.usage.prompt_tokens > 0
