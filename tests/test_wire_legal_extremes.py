@@ -392,6 +392,28 @@ def test_short_prompts_are_encoded_on_the_loop_within_a_turn_budget():
         intake.close()
 
 
+def test_prompt_too_long_once_tokenized_is_refused_alike_on_the_loop_and_the_thread(context):
+    """With max_model_len 32, a prompt of more tokens than that (and few enough
+    characters to pass the character bound) is refused with
+    invalid_request naming `prompt`, whether it is short enough to be encoded on the
+    loop or long enough to go to the intake's thread; the daemon then serves on."""
+    from hybridd.workers.intake import INLINE_PROMPT_CHARS
+
+    with run_daemon("--max-model-len", "32", "--heartbeat-interval-s", "2") as small:
+        client = RawClient(context, small.endpoint)
+        words = "ROMEO: what light through yonder window breaks? " * 40
+        max_prompt_chars = client.status()["max_prompt_chars"]
+        assert INLINE_PROMPT_CHARS + 100 <= max_prompt_chars
+        for prompt in (words[:INLINE_PROMPT_CHARS], words[: INLINE_PROMPT_CHARS + 100]):
+            reply, _ = client.terminal(client.send({"type": "generate", "prompt": prompt,
+                                                    "sampling": {"max_tokens": 2}}))
+            assert reply["type"] == "error" and reply["code"] == "invalid_request", reply
+            assert reply["field"] == "prompt" and reply["message"].startswith("prompt: has at least"), reply
+        reply, _ = client.terminal(client.send({"type": "generate", "prompt": "ROMEO:",
+                                                "sampling": {"max_tokens": 2, "ignore_eos": True}}))
+        assert reply["type"] == "final" and len(reply["token_ids"]) == 2, reply
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a nice value per thread is Linux's")
 def test_intake_thread_runs_below_the_serving_loop():
     """Tokenizing runs at a lower CPU priority than the thread that created the
