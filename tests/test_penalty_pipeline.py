@@ -52,6 +52,14 @@ def reference(model, prompt: list[int], params: SamplingParams) -> list[int]:
     return output
 
 
+def run_until_idle(worker, most_steps: int) -> None:
+    """Drive the context generator's loop step by step until nothing is queued or in flight."""
+    for _ in range(most_steps):
+        if not (worker.scheduler.has_work or worker.inflight):
+            return
+        worker._advance()
+
+
 @pytest.fixture
 def context_generator(tmp_path):
     config = Config.from_dict({"runtime_dir": str(tmp_path), "compile_sampler": False, "log_level": "warning",
@@ -86,10 +94,7 @@ def test_penalty_batches_pipeline_and_match_the_host_reference(context_generator
         return launch(batch)
 
     worker.pipeline.launch = launch_and_count
-    for _ in range(1000):
-        if not (worker.scheduler.has_work or worker.inflight):
-            break
-        worker._advance()
+    run_until_idle(worker, 1000)
     assert all(seq.is_finished for seq in seqs)
     # Every decode step was launched before the host had collected the step before it.
     assert behind[0] == 0 and all(n == 1 for n in behind[1:]) and len(behind) > 10, behind
@@ -115,9 +120,6 @@ def test_landed_tokens_are_retired_while_the_next_step_launches(context_generato
         return await_launched(step_id)
 
     worker.pipeline._await_launched = recording
-    for _ in range(100):
-        if not (worker.scheduler.has_work or worker.inflight):
-            break
-        worker._advance()
+    run_until_idle(worker, 100)
     assert seq.is_finished and seq.num_output_tokens == 6
     assert seen == [(step, step) for step in range(6)], seen

@@ -116,6 +116,14 @@ def _field_first(field: str, message: str) -> str:
     return message if message.startswith(f"{field}:") else f"{field}: {message}"
 
 
+def _encoding_failure(exc: Exception) -> tuple[ErrorCode, str, str | None]:
+    """The error that answers a prompt whose encoding failed: a prompt that cannot run
+    is the client's (invalid_request, its field named), a tokenizer that raised is ours."""
+    if isinstance(exc, PromptError):
+        return ErrorCode.INVALID_REQUEST, _field_first(exc.field, str(exc)), exc.field
+    return ErrorCode.INTERNAL, f"prompt: the tokenizer failed: {type(exc).__name__}: {exc}", "prompt"
+
+
 def _decode_request(frame: bytes | memoryview) -> Request | ProtocolError:
     try:
         return codec.REQUESTS.decode(frame)
@@ -572,11 +580,8 @@ class ContextGenerator:
                 ids = self.intake.encode_now(req.prompt)
                 if ids is not None:
                     ids = self._checked_prompt_ids(ids)
-            except PromptError as exc:
-                refuse(ErrorCode.INVALID_REQUEST, _field_first(exc.field, str(exc)), exc.field)
-                return
             except Exception as exc:  # the tokenizer's failure is this request's alone
-                refuse(ErrorCode.INTERNAL, f"prompt: the tokenizer failed: {type(exc).__name__}: {exc}", "prompt")
+                refuse(*_encoding_failure(exc))
                 return
         if ids is not None:
             self._admit(key, PendingPrompt(identity, req, received, deadline, None), ids)
@@ -611,13 +616,8 @@ class ContextGenerator:
             req = pending.request
             try:
                 ids = pending.encoding.result()
-            except PromptError as exc:
-                self._error(pending.identity, req.id, ErrorCode.INVALID_REQUEST, _field_first(exc.field, str(exc)),
-                            exc.field, v=req.v)
-                continue
             except Exception as exc:  # the tokenizer's failure is this request's alone
-                self._error(pending.identity, req.id, ErrorCode.INTERNAL,
-                            f"prompt: the tokenizer failed: {type(exc).__name__}: {exc}", "prompt", v=req.v)
+                self._error(pending.identity, req.id, *_encoding_failure(exc), v=req.v)
                 continue
             self._admit(key, pending, ids)
 
