@@ -100,15 +100,21 @@ class DecodeCase:
 
 def sweep_plans(case: DecodeCase) -> list[triton_attention.DecodePlan]:
     """Split counts that give the GPU between half a wave and 32 programs per
-    multiprocessor, each with 32- and 64-token tiles."""
+    multiprocessor, each with 32- and 64-token tiles. At batch 1, where the step is a
+    chain of latencies rather than a stream of bytes, also fewer programs than a wave
+    (no merge at one split), longer tiles, and other warp and pipeline depths."""
     kv_heads = SHAPES[case.name][1]
     plans = []
+    fewest = 8 if case.batch == 1 else 66
     for splits in (1, 2, 4, 8, 16, 32, 64):
         programs = case.batch * kv_heads * splits
-        if not 66 <= programs <= 4224 or splits * 32 > case.ctx:
+        if not fewest <= programs <= 4224 or splits * 32 > case.ctx:
             continue
-        for tile in (32, 64):
-            plans.append(triton_attention.DecodePlan(splits, tile, 4, 3))
+        for tile in (32, 64, 128) if case.batch == 1 else (32, 64):
+            if splits * tile > case.ctx:
+                continue
+            shapes = ((4, 3), (4, 2), (4, 4), (8, 3), (2, 3)) if case.batch == 1 else ((4, 3),)
+            plans.extend(triton_attention.DecodePlan(splits, tile, w, st) for w, st in shapes)
     return plans
 
 
@@ -136,6 +142,8 @@ def main() -> None:
     parser.add_argument("--old", type=Path, help="a module file with an older decode_attention to time beside")
     parser.add_argument("--sweep", action="store_true", help="also time other decode launch plans")
     parser.add_argument("--out", type=Path, help="folder for attention_bench.json")
+    parser.add_argument("--batches", default="1,8,32", help="decode batch sizes (comma-separated)")
+    parser.add_argument("--skip-prefill", action="store_true")
     args = parser.parse_args()
     old = None
     if args.old:
@@ -147,7 +155,7 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     results = {"copy_bandwidth_tbs": bw / 1e12, "decode": [], "prefill": []}
     lines = ["| prefill | tokens | Triton varlen | TFLOP/s | SDPA + mask | TFLOP/s | rel err | best plan | best |", "|---|---:|---:|---:|---:|---:|---:|---|---:|"]
-    for shape in SHAPES:
+    for shape in SHAPES if not args.skip_prefill else ():
         for tokens in (16, 128, 512, 2048):
             step, q, k, v, d = prefill_case(shape, tokens)
             heads = q.shape[1]
@@ -178,7 +186,7 @@ def main() -> None:
     lines += ["", "| decode | batch | ctx | KV MB | new ms | new % bw | old ms | old % bw | best plan | best ms | best % |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|"]
     for shape in SHAPES:
-        for batch in (1, 8, 32):
+        for batch in (int(b) for b in args.batches.split(",")):
             for ctx in (512, 4096):
                 case = DecodeCase(shape, batch, ctx)
                 floor_ms = case.kv_bytes / bw * 1e3
@@ -189,7 +197,11 @@ def main() -> None:
                 if args.sweep:
                     timed = []
                     for plan in sweep_plans(case):
-                        ms, err = case.time(triton_attention.decode_attention, rep=50, plan=plan)
+                        try:
+                            ms, err = case.time(triton_attention.decode_attention, rep=50, plan=plan)
+                        except Exception as e:  # a plan past the shared memory or register limits
+                            print(f"!! decode {shape} b{batch} ctx{ctx} {plan}: {type(e).__name__}", flush=True)
+                            continue
                         if err < 1e-2:
                             timed.append((ms, plan, err))
                         else:

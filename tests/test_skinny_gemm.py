@@ -67,7 +67,12 @@ def test_gated_product_is_the_projection_then_silu_and_mul(m, inter, k, block_n)
     fused = triton_gemm.launch(x, w, None, config, gated=True)
     assert fused is not None and fused.shape == (m, inter)
     separate = triton_ops.silu_and_mul(triton_gemm.launch(x, w, None, config))
-    assert torch.equal(fused, separate)
+    if CUDA:
+        assert torch.equal(fused, separate)
+    else:
+        # The interpreter's tl.dot is numpy's BLAS, whose summation order can depend on
+        # where a row sits in the tile (and on the host's CPU): equal up to float32 order.
+        assert rel(fused, separate) < 1e-6
     assert rel(fused, ref_ops.silu_and_mul(F.linear(x, w))) < TOL
 
 
@@ -116,11 +121,12 @@ def _shapes():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(("n", "k"), [LLAMA2_7B["gate_up"], LLAMA3_8B["gate_up"]], ids=["llama2-7b", "llama3-8b"])
-def test_gated_product_on_gpu_is_the_separate_kernels_bit_for_bit(n, k):
+def test_gated_product_on_gpu_is_the_separate_kernels_bit_for_bit(n, k, monkeypatch):
     """The gate/up projection with SiLU·mul in its epilogue, through the dispatch, for M in
     {1, 2, 7, 8, 16, 32}: the bits of the projection then the SiLU·mul kernel."""
     from hybridd.model import triton_ops
 
+    monkeypatch.setattr(triton_gemm, "FUSE_SILU_AND_MUL", True)
     x_full, w, _ = operands(32, n, k, False, seed=n)
     for m in (1, 2, 7, 8, 16, 32):
         x = x_full[:m]
