@@ -202,3 +202,23 @@ def test_capture_out_of_memory_disables_bucket(model):
         torch.cuda.empty_cache()  # the hog's memory back to the device, not kept cached
     assert "OutOfMemory" in runner.stats[("prefill", 512)].disabled or "memory" in runner.stats[("prefill", 512)].disabled
     assert runner._capture(True, 16) and runner._capture(False, 1)
+
+
+def test_an_invalidated_capture_disables_only_its_bucket(model, monkeypatch):
+    """A capture that the CUDA runtime invalidates (here a synchronize inside the step,
+    as a first cuBLAS call or a lazy compile would) disables its bucket; the pool stops
+    recording for it, so the next bucket still captures and replays."""
+    runner = make_runner(model, use_graphs=True)
+    body = runner._step_body
+
+    def synchronizing_body(view, logits):
+        body(view, logits)
+        if view.num_tokens == 64:
+            torch.cuda.synchronize()
+
+    monkeypatch.setattr(runner, "_step_body", synchronizing_body)
+    assert not runner._capture(True, 64)
+    assert "capture failed" in runner.stats[("prefill", 64)].disabled
+    monkeypatch.setattr(runner, "_step_body", body)
+    assert runner._capture(True, 128), runner.stats[("prefill", 128)].disabled
+    assert runner._capture(True, 16), runner.stats[("prefill", 16)].disabled

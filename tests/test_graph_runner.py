@@ -216,3 +216,16 @@ def test_only_demand_for_an_uncaptured_bucket_wakes_the_capture_thread(model):
     assert not runner.plan_step(True, 200, 1).graph  # larger than any bucket: no capture either
     runner.plan_step(True, 50, 1)  # demand for 64, which has no graph yet
     assert runner._demand_changed.notified == 1
+
+
+def test_prefill_warm_up_covers_the_smallest_bucket_and_the_first_past_the_skinny_rows():
+    """A capturing thread warms up where its captures will first call each library: the
+    smallest bucket (the skinny kernels) and the first bucket whose projections go to
+    cuBLAS (its first call in a thread creates a handle, which would invalidate a capture)."""
+    from hybridd.runtime.graph_runner import prefill_warm_up_sizes
+
+    assert prefill_warm_up_sizes([16, 32, 64, 128], 32) == [16, 64]
+    assert prefill_warm_up_sizes([128, 16, 64], 32) == [16, 64]
+    assert prefill_warm_up_sizes([16, 32], 32) == [16]  # no bucket reaches cuBLAS
+    assert prefill_warm_up_sizes([64, 128], 32) == [64]  # the smallest is already past
+    assert prefill_warm_up_sizes([16, 64], 0) == [16]  # torch kernels: cuBLAS from the smallest on

@@ -18,6 +18,8 @@ class TritonKernels:
     def __init__(self) -> None:
         from hybridd.model import triton_attention, triton_gemm, triton_ops
 
+        # Projections of up to this many token rows may run on the skinny kernel, not cuBLAS.
+        self.skinny_rows = triton_gemm.MAX_ROWS
         self.rms_norm = triton_ops.rms_norm
         self.add_rms_norm = triton_ops.add_rms_norm
         self.rotary_write_kv = triton_ops.rotary_write_kv

@@ -72,6 +72,17 @@ class _EagerGraph:
         self._body()
 
 
+def prefill_warm_up_sizes(buckets: list[int], skinny_rows: int) -> list[int]:
+    """The prefill sizes a capturing thread warms up at: the smallest bucket, and the
+    smallest with more tokens than the skinny projections take (its projections run on
+    cuBLAS, as those of every larger bucket do)."""
+    sizes = [min(buckets)]
+    past = [b for b in buckets if b > skinny_rows]
+    if past and min(past) not in sizes:
+        sizes.append(min(past))
+    return sizes
+
+
 class GraphRunner:
     def __init__(
         self,
@@ -267,28 +278,32 @@ class GraphRunner:
         """One eager run on private inputs (slots all -1): lazy init and kernel compilation
         happen here, not during capture, and live buffers are left alone.
 
-        On CUDA a thread warms up prefill once, at the smallest size: a full-size warm-up
-        of a large prefill bucket would compete with serving for the GPU while the
-        background thread runs. Decode buckets are small and captured before serving, so
-        each is warmed up at its own size: a kernel specialised on a row count then
-        compiles here, never inside the capture (which it would invalidate)."""
+        On CUDA a thread warms up prefill once, at the smallest size and at the smallest
+        size past the rows the skinny projections take (the first whose projections go to
+        cuBLAS: a thread's first cuBLAS call creates its handle, which would invalidate a
+        capture): a full-size warm-up of a large prefill bucket would compete with serving
+        for the GPU while the background thread runs. Decode buckets are small and captured
+        before serving, so each is warmed up at its own size: a kernel specialised on a row
+        count then compiles here, never inside the capture (which it would invalidate)."""
+        sizes = [tokens]
         if self.cuda:
             key = (threading.get_ident(), is_prefill, None if is_prefill else tokens)
             if key in self._warm_threads:
                 return
             if is_prefill:
-                tokens, seqs = self.plan.prefill[0], self.plan.max_prefill_seqs
-        dummy = self._dummy_inputs(is_prefill, tokens, seqs)
+                seqs = self.plan.max_prefill_seqs
+                sizes = prefill_warm_up_sizes(self.plan.prefill, getattr(self.model.kernels, "skinny_rows", 0))
         scratch_logits = torch.empty((seqs, self.model.config.vocab_size), device=self.device)
         if self.cuda:
             with torch.cuda.stream(self.capture_stream):
-                self._step_body(dummy, scratch_logits)
+                for size in sizes:
+                    self._step_body(self._dummy_inputs(is_prefill, size, seqs), scratch_logits)
             self.capture_stream.synchronize()
             # Only a warm-up that ran counts: one that failed (out of memory) is redone
             # before the next capture, or that capture would compile inside itself.
             self._warm_threads.add(key)
         else:
-            self._step_body(dummy, scratch_logits)
+            self._step_body(self._dummy_inputs(is_prefill, tokens, seqs), scratch_logits)
 
     def _upload(self, graph: torch.cuda.CUDAGraph, key: tuple[str, int]) -> bool:
         """Upload a captured graph's executable to the device now (cudaGraphUpload on the
