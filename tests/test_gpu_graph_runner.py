@@ -200,7 +200,10 @@ def test_capture_out_of_memory_disables_bucket(model):
     finally:
         del hog
         torch.cuda.empty_cache()  # the hog's memory back to the device, not kept cached
-    assert "OutOfMemory" in runner.stats[("prefill", 512)].disabled or "memory" in runner.stats[("prefill", 512)].disabled
+    # Out of memory as PyTorch's allocator says it, or as cuBLAS does when the thread's
+    # handle is created under the hog (the first test of a process to use cuBLAS there).
+    reason = runner.stats[("prefill", 512)].disabled
+    assert any(word in reason for word in ("OutOfMemory", "memory", "ALLOC_FAILED")), reason
     assert runner._capture(True, 16) and runner._capture(False, 1)
 
 

@@ -112,6 +112,9 @@ class GraphRunner:
         self.stream = stream if stream is not None else (torch.cuda.Stream(self.device) if on_cuda else None)
         self.capture_stream = torch.cuda.Stream(self.device) if self.cuda else None
         self._pool_anchor = self._capture_pool_anchor() if self.cuda else None
+        # Every pool graphs were captured into (a new one replaces a pool a failed capture left unusable).
+        self._pools = [self.pool] if self.cuda else []
+        self._pool_anchors = [self._pool_anchor] if self.cuda else []
         if plan.max_batch > buffers.max_seqs or plan.max_prefill_seqs > buffers.max_seqs:
             raise ValueError("step buffers hold fewer sequences than the bucket plan needs")
         if max(plan.max_batch, plan.max_prefill_tokens) > buffers.max_tokens:
@@ -359,11 +362,26 @@ class GraphRunner:
                             torch._C._cuda_endAllocateToPool(self.device.index or 0, self.pool)
                         except Exception:  # already ended by capture_end
                             pass
+                        self._replace_pool()
                         raise
         finally:
             gc.unfreeze()
             if gc_was_enabled:
                 gc.enable()
+
+    def _replace_pool(self) -> None:
+        """Capture into a new pool from now on. A capture the CUDA runtime invalidated
+        leaves its pool marked as recording in a part of PyTorch's allocators that cannot
+        be told to stop (measured on torch 2.11: every later capture into it is refused,
+        "already recording to mempool_id"); the graphs already in the old pool keep it."""
+        try:
+            self.pool = torch.cuda.graph_pool_handle()
+            self._pool_anchor = self._capture_pool_anchor()
+            self._pools.append(self.pool)
+            self._pool_anchors.append(self._pool_anchor)
+            log.warning("graph_pool_replaced", pools=len(self._pools))
+        except Exception as exc:  # the bucket stays disabled either way; later captures may fail too
+            log.error("graph_pool_replace_failed", error=f"{type(exc).__name__}: {exc}"[:200])
 
     # ------------------------------------------------------ background capture
     def start_background_capture(self) -> None:
@@ -450,6 +468,6 @@ class GraphRunner:
                 "device": str(self.device),
                 "memory_budget_bytes": self.memory_budget_bytes,
                 "graph_bytes": self.graph_bytes(),
-                "pool_bytes": pool_bytes(self.pool) if self.cuda else 0,
+                "pool_bytes": sum(pool_bytes(p) for p in self._pools) if self.cuda else 0,
                 "buckets": [s.to_dict() for s in self.stats.values()],
             }
