@@ -137,12 +137,23 @@ def prefill_case(shape: str, tokens: int):
     return step, q, k, v, d
 
 
+def batch_sizes(text: str) -> tuple[int, ...]:
+    """Comma-separated positive batch sizes, e.g. "1,8,32"."""
+    try:
+        sizes = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        sizes = ()
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers such as 1,8,32, got {text!r}")
+    return sizes
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--old", type=Path, help="a module file with an older decode_attention to time beside")
     parser.add_argument("--sweep", action="store_true", help="also time other decode launch plans")
     parser.add_argument("--out", type=Path, help="folder for attention_bench.json")
-    parser.add_argument("--batches", default="1,8,32", help="decode batch sizes (comma-separated)")
+    parser.add_argument("--batches", type=batch_sizes, default=(1, 8, 32), help="decode batch sizes, e.g. 1,8,32")
     parser.add_argument("--skip-prefill", action="store_true")
     args = parser.parse_args()
     old = None
@@ -186,7 +197,7 @@ def main() -> None:
     lines += ["", "| decode | batch | ctx | KV MB | new ms | new % bw | old ms | old % bw | best plan | best ms | best % |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|"]
     for shape in SHAPES:
-        for batch in (int(b) for b in args.batches.split(",")):
+        for batch in args.batches:
             for ctx in (512, 4096):
                 case = DecodeCase(shape, batch, ctx)
                 floor_ms = case.kv_bytes / bw * 1e3

@@ -284,10 +284,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 # Whether `linear_silu_and_mul` computes SiLU·mul in the product's epilogue (one kernel)
 # or runs the separate kernel after it; the two give the same bits. Off unless
-# HYBRIDD_FUSE_SILU_AND_MUL=1: in two `bench_gemm.py --decode-step` runs on the H200 the
-# fused step was 0.4 % and 0.6 % slower than the two kernels (the epilogue's shuffle of
-# gate and up rows costs more than the launch it saves); `scripts/bench.py`'s
-# `hybridd_silu` part measures it at the client.
+# HYBRIDD_FUSE_SILU_AND_MUL=1: `python scripts/bench_gemm.py --skip-compare --decode-step`
+# on the H200 timed the fused 7B decode step 0.6 % slower than the two kernels (the
+# epilogue's shuffle of gate and up rows costs more than the launch it saves);
+# `scripts/bench.py`'s `hybridd_silu` part measures it at the client.
 FUSE_SILU_AND_MUL = os.environ.get("HYBRIDD_FUSE_SILU_AND_MUL", "0") == "1"
 
 

@@ -105,16 +105,16 @@ class GraphRunner:
         self.cuda = use_graphs and self.device.type == "cuda"
         self.memory_budget_bytes = memory_budget_bytes
         self.pad_factor = pad_factor
-        self.pool = torch.cuda.graph_pool_handle() if self.cuda else None
+        # The pool graphs are captured into now; every pool used so far, each with its anchor.
+        self.pool: tuple[int, int] | None = None
+        self._pools: list[tuple[tuple[int, int], torch.cuda.CUDAGraph, torch.Tensor]] = []
         # Serving never uses the legacy default stream: it synchronizes implicitly with every
         # blocking stream, which is an error while the background thread captures.
         on_cuda = self.device.type == "cuda"
         self.stream = stream if stream is not None else (torch.cuda.Stream(self.device) if on_cuda else None)
         self.capture_stream = torch.cuda.Stream(self.device) if self.cuda else None
-        self._pool_anchor = self._capture_pool_anchor() if self.cuda else None
-        # Every pool graphs were captured into (a new one replaces a pool a failed capture left unusable).
-        self._pools = [self.pool] if self.cuda else []
-        self._pool_anchors = [self._pool_anchor] if self.cuda else []
+        if self.cuda:
+            self._open_pool()
         if plan.max_batch > buffers.max_seqs or plan.max_prefill_seqs > buffers.max_seqs:
             raise ValueError("step buffers hold fewer sequences than the bucket plan needs")
         if max(plan.max_batch, plan.max_prefill_tokens) > buffers.max_tokens:
@@ -288,25 +288,27 @@ class GraphRunner:
         for the GPU while the background thread runs. Decode buckets are small and captured
         before serving, so each is warmed up at its own size: a kernel specialised on a row
         count then compiles here, never inside the capture (which it would invalidate)."""
+        if not self.cuda:
+            self._step_body(self._dummy_inputs(is_prefill, tokens, seqs), self._scratch_logits(seqs))
+            return
+        key = (threading.get_ident(), is_prefill, None if is_prefill else tokens)
+        if key in self._warm_threads:
+            return
         sizes = [tokens]
-        if self.cuda:
-            key = (threading.get_ident(), is_prefill, None if is_prefill else tokens)
-            if key in self._warm_threads:
-                return
-            if is_prefill:
-                seqs = self.plan.max_prefill_seqs
-                sizes = prefill_warm_up_sizes(self.plan.prefill, getattr(self.model.kernels, "skinny_rows", 0))
-        scratch_logits = torch.empty((seqs, self.model.config.vocab_size), device=self.device)
-        if self.cuda:
-            with torch.cuda.stream(self.capture_stream):
-                for size in sizes:
-                    self._step_body(self._dummy_inputs(is_prefill, size, seqs), scratch_logits)
-            self.capture_stream.synchronize()
-            # Only a warm-up that ran counts: one that failed (out of memory) is redone
-            # before the next capture, or that capture would compile inside itself.
-            self._warm_threads.add(key)
-        else:
-            self._step_body(self._dummy_inputs(is_prefill, tokens, seqs), scratch_logits)
+        if is_prefill:
+            seqs = self.plan.max_prefill_seqs
+            sizes = prefill_warm_up_sizes(self.plan.prefill, self.model.kernels.skinny_rows)
+        scratch_logits = self._scratch_logits(seqs)
+        with torch.cuda.stream(self.capture_stream):
+            for size in sizes:
+                self._step_body(self._dummy_inputs(is_prefill, size, seqs), scratch_logits)
+        self.capture_stream.synchronize()
+        # Only a warm-up that ran counts: one that failed (out of memory) is redone
+        # before the next capture, or that capture would compile inside itself.
+        self._warm_threads.add(key)
+
+    def _scratch_logits(self, seqs: int) -> torch.Tensor:
+        return torch.empty((seqs, self.model.config.vocab_size), device=self.device)
 
     def _upload(self, graph: torch.cuda.CUDAGraph, key: tuple[str, int]) -> bool:
         """Upload a captured graph's executable to the device now (cudaGraphUpload on the
@@ -329,19 +331,21 @@ class GraphRunner:
             return False
         return True
 
-    def _capture_pool_anchor(self) -> torch.cuda.CUDAGraph:
-        """A one-kernel graph in the pool that lives as long as the runner. PyTorch counts
-        a pool's users by its graphs; were they all released (the first capture failed,
-        every prefill graph evicted), it would refuse the pool's id at the next capture."""
+    def _open_pool(self) -> None:
+        """Capture into a new pool from now on, anchored by a one-kernel graph that lives as
+        long as the runner. PyTorch counts a pool's users by its graphs; were they all
+        released (the first capture failed, every prefill graph evicted), it would refuse
+        the pool's id at the next capture."""
+        pool = torch.cuda.graph_pool_handle()
         cell = torch.zeros(1, device=self.device)
         anchor = torch.cuda.CUDAGraph()
         with torch.cuda.stream(self.capture_stream):
-            anchor.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+            anchor.capture_begin(pool=pool, capture_error_mode="thread_local")
             cell.add_(1)
             anchor.capture_end()
         self.capture_stream.synchronize()
-        self._anchor_cell = cell
-        return anchor
+        self._pools.append((pool, anchor, cell))
+        self.pool = pool
 
     def _capture_graph(self, graph: torch.cuda.CUDAGraph, view: StepInputs) -> None:
         gc_was_enabled = gc.isenabled()
@@ -370,15 +374,12 @@ class GraphRunner:
                 gc.enable()
 
     def _replace_pool(self) -> None:
-        """Capture into a new pool from now on. A capture the CUDA runtime invalidated
-        leaves its pool marked as recording in a part of PyTorch's allocators that cannot
-        be told to stop (measured on torch 2.11: every later capture into it is refused,
-        "already recording to mempool_id"); the graphs already in the old pool keep it."""
+        """A capture the CUDA runtime invalidated leaves its pool marked as recording in a
+        part of PyTorch's allocators that cannot be told to stop (measured on torch 2.11:
+        every later capture into it is refused, "already recording to mempool_id"); later
+        captures go to a new pool, and the graphs already in the old one keep it."""
         try:
-            self.pool = torch.cuda.graph_pool_handle()
-            self._pool_anchor = self._capture_pool_anchor()
-            self._pools.append(self.pool)
-            self._pool_anchors.append(self._pool_anchor)
+            self._open_pool()
             log.warning("graph_pool_replaced", pools=len(self._pools))
         except Exception as exc:  # the bucket stays disabled either way; later captures may fail too
             log.error("graph_pool_replace_failed", error=f"{type(exc).__name__}: {exc}"[:200])
@@ -468,6 +469,6 @@ class GraphRunner:
                 "device": str(self.device),
                 "memory_budget_bytes": self.memory_budget_bytes,
                 "graph_bytes": self.graph_bytes(),
-                "pool_bytes": sum(pool_bytes(p) for p in self._pools) if self.cuda else 0,
+                "pool_bytes": sum(pool_bytes(pool) for pool, _, _ in self._pools),
                 "buckets": [s.to_dict() for s in self.stats.values()],
             }
