@@ -76,6 +76,34 @@ def test_gated_product_is_the_projection_then_silu_and_mul(m, inter, k, block_n)
     assert rel(fused, ref_ops.silu_and_mul(F.linear(x, w))) < TOL
 
 
+@pytest.mark.parametrize(("value", "fused"), [("1", True), ("0", False), (None, False)])
+def test_silu_epilogue_switch(value, fused):
+    """HYBRIDD_FUSE_SILU_AND_MUL turns the epilogue on with 1, off with 0 or unset."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "HYBRIDD_FUSE_SILU_AND_MUL"}
+    if value is not None:
+        env["HYBRIDD_FUSE_SILU_AND_MUL"] = value
+    code = "from hybridd.model import triton_gemm; print(triton_gemm.FUSE_SILU_AND_MUL)"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == str(fused)
+
+
+def test_silu_epilogue_switch_refuses_other_values():
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, HYBRIDD_FUSE_SILU_AND_MUL="yes")
+    out = subprocess.run([sys.executable, "-c", "import hybridd.model.triton_gemm"], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode != 0
+    assert "HYBRIDD_FUSE_SILU_AND_MUL must be 1 (on) or 0 (off), got 'yes'" in out.stderr
+
+
 def test_gated_product_leaves_splits_and_biases_to_the_separate_kernels():
     x, w, b = operands(3, 64, 128, True, seed=5)
     assert triton_gemm.launch(x, w, None, GemmConfig(16, 32, split_k=2), gated=True) is None

@@ -288,7 +288,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 # on the H200 timed the fused 7B decode step 0.6 % slower than the two kernels (the
 # epilogue's shuffle of gate and up rows costs more than the launch it saves);
 # `scripts/bench.py`'s `hybridd_silu` part measures it at the client.
-FUSE_SILU_AND_MUL = os.environ.get("HYBRIDD_FUSE_SILU_AND_MUL", "0") == "1"
+def _switch(name: str) -> bool:
+    """An on/off environment variable: "1" or "0" (unset: "0")."""
+    value = os.environ.get(name, "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"{name} must be 1 (on) or 0 (off), got {value!r}")
+    return value == "1"
+
+
+FUSE_SILU_AND_MUL = _switch("HYBRIDD_FUSE_SILU_AND_MUL")
 
 
 def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
