@@ -251,3 +251,244 @@ def test_capture_after_one_eager_call_needs_no_compile():
     graph.replay()
     torch.cuda.synchronize()
     assert rel(out, F.linear(x, w, b)) < TOL
+
+
+# The rotary epilogue of the fused qkv projection (RoPE and the KV-cache write).
+SENTINEL = -1234.0
+ROPE_POSITIONS = 512
+
+
+def rotary_case(m: int, heads: int, kv_heads: int, d: int, k: int, bias: bool, seed: int, padded=()):
+    """A qkv weight of `heads` q and 2 x `kv_heads` kv heads, per-row positions, shuffled
+    slots (those at `padded` set to -1) and caches filled with a sentinel."""
+    from hybridd.model.config import RopeConfig
+    from hybridd.model.rope import cos_sin_table
+
+    x, w, b = operands(m, (heads + 2 * kv_heads) * d, k, bias, seed)
+    g = torch.Generator(device=DEVICE).manual_seed(seed + 1)
+    cos, sin = cos_sin_table(RopeConfig(theta=10000.0), d, ROPE_POSITIONS, torch.device(DEVICE))
+    page, blocks = 4, 12
+    positions = torch.randperm(ROPE_POSITIONS, device=DEVICE, generator=g)[:m]
+    slots = torch.randperm(blocks * page, device=DEVICE, generator=g)[:m]
+    slots[list(padded)] = -1
+    k_cache = torch.full((blocks + 1, page, kv_heads, d), SENTINEL, dtype=DTYPE, device=DEVICE)
+    rotary = triton_gemm.RotaryArgs(heads, kv_heads, d, positions, slots, k_cache, k_cache.clone(), cos, sin)
+    return x, w, b, rotary
+
+
+def qkv_views(y: torch.Tensor, r):
+    q_size, kv_size = r.num_heads * r.head_dim, r.num_kv_heads * r.head_dim
+    q, k, v = y.split([q_size, kv_size, kv_size], dim=-1)
+    m = y.shape[0]
+    return (q.view(m, r.num_heads, r.head_dim), k.view(m, r.num_kv_heads, r.head_dim),
+            v.view(m, r.num_kv_heads, r.head_dim))
+
+
+def with_fresh_caches(r):
+    """The same operands with caches of their own (sentinel-filled), for a second run."""
+    from dataclasses import replace
+
+    return replace(r, k_cache=torch.full_like(r.k_cache, SENTINEL), v_cache=torch.full_like(r.v_cache, SENTINEL))
+
+
+def check_caches(r, k: torch.Tensor, v: torch.Tensor):
+    """Each real row's slot holds exactly that row's (rotated) k and its v; every other
+    slot, the padded rows' included, still holds the sentinel."""
+    flat_k = r.k_cache.view(-1, r.num_kv_heads, r.head_dim)
+    flat_v = r.v_cache.view(-1, r.num_kv_heads, r.head_dim)
+    real = r.slot_mapping >= 0
+    slots = r.slot_mapping[real]
+    assert torch.equal(flat_k[slots], k[real]) and torch.equal(flat_v[slots], v[real])
+    untouched = torch.ones(flat_k.shape[0], dtype=torch.bool, device=DEVICE)
+    untouched[slots] = False
+    assert bool((flat_k[untouched] == SENTINEL).all()) and bool((flat_v[untouched] == SENTINEL).all())
+
+
+ROTARY_CASES = [
+    # m, heads, kv_heads, d, k, block_n, split, bias, padded rows
+    pytest.param(1, 4, 1, 16, 72, 16, 1, False, (), id="m1-gqa4to1-d16"),
+    pytest.param(5, 4, 2, 32, 100, 16, 1, True, (1, 3), id="m5-gqa4to2-d32-two-tiles-per-head-bias-padding"),
+    pytest.param(17, 4, 4, 32, 96, 32, 1, True, (0, 16), id="m17-mha-d32-bm32-bias-padding"),
+    pytest.param(5, 4, 2, 16, 130, 16, 3, True, (2,), id="m5-gqa-d16-split3-bias-padding"),
+    pytest.param(17, 4, 1, 32, 200, 16, 2, False, (5,), id="m17-gqa4to1-d32-split2-bm32-padding"),
+    pytest.param(32, 4, 2, 32, 64, 32, 4, True, (31,), id="m32-gqa-d32-split4-bias"),
+]
+
+
+@pytest.mark.parametrize(("m", "heads", "kv_heads", "d", "k", "block_n", "split", "bias", "padded"), ROTARY_CASES)
+def test_rotary_epilogue_matches_linear_then_torch_rotary_write_kv(m, heads, kv_heads, d, k, block_n, split, bias,
+                                                                   padded):
+    """The product with RoPE and the KV write in its epilogue against the torch reference
+    (F.linear, then `ops.rotary_write_kv`): q, k, v, and both caches, on GQA and MHA,
+    head_dim 16 and 32, one and two tiles per head, BLOCK_M 16 and 32, with and without a
+    bias, split K, per-row positions and padding slots (which leave the caches alone)."""
+    x, w, b, r = rotary_case(m, heads, kv_heads, d, k, bias, seed=m * 100 + d + k, padded=padded)
+    y = triton_gemm.launch(x, w, b, GemmConfig(block_n=block_n, block_k=32, split_k=split), rotary=r)
+    assert y is not None and y.shape == (m, w.shape[0]) and y.dtype == DTYPE
+    q, k_rot, v = qkv_views(y, r)
+
+    ref = with_fresh_caches(r)
+    rq, rk, rv = qkv_views(F.linear(x, w, b), ref)
+    rq, rk = ref_ops.rotary_write_kv(ref.positions, rq, rk, rv, ref.k_cache, ref.v_cache, ref.slot_mapping, ref.cos,
+                                     ref.sin)
+    assert rel(q, rq) < TOL and rel(k_rot, rk) < TOL and rel(v, rv) < TOL
+    check_caches(r, k_rot, v)
+    # The torch path parks padded rows in the scratch block (the last); the rest agrees.
+    blocks = r.k_cache.shape[0] - 1
+    real = r.slot_mapping >= 0
+    for cache, ref_cache in ((r.k_cache, ref.k_cache), (r.v_cache, ref.v_cache)):
+        flat, flat_ref = cache.view(-1, kv_heads, d), ref_cache.view(-1, kv_heads, d)
+        assert rel(flat[r.slot_mapping[real]], flat_ref[r.slot_mapping[real]]) < TOL
+        assert bool((cache[:blocks] == SENTINEL).eq(ref_cache[:blocks] == SENTINEL).all())
+
+
+@pytest.mark.parametrize(("m", "heads", "kv_heads", "d", "k", "block_n", "split", "bias", "padded"),
+                         [c for c in ROTARY_CASES if c.values[6] == 1])
+def test_rotary_epilogue_is_the_projection_then_rotary_write_kv(m, heads, kv_heads, d, k, block_n, split, bias,
+                                                                padded):
+    """The fused epilogue rounds where the separate kernels round: the plain product of the
+    same config, then `triton_ops.rotary_write_kv`. Bit for bit on the GPU; on the CPU up
+    to the interpreter's summation order (see the gated test)."""
+    from hybridd.model import triton_ops
+
+    x, w, b, r = rotary_case(m, heads, kv_heads, d, k, bias, seed=m + d + k, padded=padded)
+    config = GemmConfig(block_n=block_n, block_k=32, split_k=split)
+    q, k_rot, v = qkv_views(triton_gemm.launch(x, w, b, config, rotary=r), r)
+    sep = with_fresh_caches(r)
+    sq, sk, sv = qkv_views(triton_gemm.launch(x, w, b, config), sep)
+    sq, sk = triton_ops.rotary_write_kv(sep.positions, sq, sk, sv, sep.k_cache, sep.v_cache, sep.slot_mapping,
+                                        sep.cos, sep.sin)
+    if CUDA:
+        assert torch.equal(q, sq) and torch.equal(k_rot, sk) and torch.equal(v, sv)
+        assert torch.equal(r.k_cache, sep.k_cache) and torch.equal(r.v_cache, sep.v_cache)
+    else:
+        for a, e in ((q, sq), (k_rot, sk), (v, sv), (r.k_cache, sep.k_cache), (r.v_cache, sep.v_cache)):
+            assert rel(a, e) < 1e-6
+
+
+def test_rotary_epilogue_needs_tiles_of_whole_pairs_of_one_head():
+    """A BLOCK_N whose half does not divide head_dim / 2 (16 or 32 pairs against 8, or 3)
+    falls back: None, and nothing is written to the caches."""
+    x, w, b, r = rotary_case(3, 4, 2, 16, 64, True, seed=9, padded=())
+    for block_n in (32, 64, 6):
+        assert triton_gemm.launch(x, w, b, GemmConfig(block_n=block_n, block_k=32), rotary=r) is None, block_n
+    assert bool((r.k_cache == SENTINEL).all()) and bool((r.v_cache == SENTINEL).all())
+    assert triton_gemm.launch(x, w, b, GemmConfig(block_n=16, block_k=32), rotary=r) is not None
+    with pytest.raises(ValueError):  # a weight that is not the stated heads
+        triton_gemm.launch(x, w[:-16], None, GemmConfig(block_n=16, block_k=32), rotary=r)
+
+
+def test_linear_rotary_write_kv_dispatch(monkeypatch):
+    """The public entry point takes the table's config (split here) and returns views of
+    one buffer; without a table entry it returns None and writes nothing."""
+    heads, kv_heads, d, k = 4, 2, 16, 96
+    x, w, b, r = rotary_case(7, heads, kv_heads, d, k, True, seed=21, padded=(4,))
+    args = (x, w, b, heads, kv_heads, d, r.positions, r.slot_mapping, r.k_cache, r.v_cache, r.cos, r.sin)
+    assert triton_gemm.linear_rotary_write_kv(*args) is None
+    assert bool((r.k_cache == SENTINEL).all())
+    monkeypatch.setitem(triton_gemm._TABLE, tuple(w.shape), [(32, GemmConfig(16, 32, split_k=2))])
+    q, k_rot, v = triton_gemm.linear_rotary_write_kv(*args)
+    assert q.shape == (7, heads, d) and k_rot.shape == (7, kv_heads, d) and v.shape == (7, kv_heads, d)
+    assert q.untyped_storage().data_ptr() == v.untyped_storage().data_ptr()
+    ref = with_fresh_caches(r)
+    rq, rk, rv = qkv_views(F.linear(x, w, b), ref)
+    rq, rk = ref_ops.rotary_write_kv(ref.positions, rq, rk, rv, ref.k_cache, ref.v_cache, ref.slot_mapping, ref.cos,
+                                     ref.sin)
+    assert rel(q, rq) < TOL and rel(k_rot, rk) < TOL and rel(v, rv) < TOL
+    check_caches(r, k_rot, v)
+    # Too many rows for the kernel: None.
+    big = torch.zeros((33, k), dtype=DTYPE, device=DEVICE)
+    assert triton_gemm.linear_rotary_write_kv(big, *args[1:]) is None
+
+
+# (heads, kv_heads, head_dim, K, bias) of the qkv projections of the supported models.
+QKV_MODELS = {
+    "llama2-7b": (32, 32, 128, 4096, False),
+    "llama3-8b": (32, 8, 128, 4096, False),
+    "qwen2-7b": (28, 4, 128, 3584, True),  # no table entry: an explicit config only
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model", list(QKV_MODELS))
+def test_rotary_epilogue_on_gpu_is_the_separate_kernels_bit_for_bit(model):
+    """The qkv projection with RoPE and the KV write in its epilogue, for M in {1, 2, 7, 8,
+    16, 32} with padding slots: through the kernel (the table's config or a generic one)
+    the bits of the plain product then `triton_ops.rotary_write_kv`, caches included;
+    through the dispatch the bits of `linear` then that kernel; with split K (whose float32
+    partials meet in arrival order) close to the torch reference."""
+    from hybridd.model import triton_ops
+
+    heads, kv_heads, d, k, bias = QKV_MODELS[model]
+    n = (heads + 2 * kv_heads) * d
+    x_full, w, b, r_full = rotary_case(32, heads, kv_heads, d, k, bias, seed=n + k, padded=(3, 30))
+    for m in (1, 2, 7, 8, 16, 32):
+        x = x_full[:m]
+        r = with_fresh_caches(r_full)
+        config = triton_gemm.config_for(m, n, k) or GemmConfig(64, 128)
+        q, k_rot, v = qkv_views(triton_gemm.launch(x, w, b, config, rotary=r), r)
+        sep = with_fresh_caches(r)
+        sq, sk, sv = qkv_views(triton_gemm.launch(x, w, b, config), sep)
+        sq, sk = triton_ops.rotary_write_kv(sep.positions[:m], sq, sk, sv, sep.k_cache, sep.v_cache,
+                                            sep.slot_mapping[:m], sep.cos, sep.sin)
+        assert torch.equal(q, sq) and torch.equal(k_rot, sk) and torch.equal(v, sv), m
+        assert torch.equal(r.k_cache, sep.k_cache) and torch.equal(r.v_cache, sep.v_cache), m
+
+        ref = with_fresh_caches(r)
+        rq, rk, rv = qkv_views(F.linear(x, w, b), ref)
+        rq, rk = ref_ops.rotary_write_kv(ref.positions[:m], rq, rk, rv, ref.k_cache, ref.v_cache,
+                                         ref.slot_mapping[:m], ref.cos, ref.sin)
+        assert rel(q, rq) < 2 * TOL and rel(k_rot, rk) < 2 * TOL and rel(v, rv) < TOL, m
+
+        split = with_fresh_caches(r)
+        out = triton_gemm.launch(x, w, b, GemmConfig(64, 128, split_k=3), rotary=split)
+        assert out is not None, m
+        pq, pk, pv = qkv_views(out, split)
+        assert rel(pq, rq) < 2 * TOL and rel(pk, rk) < 2 * TOL and rel(pv, rv) < TOL, m
+        real = split.slot_mapping[:m] >= 0
+        flat_k = split.k_cache.view(-1, kv_heads, d)
+        assert torch.equal(flat_k[split.slot_mapping[:m][real]], pk[real]), m
+
+        if triton_gemm.config_for(m, n, k) is not None:
+            disp = with_fresh_caches(r)
+            fq, fk, fv = triton_gemm.linear_rotary_write_kv(x, w, b, heads, kv_heads, d, disp.positions[:m],
+                                                            disp.slot_mapping[:m], disp.k_cache, disp.v_cache,
+                                                            disp.cos, disp.sin)
+            assert torch.equal(fq, q) and torch.equal(fk, k_rot) and torch.equal(fv, v), m
+            assert torch.equal(disp.k_cache, r.k_cache) and torch.equal(disp.v_cache, r.v_cache), m
+
+
+@pytest.mark.gpu
+def test_rotary_epilogue_captures_after_one_eager_call():
+    """One eager call at one row compiles every variant the table can pick, and the call
+    captured at 32 rows then replays with new inputs, positions and slots as eager does."""
+    heads, kv_heads, d, k, _ = QKV_MODELS["llama3-8b"]
+    x, w, b, r = rotary_case(32, heads, kv_heads, d, k, True, seed=29, padded=(7,))  # a bias: fresh kernels
+
+    def call(rows: int, rr):
+        return triton_gemm.linear_rotary_write_kv(x[:rows], w, b, heads, kv_heads, d, rr.positions[:rows],
+                                                  rr.slot_mapping[:rows], rr.k_cache, rr.v_cache, rr.cos, rr.sin)
+
+    assert call(1, with_fresh_caches(r)) is not None
+    torch.cuda.synchronize()
+    kernels = triton_gemm._skinny_gemm_kernel.device_caches[torch.cuda.current_device()][0]
+    compiled = len(kernels)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        q, k_rot, v = call(32, r)
+    assert len(kernels) == compiled
+    for seed in range(3):
+        g = torch.Generator(device=DEVICE).manual_seed(seed)
+        x.copy_(torch.randn(x.shape, dtype=DTYPE, device=DEVICE, generator=g))
+        r.positions.copy_(torch.randperm(ROPE_POSITIONS, device=DEVICE, generator=g)[:32])
+        slots = torch.randperm(r.k_cache.shape[0] * r.k_cache.shape[1], device=DEVICE, generator=g)[:32]
+        slots[seed] = -1
+        r.slot_mapping.copy_(slots)
+        r.k_cache.fill_(SENTINEL)
+        r.v_cache.fill_(SENTINEL)
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = with_fresh_caches(r)
+        eq, ek, ev = call(32, eager)
+        assert torch.equal(q, eq) and torch.equal(k_rot, ek) and torch.equal(v, ev)
+        assert torch.equal(r.k_cache, eager.k_cache) and torch.equal(r.v_cache, eager.v_cache)

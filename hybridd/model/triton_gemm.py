@@ -11,7 +11,9 @@ kernel with no memset and no reduce launch, and its launch grid depends only on 
 shape: safe to capture in a CUDA graph. For a fused gate/up projection the kernel can
 also compute the MLP's SiLU·mul in its epilogue (`linear_silu_and_mul`): each tile takes
 its rows alternately from the gate and the up half of W, so it holds both halves of its
-output columns.
+output columns. For the fused qkv projection it can apply RoPE and store k and v in the
+paged KV caches in its epilogue (`linear_rotary_write_kv`): each tile pairs dim i of a
+head with dim i + d/2 of the same head, so it holds both rotate-half partners.
 
 Configs per (N, K) and row count come from `scripts/bench_gemm.py`'s sweep on the H200
 (`_TABLE`); a shape or row count without an entry, or where cuBLAS measured faster,
@@ -89,6 +91,55 @@ def _store_silu_and_mul(y_ptr, acc, offs_m, pid_n, mask_m, n_out, stride_ym, HAL
 
 
 @triton.jit
+def _store_rotary_kv(y_ptr, b_ptr, acc, offs_m, offs_n, pid_n, mask_m, stride_ym, pos_ptr, slot_ptr, cos_ptr,
+                     sin_ptr, kc_ptr, vc_ptr, HAS_BIAS: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
+                     HALF: tl.constexpr, BLOCK_M: tl.constexpr, PAIRS: tl.constexpr):
+    """A tile of the fused qkv projection whose rows alternate dim i, dim i + HALF of one
+    head: RoPE on q and k heads (v as projected), written to y [M, q + 2 kv] where the
+    plain product would write it, and k, v also to the paged caches at each row's slot
+    (slot -1: none). Rounded where the separate kernels round (the product with its bias
+    stored in the activation dtype, then `triton_ops._rope_rows`), so the fused result is
+    theirs bit for bit."""
+    dt = y_ptr.dtype.element_ty
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n).to(tl.float32)[:, None]
+    x1, x2 = tl.split(tl.permute(tl.reshape(acc.to(dt), (PAIRS, 2, BLOCK_M)), (0, 2, 1)))
+    head = pid_n // (HALF // PAIRS)
+    dims = (pid_n % (HALF // PAIRS)) * PAIRS + tl.arange(0, PAIRS)
+    if head < HEADS + KV_HEADS:
+        # cos/sin are float32 tables [positions, 2 * HALF]; torch rounds them to the
+        # activation dtype first.
+        pos = tl.load(pos_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
+        table = pos[None, :] * (2 * HALF) + dims[:, None]
+        c1 = tl.load(cos_ptr + table, mask=mask_m[None, :], other=0.0).to(dt).to(tl.float32)
+        c2 = tl.load(cos_ptr + table + HALF, mask=mask_m[None, :], other=0.0).to(dt).to(tl.float32)
+        s1 = tl.load(sin_ptr + table, mask=mask_m[None, :], other=0.0).to(dt).to(tl.float32)
+        s2 = tl.load(sin_ptr + table + HALF, mask=mask_m[None, :], other=0.0).to(dt).to(tl.float32)
+        x1f = x1.to(tl.float32)
+        x2f = x2.to(tl.float32)
+        o1 = ((x1f * c1).to(dt).to(tl.float32) + (-(x2f * s1)).to(dt).to(tl.float32)).to(dt)
+        o2 = ((x2f * c2).to(dt).to(tl.float32) + (x1f * s2).to(dt).to(tl.float32)).to(dt)
+    else:
+        o1 = x1
+        o2 = x2
+    cols = head * (2 * HALF) + dims
+    ptrs = y_ptr + offs_m[None, :] * stride_ym + cols[:, None]
+    tl.store(ptrs, o1, mask=mask_m[None, :])
+    tl.store(ptrs + HALF, o2, mask=mask_m[None, :])
+    if head >= HEADS:
+        slot = tl.load(slot_ptr + offs_m, mask=mask_m, other=-1).to(tl.int64)
+        kv_head = (head - HEADS) % KV_HEADS
+        cache = slot[None, :] * (KV_HEADS * 2 * HALF) + kv_head * (2 * HALF) + dims[:, None]
+        cmask = (slot >= 0)[None, :]
+        if head < HEADS + KV_HEADS:
+            tl.store(kc_ptr + cache, o1, mask=cmask)
+            tl.store(kc_ptr + cache + HALF, o2, mask=cmask)
+        else:
+            tl.store(vc_ptr + cache, o1, mask=cmask)
+            tl.store(vc_ptr + cache + HALF, o2, mask=cmask)
+
+
+@triton.jit
 def _prefetch_to_l2(ptrs, nbytes):
     """Start copying `nbytes` from each of `ptrs` into L2 (Hopper's bulk prefetch; no
     registers, no waiting)."""
@@ -105,6 +156,8 @@ def _skinny_gemm_kernel(
     HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr,
     PDL: tl.constexpr, PREFETCH_K: tl.constexpr, W_BYTES: tl.constexpr, GATED: tl.constexpr,
+    pos_ptr=None, slot_ptr=None, cos_ptr=None, sin_ptr=None, kc_ptr=None, vc_ptr=None,
+    ROTARY: tl.constexpr = False, HEADS: tl.constexpr = 1, KV_HEADS: tl.constexpr = 1, HALF: tl.constexpr = 1,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -118,6 +171,14 @@ def _skinny_gemm_kernel(
         cols_out = pid_n * (BLOCK_N // 2) + r // 2
         offs_n = cols_out + (r % 2) * (N // 2)
         mask_n = cols_out < N // 2
+    elif ROTARY:
+        # Rows alternate between dim i and dim i + HALF of one head (q heads, then k, then
+        # v, as the fused weight stacks them): HALF // (BLOCK_N/2) tiles per head.
+        r = tl.arange(0, BLOCK_N)
+        tiles_per_head = HALF // (BLOCK_N // 2)
+        offs_n = ((pid_n // tiles_per_head) * (2 * HALF) + (pid_n % tiles_per_head) * (BLOCK_N // 2)
+                  + r // 2 + (r % 2) * HALF)
+        mask_n = offs_n < N
     else:
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < N
@@ -156,9 +217,17 @@ def _skinny_gemm_kernel(
                     acc += tl.load(ws_n + s * BLOCK_M * N, mask=mask_n[:, None], other=0.0, cache_modifier=".cg")
                 s += 1
             tl.atomic_xchg(count_ptr + pid_n, 0)
-            _store_out(y_ptr, b_ptr, acc, offs_m, offs_n, mask_m, mask_n, stride_ym, HAS_BIAS)
+            if ROTARY:
+                _store_rotary_kv(y_ptr, b_ptr, acc, offs_m, offs_n, pid_n, mask_m, stride_ym, pos_ptr, slot_ptr,
+                                 cos_ptr, sin_ptr, kc_ptr, vc_ptr, HAS_BIAS, HEADS, KV_HEADS, HALF, BLOCK_M,
+                                 BLOCK_N // 2)
+            else:
+                _store_out(y_ptr, b_ptr, acc, offs_m, offs_n, mask_m, mask_n, stride_ym, HAS_BIAS)
     elif GATED:
         _store_silu_and_mul(y_ptr, acc, offs_m, pid_n, mask_m, N // 2, stride_ym, BLOCK_N // 2, BLOCK_M)
+    elif ROTARY:
+        _store_rotary_kv(y_ptr, b_ptr, acc, offs_m, offs_n, pid_n, mask_m, stride_ym, pos_ptr, slot_ptr, cos_ptr,
+                         sin_ptr, kc_ptr, vc_ptr, HAS_BIAS, HEADS, KV_HEADS, HALF, BLOCK_M, BLOCK_N // 2)
     else:
         _store_out(y_ptr, b_ptr, acc, offs_m, offs_n, mask_m, mask_n, stride_ym, HAS_BIAS)
 
@@ -177,19 +246,70 @@ def _prefetch_columns(weight: torch.Tensor, config: GemmConfig) -> int:
     return max(0, PREFETCH_COLUMNS - PREFETCH_COLUMNS % (16 // size))
 
 
+@dataclass(frozen=True, eq=False)
+class RotaryArgs:
+    """The operands of the rotary epilogue of a fused qkv projection (W [q_size + 2 kv_size,
+    K], heads of `head_dim` rows stacked q, k, v): each token row m is rotated at
+    `positions[m]` with the float32 `cos`/`sin` tables [max_positions, head_dim], and its
+    rotated k and its v go to the paged caches at `slot_mapping[m]` (-1: nowhere), laid
+    out as `triton_ops.rotary_write_kv` stores them."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+
+def _rotary_operands(rotary: RotaryArgs, m: int, n: int, block_n: int) -> dict | None:
+    """The kernel arguments of the rotary epilogue, or None where a tile of `block_n` rows
+    cannot hold whole rotate-half pairs of one head. Raises on inconsistent operands."""
+    h, kvh, d = rotary.num_heads, rotary.num_kv_heads, rotary.head_dim
+    if d % 2 or n != (h + 2 * kvh) * d:
+        raise ValueError(f"a qkv weight of {n} rows does not hold {h} q and 2 x {kvh} kv heads of dim {d}")
+    if not (rotary.k_cache.is_contiguous() and rotary.v_cache.is_contiguous()):
+        raise ValueError("the KV caches of a layer must be contiguous")
+    for name, table in (("cos", rotary.cos), ("sin", rotary.sin)):
+        if table.dim() != 2 or table.shape[1] != d or not table.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous [positions, {d}] table, got {tuple(table.shape)}")
+    if rotary.positions.numel() < m or rotary.slot_mapping.numel() < m:
+        raise ValueError(f"{m} rows need as many positions and slots")
+    pairs = block_n // 2
+    if block_n % 2 or pairs == 0 or (d // 2) % pairs:
+        return None
+    return dict(
+        pos_ptr=rotary.positions.contiguous(), slot_ptr=rotary.slot_mapping.contiguous(), cos_ptr=rotary.cos,
+        sin_ptr=rotary.sin, kc_ptr=rotary.k_cache, vc_ptr=rotary.v_cache, ROTARY=True, HEADS=h, KV_HEADS=kvh,
+        HALF=d // 2,
+    )
+
+
 def launch(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: GemmConfig, gated: bool = False
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: GemmConfig, gated: bool = False,
+    rotary: RotaryArgs | None = None,
 ) -> torch.Tensor | None:
     """The skinny product with an explicit config; None where it cannot run (the caller
     falls back to cuBLAS): too many rows, a weight not stored row-major as `nn.Linear`
     keeps it, or split-K scratch missing during capture. `gated`: W stacks a gate and an
     up projection ([2I, K], as a fused gate_up_proj) and the result is silu(gate) * up
-    [M, I], computed in the product's epilogue; a split or a bias is not supported there."""
+    [M, I], computed in the product's epilogue; a split or a bias is not supported there.
+    `rotary`: W is a fused qkv projection and the result [M, q_size + 2 kv_size] holds q
+    and k rotated and v, which also go to the KV caches (see `RotaryArgs`); None where
+    BLOCK_N / 2 does not divide head_dim / 2."""
     m = x.shape[0]
     n, k = weight.shape
+    if gated and rotary is not None:
+        raise ValueError("a product is either gated or rotary")
     if m == 0 or m > MAX_ROWS or x.shape[1] != k or weight.stride() != (k, 1):
         return None
     if gated and (bias is not None or n % 2 or config.block_n < 2):
+        return None
+    rotary_args = {} if rotary is None else _rotary_operands(rotary, m, n, config.block_n)
+    if rotary_args is None:
         return None
     if bias is not None and bias.stride(0) != 1:
         bias = bias.contiguous()
@@ -218,7 +338,7 @@ def launch(
         HAS_BIAS=bias is not None, SPLIT=split > 1, EVEN_K=k % k_per_split == 0,
         BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, INTERPRET=_INTERPRET,
         PREFETCH_K=_prefetch_columns(weight, config), W_BYTES=weight.element_size(), GATED=gated,
-        num_warps=config.num_warps, num_stages=config.num_stages, **pdl.launch_args(x.device),
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl.launch_args(x.device), **rotary_args,
     )
     return y
 
@@ -253,21 +373,31 @@ _compiled: set[tuple] = set()
 
 
 def _compile_every_bucket(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                          gated: bool = False) -> None:
+                          gated: bool = False, rotary: RotaryArgs | None = None) -> None:
     """Launch each kernel variant this shape's table can pick (its config at BLOCK_M 16 and
     32) once, on the first eager call: a graph captured later for another row count then
-    finds its kernel compiled and loaded instead of compiling inside the capture."""
+    finds its kernel compiled and loaded instead of compiling inside the capture. A rotary
+    variant is launched with every slot -1, so it writes nothing to the caches."""
     key = (tuple(weight.shape), weight.dtype, x.device, bias is not None, gated)
+    if rotary is not None:
+        key += (rotary.num_heads, rotary.num_kv_heads, rotary.head_dim, rotary.k_cache.dtype)
     if key in _compiled or torch.cuda.is_current_stream_capturing():
         return
     _compiled.add(key)
+    if rotary is not None:
+        rotary = RotaryArgs(
+            rotary.num_heads, rotary.num_kv_heads, rotary.head_dim,
+            torch.zeros(MAX_ROWS, dtype=rotary.positions.dtype, device=x.device),
+            torch.full((MAX_ROWS,), -1, dtype=rotary.slot_mapping.dtype, device=x.device),
+            rotary.k_cache, rotary.v_cache, rotary.cos, rotary.sin,
+        )
     rows = torch.zeros((MAX_ROWS, weight.shape[1]), dtype=x.dtype, device=x.device)
     seen = set()
     for m in range(1, MAX_ROWS + 1):
         config = config_for(m, *weight.shape)
         if config is not None and (config, m <= 16) not in seen:
             seen.add((config, m <= 16))
-            launch(rows[:m], weight, bias, config, gated)
+            launch(rows[:m], weight, bias, config, gated, rotary)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -313,3 +443,41 @@ def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     from hybridd.model import triton_ops
 
     return triton_ops.silu_and_mul(linear(x, weight))
+
+
+def linear_rotary_write_kv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    positions: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The fused qkv projection of x [M, K] with RoPE and the KV-cache write in its
+    epilogue: (q [M, H, d], k [M, KVH, d], v [M, KVH, d]), q and k rotated, views of one
+    [M, q_size + 2 kv_size] buffer, with k and v stored at their slots (-1: nowhere), the
+    bits of `linear` then `triton_ops.rotary_write_kv`. None where the skinny kernel
+    cannot run (no table config for the shape and row count, too many rows, CPU tensors
+    without Triton's interpreter, a BLOCK_N that cannot hold whole rotate-half pairs):
+    the caller then runs the projection and `rotary_write_kv` itself."""
+    if x.dim() != 2 or not (x.is_cuda or _INTERPRET):
+        return None
+    config = config_for(x.shape[0], *weight.shape)
+    if config is None:
+        return None
+    rotary = RotaryArgs(num_heads, num_kv_heads, head_dim, positions, slot_mapping, k_cache, v_cache, cos, sin)
+    if x.is_cuda:
+        _compile_every_bucket(x, weight, bias, rotary=rotary)
+    y = launch(x, weight, bias, config, rotary=rotary)
+    if y is None:
+        return None
+    m = x.shape[0]
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    q, k, v = y.split([q_size, kv_size, kv_size], dim=-1)
+    return q.view(m, num_heads, head_dim), k.view(m, num_kv_heads, head_dim), v.view(m, num_kv_heads, head_dim)
