@@ -36,9 +36,10 @@ goes on; the JSON is rewritten after every part, so a killed run still leaves re
    `hybridd` part's figure with MPS off (CUDA only).
 7. `hybridd_pdl`: the same daemon with its fused kernels chained by programmatic
    dependent launch (`HYBRIDD_PDL=1`, hybridd/model/pdl.py), the same figures divided by
-   the `hybridd` part's without it (CUDA only). `hybridd_silu` likewise, with the MLP's
-   SiLU·mul computed in the gate/up projection's epilogue (`HYBRIDD_FUSE_SILU_AND_MUL=1`,
-   hybridd/model/triton_gemm.py) instead of its own kernel (CUDA only).
+   the `hybridd` part's without it (CUDA only). `hybridd_unfused` likewise, with no
+   neighbour fused into the skinny projections (`HYBRIDD_GEMM_FUSIONS=none`,
+   hybridd/model/fusions.py): each norm, RoPE with the KV write and SiLU·mul its own
+   kernel (CUDA only).
 8. `capture_evict`: prefill graphs captured while a decode stream runs, forced through
    the daemon by a small graph memory budget and prompts for the evicted bucket: ITL
    p99 during those captures / steady (scripts/bench_capture.py).
@@ -53,7 +54,7 @@ goes on; the JSON is rewritten after every part, so a killed run still leaves re
    warm up). Warm-up time reported. CUDA only.
 
 `--preset llama3-8b` (grouped-query attention with 8 KV heads, a 128256-token
-vocabulary) skips hybridd_eager, hybridd_mps, hybridd_pdl, hybridd_silu, capture_evict, in_process and
+vocabulary) skips hybridd_eager, hybridd_mps, hybridd_pdl, hybridd_unfused, capture_evict, in_process and
 the gateway by default (`--skip` replaces that list), so that each shape's command fits 10 minutes
 on an H200; give each shape its own `--out` and plot them together.
 
@@ -104,15 +105,15 @@ TINY_PRESET = dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, n
 
 # Estimated seconds per part on an H200 with the Llama-2-7B / Llama-3-8B shape (the budget check uses them).
 ESTIMATE_S_7B = {"ceilings": 8, "checkpoint": 60, "breakdown": 45, "hybridd_eager": 50, "hybridd": 100,
-                 "hybridd_mps": 60, "hybridd_pdl": 60, "hybridd_silu": 60, "capture_evict": 60, "in_process": 35,
+                 "hybridd_mps": 60, "hybridd_pdl": 60, "hybridd_unfused": 60, "capture_evict": 60, "in_process": 35,
                  "hf_eager": 45, "hf_static": 120}
 ESTIMATE_S_SMALL = {"ceilings": 3, "checkpoint": 5, "breakdown": 10, "hybridd_eager": 12, "hybridd": 20,
-                    "hybridd_mps": 20, "hybridd_pdl": 20, "hybridd_silu": 20, "capture_evict": 20, "in_process": 10,
+                    "hybridd_mps": 20, "hybridd_pdl": 20, "hybridd_unfused": 20, "capture_evict": 20, "in_process": 10,
                     "hf_eager": 8, "hf_static": 60}
 LARGE_PRESETS = ("llama2-7b", "llama3-8b")
 # What a preset measures unless --skip says otherwise: the second shape runs the parts that
 # show its kernels and latency (breakdown, TTFT, ITL, streams, peers), so that it fits 10 minutes.
-PRESET_SKIP = {"llama3-8b": ("hybridd_eager", "hybridd_mps", "hybridd_pdl", "hybridd_silu", "capture_evict",
+PRESET_SKIP = {"llama3-8b": ("hybridd_eager", "hybridd_mps", "hybridd_pdl", "hybridd_unfused", "capture_evict",
                              "in_process", "gateway")}
 # How a model is named in tables and plots: its shape, never the directory it was written to.
 SHAPE_NAMES = {"llama2-7b": "Llama-2-7B", "llama3-8b": "Llama-3-8B", "llama-1b": "Llama-1B", "small": "small",
@@ -653,11 +654,11 @@ def run_hybridd_pdl(args, model: Path, vocab: int, deadline: float, notes: list[
     run_hybridd_beside(args, model, vocab, deadline, notes, result, base, {"HYBRIDD_PDL": "1"}, {})
 
 
-def run_hybridd_silu(args, model: Path, vocab: int, deadline: float, notes: list[str], result: dict,
-                     base: dict) -> None:
-    """SiLU·mul in the gate/up projection's epilogue (`HYBRIDD_FUSE_SILU_AND_MUL=1`) against
-    the `hybridd` part (its own kernel after the projection)."""
-    run_hybridd_beside(args, model, vocab, deadline, notes, result, base, {"HYBRIDD_FUSE_SILU_AND_MUL": "1"}, {})
+def run_hybridd_unfused(args, model: Path, vocab: int, deadline: float, notes: list[str], result: dict,
+                        base: dict) -> None:
+    """No neighbours fused into the skinny projections (`HYBRIDD_GEMM_FUSIONS=none`) against
+    the `hybridd` part (the default fusions)."""
+    run_hybridd_beside(args, model, vocab, deadline, notes, result, base, {"HYBRIDD_GEMM_FUSIONS": "none"}, {})
 
 
 def beside_comparison(on: dict, off: dict) -> dict:
@@ -1068,7 +1069,7 @@ def render_table(results: dict) -> str:
                      f"{fmt(bc.get('first_token_after_capture_start_s'))} s after capture began")
         if bc.get("note"):
             lines.append(f"  note: {bc['note']}")
-    for name in ("hybridd", "hybridd_eager", "hybridd_mps", "hybridd_pdl", "hybridd_silu"):
+    for name in ("hybridd", "hybridd_eager", "hybridd_mps", "hybridd_pdl", "hybridd_unfused"):
         st = g(results, name, "startup")
         if st:
             lines.append(f"{name} start: spawn->ready {fmt(st['spawn_to_ready_s'])} s (imports "
@@ -1087,7 +1088,7 @@ def render_table(results: dict) -> str:
         lines += ["", f"where the step goes ({g(bd, 'decode_b1', 'source') or '-'}; each category against its own "
                       f"floor: bytes / copy bandwidth or FLOPs / matmul rate)"]
         lines += render_breakdown(bd)
-    for name, what in (("hybridd_mps", "MPS"), ("hybridd_pdl", "PDL"), ("hybridd_silu", "SiLU·mul epilogue")):
+    for name, what in (("hybridd_mps", "MPS"), ("hybridd_pdl", "PDL"), ("hybridd_unfused", "No fused neighbours")):
         vs = g(results, name, "vs_off")
         if vs:
             lines.append(f"{what} on vs off (client, batch 1): ITL p50 {fmt(vs['itl_p50_on_s'], 1e3, 3)} vs "
@@ -1201,7 +1202,7 @@ def main(argv: list[str] | None = None) -> int:
     cuda_only = {"in_process": "CUDA only", "hf_static": "CUDA only (reduce-overhead compiles to CUDA graphs)",
                  "hybridd_mps": "CUDA only (MPS is a CUDA feature)",
                  "hybridd_pdl": "CUDA only (programmatic dependent launch is a CUDA feature)",
-                 "hybridd_silu": "CUDA only (the fused epilogue is in the Triton projection)"}
+                 "hybridd_unfused": "CUDA only (the fusions are in the Triton projection)"}
     if args.hf_static_on_cpu:
         cuda_only.pop("hf_static")
     shared: dict[str, Any] = {}
@@ -1289,8 +1290,9 @@ def main(argv: list[str] | None = None) -> int:
                                                         results.get("hybridd", {})), needs=("model", "vocab"))
         part("hybridd_pdl", lambda out: run_hybridd_pdl(args, state["model"], vocab(), deadline, meta["notes"], out,
                                                         results.get("hybridd", {})), needs=("model", "vocab"))
-        part("hybridd_silu", lambda out: run_hybridd_silu(args, state["model"], vocab(), deadline, meta["notes"], out,
-                                                          results.get("hybridd", {})), needs=("model", "vocab"))
+        part("hybridd_unfused", lambda out: run_hybridd_unfused(args, state["model"], vocab(), deadline, meta["notes"],
+                                                                out, results.get("hybridd", {})),
+             needs=("model", "vocab"))
         part("capture_evict", lambda out: run_capture_evict(args, state["model"], vocab(), meta["notes"]),
              needs=("model", "vocab"))
 

@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from bench_graphs import copy_bandwidth, median_gpu_time  # noqa: E402
-from hybridd.model import pdl, triton_gemm, triton_ops  # noqa: E402
+from hybridd.model import fusions, pdl, triton_gemm  # noqa: E402
 from hybridd.model.triton_gemm import GemmConfig  # noqa: E402
 
 # name -> (N, K)
@@ -269,12 +269,14 @@ def compare(bw: float, results: dict) -> None:
 
 
 def decode_step(bw: float, results: dict, context: int = 512) -> None:
-    """One Llama-2-7B-shape decode step at batch 1 (graph replay): skinny kernels vs cuBLAS,
-    with SiLU·mul fused into the gate/up product or not, and chained with programmatic
-    dependent launch (with and without the GEMM's weight prefetch) where the GPU has it."""
-    defaults = pdl.ENABLED, triton_gemm.PREFETCH_COLUMNS, triton_gemm.FUSE_SILU_AND_MUL
+    """One Llama-2-7B-shape decode step at batch 1 (graph replay): cuBLAS projections, the
+    skinny kernels alone, and the skinny kernels with each set of fused neighbours
+    (`hybridd/model/fusions.py`), then the default set chained with programmatic dependent
+    launch where the GPU has it. RoPE and SiLU·mul fusions and PDL keep the plain skinny
+    step's bits; the norm fusion sums squares in another order, so its logits are
+    compared by relative difference and top-1."""
+    defaults = pdl.ENABLED, triton_gemm.PREFETCH_COLUMNS, fusions.ENABLED, triton_gemm._TABLE
     from hybridd.model import KVCache, StepInputs
-    from hybridd.model import ops as torch_ops
     from hybridd.model.config import ModelConfig
     from hybridd.model.llama import LlamaModel
 
@@ -286,49 +288,48 @@ def decode_step(bw: float, results: dict, context: int = 512) -> None:
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = LlamaModel(cfg, "cuda", max_positions=4096, kernels="triton").to(torch.bfloat16)
+        for layer in model.layers:  # norms of a trained model are not all ones
+            for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+                norm.weight.uniform_(0.5, 1.5)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     floor = weight_bytes / bw
     block = 16
     kv = KVCache.allocate(cfg, context // block + 2, block, torch.bfloat16, "cuda")
     step = StepInputs.decode([7], [context], [list(range(context // block + 1))], block).to("cuda")
     out = {}
-    baseline = None
-    # label -> (projection, SiLU·mul in the gate/up product's epilogue, PDL on, GEMM
-    # prefetch columns); neither the fusion nor PDL changes the arithmetic, so their logits
-    # must equal the plain skinny step's bit for bit.
-    variants = {"cublas": (torch_ops.linear, False, False, 0), "skinny": (triton_gemm.linear, False, False, 0),
-                "skinny+fused": (triton_gemm.linear, True, False, 0)}
+    # label -> (projections on the skinny kernel, fused neighbours, PDL on, GEMM prefetch columns)
+    variants = {"cublas": (False, "none", False, 0), "skinny": (True, "none", False, 0)}
+    for fused in ("norm", "rotary", "silu", "norm,rotary", "norm,rotary,silu"):
+        variants[f"skinny+{fused.replace(',', '+')}"] = (True, fused, False, 0)
     if pdl.supported(torch.device("cuda")):
-        variants |= {f"skinny+fused+pdl+prefetch{c}": (triton_gemm.linear, True, True, c) for c in (0, 512, 2048)}
+        variants |= {f"skinny+{fusions.DEFAULT.replace(',', '+')}+pdl+prefetch{c}": (True, fusions.DEFAULT, True, c)
+                     for c in (0, 512)}
     plain = None
-    for label, (lin, fused, with_pdl, prefetch) in variants.items():
-        model.kernels.linear = lin
-        model.kernels.linear_silu_and_mul = (triton_gemm.linear_silu_and_mul if lin is triton_gemm.linear
-                                             else lambda x, w: triton_ops.silu_and_mul(F.linear(x, w)))
-        triton_gemm.FUSE_SILU_AND_MUL = fused
-        pdl.ENABLED, triton_gemm.PREFETCH_COLUMNS = with_pdl, prefetch
-        with torch.no_grad():
-            eager = model.forward_logits(step, kv).clone()
+    try:
+        for label, (skinny, fused, with_pdl, prefetch) in variants.items():
+            triton_gemm._TABLE = defaults[3] if skinny else {}
+            fusions.ENABLED = fusions.parse(fused)
+            pdl.ENABLED, triton_gemm.PREFETCH_COLUMNS = with_pdl, prefetch
+            with torch.no_grad():
+                eager = model.forward_logits(step, kv).clone()
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    logits = model.forward_logits(step, kv)
+            graph.replay()
             torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                logits = model.forward_logits(step, kv)
-        graph.replay()
-        torch.cuda.synchronize()
-        agree = torch.equal(logits.argmax(-1), eager.argmax(-1))
-        if baseline is None:
-            baseline = logits.clone()
-        vs_cublas = ((logits - baseline).norm() / baseline.norm()).item()
-        if label == "skinny":
-            plain = logits.clone()
-        same = "" if label in ("cublas", "skinny") else f"; equal to the plain skinny step: {torch.equal(logits, plain)}"
-        out[label] = median_gpu_time(graph.replay, 30)
-        print(f"decode step {label:8s} {out[label] * 1e3:.3f} ms ({out[label] / floor:.3f}x floor); graph and eager "
-              f"top-1 agree: {agree}; logits vs the cuBLAS step: rel {vs_cublas:.2e}{same}", flush=True)
-        del graph
-    model.kernels.linear = triton_gemm.linear
-    model.kernels.linear_silu_and_mul = triton_gemm.linear_silu_and_mul
-    pdl.ENABLED, triton_gemm.PREFETCH_COLUMNS, triton_gemm.FUSE_SILU_AND_MUL = defaults
+            agree = torch.equal(logits.argmax(-1), eager.argmax(-1))
+            if plain is None or label == "skinny":
+                plain = logits.clone()
+            diff = ((logits - plain).norm() / plain.norm()).item()
+            top1 = torch.equal(logits.argmax(-1), plain.argmax(-1))
+            same = f"bit-equal {torch.equal(logits, plain)}, rel {diff:.2e}, top-1 {top1}"
+            out[label] = median_gpu_time(graph.replay, 30)
+            print(f"decode step {label:28s} {out[label] * 1e3:.3f} ms ({out[label] / floor:.3f}x floor); graph and "
+                  f"eager top-1 agree: {agree}; vs the plain skinny step: {same}", flush=True)
+            del graph
+    finally:
+        pdl.ENABLED, triton_gemm.PREFETCH_COLUMNS, fusions.ENABLED, triton_gemm._TABLE = defaults
     results["decode_step"] = {"floor_s": floor, "weight_bytes": weight_bytes, "context": context, **out}
     print(f"\ndecode step, Llama-2-7B shape, batch 1, context {context}: floor {floor * 1e3:.3f} ms; "
           + "; ".join(f"{k} {v * 1e3:.3f} ms ({v / floor:.3f}x floor)" for k, v in out.items()), flush=True)

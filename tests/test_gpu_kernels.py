@@ -170,6 +170,73 @@ def test_model_through_the_triton_kernels_matches_the_torch_path(tiny_model_dir)
     assert rel(logits["triton"], logits["torch"]) < (2e-2 if CUDA else 1e-4)
 
 
+def _steps_logits(model, kv_factory, device):
+    """Logits of a packed prefill of three prompts, then three decode steps of all three."""
+    prompts = [[5, 9, 3, 17, 2, 8, 11], [4, 30, 99] * 7, [7]]
+    tables = [[0, 1, 2], [3, 4, 5, 6, 7, 8], [9]]
+    decode_tokens = [[1, 2, 3], [40, 41, 42], [100, 101, 102]]
+    kv = kv_factory()
+    out = [model.forward_logits(StepInputs.prefill(prompts, tables, 4, device), kv)]
+    for i in range(3):
+        positions = [len(p) + i for p in prompts]
+        step = StepInputs.decode([t[i] for t in decode_tokens], positions, tables, 4, device)
+        out.append(model.forward_logits(step, kv))
+    return torch.cat(out), kv
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("enabled", ["norm", "rotary", "silu", "norm,rotary", "norm,rotary,silu"])
+def test_fused_neighbours_match_the_torch_path(tiny_model_dir, enabled, monkeypatch):
+    """Every projection of the tiny model on the skinny kernel (a table entry for each of
+    its shapes, the o_proj's split in K), with the named neighbours fused into it: the
+    logits of a 29-token prefill and three decode steps, and the KV caches they wrote,
+    equal the torch path's (float32 on the CPU; bf16 within a rounding step on the GPU).
+    The fused launches are counted, so a fallback to the separate kernels cannot pass."""
+    from hybridd.model import KVCache, fusions, load_model, triton_gemm
+    from hybridd.model.kernels import select_kernels
+    from hybridd.model.triton_gemm import GemmConfig
+
+    model = load_model(tiny_model_dir, dtype=DTYPE, device=DEVICE)
+    g = torch.Generator().manual_seed(3)
+    for layer in model.layers:  # a checkpoint's norms are all ones: the fusions must apply them
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            norm.weight.copy_(0.5 + torch.rand(norm.weight.shape, generator=g))
+    layer = model.layers[0]
+    table = {tuple(w.shape): [(32, GemmConfig(16, 32, 1))]
+             for w in (layer.qkv_proj.weight, layer.gate_up_proj.weight, layer.down_proj.weight)}
+    table[tuple(layer.o_proj.weight.shape)] = [(32, GemmConfig(16, 32, 2))]
+    monkeypatch.setattr(triton_gemm, "_TABLE", table)
+    monkeypatch.setattr(fusions, "ENABLED", fusions.parse(enabled))
+    launched = []
+    real_launch = triton_gemm.launch
+
+    def counting_launch(*args, **kwargs):
+        launched.append([k for k in ("gated", "rotary", "norm", "residual")
+                         if kwargs.get(k) is not None and kwargs.get(k) is not False])
+        return real_launch(*args, **kwargs)
+
+    monkeypatch.setattr(triton_gemm, "launch", counting_launch)
+
+    def kv_factory():
+        return KVCache.allocate(model.config, 10, 4, DTYPE, DEVICE)
+
+    model.kernels = select_kernels(DEVICE, "torch")
+    ref_logits, ref_kv = _steps_logits(model, kv_factory, DEVICE)
+    model.kernels = select_kernels(DEVICE, "triton")
+    logits, kv = _steps_logits(model, kv_factory, DEVICE)
+    assert rel(logits, ref_logits) < (2e-2 if CUDA else 1e-5)
+    for i in range(model.config.num_layers):
+        for got, want in zip(kv.layer(i), ref_kv.layer(i)):
+            assert rel(got, want) < (2e-2 if CUDA else 1e-5)
+    layers, steps = model.config.num_layers, 4
+    kinds = [k for call in launched for k in call]
+    expected = {"norm": 2 * layers * steps - steps, "residual": 2 * layers * steps,
+                "rotary": layers * steps, "gated": layers * steps}
+    for name in fusions.ENABLED:
+        for kind in {"norm": ("norm", "residual"), "rotary": ("rotary",), "silu": ("gated",)}[name]:
+            assert kinds.count(kind) == expected[kind], (kind, kinds.count(kind))
+
+
 # The shapes of the supported models on the GPU: Llama-2-7B (32 heads, 32 kv heads, d 128),
 # Llama-3-8B (32 / 8, d 128), and odd ones (d 64, GQA 8), over both block sizes.
 MODEL_SHAPES = [(32, 32, 128), (32, 8, 128), (16, 2, 64), (8, 8, 64)]

@@ -4,14 +4,19 @@ from __future__ import annotations
 
 import torch
 
-from hybridd.model.ops import TorchKernels
+from hybridd.model import fusions
+from hybridd.model.ops import ComposedSteps, TorchKernels
+from hybridd.model.residual_stream import ResidualStream
+from hybridd.model.rope import RotaryArgs
 
 
-class TritonKernels:
+class TritonKernels(ComposedSteps):
     """Fused Triton kernels for norms, RoPE with the KV write, SiLU·mul, paged attention
     (prefill over the packed step, decode over block tables; no sliding window) and the
-    projections of a few token rows (cuBLAS for more rows, or where it is faster), the
-    gate/up projection with SiLU·mul in its epilogue."""
+    projections of a few token rows (cuBLAS for more rows, or where it is faster). Where
+    a step's projection runs on the skinny kernel, its neighbours named in
+    `fusions.ENABLED` run inside it: the residual add and the norm, RoPE with the KV
+    write, SiLU·mul."""
 
     name = "triton"
 
@@ -28,6 +33,47 @@ class TritonKernels:
         self.linear_silu_and_mul = triton_gemm.linear_silu_and_mul
         self.prefill_attention = triton_attention.prefill_attention
         self.decode_attention = triton_attention.decode_attention
+        self._gemm = triton_gemm
+
+    def _input(self, stream: ResidualStream, weight: torch.Tensor, eps: float):
+        """(the rows a projection reads, the stream's value, the norm it applies itself or
+        None where those rows are normalised already)."""
+        if "norm" in fusions.ENABLED and stream.update is None and stream.sum_squares is not None:
+            return stream.base, stream.base, self._gemm.NormPrologue(weight, eps, stream.sum_squares)
+        x, base = self.stream_norm(stream, weight, eps)
+        return x, base, None
+
+    def _normalised(self, x: torch.Tensor, norm) -> torch.Tensor:
+        return x if norm is None else self.rms_norm(x, norm.weight, norm.eps)
+
+    def norm_qkv(self, stream, norm_weight, eps, weight, bias, rotary: RotaryArgs):
+        x, base, norm = self._input(stream, norm_weight, eps)
+        fuse_rotary = "rotary" in fusions.ENABLED
+        qkv = self._gemm.skinny(x, weight, bias, norm=norm, rotary=rotary if fuse_rotary else None)
+        if qkv is None:
+            fuse_rotary = False
+            qkv = self.linear(self._normalised(x, norm), weight, bias)
+        q, k, v = rotary.split_qkv(qkv)
+        if not fuse_rotary:
+            q, k = self.rotary_write_kv(rotary.positions, q, k, v, rotary.k_cache, rotary.v_cache,
+                                        rotary.slot_mapping, rotary.cos, rotary.sin)
+        return q, k, v, base
+
+    def norm_gate_up(self, stream, norm_weight, eps, weight):
+        x, base, norm = self._input(stream, norm_weight, eps)
+        gated = "silu" in fusions.ENABLED
+        y = self._gemm.skinny(x, weight, None, norm=norm, gated=gated)
+        if y is None:
+            return self.linear_silu_and_mul(self._normalised(x, norm), weight), base
+        return (y if gated else self.silu_and_mul(y)), base
+
+    def linear_add(self, x, weight, bias, base) -> ResidualStream:
+        if "norm" in fusions.ENABLED:
+            out = self._gemm.skinny(x, weight, bias, residual=base.contiguous())
+            if out is not None:
+                summed, sum_squares = out
+                return ResidualStream(summed, None, sum_squares)
+        return super().linear_add(x, weight, bias, base)
 
 
 Kernels = TorchKernels | TritonKernels

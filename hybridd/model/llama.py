@@ -16,7 +16,8 @@ from hybridd.model.config import ModelConfig
 from hybridd.model.errors import ModelLoadError, SequenceTooLongError
 from hybridd.model.kernels import Kernels, select_kernels
 from hybridd.model.kv_cache import KVCache
-from hybridd.model.rope import cos_sin_table
+from hybridd.model.residual_stream import ResidualStream
+from hybridd.model.rope import RotaryArgs, cos_sin_table
 from hybridd.model.step_inputs import StepInputs
 
 
@@ -39,7 +40,6 @@ class DecoderLayer(nn.Module):
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
         self.q_size = config.q_size
-        self.kv_size = config.kv_size
         self.scale = config.head_dim**-0.5
         self.input_layernorm = RMSNormWeight(config.hidden_size, config.rms_norm_eps)
         self.qkv_proj = nn.Linear(config.hidden_size, config.q_size + 2 * config.kv_size, bias=config.qkv_bias)
@@ -50,34 +50,26 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self,
-        hidden: torch.Tensor,
-        residual: torch.Tensor | None,
+        stream: ResidualStream,
         step: StepInputs,
         kv_cache: KVCache,
         ops: Kernels,
         rope: tuple[torch.Tensor, torch.Tensor],
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        t = hidden.shape[0]
-        norm = self.input_layernorm
-        if residual is None:
-            x, residual = ops.rms_norm(hidden, norm.weight, norm.eps), hidden
-        else:
-            x, residual = ops.add_rms_norm(hidden, residual, norm.weight, norm.eps)
-        qkv = ops.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+    ) -> ResidualStream:
+        t = stream.base.shape[0]
         k_cache, v_cache = kv_cache.layer(self.index)
-        q, k = ops.rotary_write_kv(step.positions, q, k, v, k_cache, v_cache, step.slot_mapping, *rope)
+        rotary = RotaryArgs(self.num_heads, self.num_kv_heads, self.head_dim, step.positions, step.slot_mapping,
+                            k_cache, v_cache, *rope)
+        norm = self.input_layernorm
+        q, k, v, base = ops.norm_qkv(stream, norm.weight, norm.eps, self.qkv_proj.weight, self.qkv_proj.bias, rotary)
         if step.is_prefill:
             o = ops.prefill_attention(q, k, v, step, self.scale, **self.window)
         else:
             o = ops.decode_attention(q, k_cache, v_cache, step.block_tables, step.seq_lens, self.scale, **self.window)
-        hidden = ops.linear(o.reshape(t, self.q_size), self.o_proj.weight, self.o_proj.bias)
+        stream = ops.linear_add(o.reshape(t, self.q_size), self.o_proj.weight, self.o_proj.bias, base)
         norm = self.post_attention_layernorm
-        x, residual = ops.add_rms_norm(hidden, residual, norm.weight, norm.eps)
-        return ops.linear(ops.linear_silu_and_mul(x, self.gate_up_proj.weight), self.down_proj.weight), residual
+        x, base = ops.norm_gate_up(stream, norm.weight, norm.eps, self.gate_up_proj.weight)
+        return ops.linear_add(x, self.down_proj.weight, None, base)
 
 
 class LlamaModel(nn.Module):
@@ -135,11 +127,10 @@ class LlamaModel(nn.Module):
             # Checked where it is free; on CUDA callers check lengths on the host (the
             # scheduler's max_model_len, greedy_generate) instead of syncing here.
             self.check_sequence_length(int(step.positions.max()) + 1)
-        hidden = self.embed_tokens(step.input_ids)
-        residual = None
+        stream = ResidualStream(self.embed_tokens(step.input_ids))
         for layer in self.layers:
-            hidden, residual = layer(hidden, residual, step, kv_cache, self.kernels, self.rope)
-        hidden, _ = self.kernels.add_rms_norm(hidden, residual, self.norm.weight, self.norm.eps)
+            stream = layer(stream, step, kv_cache, self.kernels, self.rope)
+        hidden, _ = self.kernels.stream_norm(stream, self.norm.weight, self.norm.eps)
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor, logits_indices: torch.Tensor | None = None) -> torch.Tensor:

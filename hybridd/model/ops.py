@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from hybridd.model import attention
+from hybridd.model.residual_stream import ResidualStream
+from hybridd.model.rope import RotaryArgs
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -71,7 +73,46 @@ def linear_silu_and_mul(x: torch.Tensor, gate_up_weight: torch.Tensor) -> torch.
     return silu_and_mul(linear(x, gate_up_weight))
 
 
-class TorchKernels:
+class ComposedSteps:
+    """A layer's steps between its attention and its MLP, composed from the primitive
+    kernels (`rms_norm`, `add_rms_norm`, `linear`, ...) of the class they are mixed into.
+    The Triton kernels fuse each step into one projection where they can and fall back
+    to these compositions where they cannot."""
+
+    def stream_norm(self, stream: ResidualStream, weight: torch.Tensor, eps: float):
+        """(RMSNorm of the stream's value, that value as one tensor)."""
+        if stream.update is None:
+            return self.rms_norm(stream.base, weight, eps), stream.base
+        return self.add_rms_norm(stream.update, stream.base, weight, eps)
+
+    def norm_qkv(
+        self, stream: ResidualStream, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+        bias: torch.Tensor | None, rotary: RotaryArgs,
+    ):
+        """The attention's input: (q [T, H, d] and k [T, KVH, d] rotated, v [T, KVH, d], the
+        stream's value), the fused qkv projection of the normalised stream, with k and v
+        stored in the KV caches at their slots."""
+        x, base = self.stream_norm(stream, norm_weight, eps)
+        q, k, v = rotary.split_qkv(self.linear(x, weight, bias))
+        q, k = self.rotary_write_kv(
+            rotary.positions, q, k, v, rotary.k_cache, rotary.v_cache, rotary.slot_mapping, rotary.cos, rotary.sin
+        )
+        return q, k, v, base
+
+    def norm_gate_up(self, stream: ResidualStream, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor):
+        """The MLP's input to its down projection, SiLU·mul of the fused gate/up projection
+        of the normalised stream, and the stream's value."""
+        x, base = self.stream_norm(stream, norm_weight, eps)
+        return self.linear_silu_and_mul(x, weight), base
+
+    def linear_add(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, base: torch.Tensor
+    ) -> ResidualStream:
+        """The stream after a projection whose output joins it (o_proj, down_proj)."""
+        return ResidualStream(base, self.linear(x, weight, bias))
+
+
+class TorchKernels(ComposedSteps):
     """The plain torch implementation of every per-layer operation."""
 
     name = "torch"

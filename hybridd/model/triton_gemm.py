@@ -30,8 +30,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from hybridd.model import pdl, split_scratch
+from hybridd.model import fusions, pdl, split_scratch
 from hybridd.model.pdl import wait_for_predecessor
+from hybridd.model.rope import RotaryArgs
 
 MAX_ROWS = 32
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -50,19 +51,28 @@ class GemmConfig:
 
 
 @triton.jit
-def _multiply_add(acc, w_rows, x_ptr, offs_m, k_idx, mask_m, mask_n, stride_xm, K, EVEN_K: tl.constexpr):
+def _multiply_add(acc, w_rows, x_ptr, offs_m, k_idx, mask_m, mask_n, stride_xm, K, EVEN_K: tl.constexpr,
+                  norm_w_ptr, inv_rms, NORM: tl.constexpr):
     """acc [BLOCK_N, BLOCK_M] += W[n, k_idx] @ x[m, k_idx].T; the weight is read once, so it
-    is evicted first."""
+    is evicted first. NORM: x's rows are RMS-normalised on the way in (their 1 / rms in
+    `inv_rms`, the norm's weight at `norm_w_ptr`), rounded where `triton_ops.rms_norm` rounds."""
     a_ptrs = x_ptr + offs_m[:, None] * stride_xm + k_idx[None, :]
     if EVEN_K:
         w = tl.load(w_rows + k_idx[None, :], mask=mask_n[:, None], other=0.0, eviction_policy="evict_first")
         a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
+        if NORM:
+            g = tl.load(norm_w_ptr + k_idx)
     else:
         mask_k = k_idx < K
         w = tl.load(
             w_rows + k_idx[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0, eviction_policy="evict_first"
         )
         a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        if NORM:
+            g = tl.load(norm_w_ptr + k_idx, mask=mask_k, other=0.0)
+    if NORM:
+        dt = a.dtype
+        a = (g.to(tl.float32)[None, :] * (a.to(tl.float32) * inv_rms[:, None]).to(dt).to(tl.float32)).to(dt)
     return tl.dot(w, tl.trans(a), acc)
 
 
@@ -72,6 +82,24 @@ def _store_out(y_ptr, b_ptr, acc, offs_m, offs_n, mask_m, mask_n, stride_ym, HAS
         acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
     ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
     tl.store(ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask_m[None, :] & mask_n[:, None])
+
+
+@triton.jit
+def _store_residual_add(y_ptr, b_ptr, res_ptr, stats_ptr, acc, offs_m, offs_n, pid_n, mask_m, mask_n, stride_ym,
+                        n_tiles, HAS_BIAS: tl.constexpr):
+    """y = residual + the product, rounded where the separate add rounds (the product in the
+    activation dtype, then the sum), and this tile's share of each row's sum of squares of
+    y in float32 at stats[m, pid_n]: the next projection's norm prologue adds the tiles up."""
+    dt = y_ptr.dtype.element_ty
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
+    offs = offs_m[None, :] * stride_ym + offs_n[:, None]
+    mask = mask_m[None, :] & mask_n[:, None]
+    r = tl.load(res_ptr + offs, mask=mask, other=0.0)
+    y = (r.to(tl.float32) + acc.to(dt).to(tl.float32)).to(dt)
+    tl.store(y_ptr + offs, y, mask=mask)
+    yf = y.to(tl.float32)
+    tl.store(stats_ptr + offs_m * n_tiles + pid_n, tl.sum(yf * yf, axis=0), mask=mask_m)
 
 
 @triton.jit
@@ -158,6 +186,8 @@ def _skinny_gemm_kernel(
     PDL: tl.constexpr, PREFETCH_K: tl.constexpr, W_BYTES: tl.constexpr, GATED: tl.constexpr,
     pos_ptr=None, slot_ptr=None, cos_ptr=None, sin_ptr=None, kc_ptr=None, vc_ptr=None,
     ROTARY: tl.constexpr = False, HEADS: tl.constexpr = 1, KV_HEADS: tl.constexpr = 1, HALF: tl.constexpr = 1,
+    stats_ptr=None, norm_w_ptr=None, n_stats=1, eps=0.0, res_ptr=None, stats_out_ptr=None,
+    NORM: tl.constexpr = False, STATS_PAD: tl.constexpr = 1, RESIDUAL: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -191,6 +221,14 @@ def _skinny_gemm_kernel(
         cols = tl.minimum(tl.minimum(k_per_split, K - k_start), PREFETCH_K)
         _prefetch_to_l2(rows, tl.full([BLOCK_N], 0, tl.int32) + cols * W_BYTES)
     wait_for_predecessor(PDL)
+    if NORM:
+        # 1 / rms of each x row from the partial sums of squares its producer stored.
+        j = tl.arange(0, STATS_PAD)
+        parts = tl.load(stats_ptr + offs_m[:, None] * n_stats + j[None, :],
+                        mask=mask_m[:, None] & (j < n_stats)[None, :], other=0.0)
+        inv_rms = 1.0 / tl.sqrt(tl.sum(parts, axis=1) / K + eps)
+    else:
+        inv_rms = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     # The last split may run past K: its loads there are masked off (EVEN_K: never happens).
     if INTERPRET:
@@ -198,11 +236,13 @@ def _skinny_gemm_kernel(
         # loop is not software-pipelined when compiled, so it serves the interpreter only.
         k = 0
         while k < k_per_split:
-            acc = _multiply_add(acc, w_rows, x_ptr, offs_m, k_start + k + offs_k, mask_m, mask_n, stride_xm, K, EVEN_K)
+            acc = _multiply_add(acc, w_rows, x_ptr, offs_m, k_start + k + offs_k, mask_m, mask_n, stride_xm, K, EVEN_K,
+                                norm_w_ptr, inv_rms, NORM)
             k += BLOCK_K
     else:
         for k in range(0, k_per_split, BLOCK_K):
-            acc = _multiply_add(acc, w_rows, x_ptr, offs_m, k_start + k + offs_k, mask_m, mask_n, stride_xm, K, EVEN_K)
+            acc = _multiply_add(acc, w_rows, x_ptr, offs_m, k_start + k + offs_k, mask_m, mask_n, stride_xm, K, EVEN_K,
+                                norm_w_ptr, inv_rms, NORM)
     if SPLIT:
         # Every split stores its partial; the last to arrive for this N tile sums the others
         # into its own, writes y and re-arms the counter for the next launch.
@@ -221,6 +261,9 @@ def _skinny_gemm_kernel(
                 _store_rotary_kv(y_ptr, b_ptr, acc, offs_m, offs_n, pid_n, mask_m, stride_ym, pos_ptr, slot_ptr,
                                  cos_ptr, sin_ptr, kc_ptr, vc_ptr, HAS_BIAS, HEADS, KV_HEADS, HALF, BLOCK_M,
                                  BLOCK_N // 2)
+            elif RESIDUAL:
+                _store_residual_add(y_ptr, b_ptr, res_ptr, stats_out_ptr, acc, offs_m, offs_n, pid_n, mask_m, mask_n,
+                                    stride_ym, tl.num_programs(0), HAS_BIAS)
             else:
                 _store_out(y_ptr, b_ptr, acc, offs_m, offs_n, mask_m, mask_n, stride_ym, HAS_BIAS)
     elif GATED:
@@ -228,6 +271,9 @@ def _skinny_gemm_kernel(
     elif ROTARY:
         _store_rotary_kv(y_ptr, b_ptr, acc, offs_m, offs_n, pid_n, mask_m, stride_ym, pos_ptr, slot_ptr, cos_ptr,
                          sin_ptr, kc_ptr, vc_ptr, HAS_BIAS, HEADS, KV_HEADS, HALF, BLOCK_M, BLOCK_N // 2)
+    elif RESIDUAL:
+        _store_residual_add(y_ptr, b_ptr, res_ptr, stats_out_ptr, acc, offs_m, offs_n, pid_n, mask_m, mask_n, stride_ym,
+                            tl.num_programs(0), HAS_BIAS)
     else:
         _store_out(y_ptr, b_ptr, acc, offs_m, offs_n, mask_m, mask_n, stride_ym, HAS_BIAS)
 
@@ -244,25 +290,6 @@ def _prefetch_columns(weight: torch.Tensor, config: GemmConfig) -> int:
     if not pdl.enabled(weight.device) or (k * size) % 16 or weight.data_ptr() % 16:
         return 0
     return max(0, PREFETCH_COLUMNS - PREFETCH_COLUMNS % (16 // size))
-
-
-@dataclass(frozen=True, eq=False)
-class RotaryArgs:
-    """The operands of the rotary epilogue of a fused qkv projection (W [q_size + 2 kv_size,
-    K], heads of `head_dim` rows stacked q, k, v): each token row m is rotated at
-    `positions[m]` with the float32 `cos`/`sin` tables [max_positions, head_dim], and its
-    rotated k and its v go to the paged caches at `slot_mapping[m]` (-1: nowhere), laid
-    out as `triton_ops.rotary_write_kv` stores them."""
-
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    positions: torch.Tensor
-    slot_mapping: torch.Tensor
-    k_cache: torch.Tensor
-    v_cache: torch.Tensor
-    cos: torch.Tensor
-    sin: torch.Tensor
 
 
 def _rotary_operands(rotary: RotaryArgs, m: int, n: int, block_n: int) -> dict | None:
@@ -288,10 +315,21 @@ def _rotary_operands(rotary: RotaryArgs, m: int, n: int, block_n: int) -> dict |
     )
 
 
+@dataclass(frozen=True, eq=False)
+class NormPrologue:
+    """The RMSNorm a product applies to its input rows on the way in: the norm's `weight`
+    [K] and `eps`, and the rows' sums of squares as their producer left them, in parts
+    (`sum_squares` [M, parts] float32, see `launch`'s `residual`)."""
+
+    weight: torch.Tensor
+    eps: float
+    sum_squares: torch.Tensor
+
+
 def launch(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: GemmConfig, gated: bool = False,
-    rotary: RotaryArgs | None = None,
-) -> torch.Tensor | None:
+    rotary: RotaryArgs | None = None, norm: NormPrologue | None = None, residual: torch.Tensor | None = None,
+):
     """The skinny product with an explicit config; None where it cannot run (the caller
     falls back to cuBLAS): too many rows, a weight not stored row-major as `nn.Linear`
     keeps it, or split-K scratch missing during capture. `gated`: W stacks a gate and an
@@ -299,11 +337,19 @@ def launch(
     [M, I], computed in the product's epilogue; a split or a bias is not supported there.
     `rotary`: W is a fused qkv projection and the result [M, q_size + 2 kv_size] holds q
     and k rotated and v, which also go to the KV caches (see `RotaryArgs`); None where
-    BLOCK_N / 2 does not divide head_dim / 2."""
+    BLOCK_N / 2 does not divide head_dim / 2. `norm`: x's rows are RMS-normalised in the
+    product's prologue (the bits of `triton_ops.rms_norm` then the product, but for the
+    order of the sum of squares). `residual` [M, N]: the result is (residual + x @ W.T,
+    its rows' sums of squares in parts [M, N tiles]), the parts a `NormPrologue` takes."""
     m = x.shape[0]
     n, k = weight.shape
-    if gated and rotary is not None:
-        raise ValueError("a product is either gated or rotary")
+    if gated + (rotary is not None) + (residual is not None) > 1:
+        raise ValueError("a product's epilogue is one of gated, rotary or residual")
+    if norm is not None and (norm.sum_squares.shape[0] < m or not norm.sum_squares.is_contiguous()
+                             or norm.weight.shape != (k,) or not norm.weight.is_contiguous()):
+        raise ValueError(f"a norm prologue for {m} rows of {k} needs their sums of squares and a contiguous [{k}] weight")
+    if residual is not None and (residual.shape != (m, n) or not residual.is_contiguous()):
+        raise ValueError(f"the residual of a [{m}, {n}] product must be a contiguous [{m}, {n}] tensor")
     if m == 0 or m > MAX_ROWS or x.shape[1] != k or weight.stride() != (k, 1):
         return None
     if gated and (bias is not None or n % 2 or config.block_n < 2):
@@ -332,6 +378,14 @@ def launch(
     else:
         ws, counts = x, x
     y = torch.empty((m, n // 2 if gated else n), dtype=x.dtype, device=x.device)
+    fused = {}
+    if norm is not None:
+        parts = norm.sum_squares
+        fused |= dict(stats_ptr=parts, norm_w_ptr=norm.weight, n_stats=parts.shape[1], eps=norm.eps, NORM=True,
+                      STATS_PAD=triton.next_power_of_2(parts.shape[1]))
+    if residual is not None:
+        sum_squares = torch.empty((m, tiles_n), dtype=torch.float32, device=x.device)
+        fused |= dict(res_ptr=residual, stats_out_ptr=sum_squares, RESIDUAL=True)
     _skinny_gemm_kernel[(tiles_n, split)](
         x, weight, bias if bias is not None else weight, y, ws, counts,
         m, n, k, k_per_split, split, x.stride(0), y.stride(0),
@@ -339,8 +393,9 @@ def launch(
         BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, INTERPRET=_INTERPRET,
         PREFETCH_K=_prefetch_columns(weight, config), W_BYTES=weight.element_size(), GATED=gated,
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl.launch_args(x.device), **rotary_args,
+        **fused,
     )
-    return y
+    return y if residual is None else (y, sum_squares)
 
 
 # (N, K) -> [(largest row count, config or None for cuBLAS), ...] ascending, from
@@ -372,15 +427,19 @@ def config_for(m: int, n: int, k: int) -> GemmConfig | None:
 _compiled: set[tuple] = set()
 
 
-def _compile_every_bucket(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                          gated: bool = False, rotary: RotaryArgs | None = None) -> None:
+def _compile_every_bucket(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool = False,
+                          rotary: RotaryArgs | None = None, norm: NormPrologue | None = None,
+                          residual: torch.Tensor | None = None) -> None:
     """Launch each kernel variant this shape's table can pick (its config at BLOCK_M 16 and
     32) once, on the first eager call: a graph captured later for another row count then
-    finds its kernel compiled and loaded instead of compiling inside the capture. A rotary
-    variant is launched with every slot -1, so it writes nothing to the caches."""
-    key = (tuple(weight.shape), weight.dtype, x.device, bias is not None, gated)
+    finds its kernel compiled and loaded instead of compiling inside the capture. The
+    launches run on zero rows; a rotary variant's slots are all -1, so it writes nothing
+    to the caches."""
+    key = (tuple(weight.shape), weight.dtype, x.device, bias is not None, gated, residual is not None)
     if rotary is not None:
         key += (rotary.num_heads, rotary.num_kv_heads, rotary.head_dim, rotary.k_cache.dtype)
+    if norm is not None:
+        key += (triton.next_power_of_2(norm.sum_squares.shape[1]), norm.weight.dtype)
     if key in _compiled or torch.cuda.is_current_stream_capturing():
         return
     _compiled.add(key)
@@ -391,55 +450,50 @@ def _compile_every_bucket(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
             torch.full((MAX_ROWS,), -1, dtype=rotary.slot_mapping.dtype, device=x.device),
             rotary.k_cache, rotary.v_cache, rotary.cos, rotary.sin,
         )
+    if norm is not None:
+        parts = torch.zeros((MAX_ROWS, norm.sum_squares.shape[1]), dtype=torch.float32, device=x.device)
+        norm = NormPrologue(norm.weight, norm.eps, parts)
     rows = torch.zeros((MAX_ROWS, weight.shape[1]), dtype=x.dtype, device=x.device)
+    sums = None if residual is None else torch.zeros((MAX_ROWS, weight.shape[0]), dtype=x.dtype, device=x.device)
     seen = set()
     for m in range(1, MAX_ROWS + 1):
         config = config_for(m, *weight.shape)
         if config is not None and (config, m <= 16) not in seen:
             seen.add((config, m <= 16))
-            launch(rows[:m], weight, bias, config, gated, rotary)
+            launch(rows[:m], weight, bias, config, gated, rotary, norm, None if sums is None else sums[:m])
+
+
+def skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, **fused):
+    """`launch` with the table's config for x's row count (the keywords: its `gated`,
+    `rotary`, `norm` or `residual`); None where there is none or the kernel cannot run
+    (also for CPU tensors outside Triton's interpreter)."""
+    if x.dim() != 2 or not (x.is_cuda or _INTERPRET):
+        return None
+    config = config_for(x.shape[0], *weight.shape)
+    if config is None:
+        return None
+    if x.is_cuda:
+        _compile_every_bucket(x, weight, bias, **fused)
+    return launch(x, weight, bias, config, **fused)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias) for x [M, K]; the skinny kernel where the table has a config."""
-    if x.dim() == 2 and x.is_cuda:
-        config = config_for(x.shape[0], *weight.shape)
-        if config is not None:
-            _compile_every_bucket(x, weight, bias)
-            y = launch(x, weight, bias, config)
-            if y is not None:
-                return y
+    if x.is_cuda:
+        y = skinny(x, weight, bias)
+        if y is not None:
+            return y
     return F.linear(x, weight, bias)
-
-
-# Whether `linear_silu_and_mul` computes SiLU·mul in the product's epilogue (one kernel)
-# or runs the separate kernel after it; the two give the same bits. Off unless
-# HYBRIDD_FUSE_SILU_AND_MUL=1: `python scripts/bench_gemm.py --skip-compare --decode-step`
-# on the H200 timed the fused 7B decode step 0.6 % slower than the two kernels (the
-# epilogue's shuffle of gate and up rows costs more than the launch it saves);
-# `scripts/bench.py`'s `hybridd_silu` part measures it at the client.
-def _switch(name: str) -> bool:
-    """An on/off environment variable: "1" or "0" (unset: "0")."""
-    value = os.environ.get(name, "0")
-    if value not in ("0", "1"):
-        raise ValueError(f"{name} must be 1 (on) or 0 (off), got {value!r}")
-    return value == "1"
-
-
-FUSE_SILU_AND_MUL = _switch("HYBRIDD_FUSE_SILU_AND_MUL")
 
 
 def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """silu(x @ W_gate.T) * (x @ W_up.T) for W = [W_gate; W_up] [2I, K] (a fused
-    gate_up_proj) and x [M, K]: one skinny kernel where the table has a config, else
-    the projection and then `triton_ops.silu_and_mul`."""
-    if FUSE_SILU_AND_MUL and x.dim() == 2 and x.is_cuda:
-        config = config_for(x.shape[0], *weight.shape)
-        if config is not None:
-            _compile_every_bucket(x, weight, None, gated=True)
-            y = launch(x, weight, None, config, gated=True)
-            if y is not None:
-                return y
+    gate_up_proj) and x [M, K]: one skinny kernel where the table has a config and the
+    SiLU·mul fusion is on, else the projection and then `triton_ops.silu_and_mul`."""
+    if "silu" in fusions.ENABLED and x.is_cuda:
+        y = skinny(x, weight, None, gated=True)
+        if y is not None:
+            return y
     from hybridd.model import triton_ops
 
     return triton_ops.silu_and_mul(linear(x, weight))
@@ -458,6 +512,7 @@ def linear_rotary_write_kv(
     v_cache: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
+    norm: NormPrologue | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """The fused qkv projection of x [M, K] with RoPE and the KV-cache write in its
     epilogue: (q [M, H, d], k [M, KVH, d], v [M, KVH, d]), q and k rotated, views of one
@@ -466,18 +521,7 @@ def linear_rotary_write_kv(
     cannot run (no table config for the shape and row count, too many rows, CPU tensors
     without Triton's interpreter, a BLOCK_N that cannot hold whole rotate-half pairs):
     the caller then runs the projection and `rotary_write_kv` itself."""
-    if x.dim() != 2 or not (x.is_cuda or _INTERPRET):
-        return None
-    config = config_for(x.shape[0], *weight.shape)
-    if config is None:
-        return None
     rotary = RotaryArgs(num_heads, num_kv_heads, head_dim, positions, slot_mapping, k_cache, v_cache, cos, sin)
-    if x.is_cuda:
-        _compile_every_bucket(x, weight, bias, rotary=rotary)
-    y = launch(x, weight, bias, config, rotary=rotary)
-    if y is None:
-        return None
-    m = x.shape[0]
-    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
-    q, k, v = y.split([q_size, kv_size, kv_size], dim=-1)
-    return q.view(m, num_heads, head_dim), k.view(m, num_kv_heads, head_dim), v.view(m, num_kv_heads, head_dim)
+    y = skinny(x, weight, bias, rotary=rotary, norm=norm)
+    return None if y is None else rotary.split_qkv(y)
+
