@@ -272,9 +272,10 @@ def decode_step(bw: float, results: dict, context: int = 512) -> None:
     """One Llama-2-7B-shape decode step at batch 1 (graph replay): cuBLAS projections, the
     skinny kernels alone, and the skinny kernels with each set of fused neighbours
     (`hybridd/model/fusions.py`), then the default set chained with programmatic dependent
-    launch where the GPU has it. RoPE and SiLU·mul fusions and PDL keep the plain skinny
-    step's bits; the norm fusion sums squares in another order, so its logits are
-    compared by relative difference and top-1."""
+    launch where the GPU has it. The norm weights are folded into the projections for all
+    of them (`LlamaModel.fold_norms`); the fusions change where products round, so each
+    step's logits are compared with the plain skinny step's by relative difference and
+    top-1."""
     defaults = pdl.ENABLED, triton_gemm.PREFETCH_COLUMNS, fusions.ENABLED, triton_gemm._TABLE
     from hybridd.model import KVCache, StepInputs
     from hybridd.model.config import ModelConfig
@@ -286,11 +287,12 @@ def decode_step(bw: float, results: dict, context: int = 512) -> None:
         "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16",
     })
     torch.manual_seed(0)
-    with torch.device("cuda"):
+    with torch.device("cuda"), torch.no_grad():
         model = LlamaModel(cfg, "cuda", max_positions=4096, kernels="triton").to(torch.bfloat16)
         for layer in model.layers:  # norms of a trained model are not all ones
             for norm in (layer.input_layernorm, layer.post_attention_layernorm):
                 norm.weight.uniform_(0.5, 1.5)
+        model.fold_norms()  # as load_model does for the Triton kernels; every variant runs the folded weights
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     floor = weight_bytes / bw
     block = 16
@@ -309,6 +311,7 @@ def decode_step(bw: float, results: dict, context: int = 512) -> None:
         for label, (skinny, fused, with_pdl, prefetch) in variants.items():
             triton_gemm._TABLE = defaults[3] if skinny else {}
             fusions.ENABLED = fusions.parse(fused)
+            model.kernels.norms_folded = "norm" in fusions.ENABLED
             pdl.ENABLED, triton_gemm.PREFETCH_COLUMNS = with_pdl, prefetch
             with torch.no_grad():
                 eager = model.forward_logits(step, kv).clone()

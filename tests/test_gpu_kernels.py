@@ -185,6 +185,32 @@ def _steps_logits(model, kv_factory, device):
 
 
 @torch.inference_mode()
+def test_folding_the_norms_keeps_the_function(tiny_model_dir):
+    """`fold_norms` moves each norm's weight into the projection after it: the same logits
+    (up to rounding) from the same steps, the norms' weights ones, the final norm kept."""
+    from hybridd.model import KVCache, load_model
+
+    model = load_model(tiny_model_dir, dtype=DTYPE, device=DEVICE, kernels="torch")
+    g = torch.Generator().manual_seed(5)
+    for layer in model.layers:
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            norm.weight.copy_(0.5 + torch.rand(norm.weight.shape, generator=g))
+    model.norm.weight.copy_(0.5 + torch.rand(model.norm.weight.shape, generator=g))
+    final = model.norm.weight.clone()
+
+    def kv_factory():
+        return KVCache.allocate(model.config, 10, 4, DTYPE, DEVICE)
+
+    before, _ = _steps_logits(model, kv_factory, DEVICE)
+    model.fold_norms()
+    after, _ = _steps_logits(model, kv_factory, DEVICE)
+    assert rel(after, before) < (2e-2 if CUDA else 1e-5)
+    assert all(bool((n.weight == 1).all()) for layer in model.layers
+               for n in (layer.input_layernorm, layer.post_attention_layernorm))
+    assert torch.equal(model.norm.weight, final)
+
+
+@torch.inference_mode()
 @pytest.mark.parametrize("enabled", ["norm", "rotary", "silu", "norm,rotary", "norm,rotary,silu"])
 def test_fused_neighbours_match_the_torch_path(tiny_model_dir, enabled, monkeypatch):
     """Every projection of the tiny model on the skinny kernel (a table entry for each of
@@ -201,6 +227,8 @@ def test_fused_neighbours_match_the_torch_path(tiny_model_dir, enabled, monkeypa
     for layer in model.layers:  # a checkpoint's norms are all ones: the fusions must apply them
         for norm in (layer.input_layernorm, layer.post_attention_layernorm):
             norm.weight.copy_(0.5 + torch.rand(norm.weight.shape, generator=g))
+    if "norm" in enabled:
+        model.fold_norms()  # on the model both paths then run: the torch path is the reference
     layer = model.layers[0]
     table = {tuple(w.shape): [(32, GemmConfig(16, 32, 1))]
              for w in (layer.qkv_proj.weight, layer.gate_up_proj.weight, layer.down_proj.weight)}
@@ -223,6 +251,7 @@ def test_fused_neighbours_match_the_torch_path(tiny_model_dir, enabled, monkeypa
     model.kernels = select_kernels(DEVICE, "torch")
     ref_logits, ref_kv = _steps_logits(model, kv_factory, DEVICE)
     model.kernels = select_kernels(DEVICE, "triton")
+    model.kernels.norms_folded = "norm" in enabled
     logits, kv = _steps_logits(model, kv_factory, DEVICE)
     assert rel(logits, ref_logits) < (2e-2 if CUDA else 1e-5)
     for i in range(model.config.num_layers):

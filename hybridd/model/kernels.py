@@ -34,17 +34,17 @@ class TritonKernels(ComposedSteps):
         self.prefill_attention = triton_attention.prefill_attention
         self.decode_attention = triton_attention.decode_attention
         self._gemm = triton_gemm
+        # Set by `LlamaModel.fold_norms`: the norms before qkv and gate/up have unit weights,
+        # theirs being folded into those projections, so the projections may apply them.
+        self.norms_folded = False
 
     def _input(self, stream: ResidualStream, weight: torch.Tensor, eps: float):
-        """(the rows a projection reads, the stream's value, the norm it applies itself or
-        None where those rows are normalised already)."""
-        if "norm" in fusions.ENABLED and stream.update is None and stream.sum_squares is not None:
-            return stream.base, stream.base, self._gemm.NormPrologue(weight, eps, stream.sum_squares)
+        """(the rows a projection reads, the stream's value, the folded norm it applies
+        itself, or None where those rows are normalised already)."""
+        if self.norms_folded and stream.update is None and stream.sum_squares is not None:
+            return stream.base, stream.base, self._gemm.FoldedNorm(eps, stream.sum_squares)
         x, base = self.stream_norm(stream, weight, eps)
         return x, base, None
-
-    def _normalised(self, x: torch.Tensor, norm) -> torch.Tensor:
-        return x if norm is None else self.rms_norm(x, norm.weight, norm.eps)
 
     def norm_qkv(self, stream, norm_weight, eps, weight, bias, rotary: RotaryArgs):
         x, base, norm = self._input(stream, norm_weight, eps)
@@ -52,7 +52,7 @@ class TritonKernels(ComposedSteps):
         qkv = self._gemm.skinny(x, weight, bias, norm=norm, rotary=rotary if fuse_rotary else None)
         if qkv is None:
             fuse_rotary = False
-            qkv = self.linear(self._normalised(x, norm), weight, bias)
+            qkv = self.linear(x if norm is None else self.rms_norm(x, norm_weight, eps), weight, bias)
         q, k, v = rotary.split_qkv(qkv)
         if not fuse_rotary:
             q, k = self.rotary_write_kv(rotary.positions, q, k, v, rotary.k_cache, rotary.v_cache,
@@ -64,11 +64,11 @@ class TritonKernels(ComposedSteps):
         gated = "silu" in fusions.ENABLED
         y = self._gemm.skinny(x, weight, None, norm=norm, gated=gated)
         if y is None:
-            return self.linear_silu_and_mul(self._normalised(x, norm), weight), base
+            return self.linear_silu_and_mul(x if norm is None else self.rms_norm(x, norm_weight, eps), weight), base
         return (y if gated else self.silu_and_mul(y)), base
 
     def linear_add(self, x, weight, bias, base) -> ResidualStream:
-        if "norm" in fusions.ENABLED:
+        if self.norms_folded:
             out = self._gemm.skinny(x, weight, bias, residual=base.contiguous())
             if out is not None:
                 summed, sum_squares = out

@@ -99,6 +99,20 @@ class LlamaModel(nn.Module):
         self.norm = RMSNormWeight(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
+    @torch.no_grad()
+    def fold_norms(self) -> None:
+        """Fold each layer's norm weights into the projection that reads the norm (W diag(g))
+        and make the norm's weight ones: the same function, rounded differently, whose norms
+        are one scale per row, which the Triton kernels apply inside the projections (the
+        `norm` fusion). Done once, after the weights are loaded; the final norm stays."""
+        for layer in self.layers:
+            for norm, proj in ((layer.input_layernorm, layer.qkv_proj),
+                               (layer.post_attention_layernorm, layer.gate_up_proj)):
+                proj.weight.mul_(norm.weight.to(proj.weight.dtype)[None, :])
+                norm.weight.fill_(1.0)
+        if hasattr(self.kernels, "norms_folded"):
+            self.kernels.norms_folded = True
+
     def check_sequence_length(self, length: int) -> None:
         """Refuse a sequence of `length` tokens that the RoPE table cannot position."""
         if length > self.max_positions:

@@ -16,6 +16,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from hybridd.log import get_logger
+from hybridd.model import fusions
 from hybridd.model.config import ModelConfig, parse_dtype
 from hybridd.model.errors import ModelLoadError
 from hybridd.model.llama import LlamaModel
@@ -159,6 +160,8 @@ def load_model(
         missing = sorted(expected)
         raise ModelLoadError(f"{model_dir}: checkpoint lacks tensor(s) {', '.join(missing[:8])}")
     model.eval()
+    if model.kernels.name == "triton" and "norm" in fusions.ENABLED:
+        model.fold_norms()
     log.info("model_loaded", path=str(model_dir), arch=config.architecture, dtype=str(dtype), device=str(device))
     return model
 

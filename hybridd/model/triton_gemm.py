@@ -51,28 +51,19 @@ class GemmConfig:
 
 
 @triton.jit
-def _multiply_add(acc, w_rows, x_ptr, offs_m, k_idx, mask_m, mask_n, stride_xm, K, EVEN_K: tl.constexpr,
-                  norm_w_ptr, inv_rms, NORM: tl.constexpr):
+def _multiply_add(acc, w_rows, x_ptr, offs_m, k_idx, mask_m, mask_n, stride_xm, K, EVEN_K: tl.constexpr):
     """acc [BLOCK_N, BLOCK_M] += W[n, k_idx] @ x[m, k_idx].T; the weight is read once, so it
-    is evicted first. NORM: x's rows are RMS-normalised on the way in (their 1 / rms in
-    `inv_rms`, the norm's weight at `norm_w_ptr`), rounded where `triton_ops.rms_norm` rounds."""
+    is evicted first."""
     a_ptrs = x_ptr + offs_m[:, None] * stride_xm + k_idx[None, :]
     if EVEN_K:
         w = tl.load(w_rows + k_idx[None, :], mask=mask_n[:, None], other=0.0, eviction_policy="evict_first")
         a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
-        if NORM:
-            g = tl.load(norm_w_ptr + k_idx)
     else:
         mask_k = k_idx < K
         w = tl.load(
             w_rows + k_idx[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0, eviction_policy="evict_first"
         )
         a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        if NORM:
-            g = tl.load(norm_w_ptr + k_idx, mask=mask_k, other=0.0)
-    if NORM:
-        dt = a.dtype
-        a = (g.to(tl.float32)[None, :] * (a.to(tl.float32) * inv_rms[:, None]).to(dt).to(tl.float32)).to(dt)
     return tl.dot(w, tl.trans(a), acc)
 
 
@@ -119,8 +110,25 @@ def _store_silu_and_mul(y_ptr, acc, offs_m, pid_n, mask_m, n_out, stride_ym, HAL
 
 
 @triton.jit
-def _store_rotary_kv(y_ptr, b_ptr, acc, offs_m, offs_n, pid_n, mask_m, stride_ym, pos_ptr, slot_ptr, cos_ptr,
-                     sin_ptr, kc_ptr, vc_ptr, HAS_BIAS: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
+def _rope_factors(pos_ptr, cos_ptr, sin_ptr, offs_m, mask_m, pid_n, dt: tl.constexpr, HALF: tl.constexpr,
+                  PAIRS: tl.constexpr):
+    """cos and sin of a rotary tile's dims [PAIRS, BLOCK_M] at each row's position, both
+    halves, rounded to the activation dtype first as torch rounds them (the tables are
+    float32 [positions, 2 * HALF]). Loaded before the product, so their latency hides
+    behind the weight stream."""
+    dims = (pid_n % (HALF // PAIRS)) * PAIRS + tl.arange(0, PAIRS)
+    pos = tl.load(pos_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
+    table = pos[None, :] * (2 * HALF) + dims[:, None]
+    c1 = tl.load(cos_ptr + table, mask=mask_m[None, :], other=0.0).to(dt).to(tl.float32)
+    c2 = tl.load(cos_ptr + table + HALF, mask=mask_m[None, :], other=0.0).to(dt).to(tl.float32)
+    s1 = tl.load(sin_ptr + table, mask=mask_m[None, :], other=0.0).to(dt).to(tl.float32)
+    s2 = tl.load(sin_ptr + table + HALF, mask=mask_m[None, :], other=0.0).to(dt).to(tl.float32)
+    return c1, c2, s1, s2
+
+
+@triton.jit
+def _store_rotary_kv(y_ptr, b_ptr, acc, offs_m, offs_n, pid_n, mask_m, stride_ym, rope, slot_ptr,
+                     kc_ptr, vc_ptr, HAS_BIAS: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
                      HALF: tl.constexpr, BLOCK_M: tl.constexpr, PAIRS: tl.constexpr):
     """A tile of the fused qkv projection whose rows alternate dim i, dim i + HALF of one
     head: RoPE on q and k heads (v as projected), written to y [M, q + 2 kv] where the
@@ -134,15 +142,8 @@ def _store_rotary_kv(y_ptr, b_ptr, acc, offs_m, offs_n, pid_n, mask_m, stride_ym
     x1, x2 = tl.split(tl.permute(tl.reshape(acc.to(dt), (PAIRS, 2, BLOCK_M)), (0, 2, 1)))
     head = pid_n // (HALF // PAIRS)
     dims = (pid_n % (HALF // PAIRS)) * PAIRS + tl.arange(0, PAIRS)
+    c1, c2, s1, s2 = rope
     if head < HEADS + KV_HEADS:
-        # cos/sin are float32 tables [positions, 2 * HALF]; torch rounds them to the
-        # activation dtype first.
-        pos = tl.load(pos_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
-        table = pos[None, :] * (2 * HALF) + dims[:, None]
-        c1 = tl.load(cos_ptr + table, mask=mask_m[None, :], other=0.0).to(dt).to(tl.float32)
-        c2 = tl.load(cos_ptr + table + HALF, mask=mask_m[None, :], other=0.0).to(dt).to(tl.float32)
-        s1 = tl.load(sin_ptr + table, mask=mask_m[None, :], other=0.0).to(dt).to(tl.float32)
-        s2 = tl.load(sin_ptr + table + HALF, mask=mask_m[None, :], other=0.0).to(dt).to(tl.float32)
         x1f = x1.to(tl.float32)
         x2f = x2.to(tl.float32)
         o1 = ((x1f * c1).to(dt).to(tl.float32) + (-(x2f * s1)).to(dt).to(tl.float32)).to(dt)
@@ -186,7 +187,7 @@ def _skinny_gemm_kernel(
     PDL: tl.constexpr, PREFETCH_K: tl.constexpr, W_BYTES: tl.constexpr, GATED: tl.constexpr,
     pos_ptr=None, slot_ptr=None, cos_ptr=None, sin_ptr=None, kc_ptr=None, vc_ptr=None,
     ROTARY: tl.constexpr = False, HEADS: tl.constexpr = 1, KV_HEADS: tl.constexpr = 1, HALF: tl.constexpr = 1,
-    stats_ptr=None, norm_w_ptr=None, n_stats=1, eps=0.0, res_ptr=None, stats_out_ptr=None,
+    stats_ptr=None, n_stats=1, eps=0.0, res_ptr=None, stats_out_ptr=None,
     NORM: tl.constexpr = False, STATS_PAD: tl.constexpr = 1, RESIDUAL: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
@@ -227,8 +228,11 @@ def _skinny_gemm_kernel(
         parts = tl.load(stats_ptr + offs_m[:, None] * n_stats + j[None, :],
                         mask=mask_m[:, None] & (j < n_stats)[None, :], other=0.0)
         inv_rms = 1.0 / tl.sqrt(tl.sum(parts, axis=1) / K + eps)
+    if ROTARY:
+        rope = _rope_factors(pos_ptr, cos_ptr, sin_ptr, offs_m, mask_m, pid_n, y_ptr.dtype.element_ty, HALF,
+                             BLOCK_N // 2)
     else:
-        inv_rms = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        rope = None
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     # The last split may run past K: its loads there are masked off (EVEN_K: never happens).
     if INTERPRET:
@@ -236,13 +240,15 @@ def _skinny_gemm_kernel(
         # loop is not software-pipelined when compiled, so it serves the interpreter only.
         k = 0
         while k < k_per_split:
-            acc = _multiply_add(acc, w_rows, x_ptr, offs_m, k_start + k + offs_k, mask_m, mask_n, stride_xm, K, EVEN_K,
-                                norm_w_ptr, inv_rms, NORM)
+            acc = _multiply_add(acc, w_rows, x_ptr, offs_m, k_start + k + offs_k, mask_m, mask_n, stride_xm, K, EVEN_K)
             k += BLOCK_K
     else:
         for k in range(0, k_per_split, BLOCK_K):
-            acc = _multiply_add(acc, w_rows, x_ptr, offs_m, k_start + k + offs_k, mask_m, mask_n, stride_xm, K, EVEN_K,
-                                norm_w_ptr, inv_rms, NORM)
+            acc = _multiply_add(acc, w_rows, x_ptr, offs_m, k_start + k + offs_k, mask_m, mask_n, stride_xm, K, EVEN_K)
+    if NORM:
+        # The norm's weight is folded into W (`LlamaModel.fold_norms`): what is left of it
+        # is one scale per row, which commutes with the product and with the split sum.
+        acc = acc * inv_rms[None, :]
     if SPLIT:
         # Every split stores its partial; the last to arrive for this N tile sums the others
         # into its own, writes y and re-arms the counter for the next launch.
@@ -258,9 +264,8 @@ def _skinny_gemm_kernel(
                 s += 1
             tl.atomic_xchg(count_ptr + pid_n, 0)
             if ROTARY:
-                _store_rotary_kv(y_ptr, b_ptr, acc, offs_m, offs_n, pid_n, mask_m, stride_ym, pos_ptr, slot_ptr,
-                                 cos_ptr, sin_ptr, kc_ptr, vc_ptr, HAS_BIAS, HEADS, KV_HEADS, HALF, BLOCK_M,
-                                 BLOCK_N // 2)
+                _store_rotary_kv(y_ptr, b_ptr, acc, offs_m, offs_n, pid_n, mask_m, stride_ym, rope, slot_ptr,
+                                 kc_ptr, vc_ptr, HAS_BIAS, HEADS, KV_HEADS, HALF, BLOCK_M, BLOCK_N // 2)
             elif RESIDUAL:
                 _store_residual_add(y_ptr, b_ptr, res_ptr, stats_out_ptr, acc, offs_m, offs_n, pid_n, mask_m, mask_n,
                                     stride_ym, tl.num_programs(0), HAS_BIAS)
@@ -269,8 +274,8 @@ def _skinny_gemm_kernel(
     elif GATED:
         _store_silu_and_mul(y_ptr, acc, offs_m, pid_n, mask_m, N // 2, stride_ym, BLOCK_N // 2, BLOCK_M)
     elif ROTARY:
-        _store_rotary_kv(y_ptr, b_ptr, acc, offs_m, offs_n, pid_n, mask_m, stride_ym, pos_ptr, slot_ptr, cos_ptr,
-                         sin_ptr, kc_ptr, vc_ptr, HAS_BIAS, HEADS, KV_HEADS, HALF, BLOCK_M, BLOCK_N // 2)
+        _store_rotary_kv(y_ptr, b_ptr, acc, offs_m, offs_n, pid_n, mask_m, stride_ym, rope, slot_ptr, kc_ptr,
+                         vc_ptr, HAS_BIAS, HEADS, KV_HEADS, HALF, BLOCK_M, BLOCK_N // 2)
     elif RESIDUAL:
         _store_residual_add(y_ptr, b_ptr, res_ptr, stats_out_ptr, acc, offs_m, offs_n, pid_n, mask_m, mask_n, stride_ym,
                             tl.num_programs(0), HAS_BIAS)
@@ -316,19 +321,19 @@ def _rotary_operands(rotary: RotaryArgs, m: int, n: int, block_n: int) -> dict |
 
 
 @dataclass(frozen=True, eq=False)
-class NormPrologue:
-    """The RMSNorm a product applies to its input rows on the way in: the norm's `weight`
-    [K] and `eps`, and the rows' sums of squares as their producer left them, in parts
-    (`sum_squares` [M, parts] float32, see `launch`'s `residual`)."""
+class FoldedNorm:
+    """The RMSNorm of a product's input rows, whose weight is folded into the product's W
+    (W diag(g)): what is left is each row's 1 / rms, from `eps` and the rows' sums of
+    squares as their producer left them, in parts (`sum_squares` [M, parts] float32, see
+    `launch`'s `residual`)."""
 
-    weight: torch.Tensor
     eps: float
     sum_squares: torch.Tensor
 
 
 def launch(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: GemmConfig, gated: bool = False,
-    rotary: RotaryArgs | None = None, norm: NormPrologue | None = None, residual: torch.Tensor | None = None,
+    rotary: RotaryArgs | None = None, norm: FoldedNorm | None = None, residual: torch.Tensor | None = None,
 ):
     """The skinny product with an explicit config; None where it cannot run (the caller
     falls back to cuBLAS): too many rows, a weight not stored row-major as `nn.Linear`
@@ -337,17 +342,15 @@ def launch(
     [M, I], computed in the product's epilogue; a split or a bias is not supported there.
     `rotary`: W is a fused qkv projection and the result [M, q_size + 2 kv_size] holds q
     and k rotated and v, which also go to the KV caches (see `RotaryArgs`); None where
-    BLOCK_N / 2 does not divide head_dim / 2. `norm`: x's rows are RMS-normalised in the
-    product's prologue (the bits of `triton_ops.rms_norm` then the product, but for the
-    order of the sum of squares). `residual` [M, N]: the result is (residual + x @ W.T,
-    its rows' sums of squares in parts [M, N tiles]), the parts a `NormPrologue` takes."""
+    BLOCK_N / 2 does not divide head_dim / 2. `norm`: x's rows are RMS-normalised, the
+    product of each row scaled by its 1 / rms, for a W that holds the norm's weight. `residual` [M, N]: the result is (residual + x @ W.T,
+    its rows' sums of squares in parts [M, N tiles]), the parts a `FoldedNorm` takes."""
     m = x.shape[0]
     n, k = weight.shape
     if gated + (rotary is not None) + (residual is not None) > 1:
         raise ValueError("a product's epilogue is one of gated, rotary or residual")
-    if norm is not None and (norm.sum_squares.shape[0] < m or not norm.sum_squares.is_contiguous()
-                             or norm.weight.shape != (k,) or not norm.weight.is_contiguous()):
-        raise ValueError(f"a norm prologue for {m} rows of {k} needs their sums of squares and a contiguous [{k}] weight")
+    if norm is not None and (norm.sum_squares.shape[0] < m or not norm.sum_squares.is_contiguous()):
+        raise ValueError(f"a folded norm of {m} rows needs their sums of squares, contiguous [{m}, parts]")
     if residual is not None and (residual.shape != (m, n) or not residual.is_contiguous()):
         raise ValueError(f"the residual of a [{m}, {n}] product must be a contiguous [{m}, {n}] tensor")
     if m == 0 or m > MAX_ROWS or x.shape[1] != k or weight.stride() != (k, 1):
@@ -381,7 +384,7 @@ def launch(
     fused = {}
     if norm is not None:
         parts = norm.sum_squares
-        fused |= dict(stats_ptr=parts, norm_w_ptr=norm.weight, n_stats=parts.shape[1], eps=norm.eps, NORM=True,
+        fused |= dict(stats_ptr=parts, n_stats=parts.shape[1], eps=norm.eps, NORM=True,
                       STATS_PAD=triton.next_power_of_2(parts.shape[1]))
     if residual is not None:
         sum_squares = torch.empty((m, tiles_n), dtype=torch.float32, device=x.device)
@@ -428,7 +431,7 @@ _compiled: set[tuple] = set()
 
 
 def _compile_every_bucket(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool = False,
-                          rotary: RotaryArgs | None = None, norm: NormPrologue | None = None,
+                          rotary: RotaryArgs | None = None, norm: FoldedNorm | None = None,
                           residual: torch.Tensor | None = None) -> None:
     """Launch each kernel variant this shape's table can pick (its config at BLOCK_M 16 and
     32) once, on the first eager call: a graph captured later for another row count then
@@ -439,7 +442,7 @@ def _compile_every_bucket(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     if rotary is not None:
         key += (rotary.num_heads, rotary.num_kv_heads, rotary.head_dim, rotary.k_cache.dtype)
     if norm is not None:
-        key += (triton.next_power_of_2(norm.sum_squares.shape[1]), norm.weight.dtype)
+        key += (triton.next_power_of_2(norm.sum_squares.shape[1]),)
     if key in _compiled or torch.cuda.is_current_stream_capturing():
         return
     _compiled.add(key)
@@ -452,7 +455,7 @@ def _compile_every_bucket(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
         )
     if norm is not None:
         parts = torch.zeros((MAX_ROWS, norm.sum_squares.shape[1]), dtype=torch.float32, device=x.device)
-        norm = NormPrologue(norm.weight, norm.eps, parts)
+        norm = FoldedNorm(norm.eps, parts)
     rows = torch.zeros((MAX_ROWS, weight.shape[1]), dtype=x.dtype, device=x.device)
     sums = None if residual is None else torch.zeros((MAX_ROWS, weight.shape[0]), dtype=x.dtype, device=x.device)
     seen = set()
@@ -512,7 +515,7 @@ def linear_rotary_write_kv(
     v_cache: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
-    norm: NormPrologue | None = None,
+    norm: FoldedNorm | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """The fused qkv projection of x [M, K] with RoPE and the KV-cache write in its
     epilogue: (q [M, H, d], k [M, KVH, d], v [M, KVH, d]), q and k rotated, views of one
