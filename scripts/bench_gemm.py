@@ -299,17 +299,26 @@ def decode_step(bw: float, results: dict, context: int = 512) -> None:
     kv = KVCache.allocate(cfg, context // block + 2, block, torch.bfloat16, "cuda")
     step = StepInputs.decode([7], [context], [list(range(context // block + 1))], block).to("cuda")
     out = {}
-    # label -> (projections on the skinny kernel, fused neighbours, PDL on, GEMM prefetch columns)
-    variants = {"cublas": (False, "none", False, 0), "skinny": (True, "none", False, 0)}
+    # label -> (projections on the skinny kernel, fused neighbours, PDL on, GEMM prefetch
+    # columns, table entries replaced)
+    variants = {"cublas": (False, "none", False, 0, {}), "skinny": (True, "none", False, 0, {})}
     for fused in ("norm", "rotary", "silu", "norm,rotary", "norm,rotary,silu"):
-        variants[f"skinny+{fused.replace(',', '+')}"] = (True, fused, False, 0)
+        variants[f"skinny+{fused.replace(',', '+')}"] = (True, fused, False, 0, {})
+    default = fusions.DEFAULT.replace(",", "+")
+    # The o and down projections fill only 64 of the GPU's multiprocessors with the table's
+    # configs; in the step (after attention, before a norm) more programs may pay.
+    o, down = (4096, 4096), (4096, 11008)
+    for name, shape, config in (("o split2", o, GemmConfig(64, 256, 2)), ("o bn32", o, GemmConfig(32, 256)),
+                                ("down split2", down, GemmConfig(64, 256, 2)), ("down bn32", down, GemmConfig(32, 256)),
+                                ("o+down split2", None, GemmConfig(64, 256, 2))):
+        shapes = (o, down) if shape is None else (shape,)
+        variants[f"skinny+{default} {name}"] = (True, fusions.DEFAULT, False, 0, {sh: [(32, config)] for sh in shapes})
     if pdl.supported(torch.device("cuda")):
-        variants |= {f"skinny+{fusions.DEFAULT.replace(',', '+')}+pdl+prefetch{c}": (True, fusions.DEFAULT, True, c)
-                     for c in (0, 512)}
+        variants |= {f"skinny+{default}+pdl+prefetch{c}": (True, fusions.DEFAULT, True, c, {}) for c in (0, 512)}
     plain = None
     try:
-        for label, (skinny, fused, with_pdl, prefetch) in variants.items():
-            triton_gemm._TABLE = defaults[3] if skinny else {}
+        for label, (skinny, fused, with_pdl, prefetch, overrides) in variants.items():
+            triton_gemm._TABLE = defaults[3] | overrides if skinny else {}
             fusions.ENABLED = fusions.parse(fused)
             model.kernels.norms_folded = "norm" in fusions.ENABLED
             pdl.ENABLED, triton_gemm.PREFETCH_COLUMNS = with_pdl, prefetch
@@ -328,7 +337,7 @@ def decode_step(bw: float, results: dict, context: int = 512) -> None:
             top1 = torch.equal(logits.argmax(-1), plain.argmax(-1))
             same = f"bit-equal {torch.equal(logits, plain)}, rel {diff:.2e}, top-1 {top1}"
             out[label] = median_gpu_time(graph.replay, 30)
-            print(f"decode step {label:28s} {out[label] * 1e3:.3f} ms ({out[label] / floor:.3f}x floor); graph and "
+            print(f"decode step {label:32s} {out[label] * 1e3:.3f} ms ({out[label] / floor:.3f}x floor); graph and "
                   f"eager top-1 agree: {agree}; vs the plain skinny step: {same}", flush=True)
             del graph
     finally:

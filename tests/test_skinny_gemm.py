@@ -54,6 +54,48 @@ def test_skinny_matches_linear_on_odd_shapes(m, n, k, split, bias):
     assert rel(out, F.linear(x, w, b)) < TOL
 
 
+@pytest.mark.parametrize(("m", "n", "k", "block_n", "split", "bias"),
+                         [(1, 48, 96, 16, 1, False), (5, 50, 200, 16, 3, True), (17, 64, 130, 32, 2, False),
+                          (32, 40, 64, 16, 1, True)])
+def test_residual_epilogue_adds_to_the_stream_and_leaves_its_sums_of_squares(m, n, k, block_n, split, bias):
+    """residual + x @ W.T (+ bias), and the parts of each row's sum of squares of that sum,
+    one per N tile: what the next projection's folded norm adds up."""
+    x, w, b = operands(m, n, k, bias, seed=m * 7 + n + k)
+    residual = torch.randn(m, n, dtype=DTYPE, device=DEVICE, generator=torch.Generator(device=DEVICE).manual_seed(m))
+    config = GemmConfig(block_n=block_n, block_k=32, split_k=split)
+    out = triton_gemm.launch(x, w, b, config, residual=residual)
+    assert out is not None
+    summed, parts = out
+    want = residual + F.linear(x, w, b)
+    assert summed.shape == (m, n) and parts.shape == (m, -(-n // block_n)) and parts.dtype == torch.float32
+    assert rel(summed, want) < TOL
+    assert rel(parts.sum(1), summed.float().pow(2).sum(1)) < 1e-5
+
+
+@pytest.mark.parametrize(("m", "k", "parts", "split"), [(1, 96, 6, 1), (5, 200, 13, 3), (17, 130, 1, 2)])
+def test_folded_norm_scales_each_row_by_its_inverse_rms(m, k, parts, split):
+    """A product whose W holds the norm's weight, over rows whose sums of squares come in
+    parts: rms_norm(x) (unit weight) @ W.T, the norm applied once per row."""
+    n = 48
+    x, w, _ = operands(m, n, k, False, seed=m + k)
+    squares = x.float().pow(2)
+    cuts = torch.linspace(0, k, parts + 1).long()
+    sums = torch.stack([squares[:, a:c].sum(1) for a, c in zip(cuts[:-1], cuts[1:])], dim=1).contiguous()
+    out = triton_gemm.launch(x, w, None, GemmConfig(16, 32, split), norm=triton_gemm.FoldedNorm(1e-5, sums))
+    want = F.linear(ref_ops.rms_norm(x, torch.ones(k, dtype=DTYPE, device=DEVICE), 1e-5), w)
+    assert rel(out, want) < TOL
+
+
+def test_fused_operands_are_checked():
+    x, w, _ = operands(4, 32, 64, False, seed=1)
+    with pytest.raises(ValueError, match="one of gated, rotary or residual"):
+        triton_gemm.launch(x, w, None, GemmConfig(16, 32), gated=True, residual=torch.zeros(4, 32))
+    with pytest.raises(ValueError, match=r"residual of a \[4, 32\] product must be a contiguous \[4, 32\] tensor"):
+        triton_gemm.launch(x, w, None, GemmConfig(16, 32), residual=torch.zeros(4, 16, dtype=DTYPE, device=DEVICE))
+    with pytest.raises(ValueError, match="folded norm of 4 rows needs their sums of squares"):
+        triton_gemm.launch(x, w, None, GemmConfig(16, 32), norm=triton_gemm.FoldedNorm(1e-5, torch.zeros(2, 3)))
+
+
 @pytest.mark.parametrize(("m", "inter", "k", "block_n"), [(1, 48, 96, 16), (5, 50, 200, 32), (17, 40, 130, 16),
                                                       (32, 64, 256, 64)])
 def test_gated_product_is_the_projection_then_silu_and_mul(m, inter, k, block_n):
@@ -183,6 +225,22 @@ def test_every_projection_shape_on_gpu(n, k):
         if n <= 16384:  # an uneven split (the last one partly past K); its partials fit the workspace
             split = triton_gemm.launch(x, w, None, GemmConfig(64, 128, split_k=3))
             assert split is not None and rel(split, ref) < TOL, m
+
+
+@pytest.mark.gpu
+def test_split_product_gives_the_same_bits_every_launch():
+    """The last split program to arrive sums the partials in split order, so the arrival
+    order, which varies from launch to launch, does not change a bit of the result (with
+    the residual epilogue too)."""
+    x, w, b = operands(5, 4096, 11008, False, seed=13)
+    residual = torch.randn(5, 4096, dtype=DTYPE, device=DEVICE)
+    config = GemmConfig(64, 256, split_k=8)
+    first = triton_gemm.launch(x, w, None, config)
+    first_sum, first_squares = triton_gemm.launch(x, w, None, config, residual=residual)
+    for _ in range(100):
+        assert torch.equal(triton_gemm.launch(x, w, None, config), first)
+        summed, squares = triton_gemm.launch(x, w, None, config, residual=residual)
+        assert torch.equal(summed, first_sum) and torch.equal(squares, first_squares)
 
 
 @pytest.mark.gpu
@@ -434,8 +492,8 @@ def test_rotary_epilogue_on_gpu_is_the_separate_kernels(model):
     16, 32} with padding slots: through the kernel (the table's config or a generic one)
     the plain product then `triton_ops.rotary_write_kv` (see `assert_same_or_a_rounding_step`),
     caches included;
-    through the dispatch the bits of `linear` then that kernel; with split K (whose float32
-    partials meet in arrival order) close to the torch reference."""
+    through the dispatch the bits of `linear` then that kernel; with split K close to the
+    torch reference."""
     from hybridd.model import triton_ops
 
     heads, kv_heads, d, k, bias = QKV_MODELS[model]

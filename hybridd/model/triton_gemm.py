@@ -250,17 +250,19 @@ def _skinny_gemm_kernel(
         # is one scale per row, which commutes with the product and with the split sum.
         acc = acc * inv_rms[None, :]
     if SPLIT:
-        # Every split stores its partial; the last to arrive for this N tile sums the others
-        # into its own, writes y and re-arms the counter for the next launch.
+        # Every split stores its partial; the last to arrive for this N tile sums them all,
+        # writes y and re-arms the counter for the next launch.
         ws_n = ws_ptr + offs_m[None, :] * N + offs_n[:, None]
         tl.store(ws_n + pid_k * BLOCK_M * N, acc, mask=mask_n[:, None])
         tl.debug_barrier()
         arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
         if arrived == split_k - 1:
+            # Summed in split order, whichever program arrived last: every launch gives the
+            # same bits.
+            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
             s = 0
             while s < split_k:
-                if s != pid_k:
-                    acc += tl.load(ws_n + s * BLOCK_M * N, mask=mask_n[:, None], other=0.0, cache_modifier=".cg")
+                acc += tl.load(ws_n + s * BLOCK_M * N, mask=mask_n[:, None], other=0.0, cache_modifier=".cg")
                 s += 1
             tl.atomic_xchg(count_ptr + pid_n, 0)
             if ROTARY:
