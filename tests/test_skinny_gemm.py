@@ -376,6 +376,18 @@ ROTARY_CASES = [
 ]
 
 
+def assert_matches_torch_rotary(x, w, b, r, q, k_rot, v):
+    """The fused result against F.linear then the torch `rotary_write_kv` on fresh caches
+    (returned): q, k, v and what went to the caches."""
+    ref = with_fresh_caches(r)
+    rq, rk, rv = qkv_views(F.linear(x, w, b), ref)
+    rq, rk = ref_ops.rotary_write_kv(ref.positions, rq, rk, rv, ref.k_cache, ref.v_cache, ref.slot_mapping, ref.cos,
+                                     ref.sin)
+    assert rel(q, rq) < TOL and rel(k_rot, rk) < TOL and rel(v, rv) < TOL
+    check_caches(r, k_rot, v)
+    return ref
+
+
 @pytest.mark.parametrize(("m", "heads", "kv_heads", "d", "k", "block_n", "split", "bias", "padded"), ROTARY_CASES)
 def test_rotary_epilogue_matches_linear_then_torch_rotary_write_kv(m, heads, kv_heads, d, k, block_n, split, bias,
                                                                    padded):
@@ -388,12 +400,7 @@ def test_rotary_epilogue_matches_linear_then_torch_rotary_write_kv(m, heads, kv_
     assert y is not None and y.shape == (m, w.shape[0]) and y.dtype == DTYPE
     q, k_rot, v = qkv_views(y, r)
 
-    ref = with_fresh_caches(r)
-    rq, rk, rv = qkv_views(F.linear(x, w, b), ref)
-    rq, rk = ref_ops.rotary_write_kv(ref.positions, rq, rk, rv, ref.k_cache, ref.v_cache, ref.slot_mapping, ref.cos,
-                                     ref.sin)
-    assert rel(q, rq) < TOL and rel(k_rot, rk) < TOL and rel(v, rv) < TOL
-    check_caches(r, k_rot, v)
+    ref = assert_matches_torch_rotary(x, w, b, r, q, k_rot, v)
     # The torch path parks padded rows in the scratch block (the last); the rest agrees.
     blocks = r.k_cache.shape[0] - 1
     real = r.slot_mapping >= 0
@@ -453,12 +460,7 @@ def test_linear_rotary_write_kv_dispatch(monkeypatch):
     q, k_rot, v = triton_gemm.linear_rotary_write_kv(*args)
     assert q.shape == (7, heads, d) and k_rot.shape == (7, kv_heads, d) and v.shape == (7, kv_heads, d)
     assert q.untyped_storage().data_ptr() == v.untyped_storage().data_ptr()
-    ref = with_fresh_caches(r)
-    rq, rk, rv = qkv_views(F.linear(x, w, b), ref)
-    rq, rk = ref_ops.rotary_write_kv(ref.positions, rq, rk, rv, ref.k_cache, ref.v_cache, ref.slot_mapping, ref.cos,
-                                     ref.sin)
-    assert rel(q, rq) < TOL and rel(k_rot, rk) < TOL and rel(v, rv) < TOL
-    check_caches(r, k_rot, v)
+    assert_matches_torch_rotary(x, w, b, r, q, k_rot, v)
     # Too many rows for the kernel: None.
     big = torch.zeros((33, k), dtype=DTYPE, device=DEVICE)
     assert triton_gemm.linear_rotary_write_kv(big, *args[1:]) is None
