@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hybridd import gemm_fusions
 from hybridd.protocol.supervisor import LOG_FORMATS, LOG_LEVELS
 from hybridd.runtime.buckets import DEFAULT_DECODE_BUCKETS, DEFAULT_PREFILL_BUCKETS
 
@@ -77,6 +78,10 @@ class Config:
     graph_memory_budget_mb: int = 1024
     compile_sampler: bool = True
     cuda_mps: str = "off"  # on: the workers share the GPU through a private MPS daemon (hybridd/cuda_mps.py)
+    # What the decode projections compute in their own kernel: norm, rotary, silu or none
+    # (hybridd/gemm_fusions.py).
+    gemm_fusions: str = gemm_fusions.DEFAULT
+    pdl: bool = False  # chain the fused Triton kernels by programmatic dependent launch (hybridd/model/pdl.py)
     # lifecycle: every deadline the supervisor applies is one of these
     startup_timeout_s: float = 900.0  # spawn to ready, per worker: loading, compiling, capturing
     heartbeat_interval_s: float = 0.25
@@ -140,6 +145,10 @@ class Config:
                 f"prefill_buckets: largest bucket {max(self.prefill_buckets)} exceeds max_prefill_tokens "
                 f"{self.max_prefill_tokens}"
             )
+        try:
+            gemm_fusions.parse(self.gemm_fusions)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         if self.cuda_mps not in ("on", "off"):
             raise ConfigError(f"cuda_mps must be on or off, got {self.cuda_mps!r}")
         if self.cuda_mps == "on" and self.device == "cpu":

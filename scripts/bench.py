@@ -35,10 +35,10 @@ goes on; the JSON is rewritten after every part, so a killed run still leaves re
    (`cuda_mps = "on"`): TTFT at 10 and 128 tokens and batch-1 ITL, each divided by the
    `hybridd` part's figure with MPS off (CUDA only).
 7. `hybridd_pdl`: the same daemon with its fused kernels chained by programmatic
-   dependent launch (`HYBRIDD_PDL=1`, hybridd/model/pdl.py), the same figures divided by
+   dependent launch (`pdl = true`, hybridd/model/pdl.py), the same figures divided by
    the `hybridd` part's without it (CUDA only). `hybridd_unfused` likewise, with no
-   neighbour fused into the skinny projections (`HYBRIDD_GEMM_FUSIONS=none`,
-   hybridd/model/fusions.py): each norm, RoPE with the KV write and SiLU·mul its own
+   neighbour fused into the skinny projections (`gemm_fusions = "none"`,
+   hybridd/gemm_fusions.py): each norm, RoPE with the KV write and SiLU·mul its own
    kernel (CUDA only).
 8. `capture_evict`: prefill graphs captured while a decode stream runs, forced through
    the daemon by a small graph memory budget and prompts for the evicted bucket: ITL
@@ -649,16 +649,16 @@ def run_hybridd_mps(args, model: Path, vocab: int, deadline: float, notes: list[
 
 def run_hybridd_pdl(args, model: Path, vocab: int, deadline: float, notes: list[str], result: dict,
                     base: dict) -> None:
-    """The fused kernels chained with programmatic dependent launch (`HYBRIDD_PDL=1`,
+    """The fused kernels chained with programmatic dependent launch (`pdl = true`,
     hybridd/model/pdl.py) against the `hybridd` part (without it)."""
-    run_hybridd_beside(args, model, vocab, deadline, notes, result, base, {"HYBRIDD_PDL": "1"}, {})
+    run_hybridd_beside(args, model, vocab, deadline, notes, result, base, {}, {"pdl": True})
 
 
 def run_hybridd_unfused(args, model: Path, vocab: int, deadline: float, notes: list[str], result: dict,
                         base: dict) -> None:
-    """No neighbours fused into the skinny projections (`HYBRIDD_GEMM_FUSIONS=none`) against
+    """No neighbours fused into the skinny projections (`gemm_fusions = "none"`) against
     the `hybridd` part (the default fusions)."""
-    run_hybridd_beside(args, model, vocab, deadline, notes, result, base, {"HYBRIDD_GEMM_FUSIONS": "none"}, {})
+    run_hybridd_beside(args, model, vocab, deadline, notes, result, base, {}, {"gemm_fusions": "none"})
 
 
 def beside_comparison(on: dict, off: dict) -> dict:

@@ -31,7 +31,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from bench_graphs import copy_bandwidth, median_gpu_time  # noqa: E402
-from hybridd.model import fusions, pdl, triton_gemm  # noqa: E402
+from hybridd import gemm_fusions  # noqa: E402
+from hybridd.model import pdl, triton_gemm  # noqa: E402
 from hybridd.model.triton_gemm import GemmConfig  # noqa: E402
 
 # name -> (N, K)
@@ -271,12 +272,12 @@ def compare(bw: float, results: dict) -> None:
 def decode_step(bw: float, results: dict, context: int = 512) -> None:
     """One Llama-2-7B-shape decode step at batch 1 (graph replay): cuBLAS projections, the
     skinny kernels alone, and the skinny kernels with each set of fused neighbours
-    (`hybridd/model/fusions.py`), then the default set chained with programmatic dependent
+    (`hybridd/gemm_fusions.py`), then the default set chained with programmatic dependent
     launch where the GPU has it. The norm weights are folded into the projections for all
     of them (`LlamaModel.fold_norms`); the fusions change where products round, so each
     step's logits are compared with the plain skinny step's by relative difference and
     top-1."""
-    defaults = pdl.ENABLED, triton_gemm.PREFETCH_COLUMNS, fusions.ENABLED, triton_gemm._TABLE
+    defaults = pdl.ENABLED, triton_gemm.PREFETCH_COLUMNS, gemm_fusions.ENABLED, triton_gemm._TABLE
     from hybridd.model import KVCache, StepInputs
     from hybridd.model.config import ModelConfig
     from hybridd.model.llama import LlamaModel
@@ -304,7 +305,7 @@ def decode_step(bw: float, results: dict, context: int = 512) -> None:
     variants = {"cublas": (False, "none", False, 0, {}), "skinny": (True, "none", False, 0, {})}
     for fused in ("norm", "rotary", "silu", "norm,rotary", "norm,rotary,silu"):
         variants[f"skinny+{fused.replace(',', '+')}"] = (True, fused, False, 0, {})
-    default = fusions.DEFAULT.replace(",", "+")
+    default = gemm_fusions.DEFAULT.replace(",", "+")
     # The o and down projections fill only 64 of the GPU's multiprocessors with the table's
     # configs; in the step (after attention, before a norm) more programs may pay.
     o, down = (4096, 4096), (4096, 11008)
@@ -312,15 +313,15 @@ def decode_step(bw: float, results: dict, context: int = 512) -> None:
                                 ("down split2", down, GemmConfig(64, 256, 2)), ("down bn32", down, GemmConfig(32, 256)),
                                 ("o+down split2", None, GemmConfig(64, 256, 2))):
         shapes = (o, down) if shape is None else (shape,)
-        variants[f"skinny+{default} {name}"] = (True, fusions.DEFAULT, False, 0, {sh: [(32, config)] for sh in shapes})
+        variants[f"skinny+{default} {name}"] = (True, gemm_fusions.DEFAULT, False, 0, {sh: [(32, config)] for sh in shapes})
     if pdl.supported(torch.device("cuda")):
-        variants |= {f"skinny+{default}+pdl+prefetch{c}": (True, fusions.DEFAULT, True, c, {}) for c in (0, 512)}
+        variants |= {f"skinny+{default}+pdl+prefetch{c}": (True, gemm_fusions.DEFAULT, True, c, {}) for c in (0, 512)}
     plain = None
     try:
         for label, (skinny, fused, with_pdl, prefetch, overrides) in variants.items():
             triton_gemm._TABLE = defaults[3] | overrides if skinny else {}
-            fusions.ENABLED = fusions.parse(fused)
-            model.kernels.norms_folded = "norm" in fusions.ENABLED
+            gemm_fusions.ENABLED = gemm_fusions.parse(fused)
+            model.kernels.norms_folded = "norm" in gemm_fusions.ENABLED
             pdl.ENABLED, triton_gemm.PREFETCH_COLUMNS = with_pdl, prefetch
             with torch.no_grad():
                 eager = model.forward_logits(step, kv).clone()
@@ -341,7 +342,7 @@ def decode_step(bw: float, results: dict, context: int = 512) -> None:
                   f"eager top-1 agree: {agree}; vs the plain skinny step: {same}", flush=True)
             del graph
     finally:
-        pdl.ENABLED, triton_gemm.PREFETCH_COLUMNS, fusions.ENABLED, triton_gemm._TABLE = defaults
+        pdl.ENABLED, triton_gemm.PREFETCH_COLUMNS, gemm_fusions.ENABLED, triton_gemm._TABLE = defaults
     results["decode_step"] = {"floor_s": floor, "weight_bytes": weight_bytes, "context": context, **out}
     print(f"\ndecode step, Llama-2-7B shape, batch 1, context {context}: floor {floor * 1e3:.3f} ms; "
           + "; ".join(f"{k} {v * 1e3:.3f} ms ({v / floor:.3f}x floor)" for k, v in out.items()), flush=True)

@@ -64,6 +64,10 @@ def test_config_file_from_environment_and_boolean_and_list_flags(toml):
         ("", {"HYBRIDD_BLOCK_SIZE": "0"}, [], "environment variable HYBRIDD_BLOCK_SIZE: block_size must be positive"),
         ("", {"HYBRIDD_MAX_BATCH": "many"}, [], "environment variable HYBRIDD_MAX_BATCH: setting 'max_batch' expects int"),
         ("", {"HYBRIDD_BOGUS": "1"}, [], "environment (HYBRIDD_*): unknown setting HYBRIDD_BOGUS"),
+        ('gemm_fusions = "norm,gelu"\n', {}, [],
+         "{file}: gemm_fusions must be a comma list of norm, rotary, silu or 'none', got 'norm,gelu'"),
+        ("", {"HYBRIDD_GEMM_FUSIONS": ""}, [], "environment variable HYBRIDD_GEMM_FUSIONS: gemm_fusions must be"),
+        ("", {"HYBRIDD_PDL": "maybe"}, [], "environment variable HYBRIDD_PDL: setting 'pdl' expects bool"),
         ("", {}, ["--max-batch", "x"], "command-line flag --max-batch: setting 'max_batch' expects int, got 'x'"),
         ("", {}, ["--dtype", "int4"], "command-line flag --dtype: dtype must be auto, float32, bfloat16 or float16"),
         ("", {}, ["--drain-timeout-s", "0"], "command-line flag --drain-timeout-s: drain_timeout_s must be positive"),
@@ -85,6 +89,22 @@ def test_bad_setting_names_the_field_and_its_source(tmp_path, file_text, env, fl
     assert result.output.startswith("hybridd: invalid configuration: ")
     assert expected.format(file=path) in result.output
     assert len(result.output.strip().splitlines()) == 1
+
+
+def test_kernel_settings_from_file_environment_and_flags(tmp_path):
+    """The fused neighbours of the projections and PDL are daemon settings like the others;
+    the graph generator applies them before it loads the model."""
+    result = _print_config([])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["gemm_fusions"] == "norm" and json.loads(result.output)["pdl"] is False
+    path = tmp_path / "k.toml"
+    path.write_text('gemm_fusions = "rotary,silu"\npdl = true\n')
+    config = json.loads(_print_config(["--config", str(path)]).output)
+    assert config["gemm_fusions"] == "rotary,silu" and config["pdl"] is True
+    config = json.loads(_print_config([], env={"HYBRIDD_GEMM_FUSIONS": "none", "HYBRIDD_PDL": "1"}).output)
+    assert config["gemm_fusions"] == "none" and config["pdl"] is True
+    config = json.loads(_print_config(["--gemm-fusions", "silu"], env={"HYBRIDD_GEMM_FUSIONS": "none"}).output)
+    assert config["gemm_fusions"] == "silu"
 
 
 def test_missing_config_file_is_named(tmp_path):

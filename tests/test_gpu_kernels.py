@@ -218,7 +218,8 @@ def test_fused_neighbours_match_the_torch_path(tiny_model_dir, enabled, monkeypa
     logits of a 29-token prefill and three decode steps, and the KV caches they wrote,
     equal the torch path's (float32 on the CPU; bf16 within a rounding step on the GPU).
     The fused launches are counted, so a fallback to the separate kernels cannot pass."""
-    from hybridd.model import KVCache, fusions, load_model, triton_gemm
+    from hybridd import gemm_fusions
+    from hybridd.model import KVCache, load_model, triton_gemm
     from hybridd.model.kernels import select_kernels
     from hybridd.model.triton_gemm import GemmConfig
 
@@ -234,7 +235,7 @@ def test_fused_neighbours_match_the_torch_path(tiny_model_dir, enabled, monkeypa
              for w in (layer.qkv_proj.weight, layer.gate_up_proj.weight, layer.down_proj.weight)}
     table[tuple(layer.o_proj.weight.shape)] = [(32, GemmConfig(16, 32, 2))]
     monkeypatch.setattr(triton_gemm, "_TABLE", table)
-    monkeypatch.setattr(fusions, "ENABLED", fusions.parse(enabled))
+    monkeypatch.setattr(gemm_fusions, "ENABLED", gemm_fusions.parse(enabled))
     launched = []
     real_launch = triton_gemm.launch
 
@@ -261,7 +262,7 @@ def test_fused_neighbours_match_the_torch_path(tiny_model_dir, enabled, monkeypa
     kinds = [k for call in launched for k in call]
     expected = {"norm": 2 * layers * steps - steps, "residual": 2 * layers * steps,
                 "rotary": layers * steps, "gated": layers * steps}
-    for name in fusions.ENABLED:
+    for name in gemm_fusions.ENABLED:
         for kind in {"norm": ("norm", "residual"), "rotary": ("rotary",), "silu": ("gated",)}[name]:
             assert kinds.count(kind) == expected[kind], (kind, kinds.count(kind))
 

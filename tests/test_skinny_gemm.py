@@ -13,7 +13,8 @@ from tests.triton_target import CUDA, DEVICE, DTYPE, rel, require_triton
 
 require_triton()
 
-from hybridd.model import fusions, split_scratch  # noqa: E402
+from hybridd import gemm_fusions  # noqa: E402
+from hybridd.model import split_scratch  # noqa: E402
 from hybridd.model import triton_gemm  # noqa: E402
 from hybridd.model.triton_gemm import GemmConfig  # noqa: E402
 
@@ -119,34 +120,17 @@ def test_gated_product_is_the_projection_then_silu_and_mul(m, inter, k, block_n)
 
 
 @pytest.mark.parametrize(("value", "enabled"), [
-    (None, fusions.DEFAULT), ("none", ""), ("silu", "silu"), ("norm, rotary,silu", "norm,rotary,silu"),
+    ("none", set()), ("silu", {"silu"}), ("norm, rotary,silu", {"norm", "rotary", "silu"}), ("norm", {"norm"}),
 ])
-def test_fusions_switch(value, enabled):
-    """HYBRIDD_GEMM_FUSIONS names the fused neighbours; unset, the default."""
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "HYBRIDD_GEMM_FUSIONS"}
-    if value is not None:
-        env["HYBRIDD_GEMM_FUSIONS"] = value
-    code = "from hybridd.model import fusions; print(','.join(sorted(fusions.ENABLED)))"
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == ",".join(sorted(filter(None, enabled.split(","))))
+def test_fusions_are_named_by_a_comma_list(value, enabled):
+    assert gemm_fusions.parse(value) == enabled
 
 
 @pytest.mark.parametrize("value", ["yes", "", "norm,gelu", "none,silu"])
-def test_fusions_switch_refuses_other_values(value):
-    import os
-    import subprocess
-    import sys
-
-    env = dict(os.environ, HYBRIDD_GEMM_FUSIONS=value)
-    out = subprocess.run([sys.executable, "-c", "import hybridd.model.triton_gemm"], env=env, capture_output=True,
-                         text=True, timeout=300)
-    assert out.returncode != 0
-    assert f"HYBRIDD_GEMM_FUSIONS must be a comma list of norm, rotary, silu or 'none', got {value!r}" in out.stderr
+def test_fusions_refuse_other_names(value):
+    with pytest.raises(ValueError, match=f"gemm_fusions must be a comma list of norm, rotary, silu or 'none', "
+                                         f"got {value!r}"):
+        gemm_fusions.parse(value)
 
 
 def test_gated_product_leaves_splits_and_biases_to_the_separate_kernels():
@@ -199,7 +183,7 @@ def test_gated_product_on_gpu_is_the_separate_kernels_bit_for_bit(n, k, monkeypa
     {1, 2, 7, 8, 16, 32}: the bits of the projection then the SiLU·mul kernel."""
     from hybridd.model import triton_ops
 
-    monkeypatch.setattr(fusions, "ENABLED", frozenset({"silu"}))
+    monkeypatch.setattr(gemm_fusions, "ENABLED", frozenset({"silu"}))
     x_full, w, _ = operands(32, n, k, False, seed=n)
     for m in (1, 2, 7, 8, 16, 32):
         x = x_full[:m]

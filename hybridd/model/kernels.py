@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from hybridd.model import fusions
+from hybridd import gemm_fusions
 from hybridd.model.ops import ComposedSteps, TorchKernels
 from hybridd.model.residual_stream import ResidualStream
 from hybridd.model.rope import RotaryArgs
@@ -15,7 +15,7 @@ class TritonKernels(ComposedSteps):
     (prefill over the packed step, decode over block tables; no sliding window) and the
     projections of a few token rows (cuBLAS for more rows, or where it is faster). Where
     a step's projection runs on the skinny kernel, its neighbours named in
-    `fusions.ENABLED` run inside it: the residual add and the norm, RoPE with the KV
+    `gemm_fusions.ENABLED` run inside it: the residual add and the norm, RoPE with the KV
     write, SiLU·mul."""
 
     name = "triton"
@@ -48,7 +48,7 @@ class TritonKernels(ComposedSteps):
 
     def norm_qkv(self, stream, norm_weight, eps, weight, bias, rotary: RotaryArgs):
         x, base, norm = self._input(stream, norm_weight, eps)
-        fuse_rotary = "rotary" in fusions.ENABLED
+        fuse_rotary = "rotary" in gemm_fusions.ENABLED
         qkv = self._gemm.skinny(x, weight, bias, norm=norm, rotary=rotary if fuse_rotary else None)
         if qkv is None:
             fuse_rotary = False
@@ -61,7 +61,7 @@ class TritonKernels(ComposedSteps):
 
     def norm_gate_up(self, stream, norm_weight, eps, weight):
         x, base, norm = self._input(stream, norm_weight, eps)
-        gated = "silu" in fusions.ENABLED
+        gated = "silu" in gemm_fusions.ENABLED
         y = self._gemm.skinny(x, weight, None, norm=norm, gated=gated)
         if y is None:
             return self.linear_silu_and_mul(x if norm is None else self.rms_norm(x, norm_weight, eps), weight), base

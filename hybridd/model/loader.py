@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from hybridd import gemm_fusions
 from hybridd.log import get_logger
-from hybridd.model import fusions
 from hybridd.model.config import ModelConfig, parse_dtype
 from hybridd.model.errors import ModelLoadError
 from hybridd.model.llama import LlamaModel
@@ -160,7 +160,7 @@ def load_model(
         missing = sorted(expected)
         raise ModelLoadError(f"{model_dir}: checkpoint lacks tensor(s) {', '.join(missing[:8])}")
     model.eval()
-    if model.kernels.name == "triton" and "norm" in fusions.ENABLED:
+    if model.kernels.name == "triton" and "norm" in gemm_fusions.ENABLED:
         model.fold_norms()
     log.info("model_loaded", path=str(model_dir), arch=config.architecture, dtype=str(dtype), device=str(device))
     return model

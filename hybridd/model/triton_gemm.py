@@ -30,7 +30,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from hybridd.model import fusions, pdl, split_scratch
+from hybridd import gemm_fusions
+from hybridd.model import pdl, split_scratch
 from hybridd.model.pdl import wait_for_predecessor
 from hybridd.model.rope import RotaryArgs
 
@@ -286,8 +287,10 @@ def _skinny_gemm_kernel(
 
 
 # Columns of its weight rows each program prefetches into L2 before waiting for the
-# previous kernel (0: none). The prefetch runs only under PDL, where the wait overlaps it.
-PREFETCH_COLUMNS = int(os.environ.get("HYBRIDD_GEMM_PREFETCH_K", "512"))
+# previous kernel (0: none). The prefetch runs only under PDL, where the wait overlaps it;
+# with 512 columns the 7B decode step measured 3 % slower than without
+# (`python scripts/bench_gemm.py --skip-compare --decode-step`), so none by default.
+PREFETCH_COLUMNS = 0
 
 
 def _prefetch_columns(weight: torch.Tensor, config: GemmConfig) -> int:
@@ -495,7 +498,7 @@ def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """silu(x @ W_gate.T) * (x @ W_up.T) for W = [W_gate; W_up] [2I, K] (a fused
     gate_up_proj) and x [M, K]: one skinny kernel where the table has a config and the
     SiLU·mul fusion is on, else the projection and then `triton_ops.silu_and_mul`."""
-    if "silu" in fusions.ENABLED and x.is_cuda:
+    if "silu" in gemm_fusions.ENABLED and x.is_cuda:
         y = skinny(x, weight, None, gated=True)
         if y is not None:
             return y

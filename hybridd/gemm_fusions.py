@@ -1,6 +1,6 @@
 """Which neighbours of a decode step's projections the skinny GEMM computes in its own
-prologue or epilogue (`hybridd/model/triton_gemm.py`), from HYBRIDD_GEMM_FUSIONS: a comma
-list of
+epilogue (`hybridd/model/triton_gemm.py`): the daemon's `gemm_fusions` setting
+(`HYBRIDD_GEMM_FUSIONS`), a comma list of
 
 - `norm`: the residual add and the RMSNorm: o_proj and down_proj add their output to the
   residual stream and leave each row's sum of squares in parts, and the next projection
@@ -13,28 +13,24 @@ or `none`. The fused kernels round in other places than the separate ones (the f
 weights, the product scaled after the sum); top-1 stays the same. The default is what
 measured fastest on the H200 (docs/benchmarks.md, "Fused neighbours"): the norm saves
 about 0.1 ms of a 7B decode step, RoPE with the KV write measured no faster than its own
-kernel and SiLU·mul slower.
+kernel and SiLU·mul slower. The graph generator sets `ENABLED` from its configuration
+before it loads the model; a program that loads a model itself may set it too.
 """
 
 from __future__ import annotations
-
-import os
 
 KNOWN = ("norm", "rotary", "silu")
 DEFAULT = "norm"
 
 
-def parse(value: str) -> frozenset[str]:
-    """The fusions a HYBRIDD_GEMM_FUSIONS value names; raises on anything else."""
+def parse(value: str, name: str = "gemm_fusions") -> frozenset[str]:
+    """The fusions `value` names; raises ValueError, naming the setting, on anything else."""
     names = [n.strip() for n in value.split(",") if n.strip()]
     if names == ["none"]:
         return frozenset()
-    unknown = [n for n in names if n not in KNOWN]
-    if unknown or not names:
-        raise ValueError(
-            f"HYBRIDD_GEMM_FUSIONS must be a comma list of {', '.join(KNOWN)} or 'none', got {value!r}"
-        )
+    if not names or any(n not in KNOWN for n in names):
+        raise ValueError(f"{name} must be a comma list of {', '.join(KNOWN)} or 'none', got {value!r}")
     return frozenset(names)
 
 
-ENABLED: frozenset[str] = parse(os.environ.get("HYBRIDD_GEMM_FUSIONS", DEFAULT))
+ENABLED: frozenset[str] = parse(DEFAULT)
