@@ -204,6 +204,7 @@ class ContextGenerator:
             ready, self.buffers, self.ctl, sampler, self.device,
             on_control=self._on_control, peer_alive=self._graph_alive,
             kv_cache=self.kv_arena.tensors["kv_cache"], while_launching=self._retire_landed,
+            while_waiting=self.link.heartbeat,
         )
         # Sessions are tracked from before each bind: a client already waiting connects
         # the moment the socket exists.

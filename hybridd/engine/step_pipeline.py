@@ -62,6 +62,7 @@ class StepPipeline:
         launch_timeout_s: float = 60.0,
         kv_cache: torch.Tensor | None = None,
         while_launching: Callable[[], None] | None = None,
+        while_waiting: Callable[[], None] | None = None,
     ):
         self.buffers = buffers
         self.kv_cache = kv_cache  # the KV arena [layers, 2, blocks + 1, ...], for copying forked blocks
@@ -76,6 +77,9 @@ class StepPipeline:
         # retires the steps that have landed): it runs after the step's sampling inputs
         # are built, since retiring a step appends to the sequences' output.
         self.while_launching = while_launching
+        # Called every 100 ms while a launch is awaited (the context generator's heartbeat:
+        # waiting on its peer, however long the step, is not being hung).
+        self.while_waiting = while_waiting
         self.cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
@@ -201,6 +205,8 @@ class StepPipeline:
             if message is None:
                 if not self.peer_alive() or time.monotonic() > deadline:
                     raise EngineDeadError(f"graph generator did not launch step {step_id}")
+                if self.while_waiting is not None:
+                    self.while_waiting()
                 continue
             if isinstance(message, control.Launched):
                 if message.step != step_id:
