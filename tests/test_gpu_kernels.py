@@ -170,10 +170,15 @@ def test_model_through_the_triton_kernels_matches_the_torch_path(tiny_model_dir)
     assert rel(logits["triton"], logits["torch"]) < (2e-2 if CUDA else 1e-4)
 
 
-def _steps_logits(model, kv_factory, device):
-    """Logits of a packed prefill of three prompts, then three decode steps of all three."""
-    prompts = [[5, 9, 3, 17, 2, 8, 11], [4, 30, 99] * 7, [7]]
-    tables = [[0, 1, 2], [3, 4, 5, 6, 7, 8], [9]]
+PROMPTS = [[5, 9, 3, 17, 2, 8, 11], [4, 30, 99] * 7, [7]]  # a 29-token prefill
+
+
+def _steps_logits(model, kv_factory, device, prompts=PROMPTS):
+    """Logits of a packed prefill of three prompts, then three decode steps of all three
+    (blocks of 4 slots, numbered in order; the cache needs 16 blocks at the most)."""
+    sizes = [-(-(len(p) + 3) // 4) for p in prompts]
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    tables = [list(range(start, start + size)) for start, size in zip(starts, sizes)]
     decode_tokens = [[1, 2, 3], [40, 41, 42], [100, 101, 102]]
     kv = kv_factory()
     out = [model.forward_logits(StepInputs.prefill(prompts, tables, 4, device), kv)]
@@ -182,6 +187,53 @@ def _steps_logits(model, kv_factory, device):
         step = StepInputs.decode([t[i] for t in decode_tokens], positions, tables, 4, device)
         out.append(model.forward_logits(step, kv))
     return torch.cat(out), kv
+
+
+def _fused_against_torch(tiny_model_dir, enabled, monkeypatch, shapes, prompts=PROMPTS):
+    """The tiny model (random norm weights, folded when `norm` is enabled) through the
+    Triton kernels with the skinny kernel for the projections `shapes` names (o_proj split
+    in K) and `enabled` fused, against the torch path on the same weights: logits and KV
+    caches. Returns the kinds of fused launches made."""
+    from hybridd import gemm_fusions
+    from hybridd.model import KVCache, load_model, triton_gemm
+    from hybridd.model.kernels import select_kernels
+    from hybridd.model.triton_gemm import GemmConfig
+
+    model = load_model(tiny_model_dir, dtype=DTYPE, device=DEVICE)
+    g = torch.Generator().manual_seed(3)
+    for layer in model.layers:  # a checkpoint's norms are all ones: the fusions must apply them
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            norm.weight.copy_(0.5 + torch.rand(norm.weight.shape, generator=g))
+    if "norm" in enabled:
+        model.fold_norms()  # on the model both paths then run: the torch path is the reference
+    layer = model.layers[0]
+    table = {tuple(getattr(layer, name).weight.shape): [(32, GemmConfig(16, 32, 2 if name == "o_proj" else 1))]
+             for name in shapes}
+    monkeypatch.setattr(triton_gemm, "_TABLE", table)
+    monkeypatch.setattr(gemm_fusions, "ENABLED", gemm_fusions.parse(enabled))
+    launched = []
+    real_launch = triton_gemm.launch
+
+    def counting_launch(*args, **kwargs):
+        launched.append([k for k in ("gated", "rotary", "norm", "residual")
+                         if kwargs.get(k) is not None and kwargs.get(k) is not False])
+        return real_launch(*args, **kwargs)
+
+    monkeypatch.setattr(triton_gemm, "launch", counting_launch)
+
+    def kv_factory():
+        return KVCache.allocate(model.config, 16, 4, DTYPE, DEVICE)
+
+    model.kernels = select_kernels(DEVICE, "torch")
+    ref_logits, ref_kv = _steps_logits(model, kv_factory, DEVICE, prompts)
+    model.kernels = select_kernels(DEVICE, "triton")
+    model.kernels.norms_folded = "norm" in enabled
+    logits, kv = _steps_logits(model, kv_factory, DEVICE, prompts)
+    assert rel(logits, ref_logits) < (2e-2 if CUDA else 1e-5)
+    for i in range(model.config.num_layers):
+        for got, want in zip(kv.layer(i), ref_kv.layer(i)):
+            assert rel(got, want) < (2e-2 if CUDA else 1e-5)
+    return [k for call in launched for k in call], model.config.num_layers
 
 
 @torch.inference_mode()
@@ -199,7 +251,7 @@ def test_folding_the_norms_keeps_the_function(tiny_model_dir):
     final = model.norm.weight.clone()
 
     def kv_factory():
-        return KVCache.allocate(model.config, 10, 4, DTYPE, DEVICE)
+        return KVCache.allocate(model.config, 16, 4, DTYPE, DEVICE)
 
     before, _ = _steps_logits(model, kv_factory, DEVICE)
     model.fold_norms()
@@ -211,60 +263,37 @@ def test_folding_the_norms_keeps_the_function(tiny_model_dir):
 
 
 @torch.inference_mode()
-@pytest.mark.parametrize("enabled", ["norm", "rotary", "silu", "norm,rotary", "norm,rotary,silu"])
+@pytest.mark.parametrize("enabled", ["norm", "rotary,silu", "norm,rotary,silu"])
 def test_fused_neighbours_match_the_torch_path(tiny_model_dir, enabled, monkeypatch):
     """Every projection of the tiny model on the skinny kernel (a table entry for each of
     its shapes, the o_proj's split in K), with the named neighbours fused into it: the
     logits of a 29-token prefill and three decode steps, and the KV caches they wrote,
     equal the torch path's (float32 on the CPU; bf16 within a rounding step on the GPU).
     The fused launches are counted, so a fallback to the separate kernels cannot pass."""
-    from hybridd import gemm_fusions
-    from hybridd.model import KVCache, load_model, triton_gemm
-    from hybridd.model.kernels import select_kernels
-    from hybridd.model.triton_gemm import GemmConfig
-
-    model = load_model(tiny_model_dir, dtype=DTYPE, device=DEVICE)
-    g = torch.Generator().manual_seed(3)
-    for layer in model.layers:  # a checkpoint's norms are all ones: the fusions must apply them
-        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
-            norm.weight.copy_(0.5 + torch.rand(norm.weight.shape, generator=g))
-    if "norm" in enabled:
-        model.fold_norms()  # on the model both paths then run: the torch path is the reference
-    layer = model.layers[0]
-    table = {tuple(w.shape): [(32, GemmConfig(16, 32, 1))]
-             for w in (layer.qkv_proj.weight, layer.gate_up_proj.weight, layer.down_proj.weight)}
-    table[tuple(layer.o_proj.weight.shape)] = [(32, GemmConfig(16, 32, 2))]
-    monkeypatch.setattr(triton_gemm, "_TABLE", table)
-    monkeypatch.setattr(gemm_fusions, "ENABLED", gemm_fusions.parse(enabled))
-    launched = []
-    real_launch = triton_gemm.launch
-
-    def counting_launch(*args, **kwargs):
-        launched.append([k for k in ("gated", "rotary", "norm", "residual")
-                         if kwargs.get(k) is not None and kwargs.get(k) is not False])
-        return real_launch(*args, **kwargs)
-
-    monkeypatch.setattr(triton_gemm, "launch", counting_launch)
-
-    def kv_factory():
-        return KVCache.allocate(model.config, 10, 4, DTYPE, DEVICE)
-
-    model.kernels = select_kernels(DEVICE, "torch")
-    ref_logits, ref_kv = _steps_logits(model, kv_factory, DEVICE)
-    model.kernels = select_kernels(DEVICE, "triton")
-    model.kernels.norms_folded = "norm" in enabled
-    logits, kv = _steps_logits(model, kv_factory, DEVICE)
-    assert rel(logits, ref_logits) < (2e-2 if CUDA else 1e-5)
-    for i in range(model.config.num_layers):
-        for got, want in zip(kv.layer(i), ref_kv.layer(i)):
-            assert rel(got, want) < (2e-2 if CUDA else 1e-5)
-    layers, steps = model.config.num_layers, 4
-    kinds = [k for call in launched for k in call]
+    kinds, layers = _fused_against_torch(tiny_model_dir, enabled, monkeypatch,
+                                         ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))
+    steps = 4
     expected = {"norm": 2 * layers * steps - steps, "residual": 2 * layers * steps,
                 "rotary": layers * steps, "gated": layers * steps}
-    for name in gemm_fusions.ENABLED:
+    for name in enabled.split(","):
         for kind in {"norm": ("norm", "residual"), "rotary": ("rotary",), "silu": ("gated",)}[name]:
             assert kinds.count(kind) == expected[kind], (kind, kinds.count(kind))
+
+
+@torch.inference_mode()
+def test_fused_steps_fall_back_where_the_kernel_cannot_run(tiny_model_dir, monkeypatch):
+    """Every fusion on and the norms folded, but gate/up without a skinny config and a
+    40-token prefill (more rows than the kernel takes): the steps that cannot fuse run
+    the separate kernels on the folded weights (unit-weight norms, the add where the
+    stream still carries it), and the logits and caches still equal the torch path's."""
+    prompts = [[5, 9, 3, 17, 2, 8, 11], [4, 30, 99] * 10, [7, 8]]
+    kinds, layers = _fused_against_torch(tiny_model_dir, "norm,rotary,silu", monkeypatch,
+                                         ("qkv_proj", "o_proj", "down_proj"), prompts)
+    decode_steps = 3
+    assert kinds.count("gated") == 0
+    assert kinds.count("residual") == 2 * layers * decode_steps  # o and down of each decode step
+    assert kinds.count("norm") == (layers - 1) * decode_steps  # qkv after down's fused add; gate/up falls back
+    assert kinds.count("rotary") == layers * decode_steps
 
 
 # The shapes of the supported models on the GPU: Llama-2-7B (32 heads, 32 kv heads, d 128),
