@@ -321,14 +321,6 @@ def rotary_case(m: int, heads: int, kv_heads: int, d: int, k: int, bias: bool, s
     return x, w, b, rotary
 
 
-def qkv_views(y: torch.Tensor, r):
-    q_size, kv_size = r.num_heads * r.head_dim, r.num_kv_heads * r.head_dim
-    q, k, v = y.split([q_size, kv_size, kv_size], dim=-1)
-    m = y.shape[0]
-    return (q.view(m, r.num_heads, r.head_dim), k.view(m, r.num_kv_heads, r.head_dim),
-            v.view(m, r.num_kv_heads, r.head_dim))
-
-
 def with_fresh_caches(r):
     """The same operands with caches of their own (sentinel-filled), for a second run."""
     from dataclasses import replace
@@ -364,7 +356,7 @@ def assert_matches_torch_rotary(x, w, b, r, q, k_rot, v):
     """The fused result against F.linear then the torch `rotary_write_kv` on fresh caches
     (returned): q, k, v and what went to the caches."""
     ref = with_fresh_caches(r)
-    rq, rk, rv = qkv_views(F.linear(x, w, b), ref)
+    rq, rk, rv = ref.split_qkv(F.linear(x, w, b))
     rq, rk = ref_ops.rotary_write_kv(ref.positions, rq, rk, rv, ref.k_cache, ref.v_cache, ref.slot_mapping, ref.cos,
                                      ref.sin)
     assert rel(q, rq) < TOL and rel(k_rot, rk) < TOL and rel(v, rv) < TOL
@@ -382,7 +374,7 @@ def test_rotary_epilogue_matches_linear_then_torch_rotary_write_kv(m, heads, kv_
     x, w, b, r = rotary_case(m, heads, kv_heads, d, k, bias, seed=m * 100 + d + k, padded=padded)
     y = triton_gemm.launch(x, w, b, GemmConfig(block_n=block_n, block_k=32, split_k=split), rotary=r)
     assert y is not None and y.shape == (m, w.shape[0]) and y.dtype == DTYPE
-    q, k_rot, v = qkv_views(y, r)
+    q, k_rot, v = r.split_qkv(y)
 
     ref = assert_matches_torch_rotary(x, w, b, r, q, k_rot, v)
     # The torch path parks padded rows in the scratch block (the last); the rest agrees.
@@ -406,9 +398,9 @@ def test_rotary_epilogue_is_the_projection_then_rotary_write_kv(m, heads, kv_hea
 
     x, w, b, r = rotary_case(m, heads, kv_heads, d, k, bias, seed=m + d + k, padded=padded)
     config = GemmConfig(block_n=block_n, block_k=32, split_k=split)
-    q, k_rot, v = qkv_views(triton_gemm.launch(x, w, b, config, rotary=r), r)
+    q, k_rot, v = r.split_qkv(triton_gemm.launch(x, w, b, config, rotary=r))
     sep = with_fresh_caches(r)
-    sq, sk, sv = qkv_views(triton_gemm.launch(x, w, b, config), sep)
+    sq, sk, sv = sep.split_qkv(triton_gemm.launch(x, w, b, config))
     sq, sk = triton_ops.rotary_write_kv(sep.positions, sq, sk, sv, sep.k_cache, sep.v_cache, sep.slot_mapping,
                                         sep.cos, sep.sin)
     if CUDA:
@@ -432,22 +424,28 @@ def test_rotary_epilogue_needs_tiles_of_whole_pairs_of_one_head():
         triton_gemm.launch(x, w[:-16], None, GemmConfig(block_n=16, block_k=32), rotary=r)
 
 
-def test_linear_rotary_write_kv_dispatch(monkeypatch):
-    """The public entry point takes the table's config (split here) and returns views of
-    one buffer; without a table entry it returns None and writes nothing."""
+def rotary_skinny(x, w, b, r):
+    """The table's skinny product with the rotary epilogue, as (q, k, v) views, or None."""
+    out = triton_gemm.skinny(x, w, b, rotary=r)
+    return None if out is None else r.split_qkv(out)
+
+
+def test_rotary_dispatch_takes_the_table_config(monkeypatch):
+    """Through `skinny` the rotary product takes the table's config (split here) and its
+    q, k and v are views of one buffer; without a table entry it returns None and writes
+    nothing."""
     heads, kv_heads, d, k = 4, 2, 16, 96
     x, w, b, r = rotary_case(7, heads, kv_heads, d, k, True, seed=21, padded=(4,))
-    args = (x, w, b, heads, kv_heads, d, r.positions, r.slot_mapping, r.k_cache, r.v_cache, r.cos, r.sin)
-    assert triton_gemm.linear_rotary_write_kv(*args) is None
+    assert rotary_skinny(x, w, b, r) is None
     assert bool((r.k_cache == SENTINEL).all())
     monkeypatch.setitem(triton_gemm._TABLE, tuple(w.shape), [(32, GemmConfig(16, 32, split_k=2))])
-    q, k_rot, v = triton_gemm.linear_rotary_write_kv(*args)
+    q, k_rot, v = rotary_skinny(x, w, b, r)
     assert q.shape == (7, heads, d) and k_rot.shape == (7, kv_heads, d) and v.shape == (7, kv_heads, d)
     assert q.untyped_storage().data_ptr() == v.untyped_storage().data_ptr()
     assert_matches_torch_rotary(x, w, b, r, q, k_rot, v)
     # Too many rows for the kernel: None.
     big = torch.zeros((33, k), dtype=DTYPE, device=DEVICE)
-    assert triton_gemm.linear_rotary_write_kv(big, *args[1:]) is None
+    assert rotary_skinny(big, w, b, r) is None
 
 
 def assert_same_or_a_rounding_step(got: torch.Tensor, want: torch.Tensor, what) -> None:
@@ -489,9 +487,9 @@ def test_rotary_epilogue_on_gpu_is_the_separate_kernels(model):
         x = x_full[:m]
         r = with_fresh_caches(r_full)
         config = triton_gemm.config_for(m, n, k) or GemmConfig(64, 128)
-        q, k_rot, v = qkv_views(triton_gemm.launch(x, w, b, config, rotary=r), r)
+        q, k_rot, v = r.split_qkv(triton_gemm.launch(x, w, b, config, rotary=r))
         sep = with_fresh_caches(r)
-        sq, sk, sv = qkv_views(triton_gemm.launch(x, w, b, config), sep)
+        sq, sk, sv = sep.split_qkv(triton_gemm.launch(x, w, b, config))
         sq, sk = triton_ops.rotary_write_kv(sep.positions[:m], sq, sk, sv, sep.k_cache, sep.v_cache,
                                             sep.slot_mapping[:m], sep.cos, sep.sin)
         for name, got, want in (("q", q, sq), ("k", k_rot, sk), ("v", v, sv), ("k cache", r.k_cache, sep.k_cache),
@@ -499,7 +497,7 @@ def test_rotary_epilogue_on_gpu_is_the_separate_kernels(model):
             assert_same_or_a_rounding_step(got, want, (m, name))
 
         ref = with_fresh_caches(r)
-        rq, rk, rv = qkv_views(F.linear(x, w, b), ref)
+        rq, rk, rv = ref.split_qkv(F.linear(x, w, b))
         rq, rk = ref_ops.rotary_write_kv(ref.positions[:m], rq, rk, rv, ref.k_cache, ref.v_cache,
                                          ref.slot_mapping[:m], ref.cos, ref.sin)
         assert rel(q, rq) < 2 * TOL and rel(k_rot, rk) < 2 * TOL and rel(v, rv) < TOL, m
@@ -507,7 +505,7 @@ def test_rotary_epilogue_on_gpu_is_the_separate_kernels(model):
         split = with_fresh_caches(r)
         out = triton_gemm.launch(x, w, b, GemmConfig(64, 128, split_k=3), rotary=split)
         assert out is not None, m
-        pq, pk, pv = qkv_views(out, split)
+        pq, pk, pv = split.split_qkv(out)
         assert rel(pq, rq) < 2 * TOL and rel(pk, rk) < 2 * TOL and rel(pv, rv) < TOL, m
         real = split.slot_mapping[:m] >= 0
         flat_k = split.k_cache.view(-1, kv_heads, d)
@@ -515,9 +513,7 @@ def test_rotary_epilogue_on_gpu_is_the_separate_kernels(model):
 
         if triton_gemm.config_for(m, n, k) is not None:
             disp = with_fresh_caches(r)
-            fq, fk, fv = triton_gemm.linear_rotary_write_kv(x, w, b, heads, kv_heads, d, disp.positions[:m],
-                                                            disp.slot_mapping[:m], disp.k_cache, disp.v_cache,
-                                                            disp.cos, disp.sin)
+            fq, fk, fv = rotary_skinny(x, w, b, disp)
             assert torch.equal(fq, q) and torch.equal(fk, k_rot) and torch.equal(fv, v), m
             assert torch.equal(disp.k_cache, r.k_cache) and torch.equal(disp.v_cache, r.v_cache), m
 
@@ -530,8 +526,7 @@ def test_rotary_epilogue_captures_after_one_eager_call():
     x, w, b, r = rotary_case(32, heads, kv_heads, d, k, True, seed=29, padded=(7,))  # a bias: fresh kernels
 
     def call(rows: int, rr):
-        return triton_gemm.linear_rotary_write_kv(x[:rows], w, b, heads, kv_heads, d, rr.positions[:rows],
-                                                  rr.slot_mapping[:rows], rr.k_cache, rr.v_cache, rr.cos, rr.sin)
+        return rotary_skinny(x[:rows], w, b, rr)
 
     assert call(1, with_fresh_caches(r)) is not None
     torch.cuda.synchronize()

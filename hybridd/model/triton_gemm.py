@@ -12,7 +12,7 @@ shape: safe to capture in a CUDA graph. For a fused gate/up projection the kerne
 also compute the MLP's SiLU·mul in its epilogue (`linear_silu_and_mul`): each tile takes
 its rows alternately from the gate and the up half of W, so it holds both halves of its
 output columns. For the fused qkv projection it can apply RoPE and store k and v in the
-paged KV caches in its epilogue (`linear_rotary_write_kv`): each tile pairs dim i of a
+paged KV caches in its epilogue (`launch`'s `rotary`): each tile pairs dim i of a
 head with dim i + d/2 of the same head, so it holds both rotate-half partners.
 
 Configs per (N, K) and row count come from `scripts/bench_gemm.py`'s sweep on the H200
@@ -505,31 +505,4 @@ def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     from hybridd.model import triton_ops
 
     return triton_ops.silu_and_mul(linear(x, weight))
-
-
-def linear_rotary_write_kv(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    positions: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    norm: FoldedNorm | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """The fused qkv projection of x [M, K] with RoPE and the KV-cache write in its
-    epilogue: (q [M, H, d], k [M, KVH, d], v [M, KVH, d]), q and k rotated, views of one
-    [M, q_size + 2 kv_size] buffer, with k and v stored at their slots (-1: nowhere), the
-    bits of `linear` then `triton_ops.rotary_write_kv`. None where the skinny kernel
-    cannot run (no table config for the shape and row count, too many rows, CPU tensors
-    without Triton's interpreter, a BLOCK_N that cannot hold whole rotate-half pairs):
-    the caller then runs the projection and `rotary_write_kv` itself."""
-    rotary = RotaryArgs(num_heads, num_kv_heads, head_dim, positions, slot_mapping, k_cache, v_cache, cos, sin)
-    y = skinny(x, weight, bias, rotary=rotary, norm=norm)
-    return None if y is None else rotary.split_qkv(y)
 
