@@ -32,6 +32,7 @@ from hybridd.engine.throughput import Throughput
 from hybridd.errors import EngineDeadError
 from hybridd.log import configure, get_logger
 from hybridd.model import load_tokenizer
+from hybridd.runtime import gc_pauses
 from hybridd.runtime.step_buffers import StepBuffers, geometry
 from hybridd.serving_metrics import ServingMetrics
 from hybridd.stats import percentile
@@ -835,6 +836,8 @@ def main(config: dict[str, Any], ctl_endpoint: str) -> None:
     try:
         with worker.link.starting_up():
             worker.start()
+        frozen = gc_pauses.freeze_start_up()
+        worker.log.debug("start-up objects frozen out of the cyclic collector", objects=frozen)
         worker.serve()
     except EngineDeadError as exc:
         worker.log.error("engine_dead", error=exc.message)

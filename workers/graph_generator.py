@@ -23,6 +23,7 @@ from hybridd.config import Config, resolve_device, resolve_dtype
 from hybridd.log import configure, get_logger
 from hybridd.model import KVCache, ModelConfig, load_model, pdl
 from hybridd.model.kv_cache import kv_arena_shape, kv_bytes_per_block
+from hybridd.runtime import gc_pauses
 from hybridd.runtime.buckets import BucketPlan
 from hybridd.runtime.graph_runner import GraphRunner
 from hybridd.runtime.step_buffers import StepBuffers, buffer_layout, geometry
@@ -194,6 +195,8 @@ def main(config: dict[str, Any], ctl_endpoint: str) -> None:
     try:
         with worker.link.starting_up():
             worker.start()
+        frozen = gc_pauses.freeze_start_up()
+        worker.log.debug("start-up objects frozen out of the cyclic collector", objects=frozen)
         worker.serve()
     finally:
         worker.close()

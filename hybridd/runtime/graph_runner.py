@@ -19,7 +19,6 @@ on the padded buffers, so the bucket, padding, budget and eviction logic is the 
 
 from __future__ import annotations
 
-import gc
 import sys
 import threading
 import time
@@ -33,6 +32,7 @@ from hybridd.model.kv_cache import KVCache
 from hybridd.model.llama import LlamaModel
 from hybridd.model.step_inputs import StepInputs
 from hybridd.runtime import buckets as bucket_rules
+from hybridd.runtime import gc_pauses
 from hybridd.runtime.buckets import BucketPlan
 from hybridd.runtime.graph_memory import activation_bytes, free_device_bytes, pool_bytes
 from hybridd.runtime.graph_stats import BucketStats
@@ -348,10 +348,7 @@ class GraphRunner:
         self.pool = pool
 
     def _capture_graph(self, graph: torch.cuda.CUDAGraph, view: StepInputs) -> None:
-        gc_was_enabled = gc.isenabled()
-        gc.disable()
-        gc.freeze()
-        try:
+        with gc_pauses.no_collection():
             with torch.cuda.stream(self.capture_stream):
                 graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
                 try:
@@ -368,10 +365,6 @@ class GraphRunner:
                             pass
                         self._replace_pool()
                         raise
-        finally:
-            gc.unfreeze()
-            if gc_was_enabled:
-                gc.enable()
 
     def _replace_pool(self) -> None:
         """A capture the CUDA runtime invalidated leaves its pool marked as recording in a
