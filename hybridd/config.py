@@ -30,6 +30,9 @@ if TYPE_CHECKING:
 EMBEDDED_MODEL = Path(__file__).resolve().parent / "assets" / "tiny-shakespeare"
 ENV_PREFIX = "HYBRIDD_"
 _LOG_VARIABLES = {ENV_PREFIX + "LOG_LEVEL": "log_level", ENV_PREFIX + "LOG_FORMAT": "log_format"}
+# Variables the workers read themselves, not settings: the tests' hooks and the step
+# tracer's (hybridd/runtime/step_trace.py).
+_NOT_SETTINGS = (ENV_PREFIX + "TEST_", ENV_PREFIX + "TRACE_")
 
 
 class ConfigError(ValueError):
@@ -253,7 +256,7 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     names = {f.name for f in dataclasses.fields(Config)}
     for key, value in environ.items():
         if (key.startswith(ENV_PREFIX) and key != ENV_PREFIX + "CONFIG" and key not in _LOG_VARIABLES
-                and not key.startswith(ENV_PREFIX + "TEST_")):  # test hooks, not settings
+                and not key.startswith(_NOT_SETTINGS)):
             name = key[len(ENV_PREFIX):].lower()
             if name not in names:
                 raise ConfigError(f"environment: unknown setting {key}")

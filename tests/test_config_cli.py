@@ -107,6 +107,15 @@ def test_kernel_settings_from_file_environment_and_flags(tmp_path):
     assert config["gemm_fusions"] == "silu"
 
 
+def test_the_step_tracers_variables_are_not_settings():
+    """HYBRIDD_TRACE_* are read by the workers (hybridd/runtime/step_trace.py): `hybridd
+    start` takes them as they are, and a misspelt setting is still refused."""
+    result = _print_config([], env={"HYBRIDD_TRACE_DIR": "/tmp/trace", "HYBRIDD_TRACE_STEPS": "50"})
+    assert result.exit_code == 0, result.output
+    result = _print_config([], env={"HYBRIDD_TRACEDIR": "/tmp/trace"})
+    assert result.exit_code == 2 and "unknown setting HYBRIDD_TRACEDIR" in result.output
+
+
 def test_missing_config_file_is_named(tmp_path):
     result = _print_config(["--config", str(tmp_path / "nope.toml")])
     assert result.exit_code == 2
