@@ -46,13 +46,17 @@ class TritonKernels(ComposedSteps):
         x, base = self.stream_norm(stream, weight, eps)
         return x, base, None
 
+    def _normalised(self, x: torch.Tensor, norm, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """x's rows normalised here, where the projection could not apply `norm` itself."""
+        return x if norm is None else self.rms_norm(x, weight, eps)
+
     def norm_qkv(self, stream, norm_weight, eps, weight, bias, rotary: RotaryArgs):
         x, base, norm = self._input(stream, norm_weight, eps)
         fuse_rotary = "rotary" in gemm_fusions.ENABLED
         qkv = self._gemm.skinny(x, weight, bias, norm=norm, rotary=rotary if fuse_rotary else None)
         if qkv is None:
             fuse_rotary = False
-            qkv = self.linear(x if norm is None else self.rms_norm(x, norm_weight, eps), weight, bias)
+            qkv = self.linear(self._normalised(x, norm, norm_weight, eps), weight, bias)
         q, k, v = rotary.split_qkv(qkv)
         if not fuse_rotary:
             q, k = self.rotary_write_kv(rotary.positions, q, k, v, rotary.k_cache, rotary.v_cache,
@@ -64,7 +68,7 @@ class TritonKernels(ComposedSteps):
         gated = "silu" in gemm_fusions.ENABLED
         y = self._gemm.skinny(x, weight, None, norm=norm, gated=gated)
         if y is None:
-            return self.linear_silu_and_mul(x if norm is None else self.rms_norm(x, norm_weight, eps), weight), base
+            return self.linear_silu_and_mul(self._normalised(x, norm, norm_weight, eps), weight), base
         return (y if gated else self.silu_and_mul(y)), base
 
     def linear_add(self, x, weight, bias, base) -> ResidualStream:

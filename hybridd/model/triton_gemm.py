@@ -81,7 +81,7 @@ def _store_residual_add(y_ptr, b_ptr, res_ptr, stats_ptr, acc, offs_m, offs_n, p
                         n_tiles, HAS_BIAS: tl.constexpr):
     """y = residual + the product, rounded where the separate add rounds (the product in the
     activation dtype, then the sum), and this tile's share of each row's sum of squares of
-    y in float32 at stats[m, pid_n]: the next projection's norm prologue adds the tiles up."""
+    y in float32 at stats[m, pid_n]: the next projection's `FoldedNorm` adds the tiles up."""
     dt = y_ptr.dtype.element_ty
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
@@ -135,8 +135,8 @@ def _store_rotary_kv(y_ptr, b_ptr, acc, offs_m, offs_n, pid_n, mask_m, stride_ym
     head: RoPE on q and k heads (v as projected), written to y [M, q + 2 kv] where the
     plain product would write it, and k, v also to the paged caches at each row's slot
     (slot -1: none). Rounded where the separate kernels round (the product with its bias
-    stored in the activation dtype, then `triton_ops._rope_rows`), so the fused result is
-    theirs bit for bit."""
+    stored in the activation dtype, then `triton_ops._rope_rows`); on the GPU a few
+    products may round the other way than in the plain kernel."""
     dt = y_ptr.dtype.element_ty
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n).to(tl.float32)[:, None]
@@ -167,6 +167,24 @@ def _store_rotary_kv(y_ptr, b_ptr, acc, offs_m, offs_n, pid_n, mask_m, stride_ym
         else:
             tl.store(vc_ptr + cache, o1, mask=cmask)
             tl.store(vc_ptr + cache + HALF, o2, mask=cmask)
+
+
+@triton.jit
+def _store(y_ptr, b_ptr, acc, offs_m, offs_n, pid_n, mask_m, mask_n, N, stride_ym, rope, slot_ptr, kc_ptr, vc_ptr,
+           res_ptr, stats_out_ptr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, ROTARY: tl.constexpr,
+           RESIDUAL: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr,
+           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The product's epilogue: the plain output, or the one its mode computes."""
+    if GATED:
+        _store_silu_and_mul(y_ptr, acc, offs_m, pid_n, mask_m, N // 2, stride_ym, BLOCK_N // 2, BLOCK_M)
+    elif ROTARY:
+        _store_rotary_kv(y_ptr, b_ptr, acc, offs_m, offs_n, pid_n, mask_m, stride_ym, rope, slot_ptr, kc_ptr,
+                         vc_ptr, HAS_BIAS, HEADS, KV_HEADS, HALF, BLOCK_M, BLOCK_N // 2)
+    elif RESIDUAL:
+        _store_residual_add(y_ptr, b_ptr, res_ptr, stats_out_ptr, acc, offs_m, offs_n, pid_n, mask_m, mask_n,
+                            stride_ym, tl.num_programs(0), HAS_BIAS)
+    else:
+        _store_out(y_ptr, b_ptr, acc, offs_m, offs_n, mask_m, mask_n, stride_ym, HAS_BIAS)
 
 
 @triton.jit
@@ -266,24 +284,12 @@ def _skinny_gemm_kernel(
                 acc += tl.load(ws_n + s * BLOCK_M * N, mask=mask_n[:, None], other=0.0, cache_modifier=".cg")
                 s += 1
             tl.atomic_xchg(count_ptr + pid_n, 0)
-            if ROTARY:
-                _store_rotary_kv(y_ptr, b_ptr, acc, offs_m, offs_n, pid_n, mask_m, stride_ym, rope, slot_ptr,
-                                 kc_ptr, vc_ptr, HAS_BIAS, HEADS, KV_HEADS, HALF, BLOCK_M, BLOCK_N // 2)
-            elif RESIDUAL:
-                _store_residual_add(y_ptr, b_ptr, res_ptr, stats_out_ptr, acc, offs_m, offs_n, pid_n, mask_m, mask_n,
-                                    stride_ym, tl.num_programs(0), HAS_BIAS)
-            else:
-                _store_out(y_ptr, b_ptr, acc, offs_m, offs_n, mask_m, mask_n, stride_ym, HAS_BIAS)
-    elif GATED:
-        _store_silu_and_mul(y_ptr, acc, offs_m, pid_n, mask_m, N // 2, stride_ym, BLOCK_N // 2, BLOCK_M)
-    elif ROTARY:
-        _store_rotary_kv(y_ptr, b_ptr, acc, offs_m, offs_n, pid_n, mask_m, stride_ym, rope, slot_ptr, kc_ptr,
-                         vc_ptr, HAS_BIAS, HEADS, KV_HEADS, HALF, BLOCK_M, BLOCK_N // 2)
-    elif RESIDUAL:
-        _store_residual_add(y_ptr, b_ptr, res_ptr, stats_out_ptr, acc, offs_m, offs_n, pid_n, mask_m, mask_n, stride_ym,
-                            tl.num_programs(0), HAS_BIAS)
+            _store(y_ptr, b_ptr, acc, offs_m, offs_n, pid_n, mask_m, mask_n, N, stride_ym, rope, slot_ptr, kc_ptr,
+                   vc_ptr, res_ptr, stats_out_ptr, HAS_BIAS, GATED, ROTARY, RESIDUAL, HEADS, KV_HEADS, HALF,
+                   BLOCK_M, BLOCK_N)
     else:
-        _store_out(y_ptr, b_ptr, acc, offs_m, offs_n, mask_m, mask_n, stride_ym, HAS_BIAS)
+        _store(y_ptr, b_ptr, acc, offs_m, offs_n, pid_n, mask_m, mask_n, N, stride_ym, rope, slot_ptr, kc_ptr, vc_ptr,
+               res_ptr, stats_out_ptr, HAS_BIAS, GATED, ROTARY, RESIDUAL, HEADS, KV_HEADS, HALF, BLOCK_M, BLOCK_N)
 
 
 # Columns of its weight rows each program prefetches into L2 before waiting for the
@@ -348,8 +354,9 @@ def launch(
     `rotary`: W is a fused qkv projection and the result [M, q_size + 2 kv_size] holds q
     and k rotated and v, which also go to the KV caches (see `RotaryArgs`); None where
     BLOCK_N / 2 does not divide head_dim / 2. `norm`: x's rows are RMS-normalised, the
-    product of each row scaled by its 1 / rms, for a W that holds the norm's weight. `residual` [M, N]: the result is (residual + x @ W.T,
-    its rows' sums of squares in parts [M, N tiles]), the parts a `FoldedNorm` takes."""
+    product of each row scaled by its 1 / rms, for a W that holds the norm's weight.
+    `residual` [M, N]: the result is (residual + x @ W.T, its rows' sums of squares in
+    parts [M, N tiles]), the parts a `FoldedNorm` takes."""
     m = x.shape[0]
     n, k = weight.shape
     if gated + (rotary is not None) + (residual is not None) > 1:
