@@ -22,6 +22,7 @@ from hybridd.runtime.buckets import DEFAULT_DECODE_BUCKETS, DEFAULT_PREFILL_BUCK
 
 # One day: longer deadlines are typos, and a drain deadline must fit in a timer.
 MAX_TIMEOUT_S = 86400.0
+MAX_BUSY_POLL_S = 10.0  # polling longer than this is a core spent for nothing
 MAX_HEARTBEAT_INTERVAL_S = 60.0
 
 if TYPE_CHECKING:
@@ -85,6 +86,10 @@ class Config:
     # (hybridd/gemm_fusions.py).
     gemm_fusions: str = gemm_fusions.DEFAULT
     pdl: bool = False  # chain the fused Triton kernels by programmatic dependent launch (hybridd/model/pdl.py)
+    # After its last piece of work a worker polls its sockets this long without sleeping,
+    # so that the next message is taken without a wake-up (0: sleep at once). Each worker
+    # keeps a CPU core busy while it polls.
+    busy_poll_s: float = 0.05
     # lifecycle: every deadline the supervisor applies is one of these
     startup_timeout_s: float = 900.0  # spawn to ready, per worker: loading, compiling, capturing
     heartbeat_interval_s: float = 0.25
@@ -116,12 +121,12 @@ class Config:
                      "graph_memory_budget_mb", "drain_timeout_s", "heartbeat_interval_s", "heartbeat_timeout_s",
                      "startup_timeout_s"):
             positive(name)
-        for name in ("num_kv_blocks", "max_model_len", "max_restarts", "restart_backoff_s"):
+        for name in ("num_kv_blocks", "max_model_len", "max_restarts", "restart_backoff_s", "busy_poll_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         for name, limit in (("heartbeat_interval_s", MAX_HEARTBEAT_INTERVAL_S), ("drain_timeout_s", MAX_TIMEOUT_S),
                             ("heartbeat_timeout_s", MAX_TIMEOUT_S), ("startup_timeout_s", MAX_TIMEOUT_S),
-                            ("restart_backoff_s", MAX_TIMEOUT_S)):
+                            ("restart_backoff_s", MAX_TIMEOUT_S), ("busy_poll_s", MAX_BUSY_POLL_S)):
             if getattr(self, name) > limit:
                 raise ConfigError(f"{name} must be at most {limit:g} s, got {getattr(self, name)!r}")
         if self.heartbeat_timeout_s < 2 * self.heartbeat_interval_s:

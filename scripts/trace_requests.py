@@ -1,14 +1,19 @@
-"""Where a request's time to first token goes: trace whole requests (prefill and
-decode steps) through both workers, kernels and host-side CUDA calls, and print each
-request's client-side timeline.
+"""Where a request's time to first token goes: trace whole requests through both
+workers and print, per milestone, when each request reached it after the client sent it.
 
-    python scripts/trace_requests.py --out $OUT            # random Llama-2-7B shape, CUDA
+    python scripts/trace_requests.py --out $OUT                 # random Llama-2-7B shape, CUDA
+    python scripts/trace_requests.py --out $OUT --kernels       # and the profiler's kernel traces
 
 Starts the two workers (graphs on), sends `--requests` sequential requests of
 `--prompt-len` tokens and `--max-tokens` tokens after a warm-up, and records the
-workers' profiler traces (`trace-context-*.json`, `trace-graph-*.json`, see
-hybridd/runtime/step_trace.py) over those requests, plus `timeline.json`: per
-request, the client's send time and the arrival of each chunk (perf_counter).
+workers' host marks (`marks-*.json`, see hybridd/runtime/step_trace.py) over those
+requests, plus `timeline.json`: per request, the client's send time and the arrival of
+each chunk. Marks and client times share one clock (CLOCK_MONOTONIC), so each mark is
+placed in the request whose send precedes it; `milestones.json` and the printed table
+give each milestone's median offset from the send. With `--kernels` the workers'
+profiler traces (`trace-context-*.json`, `trace-graph-*.json`) are written too; the
+profiler slows the host path (graph launches most), so the marks are then not the
+untraced timings.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -27,20 +33,46 @@ for _p in (str(ROOT), str(ROOT / "scripts")):
         sys.path.insert(0, _p)
 
 
+def milestones(timeline: list[dict], marks: list[tuple[str, str, int]]) -> list[tuple[str, float, float, int]]:
+    """(milestone, median ms after the send, p90 ms, requests that reached it) for the
+    workers' marks (role, name, ns) and the client's chunks, in the order reached."""
+    offsets: dict[str, list[float]] = {}
+    ends = [r["sent_ns"] for r in timeline[1:]] + [None]
+    for request, end in zip(timeline, ends):
+        sent = request["sent_ns"]
+        seen: set[str] = set()
+        for role, name, ns in marks:
+            if ns < sent or (end is not None and ns >= end):
+                continue
+            key = f"{role}.{name}"
+            if key in seen:  # the first time the request's step reached it
+                continue
+            seen.add(key)
+            offsets.setdefault(key, []).append((ns - sent) / 1e6)
+        offsets.setdefault("client.first_chunk", []).append(request["chunks_ms"][0])
+    rows = [(key, statistics.median(v), sorted(v)[int(0.9 * (len(v) - 1))], len(v)) for key, v in offsets.items()]
+    return sorted(rows, key=lambda row: row[1])
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--model", type=Path)
     parser.add_argument("--preset", default="llama2-7b")
     parser.add_argument("--prompt-len", type=int, default=10)
-    parser.add_argument("--max-tokens", type=int, default=4)
-    parser.add_argument("--requests", type=int, default=6)
-    parser.add_argument("--warmup-requests", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=1)
+    parser.add_argument("--requests", type=int, default=40)
+    parser.add_argument("--warmup-requests", type=int, default=8)
+    parser.add_argument("--gap-ms", type=float, default=2.0, help="pause between a request's end and the next send")
+    parser.add_argument("--kernels", action="store_true", help="also record the profiler's kernel traces")
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--config", default="{}", help="daemon settings as JSON, e.g. '{\"cuda_mps\": \"on\"}'")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    steps_per_request = 1 + args.max_tokens  # a prefill, then decode steps (one past the last token at most)
+    steps_per_request = args.max_tokens  # a prefill, then a decode step per further token
     os.environ["HYBRIDD_TRACE_DIR"] = str(args.out)
+    os.environ["HYBRIDD_TRACE_MARKS"] = "1"
+    os.environ["HYBRIDD_TRACE_KERNELS"] = "1" if args.kernels else "0"
     os.environ["HYBRIDD_TRACE_CPU"] = "1"
     os.environ["HYBRIDD_TRACE_WARMUP"] = str(args.warmup_requests * steps_per_request + 1)
     os.environ["HYBRIDD_TRACE_STEPS"] = str(args.requests * steps_per_request)
@@ -50,15 +82,18 @@ def main() -> int:
         args.model = make_checkpoint(Path(f"/tmp/hybridd-{args.preset}-normal-random"), args.preset)
     from tests.engine_pair import EnginePair
 
+    overrides = {"kv_cache_memory_fraction": 0.3} if args.device == "cuda" else {}
+    overrides.update(json.loads(args.config))
     pair = EnginePair(Path(tempfile.mkdtemp(prefix="hbt-")), model=str(args.model), device=args.device,
-                      compile_sampler=args.device == "cuda", **({"kv_cache_memory_fraction": 0.3} if args.device == "cuda" else {}))
+                      compile_sampler=args.device == "cuda", **overrides)
     timeline, client = [], None
     try:
         pair.wait_ready(timeout=600)
         client = pair.client()
         time.sleep(3)  # background prefill capture
         for i in range(args.warmup_requests + args.requests + 2):
-            sent = time.perf_counter()
+            time.sleep(args.gap_ms / 1e3)
+            sent_ns = time.perf_counter_ns()
             client.send({"type": "generate", "prompt_token_ids": [5 + (7 * i + j) % 1000 for j in range(args.prompt_len)],
                          "sampling": {"max_tokens": args.max_tokens, "temperature": 0.0}, "stream": True})
             chunks = []
@@ -66,17 +101,31 @@ def main() -> int:
                 message = client.recv(60)
                 if message is None:
                     raise TimeoutError("no reply")
-                chunks.append(time.perf_counter())
+                chunks.append(time.perf_counter_ns())
                 if message.get("type") != "chunk":
                     break
-            timeline.append({"request": i, "sent": sent, "chunks_ms": [(t - sent) * 1e3 for t in chunks]})
-            print(f"request {i}: chunks at " + ", ".join(f"{(t - sent) * 1e3:.2f}" for t in chunks) + " ms", flush=True)
+            timeline.append({"request": i, "sent_ns": sent_ns, "chunks_ms": [(t - sent_ns) / 1e6 for t in chunks]})
         time.sleep(1)
     finally:
         if client is not None:
             client.close()
         pair.close()
     (args.out / "timeline.json").write_text(json.dumps(timeline, indent=1))
+    marks = []
+    for path in sorted(args.out.glob("marks-*.json")):
+        data = json.loads(path.read_text())
+        marks += [(data["role"], name, ns) for name, _step, ns in data["marks"]]
+    marks.sort(key=lambda m: m[2])
+    traced = timeline[args.warmup_requests:args.warmup_requests + args.requests]
+    rows = milestones(traced, marks)
+    (args.out / "milestones.json").write_text(json.dumps(
+        [{"milestone": k, "median_ms": m, "p90_ms": p, "requests": n} for k, m, p, n in rows], indent=1))
+    print(f"{len(traced)} requests of {args.prompt_len} tokens, max_tokens {args.max_tokens}; "
+          f"ms after the client's send (median, p90), and the step from the milestone before")
+    previous = 0.0
+    for key, median, p90, n in rows:
+        print(f"  {key:28s} {median:8.3f} {p90:8.3f}   +{median - previous:6.3f}   (n={n})")
+        previous = median
     return 0
 
 

@@ -66,6 +66,8 @@ def _no_tokenizer(model: Path) -> None:
     (["--log-level", "verbose"], "log_level must be one of debug, info, warning, error, critical, got 'verbose'"),
     (["--log-format", "xml"], "log_format must be one of console, json, got 'xml'"),
     (["--restart-backoff-s", "-1"], "restart_backoff_s must be >= 0, got -1.0"),
+    (["--busy-poll-s", "-0.5"], "busy_poll_s must be >= 0, got -0.5"),
+    (["--busy-poll-s", "11"], "busy_poll_s must be at most 10 s, got 11.0"),
     (["--startup-timeout-s", "0"], "startup_timeout_s must be positive, got 0.0"),
     (["--heartbeat-timeout-s", "0.3"], "heartbeat_timeout_s (0.3) must be at least twice heartbeat_interval_s (0.25)"),
     (["--model", "/nonexistent"], "model /nonexistent: no such directory"),

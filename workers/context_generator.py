@@ -36,7 +36,7 @@ from hybridd.runtime import gc_pauses
 from hybridd.runtime.step_buffers import StepBuffers, geometry
 from hybridd.serving_metrics import ServingMetrics
 from hybridd.stats import percentile
-from hybridd.runtime.step_trace import StepTracer
+from hybridd.runtime.step_trace import StepTracer, mark
 from hybridd.ipc.channel import CLIENT_SOCKET_MODE, Channel, PeerProtocolError, bind_ipc_endpoint
 from hybridd.ipc.posix_shm import pid_alive
 from hybridd.ipc.shared_arena import SharedArena
@@ -289,9 +289,14 @@ class ContextGenerator:
         poller.register(self.intake.fileno(), zmq.POLLIN)
         last_alive_check = 0.0
         idle_ms = int(self.config.heartbeat_interval_s * 1000)
+        poll_until = 0.0  # busy_poll_s after the last piece of work
         while not self.stop:
             self.link.heartbeat()
             busy = self.scheduler.has_work or self.inflight
+            if busy:
+                poll_until = time.monotonic() + self.config.busy_poll_s
+            elif poll_until and time.monotonic() < poll_until:
+                busy = True
             outboxes = any(sessions.pending for sessions in self.sessions.values())
             events = dict(poller.poll(timeout=0 if busy else OUTBOX_RETRY_MS if outboxes else idle_ms))
             if self.link.socket in events:
@@ -323,6 +328,7 @@ class ContextGenerator:
         if len(self.inflight) < PIPELINE_DEPTH:
             batch = scheduler.schedule()
             if batch is not None:
+                mark("scheduled")
                 now = time.monotonic()
                 for seq in batch.seqs:
                     if seq.scheduled_time is None:
@@ -349,6 +355,7 @@ class ContextGenerator:
 
     def _retire(self, step: InflightStep) -> None:
         tokens = self.pipeline.collect(step)
+        mark("tokens_on_host")
         seqs = step.batch.sampled_seqs
         before = [(seq.num_output_tokens, seq.last_token_time) for seq in seqs]
         finished = self.scheduler.postprocess(step.batch, tokens)
@@ -375,6 +382,7 @@ class ContextGenerator:
                     id=request.id, index=seq.index, number=request.chunks, text=seq.new_text, token_ids=[token],
                     logprobs=None if logprob is None else [logprob], v=request.v))
                 request.chunks += 1
+                mark("chunk_sent")
         for seq in finished:
             self._finish_sequence(seq)
 
@@ -478,6 +486,7 @@ class ContextGenerator:
                 continue
             if received is None:
                 return
+            mark("frame_received")
             routing_id, frame = received
             identity = prefix + routing_id
             now = time.monotonic()
@@ -640,6 +649,7 @@ class ContextGenerator:
         self.requests[key] = request
         for seq in seqs:
             self.owners[seq.request_id] = request
+        mark("admitted")
 
     def _end_pending(self, key: str, reason: str) -> None:
         """A request ended (cancel, timeout, drain) while its prompt was being tokenized:

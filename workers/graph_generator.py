@@ -27,7 +27,7 @@ from hybridd.runtime import gc_pauses
 from hybridd.runtime.buckets import BucketPlan
 from hybridd.runtime.graph_runner import GraphRunner
 from hybridd.runtime.step_buffers import StepBuffers, buffer_layout, geometry
-from hybridd.runtime.step_trace import StepTracer
+from hybridd.runtime.step_trace import StepTracer, mark
 from hybridd.ipc.arena_layout import ArenaLayout
 from hybridd.ipc.channel import Channel
 from hybridd.ipc.events import InterprocessEvent
@@ -135,12 +135,15 @@ class GraphGenerator:
         poller = zmq.Poller()
         poller.register(self.ctl.socket, zmq.POLLIN)
         poller.register(self.link.socket, zmq.POLLIN)
+        idle_ms = int(self.config.heartbeat_interval_s * 1000)
+        poll_until = 0.0  # busy_poll_s after the last step
         while not self._stop:
             self.link.heartbeat()
-            if ack_seen and time.monotonic() - last_stats > STATS_INTERVAL_S:
-                last_stats = time.monotonic()
+            now = time.monotonic()
+            if ack_seen and now - last_stats > STATS_INTERVAL_S:
+                last_stats = now
                 self.ctl.send(control.Stats(stats=self.runner.snapshot()))
-            events = dict(poller.poll(timeout=int(self.config.heartbeat_interval_s * 1000)))
+            events = dict(poller.poll(timeout=0 if now < poll_until else idle_ms))
             if self.link.socket in events:
                 while self.link.poll_command() is not None:  # nothing for the graph generator
                     pass
@@ -154,7 +157,9 @@ class GraphGenerator:
             if message is None:
                 continue
             if isinstance(message, control.Step):
+                mark("step_received")
                 self._step(message)
+                poll_until = time.monotonic() + self.config.busy_poll_s
             elif isinstance(message, control.ReadyAck) and not ack_seen:
                 ack_seen = True
                 # The peer has mapped the arenas: their names can go, mappings stay valid.
@@ -171,11 +176,14 @@ class GraphGenerator:
         """Wait for the step's inputs, run it, record its logits, reply: all enqueued, no host wait."""
         stream = self.runner.stream
         self.inputs_ready.wait(stream)
+        mark("graph_launch")
         self.runner.run(step.kind == "prefill", step.n_tokens, step.n_real)
+        mark("graph_launched")
         self.logits_ready.record(stream)
         self.tracer.step()
         self.link.steps += 1
         self.ctl.send(control.Launched(step=step.step))
+        mark("launched_sent")
 
     def close(self) -> None:
         self.runner.stop_background_capture() if hasattr(self, "runner") else None

@@ -32,6 +32,7 @@ from hybridd.engine.sampler import Logprobs, Sampler, SamplingTensors
 from hybridd.errors import EngineDeadError
 from hybridd.engine.scheduler import ScheduledBatch
 from hybridd.runtime.step_buffers import StepBuffers
+from hybridd.runtime.step_trace import mark
 from hybridd.ipc.channel import Channel
 from hybridd.ipc.events import InterprocessEvent
 from hybridd.protocol import control
@@ -102,10 +103,12 @@ class StepPipeline:
         if on_device:
             self._gather_inputs(batch, n_tokens)
         self.inputs_ready.record(self.stream)
+        mark("inputs_ready")
         self.ctl.send(control.Step(
             step=batch.step_id, kind="prefill" if batch.is_prefill else "decode",
             n_real=n_seqs, n_tokens=n_tokens,
         ))
+        mark("step_sent")
         # Sampling runs after the forward on the GPU, and its tokens go straight into
         # the ring that the next step's inputs gather from.
         tensors = self._sampling_tensors(batch)
@@ -116,6 +119,7 @@ class StepPipeline:
         if self.while_launching is not None:
             self.while_launching()
         self._await_launched(batch.step_id)
+        mark("launched_seen")
         self.logits_ready.wait(self.stream)
         if batch.kv_copies:
             self._copy_blocks(batch.kv_copies)
@@ -147,6 +151,7 @@ class StepPipeline:
             host.copy_(out)
             if logprobs is not None:
                 logprobs.to(host_logprobs)
+        mark("sampling_enqueued")
         return InflightStep(batch, host, done, host_logprobs)
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:

@@ -15,6 +15,7 @@ every step, and padding on the device seven more kernels before every graph.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from hybridd.model.kv_cache import blocks_for
@@ -86,7 +87,7 @@ class StepBuffers:
         # the (tokens, seqs) rows its last step filled; made on the first write, since the
         # graph generator never writes.
         self._mirrors: list[torch.Tensor] = []
-        self._mirror_views: list[dict[str, torch.Tensor]] = []
+        self._mirror_views: list[dict[str, np.ndarray]] = []
         self._mirror_done: list[torch.cuda.Event | None] = [None, None]
         self._mirror_rows: list[tuple[int, int]] = []
         self._next_mirror = 0
@@ -126,7 +127,9 @@ class StepBuffers:
         if not self._mirrors:
             pin = self.packed.device.type == "cuda"
             self._mirrors = [torch.zeros(self.packed.shape, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
-            self._mirror_views = [_split(m, self.fields) for m in self._mirrors]
+            # Filled through numpy views: a slice assignment there costs a fraction of a
+            # torch operation's dispatch, and a step's inputs are a dozen small ones.
+            self._mirror_views = [{n: v.numpy() for n, v in _split(m, self.fields).items()} for m in self._mirrors]
             for host in self._mirror_views:
                 _pad(host, 0, self.max_tokens, 0, self.max_seqs)
             self._mirror_rows = [(0, 0), (0, 0)]
@@ -140,13 +143,13 @@ class StepBuffers:
         _pad(host, step.num_tokens, filled_tokens, step.num_seqs, filled_seqs)
         self._mirror_rows[index] = (step.num_tokens, step.num_seqs)
         for name in ("input_ids", "positions", "slot_mapping", "seq_lens", "query_start_loc", "logits_indices"):
-            values = getattr(step, name)
-            host[name][: values.shape[0]].copy_(values)
+            values = getattr(step, name).numpy()
+            host[name][: values.shape[0]] = values
         # Padded sequences start (and end) where the real tokens end.
-        host["query_start_loc"][step.num_seqs + 1 :].fill_(step.num_tokens)
+        host["query_start_loc"][step.num_seqs + 1 :] = step.num_tokens
         table = host["block_tables"][: step.num_seqs]
-        table.zero_()
-        table[:, :width] = step.block_tables
+        table[:, width:] = 0
+        table[:, :width] = step.block_tables.numpy()
         self.packed.copy_(self._mirrors[index], non_blocking=True)
         if self.packed.device.type == "cuda":
             done = torch.cuda.Event()
@@ -154,15 +157,15 @@ class StepBuffers:
             self._mirror_done[index] = done
 
 
-def _pad(host: dict[str, torch.Tensor], tokens_from: int, tokens_to: int, seqs_from: int, seqs_to: int) -> None:
+def _pad(host: dict[str, np.ndarray], tokens_from: int, tokens_to: int, seqs_from: int, seqs_to: int) -> None:
     """Rows [tokens_from, tokens_to) and sequences [seqs_from, seqs_to) of a host mirror as
     padding: slot -1 (no KV write) at position 0; padded sequences have length 1 over
     block 0 (a harmless read). Their `query_start_loc` is set by `write`, from its step."""
     if tokens_to > tokens_from:
-        host["input_ids"][tokens_from:tokens_to].zero_()
-        host["positions"][tokens_from:tokens_to].zero_()
-        host["slot_mapping"][tokens_from:tokens_to].fill_(-1)
+        host["input_ids"][tokens_from:tokens_to] = 0
+        host["positions"][tokens_from:tokens_to] = 0
+        host["slot_mapping"][tokens_from:tokens_to] = -1
     if seqs_to > seqs_from:
-        host["seq_lens"][seqs_from:seqs_to].fill_(1)
-        host["logits_indices"][seqs_from:seqs_to].zero_()
-        host["block_tables"][seqs_from:seqs_to].zero_()
+        host["seq_lens"][seqs_from:seqs_to] = 1
+        host["logits_indices"][seqs_from:seqs_to] = 0
+        host["block_tables"][seqs_from:seqs_to] = 0

@@ -1,22 +1,45 @@
-"""Optional GPU tracing of the step loop, to show where the GPU is idle between steps.
+"""Optional tracing of the step loop: where the GPU is idle between steps, and where a
+request's time goes on the host.
 
-With `HYBRIDD_TRACE_DIR` set, a worker profiles its CUDA kernels with the PyTorch
-profiler for `HYBRIDD_TRACE_STEPS` steps (default 200) after `HYBRIDD_TRACE_WARMUP`
-steps (default 100) and writes `trace-<role>-<pid>.json` there. Kernel timestamps of
-both workers share one clock, so `scripts/gpu_idle_gaps.py` can merge the two traces
-and measure the time the GPU runs nothing from either process. With
-`HYBRIDD_TRACE_CPU=1` the host side (CUDA runtime calls, operators) is recorded too.
-Off by default: without the variable this costs one attribute check per step.
+With `HYBRIDD_TRACE_DIR` set, a worker traces a window of `HYBRIDD_TRACE_STEPS` steps
+(default 200) after `HYBRIDD_TRACE_WARMUP` steps (default 100):
+
+- kernels (unless `HYBRIDD_TRACE_KERNELS=0`): the PyTorch profiler records its CUDA
+  kernels into `trace-<role>-<pid>.json`. Kernel timestamps of both workers share one
+  clock, so `scripts/gpu_idle_gaps.py` can merge the two traces and measure the time the
+  GPU runs nothing from either process. With `HYBRIDD_TRACE_CPU=1` the host side (CUDA
+  runtime calls, operators) is recorded too.
+- host marks (`HYBRIDD_TRACE_MARKS=1`): the hot path calls `mark(name)` at its
+  milestones (a request received, its step's inputs ready, the step sent, the graph
+  launched, the tokens on the host, the chunk sent); each becomes a (name, step,
+  nanoseconds) row in `marks-<role>-<pid>.json`. The clock is CLOCK_MONOTONIC
+  (`time.perf_counter_ns`), the one the other worker and a client on the same host read,
+  so `scripts/trace_requests.py` lays both workers' marks beside the client's times.
+  Unlike the profiler, a mark costs a list append: the timings are the untraced ones.
+
+Off by default: without the variable this costs one attribute check per step and one
+global check per mark.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import time
 from pathlib import Path
 
 from hybridd.log import get_logger
 
 log = get_logger("step_trace")
+
+_marks: list[tuple[str, int, int]] | None = None  # set while a marks window is open
+_step = 0
+
+
+def mark(name: str) -> None:
+    """Record that this worker reached `name` now (no-op outside a marks window)."""
+    if _marks is not None:
+        _marks.append((name, _step, time.perf_counter_ns()))
 
 
 class StepTracer:
@@ -29,31 +52,44 @@ class StepTracer:
         self.directory = Path(directory)
         self.warmup = int(os.environ.get("HYBRIDD_TRACE_WARMUP", "100"))
         self.steps = int(os.environ.get("HYBRIDD_TRACE_STEPS", "200"))
+        self.kernels = os.environ.get("HYBRIDD_TRACE_KERNELS", "1") != "0"
+        self.marks = os.environ.get("HYBRIDD_TRACE_MARKS") == "1"
         self.count = 0
         self.profiler = None
 
     def step(self) -> None:
         """Call once per step, after the step's work is enqueued."""
+        global _marks, _step
         if not self.enabled:
             return
         self.count += 1
+        _step = self.count
         if self.count == max(self.warmup, 1):
-            from torch.profiler import ProfilerActivity, profile
+            if self.marks:
+                _marks = []
+            if self.kernels:
+                from torch.profiler import ProfilerActivity, profile
 
-            activities = [ProfilerActivity.CUDA]
-            if os.environ.get("HYBRIDD_TRACE_CPU") == "1":
-                activities.append(ProfilerActivity.CPU)
-            self.profiler = profile(activities=activities)
-            self.profiler.__enter__()
-        elif self.count == self.warmup + self.steps and self.profiler is not None:
-            import torch
-
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-            self.profiler.__exit__(None, None, None)
+                activities = [ProfilerActivity.CUDA]
+                if os.environ.get("HYBRIDD_TRACE_CPU") == "1":
+                    activities.append(ProfilerActivity.CPU)
+                self.profiler = profile(activities=activities)
+                self.profiler.__enter__()
+        elif self.count == self.warmup + self.steps:
             self.directory.mkdir(parents=True, exist_ok=True)
-            path = self.directory / f"trace-{self.role}-{os.getpid()}.json"
-            self.profiler.export_chrome_trace(str(path))
-            self.profiler = None
+            if self.profiler is not None:
+                import torch
+
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                self.profiler.__exit__(None, None, None)
+                path = self.directory / f"trace-{self.role}-{os.getpid()}.json"
+                self.profiler.export_chrome_trace(str(path))
+                self.profiler = None
+                log.info("step_trace_written", path=str(path), steps=self.steps)
+            if _marks is not None:
+                path = self.directory / f"marks-{self.role}-{os.getpid()}.json"
+                path.write_text(json.dumps({"role": self.role, "clock": "perf_counter_ns", "marks": _marks}))
+                _marks = None
+                log.info("step_marks_written", path=str(path), steps=self.steps)
             self.enabled = False
-            log.info("step_trace_written", path=str(path), steps=self.steps)

@@ -1,0 +1,53 @@
+"""Host marks (hybridd/runtime/step_trace.py) through the real two-process pair on the
+CPU: scripts/trace_requests.py sends requests, both workers write their marks, and each
+request's milestones come out in the order the request passes them, on the client's clock."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.host_load import on_this_host
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# The path of a request's first token, in the order it is taken.
+FIRST_TOKEN_PATH = [
+    "context.frame_received", "context.admitted", "context.scheduled", "context.inputs_ready",
+    "context.step_sent", "graph.step_received", "graph.graph_launch", "graph.graph_launched",
+    "graph.launched_sent", "context.launched_seen", "context.sampling_enqueued", "context.tokens_on_host",
+    "context.chunk_sent", "client.first_chunk",
+]
+
+
+@pytest.mark.slow
+def test_each_request_passes_its_milestones_in_order(tmp_path):
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "trace_requests.py"), "--out", str(tmp_path), "--device", "cpu",
+         "--model", str(ROOT / "hybridd" / "assets" / "tiny-shakespeare"), "--requests", "6", "--warmup-requests",
+         "2", "--gap-ms", "0"],
+        capture_output=True, text=True, timeout=on_this_host(300),
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    marks = {p.name.split("-")[1]: json.loads(p.read_text()) for p in tmp_path.glob("marks-*.json")}
+    assert set(marks) == {"context", "graph"}
+    assert all(m["clock"] == "perf_counter_ns" for m in marks.values())
+    timeline = json.loads((tmp_path / "timeline.json").read_text())
+    traced = timeline[2:8]
+    context = sorted(ns for _, _, ns in marks["context"]["marks"])
+    graph = sorted(ns for _, _, ns in marks["graph"]["marks"])
+    # Every traced request was received, launched and answered between its send and the next send.
+    for request, nxt in zip(traced, timeline[3:9]):
+        window = [ns for ns in context if request["sent_ns"] <= ns < nxt["sent_ns"]]
+        assert window, f"no context marks for request {request['request']}"
+        assert any(request["sent_ns"] <= ns < nxt["sent_ns"] for ns in graph)
+    milestones = json.loads((tmp_path / "milestones.json").read_text())
+    order = [row["milestone"] for row in milestones]
+    assert order == FIRST_TOKEN_PATH, order
+    assert all(row["requests"] >= 5 for row in milestones)
+    first_chunk = milestones[-1]["median_ms"]
+    assert 0 < milestones[0]["median_ms"] < first_chunk
