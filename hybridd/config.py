@@ -89,7 +89,7 @@ class Config:
     # After its last piece of work a worker polls its sockets this long without sleeping,
     # so that the next message is taken without a wake-up (0: sleep at once). Each worker
     # keeps a CPU core busy while it polls.
-    busy_poll_s: float = 0.05
+    busy_poll_s: float = 0.0
     # lifecycle: every deadline the supervisor applies is one of these
     startup_timeout_s: float = 900.0  # spawn to ready, per worker: loading, compiling, capturing
     heartbeat_interval_s: float = 0.25

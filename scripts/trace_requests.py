@@ -34,23 +34,28 @@ for _p in (str(ROOT), str(ROOT / "scripts")):
 
 
 def milestones(timeline: list[dict], marks: list[tuple[str, str, int]]) -> list[tuple[str, float, float, int]]:
-    """(milestone, median ms after the send, p90 ms, requests that reached it) for the
-    workers' marks (role, name, ns) and the client's chunks, in the order reached."""
-    offsets: dict[str, list[float]] = {}
+    """(milestone, median ms after the send, p90 ms, requests) for the workers' marks
+    (role, name, ns) and the client's first chunk, in the order reached, over the
+    requests that reached every milestone (a request at a trace window's edge has only
+    some marks; medians over one set of requests keep the order each request took)."""
+    per_request: list[dict[str, float]] = []
     ends = [r["sent_ns"] for r in timeline[1:]] + [None]
     for request, end in zip(timeline, ends):
         sent = request["sent_ns"]
-        seen: set[str] = set()
+        offsets: dict[str, float] = {}
         for role, name, ns in marks:
             if ns < sent or (end is not None and ns >= end):
                 continue
-            key = f"{role}.{name}"
-            if key in seen:  # the first time the request's step reached it
-                continue
-            seen.add(key)
-            offsets.setdefault(key, []).append((ns - sent) / 1e6)
-        offsets.setdefault("client.first_chunk", []).append(request["chunks_ms"][0])
-    rows = [(key, statistics.median(v), sorted(v)[int(0.9 * (len(v) - 1))], len(v)) for key, v in offsets.items()]
+            offsets.setdefault(f"{role}.{name}", (ns - sent) / 1e6)  # the first time its step reached it
+        offsets["client.first_chunk"] = request["chunks_ms"][0]
+        per_request.append(offsets)
+    names = set().union(*per_request) if per_request else set()
+    complete = [offsets for offsets in per_request if set(offsets) == names]
+    rows = []
+    for key in names:
+        values = sorted(offsets[key] for offsets in complete)
+        if values:
+            rows.append((key, statistics.median(values), values[int(0.9 * (len(values) - 1))], len(values)))
     return sorted(rows, key=lambda row: row[1])
 
 

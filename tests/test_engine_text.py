@@ -169,3 +169,35 @@ def test_scheduler_streams_text_and_stops_on_string(tokenizer):
     assert finished == [seq] and seq.finish_reason == "stop" and seq.stop_reason == "END"
     assert "".join(streamed) == seq.output_text == "Answer: 42. "
     assert bm.num_free == 32
+
+
+def test_the_stream_path_gives_the_window_paths_chunks(tokenizer):
+    """A fast tokenizer detokenizes through `tokenizers`' DecodeStream; token by token it
+    gives the chunks the two-decode window gives (the path other tokenizers take)."""
+    for text in CORPUS + ["日本語😀 split bytes: 🎉🎉 ünïcödé"]:
+        prompt = tokenizer.encode("Q: ")
+        stream_path = IncrementalDetokenizer(tokenizer, prompt)
+        window_path = IncrementalDetokenizer(tokenizer, prompt)
+        assert stream_path._stream is not None
+        window_path._stream = None
+        output: list[int] = []
+        for token in tokenizer.encode(text):
+            output.append(token)
+            assert stream_path.add(output) == window_path.add(output), (text, len(output))
+
+
+def test_the_embedded_models_tokenizer_streams_what_the_window_gives():
+    from hybridd.config import EMBEDDED_MODEL
+    from hybridd.model.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(EMBEDDED_MODEL)
+    text = (EMBEDDED_MODEL / "validation.txt").read_text()[:3000]
+    ids = tokenizer.encode(text)
+    stream_path, window_path = IncrementalDetokenizer(tokenizer, ids[:8]), IncrementalDetokenizer(tokenizer, ids[:8])
+    assert stream_path._stream is not None
+    window_path._stream = None
+    output: list[int] = []
+    for token in ids[8:]:
+        output.append(token)
+        assert stream_path.add(output) == window_path.add(output)
+    assert stream_path.flush(output) == window_path.flush(output) == ""

@@ -15,12 +15,13 @@ from tests.host_load import on_this_host
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# The path of a request's first token, in the order it is taken.
+# The path of a request's first token, in the order it is taken. A mark before a send
+# ("_send") precedes its receipt in the other process even when the host is busy.
 FIRST_TOKEN_PATH = [
     "context.frame_received", "context.admitted", "context.scheduled", "context.inputs_ready",
-    "context.step_sent", "graph.step_received", "graph.graph_launch", "graph.graph_launched",
-    "graph.launched_sent", "context.launched_seen", "context.sampling_enqueued", "context.tokens_on_host",
-    "context.chunk_sent", "client.first_chunk",
+    "context.step_send", "graph.step_received", "graph.graph_launch", "graph.graph_launched",
+    "graph.launched_send", "context.launched_seen", "context.sampling_enqueued", "context.tokens_on_host",
+    "context.chunk_send", "client.first_chunk",
 ]
 
 
@@ -48,6 +49,6 @@ def test_each_request_passes_its_milestones_in_order(tmp_path):
     milestones = json.loads((tmp_path / "milestones.json").read_text())
     order = [row["milestone"] for row in milestones]
     assert order == FIRST_TOKEN_PATH, order
-    assert all(row["requests"] >= 5 for row in milestones)
+    assert all(row["requests"] >= 4 for row in milestones)
     first_chunk = milestones[-1]["median_ms"]
     assert 0 < milestones[0]["median_ms"] < first_chunk

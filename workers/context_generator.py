@@ -378,11 +378,11 @@ class ContextGenerator:
             if request.stream and self._backlog(request.identity) >= SESSION_BACKLOG_LIMIT:
                 self._too_slow(request.identity)
             elif request.stream:
+                mark("chunk_send")
                 self._send(request.identity, ChunkReply(
                     id=request.id, index=seq.index, number=request.chunks, text=seq.new_text, token_ids=[token],
                     logprobs=None if logprob is None else [logprob], v=request.v))
                 request.chunks += 1
-                mark("chunk_sent")
         for seq in finished:
             self._finish_sequence(seq)
 

@@ -182,8 +182,8 @@ class GraphGenerator:
         self.logits_ready.record(stream)
         self.tracer.step()
         self.link.steps += 1
+        mark("launched_send")
         self.ctl.send(control.Launched(step=step.step))
-        mark("launched_sent")
 
     def close(self) -> None:
         self.runner.stop_background_capture() if hasattr(self, "runner") else None

@@ -104,11 +104,11 @@ class StepPipeline:
             self._gather_inputs(batch, n_tokens)
         self.inputs_ready.record(self.stream)
         mark("inputs_ready")
+        mark("step_send")  # before the send: the peer may take it before this process runs on
         self.ctl.send(control.Step(
             step=batch.step_id, kind="prefill" if batch.is_prefill else "decode",
             n_real=n_seqs, n_tokens=n_tokens,
         ))
-        mark("step_sent")
         # Sampling runs after the forward on the GPU, and its tokens go straight into
         # the ring that the next step's inputs gather from.
         tensors = self._sampling_tensors(batch)
