@@ -35,7 +35,8 @@ class PagedToyModel:
         self.kv = torch.full((bm.num_blocks * bm.block_size,), -1, dtype=torch.int64)
 
     def step(self, batch: ScheduledBatch, input_ids: torch.Tensor) -> list[int]:
-        assert int(batch.inputs.query_start_loc[-1]) == input_ids.numel() == batch.inputs.positions.numel()
+        input_ids = torch.as_tensor(input_ids)
+        assert int(batch.inputs.query_start_loc[-1]) == input_ids.numel() == batch.inputs.positions.size
         assert bool((input_ids >= 0).all())
         self.kv[batch.inputs.slot_mapping] = input_ids
         out = []
@@ -45,7 +46,7 @@ class PagedToyModel:
             length = int(batch.inputs.seq_lens[row])
             assert int(batch.inputs.positions[last]) == length - 1
             pos = torch.arange(length)
-            slots = batch.inputs.block_tables[row].long()[pos // self.bs] * self.bs + pos % self.bs
+            slots = torch.as_tensor(batch.inputs.block_tables[row]).long()[pos // self.bs] * self.bs + pos % self.bs
             out.append(next_token(self.kv[slots].tolist()))
         return out
 
@@ -86,7 +87,7 @@ def run_overlapped(sched: Scheduler, max_steps: int = 10_000) -> tuple[list[Sche
         if batch is not None:
             check_block_invariants(sched)
             preempted |= {s.request_id for s in sched.waiting if s.status is SequenceStatus.PREEMPTED}
-            ids = batch.inputs.input_ids.clone()
+            ids = torch.from_numpy(batch.inputs.input_ids.copy())
             for i in (batch.input_src_step >= 0).nonzero().flatten().tolist():
                 ids[i] = sampled[int(batch.input_src_step[i])][int(batch.input_src_row[i])]
             sampled[batch.step_id] = torch.tensor(model.step(batch, ids))
@@ -344,7 +345,7 @@ def run_forked_overlapped(sched: Scheduler, max_steps: int = 10_000) -> list[Sch
             bm = sched.block_manager
             held = {b for s in sched.running for b in s.block_table}
             assert len(held) + bm.num_free == bm.num_blocks, "blocks leaked"
-            ids = batch.inputs.input_ids.clone()
+            ids = torch.from_numpy(batch.inputs.input_ids.copy())
             for i in (batch.input_src_step >= 0).nonzero().flatten().tolist():
                 ids[i] = sampled[int(batch.input_src_step[i])][int(batch.input_src_row[i])]
             rows = model.step(batch, ids)

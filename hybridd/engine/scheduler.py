@@ -32,7 +32,7 @@ from hybridd.engine.detokenizer import IncrementalDetokenizer, Tokenizer
 from hybridd.engine.sequence import Sequence, SequenceStatus
 from hybridd.engine.stop_criteria import StopCriteria
 from hybridd.log import get_logger
-from hybridd.model.step_inputs import StepInputs
+from hybridd.model.step_inputs import HostStepInputs
 
 log = get_logger("scheduler")
 
@@ -58,7 +58,7 @@ class ScheduledBatch:
     kind: BatchKind
     step_id: int
     seqs: list[Sequence]
-    inputs: StepInputs  # on the host, unpadded; input_ids are -1 where the token is still on the device
+    inputs: HostStepInputs  # unpadded; input_ids are -1 where the token is still on the device
     input_src_step: torch.Tensor  # [T] int64; step that sampled the input token, -1 when on host
     input_src_row: torch.Tensor  # [T] int64; its row in that step's sampled tokens
     # Forks sampled from a row's logits in this step: (row, forked sequence), and the KV
@@ -262,11 +262,11 @@ class Scheduler:
             self._mark_scheduled(fork, step_id, sample_row, num_computed=len(seqs[row]))
         for row, seq in enumerate(seqs):
             self._mark_scheduled(seq, step_id, row, num_computed=len(seq))
-        inputs = StepInputs.prefill(
+        inputs = HostStepInputs.prefill(
             [seq.token_ids for seq in seqs], [seq.block_table for seq in seqs], bm.block_size,
             table_width=self.block_table_width,
         )
-        not_on_device = torch.full_like(inputs.input_ids, -1)
+        not_on_device = torch.full((inputs.num_tokens,), -1, dtype=torch.int64)
         return ScheduledBatch(
             BatchKind.PREFILL, step_id, seqs, inputs, not_on_device, not_on_device, forks=forks, kv_copies=kv_copies
         )
@@ -306,7 +306,7 @@ class Scheduler:
                 src_row.append(-1)
             positions.append(seq.last_position)
             self._mark_scheduled(seq, step_id, row, num_computed=seq.last_position + 1)
-        inputs = StepInputs.decode(
+        inputs = HostStepInputs.decode(
             input_ids, positions, [seq.block_table for seq in seqs], bm.block_size, table_width=self.block_table_width
         )
         return ScheduledBatch(

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from hybridd.model.kv_cache import blocks_for
-from hybridd.model.step_inputs import StepInputs
+from hybridd.model.step_inputs import HostStepInputs, StepInputs
 
 
 def geometry(max_prefill_tokens: int, max_batch: int, max_model_len: int, block_size: int) -> tuple[int, int]:
@@ -113,9 +113,10 @@ class StepBuffers:
             is_prefill=is_prefill,
         )
 
-    def write(self, step: StepInputs) -> None:
-        """A host-side step's real rows, and padding in every row past them, in one
-        host-to-device copy of the packed inputs (on the current stream)."""
+    def write(self, step: HostStepInputs | StepInputs) -> None:
+        """A host-side step's real rows (numpy arrays, or tensors on the CPU), and padding
+        in every row past them, in one host-to-device copy of the packed inputs (on the
+        current stream)."""
         if step.num_tokens > self.max_tokens or step.num_seqs > self.max_seqs:
             raise ValueError(
                 f"step of {step.num_tokens} tokens / {step.num_seqs} seqs exceeds the step buffers "
@@ -143,13 +144,13 @@ class StepBuffers:
         _pad(host, step.num_tokens, filled_tokens, step.num_seqs, filled_seqs)
         self._mirror_rows[index] = (step.num_tokens, step.num_seqs)
         for name in ("input_ids", "positions", "slot_mapping", "seq_lens", "query_start_loc", "logits_indices"):
-            values = getattr(step, name).numpy()
+            values = np.asarray(getattr(step, name))
             host[name][: values.shape[0]] = values
         # Padded sequences start (and end) where the real tokens end.
         host["query_start_loc"][step.num_seqs + 1 :] = step.num_tokens
         table = host["block_tables"][: step.num_seqs]
         table[:, width:] = 0
-        table[:, :width] = step.block_tables.numpy()
+        table[:, :width] = np.asarray(step.block_tables)
         self.packed.copy_(self._mirrors[index], non_blocking=True)
         if self.packed.device.type == "cuda":
             done = torch.cuda.Event()
