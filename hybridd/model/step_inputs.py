@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from array import array
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 from itertools import accumulate, chain
 
 import numpy as np
@@ -20,8 +21,11 @@ import torch
 from hybridd.model.kv_cache import slot
 
 
+Array = TypeVar("Array")
+
+
 @dataclass
-class StepInputs:
+class StepFields(Generic[Array]):
     """One forward step over `T` flattened tokens belonging to `B` sequences.
 
     - `input_ids`, `positions`, `slot_mapping`: [T]; a slot of -1 writes nothing.
@@ -33,13 +37,13 @@ class StepInputs:
     - `is_prefill`: a Python bool, fixed per captured graph.
     """
 
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    slot_mapping: torch.Tensor
-    block_tables: torch.Tensor
-    seq_lens: torch.Tensor
-    query_start_loc: torch.Tensor
-    logits_indices: torch.Tensor
+    input_ids: Array
+    positions: Array
+    slot_mapping: Array
+    block_tables: Array
+    seq_lens: Array
+    query_start_loc: Array
+    logits_indices: Array
     is_prefill: bool
 
     @property
@@ -49,6 +53,11 @@ class StepInputs:
     @property
     def num_seqs(self) -> int:
         return self.seq_lens.shape[0]
+
+
+@dataclass
+class StepInputs(StepFields[torch.Tensor]):
+    """A step as the forward reads it: tensors, on its device."""
 
     @classmethod
     def prefill(
@@ -86,30 +95,13 @@ class StepInputs:
 
 
 @dataclass
-class HostStepInputs:
-    """A step's inputs as the scheduler builds them: numpy arrays on the host, the fields
-    and shapes of `StepInputs` (int64 ids, positions, slots and logits indices; int32
-    block tables, lengths and starts). The context generator's step buffers copy these
-    arrays into their pinned mirror as they are; `on(device)` makes the `StepInputs` a
-    forward in this process reads. A step's first token waits for this work, and numpy
-    arrays cost a fraction of torch tensors to make and to copy from."""
-
-    input_ids: np.ndarray
-    positions: np.ndarray
-    slot_mapping: np.ndarray
-    block_tables: np.ndarray
-    seq_lens: np.ndarray
-    query_start_loc: np.ndarray
-    logits_indices: np.ndarray
-    is_prefill: bool
-
-    @property
-    def num_tokens(self) -> int:
-        return self.input_ids.shape[0]
-
-    @property
-    def num_seqs(self) -> int:
-        return self.seq_lens.shape[0]
+class HostStepInputs(StepFields[np.ndarray]):
+    """A step as the scheduler builds it: numpy arrays on the host (int64 ids,
+    positions, slots and logits indices; int32 block tables, lengths and starts). The
+    context generator's step buffers copy these arrays into their pinned mirror as they
+    are; `on(device)` makes the `StepInputs` a forward in this process reads. A step's
+    first token waits for this work, and numpy arrays cost a fraction of torch tensors
+    to make and to copy from."""
 
     @classmethod
     def prefill(
