@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.host_load import on_this_host
+
 ROOT = Path(__file__).resolve().parent.parent
 
 pytestmark = pytest.mark.slow
@@ -24,8 +26,9 @@ def bench_out(tmp_path_factory):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "bench.py"), "--out", str(out / "out"), "--device", "cpu",
-         "--preset", "tiny", "--quick", "--checkpoint-dir", str(out / "ckpt"), "--budget-s", "200"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+         "--preset", "tiny", "--quick", "--checkpoint-dir", str(out / "ckpt"), "--budget-s",
+         str(int(on_this_host(200)))],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=on_this_host(300),
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return out / "out", proc.stdout
@@ -63,7 +66,11 @@ def test_json_has_every_figure(bench_out):
     assert names[8].startswith("ITL p99 during forced prefill capture / steady")
     gateway = hy["gateway"]
     for side in ("sdk", "http"):
-        assert gateway[side]["ttft_p50_s"] > 0 and gateway[side]["itl_p50_s"] > 0, gateway
+        # An HTTP event's time is its last byte's recv: on a busy host several events can
+        # arrive in one read, and their gaps are then 0 (so the ITL p50 may be 0).
+        assert gateway[side]["ttft_p50_s"] > 0 and gateway[side]["itl_p50_s"] >= 0, gateway
+        assert gateway[side]["itl_n"] == 31, gateway
+    assert gateway["sdk"]["itl_p50_s"] > 0, gateway
     assert gateway["added_ttft_p50_s"] is not None and gateway["added_itl_p50_s"] is not None
     assert gateway["httpx"]["ttft_p50_s"] > 0 and gateway["httpx"]["ttft_n"] == gateway["http"]["ttft_n"], gateway
     assert r["targets"][-1]["target"].startswith("HTTP gateway: ITL p50 added")
