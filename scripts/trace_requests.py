@@ -131,6 +131,14 @@ def main() -> int:
     for key, median, p90, n in rows:
         print(f"  {key:28s} {median:8.3f} {p90:8.3f}   +{median - previous:6.3f}   (n={n})")
         previous = median
+    ttft = sorted(r["chunks_ms"][0] for r in traced)
+    # The last message is the final reply, not a token: the gaps run between token chunks.
+    gaps = sorted(b - a for r in traced for a, b in zip(r["chunks_ms"][:-2], r["chunks_ms"][1:-1]))
+    line = f"TTFT p50 {statistics.median(ttft):.3f} ms"
+    if gaps:
+        line += (f"; ITL p50 {statistics.median(gaps):.3f} ms, p99 {gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))]:.3f}"
+                 f" ms, max {gaps[-1]:.3f} ms over {len(gaps)} gaps")
+    print(line)
     return 0
 
 
