@@ -59,6 +59,17 @@ def milestones(timeline: list[dict], marks: list[tuple[str, str, int]]) -> list[
     return sorted(rows, key=lambda row: row[1])
 
 
+def _settings(text: str) -> dict:
+    """--config: a JSON object of daemon settings."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"a JSON object of settings, got {text!r}")
+    return value
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
@@ -71,7 +82,8 @@ def main() -> int:
     parser.add_argument("--gap-ms", type=float, default=2.0, help="pause between a request's end and the next send")
     parser.add_argument("--kernels", action="store_true", help="also record the profiler's kernel traces")
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--config", default="{}", help="daemon settings as JSON, e.g. '{\"cuda_mps\": \"on\"}'")
+    parser.add_argument("--config", type=_settings, default={},
+                        help="daemon settings as a JSON object, e.g. '{\"busy_poll_s\": 0.05}'")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     steps_per_request = args.max_tokens  # a prefill, then a decode step per further token
@@ -88,7 +100,7 @@ def main() -> int:
     from tests.engine_pair import EnginePair
 
     overrides = {"kv_cache_memory_fraction": 0.3} if args.device == "cuda" else {}
-    overrides.update(json.loads(args.config))
+    overrides.update(args.config)
     pair = EnginePair(Path(tempfile.mkdtemp(prefix="hbt-")), model=str(args.model), device=args.device,
                       compile_sampler=args.device == "cuda", **overrides)
     timeline, client = [], None

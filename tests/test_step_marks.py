@@ -52,3 +52,20 @@ def test_each_request_passes_its_milestones_in_order(tmp_path):
     assert all(row["requests"] >= 4 for row in milestones)
     first_chunk = milestones[-1]["median_ms"]
     assert 0 < milestones[0]["median_ms"] < first_chunk
+
+
+@pytest.mark.parametrize("value", ["abc", "-3", "1.5"])
+def test_a_bad_step_count_names_its_variable(monkeypatch, tmp_path, value):
+    from hybridd.runtime.step_trace import StepTracer
+
+    monkeypatch.setenv("HYBRIDD_TRACE_DIR", str(tmp_path))
+    monkeypatch.setenv("HYBRIDD_TRACE_STEPS", value)
+    with pytest.raises(ValueError, match=f"HYBRIDD_TRACE_STEPS must be a whole number of steps .*{value!r}"):
+        StepTracer("context")
+
+
+@pytest.mark.parametrize(("config", "message"), [("{busy", "not JSON"), ("[1]", "a JSON object of settings")])
+def test_trace_requests_refuses_bad_settings_before_starting(tmp_path, config, message):
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "trace_requests.py"), "--out", str(tmp_path),
+                          "--device", "cpu", "--config", config], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "--config" in out.stderr and message in out.stderr, out.stderr

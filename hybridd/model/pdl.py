@@ -16,8 +16,8 @@ Kernels launched without PDL (torch's, cuBLAS's) keep the stream's full ordering
 
 Off unless the daemon's `pdl` setting (`HYBRIDD_PDL=1`) turns it on: the graph generator
 sets `ENABLED` before it loads the model. In one decode step in one process it gains
-0.7 % (`python scripts/bench_gemm.py --skip-compare --decode-step`); it stays off until
-`scripts/bench.py`'s `hybridd_pdl` part shows a gain at the client.
+0.7 % (`python scripts/bench_gemm.py --skip-compare --decode-step`), but at the client
+`scripts/bench.py`'s `hybridd_pdl` part measured none (docs/benchmarks.md), so it stays off.
 """
 
 from __future__ import annotations

@@ -42,6 +42,18 @@ def mark(name: str) -> None:
         _marks.append((name, _step, time.perf_counter_ns()))
 
 
+def _steps_variable(name: str, default: int) -> int:
+    """A step count from the environment; a value that is not one names the variable."""
+    value = os.environ.get(name, str(default))
+    try:
+        steps = int(value)
+    except ValueError:
+        steps = -1
+    if steps < 0:
+        raise ValueError(f"{name} must be a whole number of steps (>= 0), got {value!r}")
+    return steps
+
+
 class StepTracer:
     def __init__(self, role: str):
         directory = os.environ.get("HYBRIDD_TRACE_DIR")
@@ -50,8 +62,8 @@ class StepTracer:
         if not self.enabled:
             return
         self.directory = Path(directory)
-        self.warmup = int(os.environ.get("HYBRIDD_TRACE_WARMUP", "100"))
-        self.steps = int(os.environ.get("HYBRIDD_TRACE_STEPS", "200"))
+        self.warmup = _steps_variable("HYBRIDD_TRACE_WARMUP", 100)
+        self.steps = _steps_variable("HYBRIDD_TRACE_STEPS", 200)
         self.kernels = os.environ.get("HYBRIDD_TRACE_KERNELS", "1") != "0"
         self.marks = os.environ.get("HYBRIDD_TRACE_MARKS") == "1"
         self.count = 0
