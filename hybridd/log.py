@@ -95,7 +95,10 @@ def configure(level: str | None = None, json: bool | None = None) -> None:
             _render,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG),
-        logger_factory=structlog.PrintLoggerFactory(file=_CurrentStderr()),
+        # One write per line: stderr is unbuffered when redirected, and the supervisor and
+        # its workers share it, so a record and its newline written apart can be split by
+        # another process's record.
+        logger_factory=structlog.WriteLoggerFactory(file=_CurrentStderr()),
         cache_logger_on_first_use=True,
     )
     root.handlers[:] = [_ToStructlog()]

@@ -1,5 +1,6 @@
 """The configured log level applies to loggers bound before it was set (module-level ones)."""
 
+import ast
 import subprocess
 import sys
 
@@ -14,3 +15,24 @@ def test_level_set_after_binding_still_filters():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env={"PATH": ""})
     assert "loud_warning" in out.stderr and "quiet_info" not in out.stderr
+
+
+def test_a_record_and_its_newline_go_out_in_one_write():
+    """Processes sharing one unbuffered stderr (a redirected file) interleave whole writes:
+    a record written apart from its newline could be split by another's record."""
+    code = (
+        "import sys\n"
+        "class Writes:\n"
+        "    def __init__(self): self.calls = []\n"
+        "    def write(self, s): self.calls.append(s); return len(s)\n"
+        "    def flush(self): pass\n"
+        "from hybridd.log import get_logger, configure\n"
+        "configure('info', json=True)\n"
+        "capture = Writes(); real = sys.stderr; sys.stderr = capture\n"
+        "get_logger('t').info('one record', n=1)\n"
+        "sys.stderr = real\n"
+        "print(repr(capture.calls))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    calls = ast.literal_eval(out.stdout)
+    assert len(calls) == 1 and calls[0].endswith("\n") and '"one record"' in calls[0], calls
