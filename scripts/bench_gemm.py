@@ -3,14 +3,16 @@
     python scripts/bench_gemm.py --out $OUT                 # the table in the code vs cuBLAS
     python scripts/bench_gemm.py --sweep --out $OUT         # sweep configs, print a new table
     python scripts/bench_gemm.py --decode-step --out $OUT   # also one 7B decode step, both ways
+    python scripts/bench_gemm.py --skip-compare --decode-step --decode-batch 1,32 --out $OUT
 
 Every projection of Llama-2-7B and Llama-3-8B in bf16 for M = 1..32 token rows: time per
 call and the share of the measured copy bandwidth (bytes read plus written by a large
 device-to-device copy) that the weight read reaches, for the skinny kernel and for
 torch.nn.functional.linear (cuBLAS). Each time is the median of CUDA-graph replays of
 back-to-back calls over enough copies of the weight that none is served from L2.
-`--decode-step` builds the Llama-2-7B shape with random weights and times one batch-1
-decode step (graph replay) with the skinny kernels and with cuBLAS. Results are written
+`--decode-step` builds the Llama-2-7B shape with random weights and times one decode
+step (graph replay, batch 1 or each of `--decode-batch`, context 512) with cuBLAS, the
+skinny kernels and each set of fused neighbours. Results are written
 to bench_gemm.json under --out (the sweep's table also to gemm_table.py).
 """
 
@@ -269,8 +271,8 @@ def compare(bw: float, results: dict) -> None:
         torch.cuda.empty_cache()
 
 
-def decode_step(bw: float, results: dict, context: int = 512) -> None:
-    """One Llama-2-7B-shape decode step at batch 1 (graph replay): cuBLAS projections, the
+def decode_step(bw: float, results: dict, context: int = 512, batch: int = 1, only: set | None = None) -> None:
+    """One Llama-2-7B-shape decode step of `batch` sequences (graph replay): cuBLAS projections, the
     skinny kernels alone, and the skinny kernels with each set of fused neighbours
     (`hybridd/gemm_fusions.py`), then the default set chained with programmatic dependent
     launch where the GPU has it. The norm weights are folded into the projections for all
@@ -297,8 +299,10 @@ def decode_step(bw: float, results: dict, context: int = 512) -> None:
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     floor = weight_bytes / bw
     block = 16
-    kv = KVCache.allocate(cfg, context // block + 2, block, torch.bfloat16, "cuda")
-    step = StepInputs.decode([7], [context], [list(range(context // block + 1))], block).to("cuda")
+    per_seq = context // block + 1
+    kv = KVCache.allocate(cfg, batch * per_seq + 1, block, torch.bfloat16, "cuda")
+    tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch)]
+    step = StepInputs.decode([7] * batch, [context] * batch, tables, block).to("cuda")
     out = {}
     # label -> (projections on the skinny kernel, fused neighbours, PDL on, GEMM prefetch
     # columns, table entries replaced)
@@ -316,6 +320,8 @@ def decode_step(bw: float, results: dict, context: int = 512) -> None:
         variants[f"skinny+{default} {name}"] = (True, gemm_fusions.DEFAULT, False, 0, {sh: [(32, config)] for sh in shapes})
     if pdl.supported(torch.device("cuda")):
         variants |= {f"skinny+{default}+pdl+prefetch{c}": (True, gemm_fusions.DEFAULT, True, c, {}) for c in (0, 512)}
+    if only:
+        variants = {label: v for label, v in variants.items() if label in only or label == "skinny"}
     plain = None
     try:
         for label, (skinny, fused, with_pdl, prefetch, overrides) in variants.items():
@@ -338,13 +344,13 @@ def decode_step(bw: float, results: dict, context: int = 512) -> None:
             top1 = torch.equal(logits.argmax(-1), plain.argmax(-1))
             same = f"bit-equal {torch.equal(logits, plain)}, rel {diff:.2e}, top-1 {top1}"
             out[label] = median_gpu_time(graph.replay, 30)
-            print(f"decode step {label:32s} {out[label] * 1e3:.3f} ms ({out[label] / floor:.3f}x floor); graph and "
+            print(f"decode step b{batch} {label:32s} {out[label] * 1e3:.3f} ms ({out[label] / floor:.3f}x floor); graph and "
                   f"eager top-1 agree: {agree}; vs the plain skinny step: {same}", flush=True)
             del graph
     finally:
         pdl.ENABLED, triton_gemm.PREFETCH_COLUMNS, gemm_fusions.ENABLED, triton_gemm._TABLE = defaults
-    results["decode_step"] = {"floor_s": floor, "weight_bytes": weight_bytes, "context": context, **out}
-    print(f"\ndecode step, Llama-2-7B shape, batch 1, context {context}: floor {floor * 1e3:.3f} ms; "
+    results[f"decode_step_b{batch}"] = {"floor_s": floor, "weight_bytes": weight_bytes, "context": context, **out}
+    print(f"\ndecode step, Llama-2-7B shape, batch {batch}, context {context}: weight floor {floor * 1e3:.3f} ms; "
           + "; ".join(f"{k} {v * 1e3:.3f} ms ({v / floor:.3f}x floor)" for k, v in out.items()), flush=True)
     del model, kv
     torch.cuda.empty_cache()
@@ -355,6 +361,9 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path("out"))
     parser.add_argument("--sweep", action="store_true", help="sweep configs and print a table for triton_gemm")
     parser.add_argument("--decode-step", action="store_true", help="also time one 7B decode step both ways")
+    parser.add_argument("--decode-batch", default="1", help="comma list of decode step batch sizes (default 1)")
+    parser.add_argument("--variants", default="", help="comma list of decode step variants to time (default all; "
+                        "the plain skinny step always runs, as the reference)")
     parser.add_argument("--skip-compare", action="store_true")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -373,7 +382,8 @@ def main() -> int:
         if not args.skip_compare:
             compare(bw, results)
         if args.decode_step:
-            decode_step(bw, results)
+            for batch in (int(b) for b in args.decode_batch.split(",")):
+                decode_step(bw, results, batch=batch, only=set(filter(None, args.variants.split(","))))
     finally:
         (args.out / "bench_gemm.json").write_text(json.dumps(results, indent=2, default=str))
     return 0
