@@ -10,9 +10,10 @@ call and the share of the measured copy bandwidth (bytes read plus written by a 
 device-to-device copy) that the weight read reaches, for the skinny kernel and for
 torch.nn.functional.linear (cuBLAS). Each time is the median of CUDA-graph replays of
 back-to-back calls over enough copies of the weight that none is served from L2.
-`--decode-step` builds the Llama-2-7B shape with random weights and times one decode
-step (graph replay, batch 1 or each of `--decode-batch`, context 512) with cuBLAS, the
-skinny kernels and each set of fused neighbours. Results are written
+`--decode-step` builds the Llama-2-7B shape (or `--decode-shape llama3-8b`) with random
+weights and times one decode step (graph replay, batch 1 or each of `--decode-batch`,
+context 512) with cuBLAS, the skinny kernels, each set of fused neighbours and other
+projection configs (`--variants` picks some). Results are written
 to bench_gemm.json under --out (the sweep's table also to gemm_table.py).
 """
 
@@ -271,8 +272,16 @@ def compare(bw: float, results: dict) -> None:
         torch.cuda.empty_cache()
 
 
-def decode_step(bw: float, results: dict, context: int = 512, batch: int = 1, only: set | None = None) -> None:
-    """One Llama-2-7B-shape decode step of `batch` sequences (graph replay): cuBLAS projections, the
+# The decode step's model shapes (`--decode-shape`).
+STEP_SHAPES = {
+    "llama2-7b": {"intermediate_size": 11008, "num_key_value_heads": 32, "vocab_size": 32000},
+    "llama3-8b": {"intermediate_size": 14336, "num_key_value_heads": 8, "vocab_size": 128256, "rope_theta": 500000.0},
+}
+
+
+def decode_step(bw: float, results: dict, context: int = 512, batch: int = 1, only: set | None = None,
+                shape: str = "llama2-7b") -> None:
+    """One decode step of `batch` sequences of the `shape` model (graph replay): cuBLAS projections, the
     skinny kernels alone, and the skinny kernels with each set of fused neighbours
     (`hybridd/gemm_fusions.py`), then the default set chained with programmatic dependent
     launch where the GPU has it. The norm weights are folded into the projections for all
@@ -285,9 +294,9 @@ def decode_step(bw: float, results: dict, context: int = 512, batch: int = 1, on
     from hybridd.model.llama import LlamaModel
 
     cfg = ModelConfig.from_dict({
-        "architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "intermediate_size": 11008,
-        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32, "vocab_size": 32000,
-        "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16",
+        "architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "num_hidden_layers": 32,
+        "num_attention_heads": 32, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16",
+        **STEP_SHAPES[shape],
     })
     torch.manual_seed(0)
     with torch.device("cuda"), torch.no_grad():
@@ -312,12 +321,18 @@ def decode_step(bw: float, results: dict, context: int = 512, batch: int = 1, on
     default = gemm_fusions.DEFAULT.replace(",", "+")
     # The o and down projections fill only 64 of the GPU's multiprocessors with the table's
     # configs; in the step (after attention, before a norm) more programs may pay.
-    o, down = (4096, 4096), (4096, 11008)
-    for name, shape, config in (("o split2", o, GemmConfig(64, 256, 2)), ("o bn32", o, GemmConfig(32, 256)),
-                                ("down split2", down, GemmConfig(64, 256, 2)), ("down bn32", down, GemmConfig(32, 256)),
-                                ("o+down split2", None, GemmConfig(64, 256, 2))):
-        shapes = (o, down) if shape is None else (shape,)
-        variants[f"skinny+{default} {name}"] = (True, gemm_fusions.DEFAULT, False, 0, {sh: [(32, config)] for sh in shapes})
+    # At 9-32 rows gate/up goes to cuBLAS, which then leaves its norm to a kernel of its
+    # own; Llama-3-8B's qkv fills only 96 multiprocessors.
+    o, down = (4096, 4096), (4096, cfg.intermediate_size)
+    gate_up, qkv = (2 * cfg.intermediate_size, 4096), (cfg.q_size + 2 * cfg.kv_size, 4096)
+    for name, weight, config in (("o split2", o, GemmConfig(64, 256, 2)), ("o bn32", o, GemmConfig(32, 256)),
+                                 ("down split2", down, GemmConfig(64, 256, 2)),
+                                 ("down bn32", down, GemmConfig(32, 256)), ("o+down split2", None, GemmConfig(64, 256, 2)),
+                                 ("gate_up skinny", gate_up, GemmConfig(64, 256)), ("qkv split2", qkv, GemmConfig(64, 128, 2)),
+                                 ("qkv bn32", qkv, GemmConfig(32, 128))):
+        weights = (o, down) if weight is None else (weight,)
+        variants[f"skinny+{default} {name}"] = (True, gemm_fusions.DEFAULT, False, 0,
+                                                {w: [(32, config)] for w in weights})
     if pdl.supported(torch.device("cuda")):
         variants |= {f"skinny+{default}+pdl+prefetch{c}": (True, gemm_fusions.DEFAULT, True, c, {}) for c in (0, 512)}
     if only:
@@ -349,8 +364,9 @@ def decode_step(bw: float, results: dict, context: int = 512, batch: int = 1, on
             del graph
     finally:
         pdl.ENABLED, triton_gemm.PREFETCH_COLUMNS, gemm_fusions.ENABLED, triton_gemm._TABLE = defaults
-    results[f"decode_step_b{batch}"] = {"floor_s": floor, "weight_bytes": weight_bytes, "context": context, **out}
-    print(f"\ndecode step, Llama-2-7B shape, batch {batch}, context {context}: weight floor {floor * 1e3:.3f} ms; "
+    results[f"decode_step_{shape}_b{batch}"] = {"floor_s": floor, "weight_bytes": weight_bytes, "context": context,
+                                                **out}
+    print(f"\ndecode step, {shape} shape, batch {batch}, context {context}: weight floor {floor * 1e3:.3f} ms; "
           + "; ".join(f"{k} {v * 1e3:.3f} ms ({v / floor:.3f}x floor)" for k, v in out.items()), flush=True)
     del model, kv
     torch.cuda.empty_cache()
@@ -360,8 +376,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description="skinny projections vs cuBLAS")
     parser.add_argument("--out", type=Path, default=Path("out"))
     parser.add_argument("--sweep", action="store_true", help="sweep configs and print a table for triton_gemm")
-    parser.add_argument("--decode-step", action="store_true", help="also time one 7B decode step both ways")
+    parser.add_argument("--decode-step", action="store_true", help="also time one decode step with each kernel variant")
     parser.add_argument("--decode-batch", default="1", help="comma list of decode step batch sizes (default 1)")
+    parser.add_argument("--decode-shape", default="llama2-7b", choices=sorted(STEP_SHAPES),
+                        help="the decode step's model shape (default llama2-7b)")
     parser.add_argument("--variants", default="", help="comma list of decode step variants to time (default all; "
                         "the plain skinny step always runs, as the reference)")
     parser.add_argument("--skip-compare", action="store_true")
@@ -383,7 +401,8 @@ def main() -> int:
             compare(bw, results)
         if args.decode_step:
             for batch in (int(b) for b in args.decode_batch.split(",")):
-                decode_step(bw, results, batch=batch, only=set(filter(None, args.variants.split(","))))
+                decode_step(bw, results, batch=batch, only=set(filter(None, args.variants.split(","))),
+                            shape=args.decode_shape)
     finally:
         (args.out / "bench_gemm.json").write_text(json.dumps(results, indent=2, default=str))
     return 0
