@@ -13,7 +13,7 @@ OUT=${OUT:-out}
 mkdir -p "$OUT"
 source scripts/device_env.sh
 status=0
-timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests --ignore tests/test_gpu_model.py \
+timeout 400 python3 -m pytest -q -m gpu -p no:cacheprovider tests --ignore tests/test_gpu_model.py \
     2>&1 | tee "$OUT/gpu_tests.log" || status=1
 timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_kernels.py -m "not gpu" \
     2>&1 | tee "$OUT/gpu_kernels.log" || status=1
