@@ -279,42 +279,21 @@ STEP_SHAPES = {
 }
 
 
-def decode_step(bw: float, results: dict, context: int = 512, batch: int = 1, only: set | None = None,
-                shape: str = "llama2-7b") -> None:
-    """One decode step of `batch` sequences of the `shape` model (graph replay): cuBLAS projections, the
-    skinny kernels alone, and the skinny kernels with each set of fused neighbours
-    (`hybridd/gemm_fusions.py`), then the default set chained with programmatic dependent
-    launch where the GPU has it. The norm weights are folded into the projections for all
-    of them (`LlamaModel.fold_norms`); the fusions change where products round, so each
-    step's logits are compared with the plain skinny step's by relative difference and
-    top-1."""
-    defaults = pdl.ENABLED, triton_gemm.PREFETCH_COLUMNS, gemm_fusions.ENABLED, triton_gemm._TABLE
-    from hybridd.model import KVCache, StepInputs
+def step_config(shape: str):
+    """The ModelConfig of a `--decode-shape`."""
     from hybridd.model.config import ModelConfig
-    from hybridd.model.llama import LlamaModel
 
-    cfg = ModelConfig.from_dict({
+    return ModelConfig.from_dict({
         "architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "num_hidden_layers": 32,
         "num_attention_heads": 32, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16",
         **STEP_SHAPES[shape],
     })
-    torch.manual_seed(0)
-    with torch.device("cuda"), torch.no_grad():
-        model = LlamaModel(cfg, "cuda", max_positions=4096, kernels="triton").to(torch.bfloat16)
-        for layer in model.layers:  # norms of a trained model are not all ones
-            for norm in (layer.input_layernorm, layer.post_attention_layernorm):
-                norm.weight.uniform_(0.5, 1.5)
-        model.fold_norms()  # as load_model does for the Triton kernels; every variant runs the folded weights
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    floor = weight_bytes / bw
-    block = 16
-    per_seq = context // block + 1
-    kv = KVCache.allocate(cfg, batch * per_seq + 1, block, torch.bfloat16, "cuda")
-    tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch)]
-    step = StepInputs.decode([7] * batch, [context] * batch, tables, block).to("cuda")
-    out = {}
-    # label -> (projections on the skinny kernel, fused neighbours, PDL on, GEMM prefetch
-    # columns, table entries replaced)
+
+
+def step_variants(cfg, with_pdl: bool) -> dict[str, tuple]:
+    """label -> (projections on the skinny kernel, fused neighbours, PDL on, GEMM prefetch
+    columns, table entries replaced): the decode step's variants for a model of `cfg`
+    (the PDL ones only `with_pdl`)."""
     variants = {"cublas": (False, "none", False, 0, {}), "skinny": (True, "none", False, 0, {})}
     for fused in ("norm", "rotary", "silu", "norm,rotary", "norm,rotary,silu"):
         variants[f"skinny+{fused.replace(',', '+')}"] = (True, fused, False, 0, {})
@@ -333,8 +312,42 @@ def decode_step(bw: float, results: dict, context: int = 512, batch: int = 1, on
         weights = (o, down) if weight is None else (weight,)
         variants[f"skinny+{default} {name}"] = (True, gemm_fusions.DEFAULT, False, 0,
                                                 {w: [(32, config)] for w in weights})
-    if pdl.supported(torch.device("cuda")):
+    if with_pdl:
         variants |= {f"skinny+{default}+pdl+prefetch{c}": (True, gemm_fusions.DEFAULT, True, c, {}) for c in (0, 512)}
+    return variants
+
+
+def decode_step(bw: float, results: dict, context: int = 512, batch: int = 1, only: set | None = None,
+                shape: str = "llama2-7b") -> None:
+    """One decode step of `batch` sequences of the `shape` model (graph replay): cuBLAS projections, the
+    skinny kernels alone, and the skinny kernels with each set of fused neighbours
+    (`hybridd/gemm_fusions.py`), other projection configs, then the default set chained
+    with programmatic dependent launch where the GPU has it (`step_variants`; `only`: a
+    subset of them, the plain skinny step always among them). The norm weights are
+    folded into the projections for all of them (`LlamaModel.fold_norms`); the fusions
+    change where products round, so each step's logits are compared with the plain
+    skinny step's by relative difference and top-1."""
+    defaults = pdl.ENABLED, triton_gemm.PREFETCH_COLUMNS, gemm_fusions.ENABLED, triton_gemm._TABLE
+    from hybridd.model import KVCache, StepInputs
+    from hybridd.model.llama import LlamaModel
+
+    cfg = step_config(shape)
+    torch.manual_seed(0)
+    with torch.device("cuda"), torch.no_grad():
+        model = LlamaModel(cfg, "cuda", max_positions=4096, kernels="triton").to(torch.bfloat16)
+        for layer in model.layers:  # norms of a trained model are not all ones
+            for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+                norm.weight.uniform_(0.5, 1.5)
+        model.fold_norms()  # as load_model does for the Triton kernels; every variant runs the folded weights
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    floor = weight_bytes / bw
+    block = 16
+    per_seq = context // block + 1
+    kv = KVCache.allocate(cfg, batch * per_seq + 1, block, torch.bfloat16, "cuda")
+    tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch)]
+    step = StepInputs.decode([7] * batch, [context] * batch, tables, block).to("cuda")
+    out = {}
+    variants = step_variants(cfg, pdl.supported(torch.device("cuda")))
     if only:
         variants = {label: v for label, v in variants.items() if label in only or label == "skinny"}
     plain = None
@@ -372,18 +385,35 @@ def decode_step(bw: float, results: dict, context: int = 512, batch: int = 1, on
     torch.cuda.empty_cache()
 
 
+def _batch_sizes(text: str) -> list[int]:
+    """--decode-batch: a comma list of batch sizes, each at least 1."""
+    try:
+        sizes = [int(part) for part in text.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"a comma list of batch sizes of at least 1, got {text!r}")
+    return sizes
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description="skinny projections vs cuBLAS")
     parser.add_argument("--out", type=Path, default=Path("out"))
     parser.add_argument("--sweep", action="store_true", help="sweep configs and print a table for triton_gemm")
     parser.add_argument("--decode-step", action="store_true", help="also time one decode step with each kernel variant")
-    parser.add_argument("--decode-batch", default="1", help="comma list of decode step batch sizes (default 1)")
+    parser.add_argument("--decode-batch", default=[1], type=_batch_sizes,
+                        help="comma list of decode step batch sizes (default 1)")
     parser.add_argument("--decode-shape", default="llama2-7b", choices=sorted(STEP_SHAPES),
                         help="the decode step's model shape (default llama2-7b)")
     parser.add_argument("--variants", default="", help="comma list of decode step variants to time (default all; "
                         "the plain skinny step always runs, as the reference)")
     parser.add_argument("--skip-compare", action="store_true")
     args = parser.parse_args()
+    only = set(filter(None, args.variants.split(",")))
+    known = step_variants(step_config(args.decode_shape), with_pdl=True)
+    if only - set(known):
+        parser.error(f"--variants: no variant named {', '.join(sorted(only - set(known)))}; "
+                     f"the variants are {', '.join(known)}")
     args.out.mkdir(parents=True, exist_ok=True)
     results: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
     results["copy_bandwidth_Bps"] = bw = copy_bandwidth()
@@ -400,9 +430,8 @@ def main() -> int:
         if not args.skip_compare:
             compare(bw, results)
         if args.decode_step:
-            for batch in (int(b) for b in args.decode_batch.split(",")):
-                decode_step(bw, results, batch=batch, only=set(filter(None, args.variants.split(","))),
-                            shape=args.decode_shape)
+            for batch in args.decode_batch:
+                decode_step(bw, results, batch=batch, only=only, shape=args.decode_shape)
     finally:
         (args.out / "bench_gemm.json").write_text(json.dumps(results, indent=2, default=str))
     return 0

@@ -1,0 +1,24 @@
+"""scripts/bench_gemm.py refuses bad arguments before it touches a GPU, naming what was
+wrong (the refusals run on any host)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench_gemm.py"
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--decode-batch", "0"], "--decode-batch: a comma list of batch sizes of at least 1, got '0'"),
+    (["--decode-batch", "x,2"], "--decode-batch: a comma list of batch sizes of at least 1, got 'x,2'"),
+    (["--decode-step", "--variants", "skinny+norm,bogus"], "--variants: no variant named bogus; the variants are cublas,"),
+    (["--decode-shape", "llama9"], "argument --decode-shape: invalid choice: 'llama9'"),
+])
+def test_bad_arguments_are_refused_by_name(args, message):
+    done = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2
+    assert message in done.stderr
