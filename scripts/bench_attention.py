@@ -160,6 +160,7 @@ def main() -> None:
     if args.old:
         spec = importlib.util.spec_from_file_location("old_attention", args.old)
         old = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = old  # its dataclasses look their module up while it loads
         spec.loader.exec_module(old)
 
     bw = copy_bandwidth()

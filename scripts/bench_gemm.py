@@ -307,7 +307,11 @@ def step_variants(cfg, with_pdl: bool) -> dict[str, tuple]:
     for name, weight, config in (("o split2", o, GemmConfig(64, 256, 2)), ("o bn32", o, GemmConfig(32, 256)),
                                  ("down split2", down, GemmConfig(64, 256, 2)),
                                  ("down bn32", down, GemmConfig(32, 256)), ("o+down split2", None, GemmConfig(64, 256, 2)),
-                                 ("gate_up skinny", gate_up, GemmConfig(64, 256)), ("qkv split2", qkv, GemmConfig(64, 128, 2)),
+                                 ("o k128", o, GemmConfig(64, 128, 1, 4, 6)), ("down k128", down, GemmConfig(64, 128, 1, 4, 6)),
+                                 ("gate_up skinny", gate_up, GemmConfig(64, 256)),
+                                 ("gate_up skinny k128", gate_up, GemmConfig(64, 128)),
+                                 ("gate_up skinny n128", gate_up, GemmConfig(128, 128)),
+                                 ("qkv split2", qkv, GemmConfig(64, 128, 2)),
                                  ("qkv bn32", qkv, GemmConfig(32, 128))):
         weights = (o, down) if weight is None else (weight,)
         variants[f"skinny+{default} {name}"] = (True, gemm_fusions.DEFAULT, False, 0,

@@ -104,6 +104,11 @@ def test_decode_attention_matches_reference(heads, kv_heads, page):
         assert rel(got, ref) < (1e-2 if CUDA else 1e-5), plan
     # A second call gives the same result: the merge left every split counter at zero.
     assert torch.equal(triton_attention.decode_attention(q, kc, vc, tables, seq_lens, d**-0.5), out)
+    # Each sequence alone (batch 1: the most splits, the merge of the whole group) gives
+    # its row of the batch.
+    for i in range(len(lens)):
+        one = triton_attention.decode_attention(q[i:i + 1], kc, vc, tables[i:i + 1], seq_lens[i:i + 1], d**-0.5)
+        assert rel(one[0], ref[i]) < (1e-2 if CUDA else 1e-5), lens[i]
     # Zero-length rows (bucket padding) give zeros, never NaN.
     seq_lens[0] = 0
     out = triton_attention.decode_attention(q, kc, vc, tables, seq_lens, d**-0.5)
@@ -422,3 +427,62 @@ def test_dependent_launch_changes_no_bit_of_a_decode_step(shape, prefetch):
     finally:
         pdl.ENABLED, triton_gemm.PREFETCH_COLUMNS = saved
     assert torch.equal(logits[True], logits[False])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("fusions", ["norm", "norm,rotary"])
+@pytest.mark.parametrize("shape", sorted(PDL_SHAPES))
+def test_batch_one_attention_reads_the_newest_token_after_its_wait(shape, fusions):
+    """The kernel before decode attention (RoPE and the KV write, or the qkv projection
+    with them in its epilogue: a long weight read ending in the write) stores the newest
+    token's key and value; under programmatic dependent launch the attention starts while
+    that kernel runs and must read them only after its wait. The newest token's slot is
+    filled with large values before every replay, so a read before the write would change
+    the logits, which must equal those of the same graph without dependent launch bit for
+    bit, for newest tokens in the first, a middle and the last of the batch-1 splits."""
+    from hybridd import gemm_fusions
+    from hybridd.model import KVCache, pdl
+    from hybridd.model.config import ModelConfig
+    from hybridd.model.llama import LlamaModel
+
+    if not pdl.supported(torch.device("cuda")):
+        pytest.skip("programmatic dependent launch needs compute capability 9+")
+    cfg = ModelConfig.from_dict({
+        "architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "num_hidden_layers": 2,
+        "num_attention_heads": 32, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5,
+        "torch_dtype": "bfloat16", **PDL_SHAPES[shape],
+    })
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = LlamaModel(cfg, "cuda", max_positions=2048, kernels="triton").to(torch.bfloat16)
+    page, width = 16, 64
+    kv = KVCache.allocate(cfg, width + 1, page, torch.bfloat16, "cuda")
+    kv.arena.normal_()
+    table = torch.randperm(width).tolist()
+    saved = pdl.ENABLED, gemm_fusions.ENABLED
+    gemm_fusions.ENABLED = gemm_fusions.parse(fusions)
+    model.kernels.norms_folded = "norm" in gemm_fusions.ENABLED
+    try:
+        for position in (36, 300, 1000):
+            step = StepInputs.decode([7], [position], [table], page).to("cuda")
+            block, offset = table[position // page], position % page
+            logits = {}
+            for on in (False, True):
+                pdl.ENABLED = on
+                with torch.no_grad():
+                    model.forward_logits(step, kv)  # compiles this variant's kernels
+                    torch.cuda.synchronize()
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph):
+                        out = model.forward_logits(step, kv)
+                for _ in range(3):
+                    kv.arena[:, :, block, offset] = 30.0
+                    graph.replay()
+                torch.cuda.synchronize()
+                logits[on] = out.clone()
+                del graph
+            assert torch.equal(logits[True], logits[False]), position
+    finally:
+        pdl.ENABLED, gemm_fusions.ENABLED = saved
+        model.kernels.norms_folded = "norm" in gemm_fusions.ENABLED

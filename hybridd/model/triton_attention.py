@@ -6,9 +6,10 @@ head's group share each key/value tile it reads. It walks its share of the seque
 tokens through the block table; the sequence length and the block table are read from
 device memory, so a graph captured once serves every length. With one split the program
 writes the output itself; with several, each writes its partial output and log-sum-exp
-and the last split of a (sequence, kv head) to finish merges them (a ticket counter,
-reset by that same program), so a step is one launch either way. The grid depends only
-on the batch bucket, the kv heads and the split count, all fixed per captured graph.
+and the last split of a (sequence, kv head) to finish merges them, the whole group's
+heads at once (a ticket counter, reset by that same program), so a step is one launch
+either way. The grid depends only on the batch bucket, the kv heads and the split count,
+all fixed per captured graph.
 
 Prefill: each program handles a tile of query rows of the packed step for one head and
 walks the keys of its rows' sequences up to the causal bound; the sequences' bounds come
@@ -56,7 +57,11 @@ def decode_plan(batch: int, kv_heads: int, max_tokens: int) -> DecodePlan:
     shapes, batch 1/8/32, context 512/4096): 64-token tiles won everywhere, and these
     split counts were the best or within 12 % of it. At batch 1 two warps a program
     were 2-4 % faster than four at every shape and context (fewer threads to gather at
-    the merge's barrier); one or two splits, where no merge is needed, were 1.5-2x slower."""
+    the merge's barrier); one or two splits, where no merge is needed, were 1.5-2x slower.
+    Loading each split's first tile before the wait for the previous kernel (under
+    programmatic dependent launch; tiles dealt to the splits in turn, the newest token's
+    key and value read again after the wait) measured 5-6 % slower per decode step
+    at batch 1 with dependent launch on, and no faster with it off."""
     tile = 64
     target = 256 if batch == 1 else 512
     want = max(1, -(-target // (batch * kv_heads)))
@@ -89,12 +94,36 @@ def _decode_tile(
 
 
 @triton.jit
+def _merge_splits(out_ptr, part_o_ptr, part_lse_ptr, b, kvh, stride_ob, stride_oh,
+                  GROUP: tl.constexpr, MERGE_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  NUM_SPLITS: tl.constexpr, NUM_HEADS: tl.constexpr):
+    """The output of the group's heads from every split's partial output and log-sum-exp,
+    MERGE_ROWS heads at a time (one round of loads for each, not one per head)."""
+    s = tl.arange(0, NUM_SPLITS)
+    d = tl.arange(0, HEAD_DIM)
+    for first in tl.static_range(0, GROUP, MERGE_ROWS):
+        gi = first + tl.arange(0, MERGE_ROWS)
+        gmask = gi < GROUP
+        heads = kvh * GROUP + gi
+        rows = (b * NUM_HEADS + heads)[:, None] * NUM_SPLITS + s[None, :]
+        lses = tl.load(part_lse_ptr + rows, mask=gmask[:, None], other=float("-inf"), cache_modifier=".cg")
+        parts = tl.load(part_o_ptr + rows[:, :, None] * HEAD_DIM + d[None, None, :], mask=gmask[:, None, None],
+                        other=0.0, cache_modifier=".cg")
+        m = tl.max(lses, axis=1)
+        w = tl.exp(lses - tl.where(m == float("-inf"), 0.0, m)[:, None])
+        total = tl.sum(w, axis=1)
+        res = tl.sum(w[:, :, None] * parts, axis=1) / tl.where(total > 0, total, 1.0)[:, None]
+        tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
+                 res.to(out_ptr.dtype.element_ty), mask=gmask[:, None])
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr, kc_ptr, vc_ptr, bt_ptr, len_ptr, out_ptr, part_o_ptr, part_lse_ptr, ticket_ptr, scale,
     stride_qb, stride_qh, stride_ob, stride_oh, stride_c_blk, stride_c_tok, stride_c_head, stride_bt,
-    GROUP: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, TILE: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, NUM_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, PRECISION: tl.constexpr,
-    INTERPRET: tl.constexpr, PDL: tl.constexpr,
+    GROUP: tl.constexpr, MERGE_ROWS: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    PAGE: tl.constexpr, TILE: tl.constexpr, NUM_SPLITS: tl.constexpr, NUM_HEADS: tl.constexpr,
+    KV_HEADS: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_predecessor(PDL)
     b = tl.program_id(0).to(tl.int64)
@@ -144,17 +173,8 @@ def _decode_kernel(
         ticket = ticket_ptr + b * KV_HEADS + kvh
         taken = tl.atomic_add(ticket, 1, sem="acq_rel")
         if taken == NUM_SPLITS - 1:
-            s = tl.arange(0, NUM_SPLITS)
-            for gi in tl.static_range(GROUP):
-                head = kvh * GROUP + gi
-                first = (b * NUM_HEADS + head) * NUM_SPLITS
-                lses = tl.load(part_lse_ptr + first + s, cache_modifier=".cg")
-                m = tl.max(lses, axis=0)
-                w = tl.exp(lses - tl.where(m == float("-inf"), 0.0, m))
-                parts = tl.load(part_o_ptr + (first + s)[:, None] * HEAD_DIM + d[None, :], cache_modifier=".cg")
-                total = tl.sum(w, axis=0)
-                res = tl.sum(w[:, None] * parts, axis=0) / tl.where(total > 0, total, 1.0)
-                tl.store(out_ptr + b * stride_ob + head * stride_oh + d, res.to(out_ptr.dtype.element_ty))
+            _merge_splits(out_ptr, part_o_ptr, part_lse_ptr, b, kvh, stride_ob, stride_oh,
+                          GROUP, MERGE_ROWS, HEAD_DIM, NUM_SPLITS, NUM_HEADS)
             tl.atomic_xchg(ticket, 0)
 
 
@@ -185,13 +205,15 @@ def decode_attention(
             tickets = torch.zeros(b * kvh, dtype=torch.int32, device=q.device)
     else:
         part_o = part_lse = tickets = out
+    # The merge holds MERGE_ROWS heads' partials in registers, at most 4096 floats.
+    merge_rows = min(triton.next_power_of_2(group), 1 << (max(1, 4096 // (splits * d)).bit_length() - 1))
     _decode_kernel[(b, kvh, splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, part_o, part_lse, tickets, scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         # The group's query rows padded to the 16 rows of a tensor-core tile: faster than
         # one row on the CUDA cores even without GQA (measured), and the KV read is the cost.
-        GROUP=group, ROWS=max(16, triton.next_power_of_2(group)), HEAD_DIM=d, PAGE=page,
+        GROUP=group, MERGE_ROWS=merge_rows, ROWS=max(16, triton.next_power_of_2(group)), HEAD_DIM=d, PAGE=page,
         TILE=plan.tile, NUM_SPLITS=splits, NUM_HEADS=h, KV_HEADS=kvh,
         # float32 caches get true float32 products, not TF32 (bf16 ignores this).
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",

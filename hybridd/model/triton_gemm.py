@@ -421,7 +421,9 @@ _TABLE: dict[tuple[int, int], list[tuple[int, GemmConfig | None]]] = {
     (4096, 4096): [(32, GemmConfig(64, 256, 1, 4, 4))],
     # Llama-2-7B
     (12288, 4096): [(32, GemmConfig(64, 128, 1, 4, 4))],
-    (22016, 4096): [(8, GemmConfig(64, 256, 1, 4, 4)), (32, None)],
+    # cuBLAS measured faster at 9-32 rows alone, but not in the decode step, where the
+    # skinny kernel also takes the norm (`scripts/bench_gemm.py --decode-step`, batch 16/32).
+    (22016, 4096): [(32, GemmConfig(64, 256, 1, 4, 4))],
     (4096, 11008): [(32, GemmConfig(64, 256, 1, 4, 4))],
     (32000, 4096): [(16, GemmConfig(64, 128, 1, 4, 4)), (32, GemmConfig(128, 128, 1, 4, 4))],
     # Llama-3-8B
