@@ -13,13 +13,16 @@ back-to-back calls over enough copies of the weight that none is served from L2.
 `--decode-step` builds the Llama-2-7B shape (or `--decode-shape llama3-8b`) with random
 weights and times one decode step (graph replay, batch 1 or each of `--decode-batch`,
 context 512) with cuBLAS, the skinny kernels, each set of fused neighbours and other
-projection configs (`--variants` picks some). Results are written
-to bench_gemm.json under --out (the sweep's table also to gemm_table.py).
+projection configs (`--variants` picks some). `--old-attention FILE` times each step
+also with the `decode_attention` of FILE (e.g. an earlier
+hybridd/model/triton_attention.py), the two interleaved over two rounds. Results are
+written to bench_gemm.json under --out (the sweep's table also to gemm_table.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 import time
@@ -322,7 +325,7 @@ def step_variants(cfg, with_pdl: bool) -> dict[str, tuple]:
 
 
 def decode_step(bw: float, results: dict, context: int = 512, batch: int = 1, only: set | None = None,
-                shape: str = "llama2-7b") -> None:
+                shape: str = "llama2-7b", tag: str = "") -> None:
     """One decode step of `batch` sequences of the `shape` model (graph replay): cuBLAS projections, the
     skinny kernels alone, and the skinny kernels with each set of fused neighbours
     (`hybridd/gemm_fusions.py`), other projection configs, then the default set chained
@@ -381,12 +384,21 @@ def decode_step(bw: float, results: dict, context: int = 512, batch: int = 1, on
             del graph
     finally:
         pdl.ENABLED, triton_gemm.PREFETCH_COLUMNS, gemm_fusions.ENABLED, triton_gemm._TABLE = defaults
-    results[f"decode_step_{shape}_b{batch}"] = {"floor_s": floor, "weight_bytes": weight_bytes, "context": context,
+    results[f"decode_step_{shape}_b{batch}{tag}"] = {"floor_s": floor, "weight_bytes": weight_bytes, "context": context,
                                                 **out}
-    print(f"\ndecode step, {shape} shape, batch {batch}, context {context}: weight floor {floor * 1e3:.3f} ms; "
+    print(f"\ndecode step{tag}, {shape} shape, batch {batch}, context {context}: weight floor {floor * 1e3:.3f} ms; "
           + "; ".join(f"{k} {v * 1e3:.3f} ms ({v / floor:.3f}x floor)" for k, v in out.items()), flush=True)
     del model, kv
     torch.cuda.empty_cache()
+
+
+def load_decode_attention(path: Path):
+    """The `decode_attention` of the module file at `path`."""
+    spec = importlib.util.spec_from_file_location("old_attention", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up while it loads
+    spec.loader.exec_module(module)
+    return module.decode_attention
 
 
 def _batch_sizes(text: str) -> list[int]:
@@ -411,6 +423,8 @@ def main() -> int:
                         help="the decode step's model shape (default llama2-7b)")
     parser.add_argument("--variants", default="", help="comma list of decode step variants to time (default all; "
                         "the plain skinny step always runs, as the reference)")
+    parser.add_argument("--old-attention", type=Path,
+                        help="a module file with another decode_attention to time each decode step with too")
     parser.add_argument("--skip-compare", action="store_true")
     args = parser.parse_args()
     only = set(filter(None, args.variants.split(",")))
@@ -418,6 +432,8 @@ def main() -> int:
     if only - set(known):
         parser.error(f"--variants: no variant named {', '.join(sorted(only - set(known)))}; "
                      f"the variants are {', '.join(known)}")
+    if args.old_attention is not None and not args.old_attention.is_file():
+        parser.error(f"--old-attention: no file {args.old_attention}")
     args.out.mkdir(parents=True, exist_ok=True)
     results: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
     results["copy_bandwidth_Bps"] = bw = copy_bandwidth()
@@ -433,7 +449,23 @@ def main() -> int:
             triton_gemm._TABLE.update(table)
         if not args.skip_compare:
             compare(bw, results)
-        if args.decode_step:
+        if args.decode_step and args.old_attention:
+            from hybridd.model import triton_attention
+
+            new = triton_attention.decode_attention
+            old = load_decode_attention(args.old_attention)
+            try:
+                for batch in args.decode_batch:
+                    for round_ in (1, 2):
+                        for name, attention in (("old attention", old), ("attention now", new)):
+                            # The model's kernels take the module's function when it is built.
+                            triton_attention.decode_attention = attention
+                            print(f"== {name}, round {round_}", flush=True)
+                            decode_step(bw, results, batch=batch, only=only, shape=args.decode_shape,
+                                        tag=f" {name} {round_}")
+            finally:
+                triton_attention.decode_attention = new
+        elif args.decode_step:
             for batch in args.decode_batch:
                 decode_step(bw, results, batch=batch, only=only, shape=args.decode_shape)
     finally:

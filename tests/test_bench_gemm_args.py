@@ -17,8 +17,23 @@ SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench_gemm.py"
     (["--decode-batch", "x,2"], "--decode-batch: a comma list of batch sizes of at least 1, got 'x,2'"),
     (["--decode-step", "--variants", "skinny+norm,bogus"], "--variants: no variant named bogus; the variants are cublas,"),
     (["--decode-shape", "llama9"], "argument --decode-shape: invalid choice: 'llama9'"),
+    (["--decode-step", "--old-attention", "/nonexistent/attention.py"], "--old-attention: no file /nonexistent/attention.py"),
 ])
 def test_bad_arguments_are_refused_by_name(args, message):
     done = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=300)
     assert done.returncode == 2
     assert message in done.stderr
+
+
+def test_old_attention_loads_a_module_with_dataclasses(tmp_path):
+    """An earlier triton_attention.py (whose DecodePlan is a dataclass) loads from a file."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        from bench_gemm import load_decode_attention
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    source = SCRIPT.parent.parent / "hybridd" / "model" / "triton_attention.py"
+    copy = tmp_path / "old_attention.py"
+    copy.write_text(source.read_text())
+    fn = load_decode_attention(copy)
+    assert fn.__name__ == "decode_attention" and fn.__module__ == "old_attention"
