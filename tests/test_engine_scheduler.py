@@ -88,7 +88,7 @@ def run_overlapped(sched: Scheduler, max_steps: int = 10_000) -> tuple[list[Sche
             check_block_invariants(sched)
             preempted |= {s.request_id for s in sched.waiting if s.status is SequenceStatus.PREEMPTED}
             ids = torch.from_numpy(batch.inputs.input_ids.copy())
-            for i in (batch.input_src_step >= 0).nonzero().flatten().tolist():
+            for i in (batch.input_src_step >= 0).nonzero().flatten().tolist() if not batch.is_prefill else ():
                 ids[i] = sampled[int(batch.input_src_step[i])][int(batch.input_src_row[i])]
             sampled[batch.step_id] = torch.tensor(model.step(batch, ids))
             batches.append(batch)
@@ -346,7 +346,7 @@ def run_forked_overlapped(sched: Scheduler, max_steps: int = 10_000) -> list[Sch
             held = {b for s in sched.running for b in s.block_table}
             assert len(held) + bm.num_free == bm.num_blocks, "blocks leaked"
             ids = torch.from_numpy(batch.inputs.input_ids.copy())
-            for i in (batch.input_src_step >= 0).nonzero().flatten().tolist():
+            for i in (batch.input_src_step >= 0).nonzero().flatten().tolist() if not batch.is_prefill else ():
                 ids[i] = sampled[int(batch.input_src_step[i])][int(batch.input_src_row[i])]
             rows = model.step(batch, ids)
             for src, dst in batch.kv_copies:

@@ -59,8 +59,9 @@ class ScheduledBatch:
     step_id: int
     seqs: list[Sequence]
     inputs: HostStepInputs  # unpadded; input_ids are -1 where the token is still on the device
-    input_src_step: torch.Tensor  # [T] int64; step that sampled the input token, -1 when on host
-    input_src_row: torch.Tensor  # [T] int64; its row in that step's sampled tokens
+    # Decode only (None for a prefill, whose tokens are all the prompt's, on the host):
+    input_src_step: torch.Tensor | None  # [T] int64; step that sampled the input token, -1 when on host
+    input_src_row: torch.Tensor | None  # [T] int64; its row in that step's sampled tokens
     # Forks sampled from a row's logits in this step: (row, forked sequence), and the KV
     # blocks to copy (source, destination) before the next step reads them.
     forks: list[tuple[int, Sequence]] = field(default_factory=list)
@@ -266,10 +267,8 @@ class Scheduler:
             [seq.token_ids for seq in seqs], [seq.block_table for seq in seqs], bm.block_size,
             table_width=self.block_table_width,
         )
-        not_on_device = torch.full((inputs.num_tokens,), -1, dtype=torch.int64)
-        return ScheduledBatch(
-            BatchKind.PREFILL, step_id, seqs, inputs, not_on_device, not_on_device, forks=forks, kv_copies=kv_copies
-        )
+        # No tensors of source steps: a prefill's first token waits for this work.
+        return ScheduledBatch(BatchKind.PREFILL, step_id, seqs, inputs, None, None, forks=forks, kv_copies=kv_copies)
 
     def _schedule_decode(self) -> ScheduledBatch | None:
         bm = self.block_manager
