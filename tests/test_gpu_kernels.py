@@ -380,15 +380,10 @@ PDL_SHAPES = {
 }
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("prefetch", [0, 512])
-@pytest.mark.parametrize("shape", sorted(PDL_SHAPES))
-def test_dependent_launch_changes_no_bit_of_a_decode_step(shape, prefetch):
-    """A decode step captured as a graph with programmatic dependent launch (and the
-    GEMM's weight prefetch) gives the logits of the same step without it, bit for bit:
-    a kernel that touched step data before its predecessor finished would not."""
-    from hybridd.model import KVCache, pdl, triton_gemm
+def two_layer_model(shape: str):
+    """(config, model): two layers of `shape` (PDL_SHAPES) on the Triton kernels with
+    random bf16 weights; skips where programmatic dependent launch is not supported."""
+    from hybridd.model import pdl
     from hybridd.model.config import ModelConfig
     from hybridd.model.llama import LlamaModel
 
@@ -402,6 +397,37 @@ def test_dependent_launch_changes_no_bit_of_a_decode_step(shape, prefetch):
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = LlamaModel(cfg, "cuda", max_positions=2048, kernels="triton").to(torch.bfloat16)
+    return cfg, model
+
+
+def replayed_logits(model, step, kv, before_replay=lambda: None) -> torch.Tensor:
+    """The step's logits from a CUDA graph of it, captured after one eager call (which
+    compiles the kernels of the settings in force) and replayed three times, each after
+    `before_replay`."""
+    with torch.no_grad():
+        model.forward_logits(step, kv)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = model.forward_logits(step, kv)
+    for _ in range(3):
+        before_replay()
+        graph.replay()
+    torch.cuda.synchronize()
+    return out.clone()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("prefetch", [0, 512])
+@pytest.mark.parametrize("shape", sorted(PDL_SHAPES))
+def test_dependent_launch_changes_no_bit_of_a_decode_step(shape, prefetch):
+    """A decode step captured as a graph with programmatic dependent launch (and the
+    GEMM's weight prefetch) gives the logits of the same step without it, bit for bit:
+    a kernel that touched step data before its predecessor finished would not."""
+    from hybridd.model import KVCache, pdl, triton_gemm
+
+    cfg, model = two_layer_model(shape)
     page, lens = 16, [700, 33, 1]
     kv = KVCache.allocate(cfg, 3 * 45 + 1, page, torch.bfloat16, "cuda")
     tables = [list(range(i * 45, i * 45 + 45)) for i in range(len(lens))]
@@ -414,16 +440,7 @@ def test_dependent_launch_changes_no_bit_of_a_decode_step(shape, prefetch):
     try:
         for on in (False, True):
             pdl.ENABLED, triton_gemm.PREFETCH_COLUMNS = on, prefetch
-            with torch.no_grad():
-                model.forward_logits(step, kv)  # compiles this variant's kernels
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    out = model.forward_logits(step, kv)
-            for _ in range(3):
-                graph.replay()
-            torch.cuda.synchronize()
-            logits[on] = out.clone()
+            logits[on] = replayed_logits(model, step, kv)
     finally:
         pdl.ENABLED, triton_gemm.PREFETCH_COLUMNS = saved
     assert torch.equal(logits[True], logits[False])
@@ -443,19 +460,8 @@ def test_batch_one_attention_reads_the_newest_token_after_its_wait(shape, fusion
     bit, for newest tokens in the first, a middle and the last of the batch-1 splits."""
     from hybridd import gemm_fusions
     from hybridd.model import KVCache, pdl
-    from hybridd.model.config import ModelConfig
-    from hybridd.model.llama import LlamaModel
 
-    if not pdl.supported(torch.device("cuda")):
-        pytest.skip("programmatic dependent launch needs compute capability 9+")
-    cfg = ModelConfig.from_dict({
-        "architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "num_hidden_layers": 2,
-        "num_attention_heads": 32, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5,
-        "torch_dtype": "bfloat16", **PDL_SHAPES[shape],
-    })
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = LlamaModel(cfg, "cuda", max_positions=2048, kernels="triton").to(torch.bfloat16)
+    cfg, model = two_layer_model(shape)
     page, width = 16, 64
     kv = KVCache.allocate(cfg, width + 1, page, torch.bfloat16, "cuda")
     kv.arena.normal_()
@@ -467,21 +473,14 @@ def test_batch_one_attention_reads_the_newest_token_after_its_wait(shape, fusion
         for position in (36, 300, 1000):
             step = StepInputs.decode([7], [position], [table], page).to("cuda")
             block, offset = table[position // page], position % page
+
+            def poison(block=block, offset=offset):
+                kv.arena[:, :, block, offset] = 30.0
+
             logits = {}
             for on in (False, True):
                 pdl.ENABLED = on
-                with torch.no_grad():
-                    model.forward_logits(step, kv)  # compiles this variant's kernels
-                    torch.cuda.synchronize()
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph):
-                        out = model.forward_logits(step, kv)
-                for _ in range(3):
-                    kv.arena[:, :, block, offset] = 30.0
-                    graph.replay()
-                torch.cuda.synchronize()
-                logits[on] = out.clone()
-                del graph
+                logits[on] = replayed_logits(model, step, kv, before_replay=poison)
             assert torch.equal(logits[True], logits[False]), position
     finally:
         pdl.ENABLED, gemm_fusions.ENABLED = saved
