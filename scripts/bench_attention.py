@@ -21,7 +21,6 @@ of the causal attention.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import sys
@@ -33,6 +32,7 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench_gemm import load_decode_attention  # noqa: E402
 from bench_graphs import copy_bandwidth  # noqa: E402
 from hybridd.model import attention as ref_attention  # noqa: E402
 from hybridd.model import triton_attention  # noqa: E402
@@ -156,12 +156,7 @@ def main() -> None:
     parser.add_argument("--batches", type=batch_sizes, default=(1, 8, 32), help="decode batch sizes, e.g. 1,8,32")
     parser.add_argument("--skip-prefill", action="store_true")
     args = parser.parse_args()
-    old = None
-    if args.old:
-        spec = importlib.util.spec_from_file_location("old_attention", args.old)
-        old = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = old  # its dataclasses look their module up while it loads
-        spec.loader.exec_module(old)
+    old_decode = load_decode_attention(args.old) if args.old else None
 
     bw = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
@@ -204,8 +199,8 @@ def main() -> None:
                 floor_ms = case.kv_bytes / bw * 1e3
                 row = {"shape": shape, "batch": batch, "ctx": ctx, "kv_bytes": case.kv_bytes, "floor_ms": floor_ms}
                 row["new_ms"], row["new_err"] = case.time(triton_attention.decode_attention)
-                if old is not None:
-                    row["old_ms"], row["old_err"] = case.time(old.decode_attention)
+                if old_decode is not None:
+                    row["old_ms"], row["old_err"] = case.time(old_decode)
                 if args.sweep:
                     timed = []
                     for plan in sweep_plans(case):
