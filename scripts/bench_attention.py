@@ -156,7 +156,12 @@ def main() -> None:
     parser.add_argument("--batches", type=batch_sizes, default=(1, 8, 32), help="decode batch sizes, e.g. 1,8,32")
     parser.add_argument("--skip-prefill", action="store_true")
     args = parser.parse_args()
-    old_decode = load_decode_attention(args.old) if args.old else None
+    old_decode = None
+    if args.old is not None:
+        try:
+            old_decode = load_decode_attention(args.old)
+        except ValueError as exc:
+            parser.error(f"--old: {exc}")
 
     bw = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)

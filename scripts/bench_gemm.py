@@ -37,6 +37,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from bench_graphs import copy_bandwidth, median_gpu_time  # noqa: E402
+from make_random_checkpoint import PRESETS  # noqa: E402
 from hybridd import gemm_fusions  # noqa: E402
 from hybridd.model import pdl, triton_gemm  # noqa: E402
 from hybridd.model.triton_gemm import GemmConfig  # noqa: E402
@@ -275,11 +276,8 @@ def compare(bw: float, results: dict) -> None:
         torch.cuda.empty_cache()
 
 
-# The decode step's model shapes (`--decode-shape`).
-STEP_SHAPES = {
-    "llama2-7b": {"intermediate_size": 11008, "num_key_value_heads": 32, "vocab_size": 32000},
-    "llama3-8b": {"intermediate_size": 14336, "num_key_value_heads": 8, "vocab_size": 128256, "rope_theta": 500000.0},
-}
+# The decode step's model shapes (`--decode-shape`): the random checkpoints' presets.
+STEP_SHAPES = ("llama2-7b", "llama3-8b")
 
 
 def step_config(shape: str):
@@ -287,9 +285,7 @@ def step_config(shape: str):
     from hybridd.model.config import ModelConfig
 
     return ModelConfig.from_dict({
-        "architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "num_hidden_layers": 32,
-        "num_attention_heads": 32, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16",
-        **STEP_SHAPES[shape],
+        "architectures": ["LlamaForCausalLM"], "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16", **PRESETS[shape],
     })
 
 
@@ -393,12 +389,24 @@ def decode_step(bw: float, results: dict, context: int = 512, batch: int = 1, on
 
 
 def load_decode_attention(path: Path):
-    """The `decode_attention` of the module file at `path`."""
+    """The `decode_attention` of the module file at `path` (e.g. an earlier
+    hybridd/model/triton_attention.py); ValueError naming the file where there is none,
+    it does not load, or it has no such function."""
+    if not path.is_file():
+        raise ValueError(f"no file {path}")
     spec = importlib.util.spec_from_file_location("old_attention", path)
+    if spec is None or spec.loader is None:
+        raise ValueError(f"{path} is not a Python module file")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses look their module up while it loads
-    spec.loader.exec_module(module)
-    return module.decode_attention
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:  # whatever the file raises: it is refused, by name
+        raise ValueError(f"{path} does not load: {type(exc).__name__}: {exc}") from exc
+    decode_attention = getattr(module, "decode_attention", None)
+    if not callable(decode_attention):
+        raise ValueError(f"{path} has no decode_attention function")
+    return decode_attention
 
 
 def _batch_sizes(text: str) -> list[int]:
@@ -419,7 +427,7 @@ def main() -> int:
     parser.add_argument("--decode-step", action="store_true", help="also time one decode step with each kernel variant")
     parser.add_argument("--decode-batch", default=[1], type=_batch_sizes,
                         help="comma list of decode step batch sizes (default 1)")
-    parser.add_argument("--decode-shape", default="llama2-7b", choices=sorted(STEP_SHAPES),
+    parser.add_argument("--decode-shape", default="llama2-7b", choices=STEP_SHAPES,
                         help="the decode step's model shape (default llama2-7b)")
     parser.add_argument("--variants", default="", help="comma list of decode step variants to time (default all; "
                         "the plain skinny step always runs, as the reference)")
@@ -432,8 +440,12 @@ def main() -> int:
     if only - set(known):
         parser.error(f"--variants: no variant named {', '.join(sorted(only - set(known)))}; "
                      f"the variants are {', '.join(known)}")
-    if args.old_attention is not None and not args.old_attention.is_file():
-        parser.error(f"--old-attention: no file {args.old_attention}")
+    old_attention = None
+    if args.old_attention is not None:
+        try:
+            old_attention = load_decode_attention(args.old_attention)
+        except ValueError as exc:
+            parser.error(f"--old-attention: {exc}")
     args.out.mkdir(parents=True, exist_ok=True)
     results: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
     results["copy_bandwidth_Bps"] = bw = copy_bandwidth()
@@ -449,15 +461,14 @@ def main() -> int:
             triton_gemm._TABLE.update(table)
         if not args.skip_compare:
             compare(bw, results)
-        if args.decode_step and args.old_attention:
+        if args.decode_step and old_attention is not None:
             from hybridd.model import triton_attention
 
             new = triton_attention.decode_attention
-            old = load_decode_attention(args.old_attention)
             try:
                 for batch in args.decode_batch:
                     for round_ in (1, 2):
-                        for name, attention in (("old attention", old), ("attention now", new)):
+                        for name, attention in (("old attention", old_attention), ("attention now", new)):
                             # The model's kernels take the module's function when it is built.
                             triton_attention.decode_attention = attention
                             print(f"== {name}, round {round_}", flush=True)

@@ -1,5 +1,5 @@
-"""scripts/bench_gemm.py refuses bad arguments before it touches a GPU, naming what was
-wrong (the refusals run on any host)."""
+"""scripts/bench_gemm.py and scripts/bench_attention.py refuse bad arguments before they
+touch a GPU, naming what was wrong (the refusals run on any host)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench_gemm.py"
+ATTENTION_SCRIPT = SCRIPT.parent / "bench_attention.py"
 
 
 @pytest.mark.parametrize(("args", "message"), [
@@ -37,3 +38,19 @@ def test_old_attention_loads_a_module_with_dataclasses(tmp_path):
     copy.write_text(source.read_text())
     fn = load_decode_attention(copy)
     assert fn.__name__ == "decode_attention" and fn.__module__ == "old_attention"
+
+
+@pytest.mark.parametrize(("source", "message"), [
+    ("def decode_attention(:\n", "does not load: SyntaxError"),
+    ("raise RuntimeError('broken on import')\n", "does not load: RuntimeError: broken on import"),
+    ("decode_attention = 3\n", "has no decode_attention function"),
+])
+@pytest.mark.parametrize(("script", "args"), [(SCRIPT, ["--decode-step", "--old-attention"]),
+                                            (ATTENTION_SCRIPT, ["--old"])], ids=["bench_gemm", "bench_attention"])
+def test_an_old_attention_module_that_does_not_serve_is_refused_by_name(tmp_path, script, args, source, message):
+    module = tmp_path / "old_attention.py"
+    module.write_text(source)
+    done = subprocess.run([sys.executable, str(script), *args, str(module)], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 2, done.stderr
+    assert f"{args[-1]}: {module} {message}" in done.stderr
