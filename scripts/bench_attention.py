@@ -32,7 +32,7 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_gemm import load_decode_attention  # noqa: E402
+from bench_gemm import old_attention_option  # noqa: E402
 from bench_graphs import copy_bandwidth  # noqa: E402
 from hybridd.model import attention as ref_attention  # noqa: E402
 from hybridd.model import triton_attention  # noqa: E402
@@ -150,18 +150,13 @@ def batch_sizes(text: str) -> tuple[int, ...]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--old", type=Path, help="a module file with an older decode_attention to time beside")
+    parser.add_argument("--old", type=old_attention_option,
+                        help="a module file with an older decode_attention to time beside")
     parser.add_argument("--sweep", action="store_true", help="also time other decode launch plans")
     parser.add_argument("--out", type=Path, help="folder for attention_bench.json")
     parser.add_argument("--batches", type=batch_sizes, default=(1, 8, 32), help="decode batch sizes, e.g. 1,8,32")
     parser.add_argument("--skip-prefill", action="store_true")
     args = parser.parse_args()
-    old_decode = None
-    if args.old is not None:
-        try:
-            old_decode = load_decode_attention(args.old)
-        except ValueError as exc:
-            parser.error(f"--old: {exc}")
 
     bw = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
@@ -204,8 +199,8 @@ def main() -> None:
                 floor_ms = case.kv_bytes / bw * 1e3
                 row = {"shape": shape, "batch": batch, "ctx": ctx, "kv_bytes": case.kv_bytes, "floor_ms": floor_ms}
                 row["new_ms"], row["new_err"] = case.time(triton_attention.decode_attention)
-                if old_decode is not None:
-                    row["old_ms"], row["old_err"] = case.time(old_decode)
+                if args.old is not None:
+                    row["old_ms"], row["old_err"] = case.time(args.old)
                 if args.sweep:
                     timed = []
                     for plan in sweep_plans(case):

@@ -409,6 +409,14 @@ def load_decode_attention(path: Path):
     return decode_attention
 
 
+def old_attention_option(text: str):
+    """argparse type of an option naming an attention module file: its `decode_attention`."""
+    try:
+        return load_decode_attention(Path(text))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
 def _batch_sizes(text: str) -> list[int]:
     """--decode-batch: a comma list of batch sizes, each at least 1."""
     try:
@@ -431,7 +439,7 @@ def main() -> int:
                         help="the decode step's model shape (default llama2-7b)")
     parser.add_argument("--variants", default="", help="comma list of decode step variants to time (default all; "
                         "the plain skinny step always runs, as the reference)")
-    parser.add_argument("--old-attention", type=Path,
+    parser.add_argument("--old-attention", type=old_attention_option,
                         help="a module file with another decode_attention to time each decode step with too")
     parser.add_argument("--skip-compare", action="store_true")
     args = parser.parse_args()
@@ -440,12 +448,6 @@ def main() -> int:
     if only - set(known):
         parser.error(f"--variants: no variant named {', '.join(sorted(only - set(known)))}; "
                      f"the variants are {', '.join(known)}")
-    old_attention = None
-    if args.old_attention is not None:
-        try:
-            old_attention = load_decode_attention(args.old_attention)
-        except ValueError as exc:
-            parser.error(f"--old-attention: {exc}")
     args.out.mkdir(parents=True, exist_ok=True)
     results: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
     results["copy_bandwidth_Bps"] = bw = copy_bandwidth()
@@ -461,14 +463,14 @@ def main() -> int:
             triton_gemm._TABLE.update(table)
         if not args.skip_compare:
             compare(bw, results)
-        if args.decode_step and old_attention is not None:
+        if args.decode_step and args.old_attention is not None:
             from hybridd.model import triton_attention
 
             new = triton_attention.decode_attention
             try:
                 for batch in args.decode_batch:
                     for round_ in (1, 2):
-                        for name, attention in (("old attention", old_attention), ("attention now", new)):
+                        for name, attention in (("old attention", args.old_attention), ("attention now", new)):
                             # The model's kernels take the module's function when it is built.
                             triton_attention.decode_attention = attention
                             print(f"== {name}, round {round_}", flush=True)
