@@ -81,11 +81,15 @@ class Config:
     use_cuda_graphs: bool = True
     graph_memory_budget_mb: int = 1024
     compile_sampler: bool = True
-    cuda_mps: str = "off"  # on: the workers share the GPU through a private MPS daemon (hybridd/cuda_mps.py)
+    # auto/on: the workers share a CUDA device through a private MPS daemon; auto runs
+    # without it where it is not installed or does not start (hybridd/cuda_mps.py)
+    cuda_mps: str = "auto"
     # What the decode projections compute in their own kernel: norm, rotary, silu or none
     # (hybridd/gemm_fusions.py).
     gemm_fusions: str = gemm_fusions.DEFAULT
-    pdl: bool = False  # chain the fused Triton kernels by programmatic dependent launch (hybridd/model/pdl.py)
+    # Chain the fused Triton kernels by programmatic dependent launch on compute
+    # capability 9+ (hybridd/model/pdl.py)
+    pdl: bool = True
     # After its last piece of work a worker polls its sockets this long without sleeping,
     # so that the next message is taken without a wake-up (0: sleep at once). Each worker
     # keeps a CPU core busy while it polls.
@@ -157,8 +161,8 @@ class Config:
             gemm_fusions.parse(self.gemm_fusions)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
-        if self.cuda_mps not in ("on", "off"):
-            raise ConfigError(f"cuda_mps must be on or off, got {self.cuda_mps!r}")
+        if self.cuda_mps not in ("auto", "on", "off"):
+            raise ConfigError(f"cuda_mps must be auto, on or off, got {self.cuda_mps!r}")
         if self.cuda_mps == "on" and self.device == "cpu":
             raise ConfigError("cuda_mps = on needs a CUDA device, but device is cpu")
         if self.tcp_endpoint and not self.curve_secret_key_file:

@@ -1,10 +1,15 @@
-"""A private CUDA MPS control daemon for the two workers (`cuda_mps = "on"`).
+"""A private CUDA MPS control daemon for the two workers (`cuda_mps`, "auto" by default).
 
 Without MPS each worker has its own CUDA context and the GPU time-slices between
 them: every step hands the GPU over twice (forward in the graph generator, sampling
-in the context generator), and each hand-over left the GPU idle for about 146 µs on
-the H200 (docs/benchmarks.md). Under MPS both processes' work goes through one
-server context and the hand-overs cost nothing measurable.
+in the context generator). On the H200 that cost 0.145 ms a token at batch 1 (ITL
+p50 4.106 ms without MPS, 3.961 ms with it), and it swallowed the gain of
+programmatic dependent launch, which shows only under MPS (3.845 ms with both;
+docs/benchmarks.md). Under MPS both processes' work goes through one server context.
+
+"auto" starts the daemon for a CUDA device when `nvidia-cuda-mps-control` is on PATH,
+and runs without MPS (saying why in the log) when it is not there or does not start;
+"on" refuses to start without it; "off" never starts it.
 
 The supervisor starts the daemon with its pipe and log directories inside the
 runtime directory, so it serves hybridd's workers only and no other GPU client is
@@ -26,6 +31,32 @@ log = get_logger("cuda_mps")
 
 CONTROL_BINARY = "nvidia-cuda-mps-control"
 COMMAND_TIMEOUT_S = 10.0
+
+
+MODES = ("auto", "on", "off")
+
+
+def start_for(mode: str, device: str, runtime_dir: Path, binary: str = CONTROL_BINARY) -> MpsDaemon | None:
+    """The private MPS daemon that `cuda_mps = mode` asks for on `device`, started; None
+    where there is none. "on" raises MpsError when it cannot start; "auto" then goes
+    on without it."""
+    if mode not in MODES:
+        raise ValueError(f"cuda_mps must be one of {', '.join(MODES)}, got {mode!r}")
+    if mode == "off" or device == "cpu":  # "on" with the CPU is refused by Config.validate
+        return None
+    if mode == "auto" and shutil.which(binary) is None:
+        log.info("mps_off", reason=f"{binary} is not on PATH")
+        return None
+    daemon = MpsDaemon(runtime_dir, binary)
+    try:
+        daemon.start()
+    except MpsError as error:
+        if mode == "on":
+            raise
+        log.warning("mps_unavailable", error=str(error), consequence="the workers time-slice the GPU",
+                    hint='set cuda_mps = "off" to run without MPS and without this attempt')
+        return None
+    return daemon
 
 
 class MpsError(RuntimeError):

@@ -31,7 +31,7 @@ import zmq
 
 from hybridd import exit_codes
 from hybridd.config import Config
-from hybridd.cuda_mps import MpsDaemon
+from hybridd.cuda_mps import MpsDaemon, start_for
 from hybridd.fallback_endpoint import FallbackEndpoint
 from hybridd.gateway import supervised as supervised_gateway
 from hybridd.lifecycle import Lifecycle, State
@@ -269,7 +269,7 @@ class Supervisor:
         self._watchdog_s = watchdog_interval_s()
         self._router = None
         self._fallback: FallbackEndpoint | None = None
-        self._mps = MpsDaemon(self.runtime_dir) if config.cuda_mps == "on" else None
+        self._mps: MpsDaemon | None = None
         self.gateway = supervised_gateway.SupervisedGateway(
             self._spawn_gateway, max_restarts=config.max_restarts, restart_backoff_s=config.restart_backoff_s,
             **lifecycle_options,
@@ -336,10 +336,11 @@ class Supervisor:
     # ------------------------------------------------------------ the pair
 
     def _start_mps(self) -> None:
-        """Start the private MPS daemon; spawned workers inherit its directories."""
+        """Start the private MPS daemon the configuration asks for; spawned workers
+        inherit its directories."""
+        self._mps = start_for(self.config.cuda_mps, self.config.device, self.runtime_dir)
         if self._mps is None:
             return
-        self._mps.start()
         for key, value in self._mps.env.items():
             self._saved_env[key] = os.environ.get(key)
             os.environ[key] = value

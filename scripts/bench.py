@@ -31,12 +31,13 @@ goes on; the JSON is rewritten after every part, so a killed run still leaves re
    Every hybridd figure is taken at the client, through a `HybriddClient` adapter:
    `hybridd.Client.stream()` (and `AsyncClient` for concurrent streams) when the SDK
    works, else the raw protocol client of tests/engine_pair.py (`--client`).
-6. `hybridd_mps`: the same daemon with both workers under a private MPS control daemon
-   (`cuda_mps = "on"`): TTFT at 10 and 128 tokens and batch-1 ITL, each divided by the
-   `hybridd` part's figure with MPS off (CUDA only).
-7. `hybridd_pdl`: the same daemon with its fused kernels chained by programmatic
-   dependent launch (`pdl = true`, hybridd/model/pdl.py), the same figures divided by
-   the `hybridd` part's without it (CUDA only). `hybridd_unfused` likewise, with no
+6. `hybridd_no_mps`: the same daemon with its workers time-slicing the GPU in two CUDA
+   contexts (`cuda_mps = "off"`; the default starts a private MPS daemon where one is
+   installed, hybridd/cuda_mps.py): TTFT at 10 and 128 tokens and batch-1 ITL, each
+   divided by the `hybridd` part's figure (CUDA only).
+7. `hybridd_no_pdl`: the same daemon without programmatic dependent launch between its
+   fused kernels (`pdl = false`, hybridd/model/pdl.py), the same figures divided by
+   the `hybridd` part's (CUDA only). `hybridd_unfused` likewise, with no
    neighbour fused into the skinny projections (`gemm_fusions = "none"`,
    hybridd/gemm_fusions.py): each norm, RoPE with the KV write and SiLU·mul its own
    kernel (CUDA only).
@@ -54,7 +55,7 @@ goes on; the JSON is rewritten after every part, so a killed run still leaves re
    warm up). Warm-up time reported. CUDA only.
 
 `--preset llama3-8b` (grouped-query attention with 8 KV heads, a 128256-token
-vocabulary) skips hybridd_eager, hybridd_mps, hybridd_pdl, hybridd_unfused, capture_evict, in_process and
+vocabulary) skips hybridd_eager, hybridd_no_mps, hybridd_no_pdl, hybridd_unfused, capture_evict, in_process and
 the gateway by default (`--skip` replaces that list), so that each shape's command fits 10 minutes
 on an H200; give each shape its own `--out` and plot them together.
 
@@ -105,15 +106,15 @@ TINY_PRESET = dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, n
 
 # Estimated seconds per part on an H200 with the Llama-2-7B / Llama-3-8B shape (the budget check uses them).
 ESTIMATE_S_7B = {"ceilings": 8, "checkpoint": 60, "breakdown": 45, "hybridd_eager": 50, "hybridd": 100,
-                 "hybridd_mps": 60, "hybridd_pdl": 60, "hybridd_unfused": 60, "capture_evict": 60, "in_process": 35,
+                 "hybridd_no_mps": 60, "hybridd_no_pdl": 60, "hybridd_unfused": 60, "capture_evict": 60, "in_process": 35,
                  "hf_eager": 45, "hf_static": 120}
 ESTIMATE_S_SMALL = {"ceilings": 3, "checkpoint": 5, "breakdown": 10, "hybridd_eager": 12, "hybridd": 20,
-                    "hybridd_mps": 20, "hybridd_pdl": 20, "hybridd_unfused": 20, "capture_evict": 20, "in_process": 10,
+                    "hybridd_no_mps": 20, "hybridd_no_pdl": 20, "hybridd_unfused": 20, "capture_evict": 20, "in_process": 10,
                     "hf_eager": 8, "hf_static": 60}
 LARGE_PRESETS = ("llama2-7b", "llama3-8b")
 # What a preset measures unless --skip says otherwise: the second shape runs the parts that
 # show its kernels and latency (breakdown, TTFT, ITL, streams, peers), so that it fits 10 minutes.
-PRESET_SKIP = {"llama3-8b": ("hybridd_eager", "hybridd_mps", "hybridd_pdl", "hybridd_unfused", "capture_evict",
+PRESET_SKIP = {"llama3-8b": ("hybridd_eager", "hybridd_no_mps", "hybridd_no_pdl", "hybridd_unfused", "capture_evict",
                              "in_process", "gateway")}
 # How a model is named in tables and plots: its shape, never the directory it was written to.
 SHAPE_NAMES = {"llama2-7b": "Llama-2-7B", "llama3-8b": "Llama-3-8B", "llama-1b": "Llama-1B", "small": "small",
@@ -608,6 +609,7 @@ def run_hybridd_beside(args, model: Path, vocab: int, deadline: float, notes: li
         server = HybriddServer(model, args.device, 600, **overrides)
         _restore_env(saved)
         result["startup"] = server.startup()
+        result["mps_server_pids"] = server.pair.mps.server_pids() if server.pair.mps is not None else []
         client = open_client(args.client, server.endpoint, notes)
         result["client"] = client.kind
         rng = random.Random(4)
@@ -631,27 +633,18 @@ def _restore_env(saved: dict[str, str | None]) -> None:
             os.environ[key] = value
 
 
-def run_hybridd_mps(args, model: Path, vocab: int, deadline: float, notes: list[str], result: dict,
-                    base: dict) -> None:
-    """Both workers under a private MPS control daemon (what the supervisor does for
-    `cuda_mps = "on"`, hybridd/cuda_mps.py), against the `hybridd` part (MPS off); only
-    the workers are MPS clients, not the bench."""
-    from hybridd.cuda_mps import MpsDaemon
-
-    mps = MpsDaemon(Path(tempfile.mkdtemp(prefix="hbm-")))
-    mps.start()
-    try:
-        run_hybridd_beside(args, model, vocab, deadline, notes, result, base, mps.env, {"cuda_mps": "on"})
-        result["mps_server_pids"] = mps.server_pids()  # non-empty: the workers went through an MPS server
-    finally:
-        mps.stop()
+def run_hybridd_no_mps(args, model: Path, vocab: int, deadline: float, notes: list[str], result: dict,
+                       base: dict) -> None:
+    """Both workers in CUDA contexts of their own (`cuda_mps = "off"`), against the
+    `hybridd` part (the default, MPS where installed)."""
+    run_hybridd_beside(args, model, vocab, deadline, notes, result, base, {}, {"cuda_mps": "off"})
 
 
-def run_hybridd_pdl(args, model: Path, vocab: int, deadline: float, notes: list[str], result: dict,
-                    base: dict) -> None:
-    """The fused kernels chained with programmatic dependent launch (`pdl = true`,
-    hybridd/model/pdl.py) against the `hybridd` part (without it)."""
-    run_hybridd_beside(args, model, vocab, deadline, notes, result, base, {}, {"pdl": True})
+def run_hybridd_no_pdl(args, model: Path, vocab: int, deadline: float, notes: list[str], result: dict,
+                       base: dict) -> None:
+    """The fused kernels without programmatic dependent launch (`pdl = false`,
+    hybridd/model/pdl.py) against the `hybridd` part (with it, the default)."""
+    run_hybridd_beside(args, model, vocab, deadline, notes, result, base, {}, {"pdl": False})
 
 
 def run_hybridd_unfused(args, model: Path, vocab: int, deadline: float, notes: list[str], result: dict,
@@ -696,6 +689,8 @@ def run_hybridd(args, model: Path, vocab: int, graphs: bool, deadline: float, no
     client = None
     try:
         result["startup"] = server.startup()
+        # Non-empty: the workers share the GPU through the private MPS server (cuda_mps).
+        result["mps_server_pids"] = server.pair.mps.server_pids() if server.pair.mps is not None else []
         client_notes: list[str] = []
         client = open_client(args.client, server.endpoint, client_notes)
         notes.extend(client_notes)
@@ -1069,13 +1064,13 @@ def render_table(results: dict) -> str:
                      f"{fmt(bc.get('first_token_after_capture_start_s'))} s after capture began")
         if bc.get("note"):
             lines.append(f"  note: {bc['note']}")
-    for name in ("hybridd", "hybridd_eager", "hybridd_mps", "hybridd_pdl", "hybridd_unfused"):
+    for name in ("hybridd", "hybridd_eager", "hybridd_no_mps", "hybridd_no_pdl", "hybridd_unfused"):
         st = g(results, name, "startup")
         if st:
             lines.append(f"{name} start: spawn->ready {fmt(st['spawn_to_ready_s'])} s (imports "
                          f"{fmt(st['interpreter_and_imports_s'])} s, weights {fmt(st['weights_load_s'])} s, "
                          f"after weights -> ready {fmt(st['after_weights_to_ready_s'])} s; "
-                         f"{cache_state(st)})")
+                         f"{cache_state(st)}; {'under MPS' if g(results, name, 'mps_server_pids') else 'no MPS'})")
     gm = hy.get("graph_memory")
     if gm:
         per = ", ".join(f"{b['kind'][0]}{b['size']}:{fmt(b['bytes'], 2**-20, 0)}" for b in gm["buckets"] if b["captured"])
@@ -1088,10 +1083,11 @@ def render_table(results: dict) -> str:
         lines += ["", f"where the step goes ({g(bd, 'decode_b1', 'source') or '-'}; each category against its own "
                       f"floor: bytes / copy bandwidth or FLOPs / matmul rate)"]
         lines += render_breakdown(bd)
-    for name, what in (("hybridd_mps", "MPS"), ("hybridd_pdl", "PDL"), ("hybridd_unfused", "No fused neighbours")):
+    for name, what in (("hybridd_no_mps", "Without MPS"), ("hybridd_no_pdl", "Without PDL"),
+                       ("hybridd_unfused", "No fused neighbours")):
         vs = g(results, name, "vs_off")
         if vs:
-            lines.append(f"{what} on vs off (client, batch 1): ITL p50 {fmt(vs['itl_p50_on_s'], 1e3, 3)} vs "
+            lines.append(f"{what} vs the default (client, batch 1): ITL p50 {fmt(vs['itl_p50_on_s'], 1e3, 3)} vs "
                          f"{fmt(vs['itl_p50_off_s'], 1e3, 3)} ms (x{fmt(vs['itl_p50_ratio'], 1, 3)}), ITL p99 "
                          f"{fmt(vs['itl_p99_on_s'], 1e3, 3)} vs {fmt(vs['itl_p99_off_s'], 1e3, 3)} ms; " + ", ".join(
                              f"TTFT {n} tok {fmt(vs[f'ttft_{n}_on_s'], 1e3, 3)} vs {fmt(vs[f'ttft_{n}_off_s'], 1e3, 3)} "
@@ -1200,8 +1196,8 @@ def main(argv: list[str] | None = None) -> int:
     skip = args.skip_set
     meta["shape"] = model_shape_name(args)
     cuda_only = {"in_process": "CUDA only", "hf_static": "CUDA only (reduce-overhead compiles to CUDA graphs)",
-                 "hybridd_mps": "CUDA only (MPS is a CUDA feature)",
-                 "hybridd_pdl": "CUDA only (programmatic dependent launch is a CUDA feature)",
+                 "hybridd_no_mps": "CUDA only (MPS is a CUDA feature)",
+                 "hybridd_no_pdl": "CUDA only (programmatic dependent launch is a CUDA feature)",
                  "hybridd_unfused": "CUDA only (the fusions are in the Triton projection)"}
     if args.hf_static_on_cpu:
         cuda_only.pop("hf_static")
@@ -1286,10 +1282,10 @@ def main(argv: list[str] | None = None) -> int:
         part("hybridd", lambda out: run_hybridd(args, state["model"], vocab(), True, deadline, meta["notes"], out),
              needs=("model", "vocab"))
         meta["client"] = g(results, "hybridd", "client") or g(results, "hybridd_eager", "client")
-        part("hybridd_mps", lambda out: run_hybridd_mps(args, state["model"], vocab(), deadline, meta["notes"], out,
-                                                        results.get("hybridd", {})), needs=("model", "vocab"))
-        part("hybridd_pdl", lambda out: run_hybridd_pdl(args, state["model"], vocab(), deadline, meta["notes"], out,
-                                                        results.get("hybridd", {})), needs=("model", "vocab"))
+        part("hybridd_no_mps", lambda out: run_hybridd_no_mps(args, state["model"], vocab(), deadline, meta["notes"],
+                                                              out, results.get("hybridd", {})), needs=("model", "vocab"))
+        part("hybridd_no_pdl", lambda out: run_hybridd_no_pdl(args, state["model"], vocab(), deadline, meta["notes"],
+                                                              out, results.get("hybridd", {})), needs=("model", "vocab"))
         part("hybridd_unfused", lambda out: run_hybridd_unfused(args, state["model"], vocab(), deadline, meta["notes"],
                                                                 out, results.get("hybridd", {})),
              needs=("model", "vocab"))

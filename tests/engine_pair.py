@@ -4,6 +4,7 @@ DEALER socket speaking the wire protocol: the harness of the decoupled-runtime t
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import time
 import uuid
 from pathlib import Path
@@ -11,6 +12,7 @@ from pathlib import Path
 import zmq
 
 from hybridd.config import Config
+from hybridd.cuda_mps import start_for
 from hybridd.protocol import codec
 from tests.host_load import on_this_host
 
@@ -20,6 +22,11 @@ class EnginePair:
         values = {"runtime_dir": str(runtime_dir), "compile_sampler": False, "log_level": "warning"}
         values.update(overrides)
         self.config = Config.from_dict(values)
+        # The MPS daemon the supervisor would start (cuda_mps, "auto" by default: CUDA
+        # devices only); the workers inherit its directories at spawn.
+        self.mps = start_for(self.config.cuda_mps, self.config.device, Path(runtime_dir))
+        saved = {key: os.environ.get(key) for key in (self.mps.env if self.mps else {})}
+        os.environ.update(self.mps.env if self.mps else {})
         ctx = mp.get_context("spawn")
         ctl = f"ipc://{runtime_dir}/ctl-test.sock"
         from hybridd.workers import context_generator, graph_generator
@@ -27,8 +34,15 @@ class EnginePair:
         self.context = ctx.Process(target=context_target or context_generator.main, args=(self.config.to_dict(), ctl),
                                    daemon=True)
         self.graph = ctx.Process(target=graph_generator.main, args=(self.config.to_dict(), ctl), daemon=True)
-        self.context.start()
-        self.graph.start()
+        try:
+            self.context.start()
+            self.graph.start()
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
         self.zmq = zmq.Context()
 
     def client(self, version: int = 1) -> Client:
@@ -71,6 +85,8 @@ class EnginePair:
             if proc.is_alive():
                 proc.kill()
         self.zmq.term()
+        if self.mps is not None:
+            self.mps.stop()
 
 
 class Client:

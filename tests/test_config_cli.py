@@ -96,13 +96,17 @@ def test_kernel_settings_from_file_environment_and_flags(tmp_path):
     the graph generator applies them before it loads the model."""
     result = _print_config([])
     assert result.exit_code == 0, result.output
-    assert json.loads(result.output)["gemm_fusions"] == "norm" and json.loads(result.output)["pdl"] is False
+    defaults = json.loads(result.output)
+    assert defaults["gemm_fusions"] == "norm" and defaults["pdl"] is True and defaults["cuda_mps"] == "auto"
+    from hybridd.model import pdl
+
+    assert pdl.ENABLED is True  # the module's default is the setting's, for code outside the daemon
     path = tmp_path / "k.toml"
-    path.write_text('gemm_fusions = "rotary,silu"\npdl = true\n')
+    path.write_text('gemm_fusions = "rotary,silu"\npdl = false\ncuda_mps = "off"\n')
     config = json.loads(_print_config(["--config", str(path)]).output)
-    assert config["gemm_fusions"] == "rotary,silu" and config["pdl"] is True
-    config = json.loads(_print_config([], env={"HYBRIDD_GEMM_FUSIONS": "none", "HYBRIDD_PDL": "1"}).output)
-    assert config["gemm_fusions"] == "none" and config["pdl"] is True
+    assert config["gemm_fusions"] == "rotary,silu" and config["pdl"] is False and config["cuda_mps"] == "off"
+    config = json.loads(_print_config([], env={"HYBRIDD_GEMM_FUSIONS": "none", "HYBRIDD_PDL": "0"}).output)
+    assert config["gemm_fusions"] == "none" and config["pdl"] is False
     config = json.loads(_print_config(["--gemm-fusions", "silu"], env={"HYBRIDD_GEMM_FUSIONS": "none"}).output)
     assert config["gemm_fusions"] == "silu"
 

@@ -1,5 +1,6 @@
-"""The private MPS daemon of `cuda_mps = "on"`: its errors everywhere, and on the GPU
-machine the daemon serving through it and quitting it on stop."""
+"""The private MPS daemon of `cuda_mps` ("auto" by default, "on", "off"): which setting
+starts it where, its errors everywhere, and on the GPU machine the daemon serving
+through it and quitting it on stop."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import torch
 
 from hybridd import Client
 from hybridd.config import Config, ConfigError
-from hybridd.cuda_mps import CONTROL_BINARY, MpsDaemon, MpsError
+from hybridd.cuda_mps import CONTROL_BINARY, MpsDaemon, MpsError, start_for
 from tests.daemon import wait_until_ok
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -32,10 +33,34 @@ def _start(runtime_dir: Path, *flags: str, log) -> subprocess.Popen:
 
 
 def test_setting_is_validated():
-    with pytest.raises(ConfigError, match="cuda_mps must be on or off, got 'yes'"):
+    with pytest.raises(ConfigError, match="cuda_mps must be auto, on or off, got 'yes'"):
         Config(cuda_mps="yes").validate()
     with pytest.raises(ConfigError, match="cuda_mps = on needs a CUDA device, but device is cpu"):
         Config(cuda_mps="on", device="cpu").validate()
+    Config(cuda_mps="auto", device="cpu").validate()  # auto on the CPU: simply no MPS
+    assert Config().cuda_mps == "auto"
+    with pytest.raises(ValueError, match="cuda_mps must be one of auto, on, off, got 'yes'"):
+        start_for("yes", "cuda", Path("/nonexistent"))
+
+
+def test_which_settings_start_no_daemon(tmp_path):
+    assert start_for("off", "cuda", tmp_path) is None
+    assert start_for("auto", "cpu", tmp_path) is None
+    assert start_for("auto", "cuda", tmp_path, binary="nvidia-cuda-mps-control-absent") is None
+    assert not (tmp_path / "mps").exists()  # nothing was even attempted
+    with pytest.raises(MpsError, match="needs nvidia-cuda-mps-control-absent"):
+        start_for("on", "cuda", tmp_path, binary="nvidia-cuda-mps-control-absent")
+
+
+def test_auto_goes_on_without_a_control_daemon_that_does_not_start(tmp_path):
+    """An installed but broken MPS (a control binary that exits 1): "auto" serves
+    without it, "on" refuses with the binary's own words."""
+    binary = tmp_path / "broken-mps-control"
+    binary.write_text("#!/bin/sh\necho 'mps: no devices to serve' >&2\nexit 1\n")
+    binary.chmod(0o755)
+    assert start_for("auto", "cuda", tmp_path / "run", binary=str(binary)) is None
+    with pytest.raises(MpsError, match="exit 1.*mps: no devices to serve"):
+        start_for("on", "cuda", tmp_path / "run", binary=str(binary))
 
 
 def test_missing_control_binary_is_named(tmp_path):

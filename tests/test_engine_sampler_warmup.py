@@ -29,3 +29,16 @@ def test_failed_path_falls_back_to_eager_and_still_samples():
 
 def test_all_paths_warm_without_failures():
     assert Sampler(compile=False).warm_up(64, "cpu") == {}
+
+
+def test_warm_up_takes_a_subset_and_names_an_unknown_variant():
+    calls = []
+    assert Sampler(compile=False).warm_up(64, "cpu", lambda done, total: calls.append((done, total)),
+                                          variants=["_greedy", "_logprobs_sorted"]) == {}
+    assert calls == [(1, 2), (2, 2)]
+    try:
+        Sampler(compile=False).warm_up(64, "cpu", variants=["_greedy", "_beam"])
+    except ValueError as error:
+        assert "unknown sampler warm-up variants ['_beam']" in str(error) and "_greedy" in str(error)
+    else:
+        raise AssertionError("an unknown variant was accepted")

@@ -31,7 +31,7 @@ from hybridd.engine.step_pipeline import InflightStep, StepPipeline
 from hybridd.engine.throughput import Throughput
 from hybridd.errors import EngineDeadError
 from hybridd.log import configure, get_logger
-from hybridd.model import load_tokenizer
+from hybridd.model import ModelConfig, load_tokenizer
 from hybridd.runtime import gc_pauses
 from hybridd.runtime.step_buffers import StepBuffers, geometry
 from hybridd.serving_metrics import ServingMetrics
@@ -177,8 +177,18 @@ class ContextGenerator:
         self.tokenizer = load_tokenizer(config.model)
         # A tokenizer of its own: the intake's thread never shares one with the loop.
         intake_tokenizer = load_tokenizer(config.model)
+        # Compiling pays off on the GPU; on the CPU it only costs start-up time. The
+        # compilation runs while the graph generator loads its weights and captures its
+        # graphs: it needs only the vocabulary's size, and the graph generator's Ready
+        # waits in the socket meanwhile.
+        vocab_size = ModelConfig.from_dir(config.model).vocab_size
+        sampler = Sampler(compile=config.compile_sampler and self.device.type == "cuda")
+        self._warm_up_sampler(sampler, vocab_size)
         self.link.phase("loading", "waiting for the graph generator")
         ready = self._await_ready()
+        if ready.vocab_size != vocab_size:
+            raise EngineDeadError(f"the graph generator's vocabulary has {ready.vocab_size} tokens, "
+                                  f"the model's config.json {vocab_size}")
         self.ready = ready
         self.kv_arena = SharedArena.open(ready.arenas["kv"])
         self.step_arena = SharedArena.open(ready.arenas["step"])
@@ -198,9 +208,6 @@ class ContextGenerator:
             eos_token_ids=ready.eos_token_ids,
             tokenizer=self.tokenizer,
         )
-        # Compiling pays off on the GPU; on the CPU it only costs start-up time.
-        sampler = Sampler(compile=config.compile_sampler and self.device.type == "cuda")
-        self._warm_up_sampler(sampler, ready.vocab_size)
         self.pipeline = StepPipeline(
             ready, self.buffers, self.ctl, sampler, self.device,
             on_control=self._on_control, peer_alive=self._graph_alive,

@@ -33,7 +33,7 @@ and the MAX_TOP_LOGPROBS most likely tokens, which the host trims per row.
 
 from __future__ import annotations
 
-from collections.abc import Sequence as Seq
+from collections.abc import Iterable, Sequence as Seq
 from dataclasses import dataclass
 
 import torch
@@ -212,18 +212,18 @@ class Sampler:
             self._greedy, self._random, self._sorted = _sample_greedy, _sample_random, _sample_sorted
             self._logprobs = _logprobs
 
-    def warm_up(self, vocab_size: int, device: torch.device | str, on_progress=None) -> dict[str, str]:
-        """Run every sampling path once (compiling it) before serving starts. A path whose
-        compilation fails falls back to its eager version, so the process still serves;
-        returns {path: error} for those."""
-        variants = {
-            "_greedy": (SamplingParams(temperature=0.0), _sample_greedy),
-            "_random": (SamplingParams(temperature=0.8), _sample_random),
-            "_sorted": (SamplingParams(temperature=0.8, top_k=40, top_p=0.9), _sample_sorted),
-            # logprobs: one specialisation without and one with the top-k/top-p cut
-            "_logprobs": (SamplingParams(temperature=0.8), _logprobs),
-            "_logprobs_sorted": (SamplingParams(temperature=0.8, top_k=40), _logprobs),
-        }
+    def warm_up(
+        self, vocab_size: int, device: torch.device | str, on_progress=None, variants: Iterable[str] | None = None,
+    ) -> dict[str, str]:
+        """Run every sampling path once (compiling it) before serving starts; `variants`
+        (names from `WARM_UP_VARIANTS`) limits it to some. A path whose compilation fails
+        falls back to its eager version, so the process still serves; returns
+        {path: error} for those."""
+        names = list(WARM_UP_VARIANTS) if variants is None else list(variants)
+        unknown = sorted(set(names) - set(WARM_UP_VARIANTS))
+        if unknown:
+            raise ValueError(f"unknown sampler warm-up variants {unknown}; known: {list(WARM_UP_VARIANTS)}")
+        variants = {name: WARM_UP_VARIANTS[name] for name in names}
         failed: dict[str, str] = {}
         for i, (path, (params, eager)) in enumerate(variants.items(), 1):
             if on_progress is not None:
@@ -429,3 +429,15 @@ def _logprobs(
 
 def _pick(logits: torch.Tensor, perturbed: torch.Tensor, inverse_temperature: torch.Tensor) -> torch.Tensor:
     return torch.where((inverse_temperature > 0).unsqueeze(1), perturbed, logits).argmax(dim=-1)
+
+
+# The paths `Sampler.warm_up` compiles: name -> (the parameters that take it, its eager function).
+# Names are the Sampler's attributes, but for `_logprobs_sorted`: a second specialisation
+# of `_logprobs`, with the top-k/top-p cut.
+WARM_UP_VARIANTS: dict[str, tuple[SamplingParams, object]] = {
+    "_greedy": (SamplingParams(temperature=0.0), _sample_greedy),
+    "_random": (SamplingParams(temperature=0.8), _sample_random),
+    "_sorted": (SamplingParams(temperature=0.8, top_k=40, top_p=0.9), _sample_sorted),
+    "_logprobs": (SamplingParams(temperature=0.8), _logprobs),
+    "_logprobs_sorted": (SamplingParams(temperature=0.8, top_k=40), _logprobs),
+}
