@@ -82,11 +82,12 @@ def test_start_refuses_cleanly_without_mps(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or shutil.which(CONTROL_BINARY) is None,
                     reason="needs CUDA and nvidia-cuda-mps-control")
-def test_daemon_serves_through_its_own_mps_server_and_quits_it():
+@pytest.mark.parametrize("setting", ["on", "auto"])
+def test_daemon_serves_through_its_own_mps_server_and_quits_it(setting):
     base = Path(tempfile.mkdtemp(prefix="hm-"))
     runtime_dir = base / "run"
     with open(base / "log", "wb") as log:
-        process = _start(runtime_dir, "--device", "cuda", "--cuda-mps", "on", log=log)
+        process = _start(runtime_dir, "--device", "cuda", "--cuda-mps", setting, log=log)
     endpoint = f"ipc://{runtime_dir}/hybridd.sock"
     mps = MpsDaemon(runtime_dir)
     try:
