@@ -196,6 +196,20 @@ def summarize(steps: list[list[tuple[str, float]]], num_layers: int, step_s: flo
 # ----------------------------------------------------------------------------- profiling
 
 
+def exclusive_times(intervals: list[tuple[float, float, str]]) -> list[tuple[str, float]]:
+    """(kernel name, seconds) for kernel intervals (start µs, end µs, "worker:name") in
+    start order: the time by which each kernel extends the GPU's busy time. Kernels
+    launched with PDL start before their predecessor ends and wait for it, so their own
+    durations overlap and would count that wait twice; a kernel that starts after the
+    previous one ended gets its whole duration, as without PDL."""
+    out = []
+    busy_until = float("-inf")
+    for start, end, name in intervals:
+        out.append((name.split(":", 1)[1], max(0.0, end - max(start, busy_until)) / 1e6))
+        busy_until = max(busy_until, end)
+    return out
+
+
 def profile_steps(run, sync, steps: int, cuda: bool) -> list[list[tuple[str, float]]]:
     """The kernels (CUDA) or top-level operators (CPU) of `steps` calls of `run`, per step,
     in launch order, as (name, seconds)."""
@@ -214,7 +228,7 @@ def profile_steps(run, sync, steps: int, cuda: bool) -> list[list[tuple[str, flo
             path = Path(tmp) / "trace-breakdown-0.json"
             prof.export_chrome_trace(str(path))
             intervals = sorted(kernel_intervals(path, name_chars=None))
-        kernels = [(name.split(":", 1)[1], (end - start) / 1e6) for start, end, name in intervals]
+        kernels = exclusive_times(intervals)
         if not kernels or len(kernels) % steps:
             return [kernels] if kernels else []  # one list: positions are not comparable across steps
         per = len(kernels) // steps
@@ -284,8 +298,13 @@ def run_breakdown(model_dir: Path, device: str, ceilings: dict, steps: int = 20)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     cases = [(f"decode_b{b}", decode_step(b, CONTEXT, tables[:b]), b, b, CONTEXT, False) for b in DECODE_BATCHES]
     cases.append((f"prefill_{PREFILL_TOKENS}", prefill_step(PREFILL_TOKENS, tables[0]), PREFILL_TOKENS, 1, 0, True))
+    from hybridd.model import pdl
+
+    # Kernel times are charged exclusively (`exclusive_times`), so that PDL's overlap is
+    # not counted twice; earlier outputs without "attribution" summed whole durations.
     out: dict = {"device": device, "dtype": str(dtype).removeprefix("torch."), "block_size": BLOCK,
-                 "weight_bytes": weight_bytes, "rules": [list(r) for r in CATEGORY_RULES]}
+                 "weight_bytes": weight_bytes, "rules": [list(r) for r in CATEGORY_RULES],
+                 "pdl": pdl.enabled(torch.device(device)), "attribution": "exclusive"}
     for key, step, tokens, seqs, context, prefill in cases:
         run = stepper(runner, step)
         for _ in range(5 if cuda else 1):

@@ -66,3 +66,31 @@ def test_summary_splits_time_and_lists_unnamed_kernels():
     assert cats["gaps"]["time_s"] == pytest.approx(30e-6 - len(step) * 1e-6)
     assert [u["name"] for u in out["unlisted_kernels"]] == ["mystery"]
     assert cats["attention"]["floor_bytes"] == 2 * (512 * 2 * 32 + 2 * 64) * 2  # the KV read dominates
+
+
+def test_overlapping_kernels_count_only_the_time_they_add():
+    """Under PDL a kernel starts while its predecessor runs and waits for it: it is
+    charged from the predecessor's end; kernels that do not overlap keep their duration,
+    and a gap between kernels is charged to neither."""
+    intervals = [(0.0, 10.0, "graph:a"), (4.0, 16.0, "graph:b"), (16.5, 20.0, "graph:c"), (25.0, 27.0, "graph:d"),
+                 (26.0, 26.5, "graph:e")]
+    times = bb.exclusive_times(intervals)
+    assert [name for name, _ in times] == ["a", "b", "c", "d", "e"]
+    assert [round(t * 1e6, 6) for _, t in times] == [10.0, 6.0, 3.5, 2.0, 0.0]
+    assert sum(t for _, t in times) * 1e6 == pytest.approx(27.0 - 5.0 - 0.5)  # the busy union
+
+
+def test_the_plot_draws_no_categories_from_a_profile_whose_kernels_overlap():
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "docs"))
+    import benchmarks_plot
+
+    def run(kernel_s: float, attribution: str | None) -> dict:
+        step = {"step_s": 0.004, "kernel_s": kernel_s, "categories": {"attention": {"time_s": kernel_s}}}
+        breakdown = {"decode_b1": step}
+        if attribution:
+            breakdown["attribution"] = attribution
+        return {"breakdown": breakdown}
+
+    assert benchmarks_plot.overlapping_steps(run(0.0065, None)) == ["decode_b1"]  # PDL summed twice
+    assert benchmarks_plot.overlapping_steps(run(0.0039, None)) == []  # no overlap: kernels within the step
+    assert benchmarks_plot.overlapping_steps(run(0.0065, "exclusive")) == []
