@@ -111,6 +111,8 @@ ESTIMATE_S_7B = {"ceilings": 8, "checkpoint": 60, "breakdown": 45, "hybridd_eage
 ESTIMATE_S_SMALL = {"ceilings": 3, "checkpoint": 5, "breakdown": 10, "hybridd_eager": 12, "hybridd": 20,
                     "hybridd_no_mps": 20, "hybridd_no_pdl": 20, "hybridd_unfused": 20, "capture_evict": 20, "in_process": 10,
                     "hf_eager": 8, "hf_static": 60}
+# What --skip may name: the parts, and the HTTP gateway's figures inside the hybridd part.
+SKIPPABLE = frozenset(ESTIMATE_S_7B) | {"gateway"}
 LARGE_PRESETS = ("llama2-7b", "llama3-8b")
 # What a preset measures unless --skip says otherwise: the second shape runs the parts that
 # show its kernels and latency (breakdown, TTFT, ITL, streams, peers), so that it fits 10 minutes.
@@ -1165,6 +1167,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.skip is None:
         args.skip = ",".join(PRESET_SKIP.get(args.preset, ()))
     args.skip_set = {s.strip() for s in args.skip.split(",") if s.strip()}
+    unknown = sorted(args.skip_set - SKIPPABLE)
+    if unknown:
+        p.error(f"--skip: unknown part(s) {', '.join(unknown)}; the parts are {', '.join(sorted(SKIPPABLE))}")
     return args
 
 

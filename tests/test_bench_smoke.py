@@ -114,3 +114,14 @@ def test_plot(bench_out, tmp_path):
     subprocess.run([sys.executable, str(ROOT / "docs" / "benchmarks_plot.py"), str(out / "bench.json"), "--png",
                     str(png)], check=True, cwd=ROOT, timeout=120)
     assert png.stat().st_size > 10_000
+
+
+def test_an_unknown_part_to_skip_is_named():
+    """A part's old name (hybridd_mps became hybridd_no_mps) or a typo is refused before
+    any work, not silently measured."""
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), "--device", "cpu", "--out",
+                             "/nonexistent/never-written", "--skip", "gateway,hybridd_mps"],
+                            capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert "--skip: unknown part(s) hybridd_mps; the parts are" in result.stderr
+    assert "hybridd_no_mps" in result.stderr
