@@ -402,6 +402,10 @@ class HybriddServer:
     def endpoint(self) -> str:
         return self.pair.config.client_endpoint
 
+    def mps_server_pids(self) -> list[int]:
+        """Non-empty when the workers share the GPU through the pair's private MPS server."""
+        return self.pair.mps.server_pids() if self.pair.mps is not None else []
+
     def startup(self) -> dict[str, Any]:
         at = self.listener.first
         t0 = self.spawned
@@ -611,7 +615,7 @@ def run_hybridd_beside(args, model: Path, vocab: int, deadline: float, notes: li
         server = HybriddServer(model, args.device, 600, **overrides)
         _restore_env(saved)
         result["startup"] = server.startup()
-        result["mps_server_pids"] = server.pair.mps.server_pids() if server.pair.mps is not None else []
+        result["mps_server_pids"] = server.mps_server_pids()
         client = open_client(args.client, server.endpoint, notes)
         result["client"] = client.kind
         rng = random.Random(4)
@@ -691,8 +695,7 @@ def run_hybridd(args, model: Path, vocab: int, graphs: bool, deadline: float, no
     client = None
     try:
         result["startup"] = server.startup()
-        # Non-empty: the workers share the GPU through the private MPS server (cuda_mps).
-        result["mps_server_pids"] = server.pair.mps.server_pids() if server.pair.mps is not None else []
+        result["mps_server_pids"] = server.mps_server_pids()
         client_notes: list[str] = []
         client = open_client(args.client, server.endpoint, client_notes)
         notes.extend(client_notes)

@@ -8,6 +8,7 @@ import os
 import time
 import uuid
 from pathlib import Path
+from unittest import mock
 
 import zmq
 
@@ -25,8 +26,6 @@ class EnginePair:
         # The MPS daemon the supervisor would start (cuda_mps, "auto" by default: CUDA
         # devices only); the workers inherit its directories at spawn.
         self.mps = start_for(self.config.cuda_mps, self.config.device, Path(runtime_dir))
-        saved = {key: os.environ.get(key) for key in (self.mps.env if self.mps else {})}
-        os.environ.update(self.mps.env if self.mps else {})
         ctx = mp.get_context("spawn")
         ctl = f"ipc://{runtime_dir}/ctl-test.sock"
         from hybridd.workers import context_generator, graph_generator
@@ -35,14 +34,13 @@ class EnginePair:
                                    daemon=True)
         self.graph = ctx.Process(target=graph_generator.main, args=(self.config.to_dict(), ctl), daemon=True)
         try:
-            self.context.start()
-            self.graph.start()
-        finally:
-            for key, value in saved.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
+            with mock.patch.dict(os.environ, self.mps.env if self.mps else {}):
+                self.context.start()
+                self.graph.start()
+        except BaseException:
+            if self.mps is not None:
+                self.mps.stop()
+            raise
         self.zmq = zmq.Context()
 
     def client(self, version: int = 1) -> Client:

@@ -223,11 +223,11 @@ class Sampler:
         unknown = sorted(set(names) - set(WARM_UP_VARIANTS))
         if unknown:
             raise ValueError(f"unknown sampler warm-up variants {unknown}; known: {list(WARM_UP_VARIANTS)}")
-        variants = {name: WARM_UP_VARIANTS[name] for name in names}
         failed: dict[str, str] = {}
-        for i, (path, (params, eager)) in enumerate(variants.items(), 1):
+        for i, path in enumerate(names, 1):
+            params, eager = WARM_UP_VARIANTS[path]
             if on_progress is not None:
-                on_progress(i, len(variants))
+                on_progress(i, len(names))
             path = path.removesuffix("_sorted") if path.startswith("_logprobs") else path
             try:
                 for rows in (1, 3):  # two sizes, so the dynamic-shape graph is the one cached
