@@ -80,6 +80,7 @@ class Config:
     # static domain
     use_cuda_graphs: bool = True
     graph_memory_budget_mb: int = 1024
+    # on CUDA, sample with the fused Triton kernels (compiled at start) instead of eager torch
     compile_sampler: bool = True
     # auto/on: the workers share a CUDA device through a private MPS daemon; auto runs
     # without it where it is not installed or does not start (hybridd/cuda_mps.py)

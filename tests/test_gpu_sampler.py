@@ -1,5 +1,6 @@
-"""The compiled sampler on CUDA: every path compiles (no eager fallback) and draws the
-same tokens as the eager functions (GPU machine only)."""
+"""The sampler's fused Triton kernels on CUDA: every variant compiles at warm-up (no eager
+fallback), nothing compiles while serving, and they draw the eager functions' tokens
+(GPU machine only)."""
 
 from __future__ import annotations
 
@@ -16,9 +17,10 @@ pytestmark = [
 VOCAB = 32000
 
 
-def test_every_path_compiles_and_matches_eager():
+@pytest.mark.parametrize("vocab", [VOCAB, 128256], ids=["llama2-vocab", "llama3-vocab"])
+def test_every_path_compiles_and_matches_eager(vocab):
     compiled = Sampler(compile=True)
-    assert compiled.warm_up(VOCAB, "cuda") == {}
+    assert compiled.warm_up(vocab, "cuda") == {}
     eager = Sampler(compile=False)
     params = [
         SamplingParams(temperature=0.0),
@@ -29,10 +31,10 @@ def test_every_path_compiles_and_matches_eager():
     ]
     generator = torch.Generator(device="cuda").manual_seed(0)
     total = mismatched = 0
-    for rows in (params[:1], params[1:2], params, params * 4):
+    for rows in (params[:1], params[1:2], params[3:4], params, params * 4):
         for step in range(4):
-            logits = torch.randn(len(rows), VOCAB, device="cuda", generator=generator) * 3
-            tensors = SamplingTensors.build(rows, [p.seed or 0 for p in rows], [step] * len(rows), VOCAB, "cuda")
+            logits = torch.randn(len(rows), vocab, device="cuda", generator=generator) * 3
+            tensors = SamplingTensors.build(rows, [p.seed or 0 for p in rows], [step] * len(rows), vocab, "cuda")
             total += len(rows)
             mismatched += int((compiled(logits, tensors) != eager(logits, tensors)).sum())
     # Fused kernels may round a softmax/cumsum differently and move a top-p cut by one
@@ -85,3 +87,42 @@ def test_compiled_logprobs_match_eager_on_cuda():
         assert torch.equal(finite, torch.isfinite(got.top_values))
         assert torch.allclose(got.top_values[finite], want.top_values[finite], atol=1e-4)
         assert bool((got.sampled <= 0).all()) and got.top_ids.shape == (len(rows), 20)
+
+
+def _compiled_kernels() -> int:
+    from triton.runtime.jit import JITFunction
+
+    from hybridd.engine import sampling_kernels
+
+    kernels = [k for k in vars(sampling_kernels).values() if isinstance(k, JITFunction)]
+    return sum(len(caches[0]) for k in kernels for caches in k.device_caches.values())
+
+
+def test_nothing_compiles_while_serving():
+    """After warm-up, no batch a client can ask for (any mix of greedy, sampled, top-k/top-p
+    and penalised rows, with or without logprobs, 1 to 64 rows) compiles a kernel: a
+    compilation would stall every stream on the serving loop."""
+    sampler = Sampler(compile=True)
+    assert sampler.warm_up(VOCAB, "cuda") == {}
+    warmed = _compiled_kernels()
+    assert warmed > 0
+    kinds = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.7, seed=1),
+        SamplingParams(temperature=0.7, top_k=20, seed=2),
+        SamplingParams(temperature=1.0, top_p=0.5, seed=3),
+        SamplingParams(temperature=0.0, presence_penalty=1.0),
+        SamplingParams(temperature=0.9, repetition_penalty=1.2, top_p=0.9, seed=4),
+        SamplingParams(temperature=0.9, frequency_penalty=0.5, seed=5),
+    ]
+    ring = torch.zeros(3, 64, dtype=torch.int64, device="cuda")
+    generator = torch.Generator(device="cuda").manual_seed(2)
+    for n in (1, 2, 7, 32, 64):
+        for first in range(len(kinds)):
+            rows = [kinds[(first + i) % len(kinds)] for i in range(n)] if first else [kinds[0]] * n
+            logits = torch.randn(n, VOCAB, device="cuda", generator=generator)
+            tensors = SamplingTensors.build(rows, [7] * n, [3] * n, VOCAB, "cuda", [[1, 2]] * n, [[3]] * n)
+            out = ring[n % 3, :n]
+            sampler.logprobs(logits, tensors, sampler(logits, tensors, out=out))
+    torch.cuda.synchronize()
+    assert _compiled_kernels() == warmed

@@ -1,6 +1,6 @@
 """Batched next-token sampling on the logits' device, without host synchronisation.
 
-Per-row parameters travel as tensors (`SamplingTensors`), so one compiled kernel set
+Per-row parameters travel as tensors (`SamplingTensors`), so one set of kernels
 serves any mix of greedy and sampled rows and the host never waits for the device:
 sampling can be enqueued one step ahead, its tokens written straight into the next
 step's input buffer.
@@ -29,6 +29,9 @@ log-softmax of the processed logits (penalised; sampled rows also scaled by thei
 temperature and cut by top-k/top-p, greedy rows unscaled), as OpenAI defines them.
 They are computed on the device, right after the tokens: the sampled token's logprob
 and the MAX_TOP_LOGPROBS most likely tokens, which the host trims per row.
+
+The functions here are the sampler's specification and its CPU path; on the GPU the
+same pipeline runs as fused Triton kernels (`sampling_kernels`).
 """
 
 from __future__ import annotations
@@ -200,57 +203,62 @@ def float32_parameters(params: SamplingParams) -> dict[str, float]:
 
 
 class Sampler:
+    """Draws each row's next token (and, when asked, its logprobs).
+
+    compile: draw through the fused Triton kernels of `sampling_kernels`, JIT-compiled
+    at warm-up (the GPU path); otherwise through the eager torch functions below,
+    which are also their specification (the CPU path)."""
+
     def __init__(self, compile: bool = True) -> None:
         self.compiled = compile
+        self._fused = None
         if compile:
-            kwargs = dict(dynamic=True, fullgraph=True)
-            self._greedy = torch.compile(_sample_greedy, **kwargs)
-            self._random = torch.compile(_sample_random, **kwargs)
-            self._sorted = torch.compile(_sample_sorted, **kwargs)
-            self._logprobs = torch.compile(_logprobs, **kwargs)
-        else:
-            self._greedy, self._random, self._sorted = _sample_greedy, _sample_random, _sample_sorted
-            self._logprobs = _logprobs
+            from hybridd.engine.sampling_kernels import FusedSampling
+
+            self._fused = FusedSampling
 
     def warm_up(
         self, vocab_size: int, device: torch.device | str, on_progress=None, variants: Iterable[str] | None = None,
     ) -> dict[str, str]:
-        """Run every sampling path once (compiling it) before serving starts; `variants`
-        (names from `WARM_UP_VARIANTS`) limits it to some. A path whose compilation fails
-        falls back to its eager version, so the process still serves; returns
-        {path: error} for those."""
+        """Run every sampling path once (compiling its kernels) before serving starts, so
+        that no request compiles on the serving loop; `variants` (names from
+        `WARM_UP_VARIANTS`) limits it to some. If a kernel fails to compile, the sampler
+        falls back to the eager functions, so the process still serves; returns
+        {variant: error} for the variant that failed."""
         names = list(WARM_UP_VARIANTS) if variants is None else list(variants)
         unknown = sorted(set(names) - set(WARM_UP_VARIANTS))
         if unknown:
             raise ValueError(f"unknown sampler warm-up variants {unknown}; known: {list(WARM_UP_VARIANTS)}")
         failed: dict[str, str] = {}
-        for i, path in enumerate(names, 1):
-            params, eager = WARM_UP_VARIANTS[path]
+        for i, name in enumerate(names, 1):
+            params = WARM_UP_VARIANTS[name]
             if on_progress is not None:
                 on_progress(i, len(names))
-            path = path.removesuffix("_sorted") if path.startswith("_logprobs") else path
             try:
-                for rows in (1, 3):  # two sizes, so the dynamic-shape graph is the one cached
+                for rows in (1, 3):
                     logits = torch.randn(rows, vocab_size, device=device)
-                    tensors = SamplingTensors.build([params] * rows, [0] * rows, [0] * rows, vocab_size, device)
-                    tokens = self(logits, tensors)
-                    if path == "_logprobs":
-                        self.logprobs(logits, tensors, tokens)
+                    history = [[0, 1]] * rows
+                    tensors = SamplingTensors.build([params] * rows, [0] * rows, [0] * rows, vocab_size, device,
+                                                    history, history)
+                    self.logprobs(logits, tensors, self(logits, tensors))
             except Exception as exc:  # a compiler failure must not keep the daemon from serving
-                failed[path] = f"{type(exc).__name__}: {str(exc)[:300]}"
-                log.warning("sampler_compile_failed", path=path.strip("_"), error=failed[path])
-                setattr(self, path, eager)
+                failed[name] = f"{type(exc).__name__}: {str(exc)[:300]}"
+                log.warning("sampler_compile_failed", variant=name, error=failed[name])
+                self._fused = None
         return failed
 
     def __call__(
         self, logits: torch.Tensor, t: SamplingTensors, out: torch.Tensor | None = None
     ) -> torch.Tensor:
         """Next token per row, int64 [B]; written into `out` as well when given."""
+        if self._fused is not None:
+            return self._fused(logits, t).tokens(out)
+        penalties = _penalty_tensors(t)
         if t.all_greedy:
-            tokens = self._greedy(logits, *_penalty_tensors(t))
+            tokens = _sample_greedy(logits, *penalties)
         else:
-            fn = self._sorted if t.do_sort else self._random
-            tokens = fn(logits, t.inverse_temperature, t.top_k, t.top_p, *_penalty_tensors(t), t.seeds, t.positions)
+            fn = _sample_sorted if t.do_sort else _sample_random
+            tokens = fn(logits, t.inverse_temperature, t.top_k, t.top_p, *penalties, t.seeds, t.positions)
         if out is not None:
             out.copy_(tokens)
             return out
@@ -259,9 +267,11 @@ class Sampler:
     def logprobs(self, logits: torch.Tensor, t: SamplingTensors, tokens: torch.Tensor) -> Logprobs:
         """Logprobs of the sampled `tokens` and of each row's most likely tokens, from the
         distribution they were sampled from (see the module docstring)."""
-        return Logprobs(*self._logprobs(
-            logits, tokens, t.inverse_temperature, t.top_k, t.top_p, *_penalty_tensors(t), t.do_sort,
-        ))
+        if self._fused is not None:
+            processed = self._fused(logits, t).processed()
+        else:
+            processed = self.processed_logits(logits, t)
+        return Logprobs(*_logprobs(processed, tokens))
 
     @staticmethod
     def processed_logits(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
@@ -413,14 +423,7 @@ def _processed(
     return torch.where((inverse_temperature > 0).unsqueeze(1), scaled, logits)
 
 
-def _logprobs(
-    logits, tokens, inverse_temperature, top_k, top_p, repetition, inverse_repetition, presence, frequency,
-    counts, prompt_mask, do_sort: bool,
-):
-    processed = _processed(
-        logits, inverse_temperature, top_k, top_p, repetition, inverse_repetition, presence, frequency,
-        counts, prompt_mask, do_sort,
-    )
+def _logprobs(processed: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     logprobs = processed.log_softmax(dim=-1)
     sampled = logprobs.gather(1, tokens.view(-1, 1).to(torch.int64)).squeeze(1)
     top = logprobs.topk(min(MAX_TOP_LOGPROBS, logprobs.shape[-1]), dim=-1)
@@ -431,13 +434,13 @@ def _pick(logits: torch.Tensor, perturbed: torch.Tensor, inverse_temperature: to
     return torch.where((inverse_temperature > 0).unsqueeze(1), perturbed, logits).argmax(dim=-1)
 
 
-# The paths `Sampler.warm_up` compiles: name -> (the parameters that take it, its eager function).
-# Names are the Sampler's attributes, but for `_logprobs_sorted`: a second specialisation
-# of `_logprobs`, with the top-k/top-p cut.
-WARM_UP_VARIANTS: dict[str, tuple[SamplingParams, object]] = {
-    "_greedy": (SamplingParams(temperature=0.0), _sample_greedy),
-    "_random": (SamplingParams(temperature=0.8), _sample_random),
-    "_sorted": (SamplingParams(temperature=0.8, top_k=40, top_p=0.9), _sample_sorted),
-    "_logprobs": (SamplingParams(temperature=0.8), _logprobs),
-    "_logprobs_sorted": (SamplingParams(temperature=0.8, top_k=40), _logprobs),
+# The batches `Sampler.warm_up` draws from (with logprobs), one per combination of the
+# kernels' compile-time switches: penalties, and the top-k/top-p cut.
+WARM_UP_VARIANTS: dict[str, SamplingParams] = {
+    "greedy": SamplingParams(temperature=0.0),
+    "random": SamplingParams(temperature=0.8),
+    "top_k_top_p": SamplingParams(temperature=0.8, top_k=40, top_p=0.9),
+    "penalised_greedy": SamplingParams(temperature=0.0, repetition_penalty=1.1),
+    "penalised_random": SamplingParams(temperature=0.8, presence_penalty=0.5),
+    "penalised_top_k_top_p": SamplingParams(temperature=0.8, top_p=0.9, frequency_penalty=0.5),
 }
