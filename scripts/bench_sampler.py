@@ -35,7 +35,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--vocab", default="32000,128256", help="vocabulary sizes, comma-separated")
     parser.add_argument("--batch", default="1,32", help="batch sizes, comma-separated")
     parser.add_argument("--calls", type=int, default=16, help="calls per measurement round")
-    parser.add_argument("--skip-compiled", action="store_true", help="leave out the torch.compile sampler")
+    parser.add_argument("--samplers", default="fused,torch_compile,eager",
+                        help="which samplers to time, comma-separated (fused is always compiled and timed)")
     return parser.parse_args()
 
 
@@ -62,8 +63,13 @@ def main() -> None:
         result.setdefault("compile_s", {})[f"fused/{vocab}"] = round(time.perf_counter() - t0, 2)
         print(json.dumps(result["compile_s"]), flush=True)
         samplers["fused"] = fused
-        samplers["eager"] = S.Sampler(compile=False)
-        if not args.skip_compiled:
+        wanted = set(args.samplers.split(","))
+        unknown = wanted - {"fused", "torch_compile", "eager"}
+        if unknown:
+            raise SystemExit(f"unknown samplers {sorted(unknown)}; known: fused, torch_compile, eager")
+        if "eager" in wanted:
+            samplers["eager"] = S.Sampler(compile=False)
+        if "torch_compile" in wanted:
             t0 = time.perf_counter()
             samplers["torch_compile"] = TorchCompiled(S, vocab)
             result["compile_s"][f"torch_compile/{vocab}"] = round(time.perf_counter() - t0, 2)
