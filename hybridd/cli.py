@@ -269,6 +269,8 @@ def format_status(status: dict[str, Any]) -> str:
     workers = get("workers") or {}
     lines.append("workers    " + ", ".join(
         f"{name} pid {w.get('pid', '-')} (restarts {w.get('restarts', '-')})" for name, w in workers.items()))
+    if get("cuda_mps"):
+        lines.append(f"CUDA MPS   {get('cuda_mps')}")
     if get("last_restart_reason"):
         lines.append(f"restarted  {get('last_restart_reason')}")
     if get("source") == "supervisor":

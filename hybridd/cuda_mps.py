@@ -36,17 +36,21 @@ COMMAND_TIMEOUT_S = 10.0
 MODES = ("auto", "on", "off")
 
 
-def start_for(mode: str, device: str, runtime_dir: Path, binary: str = CONTROL_BINARY) -> MpsDaemon | None:
-    """The private MPS daemon that `cuda_mps = mode` asks for on `device`, started; None
-    where there is none. "on" raises MpsError when it cannot start; "auto" then goes
-    on without it."""
+def start_for(mode: str, device: str, runtime_dir: Path,
+              binary: str = CONTROL_BINARY) -> tuple[MpsDaemon | None, str]:
+    """The private MPS daemon that `cuda_mps = mode` asks for on `device`, started (None
+    where there is none), and what `hybridd status` says of it. "on" raises MpsError
+    when it cannot start; "auto" then goes on without it."""
     if mode not in MODES:
         raise ValueError(f"cuda_mps must be one of {', '.join(MODES)}, got {mode!r}")
-    if mode == "off" or device == "cpu":  # "on" with the CPU is refused by Config.validate
-        return None
+    if device == "cpu":  # "on" with the CPU is refused by Config.validate
+        return None, "off (CPU device)"
+    if mode == "off":
+        return None, "off (cuda_mps = off)"
     if mode == "auto" and shutil.which(binary) is None:
-        log.info("mps_off", reason=f"{binary} is not on PATH")
-        return None
+        reason = f"{binary} is not on PATH"
+        log.info("mps_off", reason=reason)
+        return None, f"off ({reason})"
     daemon = MpsDaemon(runtime_dir, binary)
     try:
         daemon.start()
@@ -55,8 +59,8 @@ def start_for(mode: str, device: str, runtime_dir: Path, binary: str = CONTROL_B
             raise
         log.warning("mps_unavailable", error=str(error), consequence="the workers time-slice the GPU",
                     hint='set cuda_mps = "off" to run without MPS and without this attempt')
-        return None
-    return daemon
+        return None, f"unavailable ({error})"
+    return daemon, f"in use (pipes under {daemon.pipe_dir})"
 
 
 class MpsError(RuntimeError):

@@ -270,6 +270,7 @@ class Supervisor:
         self._router = None
         self._fallback: FallbackEndpoint | None = None
         self._mps: MpsDaemon | None = None
+        self._mps_status = ""
         self.gateway = supervised_gateway.SupervisedGateway(
             self._spawn_gateway, max_restarts=config.max_restarts, restart_backoff_s=config.restart_backoff_s,
             **lifecycle_options,
@@ -338,7 +339,7 @@ class Supervisor:
     def _start_mps(self) -> None:
         """Start the private MPS daemon the configuration asks for; spawned workers
         inherit its directories."""
-        self._mps = start_for(self.config.cuda_mps, self.config.device, self.runtime_dir)
+        self._mps, self._mps_status = start_for(self.config.cuda_mps, self.config.device, self.runtime_dir)
         if self._mps is None:
             return
         for key, value in self._mps.env.items():
@@ -710,6 +711,7 @@ class Supervisor:
             started_at=self.started_at,
             workers=workers,
             last_failure=self.lifecycle.last_failure[:MAX_FAILURE_CHARS],
+            cuda_mps=self._mps_status[:MAX_FAILURE_CHARS],
         ))
 
     def status(self) -> dict[str, Any]:
@@ -741,6 +743,7 @@ class Supervisor:
             "phases": phases,
             "restarts": self.lifecycle.restarts,
             "last_restart_reason": self.lifecycle.last_failure or None,
+            "cuda_mps": self._mps_status or None,
         }
 
     def _unavailable_text(self) -> str:

@@ -97,6 +97,7 @@ class SupervisorStatus(Fields):
     started_at: Seconds  # Unix time the supervisor started
     workers: dict[SupervisedName, WorkerInfo] = {}
     last_failure: Annotated[str, Meta(max_length=MAX_FAILURE_CHARS)] = ""  # why the pair was last restarted
+    cuda_mps: Annotated[str, Meta(max_length=MAX_FAILURE_CHARS)] = ""  # whether the workers share the GPU through MPS
 
 
 class SupervisorInfo(Message, tag="supervisor_info"):

@@ -25,7 +25,7 @@ class EnginePair:
         self.config = Config.from_dict(values)
         # The MPS daemon the supervisor would start (cuda_mps, "auto" by default: CUDA
         # devices only); the workers inherit its directories at spawn.
-        self.mps = start_for(self.config.cuda_mps, self.config.device, Path(runtime_dir))
+        self.mps, _ = start_for(self.config.cuda_mps, self.config.device, Path(runtime_dir))
         ctx = mp.get_context("spawn")
         ctl = f"ipc://{runtime_dir}/ctl-test.sock"
         from hybridd.workers import context_generator, graph_generator

@@ -17,6 +17,7 @@ def test_status_from_the_supervisor_shows_the_phases_and_the_last_restart():
                    "context": {"phase": "loading", "detail": "loading tokenizer", "done": 0, "total": 0,
                                "elapsed_s": 1.0}},
         "restarts": 1, "last_restart_reason": "context generator missed heartbeats for 10 s (hung)",
+        "cuda_mps": "unavailable (nvidia-cuda-mps-control exited 1: no devices)",
     })
     lines = text.splitlines()
     assert lines[0] == "hybridd degraded — up 1m 15s, version 0.1.0"
@@ -24,6 +25,7 @@ def test_status_from_the_supervisor_shows_the_phases_and_the_last_restart():
     assert "context    loading: loading tokenizer (1.0 s)" in lines
     assert "endpoints  ipc:///run/hybridd/hybridd.sock" in lines
     assert "restarted  context generator missed heartbeats for 10 s (hung)" in lines
+    assert "CUDA MPS   unavailable (nvidia-cuda-mps-control exited 1: no devices)" in lines
     assert not any(line.startswith(("requests", "latency", "KV blocks")) for line in lines)
 
 

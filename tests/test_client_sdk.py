@@ -179,6 +179,8 @@ def test_status_and_health(client):
     assert status["kv_usage"] == status["kv_blocks"]["used"] / status["kv_blocks"]["total"]
     assert status["endpoints"] == {"ipc": client.endpoint, "tcp": None}
     assert status["last_restart_reason"] is None
+    # device "auto" on a host without MPS (or "cpu": "off (CPU device)")
+    assert status["cuda_mps"] in ("off (CPU device)", "off (nvidia-cuda-mps-control is not on PATH)")
 
 
 def test_async_client(daemon):

@@ -44,9 +44,11 @@ def test_setting_is_validated():
 
 
 def test_which_settings_start_no_daemon(tmp_path):
-    assert start_for("off", "cuda", tmp_path) is None
-    assert start_for("auto", "cpu", tmp_path) is None
-    assert start_for("auto", "cuda", tmp_path, binary="nvidia-cuda-mps-control-absent") is None
+    """None of these starts a daemon, and each says why, as `hybridd status` shows it."""
+    assert start_for("off", "cuda", tmp_path) == (None, "off (cuda_mps = off)")
+    assert start_for("auto", "cpu", tmp_path) == (None, "off (CPU device)")
+    assert start_for("auto", "cuda", tmp_path, binary="nvidia-cuda-mps-control-absent") == (
+        None, "off (nvidia-cuda-mps-control-absent is not on PATH)")
     assert not (tmp_path / "mps").exists()  # nothing was even attempted
     with pytest.raises(MpsError, match="needs nvidia-cuda-mps-control-absent"):
         start_for("on", "cuda", tmp_path, binary="nvidia-cuda-mps-control-absent")
@@ -58,7 +60,8 @@ def test_auto_goes_on_without_a_control_daemon_that_does_not_start(tmp_path):
     binary = tmp_path / "broken-mps-control"
     binary.write_text("#!/bin/sh\necho 'mps: no devices to serve' >&2\nexit 1\n")
     binary.chmod(0o755)
-    assert start_for("auto", "cuda", tmp_path / "run", binary=str(binary)) is None
+    daemon, status = start_for("auto", "cuda", tmp_path / "run", binary=str(binary))
+    assert daemon is None and status.startswith("unavailable (") and "mps: no devices to serve" in status
     with pytest.raises(MpsError, match="exit 1.*mps: no devices to serve"):
         start_for("on", "cuda", tmp_path / "run", binary=str(binary))
 
@@ -96,7 +99,9 @@ def test_daemon_serves_through_its_own_mps_server_and_quits_it(setting):
         assert servers, (base / "log").read_text()
         with Client(endpoint, timeout=60) as client:
             result = client.generate("ROMEO:", max_tokens=16, temperature=0.0)
+            status = client.status()
         assert len(result.token_ids) == 16 and result.finish_reason == "length"
+        assert status["cuda_mps"] == f"in use (pipes under {mps.pipe_dir})"
         assert mps.server_pids() == servers  # both workers are clients of that one server
     finally:
         process.send_signal(signal.SIGTERM)

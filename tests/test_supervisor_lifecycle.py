@@ -490,6 +490,7 @@ def test_the_supervisor_answers_from_its_first_second_while_the_workers_cannot(s
     graph = status["phases"]["graph"]
     assert graph["phase"] == "capturing" and graph["detail"] == "capturing decode graphs" and graph["total"] == 3
     assert graph["elapsed_s"] >= 0 and status["restarts"] == 0 and status["last_restart_reason"] is None
+    assert status["cuda_mps"] in ("off (CPU device)", "off (nvidia-cuda-mps-control is not on PATH)")
     assert status["endpoints"]["ipc"] == f"ipc://{daemon.runtime_dir}/hybridd.sock"
     refused = _ask(fallback, GenerateRequest(id="g", prompt="hi"))
     assert (refused["type"], refused["id"], refused["code"]) == ("error", "g", "unavailable")

@@ -799,6 +799,7 @@ class ContextGenerator:
             "endpoints": {"ipc": self.config.client_endpoint, "tcp": self.config.tcp_endpoint or None},
             "restarts": info.get("workers", {}).get("context", {}).get("restarts", 0),
             "last_restart_reason": info.get("last_failure") or None,
+            "cuda_mps": info.get("cuda_mps") or None,
             "requests": {"running": len(self.scheduler.running),
                          "queued": len(self.scheduler.waiting) + len(self.encoding),
                          "served": self.served, "failed": self.failed,
