@@ -246,3 +246,27 @@ def test_logprobs_follow_the_sampled_distribution(compile):
         rest = expected.clone()
         rest[lp.top_ids[row]] = float("-inf")
         assert float(rest.max()) <= float(values[-1]) + 1e-4
+
+
+def test_fused_kernels_take_unaligned_tensors():
+    """Logits and an output row at any alignment (a ring of odd width, logits one
+    element into their buffer): the fused path copies them to aligned tensors, so the
+    kernels see the warm-up's alignment, and draws the eager tokens. (On the GPU,
+    tests/test_gpu_sampler.py checks that such tensors compile nothing new.)"""
+    pytest.importorskip("triton")
+    from tests.triton_target import CUDA, require_triton
+
+    require_triton()
+    if CUDA:
+        pytest.skip("the interpreter's check; the GPU has its own in tests/test_gpu_sampler.py")
+    fused, eager = Sampler(compile=True), Sampler(compile=False)
+    n = len(PARAMS)
+    t = build(PARAMS, prompts=PROMPTS, outputs=OUTPUTS)
+    flat = torch.randn(n * V + 1, generator=torch.Generator().manual_seed(8)) * 3
+    logits = flat[1:].view(n, V)
+    ring = torch.full((2, n + 1), -1, dtype=torch.int64)
+    out = ring[1, :n]
+    assert out.data_ptr() % 16 != 0 and logits.data_ptr() % 16 != 0
+    got = fused(logits, t, out=out)
+    assert got is out and torch.equal(out, eager(logits, t))
+    assert torch.equal(ring[0], torch.full((n + 1,), -1, dtype=torch.int64))

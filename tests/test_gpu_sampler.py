@@ -115,14 +115,17 @@ def test_nothing_compiles_while_serving():
         SamplingParams(temperature=0.9, repetition_penalty=1.2, top_p=0.9, seed=4),
         SamplingParams(temperature=0.9, frequency_penalty=0.5, seed=5),
     ]
-    ring = torch.zeros(3, 64, dtype=torch.int64, device="cuda")
+    # An odd ring width and logits one element into their buffer: pointers of any
+    # alignment, as the step pipeline's ring and the shared arena might hand over.
+    ring = torch.zeros(3, 65, dtype=torch.int64, device="cuda")
     generator = torch.Generator(device="cuda").manual_seed(2)
     for n in (1, 2, 7, 32, 64):
         for first in range(len(kinds)):
             rows = [kinds[(first + i) % len(kinds)] for i in range(n)] if first else [kinds[0]] * n
-            logits = torch.randn(n, VOCAB, device="cuda", generator=generator)
+            flat = torch.randn(n * VOCAB + 1, device="cuda", generator=generator)
+            logits = flat[first % 2:][: n * VOCAB].view(n, VOCAB)
             tensors = SamplingTensors.build(rows, [7] * n, [3] * n, VOCAB, "cuda", [[1, 2]] * n, [[3]] * n)
-            out = ring[n % 3, :n]
+            out = ring[first % 3, :n]
             sampler.logprobs(logits, tensors, sampler(logits, tensors, out=out))
     torch.cuda.synchronize()
     assert _compiled_kernels() == warmed

@@ -36,6 +36,7 @@ same pipeline runs as fused Triton kernels (`sampling_kernels`).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Sequence as Seq
 from dataclasses import dataclass
 
@@ -251,7 +252,7 @@ class Sampler:
         self, logits: torch.Tensor, t: SamplingTensors, out: torch.Tensor | None = None
     ) -> torch.Tensor:
         """Next token per row, int64 [B]; written into `out` as well when given."""
-        if self._fused is not None:
+        if self._runs_fused(logits):
             return self._fused(logits, t).tokens(out)
         penalties = _penalty_tensors(t)
         if t.all_greedy:
@@ -267,11 +268,15 @@ class Sampler:
     def logprobs(self, logits: torch.Tensor, t: SamplingTensors, tokens: torch.Tensor) -> Logprobs:
         """Logprobs of the sampled `tokens` and of each row's most likely tokens, from the
         distribution they were sampled from (see the module docstring)."""
-        if self._fused is not None:
+        if self._runs_fused(logits):
             processed = self._fused(logits, t).processed()
         else:
             processed = self.processed_logits(logits, t)
         return Logprobs(*_logprobs(processed, tokens))
+
+    def _runs_fused(self, logits: torch.Tensor) -> bool:
+        # Triton runs CUDA tensors, and CPU ones only in its interpreter (the tests' CPU path).
+        return self._fused is not None and (logits.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
 
     @staticmethod
     def processed_logits(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:

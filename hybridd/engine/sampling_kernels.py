@@ -196,12 +196,19 @@ def _finish(inv_temp_ptr, block_max_ptr, block_arg_ptr, draw_max_ptr, draw_arg_p
     tl.store(out_ptr + row, tl.min(args, axis=0).to(tl.int64))
 
 
+def _kernel_ready(tensor: torch.Tensor) -> bool:
+    """Contiguous and 16-byte aligned, as every tensor the warm-up passes: Triton compiles
+    a kernel anew for a pointer of another alignment, which on the serving loop would
+    stall every stream, so such a tensor goes through an aligned copy instead."""
+    return tensor.is_contiguous() and tensor.data_ptr() % 16 == 0
+
+
 class FusedSampling:
     """One batch's launches; `tokens` and `processed` read the row maxima once."""
 
     def __init__(self, logits: torch.Tensor, t) -> None:  # t: sampler.SamplingTensors
-        if not logits.is_contiguous():
-            logits = logits.contiguous()
+        if not _kernel_ready(logits):
+            logits = logits.clone(memory_format=torch.contiguous_format)
         self.logits, self.t = logits, t
         self.rows, self.vocab = logits.shape
         self.num_blocks = triton.cdiv(self.vocab, BLOCK)
@@ -226,13 +233,12 @@ class FusedSampling:
             _cut[(self.rows,)](ranked, self.vocab, t.top_k, t.top_p, self.threshold, BLOCK=BLOCK, num_warps=8)
 
     def tokens(self, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Each row's next token, int64 [B], written into `out` when given (contiguous int64)."""
+        """Each row's next token, int64 [B], written into `out` as well when given."""
         t = self.t
-        if out is None or out.dtype != torch.int64 or not out.is_contiguous():
-            out = torch.empty(self.rows, dtype=torch.int64, device=self.logits.device) if out is None else out
+        target = out
+        if out is None or not _kernel_ready(out) or out.dtype != torch.int64:
             target = torch.empty(self.rows, dtype=torch.int64, device=self.logits.device)
-        else:
-            target = out
+            out = target if out is None else out
         draw_max, draw_arg = self.block_max, self.block_arg
         if not t.all_greedy:
             draw_max, draw_arg = torch.empty_like(self.block_max), torch.empty_like(self.block_arg)
