@@ -22,6 +22,10 @@ PREFILL = (16, 32, 64, 128, 256, 512)
 
 @pytest.fixture(scope="module")
 def model():
+    return load_model_for_runner()
+
+
+def load_model_for_runner():
     sys.path.insert(0, str(ROOT / "scripts"))
     from make_random_checkpoint import make_checkpoint
 
@@ -225,3 +229,50 @@ def test_an_invalidated_capture_disables_only_its_bucket(model, monkeypatch):
     monkeypatch.setattr(runner, "_step_body", body)
     assert runner._capture(True, 128), runner.stats[("prefill", 128)].disabled
     assert runner._capture(True, 16), runner.stats[("prefill", 16)].disabled
+
+
+PREFILL_BEFORE_READY = r"""
+import sys, torch
+sys.path.insert(0, sys.argv[1] + "/tests")
+sys.path.insert(0, sys.argv[1])
+import test_gpu_graph_runner as t
+from triton.runtime.autotuner import Autotuner
+from triton.runtime.jit import JITFunction
+
+def compiled():
+    kernels = set()
+    for name, module in list(sys.modules.items()):
+        if name.startswith("hybridd."):
+            for value in vars(module).values():
+                value = value.fn if isinstance(value, Autotuner) else value
+                if isinstance(value, JITFunction):
+                    kernels.add(value)
+    return sum(len(caches[0]) for k in kernels for caches in k.device_caches.values())
+
+model = t.load_model_for_runner()
+with torch.inference_mode():
+    runner = t.make_runner(model, True)
+    runner.capture_decode_graphs()
+    runner.warm_up_prefill()
+    warmed = compiled()
+    seqs = t.Seqs(8, seed=5)
+    for i in range(8):
+        t.run_step(runner, seqs.prefill_step([i]))
+    runner.stream.synchronize()
+    assert not any(runner.stats[("prefill", size)].captured for size in t.PREFILL)  # all ran eagerly
+print("kernels", warmed, compiled())
+"""
+
+
+def test_prefill_kernels_compile_before_ready(tmp_path):
+    """In a fresh process (no kernel compiled yet): after the start's decode capture and
+    `warm_up_prefill`, eager prefills on the serving thread, as requests that come before
+    the background thread captures their bucket run, compile no Triton kernel."""
+    import subprocess
+
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "triton")}
+    result = subprocess.run([sys.executable, "-c", PREFILL_BEFORE_READY, str(ROOT)], env=env, capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    warmed, after = (int(n) for n in result.stdout.split("kernels")[-1].split())
+    assert warmed > 0 and after == warmed, result.stdout

@@ -102,6 +102,8 @@ class GraphGenerator:
         self.runner.capture_decode_graphs(
             progress=lambda done, n: self.link.phase("capturing", "capturing decode graphs", done, n)
         )
+        self.link.phase("capturing", "compiling the prefill kernels")
+        self.runner.warm_up_prefill()
         self.ctl.send(control.Ready(
             arenas={"kv": self.kv_arena.manifest(), "step": self.step_arena.manifest()},
             events={"inputs_ready": self.inputs_ready.ipc_handle(), "logits_ready": self.logits_ready.ipc_handle()},

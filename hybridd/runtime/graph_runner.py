@@ -211,6 +211,24 @@ class GraphRunner:
             if progress is not None:
                 progress(done, len(sizes))
 
+    def warm_up_prefill(self) -> None:
+        """Compile the prefill step's kernels on the serving thread, before ready (CUDA).
+
+        A prefill whose bucket the background thread has not captured yet runs eagerly
+        on the serving thread; without this its first one would compile the prefill
+        kernels there (seconds, with cold caches: every stream waits), as the first
+        request after ready did, 2.4 s. The background thread then finds them compiled.
+        The sizes are those a capturing thread warms up at (`prefill_warm_up_sizes`)."""
+        if self.device.type != "cuda":
+            return
+        if self.cuda:
+            self._warm_up(True, min(self.plan.prefill), self.plan.max_prefill_seqs)
+            return
+        seqs = self.plan.max_prefill_seqs
+        for size in prefill_warm_up_sizes(self.plan.prefill, self.model.kernels.skinny_rows):
+            self._step_body(self._dummy_inputs(True, size, seqs), self._scratch_logits(seqs))
+        torch.cuda.synchronize(self.device)
+
     def _shape_of(self, is_prefill: bool, size: int) -> tuple[int, int]:
         return (size, self.plan.max_prefill_seqs) if is_prefill else (size, size)
 
