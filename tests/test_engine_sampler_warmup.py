@@ -3,6 +3,8 @@ compilation falls back to the eager sampler instead of keeping the daemon from s
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -59,3 +61,13 @@ def test_warm_up_takes_a_subset_and_names_an_unknown_variant():
     with pytest.raises(ValueError, match=r"unknown sampler warm-up variants \['beam'\]") as error:
         Sampler(compile=False).warm_up(64, "cpu", variants=["greedy", "beam"])
     assert "greedy" in str(error.value)
+
+
+def test_without_triton_the_sampler_samples_eagerly(monkeypatch):
+    monkeypatch.setitem(sys.modules, "hybridd.engine.sampling_kernels", None)  # import fails
+    sampler = Sampler(compile=True)
+    assert sampler._fused is None
+    params = [SamplingParams(temperature=0.8, seed=3)] * 2
+    tensors = SamplingTensors.build(params, [3, 3], [0, 0], 64)
+    logits = torch.randn(2, 64)
+    assert torch.equal(sampler(logits, tensors), Sampler(compile=False)(logits, tensors))

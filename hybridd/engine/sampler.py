@@ -214,9 +214,12 @@ class Sampler:
         self.compiled = compile
         self._fused = None
         if compile:
-            from hybridd.engine.sampling_kernels import FusedSampling
-
-            self._fused = FusedSampling
+            try:
+                from hybridd.engine.sampling_kernels import FusedSampling
+            except ImportError as exc:  # no Triton: the eager sampler still serves
+                log.warning("sampler_kernels_unavailable", error=str(exc), consequence="sampling eagerly")
+            else:
+                self._fused = FusedSampling
 
     def warm_up(
         self, vocab_size: int, device: torch.device | str, on_progress=None, variants: Iterable[str] | None = None,
