@@ -270,3 +270,43 @@ def test_fused_kernels_take_unaligned_tensors():
     got = fused(logits, t, out=out)
     assert got is out and torch.equal(out, eager(logits, t))
     assert torch.equal(ring[0], torch.full((n + 1,), -1, dtype=torch.int64))
+
+
+def test_fused_kernels_across_vocabulary_blocks():
+    """A vocabulary of several kernel blocks with a partial last one: the blocks' maxima
+    merge to the eager tokens, ties go to the first index across blocks, and the
+    top-k/top-p cut, the penalties and the logprobs span the blocks."""
+    pytest.importorskip("triton")
+    from hybridd.engine.sampling_kernels import BLOCK
+    from tests.triton_target import CUDA, require_triton
+
+    require_triton()
+    if CUDA:
+        pytest.skip("the interpreter's check; tests/test_gpu_sampler.py covers both vocabularies on the GPU")
+    vocab = 2 * BLOCK + 37
+    fused, eager = Sampler(compile=True), Sampler(compile=False)
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.9, seed=1),
+        SamplingParams(temperature=0.9, top_k=3000, seed=2),
+        SamplingParams(temperature=1.3, top_p=0.95, seed=3),
+        SamplingParams(temperature=0.0, repetition_penalty=1.5, presence_penalty=0.7),
+        SamplingParams(temperature=0.8, frequency_penalty=0.4, top_p=0.7, seed=4),
+    ]
+    n = len(params)
+    history = [[5, BLOCK + 1, 2 * BLOCK + 36]] * n
+    g = torch.Generator().manual_seed(9)
+    for step in range(3):
+        t = SamplingTensors.build(params, [p.seed or 0 for p in params], [step] * n, vocab, "cpu", history, history)
+        logits = torch.randn(n, vocab, generator=g) * 2
+        tokens = eager(logits, t)
+        assert torch.equal(fused(logits, t), tokens)
+        got, want = fused.logprobs(logits, t, tokens), eager.logprobs(logits, t, tokens)
+        assert torch.allclose(got.sampled, want.sampled, atol=1e-5)
+        assert torch.allclose(got.top_values, want.top_values, atol=1e-5)
+    # Ties: a flat row's greedy token is its first index, as torch.argmax's; the largest
+    # value repeated in the last block and the first gives the first block's index.
+    flat = torch.zeros(2, vocab)
+    flat[1, [BLOCK + 3, 2 * BLOCK + 5]] = 1.0
+    greedy = SamplingTensors.build([SamplingParams(temperature=0.0)] * 2, [0, 0], [0, 0], vocab)
+    assert fused(flat, greedy).tolist() == [0, BLOCK + 3] == eager(flat, greedy).tolist()
