@@ -78,7 +78,7 @@ def _row_top(block_max_ptr, row, num_blocks, NUM_BLOCKS_POW2: tl.constexpr):
 @triton.jit
 def _block_max(logits_ptr, vocab, counts_ptr, prompt_ptr, rep_ptr, inv_rep_ptr, presence_ptr, frequency_ptr,
                block_max_ptr, block_arg_ptr, HAS_PENALTIES: tl.constexpr, BLOCK: tl.constexpr):
-    row, block = tl.program_id(0), tl.program_id(1)
+    row, block = tl.program_id(0).to(tl.int64), tl.program_id(1)
     offs = block * BLOCK + tl.arange(0, BLOCK)
     x = _penalised(logits_ptr, row, offs, offs < vocab, vocab, counts_ptr, prompt_ptr, rep_ptr, inv_rep_ptr,
                    presence_ptr, frequency_ptr, HAS_PENALTIES)
@@ -96,7 +96,7 @@ def _processed(logits_ptr, vocab, counts_ptr, prompt_ptr, rep_ptr, inv_rep_ptr, 
     """FOR_SORT: every row's scaled logits (greedy rows scaled by 1), as `_top_k_top_p`
     ranks them. Otherwise the logits each row draws from, as `sampler._processed`:
     sampled rows scaled and cut at their threshold, greedy rows penalised only."""
-    row, block = tl.program_id(0), tl.program_id(1)
+    row, block = tl.program_id(0).to(tl.int64), tl.program_id(1)
     offs = block * BLOCK + tl.arange(0, BLOCK)
     in_range = offs < vocab
     x = _penalised(logits_ptr, row, offs, in_range, vocab, counts_ptr, prompt_ptr, rep_ptr, inv_rep_ptr,
@@ -115,7 +115,7 @@ def _processed(logits_ptr, vocab, counts_ptr, prompt_ptr, rep_ptr, inv_rep_ptr, 
 def _cut(sorted_ptr, vocab, top_k_ptr, top_p_ptr, threshold_ptr, BLOCK: tl.constexpr):
     """Each row's threshold over its sorted scaled logits, as `sampler._top_k_top_p`:
     the value of the last token kept by both top-k and top-p (at least one)."""
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)
     base = sorted_ptr + row * vocab
     top_k = tl.minimum(tl.load(top_k_ptr + row), vocab).to(tl.int32)
     top_p = tl.load(top_p_ptr + row)
@@ -153,7 +153,7 @@ def _block_draw(logits_ptr, vocab, counts_ptr, prompt_ptr, rep_ptr, inv_rep_ptr,
                 inv_temp_ptr, seeds_ptr, positions_ptr, block_max_ptr, threshold_ptr, draw_max_ptr, draw_arg_ptr,
                 HAS_PENALTIES: tl.constexpr, HAS_THRESHOLD: tl.constexpr, NUM_BLOCKS_POW2: tl.constexpr,
                 BLOCK: tl.constexpr):
-    row, block = tl.program_id(0), tl.program_id(1)
+    row, block = tl.program_id(0).to(tl.int64), tl.program_id(1)
     inverse_temperature = tl.load(inv_temp_ptr + row)
     if inverse_temperature > 0:  # greedy rows draw nothing
         offs = block * BLOCK + tl.arange(0, BLOCK)
@@ -180,7 +180,7 @@ def _block_draw(logits_ptr, vocab, counts_ptr, prompt_ptr, rep_ptr, inv_rep_ptr,
 @triton.jit
 def _finish(inv_temp_ptr, block_max_ptr, block_arg_ptr, draw_max_ptr, draw_arg_ptr, out_ptr, num_blocks,
             NUM_BLOCKS_POW2: tl.constexpr):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)
     blocks = tl.arange(0, NUM_BLOCKS_POW2)
     in_row = blocks < num_blocks
     at = row * num_blocks + blocks
