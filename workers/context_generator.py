@@ -171,9 +171,13 @@ class ContextGenerator:
     # ------------------------------------------------------------------ start
     def start(self) -> None:
         config = self.config
-        self.link.phase("loading", "loading tokenizer")
         if self.device.type == "cuda":
+            # A phase of its own: this process's CUDA context is created here, beside the
+            # graph generator's weight loading.
+            self.link.phase("loading", "initialising CUDA")
             torch.cuda.set_device(self.device)
+            torch.empty(1, device=self.device)
+        self.link.phase("loading", "loading tokenizer")
         self.tokenizer = load_tokenizer(config.model)
         # A tokenizer of its own: the intake's thread never shares one with the loop.
         intake_tokenizer = load_tokenizer(config.model)
