@@ -21,6 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+SAMPLERS = ("fused", "torch_compile", "eager")
 PATHS = {
     "greedy": dict(temperature=0.0),
     "random": dict(temperature=0.8, seed=1),
@@ -37,7 +38,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--calls", type=int, default=16, help="calls per measurement round")
     parser.add_argument("--samplers", default="fused,torch_compile,eager",
                         help="which samplers to time, comma-separated (fused is always compiled and timed)")
-    return parser.parse_args()
+    args = parser.parse_args()
+    unknown = set(args.samplers.split(",")) - set(SAMPLERS)
+    if unknown:
+        parser.error(f"unknown samplers {sorted(unknown)}; known: {', '.join(SAMPLERS)}")
+    return args
 
 
 def main() -> None:
@@ -51,6 +56,8 @@ def main() -> None:
     from hybridd.engine import sampler as S
     from hybridd.protocol.messages import SamplingParams
 
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_sampler.py times GPU kernels and needs a CUDA device")
     torch.zeros(1, device="cuda")
     result: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "calls": args.calls,
                     "rows": []}
@@ -64,9 +71,6 @@ def main() -> None:
         print(json.dumps(result["compile_s"]), flush=True)
         samplers["fused"] = fused
         wanted = set(args.samplers.split(","))
-        unknown = wanted - {"fused", "torch_compile", "eager"}
-        if unknown:
-            raise SystemExit(f"unknown samplers {sorted(unknown)}; known: fused, torch_compile, eager")
         if "eager" in wanted:
             samplers["eager"] = S.Sampler(compile=False)
         if "torch_compile" in wanted:
@@ -83,7 +87,7 @@ def main() -> None:
                 row = {"vocab": vocab, "path": name, "batch": batch}
                 for label, sampler in samplers.items():
                     for logprobs in (False, True):
-                        call = (lambda s=sampler: s.logprobs(logits, tensors, s(logits, tensors))) if logprobs \
+                        call = (lambda s=sampler: s.sample(logits, tensors, with_logprobs=True)) if logprobs \
                             else (lambda s=sampler: s(logits, tensors))
                         gpu_us, host_us = time_call(torch, call, args.calls)
                         key = label + ("+logprobs" if logprobs else "")
@@ -114,7 +118,7 @@ class TorchCompiled:
                 history = [[1]] * rows
                 t = S.SamplingTensors.build(params, [0] * rows, [0] * rows, vocab, "cuda", history, history)
                 logits = torch.randn(rows, vocab, device="cuda")
-                self.logprobs(logits, t, self(logits, t))
+                self.sample(logits, t, with_logprobs=True)
 
     def __call__(self, logits, t):
         penalties = self.S._penalty_tensors(t)
@@ -122,6 +126,10 @@ class TorchCompiled:
             return self.greedy(logits, *penalties)
         fn = self.sorted if t.do_sort else self.random
         return fn(logits, t.inverse_temperature, t.top_k, t.top_p, *penalties, t.seeds, t.positions)
+
+    def sample(self, logits, t, with_logprobs: bool = False):
+        tokens = self(logits, t)
+        return tokens, self.logprobs(logits, t, tokens) if with_logprobs else None
 
     def logprobs(self, logits, t, tokens):
         processed = self.processed(logits, t.inverse_temperature, t.top_k, t.top_p, *self.S._penalty_tensors(t),

@@ -125,3 +125,17 @@ def test_an_unknown_part_to_skip_is_named():
     assert result.returncode == 2, result.stderr
     assert "--skip: unknown part(s) hybridd_mps; the parts are" in result.stderr
     assert "hybridd_no_mps" in result.stderr
+
+
+def test_bench_sampler_names_an_unknown_sampler_and_needs_cuda():
+    """scripts/bench_sampler.py refuses a sampler it does not know by name, and without a
+    GPU says that it needs one instead of timing the CPU."""
+    script = str(ROOT / "scripts" / "bench_sampler.py")
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    result = subprocess.run([sys.executable, script, "--out", "/nonexistent/x.json", "--samplers", "fused,inductor"],
+                            capture_output=True, text=True, cwd=ROOT, timeout=120, env=env)
+    assert result.returncode == 2, result.stderr
+    assert "unknown samplers ['inductor']; known: fused, torch_compile, eager" in result.stderr
+    result = subprocess.run([sys.executable, script, "--out", "/nonexistent/x.json"],
+                            capture_output=True, text=True, cwd=ROOT, timeout=on_this_host(120), env=env)
+    assert result.returncode == 1 and "needs a CUDA device" in result.stderr

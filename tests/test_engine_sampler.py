@@ -310,3 +310,22 @@ def test_fused_kernels_across_vocabulary_blocks():
     flat[1, [BLOCK + 3, 2 * BLOCK + 5]] = 1.0
     greedy = SamplingTensors.build([SamplingParams(temperature=0.0)] * 2, [0, 0], [0, 0], vocab)
     assert fused(flat, greedy).tolist() == [0, BLOCK + 3] == eager(flat, greedy).tolist()
+
+
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "fused"])
+def test_sample_gives_the_tokens_and_logprobs_of_the_separate_calls(compile):
+    if compile:
+        pytest.importorskip("triton")
+        from tests.triton_target import require_triton
+
+        require_triton()
+    sampler = Sampler(compile=compile)
+    t = build(PARAMS, prompts=PROMPTS, outputs=OUTPUTS)
+    logits = torch.randn(len(PARAMS), V, generator=torch.Generator().manual_seed(10)) * 3
+    out = torch.full((len(PARAMS),), -1, dtype=torch.int64)
+    tokens, lp = sampler.sample(logits, t, out, with_logprobs=True)
+    assert tokens is out and torch.equal(out, sampler(logits, t))
+    separate = sampler.logprobs(logits, t, out)
+    for name in ("sampled", "top_values", "top_ids"):
+        assert torch.equal(getattr(lp, name), getattr(separate, name)), name
+    assert sampler.sample(logits, t)[1] is None

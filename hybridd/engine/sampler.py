@@ -244,12 +244,24 @@ class Sampler:
                     history = [[0, 1]] * rows
                     tensors = SamplingTensors.build([params] * rows, [0] * rows, [0] * rows, vocab_size, device,
                                                     history, history)
-                    self.logprobs(logits, tensors, self(logits, tensors))
+                    self.sample(logits, tensors, with_logprobs=True)
             except Exception as exc:  # a compiler failure must not keep the daemon from serving
                 failed[name] = f"{type(exc).__name__}: {str(exc)[:300]}"
                 log.warning("sampler_compile_failed", variant=name, error=failed[name])
                 self._fused = None
         return failed
+
+    def sample(
+        self, logits: torch.Tensor, t: SamplingTensors, out: torch.Tensor | None = None, with_logprobs: bool = False,
+    ) -> tuple[torch.Tensor, Logprobs | None]:
+        """`self(logits, t, out)` and, when asked, `self.logprobs` of its tokens, sharing
+        the fused kernels' row maxima and top-k/top-p cut instead of computing them twice."""
+        if not self._runs_fused(logits):
+            tokens = self(logits, t, out)
+            return tokens, self.logprobs(logits, t, tokens) if with_logprobs else None
+        fused = self._fused(logits, t)
+        tokens = fused.tokens(out)
+        return tokens, Logprobs(*_logprobs(fused.processed(), tokens)) if with_logprobs else None
 
     def __call__(
         self, logits: torch.Tensor, t: SamplingTensors, out: torch.Tensor | None = None

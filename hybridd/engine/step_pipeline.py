@@ -128,10 +128,8 @@ class StepPipeline:
             logits = logits.index_select(0, self._to_device(torch.tensor(batch.sample_rows)))
         n_rows = logits.shape[0]
         out = self.ring[batch.step_id % RING_STEPS, :n_rows]
-        self.sampler(logits, tensors, out=out)
-        logprobs = None
-        if any(seq.params.logprobs for seq in batch.sampled_seqs):
-            logprobs = self.sampler.logprobs(logits, tensors, out)
+        _, logprobs = self.sampler.sample(logits, tensors, out,
+                                          with_logprobs=any(seq.params.logprobs for seq in batch.sampled_seqs))
         host = torch.empty(n_rows, dtype=torch.int64, pin_memory=self.cuda)
         host_logprobs = None if logprobs is None else Logprobs.empty_like(logprobs, pin_memory=self.cuda)
         done = None
