@@ -218,16 +218,23 @@ class GraphRunner:
         on the serving thread; without this its first one would compile the prefill
         kernels there (seconds, with cold caches: every stream waits), as the first
         request after ready did, 2.4 s. The background thread then finds them compiled.
-        The sizes are those a capturing thread warms up at (`prefill_warm_up_sizes`)."""
+        The sizes are those a capturing thread warms up at (`prefill_warm_up_sizes`).
+        A failure (out of memory) is logged and the daemon still starts, as a failed
+        capture disables only its bucket."""
         if self.device.type != "cuda":
             return
-        if self.cuda:
-            self._warm_up(True, min(self.plan.prefill), self.plan.max_prefill_seqs)
-            return
-        seqs = self.plan.max_prefill_seqs
-        for size in prefill_warm_up_sizes(self.plan.prefill, self.model.kernels.skinny_rows):
-            self._step_body(self._dummy_inputs(True, size, seqs), self._scratch_logits(seqs))
-        torch.cuda.synchronize(self.device)
+        try:
+            if self.cuda:
+                self._warm_up(True, min(self.plan.prefill), self.plan.max_prefill_seqs)
+                return
+            seqs = self.plan.max_prefill_seqs
+            for size in prefill_warm_up_sizes(self.plan.prefill, self.model.kernels.skinny_rows):
+                self._step_body(self._dummy_inputs(True, size, seqs), self._scratch_logits(seqs))
+            torch.cuda.synchronize(self.device)
+        except Exception as exc:  # the start goes on; the first prefills compile while serving
+            log.warning("prefill_warm_up_failed", error=f"{type(exc).__name__}: {str(exc)[:200]}",
+                        consequence="the first prefills compile their kernels while serving")
+            torch.cuda.empty_cache()
 
     def _shape_of(self, is_prefill: bool, size: int) -> tuple[int, int]:
         return (size, self.plan.max_prefill_seqs) if is_prefill else (size, size)
