@@ -30,15 +30,28 @@ PATHS = {
 }
 
 
+def sizes(text: str) -> list[int]:
+    """A comma-separated list of positive integers."""
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got {text!r}") from None
+    if not values or min(values) <= 0:
+        raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got {text!r}")
+    return values
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True, help="where the JSON result goes")
-    parser.add_argument("--vocab", default="32000,128256", help="vocabulary sizes, comma-separated")
-    parser.add_argument("--batch", default="1,32", help="batch sizes, comma-separated")
+    parser.add_argument("--vocab", type=sizes, default="32000,128256", help="vocabulary sizes, comma-separated")
+    parser.add_argument("--batch", type=sizes, default="1,32", help="batch sizes, comma-separated")
     parser.add_argument("--calls", type=int, default=16, help="calls per measurement round")
     parser.add_argument("--samplers", default="fused,torch_compile,eager",
                         help="which samplers to time, comma-separated (fused is always compiled and timed)")
     args = parser.parse_args()
+    if args.calls < 1:
+        parser.error(f"--calls must be at least 1, got {args.calls}")
     unknown = set(args.samplers.split(",")) - set(SAMPLERS)
     if unknown:
         parser.error(f"unknown samplers {sorted(unknown)}; known: {', '.join(SAMPLERS)}")
@@ -61,7 +74,7 @@ def main() -> None:
     torch.zeros(1, device="cuda")
     result: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "calls": args.calls,
                     "rows": []}
-    for vocab in (int(v) for v in args.vocab.split(",")):
+    for vocab in args.vocab:
         samplers = {}
         t0 = time.perf_counter()
         fused = S.Sampler(compile=True)
@@ -79,7 +92,7 @@ def main() -> None:
             result["compile_s"][f"torch_compile/{vocab}"] = round(time.perf_counter() - t0, 2)
             print(json.dumps(result["compile_s"]), flush=True)
         for name, kwargs in PATHS.items():
-            for batch in (int(b) for b in args.batch.split(",")):
+            for batch in args.batch:
                 params = [SamplingParams(**kwargs)] * batch
                 history = [[1, 2, 3]] * batch
                 tensors = S.SamplingTensors.build(params, [1] * batch, [5] * batch, vocab, "cuda", history, history)

@@ -136,6 +136,9 @@ def test_bench_sampler_names_an_unknown_sampler_and_needs_cuda():
                             capture_output=True, text=True, cwd=ROOT, timeout=120, env=env)
     assert result.returncode == 2, result.stderr
     assert "unknown samplers ['inductor']; known: fused, torch_compile, eager" in result.stderr
+    result = subprocess.run([sys.executable, script, "--out", "/nonexistent/x.json", "--vocab", "32k"],
+                            capture_output=True, text=True, cwd=ROOT, timeout=120, env=env)
+    assert result.returncode == 2 and "--vocab: expected positive integers separated by commas, got '32k'" in result.stderr
     result = subprocess.run([sys.executable, script, "--out", "/nonexistent/x.json"],
                             capture_output=True, text=True, cwd=ROOT, timeout=on_this_host(120), env=env)
     assert result.returncode == 1 and "needs a CUDA device" in result.stderr
