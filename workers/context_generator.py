@@ -181,7 +181,7 @@ class ContextGenerator:
         self.tokenizer = load_tokenizer(config.model)
         # A tokenizer of its own: the intake's thread never shares one with the loop.
         intake_tokenizer = load_tokenizer(config.model)
-        # Compiling pays off on the GPU; on the CPU it only costs start-up time. The
+        # The fused sampling kernels run on the GPU only; the CPU samples eagerly. Their
         # compilation runs while the graph generator loads its weights and captures its
         # graphs: it needs only the vocabulary's size, and the graph generator's Ready
         # waits in the socket meanwhile.

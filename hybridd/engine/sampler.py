@@ -213,6 +213,7 @@ class Sampler:
     def __init__(self, compile: bool = True) -> None:
         self.compiled = compile
         self._fused = None
+        self._interpreted = os.environ.get("TRITON_INTERPRET") == "1"
         if compile:
             try:
                 from hybridd.engine.sampling_kernels import FusedSampling
@@ -254,31 +255,21 @@ class Sampler:
     def sample(
         self, logits: torch.Tensor, t: SamplingTensors, out: torch.Tensor | None = None, with_logprobs: bool = False,
     ) -> tuple[torch.Tensor, Logprobs | None]:
-        """`self(logits, t, out)` and, when asked, `self.logprobs` of its tokens, sharing
-        the fused kernels' row maxima and top-k/top-p cut instead of computing them twice."""
-        if not self._runs_fused(logits):
-            tokens = self(logits, t, out)
-            return tokens, self.logprobs(logits, t, tokens) if with_logprobs else None
-        fused = self._fused(logits, t)
-        tokens = fused.tokens(out)
-        return tokens, Logprobs(*_logprobs(fused.processed(), tokens)) if with_logprobs else None
+        """Next token per row, int64 [B] (written into `out` as well when given), and, when
+        asked, their logprobs (see `logprobs`); on the fused path both come from the same
+        row maxima and top-k/top-p cut."""
+        if self._runs_fused(logits):
+            fused = self._fused(logits, t)
+            tokens, processed = fused.tokens(out), fused.processed
+        else:
+            tokens, processed = _eager_tokens(logits, t, out), lambda: self.processed_logits(logits, t)
+        return tokens, Logprobs(*_logprobs(processed(), tokens)) if with_logprobs else None
 
     def __call__(
         self, logits: torch.Tensor, t: SamplingTensors, out: torch.Tensor | None = None
     ) -> torch.Tensor:
         """Next token per row, int64 [B]; written into `out` as well when given."""
-        if self._runs_fused(logits):
-            return self._fused(logits, t).tokens(out)
-        penalties = _penalty_tensors(t)
-        if t.all_greedy:
-            tokens = _sample_greedy(logits, *penalties)
-        else:
-            fn = _sample_sorted if t.do_sort else _sample_random
-            tokens = fn(logits, t.inverse_temperature, t.top_k, t.top_p, *penalties, t.seeds, t.positions)
-        if out is not None:
-            out.copy_(tokens)
-            return out
-        return tokens
+        return self.sample(logits, t, out)[0]
 
     def logprobs(self, logits: torch.Tensor, t: SamplingTensors, tokens: torch.Tensor) -> Logprobs:
         """Logprobs of the sampled `tokens` and of each row's most likely tokens, from the
@@ -291,12 +282,25 @@ class Sampler:
 
     def _runs_fused(self, logits: torch.Tensor) -> bool:
         # Triton runs CUDA tensors, and CPU ones only in its interpreter (the tests' CPU path).
-        return self._fused is not None and (logits.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+        return self._fused is not None and (logits.is_cuda or self._interpreted)
 
     @staticmethod
     def processed_logits(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
         """The logits each row draws from, as the logprobs see them (eager)."""
         return _processed(logits, t.inverse_temperature, t.top_k, t.top_p, *_penalty_tensors(t), t.do_sort)
+
+
+def _eager_tokens(logits: torch.Tensor, t: SamplingTensors, out: torch.Tensor | None) -> torch.Tensor:
+    penalties = _penalty_tensors(t)
+    if t.all_greedy:
+        tokens = _sample_greedy(logits, *penalties)
+    else:
+        fn = _sample_sorted if t.do_sort else _sample_random
+        tokens = fn(logits, t.inverse_temperature, t.top_k, t.top_p, *penalties, t.seeds, t.positions)
+    if out is None:
+        return tokens
+    out.copy_(tokens)
+    return out
 
 
 def _penalty_tensors(t: SamplingTensors) -> tuple:

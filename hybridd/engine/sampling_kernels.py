@@ -76,6 +76,16 @@ def _row_top(block_max_ptr, row, num_blocks, NUM_BLOCKS_POW2: tl.constexpr):
 
 
 @triton.jit
+def _scaled(x, top, inverse_temperature, threshold_ptr, row, HAS_THRESHOLD: tl.constexpr):
+    """(logit - row max) / temperature (greedy rows: by 1), as `sampler._scale`; with a
+    threshold, the entries below it at -inf, as `sampler._top_k_top_p` cuts them."""
+    scaled = (x - top) * tl.where(inverse_temperature > 0, inverse_temperature, 1.0)
+    if HAS_THRESHOLD:
+        scaled = tl.where(scaled < tl.load(threshold_ptr + row), float("-inf"), scaled)
+    return scaled
+
+
+@triton.jit
 def _block_max(logits_ptr, vocab, counts_ptr, prompt_ptr, rep_ptr, inv_rep_ptr, presence_ptr, frequency_ptr,
                block_max_ptr, block_arg_ptr, HAS_PENALTIES: tl.constexpr, BLOCK: tl.constexpr):
     row, block = tl.program_id(0).to(tl.int64), tl.program_id(1)
@@ -103,10 +113,8 @@ def _processed(logits_ptr, vocab, counts_ptr, prompt_ptr, rep_ptr, inv_rep_ptr, 
                    presence_ptr, frequency_ptr, HAS_PENALTIES)
     inverse_temperature = tl.load(inv_temp_ptr + row)
     top = _row_top(block_max_ptr, row, tl.num_programs(1), NUM_BLOCKS_POW2)
-    scaled = (x - top) * tl.where(inverse_temperature > 0, inverse_temperature, 1.0)
+    scaled = _scaled(x, top, inverse_temperature, threshold_ptr, row, HAS_THRESHOLD and not FOR_SORT)
     if not FOR_SORT:
-        if HAS_THRESHOLD:
-            scaled = tl.where(scaled < tl.load(threshold_ptr + row), float("-inf"), scaled)
         scaled = tl.where(inverse_temperature > 0, scaled, x)
     tl.store(out_ptr + row * vocab + offs, scaled, mask=in_range)
 
@@ -161,9 +169,8 @@ def _block_draw(logits_ptr, vocab, counts_ptr, prompt_ptr, rep_ptr, inv_rep_ptr,
         x = _penalised(logits_ptr, row, offs, in_range, vocab, counts_ptr, prompt_ptr, rep_ptr, inv_rep_ptr,
                        presence_ptr, frequency_ptr, HAS_PENALTIES)
         num_blocks = tl.num_programs(1)
-        scaled = (x - _row_top(block_max_ptr, row, num_blocks, NUM_BLOCKS_POW2)) * inverse_temperature
-        if HAS_THRESHOLD:
-            scaled = tl.where(scaled < tl.load(threshold_ptr + row), float("-inf"), scaled)
+        scaled = _scaled(x, _row_top(block_max_ptr, row, num_blocks, NUM_BLOCKS_POW2), inverse_temperature,
+                         threshold_ptr, row, HAS_THRESHOLD)
         seed = tl.load(seeds_ptr + row)
         position = tl.load(positions_ptr + row)
         key = _mix32((position & 0xFFFFFFFF).to(tl.uint32) ^ 0x9E3779B9)

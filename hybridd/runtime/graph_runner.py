@@ -223,13 +223,12 @@ class GraphRunner:
         capture disables only its bucket."""
         if self.device.type != "cuda":
             return
+        # With graphs one call warms every such size (once per thread); without, one call each.
+        sizes = [min(self.plan.prefill)] if self.cuda else prefill_warm_up_sizes(
+            self.plan.prefill, self.model.kernels.skinny_rows)
         try:
-            if self.cuda:
-                self._warm_up(True, min(self.plan.prefill), self.plan.max_prefill_seqs)
-                return
-            seqs = self.plan.max_prefill_seqs
-            for size in prefill_warm_up_sizes(self.plan.prefill, self.model.kernels.skinny_rows):
-                self._step_body(self._dummy_inputs(True, size, seqs), self._scratch_logits(seqs))
+            for size in sizes:
+                self._warm_up(True, size, self.plan.max_prefill_seqs)
             torch.cuda.synchronize(self.device)
         except Exception as exc:  # the start goes on; the first prefills compile while serving
             log.warning("prefill_warm_up_failed", error=f"{type(exc).__name__}: {str(exc)[:200]}",
