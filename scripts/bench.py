@@ -97,6 +97,8 @@ from hybridd.stats import percentile  # noqa: E402
 TTFT_LENGTHS = (10, 32, 128, 256, 500)
 ITL_PROMPT = 128
 ITL_TOKENS = 256
+# Gaps of each ITL stream whose place in the stream is reported (the largest).
+SLOWEST_GAPS = 6
 CONCURRENCY = (1, 4, 16, 32)
 GiB = 1 << 30
 
@@ -463,7 +465,11 @@ def measure_itl(stream_fn, prompt_len: int, tokens: int, runs: int, vocab: int, 
             break
         g = stream_fn(random_prompt(rng, prompt_len, vocab), tokens)
         gaps.extend(g)
-        per_run.append({"p50_s": percentile(g, 50), "p99_s": percentile(g, 99), "n": len(g)})
+        # Where in the stream the slowest gaps fell: at the same token each run (a step that
+        # costs more there) or anywhere (a pause on the host).
+        slowest = sorted(range(len(g)), key=g.__getitem__)[-SLOWEST_GAPS:]
+        per_run.append({"p50_s": percentile(g, 50), "p99_s": percentile(g, 99), "n": len(g),
+                        "slowest": [[i, g[i]] for i in sorted(slowest)]})
     return {**itl_summary(gaps), "prompt_tokens": prompt_len, "tokens": tokens, "runs": per_run}
 
 
@@ -1117,7 +1123,9 @@ def render_table(results: dict) -> str:
     ip = results.get("in_process")
     if ip:
         lines.append(f"same graphs in one process: ITL p50/p99 {fmt(ip.get('in_process_itl_p50_s'), 1e3)}/"
-                     f"{fmt(ip.get('in_process_itl_p99_s'), 1e3)} ms, GPU step {fmt(ip.get('gpu_step_s'), 1e3)} ms")
+                     f"{fmt(ip.get('in_process_itl_p99_s'), 1e3)} ms, GPU step {fmt(ip.get('gpu_step_s'), 1e3)} ms "
+                     f"(each step synced: p50/p99 {fmt(ip.get('synced_gpu_step_p50_s'), 1e3)}/"
+                     f"{fmt(ip.get('synced_gpu_step_p99_s'), 1e3)} ms)")
     hs = results.get("hf_static", {})
     if hs.get("warmup_s") is not None:
         lines.append(f"HF static warm-up (compile) {fmt(hs['warmup_s'], 1, 1)} s: {hs.get('compile')}")

@@ -34,6 +34,7 @@ from hybridd.runtime.buckets import BucketPlan  # noqa: E402
 from hybridd.runtime.graph_runner import GraphRunner  # noqa: E402
 from hybridd.model.kernels import select_kernels  # noqa: E402
 from hybridd.runtime.step_buffers import StepBuffers  # noqa: E402
+from hybridd.stats import percentile  # noqa: E402
 
 BLOCK = 16
 
@@ -78,21 +79,29 @@ def in_process(model_dir: Path, batches: list[int], prompt_len: int, tokens: int
         end.record(runner.stream)
         end.synchronize()
         gpu_step = start.elapsed_time(end) / 1e3 / tokens
-        # One process, tokens read back to the host each step.
-        itl = []
+        # One process, tokens read back to the host each step; each step's GPU time too, to
+        # tell a slow step on the GPU from a pause on the host.
+        itl, gpu = [], []
         last = time.perf_counter()
         for pos in range(prompt_len, prompt_len + tokens):
             write_step(pos)
+            before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            before.record(runner.stream)
             one_step()
+            after.record(runner.stream)
             with torch.cuda.stream(runner.stream):
                 host_tokens = buffers.input_ids[:batch].to("cpu", non_blocking=True)
             runner.stream.synchronize()  # the host has this step's tokens
             host_tokens.tolist()
             now = time.perf_counter()
             itl.append(now - last)
+            gpu.append(before.elapsed_time(after) / 1e3)
             last = now
-        results[batch] = {"gpu_step_s": gpu_step, "in_process_itl_p50_s": statistics.median(itl),
-                          "in_process_itl_p99_s": sorted(itl)[int(0.99 * (len(itl) - 1))]}
+        slowest = sorted(range(len(itl)), key=itl.__getitem__)[-6:]
+        results[batch] = {"gpu_step_s": gpu_step, "in_process_itl_p50_s": percentile(itl, 50),
+                          "in_process_itl_p99_s": percentile(itl, 99),
+                          "synced_gpu_step_p50_s": percentile(gpu, 50), "synced_gpu_step_p99_s": percentile(gpu, 99),
+                          "slowest": [[i, itl[i], gpu[i]] for i in sorted(slowest)]}
     del runner, model, kv
     torch.cuda.empty_cache()
     return results

@@ -51,6 +51,9 @@ def test_json_has_every_figure(bench_out):
         assert all(v["median_s"] > 0 and v["n"] >= 2 for v in part["ttft_s"].values()), name
         assert part["itl"]["p50_s"] > 0 and part["itl"]["p99_s"] >= part["itl"]["p50_s"], name
         assert part["itl"]["n"] == 31, name  # 32 tokens, 31 gaps, one measured run (--quick)
+        (run,) = part["itl"]["runs"]
+        assert len(run["slowest"]) == 6 and all(0 <= i < 31 for i, _ in run["slowest"]), name
+        assert min(gap for _, gap in run["slowest"]) >= run["p50_s"], name
     hy = r["hybridd"]
     assert set(hy["concurrency"]) == {"1", "4", "16", "32"}
     assert all(c["tokens_per_s"] > 0 and c["itl_p50_s"] > 0 for c in hy["concurrency"].values())
