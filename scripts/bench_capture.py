@@ -57,6 +57,26 @@ def plan_budget(model: Path, cuda: bool, max_prefill_seqs: int, max_tokens: int)
     raise RuntimeError("no prefill bucket pair whose graphs cannot share a budget that holds either one")
 
 
+def start_settled(server_factory, client_factory, overrides: dict, x: int):
+    """(server, control client, prefill buckets, status) once the captures that follow
+    ready are done: buckets 16 and X captured or refused (or 30 s), then a fresh report."""
+    server = server_factory(**overrides)
+    try:
+        ctl = client_factory(server.endpoint)
+        settle_end = time.perf_counter() + 30
+        while time.perf_counter() < settle_end:
+            b = prefill_buckets(ctl.status())
+            if all(b.get(s, {}).get("captured") or b.get(s, {}).get("disabled") for s in (SMALL, x)):
+                break
+            time.sleep(0.2)
+        time.sleep(STATS_WAIT_S)
+        status = ctl.status()
+    except BaseException:
+        server.close()
+        raise
+    return server, ctl, prefill_buckets(status), status
+
+
 def prefill_buckets(status: dict) -> dict[int, dict]:
     return {b["size"]: b for b in status.get("buckets", []) if b.get("kind") == "prefill"}
 
@@ -74,8 +94,7 @@ def measure_capture_under_eviction(client_factory, model: Path, cuda: bool, voca
     overrides = {"decode_buckets": DECODE_BUCKETS, "max_batch": max(DECODE_BUCKETS),
                  "prefill_buckets": [SMALL, x, y], "graph_memory_budget_mb": plan["budget_mb"]}
     result: dict[str, Any] = {"plan": plan, "config": overrides}
-    server = server_factory(**overrides)
-    ctl = decoder = None
+    server = ctl = decoder = None
     stop = threading.Event()
     records: list[StreamRecord] = []
     failures: list[str] = []
@@ -83,17 +102,21 @@ def measure_capture_under_eviction(client_factory, model: Path, cuda: bool, voca
     dropped: list[tuple[float, float]] = []
     triggers: list[StreamRecord] = []
     try:
-        ctl = client_factory(server.endpoint)
+        server, ctl, buckets, status = start_settled(server_factory, client_factory, overrides, x)
+        if not any(buckets[s].get("captured") or buckets[s].get("disabled") for s in (x, y)):
+            # A graph's measured cost is the growth of the pool during its capture, so the
+            # first graphs may be charged for more than their own activations: then neither
+            # X nor Y fits beside them. Once more, with the budget from what they measured.
+            held = status.get("graph_bytes") or 0
+            budget_mb = math.ceil((held + plan["need_y_bytes"]) / MiB)
+            result["replanned"] = {"graph_bytes_at_ready": held, "budget_mb": budget_mb}
+            ctl.close()
+            server.close()
+            server = ctl = None
+            overrides = {**overrides, "graph_memory_budget_mb": budget_mb}
+            result["config"] = overrides
+            server, ctl, buckets, status = start_settled(server_factory, client_factory, overrides, x)
         decoder = client_factory(server.endpoint)
-        # The captures that follow ready: until 16 and X are captured (or 30 s), then a fresh report.
-        settle_end = time.perf_counter() + 30
-        while time.perf_counter() < settle_end:
-            b = prefill_buckets(ctl.status())
-            if all(b.get(s, {}).get("captured") or b.get(s, {}).get("disabled") for s in (SMALL, x)):
-                break
-            time.sleep(0.2)
-        time.sleep(STATS_WAIT_S)
-        buckets = prefill_buckets(ctl.status())
         result["at_ready"] = {s: {k: b.get(k) for k in ("captured", "bytes", "demand", "disabled")}
                               for s, b in buckets.items()}
         demand = {s: buckets[s].get("demand", 0) for s in (x, y)}
@@ -148,7 +171,8 @@ def measure_capture_under_eviction(client_factory, model: Path, cuda: bool, voca
         for c in (ctl, decoder):
             if c is not None:
                 c.close()
-        server.close()
+        if server is not None:
+            server.close()
     if failures:
         raise RuntimeError(f"decode stream failed: {failures[0]}")
     blocked = [(t.sent, (t.times[0] if t.times else t.sent) + 0.001) for t in triggers] + dropped

@@ -239,19 +239,20 @@ class GraphRunner:
         return (size, self.plan.max_prefill_seqs) if is_prefill else (size, size)
 
     def _dummy_inputs(self, is_prefill: bool, tokens: int, seqs: int) -> StepInputs:
-        dev = self.device
+        """A bucket-shaped step on private buffers of the live ones' layout: the same
+        dtypes, offsets and strides as `buffers.view`'s, so the kernels it compiles are
+        those a capture or an eager run of that view launches. Its slots are all -1: it
+        writes nothing to the KV cache."""
+        live = self.buffers
+        private = StepBuffers({"step_inputs": torch.zeros_like(live.packed), "logits": live.logits[:, :0]},
+                              live.max_tokens, live.max_blocks_per_seq)
+        view = private.view(is_prefill, tokens, seqs)
         per_seq = max(1, tokens // seqs)
         starts = [min(i * per_seq, tokens) for i in range(seqs)] + [tokens]
-        return StepInputs(
-            input_ids=torch.zeros(tokens, dtype=torch.int64, device=dev),
-            positions=torch.zeros(tokens, dtype=torch.int64, device=dev),
-            slot_mapping=torch.full((tokens,), -1, dtype=torch.int64, device=dev),
-            block_tables=torch.zeros((seqs, self.buffers.max_blocks_per_seq), dtype=torch.int32, device=dev),
-            seq_lens=torch.ones(seqs, dtype=torch.int32, device=dev),
-            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
-            logits_indices=torch.zeros(seqs, dtype=torch.int64, device=dev),
-            is_prefill=is_prefill,
-        )
+        view.slot_mapping.fill_(-1)
+        view.seq_lens.fill_(1)
+        view.query_start_loc.copy_(torch.tensor(starts, dtype=view.query_start_loc.dtype))
+        return view
 
     def _estimate_bytes(self, is_prefill: bool, size: int) -> int:
         stats = self.stats[("prefill" if is_prefill else "decode", size)]
