@@ -240,7 +240,7 @@ from triton.runtime.autotuner import Autotuner
 from triton.runtime.jit import JITFunction
 
 def compiled():
-    """(kernel name, specialisation) of every Triton kernel of hybridd compiled so far."""
+    # (kernel name, specialisation) of every Triton kernel of hybridd compiled so far.
     kernels = set()
     for name, module in list(sys.modules.items()):
         if name.startswith("hybridd."):
