@@ -383,22 +383,33 @@ def _compile_decode_plans(
         decode_attention(q[:1], k_cache, v_cache, block_tables[:1], empty, scale, plan=plan)
 
 
+def _aligned_as(t: torch.Tensor, n: int) -> torch.Tensor:
+    """n zeros of t's dtype on t's device whose address has t's alignment to 16 bytes (Triton
+    specialises a kernel on whether each pointer is 16-byte aligned)."""
+    shift = (t.data_ptr() % 16) // t.element_size()
+    return torch.zeros(n + shift, dtype=t.dtype, device=t.device)[shift:]
+
+
 def _compile_prefill_plans(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: StepInputs, scale: float) -> None:
+    """Every query tile height, for every padding of the sequence count up to this step's:
+    an eager prefill (a bucket not captured yet) has its own count of sequences."""
     seqs = step.query_start_loc.shape[0] - 1
     key = ("prefill", q.device, q.dtype, tuple(q.shape[1:]), tuple(k.shape[1:]), seqs)
     if not _first_eager_call(key, q.device):
         return
-    for tokens in (16, 32, 64):
-        plan = prefill_plan(tokens)
-        dummy = StepInputs(
-            input_ids=step.input_ids[:0],
-            positions=torch.zeros(tokens, dtype=step.positions.dtype, device=q.device),
-            slot_mapping=step.slot_mapping[:0],
-            block_tables=step.block_tables,
-            seq_lens=step.seq_lens,
-            query_start_loc=torch.zeros(seqs + 1, dtype=step.query_start_loc.dtype, device=q.device),
-            logits_indices=step.logits_indices,
-            is_prefill=True,
-        )
-        rows = [torch.zeros((tokens, *x.shape[1:]), dtype=x.dtype, device=x.device) for x in (q, k, v)]
-        prefill_attention(*rows, dummy, scale, plan=plan)
+    counts = {max(2, triton.next_power_of_2(n)): n for n in range(1, seqs + 1)}.values()
+    for n in counts:
+        for tokens in (16, 32, 64):
+            plan = prefill_plan(tokens)
+            dummy = StepInputs(
+                input_ids=step.input_ids[:0],
+                positions=_aligned_as(step.positions, tokens),
+                slot_mapping=step.slot_mapping[:0],
+                block_tables=step.block_tables[:n],
+                seq_lens=step.seq_lens[:n],
+                query_start_loc=_aligned_as(step.query_start_loc, n + 1),
+                logits_indices=step.logits_indices[:n],
+                is_prefill=True,
+            )
+            rows = [torch.zeros((tokens, *x.shape[1:]), dtype=x.dtype, device=x.device) for x in (q, k, v)]
+            prefill_attention(*rows, dummy, scale, plan=plan)
