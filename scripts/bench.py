@@ -1125,7 +1125,10 @@ def render_table(results: dict) -> str:
         lines.append(f"same graphs in one process: ITL p50/p99 {fmt(ip.get('in_process_itl_p50_s'), 1e3)}/"
                      f"{fmt(ip.get('in_process_itl_p99_s'), 1e3)} ms, GPU step {fmt(ip.get('gpu_step_s'), 1e3)} ms "
                      f"(each step synced: p50/p99 {fmt(ip.get('synced_gpu_step_p50_s'), 1e3)}/"
-                     f"{fmt(ip.get('synced_gpu_step_p99_s'), 1e3)} ms)")
+                     f"{fmt(ip.get('synced_gpu_step_p99_s'), 1e3)} ms); {g(ip, 'gc_pauses', 'n')} collections "
+                     f"took {fmt(g(ip, 'gc_pauses', 'total_s'), 1e3)} ms (longest "
+                     f"{fmt(g(ip, 'gc_pauses', 'max_s'), 1e3, 3)}); collector off: ITL p50/p99 "
+                     f"{fmt(ip.get('no_gc_itl_p50_s'), 1e3)}/{fmt(ip.get('no_gc_itl_p99_s'), 1e3)} ms")
     hs = results.get("hf_static", {})
     if hs.get("warmup_s") is not None:
         lines.append(f"HF static warm-up (compile) {fmt(hs['warmup_s'], 1, 1)} s: {hs.get('compile')}")

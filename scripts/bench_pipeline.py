@@ -16,6 +16,7 @@ ITL close to the GPU step time means the GPU has no idle gap between steps.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -30,6 +31,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from hybridd.model import KVCache, StepInputs, load_model  # noqa: E402
+from hybridd.runtime import gc_pauses  # noqa: E402
 from hybridd.runtime.buckets import BucketPlan  # noqa: E402
 from hybridd.runtime.graph_runner import GraphRunner  # noqa: E402
 from hybridd.model.kernels import select_kernels  # noqa: E402
@@ -81,27 +83,54 @@ def in_process(model_dir: Path, batches: list[int], prompt_len: int, tokens: int
         gpu_step = start.elapsed_time(end) / 1e3 / tokens
         # One process, tokens read back to the host each step; each step's GPU time too, to
         # tell a slow step on the GPU from a pause on the host.
-        itl, gpu = [], []
-        last = time.perf_counter()
-        for pos in range(prompt_len, prompt_len + tokens):
-            write_step(pos)
-            before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            before.record(runner.stream)
-            one_step()
-            after.record(runner.stream)
-            with torch.cuda.stream(runner.stream):
-                host_tokens = buffers.input_ids[:batch].to("cpu", non_blocking=True)
-            runner.stream.synchronize()  # the host has this step's tokens
-            host_tokens.tolist()
-            now = time.perf_counter()
-            itl.append(now - last)
-            gpu.append(before.elapsed_time(after) / 1e3)
-            last = now
+        def synced_steps() -> tuple[list[float], list[float]]:
+            itl, gpu = [], []
+            last = time.perf_counter()
+            for pos in range(prompt_len, prompt_len + tokens):
+                write_step(pos)
+                before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                before.record(runner.stream)
+                one_step()
+                after.record(runner.stream)
+                with torch.cuda.stream(runner.stream):
+                    host_tokens = buffers.input_ids[:batch].to("cpu", non_blocking=True)
+                runner.stream.synchronize()  # the host has this step's tokens
+                host_tokens.tolist()
+                now = time.perf_counter()
+                itl.append(now - last)
+                gpu.append(before.elapsed_time(after) / 1e3)
+                last = now
+            return itl, gpu
+
+        # As in the workers: what start-up made is frozen, the collector runs on what
+        # serving makes (its pauses are timed); then the same loop with it off.
+        gc_pauses.freeze_start_up()
+        pauses: list[float] = []
+        started: list[float] = []
+
+        def time_collection(phase: str, info: dict) -> None:
+            if phase == "start":
+                started.append(time.perf_counter())
+            elif started:
+                pauses.append(time.perf_counter() - started.pop())
+
+        gc.callbacks.append(time_collection)
+        try:
+            itl, gpu = synced_steps()
+        finally:
+            gc.callbacks.remove(time_collection)
+        gc.disable()
+        try:
+            itl_no_gc, _ = synced_steps()
+        finally:
+            gc.enable()
         slowest = sorted(range(len(itl)), key=itl.__getitem__)[-6:]
         results[batch] = {"gpu_step_s": gpu_step, "in_process_itl_p50_s": percentile(itl, 50),
                           "in_process_itl_p99_s": percentile(itl, 99),
                           "synced_gpu_step_p50_s": percentile(gpu, 50), "synced_gpu_step_p99_s": percentile(gpu, 99),
-                          "slowest": [[i, itl[i], gpu[i]] for i in sorted(slowest)]}
+                          "slowest": [[i, itl[i], gpu[i]] for i in sorted(slowest)],
+                          "gc_pauses": {"n": len(pauses), "total_s": sum(pauses), "max_s": max(pauses, default=0.0)},
+                          "no_gc_itl_p50_s": percentile(itl_no_gc, 50), "no_gc_itl_p99_s": percentile(itl_no_gc, 99)}
     del runner, model, kv
     torch.cuda.empty_cache()
     return results
