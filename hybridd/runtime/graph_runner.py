@@ -244,6 +244,8 @@ class GraphRunner:
         those a capture or an eager run of that view launches. Its slots are all -1: it
         writes nothing to the KV cache."""
         live = self.buffers
+        # No logits of its own: the buffers take their sequence count from the logits'
+        # rows, and a warm-up writes its logits to scratch (`_scratch_logits`).
         private = StepBuffers({"step_inputs": torch.zeros_like(live.packed), "logits": live.logits[:, :0]},
                               live.max_tokens, live.max_blocks_per_seq)
         view = private.view(is_prefill, tokens, seqs)
