@@ -92,7 +92,7 @@ for _p in (str(ROOT), str(ROOT / "scripts")):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-from hybridd.stats import percentile  # noqa: E402
+from hybridd.stats import percentile, slowest  # noqa: E402
 
 TTFT_LENGTHS = (10, 32, 128, 256, 500)
 ITL_PROMPT = 128
@@ -467,9 +467,8 @@ def measure_itl(stream_fn, prompt_len: int, tokens: int, runs: int, vocab: int, 
         gaps.extend(g)
         # Where in the stream the slowest gaps fell: at the same token each run (a step that
         # costs more there) or anywhere (a pause on the host).
-        slowest = sorted(range(len(g)), key=g.__getitem__)[-SLOWEST_GAPS:]
         per_run.append({"p50_s": percentile(g, 50), "p99_s": percentile(g, 99), "n": len(g),
-                        "slowest": [[i, g[i]] for i in sorted(slowest)]})
+                        "slowest": [[i, g[i]] for i in slowest(g, SLOWEST_GAPS)]})
     return {**itl_summary(gaps), "prompt_tokens": prompt_len, "tokens": tokens, "runs": per_run}
 
 

@@ -36,7 +36,7 @@ from hybridd.runtime.buckets import BucketPlan  # noqa: E402
 from hybridd.runtime.graph_runner import GraphRunner  # noqa: E402
 from hybridd.model.kernels import select_kernels  # noqa: E402
 from hybridd.runtime.step_buffers import StepBuffers  # noqa: E402
-from hybridd.stats import percentile  # noqa: E402
+from hybridd.stats import percentile, slowest  # noqa: E402
 
 BLOCK = 16
 
@@ -124,11 +124,10 @@ def in_process(model_dir: Path, batches: list[int], prompt_len: int, tokens: int
             itl_no_gc, _ = synced_steps()
         finally:
             gc.enable()
-        slowest = sorted(range(len(itl)), key=itl.__getitem__)[-6:]
         results[batch] = {"gpu_step_s": gpu_step, "in_process_itl_p50_s": percentile(itl, 50),
                           "in_process_itl_p99_s": percentile(itl, 99),
                           "synced_gpu_step_p50_s": percentile(gpu, 50), "synced_gpu_step_p99_s": percentile(gpu, 99),
-                          "slowest": [[i, itl[i], gpu[i]] for i in sorted(slowest)],
+                          "slowest": [[i, itl[i], gpu[i]] for i in slowest(itl, 6)],
                           "gc_pauses": {"n": len(pauses), "total_s": sum(pauses), "max_s": max(pauses, default=0.0)},
                           "no_gc_itl_p50_s": percentile(itl_no_gc, 50), "no_gc_itl_p99_s": percentile(itl_no_gc, 99)}
     del runner, model, kv

@@ -328,6 +328,11 @@ def _prefill_kernel(
     )
 
 
+def _seqs_pad(seqs: int) -> int:
+    """The prefill kernel's SEQS_PAD for `seqs` sequences: a compile-time constant."""
+    return max(2, triton.next_power_of_2(seqs))
+
+
 def prefill_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: StepInputs, scale: float,
     plan: PrefillPlan | None = None,
@@ -347,7 +352,7 @@ def prefill_attention(
         q, k, v, step.positions, step.query_start_loc, out, scale * _LOG2E, t, seqs,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         GROUP=h // kvh, HEAD_DIM=d, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
-        SEQS_PAD=max(2, triton.next_power_of_2(seqs)),
+        SEQS_PAD=_seqs_pad(seqs),
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         INTERPRET=_INTERPRET, num_warps=plan.num_warps, num_stages=plan.num_stages,
         **pdl.launch_args(q.device),
@@ -397,8 +402,8 @@ def _compile_prefill_plans(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, st
     key = ("prefill", q.device, q.dtype, tuple(q.shape[1:]), tuple(k.shape[1:]), seqs)
     if not _first_eager_call(key, q.device):
         return
-    counts = {max(2, triton.next_power_of_2(n)): n for n in range(1, seqs + 1)}.values()
-    for n in counts:
+    for pad in sorted({_seqs_pad(n) for n in range(1, seqs + 1)}):
+        n = min(pad, seqs)
         for tokens in (16, 32, 64):
             plan = prefill_plan(tokens)
             dummy = StepInputs(

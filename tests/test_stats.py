@@ -1,0 +1,18 @@
+"""hybridd.stats: the summaries the daemon's status and the benchmarks report."""
+
+from __future__ import annotations
+
+from hybridd.stats import percentile, slowest
+
+
+def test_slowest_gives_the_positions_of_the_largest_values_in_order():
+    gaps = [3.0, 9.0, 1.0, 7.0, 9.5, 2.0]
+    assert slowest(gaps, 3) == [1, 3, 4]
+    assert slowest(gaps, 10) == [0, 1, 2, 3, 4, 5]
+    assert slowest(gaps, 0) == [] and slowest([], 3) == []
+
+
+def test_percentile_nearest_rank():
+    assert percentile([], 50) is None
+    assert percentile([4.0, 1.0, 3.0, 2.0, 5.0], 50) == 3.0
+    assert percentile([4.0, 1.0, 3.0, 2.0, 5.0], 99) == 5.0
