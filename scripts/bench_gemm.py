@@ -71,12 +71,12 @@ ROTATE_BYTES = 400 << 20  # several times the H200's 50 MB L2
 class Operands:
     """Copies of one shape's weight (and inputs) to rotate through, so each call reads DRAM."""
 
-    def __init__(self, n: int, k: int):
+    def __init__(self, n: int, k: int, rows: int = 32):
         self.n, self.k = n, k
         copies = max(2, -(-ROTATE_BYTES // (n * k * 2)))
         g = torch.Generator(device="cuda").manual_seed(n * 7 + k)
         self.weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02 for _ in range(copies)]
-        self.inputs = [torch.randn(32, k, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(copies)]
+        self.inputs = [torch.randn(rows, k, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(copies)]
 
     def bytes(self, m: int) -> int:
         return self.n * self.k * 2 + m * self.k * 2 + m * self.n * 2
@@ -241,6 +241,61 @@ def sweep(bw: float, results: dict) -> dict:
         del ops
         torch.cuda.empty_cache()
     return table
+
+
+# Prefill row counts past 32 (`--mid-rows`): configs whose tile holds every row.
+MID_CANDIDATES = [
+    (bn, bk, w, s) for bn in (64, 128) for bk in (64, 128) for w in (4, 8) for s in (3, 4)
+]
+
+
+def mid_variants(rows: list[int]):
+    for name, (n, k) in SHAPES.items():
+        for m in rows:
+            block_m = max(16, 1 << (m - 1).bit_length())
+            for bn, bk, w, s in MID_CANDIDATES:
+                for split in (1, 2):
+                    if split > 1 and -(-n // bn) * 2 > 400:
+                        continue
+                    yield name, n, k, m, GemmConfig(bn, bk, split, w, s, block_m)
+
+
+def sweep_mid(bw: float, results: dict, rows: list[int]) -> None:
+    """Configs for `rows` token rows (one tile of all of them) against cuBLAS, per shape:
+    the three best and cuBLAS, printed and kept in results["mid_sweep"]."""
+    tasks = list({(k, c): (n, k, m, c) for _, n, k, m, c in mid_variants(rows)}.values())
+    t0 = time.perf_counter()
+    import multiprocessing as mp
+
+    with ProcessPoolExecutor(14, mp_context=mp.get_context("spawn")) as pool:
+        done = sum(pool.map(_compile, [tasks[i::14] for i in range(14)]))
+    print(f"precompiled {done}/{len(tasks)} launches in {time.perf_counter() - t0:.1f} s", flush=True)
+    out = []
+    results["mid_sweep"] = out
+    by_shape: dict = {}
+    for name, n, k, m, c in mid_variants(rows):
+        by_shape.setdefault((name, n, k), {}).setdefault(m, []).append(c)
+    for (name, n, k), per_m in by_shape.items():
+        ops = Operands(n, k, max(rows))
+        for m, configs in per_m.items():
+            t_cub = time_per_call(cublas, ops, m)
+            timings = []
+            for c in configs:
+                try:
+                    err = check(skinny(c), ops, m)
+                    if not err < 1e-2:
+                        print(f"WRONG {name} m={m} {c}: rel err {err}", flush=True)
+                        continue
+                    timings.append((time_per_call(skinny(c), ops, m), c))
+                except Exception as e:  # out of shared memory and the like
+                    continue
+            timings.sort(key=lambda tc: tc[0])
+            out.append({"shape": name, "m": m, "cublas_s": t_cub,
+                        "best": [{"s": t, "config": c.__dict__} for t, c in timings[:5]]})
+            print(f"{name:18s} m={m:3d} cublas {t_cub * 1e6:7.1f} us {ops.bytes(m) / t_cub / bw:5.1%}  best "
+                  + "  ".join(f"{t * 1e6:7.1f} us {ops.bytes(m) / t / bw:5.1%} {c}" for t, c in timings[:3]), flush=True)
+        del ops
+        torch.cuda.empty_cache()
 
 
 def table_source(table: dict) -> str:
@@ -442,6 +497,8 @@ def main() -> int:
     parser.add_argument("--old-attention", type=old_attention_option,
                         help="a module file with another decode_attention to time each decode step with too")
     parser.add_argument("--skip-compare", action="store_true")
+    parser.add_argument("--mid-rows", default=None, type=_batch_sizes,
+                        help="comma list of row counts past 32: sweep one-tile configs for them against cuBLAS")
     args = parser.parse_args()
     only = set(filter(None, args.variants.split(",")))
     known = step_variants(step_config(args.decode_shape), with_pdl=True)
@@ -461,6 +518,8 @@ def main() -> int:
             print(source, flush=True)
             triton_gemm._TABLE.clear()
             triton_gemm._TABLE.update(table)
+        if args.mid_rows:
+            sweep_mid(bw, results, args.mid_rows)
         if not args.skip_compare:
             compare(bw, results)
         if args.decode_step and args.old_attention is not None:

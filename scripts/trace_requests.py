@@ -10,7 +10,10 @@ workers' host marks (`marks-*.json`, see hybridd/runtime/step_trace.py) over tho
 requests, plus `timeline.json`: per request, the client's send time and the arrival of
 each chunk. Marks and client times share one clock (CLOCK_MONOTONIC), so each mark is
 placed in the request whose send precedes it; `milestones.json` and the printed table
-give each milestone's median offset from the send. With `--kernels` the workers'
+give each milestone's median offset from the send, and the inter-token gaps are given
+twice: at the client and as the context generator sent the chunks. `--client-spin`
+has the client poll its socket without sleeping (`alternate`: every other request, each
+half reported on its own, as `milestones-spin.json` for the spinning half). With `--kernels` the workers'
 profiler traces (`trace-context-*.json`, `trace-graph-*.json`) are written too; the
 profiler slows the host path (graph launches most), so the marks are then not the
 untraced timings.
@@ -39,8 +42,8 @@ def milestones(timeline: list[dict], marks: list[tuple[str, str, int]]) -> list[
     requests that reached every milestone (a request at a trace window's edge has only
     some marks; medians over one set of requests keep the order each request took)."""
     per_request: list[dict[str, float]] = []
-    ends = [r["sent_ns"] for r in timeline[1:]] + [None]
-    for request, end in zip(timeline, ends):
+    for request in timeline:
+        end = request["next_ns"]
         sent = request["sent_ns"]
         offsets: dict[str, float] = {}
         for role, name, ns in marks:
@@ -80,6 +83,8 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=40)
     parser.add_argument("--warmup-requests", type=int, default=8)
     parser.add_argument("--gap-ms", type=float, default=2.0, help="pause between a request's end and the next send")
+    parser.add_argument("--client-spin", choices=("off", "on", "alternate"), default="off",
+                        help="the client polls its socket without sleeping (alternate: every other request)")
     parser.add_argument("--kernels", action="store_true", help="also record the profiler's kernel traces")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--config", type=_settings, default={},
@@ -114,19 +119,23 @@ def main() -> int:
             client.send({"type": "generate", "prompt_token_ids": [5 + (7 * i + j) % 1000 for j in range(args.prompt_len)],
                          "sampling": {"max_tokens": args.max_tokens, "temperature": 0.0}, "stream": True})
             chunks = []
+            spin = args.client_spin == "on" or (args.client_spin == "alternate" and i % 2 == 1)
             while True:
-                message = client.recv(60)
+                message = client.recv(60, spin=spin)
                 if message is None:
                     raise TimeoutError("no reply")
                 chunks.append(time.perf_counter_ns())
                 if message.get("type") != "chunk":
                     break
-            timeline.append({"request": i, "sent_ns": sent_ns, "chunks_ms": [(t - sent_ns) / 1e6 for t in chunks]})
+            timeline.append({"request": i, "sent_ns": sent_ns, "spin": spin,
+                             "chunks_ms": [(t - sent_ns) / 1e6 for t in chunks]})
         time.sleep(1)
     finally:
         if client is not None:
             client.close()
         pair.close()
+    for request, after in zip(timeline, timeline[1:] + [None]):
+        request["next_ns"] = None if after is None else after["sent_ns"]  # where its marks end
     (args.out / "timeline.json").write_text(json.dumps(timeline, indent=1))
     marks = []
     for path in sorted(args.out.glob("marks-*.json")):
@@ -134,8 +143,16 @@ def main() -> int:
         marks += [(data["role"], name, ns) for name, _step, ns in data["marks"]]
     marks.sort(key=lambda m: m[2])
     traced = timeline[args.warmup_requests:args.warmup_requests + args.requests]
+    for spin in sorted({r["spin"] for r in traced}):
+        print(f"client spinning: {spin}")
+        report(args, [r for r in traced if r["spin"] == spin], marks, "-spin" if spin else "")
+    return 0
+
+
+def report(args, traced: list[dict], marks: list[tuple[str, str, int]], suffix: str) -> None:
+    """The milestone table and the client's TTFT and ITL over the `traced` requests."""
     rows = milestones(traced, marks)
-    (args.out / "milestones.json").write_text(json.dumps(
+    (args.out / f"milestones{suffix}.json").write_text(json.dumps(
         [{"milestone": k, "median_ms": m, "p90_ms": p, "requests": n} for k, m, p, n in rows], indent=1))
     print(f"{len(traced)} requests of {args.prompt_len} tokens, max_tokens {args.max_tokens}; "
           f"ms after the client's send (median, p90), and the step from the milestone before")
@@ -151,7 +168,18 @@ def main() -> int:
         line += (f"; ITL p50 {statistics.median(gaps):.3f} ms, p99 {gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))]:.3f}"
                  f" ms, max {gaps[-1]:.3f} ms over {len(gaps)} gaps")
     print(line)
-    return 0
+    # The same gaps as the context generator sent the chunks: what the client adds is the
+    # difference.
+    sent_gaps = []
+    for r in traced:
+        start, end = r["sent_ns"], r["sent_ns"] + r["chunks_ms"][-1] * 1e6
+        sends = [ns for role, name, ns in marks if role == "context" and name == "chunk_send" and start <= ns <= end]
+        sent_gaps += [(b - a) / 1e6 for a, b in zip(sends, sends[1:])]
+    if sent_gaps:
+        sent_gaps.sort()
+        print(f"chunks as sent: ITL p50 {statistics.median(sent_gaps):.3f} ms, "
+              f"p99 {sent_gaps[min(len(sent_gaps) - 1, int(0.99 * len(sent_gaps)))]:.3f} ms, "
+              f"max {sent_gaps[-1]:.3f} ms over {len(sent_gaps)} gaps")
 
 
 if __name__ == "__main__":

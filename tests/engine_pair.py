@@ -106,7 +106,16 @@ class Client:
     def send_raw(self, frame: bytes) -> None:
         self.socket.send(frame)
 
-    def recv(self, timeout: float = 30.0) -> dict | None:
+    def recv(self, timeout: float = 30.0, spin: bool = False) -> dict | None:
+        """The next reply, or None after `timeout` s. `spin`: poll without sleeping (a core
+        busy meanwhile), so the reply is taken the moment it arrives, not when the OS wakes
+        this thread."""
+        if spin:
+            deadline = time.monotonic() + timeout
+            while not self.socket.poll(0):
+                if time.monotonic() > deadline:
+                    return None
+            return codec.decode(self.socket.recv())
         if self.socket.poll(int(timeout * 1000)):
             return codec.decode(self.socket.recv())
         return None

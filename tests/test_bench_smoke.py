@@ -63,10 +63,13 @@ def test_json_has_every_figure(bench_out):
     assert hy["graph_memory"]["buckets"] and "graph_pool_bytes" in hy["graph_memory"]
     assert hy["client"]
     names = [t["target"] for t in r["targets"]]
-    assert names[:4] == ["decode GPU step, batch 1, context 512 (x weights floor)", "decode ITL p50, batch 1",
-                         "decode ITL p50, batch 1 (stretch)", "decode ITL p99/p50, batch 1"]
-    assert len(names) == 13 and all(t["value"] is not None for t in r["targets"] if "one process" not in t["target"])
-    assert names[8].startswith("ITL p99 during forced prefill capture / steady")
+    assert names[:5] == ["decode GPU step, batch 1, context 512 (x weights floor)", "decode ITL p50, batch 1",
+                         "decode ITL p50, batch 1 (stretch)", "decode ITL p99/p50, batch 1",
+                         "decode ITL p99/p50, batch 1 (raw client polling its socket)"]
+    for key in ("itl_raw_client", "itl_polling_client"):
+        assert hy[key]["n"] == 31 and hy[key]["p99_s"] >= hy[key]["p50_s"] > 0, key
+    assert len(names) == 14 and all(t["value"] is not None for t in r["targets"] if "one process" not in t["target"])
+    assert names[9].startswith("ITL p99 during forced prefill capture / steady")
     gateway = hy["gateway"]
     for side in ("sdk", "http"):
         # An HTTP event's time is its last byte's recv: on a busy host several events can

@@ -49,6 +49,7 @@ class GemmConfig:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 4
+    block_m: int = 0  # rows per tile, a power of two >= 16; 0: 16 or 32 by the row count
 
 
 @triton.jit
@@ -365,7 +366,8 @@ def launch(
         raise ValueError(f"a folded norm of {m} rows needs their sums of squares, contiguous [{m}, parts]")
     if residual is not None and (residual.shape != (m, n) or not residual.is_contiguous()):
         raise ValueError(f"the residual of a [{m}, {n}] product must be a contiguous [{m}, {n}] tensor")
-    if m == 0 or m > MAX_ROWS or x.shape[1] != k or weight.stride() != (k, 1):
+    block_m = config.block_m or (16 if m <= 16 else 32)
+    if m == 0 or m > block_m or x.shape[1] != k or weight.stride() != (k, 1):
         return None
     if gated and (bias is not None or n % 2 or config.block_n < 2):
         return None
@@ -376,7 +378,6 @@ def launch(
         bias = bias.contiguous()
     if x.stride(-1) != 1:
         x = x.contiguous()
-    block_m = 16 if m <= 16 else 32
     tiles_n = triton.cdiv(n // 2, config.block_n // 2) if gated else triton.cdiv(n, config.block_n)
     split = max(1, min(config.split_k, triton.cdiv(k, config.block_k)))
     k_per_split = triton.cdiv(triton.cdiv(k, split), config.block_k) * config.block_k
