@@ -5,6 +5,7 @@ request's milestones come out in the order the request passes them, on the clien
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -29,8 +30,8 @@ FIRST_TOKEN_PATH = [
 def test_each_request_passes_its_milestones_in_order(tmp_path):
     out = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "trace_requests.py"), "--out", str(tmp_path), "--device", "cpu",
-         "--model", str(ROOT / "hybridd" / "assets" / "tiny-shakespeare"), "--requests", "6", "--warmup-requests",
-         "2", "--gap-ms", "0"],
+         "--model", str(ROOT / "hybridd" / "assets" / "tiny-shakespeare"), "--requests", "10", "--warmup-requests",
+         "2", "--gap-ms", "0", "--max-tokens", "3", "--client-spin", "alternate"],
         capture_output=True, text=True, timeout=on_this_host(300),
     )
     assert out.returncode == 0, out.stderr[-3000:]
@@ -38,20 +39,27 @@ def test_each_request_passes_its_milestones_in_order(tmp_path):
     assert set(marks) == {"context", "graph"}
     assert all(m["clock"] == "perf_counter_ns" for m in marks.values())
     timeline = json.loads((tmp_path / "timeline.json").read_text())
-    traced = timeline[2:8]
+    traced = timeline[2:12]
+    assert [r["spin"] for r in traced] == [False, True] * 5  # every other request polls
     context = sorted(ns for _, _, ns in marks["context"]["marks"])
     graph = sorted(ns for _, _, ns in marks["graph"]["marks"])
     # Every traced request was received, launched and answered between its send and the next send.
-    for request, nxt in zip(traced, timeline[3:9]):
+    for request, nxt in zip(traced, timeline[3:13]):
         window = [ns for ns in context if request["sent_ns"] <= ns < nxt["sent_ns"]]
         assert window, f"no context marks for request {request['request']}"
         assert any(request["sent_ns"] <= ns < nxt["sent_ns"] for ns in graph)
-    milestones = json.loads((tmp_path / "milestones.json").read_text())
-    order = [row["milestone"] for row in milestones]
-    assert order == FIRST_TOKEN_PATH, order
-    assert all(row["requests"] >= 4 for row in milestones)
-    first_chunk = milestones[-1]["median_ms"]
-    assert 0 < milestones[0]["median_ms"] < first_chunk
+    for name in ("milestones.json", "milestones-spin.json"):  # the sleeping and the polling half
+        milestones = json.loads((tmp_path / name).read_text())
+        order = [row["milestone"] for row in milestones]
+        assert order == FIRST_TOKEN_PATH, (name, order)
+        assert all(row["requests"] >= 3 for row in milestones), name
+        first_chunk = milestones[-1]["median_ms"]
+        assert 0 < milestones[0]["median_ms"] < first_chunk, name
+    # Each half's gaps at the client and as the context generator sent the chunks: 2 per request.
+    client_gaps = re.findall(r"^TTFT p50 .* over (\d+) gaps$", out.stdout, re.M)
+    sent_gaps = re.findall(r"^chunks as sent: ITL p50 .* over (\d+) gaps$", out.stdout, re.M)
+    assert client_gaps == ["10", "10"], out.stdout
+    assert len(sent_gaps) == 2 and all(8 <= int(n) <= 10 for n in sent_gaps), out.stdout
 
 
 @pytest.mark.parametrize("value", ["abc", "-3", "1.5"])
