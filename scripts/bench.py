@@ -24,7 +24,10 @@ goes on; the JSON is rewritten after every part, so a killed run still leaves re
    (split into interpreter start, weight load and capture from the workers' lifecycle
    phases, which the bench receives by binding the supervisor socket itself); ITL while
    the background thread is still capturing prefill graphs against steady state; TTFT at
-   10/32/128/256/500 prompt tokens; ITL p50/p99 over 256 tokens after a 128-token prompt;
+   10/32/128/256/500 prompt tokens; ITL p50/p99 over 256 tokens after a 128-token prompt,
+   then again through the raw protocol client asleep until each reply and polling its
+   socket (`itl_raw_client`, `itl_polling_client`: the tail left without the SDK's thread
+   hand-over and without the client's own wake-ups);
    aggregate tokens/s and ITL at 1/4/16/32 concurrent streams; graph memory per bucket;
    what the HTTP gateway adds: TTFT and ITL p50 streamed through `/v1/completions` vs
    through the SDK, interleaved (scripts/bench_gateway.py; `--skip gateway` leaves it out).
