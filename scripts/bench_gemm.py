@@ -254,8 +254,9 @@ def mid_variants(rows: list[int]):
         for m in rows:
             block_m = max(16, 1 << (m - 1).bit_length())
             for bn, bk, w, s in MID_CANDIDATES:
-                for split in (1, 2):
-                    if split > 1 and -(-n // bn) * 2 > 400:
+                for split in (1, 2, 4):
+                    # Splits only where the N tiles alone leave multiprocessors idle.
+                    if split > 1 and (-(-n // bn) * split > 4 * 132 or k // split < bk):
                         continue
                     yield name, n, k, m, GemmConfig(bn, bk, split, w, s, block_m)
 
