@@ -478,11 +478,13 @@ def measure_itl(stream_fn, prompt_len: int, tokens: int, runs: int, vocab: int, 
     return {**itl_summary(gaps), "prompt_tokens": prompt_len, "tokens": tokens, "runs": per_run}
 
 
-def measure_itl_raw_clients(endpoint: str, args, vocab: int, rng: random.Random, deadline: float) -> dict:
+def measure_itl_raw_clients(endpoint: str, args, vocab: int, deadline: float) -> dict:
     """Batch-1 ITL again through the raw protocol client (one thread, no event loop), as
     it waits for each reply asleep and as it polls without sleeping: what is left of the
     tail with the polling client is the daemon's and the transport's, not the client's
-    wake-ups."""
+    wake-ups. Its prompts come from a generator of its own: how many runs fit the budget
+    does not change the prompts of the parts after it."""
+    rng = random.Random(6)
     raw = RawClient(endpoint)
     out = {}
     try:
@@ -734,7 +736,7 @@ def run_hybridd(args, model: Path, vocab: int, graphs: bool, deadline: float, no
         ttft_fn, gaps_fn = hybridd_stream_fns(client)
         result["ttft_s"] = measure_ttft(ttft_fn, TTFT_LENGTHS, args.ttft_reps, vocab, rng, deadline)
         result["itl"] = measure_itl(gaps_fn, ITL_PROMPT, args.itl_tokens, args.itl_runs, vocab, rng, deadline)
-        result.update(measure_itl_raw_clients(server.endpoint, args, vocab, rng, deadline))
+        result.update(measure_itl_raw_clients(server.endpoint, args, vocab, deadline))
         if graphs:
             result["concurrency"] = measure_concurrency(client, CONCURRENCY, ITL_PROMPT, args.concurrency_tokens,
                                                         vocab, rng)
@@ -747,7 +749,9 @@ def run_hybridd(args, model: Path, vocab: int, graphs: bool, deadline: float, no
 
             result["gateway"] = measure_gateway(server.endpoint, str(model), prompt_len=ITL_PROMPT,
                                                 ttft_reps=args.ttft_reps, itl_tokens=args.itl_tokens,
-                                                itl_runs=args.itl_runs, vocab=vocab, rng=rng)
+                                                itl_runs=args.itl_runs, vocab=vocab,
+                                                # Its own prompts, whatever the timed parts before it drew.
+                                                rng=random.Random(7))
     finally:
         if client is not None:
             client.close()
