@@ -169,7 +169,7 @@ def precompile(tasks: list, workers: int = 14) -> None:
     for n, k, m, config in tasks:
         split = max(1, min(config.split_k, -(-k // config.block_k)))
         kps = -(-(-(-k // split)) // config.block_k) * config.block_k
-        key = (config.block_n, config.block_k, config.num_warps, config.num_stages, m <= 16,
+        key = (config.block_n, config.block_k, config.num_warps, config.num_stages, config.block_m or m <= 16,
                -(-k // kps) > 1, k % kps == 0)
         if key not in seen:
             seen.add(key)
@@ -264,17 +264,12 @@ def mid_variants(rows: list[int]):
 def sweep_mid(bw: float, results: dict, rows: list[int]) -> None:
     """Configs for `rows` token rows (one tile of all of them) against cuBLAS, per shape:
     the three best and cuBLAS, printed and kept in results["mid_sweep"]."""
-    tasks = list({(k, c): (n, k, m, c) for _, n, k, m, c in mid_variants(rows)}.values())
-    t0 = time.perf_counter()
-    import multiprocessing as mp
-
-    with ProcessPoolExecutor(14, mp_context=mp.get_context("spawn")) as pool:
-        done = sum(pool.map(_compile, [tasks[i::14] for i in range(14)]))
-    print(f"precompiled {done}/{len(tasks)} launches in {time.perf_counter() - t0:.1f} s", flush=True)
+    variants = list(mid_variants(rows))
+    precompile([(n, k, m, c) for _, n, k, m, c in variants])
     out = []
     results["mid_sweep"] = out
     by_shape: dict = {}
-    for name, n, k, m, c in mid_variants(rows):
+    for name, n, k, m, c in variants:
         by_shape.setdefault((name, n, k), {}).setdefault(m, []).append(c)
     for (name, n, k), per_m in by_shape.items():
         ops = Operands(n, k, max(rows))
@@ -288,7 +283,7 @@ def sweep_mid(bw: float, results: dict, rows: list[int]) -> None:
                         print(f"WRONG {name} m={m} {c}: rel err {err}", flush=True)
                         continue
                     timings.append((time_per_call(skinny(c), ops, m), c))
-                except Exception as e:  # out of shared memory and the like
+                except Exception:  # out of shared memory and the like
                     continue
             timings.sort(key=lambda tc: tc[0])
             out.append({"shape": name, "m": m, "cublas_s": t_cub,

@@ -161,25 +161,25 @@ def report(args, traced: list[dict], marks: list[tuple[str, str, int]], suffix: 
         print(f"  {key:28s} {median:8.3f} {p90:8.3f}   +{median - previous:6.3f}   (n={n})")
         previous = median
     ttft = sorted(r["chunks_ms"][0] for r in traced)
+    sends = [ns for role, name, ns in marks if role == "context" and name == "chunk_send"]
     # The last message is the final reply, not a token: the gaps run between token chunks.
     gaps = sorted(b - a for r in traced for a, b in zip(r["chunks_ms"][:-2], r["chunks_ms"][1:-1]))
-    line = f"TTFT p50 {statistics.median(ttft):.3f} ms"
-    if gaps:
-        line += (f"; ITL p50 {statistics.median(gaps):.3f} ms, p99 {gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))]:.3f}"
-                 f" ms, max {gaps[-1]:.3f} ms over {len(gaps)} gaps")
-    print(line)
+    print(f"TTFT p50 {statistics.median(ttft):.3f} ms" + (f"; {_itl(gaps)}" if gaps else ""))
     # The same gaps as the context generator sent the chunks: what the client adds is the
     # difference.
     sent_gaps = []
     for r in traced:
         start, end = r["sent_ns"], r["sent_ns"] + r["chunks_ms"][-1] * 1e6
-        sends = [ns for role, name, ns in marks if role == "context" and name == "chunk_send" and start <= ns <= end]
-        sent_gaps += [(b - a) / 1e6 for a, b in zip(sends, sends[1:])]
+        own = [ns for ns in sends if start <= ns <= end]
+        sent_gaps += [(b - a) / 1e6 for a, b in zip(own, own[1:])]
     if sent_gaps:
-        sent_gaps.sort()
-        print(f"chunks as sent: ITL p50 {statistics.median(sent_gaps):.3f} ms, "
-              f"p99 {sent_gaps[min(len(sent_gaps) - 1, int(0.99 * len(sent_gaps)))]:.3f} ms, "
-              f"max {sent_gaps[-1]:.3f} ms over {len(sent_gaps)} gaps")
+        print(f"chunks as sent: {_itl(sorted(sent_gaps))}")
+
+
+def _itl(gaps: list[float]) -> str:
+    """p50, p99 and max of sorted gaps in ms, and their count."""
+    return (f"ITL p50 {statistics.median(gaps):.3f} ms, p99 {gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))]:.3f}"
+            f" ms, max {gaps[-1]:.3f} ms over {len(gaps)} gaps")
 
 
 if __name__ == "__main__":

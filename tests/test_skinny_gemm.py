@@ -97,6 +97,21 @@ def test_fused_operands_are_checked():
         triton_gemm.launch(x, w, None, GemmConfig(16, 32), norm=triton_gemm.FoldedNorm(1e-5, torch.zeros(2, 3)))
 
 
+@pytest.mark.parametrize(("m", "block_m", "split"), [(40, 64, 1), (64, 64, 2), (100, 128, 1)])
+def test_a_tile_of_block_m_rows_takes_every_row(m, block_m, split):
+    x, w, b = operands(m, 48, 160, True, seed=m)
+    out = triton_gemm.launch(x, w, b, GemmConfig(16, 32, split, block_m=block_m))
+    assert rel(out, F.linear(x, w, b)) < TOL
+    # More rows than the tile holds: the caller's cuBLAS path, not a wrong product.
+    assert triton_gemm.launch(torch.cat([x] * 3)[:block_m + 1], w, b, GemmConfig(16, 32, split, block_m=block_m)) is None
+
+
+@pytest.mark.parametrize("block_m", [8, 48, -16])
+def test_a_tile_height_that_is_not_a_power_of_two_from_16_is_refused(block_m):
+    with pytest.raises(ValueError, match=f"block_m must be 0 .* or a power of two >= 16, got {block_m}"):
+        GemmConfig(64, 128, block_m=block_m)
+
+
 @pytest.mark.parametrize(("m", "inter", "k", "block_n"), [(1, 48, 96, 16), (5, 50, 200, 32), (17, 40, 130, 16),
                                                       (32, 64, 256, 64)])
 def test_gated_product_is_the_projection_then_silu_and_mul(m, inter, k, block_n):

@@ -51,6 +51,11 @@ class GemmConfig:
     num_stages: int = 4
     block_m: int = 0  # rows per tile, a power of two >= 16; 0: 16 or 32 by the row count
 
+    def __post_init__(self) -> None:
+        if self.block_m and (self.block_m < 16 or self.block_m & (self.block_m - 1)):
+            raise ValueError(f"block_m must be 0 (16 or 32 by the row count) or a power of two >= 16, "
+                             f"got {self.block_m}")
+
 
 @triton.jit
 def _multiply_add(acc, w_rows, x_ptr, offs_m, k_idx, mask_m, mask_n, stride_xm, K, EVEN_K: tl.constexpr):
