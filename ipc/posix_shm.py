@@ -80,6 +80,8 @@ def pid_alive(pid: int) -> bool:
         return True
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:  # reaped since the signal check
+        return False
     except OSError:
         return True
     # The state letter follows the parenthesized command name, which may contain spaces.

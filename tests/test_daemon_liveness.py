@@ -20,6 +20,7 @@ from hybridd import Client, EngineDeadError, exit_codes
 from tests.daemon import HYBRIDD, daemon_process, wait_until_ok
 from tests.test_client_sdk import LONG
 from tests.host_load import on_this_host
+from tests.processes import alive
 
 SLOW_LOAD_S = 60.0
 
@@ -34,14 +35,6 @@ def busy_cores() -> Iterator[list[subprocess.Popen]]:
         for spinner in spinners:
             spinner.kill()
             spinner.wait()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
-    except FileNotFoundError:
-        return False
-    return state not in ("Z", "X")
 
 
 @pytest.mark.slow
@@ -86,7 +79,7 @@ def test_a_stopped_serving_loop_is_caught_and_in_flight_requests_end_with_engine
                 # 0.1 s tick, the kill, and the client's disconnect notice.
                 bound = stopped_at + heartbeat_timeout_s + on_this_host(5.0)
                 assert time.monotonic() < bound
-                while _alive(first[worker]["pid"]):
+                while alive(first[worker]["pid"]):
                     assert time.monotonic() < bound, f"the stopped {worker} generator was not killed in time"
                     time.sleep(0.05)
             finally:
@@ -115,7 +108,7 @@ def test_workers_outlive_a_killed_supervisor_by_under_two_seconds_and_the_next_s
         killed_at = time.monotonic()
         process.wait()
         for pid in pids:
-            while _alive(pid):
+            while alive(pid):
                 assert time.monotonic() - killed_at < on_this_host(2.0), f"worker {pid} outlived the supervisor by 2 s (scaled to this host)"
                 time.sleep(0.02)
         # What a SIGKILL leaves behind: the pid file and sockets, held by no one now.

@@ -32,6 +32,8 @@ from hybridd.protocol.messages import GenerateRequest, HealthRequest, StatusRequ
 from hybridd.protocol.control import Shutdown
 from hybridd.protocol import codec
 from hybridd.protocol.supervisor import Drain, Heartbeat, SupervisorInfo, WorkerPhase
+from tests.host_load import on_this_host
+from tests.processes import alive, wait_dead
 
 ROOT = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
@@ -268,23 +270,6 @@ def start_daemon():
                 pass
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] not in ("Z", "X")
-
-
-def _wait_dead(pid: int, timeout: float = 5.0) -> bool:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if not _alive(pid):
-            return True
-        time.sleep(0.02)
-    return False
-
-
 # ---------------------------------------------------------------- tests
 
 
@@ -326,7 +311,7 @@ def test_ready_after_both_workers_then_signal_drains(start_daemon, signum):
     assert stopping.fields["STATUS"].startswith("draining")
     assert json.loads((daemon.fixture_dir / "drain.json").read_text())["timeout_s"] == 7.5
     assert daemon.notify.statuses()[-1] == "stopped"
-    assert all(_wait_dead(pid) for pid in pids.values())
+    assert all(wait_dead(pid) for pid in pids.values())
     assert sorted(p.name for p in daemon.runtime_dir.iterdir() if not p.name.endswith(".lock")) == []
 
 
@@ -337,9 +322,9 @@ def test_killed_worker_is_detected_within_a_second_and_the_pair_restarts(start_d
     killed_at = time.time()
     os.kill(first["graph"], signal.SIGKILL)
     degraded = daemon.notify.wait_for(lambda n: n.fields.get("STATUS", "").startswith("degraded"), start=mark)
-    assert degraded.at - killed_at < 1.0
+    assert degraded.at - killed_at < on_this_host(1.0)
     assert "was killed by SIGKILL" in degraded.fields["STATUS"]
-    assert _wait_dead(first["context"], 2.0), "the surviving partner is stopped with the dead worker"
+    assert wait_dead(first["context"], 2.0), "the surviving partner is stopped with the dead worker"
     second = daemon.pids(daemon.wait_ready(start=mark))
     assert second["graph"] != first["graph"] and second["context"] != first["context"]
     assert "restarts 1" in daemon.notify.notes[-1].fields["STATUS"] or any(
@@ -374,7 +359,7 @@ def test_hung_worker_stops_the_watchdog_and_is_restarted(start_daemon):
     pings = [n.at for n in daemon.notify.notes[mark:] if n.fields.get("WATCHDOG") == "1" and n.at < degraded.at]
     # At most the pings of the first 3 heartbeat intervals after the stall.
     assert all(at - stopped_at < 0.6 for at in pings), pings
-    assert _wait_dead(first["graph"], 2.0)
+    assert wait_dead(first["graph"], 2.0)
     daemon.wait_ready(start=mark)
     assert daemon.stop() == 0
 
@@ -395,7 +380,7 @@ def test_drain_deadline_kills_a_context_generator_that_does_not_stop(start_daemo
     assert daemon.process.wait(10) == 1  # forced
     assert 0.5 <= time.time() - sent < 3.0
     assert (daemon.fixture_dir / "drain.json").exists()
-    assert all(_wait_dead(pid) for pid in pids.values())
+    assert all(wait_dead(pid) for pid in pids.values())
 
 
 def test_second_supervisor_is_refused_and_stop_command_drains(start_daemon):
@@ -451,7 +436,7 @@ def test_sighup_reloads_the_log_level_and_keeps_serving(start_daemon, tmp_path):
     daemon.process.send_signal(signal.SIGHUP)
     time.sleep(2.0)
     assert daemon.process.poll() is None, "SIGHUP does not end the daemon"
-    assert all(_alive(pid) for pid in pids.values()), "nor its workers"
+    assert all(alive(pid) for pid in pids.values()), "nor its workers"
     assert daemon.stop() == 0
     stderr = daemon.stderr()
     reloaded = [line for line in stderr.splitlines() if "SIGHUP: configuration reloaded" in line]

@@ -1,0 +1,24 @@
+"""Waiting for a process the test started (or watched) to stop running.
+
+Whether it runs is `ipc.posix_shm.pid_alive`'s answer, the one the supervisor acts on:
+a zombie counts as stopped, and so does a pid reaped between two looks at it.
+"""
+
+from __future__ import annotations
+
+import time
+
+from ipc.posix_shm import pid_alive as alive
+from tests.host_load import on_this_host
+
+__all__ = ["alive", "wait_dead"]
+
+
+def wait_dead(pid: int, timeout: float = 5.0) -> bool:
+    """Wait until `pid` no longer runs; `timeout` (idle-host seconds) scales with the load."""
+    deadline = time.monotonic() + on_this_host(timeout)
+    while time.monotonic() < deadline:
+        if not alive(pid):
+            return True
+        time.sleep(0.02)
+    return not alive(pid)
