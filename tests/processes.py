@@ -1,6 +1,6 @@
 """Waiting for a process the test started (or watched) to stop running.
 
-Whether it runs is `ipc.posix_shm.pid_alive`'s answer, the one the supervisor acts on:
+Whether it runs is `hybridd.ipc.posix_shm.pid_alive`'s answer, the one the supervisor acts on:
 a zombie counts as stopped, and so does a pid reaped between two looks at it.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 
-from ipc.posix_shm import pid_alive as alive
+from hybridd.ipc.posix_shm import pid_alive as alive
 from tests.host_load import on_this_host
 
 __all__ = ["alive", "wait_dead"]
