@@ -23,6 +23,7 @@ from pathlib import Path
 
 import hybridd
 from hybridd import Client
+from tests.host_load import on_this_host
 
 HYBRIDD = str(Path(sys.executable).parent / "hybridd")
 STARTUP_TIMEOUT_S = 300.0  # a busy 2-core host can take minutes to start the daemon
@@ -110,8 +111,9 @@ def run_daemon(*flags: str, env: dict[str, str] | None = None, **popen_options) 
 
 
 def wait_idle(client: Client, timeout: float = 30.0) -> dict:
-    """The daemon's request counts once nothing runs or waits (or when `timeout` ends)."""
-    deadline = time.monotonic() + timeout
+    """The daemon's request counts once nothing runs or waits (or when `timeout`, scaled
+    to the host's load, ends)."""
+    deadline = time.monotonic() + on_this_host(timeout)
     while True:
         requests = client.status()["requests"]
         if requests["running"] == 0 and requests["queued"] == 0 or time.monotonic() > deadline:

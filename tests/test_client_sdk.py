@@ -122,7 +122,7 @@ def test_per_call_timeout(client):
     with pytest.raises(RequestTimeoutError) as caught:
         client.generate("ROMEO:", timeout=0.3, **LONG)
     assert isinstance(caught.value, TimeoutError)
-    assert time.monotonic() - started < 1.5
+    assert time.monotonic() - started < on_this_host(1.5)
     assert wait_idle(client, 2.0)["running"] == 0  # the daemon stopped the work too
 
 

@@ -355,10 +355,10 @@ def test_hung_worker_stops_the_watchdog_and_is_restarted(start_daemon):
     degraded = daemon.notify.wait_for(lambda n: n.fields.get("STATUS", "").startswith("degraded"), start=mark)
     assert "missed heartbeats for 1.2 s" in degraded.fields["STATUS"]
     # The last heartbeat may have left up to one interval (0.1 s) before the stop.
-    assert 1.05 <= degraded.at - stopped_at < 2.0
+    assert 1.05 <= degraded.at - stopped_at < 1.05 + on_this_host(0.95)
     pings = [n.at for n in daemon.notify.notes[mark:] if n.fields.get("WATCHDOG") == "1" and n.at < degraded.at]
     # At most the pings of the first 3 heartbeat intervals after the stall.
-    assert all(at - stopped_at < 0.6 for at in pings), pings
+    assert all(at - stopped_at < on_this_host(0.6) for at in pings), pings
     assert wait_dead(first["graph"], 2.0)
     daemon.wait_ready(start=mark)
     assert daemon.stop() == 0
@@ -368,7 +368,7 @@ def test_worker_not_ready_within_the_startup_timeout_counts_as_failed(start_daem
     daemon = start_daemon("silent-graph", max_restarts=0, startup_timeout_s=1.0)
     started = time.time()
     assert daemon.process.wait(10) == 5
-    assert 1.0 <= time.time() - started < 6.0
+    assert 1.0 <= time.time() - started < 1.0 + on_this_host(5.0)
     assert "graph generator was not ready within startup_timeout_s = 1 s (graph: " in daemon.notify.statuses()[-1]
 
 
@@ -378,7 +378,7 @@ def test_drain_deadline_kills_a_context_generator_that_does_not_stop(start_daemo
     sent = time.time()
     daemon.process.send_signal(signal.SIGTERM)
     assert daemon.process.wait(10) == 1  # forced
-    assert 0.5 <= time.time() - sent < 3.0
+    assert 0.5 <= time.time() - sent < 0.5 + on_this_host(2.5)
     assert (daemon.fixture_dir / "drain.json").exists()
     assert all(wait_dead(pid) for pid in pids.values())
 
@@ -515,7 +515,7 @@ def test_sdk_and_cli_fall_back_to_the_supervisor_while_the_workers_cannot_serve(
         started = time.monotonic()
         with pytest.raises(UnavailableError, match=r"not ready within 0.5 s \(last seen: capturing\)"):
             client.wait_ready(0.5)
-        assert time.monotonic() - started < 3.0
+        assert time.monotonic() - started < on_this_host(3.0)
 
         env = os.environ | {"HYBRIDD_LOG_LEVEL": "warning"}
         shown = subprocess.run([HYBRIDD, "status", "--runtime-dir", str(daemon.runtime_dir)], capture_output=True,
@@ -566,4 +566,4 @@ def test_sigterm_while_starting_stops_at_once(start_daemon):
     daemon.notify.wait_for(lambda n: n.fields.get("STATUS", "").startswith("capturing"))
     sent = time.time()
     assert daemon.stop() == 0
-    assert time.time() - sent < 5.0, "nothing to drain: the workers are stopped, not waited for"
+    assert time.time() - sent < on_this_host(5.0), "nothing to drain: the workers are stopped, not waited for"
