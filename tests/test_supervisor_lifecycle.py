@@ -170,6 +170,7 @@ class NotifyListener:
             self.notes.append(Note(time.time(), fields))
 
     def wait_for(self, predicate, timeout: float = 15.0, start: int = 0) -> Note:
+        timeout = on_this_host(timeout)
         deadline = time.time() + timeout
         seen = start
         while time.time() < deadline:
@@ -208,7 +209,15 @@ class Daemon:
         return self.process.wait(timeout)
 
     def stderr(self) -> str:
-        return self.process.stderr.read().decode() if self.process.stderr else ""
+        return (self.fixture_dir / "stderr.log").read_text(errors="replace")
+
+    def wait_stderr(self, text: str, count: int = 1, timeout: float = 20.0) -> str:
+        """The daemon's stderr once `text` appears in it `count` times."""
+        deadline = time.monotonic() + on_this_host(timeout)
+        while (stderr := self.stderr()).count(text) < count:
+            assert time.monotonic() < deadline, f"{text!r} not logged {count} times: {stderr}"
+            time.sleep(0.02)
+        return stderr
 
 
 RUNNER = """
@@ -250,8 +259,9 @@ def start_daemon():
                   "restart_backoff_s": 0.05, "drain_timeout_s": 5.0} | settings
         environment = os.environ | {"NOTIFY_SOCKET": address, "SUPFIX_DIR": str(fixture_dir), "SUPFIX_MODE": mode,
                                     "HYBRIDD_LOG_LEVEL": "info"} | (env or {})
-        process = subprocess.Popen([PYTHON, "-c", RUNNER, json.dumps(config), json.dumps(options or {})], cwd=ROOT,
-                                   env=environment, stderr=subprocess.PIPE)
+        with (fixture_dir / "stderr.log").open("wb") as stderr:  # a file: readable while the daemon runs
+            process = subprocess.Popen([PYTHON, "-c", RUNNER, json.dumps(config), json.dumps(options or {})],
+                                       cwd=ROOT, env=environment, stderr=stderr)
         daemon = Daemon(process, runtime_dir, fixture_dir, listener)
         started.append(daemon)
         return daemon
@@ -431,10 +441,10 @@ def test_sighup_reloads_the_log_level_and_keeps_serving(start_daemon, tmp_path):
 
     edit('log_level = "debug"\nmax_batch = 8\n')
     daemon.process.send_signal(signal.SIGHUP)
-    time.sleep(2.0)
+    daemon.wait_stderr("SIGHUP: configuration reloaded")
     edit('log_level = "verbose"\n')  # a bad edit is refused, not fatal
     daemon.process.send_signal(signal.SIGHUP)
-    time.sleep(2.0)
+    daemon.wait_stderr("SIGHUP: configuration not reloaded")
     assert daemon.process.poll() is None, "SIGHUP does not end the daemon"
     assert all(alive(pid) for pid in pids.values()), "nor its workers"
     assert daemon.stop() == 0
