@@ -340,13 +340,17 @@ def step_config(shape: str):
     })
 
 
+# The decode attention's module-level knobs a step variant may set.
+ATTENTION_KNOBS = ("BATCH1_PROGRAMS", "EARLY_TABLES")
+
+
 def step_variants(cfg, with_pdl: bool) -> dict[str, tuple]:
     """label -> (projections on the skinny kernel, fused neighbours, PDL on, GEMM prefetch
-    columns, table entries replaced): the decode step's variants for a model of `cfg`
-    (the PDL ones only `with_pdl`)."""
-    variants = {"cublas": (False, "none", False, 0, {}), "skinny": (True, "none", False, 0, {})}
+    columns, table entries replaced, decode attention knobs set): the decode step's
+    variants for a model of `cfg` (the PDL ones only `with_pdl`)."""
+    variants = {"cublas": (False, "none", False, 0, {}, {}), "skinny": (True, "none", False, 0, {}, {})}
     for fused in ("norm", "rotary", "silu", "norm,rotary", "norm,rotary,silu"):
-        variants[f"skinny+{fused.replace(',', '+')}"] = (True, fused, False, 0, {})
+        variants[f"skinny+{fused.replace(',', '+')}"] = (True, fused, False, 0, {}, {})
     default = gemm_fusions.DEFAULT.replace(",", "+")
     # The o and down projections fill only 64 of the GPU's multiprocessors with the table's
     # configs; in the step (after attention, before a norm) more programs may pay.
@@ -365,9 +369,15 @@ def step_variants(cfg, with_pdl: bool) -> dict[str, tuple]:
                                  ("qkv bn32", qkv, GemmConfig(32, 128))):
         weights = (o, down) if weight is None else (weight,)
         variants[f"skinny+{default} {name}"] = (True, gemm_fusions.DEFAULT, False, 0,
-                                                {w: [(32, config)] for w in weights})
+                                                {w: [(32, config)] for w in weights}, {})
     if with_pdl:
-        variants |= {f"skinny+{default}+pdl+prefetch{c}": (True, gemm_fusions.DEFAULT, True, c, {}) for c in (0, 512)}
+        variants |= {f"skinny+{default}+pdl+prefetch{c}": (True, gemm_fusions.DEFAULT, True, c, {}, {}) for c in (0, 512)}
+        # The decode attention's knobs (hybridd/model/triton_attention.py), in the step
+        # with dependent launch, where reading the block tables early can overlap.
+        for name, knobs in (("attn early tables", {"EARLY_TABLES": True}),
+                            ("attn b1 128 programs", {"BATCH1_PROGRAMS": 128}),
+                            ("attn b1 128 programs early tables", {"BATCH1_PROGRAMS": 128, "EARLY_TABLES": True})):
+            variants[f"skinny+{default}+pdl {name}"] = (True, gemm_fusions.DEFAULT, True, 0, {}, knobs)
     return variants
 
 
@@ -381,8 +391,10 @@ def decode_step(bw: float, results: dict, context: int = 512, batch: int = 1, on
     folded into the projections for all of them (`LlamaModel.fold_norms`); the fusions
     change where products round, so each step's logits are compared with the plain
     skinny step's by relative difference and top-1."""
+    from hybridd.model import KVCache, StepInputs, triton_attention
+
     defaults = pdl.ENABLED, triton_gemm.PREFETCH_COLUMNS, gemm_fusions.ENABLED, triton_gemm._TABLE
-    from hybridd.model import KVCache, StepInputs
+    knob_defaults = {name: getattr(triton_attention, name) for name in ATTENTION_KNOBS}
     from hybridd.model.llama import LlamaModel
 
     cfg = step_config(shape)
@@ -406,7 +418,9 @@ def decode_step(bw: float, results: dict, context: int = 512, batch: int = 1, on
         variants = {label: v for label, v in variants.items() if label in only or label == "skinny"}
     plain = None
     try:
-        for label, (skinny, fused, with_pdl, prefetch, overrides) in variants.items():
+        for label, (skinny, fused, with_pdl, prefetch, overrides, knobs) in variants.items():
+            for name, value in (knob_defaults | knobs).items():
+                setattr(triton_attention, name, value)
             triton_gemm._TABLE = defaults[3] | overrides if skinny else {}
             gemm_fusions.ENABLED = gemm_fusions.parse(fused)
             model.kernels.norms_folded = "norm" in gemm_fusions.ENABLED
@@ -431,6 +445,8 @@ def decode_step(bw: float, results: dict, context: int = 512, batch: int = 1, on
             del graph
     finally:
         pdl.ENABLED, triton_gemm.PREFETCH_COLUMNS, gemm_fusions.ENABLED, triton_gemm._TABLE = defaults
+        for name, value in knob_defaults.items():
+            setattr(triton_attention, name, value)
     results[f"decode_step_{shape}_b{batch}{tag}"] = {"floor_s": floor, "weight_bytes": weight_bytes, "context": context,
                                                 **out}
     print(f"\ndecode step{tag}, {shape} shape, batch {batch}, context {context}: weight floor {floor * 1e3:.3f} ms; "

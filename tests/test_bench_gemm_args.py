@@ -54,3 +54,24 @@ def test_an_old_attention_module_that_does_not_serve_is_refused_by_name(tmp_path
                           timeout=300)
     assert done.returncode == 2, done.stderr
     assert f"{args[-1]}: {module} {message}" in done.stderr
+
+
+def test_step_variants_set_only_knobs_the_attention_module_has():
+    """Every decode-step variant names its settings in full, and the attention knobs it sets
+    exist in hybridd/model/triton_attention.py with values of their type."""
+    pytest.importorskip("triton")
+    sys.path.insert(0, str(SCRIPT.parent.parent))
+    try:
+        from scripts import bench_gemm
+    finally:
+        sys.path.pop(0)
+    from hybridd.model import triton_attention
+
+    variants = bench_gemm.step_variants(bench_gemm.step_config("llama2-7b"), with_pdl=True)
+    assert all(len(v) == 6 for v in variants.values())
+    knobs = {label: v[5] for label, v in variants.items() if v[5]}
+    assert {"skinny+norm+pdl attn early tables", "skinny+norm+pdl attn b1 128 programs"} <= set(knobs)
+    for label, settings in knobs.items():
+        assert set(settings) <= set(bench_gemm.ATTENTION_KNOBS), label
+        for name, value in settings.items():
+            assert type(value) is type(getattr(triton_attention, name)), (label, name)

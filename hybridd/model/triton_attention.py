@@ -39,12 +39,23 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 @dataclass(frozen=True)
 class DecodePlan:
-    """Launch shape of one decode attention call: fixed per captured batch bucket."""
+    """Launch shape of one decode attention call: fixed per captured batch bucket.
+    `early_tables`: each program reads its sequence's length and its first tile's block
+    ids before it waits for the previous kernel (under programmatic dependent launch)."""
 
     splits: int
     tile: int
     num_warps: int
     num_stages: int
+    early_tables: bool = False
+
+
+# Knobs of `decode_plan`, read when a plan is made (so when a graph is captured): the
+# programs a batch-1 call aims for, and `DecodePlan.early_tables`. The defaults are the
+# measured ones; `scripts/bench_gemm.py --decode-step`'s `attn` variants time others in
+# the whole step.
+BATCH1_PROGRAMS = 256
+EARLY_TABLES = False
 
 
 def decode_plan(batch: int, kv_heads: int, max_tokens: int) -> DecodePlan:
@@ -63,23 +74,31 @@ def decode_plan(batch: int, kv_heads: int, max_tokens: int) -> DecodePlan:
     key and value read again after the wait) measured 5-6 % slower per decode step
     at batch 1 with dependent launch on, and no faster with it off."""
     tile = 64
-    target = 256 if batch == 1 else 512
+    target = BATCH1_PROGRAMS if batch == 1 else 512
     want = max(1, -(-target // (batch * kv_heads)))
     most = max(1, -(-max_tokens // tile))
     splits = triton.next_power_of_2(min(want, most, 32))
-    return DecodePlan(splits=splits, tile=tile, num_warps=2 if batch == 1 else 4, num_stages=3)
+    return DecodePlan(splits=splits, tile=tile, num_warps=2 if batch == 1 else 4, num_stages=3,
+                      early_tables=EARLY_TABLES)
+
+
+@triton.jit
+def _tile_blocks(bt_row, tok0, end, PAGE: tl.constexpr, TILE: tl.constexpr):
+    """The KV block of each token of the tile from `tok0` (block 0 from `end` on)."""
+    toks = tok0 + tl.arange(0, TILE)
+    return tl.load(bt_row + toks // PAGE, mask=toks < end, other=0).to(tl.int64)
 
 
 @triton.jit
 def _decode_tile(
-    q, kc_ptr, vc_ptr, bt_row, kvh, tok0, end, scale, m_i, l_i, acc,
+    q, kc_ptr, vc_ptr, blk, kvh, tok0, end, scale, m_i, l_i, acc,
     stride_c_blk, stride_c_tok, stride_c_head,
     HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, TILE: tl.constexpr, PRECISION: tl.constexpr,
 ):
+    """The online-softmax update by the tile of tokens from `tok0`, in KV blocks `blk`."""
     d = tl.arange(0, HEAD_DIM)
     toks = tok0 + tl.arange(0, TILE)
     valid = toks < end
-    blk = tl.load(bt_row + toks // PAGE, mask=valid, other=0).to(tl.int64)
     off = blk * stride_c_blk + (toks % PAGE) * stride_c_tok + kvh * stride_c_head
     k = tl.load(kc_ptr + off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
     v = tl.load(vc_ptr + off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
@@ -124,15 +143,27 @@ def _decode_kernel(
     GROUP: tl.constexpr, MERGE_ROWS: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE: tl.constexpr, TILE: tl.constexpr, NUM_SPLITS: tl.constexpr, NUM_HEADS: tl.constexpr,
     KV_HEADS: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
+    EARLY_TABLES: tl.constexpr,
 ):
-    wait_for_predecessor(PDL)
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    seq_len = tl.load(len_ptr + b)
-    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), TILE) * TILE
-    start = split * per_split
-    end = tl.minimum(start + per_split, seq_len)
+    bt_row = bt_ptr + b * stride_bt
+    if EARLY_TABLES:
+        # The lengths and block tables reach the device before the step's first kernel,
+        # and no kernel of the step writes them.
+        seq_len = tl.load(len_ptr + b)
+        per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), TILE) * TILE
+        start = split * per_split
+        end = tl.minimum(start + per_split, seq_len)
+        first_blk = _tile_blocks(bt_row, start, end, PAGE, TILE)
+        wait_for_predecessor(PDL)
+    else:
+        wait_for_predecessor(PDL)
+        seq_len = tl.load(len_ptr + b)
+        per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), TILE) * TILE
+        start = split * per_split
+        end = tl.minimum(start + per_split, seq_len)
 
     g = tl.arange(0, ROWS)
     d = tl.arange(0, HEAD_DIM)
@@ -142,20 +173,28 @@ def _decode_kernel(
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
-    bt_row = bt_ptr + b * stride_bt
+    loop_from = start
+    if EARLY_TABLES:
+        # The first tile outside the loop, in the blocks read before the wait.
+        if start < end:
+            m_i, l_i, acc = _decode_tile(
+                q, kc_ptr, vc_ptr, first_blk, kvh, start, end, scale, m_i, l_i, acc,
+                stride_c_blk, stride_c_tok, stride_c_head, HEAD_DIM, PAGE, TILE, PRECISION,
+            )
+        loop_from = start + TILE
     if INTERPRET:
-        tok0 = start
+        tok0 = loop_from
         while tok0 < end:
             m_i, l_i, acc = _decode_tile(
-                q, kc_ptr, vc_ptr, bt_row, kvh, tok0, end, scale, m_i, l_i, acc,
-                stride_c_blk, stride_c_tok, stride_c_head, HEAD_DIM, PAGE, TILE, PRECISION,
+                q, kc_ptr, vc_ptr, _tile_blocks(bt_row, tok0, end, PAGE, TILE), kvh, tok0, end, scale, m_i, l_i,
+                acc, stride_c_blk, stride_c_tok, stride_c_head, HEAD_DIM, PAGE, TILE, PRECISION,
             )
             tok0 += TILE
     else:
-        for tok0 in tl.range(start, end, TILE):
+        for tok0 in tl.range(loop_from, end, TILE):
             m_i, l_i, acc = _decode_tile(
-                q, kc_ptr, vc_ptr, bt_row, kvh, tok0, end, scale, m_i, l_i, acc,
-                stride_c_blk, stride_c_tok, stride_c_head, HEAD_DIM, PAGE, TILE, PRECISION,
+                q, kc_ptr, vc_ptr, _tile_blocks(bt_row, tok0, end, PAGE, TILE), kvh, tok0, end, scale, m_i, l_i,
+                acc, stride_c_blk, stride_c_tok, stride_c_head, HEAD_DIM, PAGE, TILE, PRECISION,
             )
     has = l_i > 0
     out = tl.where(has[:, None], acc / tl.where(has, l_i, 1.0)[:, None], 0.0)
@@ -217,7 +256,7 @@ def decode_attention(
         TILE=plan.tile, NUM_SPLITS=splits, NUM_HEADS=h, KV_HEADS=kvh,
         # float32 caches get true float32 products, not TF32 (bf16 ignores this).
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        INTERPRET=_INTERPRET, num_warps=plan.num_warps, num_stages=plan.num_stages,
+        INTERPRET=_INTERPRET, EARLY_TABLES=plan.early_tables, num_warps=plan.num_warps, num_stages=plan.num_stages,
         **pdl.launch_args(q.device),
     )
     return out
