@@ -83,6 +83,15 @@ def decode_plan(batch: int, kv_heads: int, max_tokens: int) -> DecodePlan:
 
 
 @triton.jit
+def _split_bounds(len_ptr, b, split, NUM_SPLITS: tl.constexpr, TILE: tl.constexpr):
+    """[start, end) of sequence b's tokens that `split` attends to: whole tiles, in order."""
+    seq_len = tl.load(len_ptr + b)
+    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), TILE) * TILE
+    start = split * per_split
+    return start, tl.minimum(start + per_split, seq_len)
+
+
+@triton.jit
 def _tile_blocks(bt_row, tok0, end, PAGE: tl.constexpr, TILE: tl.constexpr):
     """The KV block of each token of the tile from `tok0` (block 0 from `end` on)."""
     toks = tok0 + tl.arange(0, TILE)
@@ -152,18 +161,11 @@ def _decode_kernel(
     if EARLY_TABLES:
         # The lengths and block tables reach the device before the step's first kernel,
         # and no kernel of the step writes them.
-        seq_len = tl.load(len_ptr + b)
-        per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), TILE) * TILE
-        start = split * per_split
-        end = tl.minimum(start + per_split, seq_len)
+        start, end = _split_bounds(len_ptr, b, split, NUM_SPLITS, TILE)
         first_blk = _tile_blocks(bt_row, start, end, PAGE, TILE)
-        wait_for_predecessor(PDL)
-    else:
-        wait_for_predecessor(PDL)
-        seq_len = tl.load(len_ptr + b)
-        per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), TILE) * TILE
-        start = split * per_split
-        end = tl.minimum(start + per_split, seq_len)
+    wait_for_predecessor(PDL)
+    if not EARLY_TABLES:
+        start, end = _split_bounds(len_ptr, b, split, NUM_SPLITS, TILE)
 
     g = tl.arange(0, ROWS)
     d = tl.arange(0, HEAD_DIM)
