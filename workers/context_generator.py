@@ -860,15 +860,7 @@ def main(config: dict[str, Any], ctl_endpoint: str) -> None:
             worker.start()
         frozen = gc_pauses.freeze_start_up()
         worker.log.debug("start-up objects frozen out of the cyclic collector", objects=frozen)
-        if os.environ.get("HYBRIDD_CPROFILE"):
-            import cProfile
-            prof = cProfile.Profile()
-            try:
-                prof.runcall(worker.serve)
-            finally:
-                prof.dump_stats(os.environ["HYBRIDD_CPROFILE"])
-        else:
-            worker.serve()
+        worker.serve()
     except EngineDeadError as exc:
         worker.log.error("engine_dead", error=exc.message)
         worker.fail_all(ErrorCode.ENGINE_DEAD, f"the engine died: {exc.message}")
