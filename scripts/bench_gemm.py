@@ -341,7 +341,7 @@ def step_config(shape: str):
 
 
 # The decode attention's module-level knobs a step variant may set.
-ATTENTION_KNOBS = ("BATCH1_PROGRAMS", "EARLY_TABLES")
+ATTENTION_KNOBS = ("BATCH1_PROGRAMS",)
 
 
 def step_variants(cfg, with_pdl: bool) -> dict[str, tuple]:
@@ -372,12 +372,12 @@ def step_variants(cfg, with_pdl: bool) -> dict[str, tuple]:
                                                 {w: [(32, config)] for w in weights}, {})
     if with_pdl:
         variants |= {f"skinny+{default}+pdl+prefetch{c}": (True, gemm_fusions.DEFAULT, True, c, {}, {}) for c in (0, 512)}
-        # The decode attention's knobs (hybridd/model/triton_attention.py), in the step
-        # with dependent launch, where reading the block tables early can overlap.
-        for name, knobs in (("attn early tables", {"EARLY_TABLES": True}),
-                            ("attn b1 128 programs", {"BATCH1_PROGRAMS": 128}),
-                            ("attn b1 128 programs early tables", {"BATCH1_PROGRAMS": 128, "EARLY_TABLES": True})):
-            variants[f"skinny+{default}+pdl {name}"] = (True, gemm_fusions.DEFAULT, True, 0, {}, knobs)
+        # The decode attention's batch-1 program target (hybridd/model/triton_attention.py).
+        variants[f"skinny+{default}+pdl attn b1 128 programs"] = (True, gemm_fusions.DEFAULT, True, 0, {},
+                                                                  {"BATCH1_PROGRAMS": 128})
+        # The epilogue fusions that lost without dependent launch, with it.
+        for fused in ("norm,rotary", "norm,silu", "norm,rotary,silu"):
+            variants[f"skinny+{fused.replace(',', '+')}+pdl"] = (True, fused, True, 0, {}, {})
     return variants
 
 

@@ -3,7 +3,8 @@
 # GPU machine (results under $OUT, or ./out):
 #     bash scripts/gpu_checks.sh
 # 1. the tests marked `gpu` except the 7B model-accuracy ones (tests/test_gpu_model.py:
-#    run it alone, it writes two 13 GB checkpoints);
+#    run it alone, it writes two 13 GB checkpoints) and the gateway's (they need the
+#    `openai` client and no GPU: CI runs them);
 #    tests/test_gpu_kernels.py whole (its unmarked tests run on the CPU too: here in bf16);
 # 2. the two-process end-to-end tests over CUDA IPC (HYBRIDD_TEST_DEVICE=cuda);
 # 3. scripts/bench_pipeline.py with both workers traced, and the GPU's idle gaps;
@@ -14,6 +15,7 @@ mkdir -p "$OUT"
 source scripts/device_env.sh
 status=0
 timeout 400 python3 -m pytest -q -m gpu -p no:cacheprovider tests --ignore tests/test_gpu_model.py \
+    --ignore tests/test_gateway_openai.py \
     2>&1 | tee "$OUT/gpu_tests.log" || status=1
 timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_kernels.py -m "not gpu" \
     2>&1 | tee "$OUT/gpu_kernels.log" || status=1

@@ -115,39 +115,17 @@ def test_decode_attention_matches_reference(heads, kv_heads, page):
     assert not out.isnan().any() and out[0].abs().sum() == 0
 
 
-@pytest.mark.parametrize("page", [16, 4])
-def test_decode_attention_early_tables_change_no_bit(page):
-    """Reading the lengths and the first tile's block ids before the wait for the previous
-    kernel only moves loads: every plan gives the same bits either way, with one tile a
-    split, several, and splits left empty."""
-    g = torch.Generator(device=DEVICE).manual_seed(7 + page)
-    heads, kv_heads, d = (32, 8, 128) if CUDA else (8, 2, 64)
-    lens = [0, 1, page, page + 1, 63, 64, 65, 300] if CUDA else [0, 1, page + 1, 65, 130]
-    q, kc, vc, tables, seq_lens = paged_case(g, lens, heads, kv_heads, d, page)
-    ref = ref_attention.decode_attention(q, kc, vc, tables, seq_lens, d**-0.5)
-    for splits, tile in ((1, 32), (2, 64), (8, 16)):
-        plan = triton_attention.DecodePlan(splits=splits, tile=tile, num_warps=2, num_stages=3)
-        early = triton_attention.DecodePlan(splits=splits, tile=tile, num_warps=2, num_stages=3, early_tables=True)
-        out = triton_attention.decode_attention(q, kc, vc, tables, seq_lens, d**-0.5, plan=plan)
-        got = triton_attention.decode_attention(q, kc, vc, tables, seq_lens, d**-0.5, plan=early)
-        assert torch.equal(got, out), (splits, tile)
-        assert rel(got[1:], ref[1:]) < (1e-2 if CUDA else 1e-5), (splits, tile)
-        assert got[0].abs().sum() == 0
-
-
 def test_decode_plan_knobs():
-    """The batch-1 program target and the early reads reach the plans made after they are set."""
-    default = triton_attention.decode_plan(1, 32, 512)
-    assert (default.splits, default.early_tables) == (8, False)
+    """The batch-1 program target reaches the plans made after it is set, and only batch 1's."""
+    assert triton_attention.decode_plan(1, 32, 512).splits == 8
     batch8 = triton_attention.decode_plan(8, 32, 512)
-    saved = triton_attention.BATCH1_PROGRAMS, triton_attention.EARLY_TABLES
+    saved = triton_attention.BATCH1_PROGRAMS
     try:
-        triton_attention.BATCH1_PROGRAMS, triton_attention.EARLY_TABLES = 128, True
-        plan = triton_attention.decode_plan(1, 32, 512)
-        assert (plan.splits, plan.early_tables) == (4, True)
-        assert triton_attention.decode_plan(8, 32, 512).splits == batch8.splits == 2  # batch 1's target only
+        triton_attention.BATCH1_PROGRAMS = 128
+        assert triton_attention.decode_plan(1, 32, 512).splits == 4
+        assert triton_attention.decode_plan(8, 32, 512).splits == batch8.splits == 2
     finally:
-        triton_attention.BATCH1_PROGRAMS, triton_attention.EARLY_TABLES = saved
+        triton_attention.BATCH1_PROGRAMS = saved
 
 
 def packed_prefill(g, lens, pad, heads, kv_heads, d, padded_seqs=0):

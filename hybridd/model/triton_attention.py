@@ -39,23 +39,18 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 @dataclass(frozen=True)
 class DecodePlan:
-    """Launch shape of one decode attention call: fixed per captured batch bucket.
-    `early_tables`: each program reads its sequence's length and its first tile's block
-    ids before it waits for the previous kernel (under programmatic dependent launch)."""
+    """Launch shape of one decode attention call: fixed per captured batch bucket."""
 
     splits: int
     tile: int
     num_warps: int
     num_stages: int
-    early_tables: bool = False
 
 
-# Knobs of `decode_plan`, read when a plan is made (so when a graph is captured): the
-# programs a batch-1 call aims for, and `DecodePlan.early_tables`. The defaults are the
-# measured ones; `scripts/bench_gemm.py --decode-step`'s `attn` variants time others in
-# the whole step.
+# The programs a batch-1 call aims for, read when a plan is made (so when a graph is
+# captured); `scripts/bench_gemm.py --decode-step`'s `attn` variants time others in the
+# whole step.
 BATCH1_PROGRAMS = 256
-EARLY_TABLES = False
 
 
 def decode_plan(batch: int, kv_heads: int, max_tokens: int) -> DecodePlan:
@@ -72,14 +67,16 @@ def decode_plan(batch: int, kv_heads: int, max_tokens: int) -> DecodePlan:
     Loading each split's first tile before the wait for the previous kernel (under
     programmatic dependent launch; tiles dealt to the splits in turn, the newest token's
     key and value read again after the wait) measured 5-6 % slower per decode step
-    at batch 1 with dependent launch on, and no faster with it off."""
+    at batch 1 with dependent launch on, and no faster with it off. Reading only the
+    lengths and the first tile's block ids before the wait changed the step by +0.2 %
+    at batch 1 and +1.9 % at batch 8; 128 programs at batch 1 instead of 256, +1.3 % on
+    Llama-2-7B and -0.3 % on Llama-3-8B (each the whole decode step, context 512)."""
     tile = 64
     target = BATCH1_PROGRAMS if batch == 1 else 512
     want = max(1, -(-target // (batch * kv_heads)))
     most = max(1, -(-max_tokens // tile))
     splits = triton.next_power_of_2(min(want, most, 32))
-    return DecodePlan(splits=splits, tile=tile, num_warps=2 if batch == 1 else 4, num_stages=3,
-                      early_tables=EARLY_TABLES)
+    return DecodePlan(splits=splits, tile=tile, num_warps=2 if batch == 1 else 4, num_stages=3)
 
 
 @triton.jit
@@ -152,20 +149,13 @@ def _decode_kernel(
     GROUP: tl.constexpr, MERGE_ROWS: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE: tl.constexpr, TILE: tl.constexpr, NUM_SPLITS: tl.constexpr, NUM_HEADS: tl.constexpr,
     KV_HEADS: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
-    EARLY_TABLES: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     bt_row = bt_ptr + b * stride_bt
-    if EARLY_TABLES:
-        # The lengths and block tables reach the device before the step's first kernel,
-        # and no kernel of the step writes them.
-        start, end = _split_bounds(len_ptr, b, split, NUM_SPLITS, TILE)
-        first_blk = _tile_blocks(bt_row, start, end, PAGE, TILE)
     wait_for_predecessor(PDL)
-    if not EARLY_TABLES:
-        start, end = _split_bounds(len_ptr, b, split, NUM_SPLITS, TILE)
+    start, end = _split_bounds(len_ptr, b, split, NUM_SPLITS, TILE)
 
     g = tl.arange(0, ROWS)
     d = tl.arange(0, HEAD_DIM)
@@ -175,17 +165,8 @@ def _decode_kernel(
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
-    loop_from = start
-    if EARLY_TABLES:
-        # The first tile outside the loop, in the blocks read before the wait.
-        if start < end:
-            m_i, l_i, acc = _decode_tile(
-                q, kc_ptr, vc_ptr, first_blk, kvh, start, end, scale, m_i, l_i, acc,
-                stride_c_blk, stride_c_tok, stride_c_head, HEAD_DIM, PAGE, TILE, PRECISION,
-            )
-        loop_from = start + TILE
     if INTERPRET:
-        tok0 = loop_from
+        tok0 = start
         while tok0 < end:
             m_i, l_i, acc = _decode_tile(
                 q, kc_ptr, vc_ptr, _tile_blocks(bt_row, tok0, end, PAGE, TILE), kvh, tok0, end, scale, m_i, l_i,
@@ -193,7 +174,7 @@ def _decode_kernel(
             )
             tok0 += TILE
     else:
-        for tok0 in tl.range(loop_from, end, TILE):
+        for tok0 in tl.range(start, end, TILE):
             m_i, l_i, acc = _decode_tile(
                 q, kc_ptr, vc_ptr, _tile_blocks(bt_row, tok0, end, PAGE, TILE), kvh, tok0, end, scale, m_i, l_i,
                 acc, stride_c_blk, stride_c_tok, stride_c_head, HEAD_DIM, PAGE, TILE, PRECISION,
@@ -258,7 +239,7 @@ def decode_attention(
         TILE=plan.tile, NUM_SPLITS=splits, NUM_HEADS=h, KV_HEADS=kvh,
         # float32 caches get true float32 products, not TF32 (bf16 ignores this).
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        INTERPRET=_INTERPRET, EARLY_TABLES=plan.early_tables, num_warps=plan.num_warps, num_stages=plan.num_stages,
+        INTERPRET=_INTERPRET, num_warps=plan.num_warps, num_stages=plan.num_stages,
         **pdl.launch_args(q.device),
     )
     return out
