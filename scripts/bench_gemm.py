@@ -375,9 +375,10 @@ def step_variants(cfg, with_pdl: bool) -> dict[str, tuple]:
         # The decode attention's batch-1 program target (hybridd/model/triton_attention.py).
         variants[f"skinny+{default}+pdl attn b1 128 programs"] = (True, gemm_fusions.DEFAULT, True, 0, {},
                                                                   {"BATCH1_PROGRAMS": 128})
-        # The epilogue fusions that lost without dependent launch, with it.
-        for fused in ("norm,rotary", "norm,silu", "norm,rotary,silu"):
-            variants[f"skinny+{fused.replace(',', '+')}+pdl"] = (True, fused, True, 0, {}, {})
+        # The other sets of epilogue fusions, with dependent launch.
+        for fused in ("norm", "norm,rotary", "norm,silu", "norm,rotary,silu"):
+            if fused != gemm_fusions.DEFAULT:
+                variants[f"skinny+{fused.replace(',', '+')}+pdl"] = (True, fused, True, 0, {}, {})
     return variants
 
 

@@ -70,7 +70,9 @@ def test_step_variants_set_only_knobs_the_attention_module_has():
     variants = bench_gemm.step_variants(bench_gemm.step_config("llama2-7b"), with_pdl=True)
     assert all(len(v) == 6 for v in variants.values())
     knobs = {label: v[5] for label, v in variants.items() if v[5]}
-    assert "skinny+norm+pdl attn b1 128 programs" in knobs
+    default = bench_gemm.gemm_fusions.DEFAULT.replace(",", "+")
+    assert f"skinny+{default}+pdl attn b1 128 programs" in knobs
+    assert "skinny+norm+pdl" in variants and f"skinny+{default}+pdl" not in variants  # the default is +prefetch0
     for label, settings in knobs.items():
         assert set(settings) <= set(bench_gemm.ATTENTION_KNOBS), label
         for name, value in settings.items():

@@ -97,7 +97,7 @@ def test_kernel_settings_from_file_environment_and_flags(tmp_path):
     result = _print_config([])
     assert result.exit_code == 0, result.output
     defaults = json.loads(result.output)
-    assert defaults["gemm_fusions"] == "norm" and defaults["pdl"] is True and defaults["cuda_mps"] == "auto"
+    assert defaults["gemm_fusions"] == "norm,rotary" and defaults["pdl"] is True and defaults["cuda_mps"] == "auto"
     from hybridd.model import pdl
 
     assert pdl.ENABLED is True  # the module's default is the setting's, for code outside the daemon
