@@ -57,6 +57,19 @@ def plan_budget(model: Path, cuda: bool, max_prefill_seqs: int, max_tokens: int)
     raise RuntimeError("no prefill bucket pair whose graphs cannot share a budget that holds either one")
 
 
+def replanned_budget_mb(status: dict, x_bucket: dict, need_y: int, budget_mb: int) -> int | None:
+    """A budget (MiB) under which Y fits once X is evicted, from the graph bytes measured
+    at ready (`status`, X's bucket entry), or None where the budget in force does that.
+
+    A graph's measured cost is the growth of the pool during its capture, so the first
+    graphs may be charged for more than their own activations: then Y does not fit
+    beside them even with X evicted (or neither fits at all)."""
+    kept = (status.get("graph_bytes") or 0) - ((x_bucket.get("bytes") or 0) if x_bucket.get("captured") else 0)
+    if kept + need_y <= budget_mb * MiB:
+        return None
+    return math.ceil((kept + need_y) / MiB)
+
+
 def start_settled(server_factory, client_factory, overrides: dict, x: int):
     """(server, control client, prefill buckets, status) once the captures that follow
     ready are done: buckets 16 and X captured or refused (or 30 s), then a fresh report."""
@@ -103,13 +116,10 @@ def measure_capture_under_eviction(client_factory, model: Path, cuda: bool, voca
     triggers: list[StreamRecord] = []
     try:
         server, ctl, buckets, status = start_settled(server_factory, client_factory, overrides, x)
-        if not any(buckets[s].get("captured") or buckets[s].get("disabled") for s in (x, y)):
-            # A graph's measured cost is the growth of the pool during its capture, so the
-            # first graphs may be charged for more than their own activations: then neither
-            # X nor Y fits beside them. Once more, with the budget from what they measured.
-            held = status.get("graph_bytes") or 0
-            budget_mb = math.ceil((held + plan["need_y_bytes"]) / MiB)
-            result["replanned"] = {"graph_bytes_at_ready": held, "budget_mb": budget_mb}
+        budget_mb = replanned_budget_mb(status, buckets.get(x) or {}, plan["need_y_bytes"],
+                                        overrides["graph_memory_budget_mb"])
+        if budget_mb is not None:
+            result["replanned"] = {"graph_bytes_at_ready": status.get("graph_bytes"), "budget_mb": budget_mb}
             ctl.close()
             server.close()
             server = ctl = None
