@@ -1156,7 +1156,7 @@ def render_table(results: dict) -> str:
                      f"{fmt(g(ce, 'steady', 'p50_s'), 1e3)}/{fmt(g(ce, 'steady', 'p99_s'), 1e3)} ms "
                      f"(n={g(ce, 'steady', 'n')}): p99 x{fmt(ce.get('p99_ratio'), 1, 3)}; "
                      f"{ce.get('captures_during_decode')} captures, {ce.get('evictions')} evictions, buckets "
-                     f"{g(ce, 'plan', 'x')}/{g(ce, 'plan', 'y')} under a {g(ce, 'plan', 'budget_mb')} MiB budget")
+                     f"{g(ce, 'plan', 'x')}/{g(ce, 'plan', 'y')} under a {g(ce, 'config', 'graph_memory_budget_mb')} MiB budget")
         if ce.get("note"):
             lines.append(f"  note: {ce['note']}")
     gw = hy.get("gateway")
