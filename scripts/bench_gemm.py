@@ -367,13 +367,11 @@ def step_variants(cfg, with_pdl: bool) -> dict[str, tuple]:
                                  ("gate_up skinny n128", gate_up, GemmConfig(128, 128)),
                                  ("qkv split2", qkv, GemmConfig(64, 128, 2)),
                                  ("qkv bn32", qkv, GemmConfig(32, 128))):
-        weights = (o, down) if weight is None else (weight,)
-        variants[f"skinny+{default} {name}"] = (True, gemm_fusions.DEFAULT, False, 0,
-                                                {w: [(32, config)] for w in weights}, {})
+        table = {w: [(32, config)] for w in ((o, down) if weight is None else (weight,))}
+        variants[f"skinny+{default} {name}"] = (True, gemm_fusions.DEFAULT, False, 0, table, {})
         if with_pdl and name.startswith(("o ", "down ", "o+down ")):
             # The o and down configs that lost without dependent launch, with it.
-            variants[f"skinny+{default}+pdl {name}"] = (True, gemm_fusions.DEFAULT, True, 0,
-                                                        {w: [(32, config)] for w in weights}, {})
+            variants[f"skinny+{default}+pdl {name}"] = (True, gemm_fusions.DEFAULT, True, 0, table, {})
     if with_pdl:
         variants |= {f"skinny+{default}+pdl+prefetch{c}": (True, gemm_fusions.DEFAULT, True, c, {}, {}) for c in (0, 512)}
         # The decode attention's batch-1 program target (hybridd/model/triton_attention.py).

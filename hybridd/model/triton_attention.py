@@ -80,31 +80,15 @@ def decode_plan(batch: int, kv_heads: int, max_tokens: int) -> DecodePlan:
 
 
 @triton.jit
-def _split_bounds(len_ptr, b, split, NUM_SPLITS: tl.constexpr, TILE: tl.constexpr):
-    """[start, end) of sequence b's tokens that `split` attends to: whole tiles, in order."""
-    seq_len = tl.load(len_ptr + b)
-    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), TILE) * TILE
-    start = split * per_split
-    return start, tl.minimum(start + per_split, seq_len)
-
-
-@triton.jit
-def _tile_blocks(bt_row, tok0, end, PAGE: tl.constexpr, TILE: tl.constexpr):
-    """The KV block of each token of the tile from `tok0` (block 0 from `end` on)."""
-    toks = tok0 + tl.arange(0, TILE)
-    return tl.load(bt_row + toks // PAGE, mask=toks < end, other=0).to(tl.int64)
-
-
-@triton.jit
 def _decode_tile(
-    q, kc_ptr, vc_ptr, blk, kvh, tok0, end, scale, m_i, l_i, acc,
+    q, kc_ptr, vc_ptr, bt_row, kvh, tok0, end, scale, m_i, l_i, acc,
     stride_c_blk, stride_c_tok, stride_c_head,
     HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, TILE: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """The online-softmax update by the tile of tokens from `tok0`, in KV blocks `blk`."""
     d = tl.arange(0, HEAD_DIM)
     toks = tok0 + tl.arange(0, TILE)
     valid = toks < end
+    blk = tl.load(bt_row + toks // PAGE, mask=valid, other=0).to(tl.int64)
     off = blk * stride_c_blk + (toks % PAGE) * stride_c_tok + kvh * stride_c_head
     k = tl.load(kc_ptr + off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
     v = tl.load(vc_ptr + off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
@@ -150,12 +134,14 @@ def _decode_kernel(
     PAGE: tl.constexpr, TILE: tl.constexpr, NUM_SPLITS: tl.constexpr, NUM_HEADS: tl.constexpr,
     KV_HEADS: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_predecessor(PDL)
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    bt_row = bt_ptr + b * stride_bt
-    wait_for_predecessor(PDL)
-    start, end = _split_bounds(len_ptr, b, split, NUM_SPLITS, TILE)
+    seq_len = tl.load(len_ptr + b)
+    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), TILE) * TILE
+    start = split * per_split
+    end = tl.minimum(start + per_split, seq_len)
 
     g = tl.arange(0, ROWS)
     d = tl.arange(0, HEAD_DIM)
@@ -165,19 +151,20 @@ def _decode_kernel(
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
+    bt_row = bt_ptr + b * stride_bt
     if INTERPRET:
         tok0 = start
         while tok0 < end:
             m_i, l_i, acc = _decode_tile(
-                q, kc_ptr, vc_ptr, _tile_blocks(bt_row, tok0, end, PAGE, TILE), kvh, tok0, end, scale, m_i, l_i,
-                acc, stride_c_blk, stride_c_tok, stride_c_head, HEAD_DIM, PAGE, TILE, PRECISION,
+                q, kc_ptr, vc_ptr, bt_row, kvh, tok0, end, scale, m_i, l_i, acc,
+                stride_c_blk, stride_c_tok, stride_c_head, HEAD_DIM, PAGE, TILE, PRECISION,
             )
             tok0 += TILE
     else:
         for tok0 in tl.range(start, end, TILE):
             m_i, l_i, acc = _decode_tile(
-                q, kc_ptr, vc_ptr, _tile_blocks(bt_row, tok0, end, PAGE, TILE), kvh, tok0, end, scale, m_i, l_i,
-                acc, stride_c_blk, stride_c_tok, stride_c_head, HEAD_DIM, PAGE, TILE, PRECISION,
+                q, kc_ptr, vc_ptr, bt_row, kvh, tok0, end, scale, m_i, l_i, acc,
+                stride_c_blk, stride_c_tok, stride_c_head, HEAD_DIM, PAGE, TILE, PRECISION,
             )
     has = l_i > 0
     out = tl.where(has[:, None], acc / tl.where(has, l_i, 1.0)[:, None], 0.0)
