@@ -4,6 +4,7 @@
     python scripts/bench_gemm.py --sweep --out $OUT         # sweep configs, print a new table
     python scripts/bench_gemm.py --decode-step --out $OUT   # also one 7B decode step, both ways
     python scripts/bench_gemm.py --skip-compare --decode-step --decode-batch 1,32 --out $OUT
+    python scripts/bench_gemm.py --skip-compare --shapes "llama2-7b o" --configs 64:128:1:4:7 --out $OUT
 
 Every projection of Llama-2-7B and Llama-3-8B in bf16 for M = 1..32 token rows: time per
 call and the share of the measured copy bandwidth (bytes read plus written by a large
@@ -12,8 +13,11 @@ torch.nn.functional.linear (cuBLAS). Each time is the median of CUDA-graph repla
 back-to-back calls over enough copies of the weight that none is served from L2.
 `--decode-step` builds the Llama-2-7B shape (or `--decode-shape llama3-8b`) with random
 weights and times one decode step (graph replay, batch 1 or each of `--decode-batch`,
-context 512) with cuBLAS, the skinny kernels, each set of fused neighbours and other
-projection configs (`--variants` picks some). `--old-attention FILE` times each step
+context 512 or `--decode-context`) with cuBLAS, the skinny kernels, each set of fused
+neighbours and other projection configs (`--variants` picks some; a variant may also be
+written `BASE with CHANGE ...`, see `composed_variant`). `--shapes` times each config of
+`--configs` alone on those projections at `--rows`, beside the table's config and
+cuBLAS. `--old-attention FILE` times each step
 also with the `decode_attention` of FILE (e.g. an earlier
 hybridd/model/triton_attention.py), the two interleaved over two rounds. Results are
 written to bench_gemm.json under --out (the sweep's table also to gemm_table.py).
@@ -294,6 +298,46 @@ def sweep_mid(bw: float, results: dict, rows: list[int]) -> None:
         torch.cuda.empty_cache()
 
 
+def parse_configs(text: str) -> list[GemmConfig]:
+    """--configs: a comma list of block_n:block_k:split:warps:stages."""
+    configs = []
+    for part in text.split(","):
+        numbers = part.split(":")
+        if len(numbers) != 5 or not all(n.isdigit() for n in numbers):
+            raise argparse.ArgumentTypeError(f"a comma list of block_n:block_k:split:warps:stages, got {text!r}")
+        configs.append(GemmConfig(*(int(n) for n in numbers)))
+    return configs
+
+
+def time_configs(bw: float, results: dict, shapes: list[str], configs: list[GemmConfig], rows: list[int]) -> None:
+    """Each of `configs` on each projection of `shapes` (names of SHAPES) alone, at each row
+    count, beside the table's config and cuBLAS: printed and kept in results["configs"]."""
+    out = []
+    results["configs"] = out
+    for name in shapes:
+        n, k = SHAPES[name]
+        ops = Operands(n, k, max(rows))
+        for m in rows:
+            table = triton_gemm.config_for(m, n, k)
+            timed = [("cuBLAS", time_per_call(cublas, ops, m))]
+            for c in ([table] if table else []) + [c for c in configs if c != table]:
+                label = f"{c.block_n}:{c.block_k}:{c.split_k}:{c.num_warps}:{c.num_stages}" + (
+                    " (table)" if c == table else "")
+                try:
+                    err = check(skinny(c), ops, m)
+                    if not err < 1e-2:
+                        print(f"WRONG {name} m={m} {c}: rel err {err}", flush=True)
+                        continue
+                    timed.append((label, time_per_call(skinny(c), ops, m)))
+                except Exception as e:  # out of shared memory and the like
+                    print(f"skip {name} m={m} {label}: {type(e).__name__} {str(e)[:80]}", flush=True)
+            for label, t in timed:
+                out.append({"shape": name, "m": m, "config": label, "s": t, "bw": ops.bytes(m) / t / bw})
+                print(f"{name:18s} m={m:2d} {label:22s} {t * 1e6:7.2f} us {ops.bytes(m) / t / bw:6.1%}", flush=True)
+        del ops
+        torch.cuda.empty_cache()
+
+
 def table_source(table: dict) -> str:
     lines = ["_TABLE: dict[tuple[int, int], list[tuple[int, GemmConfig | None]]] = {"]
     for (n, k), entries in sorted(table.items()):
@@ -340,8 +384,53 @@ def step_config(shape: str):
     })
 
 
-# The decode attention's module-level knobs a step variant may set.
-ATTENTION_KNOBS = ("BATCH1_PROGRAMS",)
+# The decode attention's knobs a step variant may set, as `attn.NAME`.
+KNOBS = ("attn.BATCH1_PROGRAMS", "attn.BATCH1_WARPS", "attn.BATCH1_STAGES", "attn.BATCH1_TILE")
+
+
+def _knob_module(name: str):
+    from hybridd.model import triton_attention
+
+    return {"attn": triton_attention}[name.split(".")[0]]
+
+
+def projection_shapes(cfg) -> dict[str, tuple[int, int]]:
+    """The (N, K) of each projection of a model of `cfg`, by name."""
+    return {"qkv": (cfg.q_size + 2 * cfg.kv_size, cfg.hidden_size), "o": (cfg.hidden_size, cfg.q_size),
+            "gate_up": (2 * cfg.intermediate_size, cfg.hidden_size), "down": (cfg.hidden_size, cfg.intermediate_size),
+            "lm_head": (cfg.vocab_size, cfg.hidden_size)}
+
+
+def composed_variant(label: str, known: dict, cfg) -> tuple:
+    """A step variant written as `BASE with CHANGE ...`: BASE a variant of `step_variants`,
+    each CHANGE either PROJECTION=block_n:block_k:split:warps:stages (that projection's
+    config at every row count) or a knob of `KNOBS`=integer. ValueError naming what is
+    wrong."""
+    base, _, changes = label.partition(" with ")
+    if base not in known:
+        raise ValueError(f"no variant named {base!r} to build {label!r} on")
+    skinny_on, fused, with_pdl, prefetch, table, knobs = known[base]
+    table, knobs = dict(table), dict(knobs)
+    shapes = projection_shapes(cfg)
+    for change in changes.split():
+        name, eq, value = change.partition("=")
+        try:
+            numbers = [int(part) for part in value.split(":")]
+        except ValueError:
+            numbers = []
+        if not eq or not numbers:
+            raise ValueError(f"{change!r} in {label!r}: want NAME=integer or PROJECTION=bn:bk:split:warps:stages")
+        if name in shapes:
+            if len(numbers) != 5:
+                raise ValueError(f"{change!r}: a projection's config is block_n:block_k:split:warps:stages")
+            table[shapes[name]] = [(32, GemmConfig(*numbers))]
+        elif name in KNOBS:
+            default = getattr(_knob_module(name), name.split(".")[1])
+            knobs[name] = type(default)(numbers[0])
+        else:
+            raise ValueError(f"{change!r}: no projection or knob {name!r} (projections {', '.join(shapes)}; "
+                             f"knobs {', '.join(KNOBS)})")
+    return skinny_on, fused, with_pdl, prefetch, table, knobs
 
 
 def step_variants(cfg, with_pdl: bool) -> dict[str, tuple]:
@@ -376,7 +465,7 @@ def step_variants(cfg, with_pdl: bool) -> dict[str, tuple]:
         variants |= {f"skinny+{default}+pdl+prefetch{c}": (True, gemm_fusions.DEFAULT, True, c, {}, {}) for c in (0, 512)}
         # The decode attention's batch-1 program target (hybridd/model/triton_attention.py).
         variants[f"skinny+{default}+pdl attn b1 128 programs"] = (True, gemm_fusions.DEFAULT, True, 0, {},
-                                                                  {"BATCH1_PROGRAMS": 128})
+                                                                  {"attn.BATCH1_PROGRAMS": 128})
         # The other sets of epilogue fusions, with dependent launch.
         for fused in ("norm", "norm,rotary", "norm,silu", "norm,rotary,silu"):
             if fused != gemm_fusions.DEFAULT:
@@ -394,10 +483,10 @@ def decode_step(bw: float, results: dict, context: int = 512, batch: int = 1, on
     folded into the projections for all of them (`LlamaModel.fold_norms`); the fusions
     change where products round, so each step's logits are compared with the plain
     skinny step's by relative difference and top-1."""
-    from hybridd.model import KVCache, StepInputs, triton_attention
+    from hybridd.model import KVCache, StepInputs
 
     defaults = pdl.ENABLED, triton_gemm.PREFETCH_COLUMNS, gemm_fusions.ENABLED, triton_gemm._TABLE
-    knob_defaults = {name: getattr(triton_attention, name) for name in ATTENTION_KNOBS}
+    knob_defaults = {name: getattr(_knob_module(name), name.split(".")[1]) for name in KNOBS}
     from hybridd.model.llama import LlamaModel
 
     cfg = step_config(shape)
@@ -418,12 +507,13 @@ def decode_step(bw: float, results: dict, context: int = 512, batch: int = 1, on
     out = {}
     variants = step_variants(cfg, pdl.supported(torch.device("cuda")))
     if only:
-        variants = {label: v for label, v in variants.items() if label in only or label == "skinny"}
+        composed = {label: composed_variant(label, variants, cfg) for label in only if " with " in label}
+        variants = {label: v for label, v in variants.items() if label in only or label == "skinny"} | composed
     plain = None
     try:
         for label, (skinny, fused, with_pdl, prefetch, overrides, knobs) in variants.items():
             for name, value in (knob_defaults | knobs).items():
-                setattr(triton_attention, name, value)
+                setattr(_knob_module(name), name.split(".")[1], value)
             triton_gemm._TABLE = defaults[3] | overrides if skinny else {}
             gemm_fusions.ENABLED = gemm_fusions.parse(fused)
             model.kernels.norms_folded = "norm" in gemm_fusions.ENABLED
@@ -449,7 +539,7 @@ def decode_step(bw: float, results: dict, context: int = 512, batch: int = 1, on
     finally:
         pdl.ENABLED, triton_gemm.PREFETCH_COLUMNS, gemm_fusions.ENABLED, triton_gemm._TABLE = defaults
         for name, value in knob_defaults.items():
-            setattr(triton_attention, name, value)
+            setattr(_knob_module(name), name.split(".")[1], value)
     results[f"decode_step_{shape}_b{batch}{tag}"] = {"floor_s": floor, "weight_bytes": weight_bytes, "context": context,
                                                 **out}
     print(f"\ndecode step{tag}, {shape} shape, batch {batch}, context {context}: weight floor {floor * 1e3:.3f} ms; "
@@ -505,6 +595,7 @@ def main() -> int:
     parser.add_argument("--decode-step", action="store_true", help="also time one decode step with each kernel variant")
     parser.add_argument("--decode-batch", default=[1], type=_batch_sizes,
                         help="comma list of decode step batch sizes (default 1)")
+    parser.add_argument("--decode-context", default=512, type=int, help="the decode step's context length (default 512)")
     parser.add_argument("--decode-shape", default="llama2-7b", choices=STEP_SHAPES,
                         help="the decode step's model shape (default llama2-7b)")
     parser.add_argument("--variants", default="", help="comma list of decode step variants to time (default all; "
@@ -512,14 +603,29 @@ def main() -> int:
     parser.add_argument("--old-attention", type=old_attention_option,
                         help="a module file with another decode_attention to time each decode step with too")
     parser.add_argument("--skip-compare", action="store_true")
+    parser.add_argument("--shapes", default="", help="comma list of projections (e.g. 'llama2-7b o') to time "
+                        "each of --configs on alone, at each of --rows")
+    parser.add_argument("--configs", default=[], type=parse_configs,
+                        help="comma list of block_n:block_k:split:warps:stages for --shapes")
+    parser.add_argument("--rows", default=[1], type=_batch_sizes, help="row counts for --shapes (default 1)")
     parser.add_argument("--mid-rows", default=None, type=_batch_sizes,
                         help="comma list of row counts past 32: sweep one-tile configs for them against cuBLAS")
     args = parser.parse_args()
     only = set(filter(None, args.variants.split(",")))
-    known = step_variants(step_config(args.decode_shape), with_pdl=True)
-    if only - set(known):
+    unknown = [s.strip() for s in args.shapes.split(",") if s.strip() and s.strip() not in SHAPES]
+    if unknown:
+        parser.error(f"--shapes: no projection {', '.join(unknown)}; the projections are {', '.join(SHAPES)}")
+    cfg = step_config(args.decode_shape)
+    known = step_variants(cfg, with_pdl=True)
+    for label in only:
+        if " with " in label:
+            try:
+                composed_variant(label, known, cfg)
+            except ValueError as exc:
+                parser.error(f"--variants: {exc}")
+    if {label for label in only if " with " not in label} - set(known):
         parser.error(f"--variants: no variant named {', '.join(sorted(only - set(known)))}; "
-                     f"the variants are {', '.join(known)}")
+                     f"the variants are {', '.join(known)}, or BASE with CHANGE ... (see composed_variant)")
     args.out.mkdir(parents=True, exist_ok=True)
     results: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
     results["copy_bandwidth_Bps"] = bw = copy_bandwidth()
@@ -533,6 +639,8 @@ def main() -> int:
             print(source, flush=True)
             triton_gemm._TABLE.clear()
             triton_gemm._TABLE.update(table)
+        if args.shapes:
+            time_configs(bw, results, [s.strip() for s in args.shapes.split(",")], args.configs, args.rows)
         if args.mid_rows:
             sweep_mid(bw, results, args.mid_rows)
         if not args.skip_compare:
@@ -554,7 +662,7 @@ def main() -> int:
                 triton_attention.decode_attention = new
         elif args.decode_step:
             for batch in args.decode_batch:
-                decode_step(bw, results, batch=batch, only=only, shape=args.decode_shape)
+                decode_step(bw, results, context=args.decode_context, batch=batch, only=only, shape=args.decode_shape)
     finally:
         (args.out / "bench_gemm.json").write_text(json.dumps(results, indent=2, default=str))
     return 0

@@ -74,6 +74,48 @@ def test_step_variants_set_only_knobs_the_attention_module_has():
     assert f"skinny+{default}+pdl attn b1 128 programs" in knobs
     assert "skinny+norm+pdl" in variants and f"skinny+{default}+pdl" not in variants  # the default is +prefetch0
     for label, settings in knobs.items():
-        assert set(settings) <= set(bench_gemm.ATTENTION_KNOBS), label
+        assert set(settings) <= set(bench_gemm.KNOBS), label
         for name, value in settings.items():
-            assert type(value) is type(getattr(triton_attention, name)), (label, name)
+            module = bench_gemm._knob_module(name)
+            assert type(value) is type(getattr(module, name.split(".")[1])), (label, name)
+    for name in bench_gemm.KNOBS:
+        assert hasattr(bench_gemm._knob_module(name), name.split(".")[1]), name
+    assert bench_gemm._knob_module("attn.BATCH1_PROGRAMS") is triton_attention
+
+
+def test_composed_variants_change_a_known_variant():
+    """`BASE with CHANGE ...` takes BASE's settings and replaces a projection's config or
+    sets a knob, in the knob's own type; anything else is refused by name."""
+    pytest.importorskip("triton")
+    sys.path.insert(0, str(SCRIPT.parent.parent))
+    try:
+        from scripts import bench_gemm
+    finally:
+        sys.path.pop(0)
+    cfg = bench_gemm.step_config("llama2-7b")
+    known = bench_gemm.step_variants(cfg, with_pdl=True)
+    base = "skinny+norm+rotary+pdl+prefetch0"
+    skinny_on, fused, with_pdl, prefetch, table, knobs = bench_gemm.composed_variant(
+        f"{base} with o=32:512:1:4:4 attn.BATCH1_WARPS=4 attn.BATCH1_STAGES=2", known, cfg)
+    assert (skinny_on, fused, with_pdl, prefetch) == known[base][:4]
+    assert table == {(4096, 4096): [(32, bench_gemm.GemmConfig(32, 512, 1, 4, 4))]}
+    assert knobs == {"attn.BATCH1_WARPS": 4, "attn.BATCH1_STAGES": 2}
+    for label, message in [
+        ("nothing with o=64:256:1:4:4", "no variant named 'nothing'"),
+        (f"{base} with o=64:256", "block_n:block_k:split:warps:stages"),
+        (f"{base} with attn.NOPE=3", "no projection or knob 'attn.NOPE'"),
+        (f"{base} with attn.BATCH1_STAGES", "want NAME=integer"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            bench_gemm.composed_variant(label, known, cfg)
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--shapes", "llama2-7b x"], "--shapes: no projection llama2-7b x"),
+    (["--shapes", "llama2-7b o", "--configs", "64:256"], "--configs: a comma list of block_n:block_k:split:warps:stages"),
+    (["--decode-step", "--variants", "skinny+norm with o=1"], "--variants: 'o=1': a projection's config is"),
+])
+def test_config_and_composed_arguments_are_refused_by_name(args, message):
+    done = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2
+    assert message in done.stderr

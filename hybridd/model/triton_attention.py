@@ -51,6 +51,10 @@ class DecodePlan:
 # captured); `scripts/bench_gemm.py --decode-step`'s `attn` variants time others in the
 # whole step.
 BATCH1_PROGRAMS = 256
+# Warps, pipeline stages and tile (tokens) of a batch-1 program.
+BATCH1_WARPS = 2
+BATCH1_STAGES = 3
+BATCH1_TILE = 64
 
 
 def decode_plan(batch: int, kv_heads: int, max_tokens: int) -> DecodePlan:
@@ -70,13 +74,18 @@ def decode_plan(batch: int, kv_heads: int, max_tokens: int) -> DecodePlan:
     at batch 1 with dependent launch on, and no faster with it off. Reading only the
     lengths and the first tile's block ids before the wait changed the step by +0.2 %
     at batch 1 and +1.9 % at batch 8; 128 programs at batch 1 instead of 256, +1.3 % on
-    Llama-2-7B and -0.3 % on Llama-3-8B (each the whole decode step, context 512)."""
-    tile = 64
+    Llama-2-7B and -0.3 % on Llama-3-8B (each the whole decode step, context 512). At
+    batch 1 on Llama-2-7B, 512 programs, 32-token tiles (256, 512 or 1024 programs), one
+    128-token tile per program, one or two stages and four warps all measured within
+    0.5 % of these settings in the decode step at context 512 and 200."""
+    tile = BATCH1_TILE if batch == 1 else 64
     target = BATCH1_PROGRAMS if batch == 1 else 512
     want = max(1, -(-target // (batch * kv_heads)))
     most = max(1, -(-max_tokens // tile))
     splits = triton.next_power_of_2(min(want, most, 32))
-    return DecodePlan(splits=splits, tile=tile, num_warps=2 if batch == 1 else 4, num_stages=3)
+    if batch == 1:
+        return DecodePlan(splits=splits, tile=tile, num_warps=BATCH1_WARPS, num_stages=BATCH1_STAGES)
+    return DecodePlan(splits=splits, tile=tile, num_warps=4, num_stages=3)
 
 
 @triton.jit

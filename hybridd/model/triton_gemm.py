@@ -421,21 +421,26 @@ def launch(
 
 # (N, K) -> [(largest row count, config or None for cuBLAS), ...] ascending, from
 # `python scripts/bench_gemm.py --sweep` on the H200 (2026-12-01); where configs were within
-# the run-to-run spread of each other, one config serves all row counts.
+# the run-to-run spread of each other, one config serves all row counts. The o and down
+# projections fill 64 of the GPU's multiprocessors: up to 16 rows, 128-column steps seven
+# deep keep more of their weight in flight, 1.6-2.1 % off the Llama-2-7B decode step at
+# batch 1-16 and 0.5-0.8 % off Llama-3-8B's (`--decode-step` with PDL, 2026-12-03); at
+# 32 rows they were slower.
+_O_DOWN_UP_TO_16 = GemmConfig(64, 128, 1, 4, 7)
 _TABLE: dict[tuple[int, int], list[tuple[int, GemmConfig | None]]] = {
     # o_proj of both models
-    (4096, 4096): [(32, GemmConfig(64, 256, 1, 4, 4))],
+    (4096, 4096): [(16, _O_DOWN_UP_TO_16), (32, GemmConfig(64, 256, 1, 4, 4))],
     # Llama-2-7B
     (12288, 4096): [(32, GemmConfig(64, 128, 1, 4, 4))],
     # cuBLAS measured faster at 9-32 rows alone, but not in the decode step, where the
     # skinny kernel also takes the norm (`scripts/bench_gemm.py --decode-step`, batch 16/32).
     (22016, 4096): [(32, GemmConfig(64, 256, 1, 4, 4))],
-    (4096, 11008): [(32, GemmConfig(64, 256, 1, 4, 4))],
+    (4096, 11008): [(16, _O_DOWN_UP_TO_16), (32, GemmConfig(64, 256, 1, 4, 4))],
     (32000, 4096): [(16, GemmConfig(64, 128, 1, 4, 4)), (32, GemmConfig(128, 128, 1, 4, 4))],
     # Llama-3-8B
     (6144, 4096): [(32, GemmConfig(64, 128, 1, 4, 6))],
     (28672, 4096): [(32, GemmConfig(64, 128, 1, 4, 4))],
-    (4096, 14336): [(16, GemmConfig(64, 256, 1, 4, 4)), (32, GemmConfig(64, 256, 2, 4, 4))],
+    (4096, 14336): [(16, _O_DOWN_UP_TO_16), (32, GemmConfig(64, 256, 2, 4, 4))],
     (128256, 4096): [(32, GemmConfig(128, 128, 1, 4, 4))],
 }
 
