@@ -298,15 +298,23 @@ def sweep_mid(bw: float, results: dict, rows: list[int]) -> None:
         torch.cuda.empty_cache()
 
 
+def config_from(text: str) -> GemmConfig:
+    """block_n:block_k:split:warps:stages, optionally :tma (weight tiles through the TMA).
+    ValueError naming what is wrong."""
+    parts = text.split(":")
+    tma = parts[-1] == "tma"
+    numbers = parts[:-1] if tma else parts
+    if len(numbers) != 5 or not all(n.isdigit() for n in numbers):
+        raise ValueError(f"a config is block_n:block_k:split:warps:stages[:tma], got {text!r}")
+    return GemmConfig(*(int(n) for n in numbers), tma=tma)
+
+
 def parse_configs(text: str) -> list[GemmConfig]:
-    """--configs: a comma list of block_n:block_k:split:warps:stages."""
-    configs = []
-    for part in text.split(","):
-        numbers = part.split(":")
-        if len(numbers) != 5 or not all(n.isdigit() for n in numbers):
-            raise argparse.ArgumentTypeError(f"a comma list of block_n:block_k:split:warps:stages, got {text!r}")
-        configs.append(GemmConfig(*(int(n) for n in numbers)))
-    return configs
+    """--configs: a comma list of block_n:block_k:split:warps:stages[:tma]."""
+    try:
+        return [config_from(part) for part in text.split(",")]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"a comma list of block_n:block_k:split:warps:stages[:tma], got {text!r}") from e
 
 
 def time_configs(bw: float, results: dict, shapes: list[str], configs: list[GemmConfig], rows: list[int]) -> None:
@@ -321,8 +329,8 @@ def time_configs(bw: float, results: dict, shapes: list[str], configs: list[Gemm
             table = triton_gemm.config_for(m, n, k)
             timed = [("cuBLAS", time_per_call(cublas, ops, m))]
             for c in ([table] if table else []) + [c for c in configs if c != table]:
-                label = f"{c.block_n}:{c.block_k}:{c.split_k}:{c.num_warps}:{c.num_stages}" + (
-                    " (table)" if c == table else "")
+                label = (f"{c.block_n}:{c.block_k}:{c.split_k}:{c.num_warps}:{c.num_stages}" + (":tma" if c.tma else "")
+                         + (" (table)" if c == table else ""))
                 try:
                     err = check(skinny(c), ops, m)
                     if not err < 1e-2:
@@ -403,7 +411,7 @@ def projection_shapes(cfg) -> dict[str, tuple[int, int]]:
 
 def composed_variant(label: str, known: dict, cfg) -> tuple:
     """A step variant written as `BASE with CHANGE ...`: BASE a variant of `step_variants`,
-    each CHANGE either PROJECTION=block_n:block_k:split:warps:stages (that projection's
+    each CHANGE either PROJECTION=block_n:block_k:split:warps:stages[:tma] (that projection's
     config at every row count) or a knob of `KNOBS`=integer. ValueError naming what is
     wrong."""
     base, _, changes = label.partition(" with ")
@@ -414,19 +422,18 @@ def composed_variant(label: str, known: dict, cfg) -> tuple:
     shapes = projection_shapes(cfg)
     for change in changes.split():
         name, eq, value = change.partition("=")
-        try:
-            numbers = [int(part) for part in value.split(":")]
-        except ValueError:
-            numbers = []
-        if not eq or not numbers:
-            raise ValueError(f"{change!r} in {label!r}: want NAME=integer or PROJECTION=bn:bk:split:warps:stages")
+        if not eq or not value:
+            raise ValueError(f"{change!r} in {label!r}: want NAME=integer or PROJECTION=bn:bk:split:warps:stages[:tma]")
         if name in shapes:
-            if len(numbers) != 5:
-                raise ValueError(f"{change!r}: a projection's config is block_n:block_k:split:warps:stages")
-            table[shapes[name]] = [(32, GemmConfig(*numbers))]
+            try:
+                table[shapes[name]] = [(32, config_from(value))]
+            except ValueError as e:
+                raise ValueError(f"{change!r}: {e}") from None
         elif name in KNOBS:
+            if not value.lstrip("-").isdigit():
+                raise ValueError(f"{change!r} in {label!r}: a knob takes an integer")
             default = getattr(_knob_module(name), name.split(".")[1])
-            knobs[name] = type(default)(numbers[0])
+            knobs[name] = type(default)(int(value))
         else:
             raise ValueError(f"{change!r}: no projection or knob {name!r} (projections {', '.join(shapes)}; "
                              f"knobs {', '.join(KNOBS)})")

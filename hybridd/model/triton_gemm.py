@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from hybridd import gemm_fusions
 from hybridd.model import pdl, split_scratch
@@ -50,6 +51,9 @@ class GemmConfig:
     num_warps: int = 4
     num_stages: int = 4
     block_m: int = 0  # rows per tile, a power of two >= 16; 0: 16 or 32 by the row count
+    # Weight tiles through the Tensor Memory Accelerator (Hopper's bulk copies into
+    # shared memory) instead of per-thread loads; plain and norm-folded products only.
+    tma: bool = False
 
     def __post_init__(self) -> None:
         if self.block_m and (self.block_m < 16 or self.block_m & (self.block_m - 1)):
@@ -71,6 +75,19 @@ def _multiply_add(acc, w_rows, x_ptr, offs_m, k_idx, mask_m, mask_n, stride_xm, 
             w_rows + k_idx[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0, eviction_policy="evict_first"
         )
         a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+    return tl.dot(w, tl.trans(a), acc)
+
+
+@triton.jit
+def _multiply_add_tma(acc, w_desc, n0, k0, x_ptr, offs_m, k_idx, mask_m, stride_xm, K, EVEN_K: tl.constexpr):
+    """`_multiply_add` with the weight tile [BLOCK_N, BLOCK_K] at (n0, k0) copied by the
+    TMA (rows or columns past W's edge read as zero)."""
+    w = w_desc.load([n0, k0])
+    a_ptrs = x_ptr + offs_m[:, None] * stride_xm + k_idx[None, :]
+    if EVEN_K:
+        a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
+    else:
+        a = tl.load(a_ptrs, mask=mask_m[:, None] & (k_idx < K)[None, :], other=0.0)
     return tl.dot(w, tl.trans(a), acc)
 
 
@@ -214,6 +231,7 @@ def _skinny_gemm_kernel(
     ROTARY: tl.constexpr = False, HEADS: tl.constexpr = 1, KV_HEADS: tl.constexpr = 1, HALF: tl.constexpr = 1,
     stats_ptr=None, n_stats=1, eps=0.0, res_ptr=None, stats_out_ptr=None,
     NORM: tl.constexpr = False, STATS_PAD: tl.constexpr = 1, RESIDUAL: tl.constexpr = False,
+    w_desc=None, TMA: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -265,11 +283,21 @@ def _skinny_gemm_kernel(
         # loop is not software-pipelined when compiled, so it serves the interpreter only.
         k = 0
         while k < k_per_split:
-            acc = _multiply_add(acc, w_rows, x_ptr, offs_m, k_start + k + offs_k, mask_m, mask_n, stride_xm, K, EVEN_K)
+            if TMA:
+                acc = _multiply_add_tma(acc, w_desc, pid_n * BLOCK_N, k_start + k, x_ptr, offs_m, k_start + k + offs_k,
+                                        mask_m, stride_xm, K, EVEN_K)
+            else:
+                acc = _multiply_add(acc, w_rows, x_ptr, offs_m, k_start + k + offs_k, mask_m, mask_n, stride_xm, K,
+                                    EVEN_K)
             k += BLOCK_K
     else:
         for k in range(0, k_per_split, BLOCK_K):
-            acc = _multiply_add(acc, w_rows, x_ptr, offs_m, k_start + k + offs_k, mask_m, mask_n, stride_xm, K, EVEN_K)
+            if TMA:
+                acc = _multiply_add_tma(acc, w_desc, pid_n * BLOCK_N, k_start + k, x_ptr, offs_m, k_start + k + offs_k,
+                                        mask_m, stride_xm, K, EVEN_K)
+            else:
+                acc = _multiply_add(acc, w_rows, x_ptr, offs_m, k_start + k + offs_k, mask_m, mask_n, stride_xm, K,
+                                    EVEN_K)
     if NORM:
         # The norm's weight is folded into W (`LlamaModel.fold_norms`): what is left of it
         # is one scale per row, which commutes with the product and with the split sum.
@@ -335,6 +363,19 @@ def _rotary_operands(rotary: RotaryArgs, m: int, n: int, block_n: int) -> dict |
         sin_ptr=rotary.sin, kc_ptr=rotary.k_cache, vc_ptr=rotary.v_cache, ROTARY=True, HEADS=h, KV_HEADS=kvh,
         HALF=d // 2,
     )
+
+
+def _tma_ready(weight: torch.Tensor, config: GemmConfig, gated: bool, rotary: RotaryArgs | None) -> bool:
+    """Whether W's tiles can come through the TMA: Hopper or newer, rows of whole 16-byte
+    units from a 16-byte aligned base, a tile of at most 256 x 256 (the copy engine's box),
+    and a product whose tiles are W's own consecutive rows (not gated, not rotary)."""
+    if gated or rotary is not None or max(config.block_n, config.block_k) > 256:
+        return False
+    if (weight.shape[1] * weight.element_size()) % 16 or weight.data_ptr() % 16:
+        return False
+    if weight.is_cuda:
+        return torch.cuda.get_device_capability(weight.device)[0] >= 9
+    return _INTERPRET
 
 
 @dataclass(frozen=True, eq=False)
@@ -407,6 +448,8 @@ def launch(
     if residual is not None:
         sum_squares = torch.empty((m, tiles_n), dtype=torch.float32, device=x.device)
         fused |= dict(res_ptr=residual, stats_out_ptr=sum_squares, RESIDUAL=True)
+    if config.tma and _tma_ready(weight, config, gated, rotary):
+        fused |= dict(w_desc=TensorDescriptor.from_tensor(weight, [config.block_n, config.block_k]), TMA=True)
     _skinny_gemm_kernel[(tiles_n, split)](
         x, weight, bias if bias is not None else weight, y, ws, counts,
         m, n, k, k_per_split, split, x.stride(0), y.stride(0),
