@@ -462,6 +462,24 @@ def test_rotary_epilogue_matches_linear_then_torch_rotary_write_kv(m, heads, kv_
         assert bool((cache[:blocks] == SENTINEL).eq(ref_cache[:blocks] == SENTINEL).all())
 
 
+def test_rotary_epilogue_with_weight_tiles_through_the_tma():
+    """A rotary tile through the TMA is two copies (dims i, then their partners i + d/2),
+    interleaved after the product: the same q, k, v and cache writes as the reference, for
+    every rotary case whose weight rows the TMA can copy."""
+    ran = 0
+    for case in ROTARY_CASES:
+        m, heads, kv_heads, d, k, block_n, split, bias, padded = case.values
+        x, w, b, r = rotary_case(m, heads, kv_heads, d, k, bias, seed=m * 100 + d + k, padded=padded)
+        config = GemmConfig(block_n=block_n, block_k=32, split_k=split, tma=True)
+        if not triton_gemm._tma_ready(w, config, gated=False, rotary=r):
+            continue
+        y = triton_gemm.launch(x, w, b, config, rotary=r)
+        assert y is not None and y.shape == (m, w.shape[0]), case.id
+        assert_matches_torch_rotary(x, w, b, r, *r.split_qkv(y))
+        ran += 1
+    assert ran >= 3
+
+
 @pytest.mark.parametrize(("m", "heads", "kv_heads", "d", "k", "block_n", "split", "bias", "padded"),
                          [c for c in ROTARY_CASES if c.values[6] == 1])
 def test_rotary_epilogue_is_the_projection_then_rotary_write_kv(m, heads, kv_heads, d, k, block_n, split, bias,

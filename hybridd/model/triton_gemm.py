@@ -92,6 +92,22 @@ def _multiply_add_tma(acc, w_desc, n0, k0, x_ptr, offs_m, k_idx, mask_m, stride_
 
 
 @triton.jit
+def _k_step(acc, acc_b, w_rows, w_desc, n0, k0, x_ptr, offs_m, offs_k, mask_m, mask_n, stride_xm, K,
+            EVEN_K: tl.constexpr, TMA: tl.constexpr, PAIRED: tl.constexpr, HALF: tl.constexpr):
+    """One BLOCK_K step of the product: through per-thread loads of the tile's rows, or
+    through the TMA (PAIRED: rows n0.. into acc and their rotate-half partners n0 + HALF..
+    into acc_b)."""
+    if TMA:
+        acc = _multiply_add_tma(acc, w_desc, n0, k0, x_ptr, offs_m, k0 + offs_k, mask_m, stride_xm, K, EVEN_K)
+        if PAIRED:
+            acc_b = _multiply_add_tma(acc_b, w_desc, n0 + HALF, k0, x_ptr, offs_m, k0 + offs_k, mask_m, stride_xm, K,
+                                      EVEN_K)
+    else:
+        acc = _multiply_add(acc, w_rows, x_ptr, offs_m, k0 + offs_k, mask_m, mask_n, stride_xm, K, EVEN_K)
+    return acc, acc_b
+
+
+@triton.jit
 def _store_out(y_ptr, b_ptr, acc, offs_m, offs_n, mask_m, mask_n, stride_ym, HAS_BIAS: tl.constexpr):
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
@@ -276,28 +292,32 @@ def _skinny_gemm_kernel(
                              BLOCK_N // 2)
     else:
         rope = None
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    if TMA and ROTARY:
+        # Two copies per step, the tile's dims i and their partners i + HALF: each a block of
+        # consecutive rows of W; the rows are interleaved once, after the product.
+        acc = tl.zeros((BLOCK_N // 2, BLOCK_M), dtype=tl.float32)
+        acc_b = tl.zeros((BLOCK_N // 2, BLOCK_M), dtype=tl.float32)
+        tiles_per_head = HALF // (BLOCK_N // 2)
+        n0 = (pid_n // tiles_per_head) * (2 * HALF) + (pid_n % tiles_per_head) * (BLOCK_N // 2)
+    else:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        acc_b = 0.0
+        n0 = pid_n * BLOCK_N
     # The last split may run past K: its loads there are masked off (EVEN_K: never happens).
     if INTERPRET:
         # Triton's CPU interpreter cannot take a runtime loop bound in range(); a while
         # loop is not software-pipelined when compiled, so it serves the interpreter only.
         k = 0
         while k < k_per_split:
-            if TMA:
-                acc = _multiply_add_tma(acc, w_desc, pid_n * BLOCK_N, k_start + k, x_ptr, offs_m, k_start + k + offs_k,
-                                        mask_m, stride_xm, K, EVEN_K)
-            else:
-                acc = _multiply_add(acc, w_rows, x_ptr, offs_m, k_start + k + offs_k, mask_m, mask_n, stride_xm, K,
-                                    EVEN_K)
+            acc, acc_b = _k_step(acc, acc_b, w_rows, w_desc, n0, k_start + k, x_ptr, offs_m, offs_k, mask_m, mask_n,
+                                 stride_xm, K, EVEN_K, TMA, ROTARY, HALF)
             k += BLOCK_K
     else:
         for k in range(0, k_per_split, BLOCK_K):
-            if TMA:
-                acc = _multiply_add_tma(acc, w_desc, pid_n * BLOCK_N, k_start + k, x_ptr, offs_m, k_start + k + offs_k,
-                                        mask_m, stride_xm, K, EVEN_K)
-            else:
-                acc = _multiply_add(acc, w_rows, x_ptr, offs_m, k_start + k + offs_k, mask_m, mask_n, stride_xm, K,
-                                    EVEN_K)
+            acc, acc_b = _k_step(acc, acc_b, w_rows, w_desc, n0, k_start + k, x_ptr, offs_m, offs_k, mask_m, mask_n,
+                                 stride_xm, K, EVEN_K, TMA, ROTARY, HALF)
+    if TMA and ROTARY:
+        acc = tl.reshape(tl.permute(tl.join(acc, acc_b), (0, 2, 1)), (BLOCK_N, BLOCK_M))
     if NORM:
         # The norm's weight is folded into W (`LlamaModel.fold_norms`): what is left of it
         # is one scale per row, which commutes with the product and with the split sum.
@@ -368,8 +388,9 @@ def _rotary_operands(rotary: RotaryArgs, m: int, n: int, block_n: int) -> dict |
 def _tma_ready(weight: torch.Tensor, config: GemmConfig, gated: bool, rotary: RotaryArgs | None) -> bool:
     """Whether W's tiles can come through the TMA: Hopper or newer, rows of whole 16-byte
     units from a 16-byte aligned base, a tile of at most 256 x 256 (the copy engine's box),
-    and a product whose tiles are W's own consecutive rows (not gated, not rotary)."""
-    if gated or rotary is not None or max(config.block_n, config.block_k) > 256:
+    and a product whose tiles are blocks of W's consecutive rows (not gated; a rotary
+    tile is two)."""
+    if gated or max(config.block_n, config.block_k) > 256:
         return False
     if (weight.shape[1] * weight.element_size()) % 16 or weight.data_ptr() % 16:
         return False
@@ -449,7 +470,8 @@ def launch(
         sum_squares = torch.empty((m, tiles_n), dtype=torch.float32, device=x.device)
         fused |= dict(res_ptr=residual, stats_out_ptr=sum_squares, RESIDUAL=True)
     if config.tma and _tma_ready(weight, config, gated, rotary):
-        fused |= dict(w_desc=TensorDescriptor.from_tensor(weight, [config.block_n, config.block_k]), TMA=True)
+        rows = config.block_n // 2 if rotary is not None else config.block_n
+        fused |= dict(w_desc=TensorDescriptor.from_tensor(weight, [rows, config.block_k]), TMA=True)
     _skinny_gemm_kernel[(tiles_n, split)](
         x, weight, bias if bias is not None else weight, y, ws, counts,
         m, n, k, k_per_split, split, x.stride(0), y.stride(0),
