@@ -299,22 +299,24 @@ def sweep_mid(bw: float, results: dict, rows: list[int]) -> None:
 
 
 def config_from(text: str) -> GemmConfig:
-    """block_n:block_k:split:warps:stages, optionally :tma (weight tiles through the TMA).
-    ValueError naming what is wrong."""
+    """block_n:block_k:split:warps:stages, then optionally :mROWS (a tile of ROWS rows, for
+    more than 32). ValueError naming what is wrong."""
     parts = text.split(":")
-    tma = parts[-1] == "tma"
-    numbers = parts[:-1] if tma else parts
-    if len(numbers) != 5 or not all(n.isdigit() for n in numbers):
-        raise ValueError(f"a config is block_n:block_k:split:warps:stages[:tma], got {text!r}")
-    return GemmConfig(*(int(n) for n in numbers), tma=tma)
+    block_m = 0
+    if len(parts) == 6 and parts[5][:1] == "m" and parts[5][1:].isdigit():
+        block_m = int(parts.pop()[1:])
+    if len(parts) != 5 or not all(n.isdigit() for n in parts):
+        raise ValueError(f"a config is block_n:block_k:split:warps:stages[:mROWS], got {text!r}")
+    return GemmConfig(*(int(n) for n in parts), block_m=block_m)
 
 
 def parse_configs(text: str) -> list[GemmConfig]:
-    """--configs: a comma list of block_n:block_k:split:warps:stages[:tma]."""
+    """--configs: a comma list of block_n:block_k:split:warps:stages[:mROWS]."""
     try:
         return [config_from(part) for part in text.split(",")]
     except ValueError as e:
-        raise argparse.ArgumentTypeError(f"a comma list of block_n:block_k:split:warps:stages[:tma], got {text!r}") from e
+        raise argparse.ArgumentTypeError(f"a comma list of block_n:block_k:split:warps:stages[:mROWS], "
+                                         f"got {text!r}: {e}") from e
 
 
 def time_configs(bw: float, results: dict, shapes: list[str], configs: list[GemmConfig], rows: list[int]) -> None:
@@ -329,7 +331,8 @@ def time_configs(bw: float, results: dict, shapes: list[str], configs: list[Gemm
             table = triton_gemm.config_for(m, n, k)
             timed = [("cuBLAS", time_per_call(cublas, ops, m))]
             for c in ([table] if table else []) + [c for c in configs if c != table]:
-                label = (f"{c.block_n}:{c.block_k}:{c.split_k}:{c.num_warps}:{c.num_stages}" + (":tma" if c.tma else "")
+                label = (f"{c.block_n}:{c.block_k}:{c.split_k}:{c.num_warps}:{c.num_stages}"
+                         + (f":m{c.block_m}" if c.block_m else "")
                          + (" (table)" if c == table else ""))
                 try:
                     err = check(skinny(c), ops, m)
@@ -411,7 +414,7 @@ def projection_shapes(cfg) -> dict[str, tuple[int, int]]:
 
 def composed_variant(label: str, known: dict, cfg) -> tuple:
     """A step variant written as `BASE with CHANGE ...`: BASE a variant of `step_variants`,
-    each CHANGE either PROJECTION=block_n:block_k:split:warps:stages[:tma] (that projection's
+    each CHANGE either PROJECTION=block_n:block_k:split:warps:stages[:mROWS] (that projection's
     config at every row count) or a knob of `KNOBS`=integer. ValueError naming what is
     wrong."""
     base, _, changes = label.partition(" with ")
@@ -423,7 +426,7 @@ def composed_variant(label: str, known: dict, cfg) -> tuple:
     for change in changes.split():
         name, eq, value = change.partition("=")
         if not eq or not value:
-            raise ValueError(f"{change!r} in {label!r}: want NAME=integer or PROJECTION=bn:bk:split:warps:stages[:tma]")
+            raise ValueError(f"{change!r} in {label!r}: want NAME=integer or PROJECTION=bn:bk:split:warps:stages[:mROWS]")
         if name in shapes:
             try:
                 table[shapes[name]] = [(32, config_from(value))]

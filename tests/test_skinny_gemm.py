@@ -87,44 +87,6 @@ def test_folded_norm_scales_each_row_by_its_inverse_rms(m, k, parts, split):
     assert rel(out, want) < TOL
 
 
-@pytest.mark.parametrize(("m", "n", "k", "block_n", "split", "bias", "fused"),
-                         [(1, 48, 96, 16, 1, False, None), (5, 50, 200, 16, 3, True, "residual"),
-                          (17, 64, 136, 32, 2, False, "norm"), (32, 40, 64, 16, 1, True, None)])
-def test_weight_tiles_through_the_tma_give_the_same_product(m, n, k, block_n, split, bias, fused):
-    """With `tma` the weight tiles come as bulk copies (edges past N and K read as zero):
-    the plain product, the residual epilogue and the folded norm as without it."""
-    x, w, b = operands(m, n, k, bias, seed=m * 3 + n + k)
-    config = GemmConfig(block_n=block_n, block_k=32, split_k=split, tma=True)
-    assert triton_gemm._tma_ready(w, config, gated=False, rotary=None)
-    plain = GemmConfig(block_n=block_n, block_k=32, split_k=split)
-    if fused == "residual":
-        residual = torch.randn(m, n, dtype=DTYPE, device=DEVICE, generator=torch.Generator(device=DEVICE).manual_seed(m))
-        (summed, parts), (want, want_parts) = (triton_gemm.launch(x, w, b, c, residual=residual) for c in (config, plain))
-        assert rel(summed, residual + F.linear(x, w, b)) < TOL and rel(summed, want) < TOL
-        assert rel(parts, want_parts) < 1e-4
-    elif fused == "norm":
-        sums = x.float().pow(2).sum(1, keepdim=True).contiguous()
-        norm = triton_gemm.FoldedNorm(1e-5, sums)
-        out = triton_gemm.launch(x, w, b, config, norm=norm)
-        want = F.linear(ref_ops.rms_norm(x, torch.ones(k, dtype=DTYPE, device=DEVICE), 1e-5), w, b)
-        assert rel(out, want) < TOL
-    else:
-        out = triton_gemm.launch(x, w, b, config)
-        assert out is not None and out.shape == (m, n) and rel(out, F.linear(x, w, b)) < TOL
-
-
-def test_tma_is_not_used_where_it_cannot_copy_the_tiles():
-    """Rows that are not whole 16-byte units, a tile past the copy engine's 256 x 256 box,
-    gated and rotary products: the per-thread loads serve them."""
-    _, w, _ = operands(1, 48, 96, False, seed=2)
-    tma = GemmConfig(16, 32, tma=True)
-    assert triton_gemm._tma_ready(w, tma, gated=False, rotary=None)
-    odd = torch.zeros(48, 98, dtype=torch.bfloat16, device=DEVICE)[:, :97]
-    assert not triton_gemm._tma_ready(odd.contiguous(), tma, gated=False, rotary=None)
-    assert not triton_gemm._tma_ready(w, GemmConfig(16, 512, tma=True), gated=False, rotary=None)
-    assert not triton_gemm._tma_ready(w, tma, gated=True, rotary=None)
-
-
 def test_fused_operands_are_checked():
     x, w, _ = operands(4, 32, 64, False, seed=1)
     with pytest.raises(ValueError, match="one of gated, rotary or residual"):
@@ -262,29 +224,6 @@ def test_every_projection_shape_on_gpu(n, k):
         if n <= 16384:  # an uneven split (the last one partly past K); its partials fit the workspace
             split = triton_gemm.launch(x, w, None, GemmConfig(64, 128, split_k=3))
             assert split is not None and rel(split, ref) < TOL, m
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize(("n", "k"), [LLAMA2_7B["o"], LLAMA2_7B["down"], LLAMA2_7B["gate_up"], LLAMA3_8B["down"],
-                                      LLAMA3_8B["lm_head"]], ids=["o", "down-7b", "gate_up-7b", "down-8b", "lm_head-8b"])
-def test_tma_product_on_gpu_matches_linear_and_replays_in_a_graph(n, k):
-    """Weight tiles through the TMA for the projections it serves, eager and replayed from
-    a CUDA graph with new rows (the descriptor is captured by value), split and not."""
-    x, w, _ = operands(16, n, k, False, seed=n + 3 * k)
-    for config in (GemmConfig(64, 128, 1, 4, 7, tma=True), GemmConfig(64, 128, 2, 4, 5, tma=True)):
-        assert triton_gemm._tma_ready(w, config, gated=False, rotary=None)
-        for m in (1, 7, 16):
-            assert rel(triton_gemm.launch(x[:m], w, None, config), F.linear(x[:m], w)) < TOL, (m, config)
-    config = GemmConfig(64, 128, 1, 4, 7, tma=True)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = triton_gemm.launch(x, w, None, config)
-    for seed in range(2):
-        x.copy_(torch.randn(x.shape, generator=torch.Generator().manual_seed(seed)).to(DEVICE, DTYPE))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert rel(out, F.linear(x, w)) < TOL
 
 
 @pytest.mark.gpu
@@ -460,24 +399,6 @@ def test_rotary_epilogue_matches_linear_then_torch_rotary_write_kv(m, heads, kv_
         flat, flat_ref = cache.view(-1, kv_heads, d), ref_cache.view(-1, kv_heads, d)
         assert rel(flat[r.slot_mapping[real]], flat_ref[r.slot_mapping[real]]) < TOL
         assert bool((cache[:blocks] == SENTINEL).eq(ref_cache[:blocks] == SENTINEL).all())
-
-
-def test_rotary_epilogue_with_weight_tiles_through_the_tma():
-    """A rotary tile through the TMA is two copies (dims i, then their partners i + d/2),
-    interleaved after the product: the same q, k, v and cache writes as the reference, for
-    every rotary case whose weight rows the TMA can copy."""
-    ran = 0
-    for case in ROTARY_CASES:
-        m, heads, kv_heads, d, k, block_n, split, bias, padded = case.values
-        x, w, b, r = rotary_case(m, heads, kv_heads, d, k, bias, seed=m * 100 + d + k, padded=padded)
-        config = GemmConfig(block_n=block_n, block_k=32, split_k=split, tma=True)
-        if not triton_gemm._tma_ready(w, config, gated=False, rotary=r):
-            continue
-        y = triton_gemm.launch(x, w, b, config, rotary=r)
-        assert y is not None and y.shape == (m, w.shape[0]), case.id
-        assert_matches_torch_rotary(x, w, b, r, *r.split_qkv(y))
-        ran += 1
-    assert ran >= 3
 
 
 @pytest.mark.parametrize(("m", "heads", "kv_heads", "d", "k", "block_n", "split", "bias", "padded"),

@@ -29,7 +29,6 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from hybridd import gemm_fusions
 from hybridd.model import pdl, split_scratch
@@ -51,9 +50,6 @@ class GemmConfig:
     num_warps: int = 4
     num_stages: int = 4
     block_m: int = 0  # rows per tile, a power of two >= 16; 0: 16 or 32 by the row count
-    # Weight tiles through the Tensor Memory Accelerator (Hopper's bulk copies into
-    # shared memory) instead of per-thread loads; plain and norm-folded products only.
-    tma: bool = False
 
     def __post_init__(self) -> None:
         if self.block_m and (self.block_m < 16 or self.block_m & (self.block_m - 1)):
@@ -76,35 +72,6 @@ def _multiply_add(acc, w_rows, x_ptr, offs_m, k_idx, mask_m, mask_n, stride_xm, 
         )
         a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
     return tl.dot(w, tl.trans(a), acc)
-
-
-@triton.jit
-def _multiply_add_tma(acc, w_desc, n0, k0, x_ptr, offs_m, k_idx, mask_m, stride_xm, K, EVEN_K: tl.constexpr):
-    """`_multiply_add` with the weight tile [BLOCK_N, BLOCK_K] at (n0, k0) copied by the
-    TMA (rows or columns past W's edge read as zero)."""
-    w = w_desc.load([n0, k0])
-    a_ptrs = x_ptr + offs_m[:, None] * stride_xm + k_idx[None, :]
-    if EVEN_K:
-        a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
-    else:
-        a = tl.load(a_ptrs, mask=mask_m[:, None] & (k_idx < K)[None, :], other=0.0)
-    return tl.dot(w, tl.trans(a), acc)
-
-
-@triton.jit
-def _k_step(acc, acc_b, w_rows, w_desc, n0, k0, x_ptr, offs_m, offs_k, mask_m, mask_n, stride_xm, K,
-            EVEN_K: tl.constexpr, TMA: tl.constexpr, PAIRED: tl.constexpr, HALF: tl.constexpr):
-    """One BLOCK_K step of the product: through per-thread loads of the tile's rows, or
-    through the TMA (PAIRED: rows n0.. into acc and their rotate-half partners n0 + HALF..
-    into acc_b)."""
-    if TMA:
-        acc = _multiply_add_tma(acc, w_desc, n0, k0, x_ptr, offs_m, k0 + offs_k, mask_m, stride_xm, K, EVEN_K)
-        if PAIRED:
-            acc_b = _multiply_add_tma(acc_b, w_desc, n0 + HALF, k0, x_ptr, offs_m, k0 + offs_k, mask_m, stride_xm, K,
-                                      EVEN_K)
-    else:
-        acc = _multiply_add(acc, w_rows, x_ptr, offs_m, k0 + offs_k, mask_m, mask_n, stride_xm, K, EVEN_K)
-    return acc, acc_b
 
 
 @triton.jit
@@ -247,7 +214,6 @@ def _skinny_gemm_kernel(
     ROTARY: tl.constexpr = False, HEADS: tl.constexpr = 1, KV_HEADS: tl.constexpr = 1, HALF: tl.constexpr = 1,
     stats_ptr=None, n_stats=1, eps=0.0, res_ptr=None, stats_out_ptr=None,
     NORM: tl.constexpr = False, STATS_PAD: tl.constexpr = 1, RESIDUAL: tl.constexpr = False,
-    w_desc=None, TMA: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -292,32 +258,18 @@ def _skinny_gemm_kernel(
                              BLOCK_N // 2)
     else:
         rope = None
-    if TMA and ROTARY:
-        # Two copies per step, the tile's dims i and their partners i + HALF: each a block of
-        # consecutive rows of W; the rows are interleaved once, after the product.
-        acc = tl.zeros((BLOCK_N // 2, BLOCK_M), dtype=tl.float32)
-        acc_b = tl.zeros((BLOCK_N // 2, BLOCK_M), dtype=tl.float32)
-        tiles_per_head = HALF // (BLOCK_N // 2)
-        n0 = (pid_n // tiles_per_head) * (2 * HALF) + (pid_n % tiles_per_head) * (BLOCK_N // 2)
-    else:
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        acc_b = 0.0
-        n0 = pid_n * BLOCK_N
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     # The last split may run past K: its loads there are masked off (EVEN_K: never happens).
     if INTERPRET:
         # Triton's CPU interpreter cannot take a runtime loop bound in range(); a while
         # loop is not software-pipelined when compiled, so it serves the interpreter only.
         k = 0
         while k < k_per_split:
-            acc, acc_b = _k_step(acc, acc_b, w_rows, w_desc, n0, k_start + k, x_ptr, offs_m, offs_k, mask_m, mask_n,
-                                 stride_xm, K, EVEN_K, TMA, ROTARY, HALF)
+            acc = _multiply_add(acc, w_rows, x_ptr, offs_m, k_start + k + offs_k, mask_m, mask_n, stride_xm, K, EVEN_K)
             k += BLOCK_K
     else:
         for k in range(0, k_per_split, BLOCK_K):
-            acc, acc_b = _k_step(acc, acc_b, w_rows, w_desc, n0, k_start + k, x_ptr, offs_m, offs_k, mask_m, mask_n,
-                                 stride_xm, K, EVEN_K, TMA, ROTARY, HALF)
-    if TMA and ROTARY:
-        acc = tl.reshape(tl.permute(tl.join(acc, acc_b), (0, 2, 1)), (BLOCK_N, BLOCK_M))
+            acc = _multiply_add(acc, w_rows, x_ptr, offs_m, k_start + k + offs_k, mask_m, mask_n, stride_xm, K, EVEN_K)
     if NORM:
         # The norm's weight is folded into W (`LlamaModel.fold_norms`): what is left of it
         # is one scale per row, which commutes with the product and with the split sum.
@@ -383,20 +335,6 @@ def _rotary_operands(rotary: RotaryArgs, m: int, n: int, block_n: int) -> dict |
         sin_ptr=rotary.sin, kc_ptr=rotary.k_cache, vc_ptr=rotary.v_cache, ROTARY=True, HEADS=h, KV_HEADS=kvh,
         HALF=d // 2,
     )
-
-
-def _tma_ready(weight: torch.Tensor, config: GemmConfig, gated: bool, rotary: RotaryArgs | None) -> bool:
-    """Whether W's tiles can come through the TMA: Hopper or newer, rows of whole 16-byte
-    units from a 16-byte aligned base, a tile of at most 256 x 256 (the copy engine's box),
-    and a product whose tiles are blocks of W's consecutive rows (not gated; a rotary
-    tile is two)."""
-    if gated or max(config.block_n, config.block_k) > 256:
-        return False
-    if (weight.shape[1] * weight.element_size()) % 16 or weight.data_ptr() % 16:
-        return False
-    if weight.is_cuda:
-        return torch.cuda.get_device_capability(weight.device)[0] >= 9
-    return _INTERPRET
 
 
 @dataclass(frozen=True, eq=False)
@@ -469,9 +407,6 @@ def launch(
     if residual is not None:
         sum_squares = torch.empty((m, tiles_n), dtype=torch.float32, device=x.device)
         fused |= dict(res_ptr=residual, stats_out_ptr=sum_squares, RESIDUAL=True)
-    if config.tma and _tma_ready(weight, config, gated, rotary):
-        rows = config.block_n // 2 if rotary is not None else config.block_n
-        fused |= dict(w_desc=TensorDescriptor.from_tensor(weight, [rows, config.block_k]), TMA=True)
     _skinny_gemm_kernel[(tiles_n, split)](
         x, weight, bias if bias is not None else weight, y, ws, counts,
         m, n, k, k_per_split, split, x.stride(0), y.stride(0),
