@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench_gemm.py"
 ATTENTION_SCRIPT = SCRIPT.parent / "bench_attention.py"
@@ -124,3 +125,14 @@ def test_config_and_composed_arguments_are_refused_by_name(args, message):
     done = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=300)
     assert done.returncode == 2
     assert message in done.stderr
+
+
+def test_profile_target_names_what_it_needs():
+    """The profiler target refuses, by name, a kernel it does not know and a machine
+    without CUDA (where it has nothing to profile)."""
+    script = SCRIPT.parent / "profile_target.py"
+    done = subprocess.run([sys.executable, str(script), "lm_head"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and "invalid choice: 'lm_head'" in done.stderr
+    if not torch.cuda.is_available():
+        done = subprocess.run([sys.executable, str(script), "attention"], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 2 and "needs a CUDA GPU" in done.stderr
