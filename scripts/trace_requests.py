@@ -101,7 +101,7 @@ def main() -> int:
     if args.model is None:
         from make_random_checkpoint import make_checkpoint
 
-        args.model = make_checkpoint(Path(f"/tmp/hybridd-{args.preset}-normal-random"), args.preset)
+        args.model = make_checkpoint(Path(f"/tmp/hybridd-{args.preset}-normal-random"), args.preset, device=args.device)
     from tests.engine_pair import EnginePair
 
     overrides = {"kv_cache_memory_fraction": 0.3} if args.device == "cuda" else {}
