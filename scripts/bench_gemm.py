@@ -300,22 +300,25 @@ def sweep_mid(bw: float, results: dict, rows: list[int]) -> None:
 
 def config_from(text: str) -> GemmConfig:
     """block_n:block_k:split:warps:stages, then optionally :mROWS (a tile of ROWS rows, for
-    more than 32). ValueError naming what is wrong."""
+    more than 32) and :pCOLUMNS (columns of each weight row prefetched into L2 before the
+    wait for the previous kernel). ValueError naming what is wrong."""
     parts = text.split(":")
-    block_m = 0
-    if len(parts) == 6 and parts[5][:1] == "m" and parts[5][1:].isdigit():
-        block_m = int(parts.pop()[1:])
+    extra = {"m": "block_m", "p": "prefetch_k"}
+    options = {}
+    while len(parts) > 5 and parts[-1][:1] in extra and parts[-1][1:].isdigit() and extra[parts[-1][0]] not in options:
+        token = parts.pop()
+        options[extra[token[0]]] = int(token[1:])
     if len(parts) != 5 or not all(n.isdigit() for n in parts):
-        raise ValueError(f"a config is block_n:block_k:split:warps:stages[:mROWS], got {text!r}")
-    return GemmConfig(*(int(n) for n in parts), block_m=block_m)
+        raise ValueError(f"a config is block_n:block_k:split:warps:stages[:mROWS][:pCOLUMNS], got {text!r}")
+    return GemmConfig(*(int(n) for n in parts), **options)
 
 
 def parse_configs(text: str) -> list[GemmConfig]:
-    """--configs: a comma list of block_n:block_k:split:warps:stages[:mROWS]."""
+    """--configs: a comma list of block_n:block_k:split:warps:stages[:mROWS][:pCOLUMNS]."""
     try:
         return [config_from(part) for part in text.split(",")]
     except ValueError as e:
-        raise argparse.ArgumentTypeError(f"a comma list of block_n:block_k:split:warps:stages[:mROWS], "
+        raise argparse.ArgumentTypeError(f"a comma list of block_n:block_k:split:warps:stages[:mROWS][:pCOLUMNS], "
                                          f"got {text!r}: {e}") from e
 
 
@@ -332,7 +335,7 @@ def time_configs(bw: float, results: dict, shapes: list[str], configs: list[Gemm
             timed = [("cuBLAS", time_per_call(cublas, ops, m))]
             for c in ([table] if table else []) + [c for c in configs if c != table]:
                 label = (f"{c.block_n}:{c.block_k}:{c.split_k}:{c.num_warps}:{c.num_stages}"
-                         + (f":m{c.block_m}" if c.block_m else "")
+                         + (f":m{c.block_m}" if c.block_m else "") + (f":p{c.prefetch_k}" if c.prefetch_k else "")
                          + (" (table)" if c == table else ""))
                 try:
                     err = check(skinny(c), ops, m)
@@ -414,7 +417,7 @@ def projection_shapes(cfg) -> dict[str, tuple[int, int]]:
 
 def composed_variant(label: str, known: dict, cfg) -> tuple:
     """A step variant written as `BASE with CHANGE ...`: BASE a variant of `step_variants`,
-    each CHANGE either PROJECTION=block_n:block_k:split:warps:stages[:mROWS] (that projection's
+    each CHANGE either PROJECTION=block_n:block_k:split:warps:stages[:mROWS][:pCOLUMNS] (that projection's
     config at every row count) or a knob of `KNOBS`=integer. ValueError naming what is
     wrong."""
     base, _, changes = label.partition(" with ")
@@ -426,7 +429,7 @@ def composed_variant(label: str, known: dict, cfg) -> tuple:
     for change in changes.split():
         name, eq, value = change.partition("=")
         if not eq or not value:
-            raise ValueError(f"{change!r} in {label!r}: want NAME=integer or PROJECTION=bn:bk:split:warps:stages[:mROWS]")
+            raise ValueError(f"{change!r} in {label!r}: want NAME=integer or PROJECTION=bn:bk:split:warps:stages[:mROWS][:pCOLUMNS]")
         if name in shapes:
             try:
                 table[shapes[name]] = [(32, config_from(value))]

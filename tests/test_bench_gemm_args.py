@@ -97,16 +97,17 @@ def test_composed_variants_change_a_known_variant():
     known = bench_gemm.step_variants(cfg, with_pdl=True)
     base = "skinny+norm+rotary+pdl+prefetch0"
     skinny_on, fused, with_pdl, prefetch, table, knobs = bench_gemm.composed_variant(
-        f"{base} with o=32:512:1:4:4 down=64:128:1:4:7:m64 attn.BATCH1_WARPS=4 attn.BATCH1_STAGES=2", known, cfg)
+        f"{base} with o=32:512:1:4:4 down=64:128:1:4:7:m64:p2048 attn.BATCH1_WARPS=4 attn.BATCH1_STAGES=2", known, cfg)
     assert (skinny_on, fused, with_pdl, prefetch) == known[base][:4]
     assert table == {(4096, 4096): [(32, bench_gemm.GemmConfig(32, 512, 1, 4, 4))],
-                     (4096, 11008): [(32, bench_gemm.GemmConfig(64, 128, 1, 4, 7, block_m=64))]}
+                     (4096, 11008): [(32, bench_gemm.GemmConfig(64, 128, 1, 4, 7, block_m=64, prefetch_k=2048))]}
     assert knobs == {"attn.BATCH1_WARPS": 4, "attn.BATCH1_STAGES": 2}
     for label, message in [
         ("nothing with o=64:256:1:4:4", "no variant named 'nothing'"),
         (f"{base} with o=64:256", "block_n:block_k:split:warps:stages"),
         (f"{base} with o=64:256:1:4:4:tmx", "block_n:block_k:split:warps:stages"),
         (f"{base} with o=64:256:1:4:4:m48", "block_m must be"),
+        (f"{base} with o=64:256:1:4:4:p512:p256", "block_n:block_k:split:warps:stages"),
         (f"{base} with attn.BATCH1_STAGES=two", "a knob takes an integer"),
         (f"{base} with attn.NOPE=3", "no projection or knob 'attn.NOPE'"),
         (f"{base} with attn.BATCH1_STAGES", "want NAME=integer"),

@@ -50,6 +50,9 @@ class GemmConfig:
     num_warps: int = 4
     num_stages: int = 4
     block_m: int = 0  # rows per tile, a power of two >= 16; 0: 16 or 32 by the row count
+    # Columns of its weight rows each program prefetches into L2 before waiting for the
+    # previous kernel (under PDL); 0: PREFETCH_COLUMNS.
+    prefetch_k: int = 0
 
     def __post_init__(self) -> None:
         if self.block_m and (self.block_m < 16 or self.block_m & (self.block_m - 1)):
@@ -306,12 +309,14 @@ PREFETCH_COLUMNS = 0
 
 
 def _prefetch_columns(weight: torch.Tensor, config: GemmConfig) -> int:
-    """The bulk prefetch copies whole 16-byte units from 16-byte aligned addresses."""
+    """The config's prefetch, else PREFETCH_COLUMNS; the bulk prefetch copies whole 16-byte
+    units from 16-byte aligned addresses."""
     k = weight.shape[1]
     size = weight.element_size()
     if not pdl.enabled(weight.device) or (k * size) % 16 or weight.data_ptr() % 16:
         return 0
-    return max(0, PREFETCH_COLUMNS - PREFETCH_COLUMNS % (16 // size))
+    columns = config.prefetch_k or PREFETCH_COLUMNS
+    return max(0, columns - columns % (16 // size))
 
 
 def _rotary_operands(rotary: RotaryArgs, m: int, n: int, block_n: int) -> dict | None:
