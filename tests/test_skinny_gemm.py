@@ -227,6 +227,25 @@ def test_every_projection_shape_on_gpu(n, k):
 
 
 @pytest.mark.gpu
+def test_a_config_prefetch_reaches_the_kernel_and_leaves_the_product_alone(monkeypatch):
+    """A config's own prefetch (`prefetch_k`) is what the kernel is launched with under
+    PDL, in place of PREFETCH_COLUMNS, and the product is the one without it, bit for bit."""
+    from hybridd.model import pdl
+
+    monkeypatch.setattr(pdl, "ENABLED", True)
+    x, w, _ = operands(4, 4096, 4096, False, seed=17)
+    plain, prefetching = GemmConfig(64, 128, 1, 4, 7), GemmConfig(64, 128, 1, 4, 7, prefetch_k=4096)
+    assert triton_gemm._prefetch_columns(w, prefetching) == 4096
+    assert triton_gemm._prefetch_columns(w, plain) == triton_gemm.PREFETCH_COLUMNS
+    residual = torch.randn(4, 4096, dtype=DTYPE, device=DEVICE)
+    for config in (plain, prefetching):
+        out, _ = triton_gemm.launch(x, w, None, config, residual=residual)
+        if config is plain:
+            want = out
+    assert torch.equal(out, want) and rel(out, residual + F.linear(x, w)) < TOL
+
+
+@pytest.mark.gpu
 def test_split_product_gives_the_same_bits_every_launch():
     """The last split program to arrive sums the partials in split order, so the arrival
     order, which varies from launch to launch, does not change a bit of the result (with
