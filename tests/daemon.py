@@ -95,7 +95,9 @@ def wait_until_ok(endpoint: str, timeout: float, process: subprocess.Popen | Non
             if process is not None and process.poll() is not None:
                 raise AssertionError(f"the daemon exited with {process.returncode}{tail()}")
             with contextlib.suppress(hybridd.HybriddError):
-                if client.health(timeout=0.5).ok:
+                health = client.health(timeout=0.5)
+                if health.ok:
+                    assert health.state == "ready", f"health ok in state {health.state}"
                     return time.monotonic()
             time.sleep(0.1)
     raise AssertionError(f"{endpoint} not ready within {timeout} s{tail()}")

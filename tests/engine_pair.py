@@ -30,8 +30,9 @@ class EnginePair:
         ctl = f"ipc://{runtime_dir}/ctl-test.sock"
         from hybridd.workers import context_generator, graph_generator
 
-        self.context = ctx.Process(target=context_target or context_generator.main, args=(self.config.to_dict(), ctl),
-                                   daemon=True)
+        # No supervisor calls this pair ready: the context generator's own state says it.
+        self.context = ctx.Process(target=context_target or context_generator.main,
+                                   args=(self.config.to_dict(), ctl, False), daemon=True)
         self.graph = ctx.Process(target=graph_generator.main, args=(self.config.to_dict(), ctl), daemon=True)
         try:
             with mock.patch.dict(os.environ, self.mps.env if self.mps else {}):

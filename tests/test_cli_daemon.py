@@ -4,6 +4,8 @@ CURVE, stop (drain), and the answers when no daemon runs."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
 import stat
 import subprocess
@@ -16,7 +18,7 @@ import pytest
 from hybridd import Client, DrainingError, HandshakeRefusedError, HybriddError, RequestCancelledError
 from hybridd.cli import EXIT_NOT_RUNNING, EXIT_REFUSED
 from hybridd.client import load_curve_keys
-from tests.daemon import HYBRIDD, free_port, run_daemon, wait_until_ok
+from tests.daemon import HYBRIDD, STARTUP_TIMEOUT_S, daemon_process, free_port, run_daemon, wait_until_ok
 
 
 def _hybridd(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
@@ -71,6 +73,39 @@ def test_commands_say_clearly_that_a_socket_is_stale(tmp_path):
     generate = _hybridd("generate", "hi", "--runtime-dir", str(tmp_path), "--connect-timeout", "0.5")
     assert (generate.returncode, generate.stderr) == (EXIT_NOT_RUNNING, f"hybridd is not running: {stale}\n")
     assert time.monotonic() - started < 20
+
+
+def _next_health(client: Client, process: subprocess.Popen, deadline: float):
+    while time.monotonic() < deadline:
+        assert process.poll() is None, f"the daemon exited with {process.returncode}"
+        try:
+            return client.health(timeout=0.5)
+        except HybriddError:
+            time.sleep(0.05)
+    raise AssertionError("no health reply in time")
+
+
+def test_health_is_ok_only_once_the_supervisor_calls_the_daemon_ready():
+    """The context generator serves a moment before the supervisor has heard it and
+    called the daemon ready; until then `health` is not ok, so a client that waited
+    for ok never reads `capturing` from `status`. A stopped supervisor holds that
+    moment open."""
+    with daemon_process("--no-compile-sampler", "--heartbeat-timeout-s", "600",
+                        env={"HYBRIDD_LOG_LEVEL": "warning"}) as daemon, Client(daemon.endpoint) as client:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        with Client(f"{daemon.endpoint}.supervisor") as supervisor:  # up long before the workers serve
+            assert not _next_health(supervisor, daemon.process, deadline).ok
+        os.kill(daemon.process.pid, signal.SIGSTOP)
+        try:
+            serving = _next_health(client, daemon.process, deadline)  # only the context generator can answer now
+        finally:
+            os.kill(daemon.process.pid, signal.SIGCONT)
+        assert not serving.ok, serving
+        while not (health := _next_health(client, daemon.process, deadline)).ok:
+            assert health.state != "ready" or not health.ok
+            time.sleep(0.05)
+        assert health.state == "ready"
+        assert client.status()["state"] == "ready"
 
 
 def test_daemon_commands_tcp_and_drain(keys):

@@ -66,7 +66,7 @@ def context_generator(tmp_path):
                                "device": "cpu", "dtype": "float32"})
     ctl = f"ipc://{tmp_path}/ctl-penalty.sock"
     graph = mp.get_context("spawn").Process(target=graph_generator.main, args=(config.to_dict(), ctl), daemon=True)
-    worker = ContextGenerator(config, ctl)
+    worker = ContextGenerator(config, ctl, supervised=False)
     graph.start()
     try:
         worker.start()

@@ -250,7 +250,7 @@ def test_context_generator_death_is_a_disconnect_every_client_sees_at_once(daemo
     wait_until_ok(daemon.endpoint, 90)
 
 
-def context_main_that_fails_while_serving(config: dict, ctl_endpoint: str) -> None:
+def context_main_that_fails_while_serving(config: dict, ctl_endpoint: str, supervised: bool) -> None:
     """The context generator with a fault injected into its serving loop: an
     unexpected exception once a few steps have been retired."""
     from hybridd.workers import context_generator
@@ -265,7 +265,7 @@ def context_main_that_fails_while_serving(config: dict, ctl_endpoint: str) -> No
         return retire(self, step)
 
     context_generator.ContextGenerator._retire = failing_retire
-    context_generator.main(config, ctl_endpoint)
+    context_generator.main(config, ctl_endpoint, supervised)
 
 
 def test_any_failure_of_the_serving_loop_answers_every_request_engine_dead(tmp_path):

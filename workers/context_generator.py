@@ -142,8 +142,9 @@ def _attribution(request: Request | ProtocolError | None) -> tuple[str, int]:
 
 
 class ContextGenerator:
-    def __init__(self, config: Config, ctl_endpoint: str):
+    def __init__(self, config: Config, ctl_endpoint: str, supervised: bool = True):
         self.config = config
+        self.supervised = supervised  # False only for a pair started without a supervisor (tests)
         self.log = get_logger("context_generator", pid=os.getpid())
         self.link = SupervisorLink(config.supervisor_endpoint, "context", config.heartbeat_interval_s)
         self.ctl = Channel(zmq.PAIR, decoder=codec.CONTROL, name="ctl-context")
@@ -540,8 +541,8 @@ class ContextGenerator:
         elif isinstance(request, StatusRequest):
             self._send(identity, StatusReply(id=request.id, status=self.status(), v=request.v))
         elif isinstance(request, HealthRequest):
-            self._send(identity, HealthReply(id=request.id, state=self._lifecycle_state(),
-                                             ok=self.state == "ready", v=request.v))
+            state = self._lifecycle_state()
+            self._send(identity, HealthReply(id=request.id, state=state, ok=self._ready_for(state), v=request.v))
 
     def _key(self, identity: bytes, request_id: str) -> str:
         return f"{identity.hex()}:{request_id}"
@@ -773,7 +774,13 @@ class ContextGenerator:
     def _lifecycle_state(self) -> str:
         if self.state == "draining":
             return "draining"
-        return self.supervisor_info.get("state", self.state)
+        return self.supervisor_info.get("state", "starting" if self.supervised else self.state)
+
+    def _ready_for(self, lifecycle_state: str) -> bool:
+        """`health` ok: this process serves and the supervisor has called the daemon
+        ready (it serves a moment before the supervisor hears of it), so ok and the
+        state a client reads next agree."""
+        return self.state == "ready" and lifecycle_state == "ready"
 
     def status(self) -> dict[str, Any]:
         graph = self.graph_stats
@@ -845,11 +852,11 @@ class ContextGenerator:
             self._auth.stop()  # its thread uses the ZeroMQ context, which the worker destroys on exit
 
 
-def main(config: dict[str, Any], ctl_endpoint: str) -> None:
+def main(config: dict[str, Any], ctl_endpoint: str, supervised: bool = True) -> None:
     cfg = Config.from_dict(config)
     configure(cfg.log_level, json=cfg.log_format == "json")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor drains us with a message
-    worker = ContextGenerator(cfg, ctl_endpoint)
+    worker = ContextGenerator(cfg, ctl_endpoint, supervised)
 
     def terminate(signum, frame):
         raise SystemExit(0)
