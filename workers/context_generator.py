@@ -541,8 +541,10 @@ class ContextGenerator:
         elif isinstance(request, StatusRequest):
             self._send(identity, StatusReply(id=request.id, status=self.status(), v=request.v))
         elif isinstance(request, HealthRequest):
+            # ok only in the supervisor's `ready`: this process serves a moment before the
+            # supervisor hears of it, and a client that waited for ok reads the state next.
             state = self._lifecycle_state()
-            self._send(identity, HealthReply(id=request.id, state=state, ok=self._ready_for(state), v=request.v))
+            self._send(identity, HealthReply(id=request.id, state=state, ok=state == "ready", v=request.v))
 
     def _key(self, identity: bytes, request_id: str) -> str:
         return f"{identity.hex()}:{request_id}"
@@ -775,12 +777,6 @@ class ContextGenerator:
         if self.state == "draining":
             return "draining"
         return self.supervisor_info.get("state", "starting" if self.supervised else self.state)
-
-    def _ready_for(self, lifecycle_state: str) -> bool:
-        """`health` ok: this process serves and the supervisor has called the daemon
-        ready (it serves a moment before the supervisor hears of it), so ok and the
-        state a client reads next agree."""
-        return self.state == "ready" and lifecycle_state == "ready"
 
     def status(self) -> dict[str, Any]:
         graph = self.graph_stats
