@@ -9,6 +9,9 @@ context, the 16-token prefill) is replayed under the PyTorch profiler, and every
 of a step (CUPTI records the kernels a graph launches) is put in a category by its name:
 GEMM by projection (qkv, o, gate_up, down, lm_head), attention, norm, RoPE/KV write,
 other; `gaps` is the step's GPU time (CUDA events, no profiler) minus its kernels' sum.
+The step's GPU time is that of steps replayed back to back, ten between two events, as
+the daemon's pipeline runs them (each launch overlaps the step before); the time of one
+step launched onto an idle GPU, which adds the host's launch, is given beside it.
 Each category's floor is the bytes it must move over the measured copy bandwidth (or
 its FLOPs over the matmul rate, whichever is longer): the weights of each projection,
 the KV cache read by attention, the activations read and written by norms, RoPE, the KV
@@ -247,7 +250,8 @@ def profile_steps(run, sync, steps: int, cuda: bool) -> list[list[tuple[str, flo
 
 
 def median_step_s(runner, run, iters: int, cuda: bool) -> float:
-    """Median time of one step: CUDA events on the serving stream, or wall time on the CPU."""
+    """Median time of one step run alone, from an idle GPU: CUDA events on the serving
+    stream around it (so the host's launch of the step is in it), or wall time on the CPU."""
     if cuda:
         from bench_graphs import time_gpu
 
@@ -257,6 +261,24 @@ def median_step_s(runner, run, iters: int, cuda: bool) -> float:
         t0 = time.perf_counter()
         run()
         times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def steady_step_s(runner, run, rounds: int, per_round: int, cuda: bool) -> float:
+    """Median time per step of steps run back to back (`per_round` between two CUDA
+    events on the serving stream, the median over `rounds`), or wall time per step on
+    the CPU: a step's time in a stream of steps, where each one's launch overlaps the
+    one before on the GPU, as in the daemon."""
+    if cuda:
+        from bench_graphs import median_gpu_time_back_to_back
+
+        return median_gpu_time_back_to_back(run, rounds, per_round, runner.stream)
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(per_round):
+            run()
+        times.append((time.perf_counter() - t0) / per_round)
     return statistics.median(times)
 
 
@@ -310,7 +332,8 @@ def run_breakdown(model_dir: Path, device: str, ceilings: dict, steps: int = 20)
         for _ in range(5 if cuda else 1):
             run()
         sync()
-        step_s = median_step_s(runner, run, 50 if cuda else 3, cuda)
+        step_s = steady_step_s(runner, run, 10 if cuda else 1, 10 if cuda else 3, cuda)
+        from_idle_s = median_step_s(runner, run, 50 if cuda else 3, cuda)
         shape = runner.plan_step(prefill, tokens, seqs)
         kernels = profile_steps(run, sync, steps, cuda)
         source = "graph replays" if shape.graph and cuda else ("eager steps" if not cuda else "eager (no graph)")
@@ -326,7 +349,8 @@ def run_breakdown(model_dir: Path, device: str, ceilings: dict, steps: int = 20)
             summary = {"notes": ["the profiler recorded no kernels"]}
         kv_bytes = 0 if prefill else config.num_layers * seqs * context * 2 * config.kv_size * elem
         out[key] = {"tokens": tokens, "seqs": seqs, "context": context, "source": source, "graph": shape.graph,
-                    "weights_kv_floor_s": (weight_bytes + kv_bytes) / bw, "kv_bytes": kv_bytes, **summary}
+                    "weights_kv_floor_s": (weight_bytes + kv_bytes) / bw, "kv_bytes": kv_bytes,
+                    "step_from_idle_s": from_idle_s, **summary}
     del runner, kv, buffers, model
     if cuda:
         torch.cuda.empty_cache()
@@ -352,6 +376,10 @@ def render(breakdown: dict) -> list[str]:
         lines.append(f"{n:28s}" + "".join(f" | {cell(breakdown[k]['categories'].get(n))}" for k in keys))
     lines.append(f"{'step (GPU time) / floor sum':28s}" + "".join(
         f" | {breakdown[k]['step_s'] * 1e3:8.3f} {breakdown[k]['floor_s'] * 1e3:9.3f}f" for k in keys))
+    if any("step_from_idle_s" in breakdown[k] for k in keys):
+        lines.append(f"{'one step from an idle GPU':28s}" + "".join(
+            f" | {breakdown[k]['step_from_idle_s'] * 1e3:8.3f} {'':10s}" if "step_from_idle_s" in breakdown[k]
+            else f" | {'-':>19s}" for k in keys))
     lines.append(f"{'kernels per step':28s}" + "".join(f" | {breakdown[k]['kernels_per_step']:19.0f}" for k in keys))
     for k in keys:
         for note in breakdown[k].get("notes", []):

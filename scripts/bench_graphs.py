@@ -118,6 +118,24 @@ def median_gpu_time(fn, iters: int, stream: torch.cuda.Stream | None = None) -> 
     return statistics.median(times)
 
 
+def median_gpu_time_back_to_back(fn, rounds: int, per_round: int, stream: torch.cuda.Stream | None = None) -> float:
+    """Median GPU time per call of fn() when the calls follow one another: `per_round`
+    calls between two CUDA events on `stream`, in seconds. The host launches each call
+    while the GPU still runs the one before, as the daemon's pipeline does, so the time
+    is the GPU's own (with the gaps between calls), not the launch of one call onto an
+    idle GPU."""
+    times = []
+    for _ in range(rounds):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record(stream)
+        for _ in range(per_round):
+            fn()
+        e.record(stream)
+        e.synchronize()
+        times.append(s.elapsed_time(e) / 1e3 / per_round)
+    return statistics.median(times)
+
+
 def time_gpu(runner: GraphRunner, fn, iters: int) -> float:
     """Median GPU time of fn() on the runner's stream, in seconds."""
     return median_gpu_time(fn, iters, runner.stream)
