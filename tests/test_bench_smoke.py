@@ -63,7 +63,8 @@ def test_json_has_every_figure(bench_out):
     assert hy["graph_memory"]["buckets"] and "graph_pool_bytes" in hy["graph_memory"]
     assert hy["client"]
     names = [t["target"] for t in r["targets"]]
-    assert names[:5] == ["decode GPU step, batch 1, context 512 (x weights floor)", "decode ITL p50, batch 1",
+    assert names[:5] == ["decode GPU step, batch 1, context 512, steps back to back (x weights floor)",
+                         "decode ITL p50, batch 1",
                          "decode ITL p50, batch 1 (stretch)", "decode ITL p99/p50, batch 1",
                          "decode ITL p99/p50, batch 1 (raw client polling its socket)"]
     for key in ("itl_raw_client", "itl_polling_client"):
