@@ -117,7 +117,8 @@ def test_decode_attention_matches_reference(heads, kv_heads, page):
 
 def test_decode_plan_knobs():
     """The batch-1 program target reaches the plans made after it is set, and only batch 1's."""
-    assert triton_attention.decode_plan(1, 32, 512).splits == 8
+    one = triton_attention.decode_plan(1, 32, 512)
+    assert (one.splits, one.tile, one.num_warps) == (32, 16, 1)
     batch8 = triton_attention.decode_plan(8, 32, 512)
     saved = triton_attention.BATCH1_PROGRAMS
     try:

@@ -50,34 +50,32 @@ class DecodePlan:
 # The programs a batch-1 call aims for, read when a plan is made (so when a graph is
 # captured); `scripts/bench_gemm.py --decode-step`'s `attn` variants time others in the
 # whole step.
-BATCH1_PROGRAMS = 256
+BATCH1_PROGRAMS = 1024
 # Warps, pipeline stages and tile (tokens) of a batch-1 program.
-BATCH1_WARPS = 2
+BATCH1_WARPS = 1
 BATCH1_STAGES = 3
-BATCH1_TILE = 64
+BATCH1_TILE = 16
 
 
 def decode_plan(batch: int, kv_heads: int, max_tokens: int) -> DecodePlan:
-    """Splits per (sequence, kv head) for about 512 programs (256 at batch 1, where the
-    last split's merge is on the critical path: two to four per multiprocessor), at most
-    32 and no more than tiles of the bucket's width; at large batch one split streams the
+    """Splits per (sequence, kv head) for about 512 programs (1024 at batch 1), at most 32
+    and no more than tiles of the bucket's width; at large batch one split streams the
     whole context.
 
     Chosen by scripts/bench_attention.py's sweep on an H200 (Llama-2-7B and Llama-3-8B
     shapes, batch 1/8/32, context 512/4096): 64-token tiles won everywhere, and these
-    split counts were the best or within 12 % of it. At batch 1 two warps a program
-    were 2-4 % faster than four at every shape and context (fewer threads to gather at
-    the merge's barrier); one or two splits, where no merge is needed, were 1.5-2x slower.
-    Loading each split's first tile before the wait for the previous kernel (under
-    programmatic dependent launch; tiles dealt to the splits in turn, the newest token's
-    key and value read again after the wait) measured 5-6 % slower per decode step
-    at batch 1 with dependent launch on, and no faster with it off. Reading only the
-    lengths and the first tile's block ids before the wait changed the step by +0.2 %
-    at batch 1 and +1.9 % at batch 8; 128 programs at batch 1 instead of 256, +1.3 % on
-    Llama-2-7B and -0.3 % on Llama-3-8B (each the whole decode step, context 512). At
-    batch 1 on Llama-2-7B, 512 programs, 32-token tiles (256, 512 or 1024 programs), one
-    128-token tile per program, one or two stages and four warps all measured within
-    0.5 % of these settings in the decode step at context 512 and 200."""
+    split counts were the best or within 12 % of it; one or two splits, where no merge
+    is needed, were 1.5-2x slower.
+
+    At batch 1 the attention is bound by each program's chain of dependent steps, not by
+    its read, so many small programs run it shortest: one warp and one 16-token tile (a
+    page) a program, up to 32 splits. In the whole decode step (`scripts/bench_gemm.py
+    --decode-step`, dependent launch on, one H200) they took Llama-2-7B's step from 4.492
+    to 4.173 ms at context 4096, 4.080 to 3.910 at 2048, 3.892 to 3.814 at 1024 and 3.760
+    to 3.751 at 512 against 256 programs of two warps and 64-token tiles; Llama-3-8B's
+    from 4.352 to 4.267 ms at 2048 and 4.449 to 4.384 at 4096, and 4.129 to 4.152 at 512
+    (+0.6 %). Loading a split's first tile, or only the lengths and its block ids, before
+    the wait for the previous kernel measured no faster (docs/benchmarks.md)."""
     tile = BATCH1_TILE if batch == 1 else 64
     target = BATCH1_PROGRAMS if batch == 1 else 512
     want = max(1, -(-target // (batch * kv_heads)))
