@@ -1,0 +1,116 @@
+"""Prefill projections on PyTorch's two CUDA BLAS back ends, side by side.
+
+`F.linear` under `torch.backends.cuda.preferred_blas_library` "cublas" (the default)
+and "cublaslt", for every projection shape of Llama-2-7B and Llama-3-8B at prefill row
+counts (the rows the skinny kernel does not take).
+
+Each time is one call's share of a CUDA graph of calls rotating over copies of the
+weight (about 250 MB of them, so that no call reads its weight from L2), the median
+over ten replays; the share of the copy bandwidth counts the weight, the input and the
+output.
+
+    python scripts/bench_blas.py --out bench_blas.json [--rows 64,128,256,512]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+BACKENDS = ("cublas", "cublaslt")
+SHAPES = {  # (N, K) of each projection
+    "llama2-7b qkv": (12288, 4096), "llama2-7b o": (4096, 4096), "llama2-7b gate_up": (22016, 4096),
+    "llama2-7b down": (4096, 11008), "llama3-8b qkv": (6144, 4096), "llama3-8b gate_up": (28672, 4096),
+    "llama3-8b down": (4096, 14336),
+}
+
+
+def rows(text: str) -> list[int]:
+    """A comma-separated list of positive row counts."""
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got {text!r}") from None
+    if not values or min(values) <= 0:
+        raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got {text!r}")
+    return values
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy bandwidth in bytes/s (read + write of a 1 GiB buffer)."""
+    a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        b.copy_(a)
+    end.record()
+    end.synchronize()
+    return 2 * 10 * a.numel() / (start.elapsed_time(end) / 1e3)
+
+
+def time_linear(m: int, n: int, k: int, backend: str) -> float:
+    """Seconds per `F.linear` call of [m, k] by [n, k] in bf16 on `backend`, from L2-cold weights."""
+    torch.backends.cuda.preferred_blas_library(backend)
+    copies = max(2, int(2.5e8 // (n * k * 2)))
+    weights = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") for _ in range(copies)]
+    x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        for w in weights:  # warm-up outside the capture: cuBLAS picks and loads its kernels
+            F.linear(x, w)
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph):
+            for _ in range(2):
+                for w in weights:
+                    F.linear(x, w)
+    times = []
+    for _ in range(10):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / (2 * copies))
+    return statistics.median(times)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("bench_blas.json"))
+    parser.add_argument("--rows", type=rows, default=[64, 128, 256, 512])
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA GPU")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    bandwidth = copy_bandwidth()
+    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s")
+    results = {"copy_bandwidth_Bps": bandwidth, "device": torch.cuda.get_device_name(), "rows": {}}
+    default = torch.backends.cuda.preferred_blas_library()
+    try:
+        for m in args.rows:
+            for name, (n, k) in SHAPES.items():
+                row = results["rows"].setdefault(str(m), {}).setdefault(name, {})
+                line = f"M={m:4d} {name:18s}"
+                for backend in BACKENDS:
+                    seconds = time_linear(m, n, k, backend)
+                    share = (n * k + m * k + m * n) * 2 / seconds / bandwidth
+                    row[backend] = {"seconds": seconds, "bandwidth_share": share}
+                    line += f"  {backend} {seconds * 1e6:7.1f} us ({share * 100:3.0f}%)"
+                print(line, flush=True)
+    finally:
+        torch.backends.cuda.preferred_blas_library(default)
+    args.out.write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
