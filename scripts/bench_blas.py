@@ -23,38 +23,17 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_graphs import copy_bandwidth  # noqa: E402
+from bench_sampler import sizes  # noqa: E402
+
 BACKENDS = ("cublas", "cublaslt")
 SHAPES = {  # (N, K) of each projection
     "llama2-7b qkv": (12288, 4096), "llama2-7b o": (4096, 4096), "llama2-7b gate_up": (22016, 4096),
     "llama2-7b down": (4096, 11008), "llama3-8b qkv": (6144, 4096), "llama3-8b gate_up": (28672, 4096),
     "llama3-8b down": (4096, 14336),
 }
-
-
-def rows(text: str) -> list[int]:
-    """A comma-separated list of positive row counts."""
-    try:
-        values = [int(v) for v in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got {text!r}") from None
-    if not values or min(values) <= 0:
-        raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got {text!r}")
-    return values
-
-
-def copy_bandwidth() -> float:
-    """Device-to-device copy bandwidth in bytes/s (read + write of a 1 GiB buffer)."""
-    a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    for _ in range(3):
-        b.copy_(a)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        b.copy_(a)
-    end.record()
-    end.synchronize()
-    return 2 * 10 * a.numel() / (start.elapsed_time(end) / 1e3)
 
 
 def time_linear(m: int, n: int, k: int, backend: str) -> float:
@@ -86,7 +65,7 @@ def time_linear(m: int, n: int, k: int, backend: str) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("bench_blas.json"))
-    parser.add_argument("--rows", type=rows, default=[64, 128, 256, 512])
+    parser.add_argument("--rows", type=sizes, default=[64, 128, 256, 512])
     args = parser.parse_args()
     if not torch.cuda.is_available():
         parser.error("needs a CUDA GPU")

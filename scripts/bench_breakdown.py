@@ -249,32 +249,17 @@ def profile_steps(run, sync, steps: int, cuda: bool) -> list[list[tuple[str, flo
     return out
 
 
-def median_step_s(runner, run, iters: int, cuda: bool) -> float:
-    """Median time of one step run alone, from an idle GPU: CUDA events on the serving
-    stream around it (so the host's launch of the step is in it), or wall time on the CPU."""
+def median_step_s(runner, run, iters: int, cuda: bool, per_round: int = 1) -> float:
+    """Median time per step of `per_round` steps run back to back, over `iters` rounds:
+    CUDA events on the serving stream, or wall time on the CPU. One step a round is a
+    step launched onto an idle GPU (the host's launch is in it); several are a step's
+    time in a stream of steps, each launch overlapping the step before, as in the daemon."""
     if cuda:
         from bench_graphs import time_gpu
 
-        return time_gpu(runner, run, iters)
+        return time_gpu(runner, run, iters, per_round)
     times = []
     for _ in range(iters):
-        t0 = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def steady_step_s(runner, run, rounds: int, per_round: int, cuda: bool) -> float:
-    """Median time per step of steps run back to back (`per_round` between two CUDA
-    events on the serving stream, the median over `rounds`), or wall time per step on
-    the CPU: a step's time in a stream of steps, where each one's launch overlaps the
-    one before on the GPU, as in the daemon."""
-    if cuda:
-        from bench_graphs import median_gpu_time_back_to_back
-
-        return median_gpu_time_back_to_back(run, rounds, per_round, runner.stream)
-    times = []
-    for _ in range(rounds):
         t0 = time.perf_counter()
         for _ in range(per_round):
             run()
@@ -332,7 +317,7 @@ def run_breakdown(model_dir: Path, device: str, ceilings: dict, steps: int = 20)
         for _ in range(5 if cuda else 1):
             run()
         sync()
-        step_s = steady_step_s(runner, run, 10 if cuda else 1, 10 if cuda else 3, cuda)
+        step_s = median_step_s(runner, run, 10 if cuda else 1, cuda, per_round=10 if cuda else 3)
         from_idle_s = median_step_s(runner, run, 50 if cuda else 3, cuda)
         shape = runner.plan_step(prefill, tokens, seqs)
         kernels = profile_steps(run, sync, steps, cuda)

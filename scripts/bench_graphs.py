@@ -105,27 +105,14 @@ def time_steps(runner: GraphRunner, fn, iters: int) -> list[float]:
     return out
 
 
-def median_gpu_time(fn, iters: int, stream: torch.cuda.Stream | None = None) -> float:
-    """Median GPU time of fn() by CUDA events on `stream` (default: the current one), in seconds."""
+def median_gpu_time(fn, iters: int, stream: torch.cuda.Stream | None = None, per_round: int = 1) -> float:
+    """Median GPU time per call of fn() by CUDA events on `stream` (default: the current
+    one), in seconds: `per_round` calls between two events, over `iters` rounds. With one
+    call a round the time includes the host's launch of it onto an idle GPU; with several,
+    the host launches each call while the GPU still runs the one before, as the daemon's
+    pipeline does, so the time is the GPU's own (with the gaps between calls)."""
     times = []
     for _ in range(iters):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record(stream)
-        fn()
-        e.record(stream)
-        e.synchronize()
-        times.append(s.elapsed_time(e) / 1e3)
-    return statistics.median(times)
-
-
-def median_gpu_time_back_to_back(fn, rounds: int, per_round: int, stream: torch.cuda.Stream | None = None) -> float:
-    """Median GPU time per call of fn() when the calls follow one another: `per_round`
-    calls between two CUDA events on `stream`, in seconds. The host launches each call
-    while the GPU still runs the one before, as the daemon's pipeline does, so the time
-    is the GPU's own (with the gaps between calls), not the launch of one call onto an
-    idle GPU."""
-    times = []
-    for _ in range(rounds):
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         s.record(stream)
         for _ in range(per_round):
@@ -136,9 +123,9 @@ def median_gpu_time_back_to_back(fn, rounds: int, per_round: int, stream: torch.
     return statistics.median(times)
 
 
-def time_gpu(runner: GraphRunner, fn, iters: int) -> float:
-    """Median GPU time of fn() on the runner's stream, in seconds."""
-    return median_gpu_time(fn, iters, runner.stream)
+def time_gpu(runner: GraphRunner, fn, iters: int, per_round: int = 1) -> float:
+    """Median GPU time per call of fn() on the runner's stream, in seconds (`median_gpu_time`)."""
+    return median_gpu_time(fn, iters, runner.stream, per_round)
 
 
 def main() -> int:
