@@ -279,3 +279,40 @@ def test_prefill_kernels_compile_before_ready(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     warmed, after = (int(n) for n in result.stdout.split("kernels")[-1].split())
     assert warmed > 0 and after == warmed, result.stdout[-3000:]
+
+
+def test_a_capture_is_not_charged_for_what_serving_allocates_meanwhile(model):
+    """The serving thread allocates while the background thread captures (eager steps of
+    buckets not captured yet; the other worker too, on the same GPU): the graph's cost is
+    what its capture added to the graphs' pool, not the device memory that went
+    meanwhile. The driver's own memory for each graph, which the pool does not hold, is
+    measured beside it (the free-memory drop of a capture with nothing else running)."""
+    graphs = make_runner(model, use_graphs=True)
+    graphs.capture_decode_graphs()
+    quiet = {}
+    for size in (16, 64):
+        free_before = torch.cuda.mem_get_info()[0]
+        assert graphs._capture(True, size)
+        quiet[size] = (free_before - torch.cuda.mem_get_info()[0], graphs.stats[("prefill", size)].bytes)
+    print("prefill bucket: (free-memory drop, pool growth) in bytes, nothing else running:", quiet)
+    for drop, charged in quiet.values():
+        assert charged <= drop  # the pool's growth is part of what the device gave
+    held = []
+    body = graphs._step_body
+
+    def body_with_serving_allocating(view, logits):
+        side = threading.Thread(target=lambda: held.append(torch.empty(256 << 20, dtype=torch.uint8, device="cuda")))
+        side.start()
+        side.join()
+        body(view, logits)
+
+    graphs._step_body = body_with_serving_allocating
+    torch.cuda.empty_cache()  # no cached block can serve the 256 MiB: the device gives them
+    free_before = torch.cuda.mem_get_info()[0]
+    try:
+        assert graphs._capture(True, 32)
+    finally:
+        graphs._step_body = body
+    assert len(held) == 1 and free_before - torch.cuda.mem_get_info()[0] >= 256 << 20
+    charged = graphs.stats[("prefill", 32)].bytes
+    assert charged < 64 << 20, f"the 32-token graph was charged {charged} bytes"

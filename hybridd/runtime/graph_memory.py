@@ -1,9 +1,11 @@
 """Measuring what a captured graph costs in device memory, and estimating it beforehand.
 
-On CUDA the cost of a capture is the drop in free device memory across it: the
-shared pool's growth plus the driver's memory for the instantiated graph. On the
-CPU there is nothing to measure, so the activation estimate stands in, which keeps
-the budget and eviction logic exercised by the same code.
+On CUDA the cost of a capture is the growth of the graphs' shared memory pool across
+it: what the new graph's activations pin. Not the drop in the device's free memory,
+which also counts whatever else the process or the other worker allocated meanwhile;
+the driver's own memory for an instantiated graph (its executable) is not in the pool
+and is left out. On the CPU there is nothing to measure, so the activation estimate
+stands in, which keeps the budget and eviction logic exercised by the same code.
 """
 
 from __future__ import annotations
@@ -20,13 +22,6 @@ def activation_bytes(config: ModelConfig, num_tokens: int, num_seqs: int, elem_b
     mask = num_tokens * num_tokens if num_tokens > num_seqs else 0
     logits = num_seqs * config.vocab_size * 4
     return num_tokens * per_token + mask + logits
-
-
-def free_device_bytes(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 0
-    free, _ = torch.cuda.mem_get_info(device)
-    return free
 
 
 def pool_bytes(pool: tuple[int, int] | None) -> int:

@@ -34,7 +34,7 @@ from hybridd.model.step_inputs import StepInputs
 from hybridd.runtime import buckets as bucket_rules
 from hybridd.runtime import gc_pauses
 from hybridd.runtime.buckets import BucketPlan
-from hybridd.runtime.graph_memory import activation_bytes, free_device_bytes, pool_bytes
+from hybridd.runtime.graph_memory import activation_bytes, pool_bytes
 from hybridd.runtime.graph_stats import BucketStats
 from hybridd.runtime.step_buffers import StepBuffers
 
@@ -269,11 +269,11 @@ class GraphRunner:
         stats = self.stats[key]
         tokens, seqs = self._shape_of(is_prefill, size)
         started = time.perf_counter()
-        free_before = 0
+        pool, pool_before = self.pool, 0
         uploaded = False
         try:
             self._warm_up(is_prefill, tokens, seqs)
-            free_before = free_device_bytes(self.device)
+            pool_before = pool_bytes(pool) if self.cuda else 0
             view = self.buffers.view(is_prefill, tokens, seqs)
             if self.cuda:
                 graph = torch.cuda.CUDAGraph()
@@ -293,7 +293,10 @@ class GraphRunner:
             if self.cuda:
                 torch.cuda.empty_cache()
             return False
-        used = max(0, free_before - free_device_bytes(self.device)) if self.cuda else self._estimate_bytes(is_prefill, size)
+        # Its cost is what the capture added to the graphs' pool. The drop in the device's
+        # free memory would also charge it with whatever the serving thread or the other
+        # worker allocated meanwhile (the same GPU, under MPS the same memory).
+        used = max(0, pool_bytes(pool) - pool_before) if self.cuda else self._estimate_bytes(is_prefill, size)
         with self._lock:
             (self._prefill_graphs if is_prefill else self._decode_graphs)[size] = graph
             stats.captured = True
