@@ -65,7 +65,7 @@ goes on; the JSON is rewritten after every part, so a killed run still leaves re
    runs on). Last, so that it runs only where the budget leaves time for it.
 
 `--preset llama3-8b` (grouped-query attention with 8 KV heads, a 128256-token
-vocabulary) skips hybridd_eager, hybridd_no_mps, hybridd_no_pdl, hybridd_unfused, capture_evict, in_process,
+vocabulary) skips hybridd_eager, hybridd_no_mps, hybridd_no_pdl, hybridd_unfused, in_process,
 hybridd_poll and the gateway by default (`--skip` replaces that list), so that each shape's command fits 10 minutes
 on an H200; give each shape its own `--out` and plot them together.
 
@@ -127,9 +127,10 @@ ESTIMATE_S_SMALL = {"ceilings": 3, "checkpoint": 5, "breakdown": 10, "hybridd_ea
 SKIPPABLE = frozenset(ESTIMATE_S_7B) | {"gateway"}
 LARGE_PRESETS = ("llama2-7b", "llama3-8b")
 # What a preset measures unless --skip says otherwise: the second shape runs the parts that
-# show its kernels and latency (breakdown, TTFT, ITL, streams, peers), so that it fits 10 minutes.
-PRESET_SKIP = {"llama3-8b": ("hybridd_eager", "hybridd_no_mps", "hybridd_no_pdl", "hybridd_unfused", "capture_evict",
-                             "in_process", "gateway", "hybridd_poll")}
+# show its kernels and latency (breakdown, TTFT, ITL, streams, forced capture, peers), so that
+# it fits 10 minutes.
+PRESET_SKIP = {"llama3-8b": ("hybridd_eager", "hybridd_no_mps", "hybridd_no_pdl", "hybridd_unfused", "in_process",
+                             "gateway", "hybridd_poll")}
 # How a model is named in tables and plots: its shape, never the directory it was written to.
 SHAPE_NAMES = {"llama2-7b": "Llama-2-7B", "llama3-8b": "Llama-3-8B", "llama-1b": "Llama-1B", "small": "small",
                "tiny": "tiny"}
