@@ -15,7 +15,7 @@ or tokens per second; floors are drawn as black lines. Panels, left to right:
    p50/p99 (lines, right axis) with the decode floor.
 4. Where a step goes (when the bench ran its breakdown): GPU time per kernel category,
    stacked, beside the same categories' floors, for decode at batch 1 and 32 and the
-   16-token prefill. A profile whose kernel times overlap (programmatic dependent
+   16- and 128-token prefills. A profile whose kernel times overlap (programmatic dependent
    launch, recorded before the bench charged each kernel only the time it adds) shows
    the GPU step alone.
 
@@ -141,7 +141,7 @@ def streams_panel(ax, results: dict) -> None:
 
 def breakdown_steps(results: dict) -> list[str]:
     bd = results.get("breakdown") or {}
-    return [k for k in ("decode_b1", "decode_b32", "prefill_16") if (bd.get(k) or {}).get("categories")]
+    return [k for k in ("decode_b1", "decode_b32", "prefill_16", "prefill_128") if (bd.get(k) or {}).get("categories")]
 
 
 def overlapping_steps(results: dict) -> list[str]:
@@ -163,7 +163,8 @@ def breakdown_panel(ax, results: dict) -> None:
     if not steps:
         ax.set_axis_off()
         return
-    labels = {"decode_b1": "decode b=1", "decode_b32": "decode b=32", "prefill_16": "prefill 16"}
+    labels = {"decode_b1": "decode b=1", "decode_b32": "decode b=32", "prefill_16": "prefill 16",
+              "prefill_128": "prefill 128"}
     seen: set[str] = set()
     overlapping = overlapping_steps(results)
     for i, key in enumerate(steps):

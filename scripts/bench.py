@@ -14,8 +14,8 @@ goes on; the JSON is rewritten after every part, so a killed run still leaves re
    floor(n) = max(weight bytes / bandwidth, 2 * params * n / matmul rate).
 2. `checkpoint`: random weights of the preset's shape (scripts/make_random_checkpoint.py;
    reused when already on disk) unless `--model` is given.
-3. `breakdown`: where the decode step at batch 1 and 32 (context 512) and the 16-token
-   prefill step go, kernel by kernel under the PyTorch profiler over graph replays, by
+3. `breakdown`: where the decode step at batch 1 and 32 (context 512) and the 16- and
+   128-token prefill steps go, kernel by kernel under the PyTorch profiler over graph replays, by
    category (GEMM per projection, attention, norm, RoPE/KV write, other, gaps), each
    against its own floor (scripts/bench_breakdown.py, in its own process). Run first:
    it also warms the on-disk Triton/Inductor caches.

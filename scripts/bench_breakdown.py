@@ -3,9 +3,10 @@
     python scripts/bench_breakdown.py --model DIR [--device cuda] [--out breakdown.json]
 
 (`scripts/bench.py` runs it as its `breakdown` part.) The model's decode graphs for
-batch 1 and 32 and its 16-token prefill graph are captured with the graph runner, as
-the daemon captures them; each step (decode at batch 1 and 32 with 512 tokens of
-context, the 16-token prefill) is replayed under the PyTorch profiler, and every kernel
+batch 1 and 32 and its 16- and 128-token prefill graphs are captured with the graph
+runner, as the daemon captures them; each step (decode at batch 1 and 32 with 512 tokens
+of context, the 16-token prefill, and the 128-token one, the prompt length whose first
+token is furthest from its floor) is replayed under the PyTorch profiler, and every kernel
 of a step (CUPTI records the kernels a graph launches) is put in a category by its name:
 GEMM by projection (qkv, o, gate_up, down, lm_head), attention, norm, RoPE/KV write,
 other; `gaps` is the step's GPU time (CUDA events, no profiler) minus its kernels' sum.
@@ -42,7 +43,7 @@ for _p in (str(ROOT), str(ROOT / "scripts")):
 BLOCK = 16
 CONTEXT = 512
 DECODE_BATCHES = (1, 32)
-PREFILL_TOKENS = 16
+PREFILL_SIZES = (16, 128)
 PROJECTIONS = ("qkv", "o", "gate_up", "down")  # in the order a decoder layer runs them
 STEP_RANGE = "bench.breakdown.step"
 
@@ -269,7 +270,7 @@ def median_step_s(runner, run, iters: int, cuda: bool, per_round: int = 1) -> fl
 
 def run_breakdown(model_dir: Path, device: str, ceilings: dict, steps: int = 20) -> dict:
     """Capture the graphs, then profile decode batch 1 and 32 (context 512) and the
-    16-token prefill; one summary per step kind."""
+    16- and 128-token prefills; one summary per step kind."""
     from bench_graphs import decode_step, prefill_step, stepper
 
     from hybridd.config import Config
@@ -284,7 +285,7 @@ def run_breakdown(model_dir: Path, device: str, ceilings: dict, steps: int = 20)
     model = load_model(model_dir, dtype=dtype, device=device, max_positions=max_positions)
     config = model.config
     elem = torch.finfo(dtype).bits // 8
-    plan = BucketPlan.create(list(DECODE_BATCHES), [PREFILL_TOKENS], Config().max_prefill_seqs)
+    plan = BucketPlan.create(list(DECODE_BATCHES), list(PREFILL_SIZES), Config().max_prefill_seqs)
     width = max_positions // BLOCK
     batch = max(DECODE_BATCHES)
     kv = KVCache.allocate(config, batch * width, BLOCK, dtype, device)
@@ -292,11 +293,12 @@ def run_breakdown(model_dir: Path, device: str, ceilings: dict, steps: int = 20)
                                    config.vocab_size, device)
     runner = GraphRunner(model, kv, buffers, plan, use_graphs=True)
     runner.capture_decode_graphs()
-    runner.plan_step(True, PREFILL_TOKENS, 1)
+    for tokens in PREFILL_SIZES:
+        runner.plan_step(True, tokens, 1)
     runner.start_background_capture()
     deadline = time.monotonic() + 120
-    stats = runner.stats[("prefill", PREFILL_TOKENS)]
-    while not (stats.captured or stats.disabled) and time.monotonic() < deadline:
+    stats = [runner.stats[("prefill", tokens)] for tokens in PREFILL_SIZES]
+    while not all(s.captured or s.disabled for s in stats) and time.monotonic() < deadline:
         time.sleep(0.05)
     runner.stop_background_capture()
     tables = [list(range(i * width, (i + 1) * width)) for i in range(batch)]
@@ -304,7 +306,7 @@ def run_breakdown(model_dir: Path, device: str, ceilings: dict, steps: int = 20)
     bw, flops = ceilings["copy_bandwidth_Bps"], ceilings["matmul_flops"]
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     cases = [(f"decode_b{b}", decode_step(b, CONTEXT, tables[:b]), b, b, CONTEXT, False) for b in DECODE_BATCHES]
-    cases.append((f"prefill_{PREFILL_TOKENS}", prefill_step(PREFILL_TOKENS, tables[0]), PREFILL_TOKENS, 1, 0, True))
+    cases += [(f"prefill_{n}", prefill_step(n, tables[0]), n, 1, 0, True) for n in PREFILL_SIZES]
     from hybridd.model import pdl
 
     # Kernel times are charged exclusively (`exclusive_times`), so that PDL's overlap is

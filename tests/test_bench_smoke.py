@@ -91,7 +91,7 @@ def test_kernel_breakdown(bench_out):
     are the eager step's top-level operators, so the projections are found by position."""
     out, stdout = bench_out
     bd = json.loads((out / "bench.json").read_text())["breakdown"]
-    for key, tokens in (("decode_b1", 1), ("decode_b32", 32), ("prefill_16", 16)):
+    for key, tokens in (("decode_b1", 1), ("decode_b32", 32), ("prefill_16", 16), ("prefill_128", 128)):
         step = bd[key]
         assert step["tokens"] == tokens and step["step_s"] > 0 and step["floor_s"] > 0, key
         cats = step["categories"]
