@@ -108,6 +108,10 @@ class GraphRunner:
         # The pool graphs are captured into now; every pool used so far, each with its anchor.
         self.pool: tuple[int, int] | None = None
         self._pools: list[tuple[tuple[int, int], torch.cuda.CUDAGraph, torch.Tensor]] = []
+        # Each pool's segment bytes, measured when it opens and after each capture into it:
+        # a pool with a live graph grows only while a graph is captured into it and never
+        # shrinks, so the status report need not walk the allocator's snapshot every time.
+        self._pool_bytes: dict[tuple[int, int], int] = {}
         # Serving never uses the legacy default stream: it synchronizes implicitly with every
         # blocking stream, which is an error while the background thread captures.
         on_cuda = self.device.type == "cuda"
@@ -269,11 +273,10 @@ class GraphRunner:
         stats = self.stats[key]
         tokens, seqs = self._shape_of(is_prefill, size)
         started = time.perf_counter()
-        pool, pool_before = self.pool, 0
+        pool = self.pool
         uploaded = False
         try:
             self._warm_up(is_prefill, tokens, seqs)
-            pool_before = pool_bytes(pool) if self.cuda else 0
             view = self.buffers.view(is_prefill, tokens, seqs)
             if self.cuda:
                 graph = torch.cuda.CUDAGraph()
@@ -292,12 +295,19 @@ class GraphRunner:
             )
             if self.cuda:
                 torch.cuda.empty_cache()
+                self._pool_bytes[pool] = pool_bytes(pool)  # what the failed capture left in it
             return False
         # Its cost is what the capture added to the graphs' pool. The drop in the device's
         # free memory would also charge it with whatever the serving thread or the other
         # worker allocated meanwhile (the same GPU, under MPS the same memory).
-        used = max(0, pool_bytes(pool) - pool_before) if self.cuda else self._estimate_bytes(is_prefill, size)
+        if self.cuda:
+            pool_after = pool_bytes(pool)
+            used = max(0, pool_after - self._pool_bytes.get(pool, 0))
+        else:
+            pool_after, used = 0, self._estimate_bytes(is_prefill, size)
         with self._lock:
+            if self.cuda:
+                self._pool_bytes[pool] = pool_after
             (self._prefill_graphs if is_prefill else self._decode_graphs)[size] = graph
             stats.captured = True
             stats.captures += 1
@@ -375,6 +385,7 @@ class GraphRunner:
             anchor.capture_end()
         self.capture_stream.synchronize()
         self._pools.append((pool, anchor, cell))
+        self._pool_bytes[pool] = pool_bytes(pool)
         self.pool = pool
 
     def _capture_graph(self, graph: torch.cuda.CUDAGraph, view: StepInputs) -> None:
@@ -492,6 +503,6 @@ class GraphRunner:
                 "device": str(self.device),
                 "memory_budget_bytes": self.memory_budget_bytes,
                 "graph_bytes": self.graph_bytes(),
-                "pool_bytes": sum(pool_bytes(pool) for pool, _, _ in self._pools),
+                "pool_bytes": sum(self._pool_bytes.values()),
                 "buckets": [s.to_dict() for s in self.stats.values()],
             }
