@@ -69,6 +69,41 @@ def test_rotary_write_kv_matches_reference_and_skips_padding_slots(heads, kv_hea
     assert rel(kc[:blocks], kc_ref[:blocks]) < TOL and torch.equal(vc[:blocks], vc_ref[:blocks])
 
 
+@pytest.mark.parametrize(("heads", "kv_heads", "d"), [(8, 2, 64), (4, 4, 128)])
+def test_row_norm_after_the_product_matches_norm_then_product(heads, kv_heads, d):
+    """RoPE with the KV write, and SiLU·mul, applying the RMSNorm of the rows the product
+    was taken of (its weight folded into W): q, k, v, both caches and SiLU·mul equal the
+    reference's norm, then product, then kernel."""
+    g = torch.Generator(device=DEVICE).manual_seed(heads + d + 1)
+    t, page, blocks, hidden, eps = 13, 4, 8, 96, 1e-5
+    cos, sin = cos_sin_table(RopeConfig(theta=10000.0), d, 4096, torch.device(DEVICE))
+    # Rows far from unit scale, each its own: an unapplied or misplaced norm cannot pass.
+    x = torch.randn(t, hidden, dtype=DTYPE, device=DEVICE, generator=g) * torch.logspace(
+        -1, 2, t, device=DEVICE, dtype=DTYPE)[:, None]
+    ones = torch.ones(hidden, dtype=DTYPE, device=DEVICE)
+    w_qkv = torch.randn((heads + 2 * kv_heads) * d, hidden, dtype=DTYPE, device=DEVICE, generator=g) / hidden**0.5
+    pos = torch.randint(0, 4096, (t,), device=DEVICE, generator=g)
+    slots = torch.randperm(blocks * page, device=DEVICE, generator=g)[:t]
+    slots[[2, 7]] = -1
+    caches = [torch.zeros(blocks + 1, page, kv_heads, d, dtype=DTYPE, device=DEVICE) for _ in range(4)]
+
+    def split(qkv):
+        q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+        return q.view(t, heads, d), k.view(t, kv_heads, d), v.view(t, kv_heads, d)
+
+    tq, tk, tv = triton_ops.norm_rotary_write_kv(x, eps, pos, *split(x @ w_qkv.T), caches[0], caches[1], slots, cos, sin)
+    rq, rk, rv = split(ref_ops.rms_norm(x, ones, eps) @ w_qkv.T)
+    rq, rk = ref_ops.rotary_write_kv(pos, rq, rk, rv, caches[2], caches[3], slots, cos, sin)
+    assert rel(tq, rq) < TOL and rel(tk, rk) < TOL and rel(tv, rv) < TOL
+    assert rel(caches[0][:blocks], caches[2][:blocks]) < TOL and rel(caches[1][:blocks], caches[3][:blocks]) < TOL
+    assert caches[1][:blocks].abs().sum() > 0  # v reached the cache
+    assert not caches[0][blocks].any() and not caches[1][blocks].any()  # padding slots wrote nothing
+
+    w_gate_up = torch.randn(2 * 160, hidden, dtype=DTYPE, device=DEVICE, generator=g) / hidden**0.5
+    fused = triton_ops.norm_silu_and_mul(x, eps, x @ w_gate_up.T)
+    assert rel(fused, ref_ops.silu_and_mul(ref_ops.rms_norm(x, ones, eps) @ w_gate_up.T)) < TOL
+
+
 def paged_case(g, lens, heads, kv_heads, d, page, extra_blocks=8):
     """Random caches, block tables (shuffled blocks) and queries for sequences of `lens`."""
     width = max(-(-n // page) for n in lens)
@@ -158,7 +193,10 @@ def test_prefill_attention_matches_reference_with_padding(heads, kv_heads):
     d = 64
     step, q, k, v = packed_prefill(g, [1, 70, 5, 33], pad=11, heads=heads, kv_heads=kv_heads, d=d, padded_seqs=2)
     ref = ref_attention.prefill_attention(q, k, v, step, d**-0.5)
-    for plan in (None, triton_attention.PrefillPlan(block_m=16, block_n=16, num_warps=2, num_stages=1)):
+    plans = [None, triton_attention.PrefillPlan(block_m=16, block_n=16, num_warps=2, num_stages=1)]
+    if CUDA:  # every plan a bucket can pick, on one step (the interpreter would take minutes)
+        plans += sorted({triton_attention.prefill_plan(t) for t in (16, 32, 64, 128, 4096)}, key=repr)
+    for plan in plans:
         out = triton_attention.prefill_attention(q, k, v, step, d**-0.5, plan=plan)
         assert not out.isnan().any()
         # Every row, the padding rows too, follows the reference's rule.
@@ -313,6 +351,38 @@ def test_fused_steps_fall_back_where_the_kernel_cannot_run(tiny_model_dir, monke
     assert kinds.count("residual") == 2 * layers * decode_steps  # o and down of each decode step
     assert kinds.count("norm") == (layers - 1) * decode_steps  # qkv after down's fused add; gate/up falls back
     assert kinds.count("rotary") == layers * decode_steps
+
+
+@torch.inference_mode()
+def test_a_prefill_past_the_skinny_rows_runs_no_norm_kernel(tiny_model_dir, monkeypatch):
+    """Norms folded and a 40-token prefill (more rows than the skinny kernel takes, so
+    every projection runs on cuBLAS): cuBLAS adds o's and down's products to the stream,
+    RoPE and SiLU·mul apply the norms' row scales, and only the final norm is a kernel of
+    its own; logits and caches still equal the torch path's. The three decode steps after
+    it (skinny projections) normalise the embedding and the last stream as before. A qkv
+    projection with a bias (Qwen2) cannot be scaled after it: its norm stays a kernel."""
+    from hybridd.model import triton_ops as ops_module
+    from hybridd.model.config import ModelConfig
+
+    qkv_bias = ModelConfig.from_dir(tiny_model_dir).qkv_bias
+
+    calls = {"rms_norm": 0, "add_rms_norm": 0, "norm_rotary_write_kv": 0, "norm_silu_and_mul": 0}
+    for name in calls:
+        real = getattr(ops_module, name)
+
+        def counted(*args, _real=real, _name=name, **kwargs):
+            calls[_name] += 1
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(ops_module, name, counted)
+    prompts = [[5, 9, 3, 17, 2, 8, 11], [4, 30, 99] * 10, [7, 8]]
+    _, layers = _fused_against_torch(tiny_model_dir, "norm,rotary", monkeypatch,
+                                     ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"), prompts)
+    decode_steps = 3
+    assert calls["add_rms_norm"] == 0
+    # The prefill's final norm (and each qkv's norm where it has a bias); each decode step's first and last.
+    assert calls["rms_norm"] == 1 + qkv_bias * layers + 2 * decode_steps
+    assert calls["norm_rotary_write_kv"] == (not qkv_bias) * layers and calls["norm_silu_and_mul"] == layers
 
 
 # The shapes of the supported models on the GPU: Llama-2-7B (32 heads, 32 kv heads, d 128),

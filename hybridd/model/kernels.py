@@ -16,7 +16,8 @@ class TritonKernels(ComposedSteps):
     projections of a few token rows (cuBLAS for more rows, or where it is faster). Where
     a step's projection runs on the skinny kernel, its neighbours named in
     `gemm_fusions.ENABLED` run inside it: the residual add and the norm, RoPE with the KV
-    write, SiLU·mul."""
+    write, SiLU·mul. Where it runs on cuBLAS with the norms folded, cuBLAS adds o's and
+    down's products to the stream, and RoPE and SiLU·mul apply the norm's row scales."""
 
     name = "triton"
 
@@ -28,7 +29,9 @@ class TritonKernels(ComposedSteps):
         self.rms_norm = triton_ops.rms_norm
         self.add_rms_norm = triton_ops.add_rms_norm
         self.rotary_write_kv = triton_ops.rotary_write_kv
+        self.norm_rotary_write_kv = triton_ops.norm_rotary_write_kv
         self.silu_and_mul = triton_ops.silu_and_mul
+        self.norm_silu_and_mul = triton_ops.norm_silu_and_mul
         self.linear = triton_gemm.linear
         self.linear_silu_and_mul = triton_gemm.linear_silu_and_mul
         self.prefill_attention = triton_attention.prefill_attention
@@ -50,7 +53,22 @@ class TritonKernels(ComposedSteps):
         """x's rows normalised here, where the projection could not apply `norm` itself."""
         return x if norm is None else self.rms_norm(x, weight, eps)
 
+    def _scaled_after(self, stream: ResidualStream, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+        """Whether this projection of the normalised stream runs on cuBLAS over the stream's
+        rows as they are, and the kernel after it (RoPE with the KV write, SiLU·mul) scales
+        each row of the product by the row's 1 / rms: there is no norm kernel. So where the
+        norm's weight is folded into the projection's, the stream is one tensor without its
+        sums of squares (an embedding, or a sum cuBLAS formed, see `linear_add`), there is
+        no bias (a sum with it would not scale), and the skinny kernel takes no such product."""
+        return (self.norms_folded and bias is None and stream.update is None and stream.sum_squares is None
+                and self._gemm.config_for(stream.base.shape[0], *weight.shape) is None)
+
     def norm_qkv(self, stream, norm_weight, eps, weight, bias, rotary: RotaryArgs):
+        if self._scaled_after(stream, weight, bias):
+            q, k, v = rotary.split_qkv(self.linear(stream.base, weight))
+            q, k, v = self.norm_rotary_write_kv(stream.base, eps, rotary.positions, q, k, v, rotary.k_cache,
+                                                rotary.v_cache, rotary.slot_mapping, rotary.cos, rotary.sin)
+            return q, k, v, stream.base
         x, base, norm = self._input(stream, norm_weight, eps)
         fuse_rotary = "rotary" in gemm_fusions.ENABLED
         qkv = self._gemm.skinny(x, weight, bias, norm=norm, rotary=rotary if fuse_rotary else None)
@@ -64,6 +82,8 @@ class TritonKernels(ComposedSteps):
         return q, k, v, base
 
     def norm_gate_up(self, stream, norm_weight, eps, weight):
+        if self._scaled_after(stream, weight, None):
+            return self.norm_silu_and_mul(stream.base, eps, self.linear(stream.base, weight)), stream.base
         x, base, norm = self._input(stream, norm_weight, eps)
         gated = "silu" in gemm_fusions.ENABLED
         y = self._gemm.skinny(x, weight, None, norm=norm, gated=gated)
@@ -77,6 +97,11 @@ class TritonKernels(ComposedSteps):
             if out is not None:
                 summed, sum_squares = out
                 return ResidualStream(summed, None, sum_squares)
+            if bias is None and base.is_contiguous():
+                # cuBLAS adds the product to the stream in its epilogue (beta = 1), in place
+                # (out of place, torch would first copy the stream in a kernel of its own),
+                # so the next projection can read the sum as it is (`_scaled_after`).
+                return ResidualStream(base.addmm_(x, weight.t()))
         return super().linear_add(x, weight, bias, base)
 
 

@@ -252,10 +252,25 @@ class PrefillPlan:
     num_stages: int
 
 
+# (most tokens in the step, its plan), from `scripts/bench_attention.py --sweep` on an H200:
+# up to 128 tokens the kernel is bound by each program's latency, not by the GPU's
+# throughput, so short steps run more programs of shorter query tiles (at 128 tokens,
+# 32-row tiles that each take up to 128 keys at a time).
+_PREFILL_PLANS: tuple[tuple[int, PrefillPlan], ...] = (
+    (16, PrefillPlan(block_m=16, block_n=64, num_warps=4, num_stages=2)),
+    (32, PrefillPlan(block_m=32, block_n=64, num_warps=4, num_stages=2)),
+    (64, PrefillPlan(block_m=16, block_n=64, num_warps=4, num_stages=2)),
+    (128, PrefillPlan(block_m=32, block_n=128, num_warps=4, num_stages=2)),
+)
+_LONG_PREFILL_PLAN = PrefillPlan(block_m=64, block_n=64, num_warps=4, num_stages=2)
+
+
 def prefill_plan(tokens: int) -> PrefillPlan:
-    """Query tiles no taller than the step (a 16-token bucket runs 16-row tiles)."""
-    block_m = 16 if tokens <= 16 else (32 if tokens <= 32 else 64)
-    return PrefillPlan(block_m=block_m, block_n=64, num_warps=4, num_stages=2)
+    """The launch plan of a prefill step of `tokens` packed tokens."""
+    for most, plan in _PREFILL_PLANS:
+        if tokens <= most:
+            return plan
+    return _LONG_PREFILL_PLAN
 
 
 @triton.jit
@@ -418,10 +433,11 @@ def _compile_prefill_plans(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, st
     key = ("prefill", q.device, q.dtype, tuple(q.shape[1:]), tuple(k.shape[1:]), seqs)
     if not _first_eager_call(key, q.device):
         return
+    plans = dict.fromkeys([plan for _, plan in _PREFILL_PLANS] + [_LONG_PREFILL_PLAN])
+    tokens = 16  # any multiple of 16 (as every bucket is) compiles the kernel a bucket runs
     for pad in sorted({_seqs_pad(n) for n in range(1, seqs + 1)}):
         n = min(pad, seqs)
-        for tokens in (16, 32, 64):
-            plan = prefill_plan(tokens)
+        for plan in plans:
             dummy = StepInputs(
                 input_ids=step.input_ids[:0],
                 positions=_aligned_as(step.positions, tokens),

@@ -62,13 +62,26 @@ def add_rms_norm(
 
 
 @triton.jit
-def _rope_rows(base, stride_h, heads, mask, c1, c2, s1, s2, HALF: tl.constexpr):
+def _inverse_rms(row_ptr, n_cols, eps, BLOCK: tl.constexpr):
+    """1 / rms of one row of `n_cols` values, in float32: the RMSNorm whose weight is
+    folded into the projection before (`LlamaModel.fold_norms`), applied after it."""
+    offs = tl.arange(0, BLOCK)
+    x = tl.load(row_ptr + offs, mask=offs < n_cols, other=0.0).to(tl.float32)
+    return 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n_cols + eps)
+
+
+@triton.jit
+def _rope_rows(base, stride_h, heads, mask, c1, c2, s1, s2, HALF: tl.constexpr, row_scale, SCALED: tl.constexpr):
     """The two rotated halves of rows `heads` of one token, rounded as torch rounds:
-    out = x * cos + rotate_half(x) * sin, each product in the activation dtype."""
+    out = x * cos + rotate_half(x) * sin, each product in the activation dtype; with
+    SCALED, x is first scaled by `row_scale` (rounded to the activation dtype)."""
     offs = tl.arange(0, HALF)
     x1 = tl.load(base + heads[:, None] * stride_h + offs[None, :], mask=mask, other=0.0)
     x2 = tl.load(base + heads[:, None] * stride_h + HALF + offs[None, :], mask=mask, other=0.0)
     dt = x1.dtype
+    if SCALED:
+        x1 = (x1.to(tl.float32) * row_scale).to(dt)
+        x2 = (x2.to(tl.float32) * row_scale).to(dt)
     x1f = x1.to(tl.float32)
     x2f = x2.to(tl.float32)
     o1 = ((x1f * c1).to(dt).to(tl.float32) + (-(x2f * s1)).to(dt).to(tl.float32)).to(dt)
@@ -80,11 +93,17 @@ def _rope_rows(base, stride_h, heads, mask, c1, c2, s1, s2, HALF: tl.constexpr):
 def _rotary_write_kv_kernel(
     pos_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr, kc_ptr, vc_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    x_ptr, v_out_ptr, n_cols, eps,
     HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, KV_PAD: tl.constexpr, HALF: tl.constexpr,
-    PDL: tl.constexpr,
+    ROW_NORM: tl.constexpr, BLOCK_X: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_predecessor(PDL)
     t = tl.program_id(0).to(tl.int64)
+    # With ROW_NORM, q, k and v are the product of the un-normalised rows x and are scaled
+    # by the row's 1 / rms of x first; v then goes to `v_out` as well as to the cache.
+    row_scale = 1.0
+    if ROW_NORM:
+        row_scale = _inverse_rms(x_ptr + t * n_cols, n_cols, eps, BLOCK_X)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     offs = tl.arange(0, HALF)
@@ -97,14 +116,14 @@ def _rotary_write_kv_kernel(
 
     hq = tl.arange(0, HEADS_PAD)
     qmask = (hq < HEADS)[:, None]
-    o1, o2 = _rope_rows(q_ptr + t * stride_qt, stride_qh, hq, qmask, c1, c2, s1, s2, HALF)
+    o1, o2 = _rope_rows(q_ptr + t * stride_qt, stride_qh, hq, qmask, c1, c2, s1, s2, HALF, row_scale, ROW_NORM)
     q_out = q_out_ptr + t * (HEADS * 2 * HALF) + hq[:, None] * (2 * HALF) + offs[None, :]
     tl.store(q_out, o1, mask=qmask)
     tl.store(q_out + HALF, o2, mask=qmask)
 
     hk = tl.arange(0, KV_PAD)
     kmask = (hk < KV_HEADS)[:, None]
-    k1, k2 = _rope_rows(k_ptr + t * stride_kt, stride_kh, hk, kmask, c1, c2, s1, s2, HALF)
+    k1, k2 = _rope_rows(k_ptr + t * stride_kt, stride_kh, hk, kmask, c1, c2, s1, s2, HALF, row_scale, ROW_NORM)
     row = hk[:, None] * (2 * HALF) + offs[None, :]
     k_out = k_out_ptr + t * (KV_HEADS * 2 * HALF) + row
     tl.store(k_out, k1, mask=kmask)
@@ -115,8 +134,15 @@ def _rotary_write_kv_kernel(
     tl.store(kc_ptr + cache, k1, mask=cmask)
     tl.store(kc_ptr + cache + HALF, k2, mask=cmask)
     v_row = v_ptr + t * stride_vt + hk[:, None] * stride_vh + offs[None, :]
-    v1 = tl.load(v_row, mask=cmask, other=0.0)
-    v2 = tl.load(v_row + HALF, mask=cmask, other=0.0)
+    if ROW_NORM:
+        v1 = (tl.load(v_row, mask=kmask, other=0.0).to(tl.float32) * row_scale).to(dt)
+        v2 = (tl.load(v_row + HALF, mask=kmask, other=0.0).to(tl.float32) * row_scale).to(dt)
+        v_out = v_out_ptr + t * (KV_HEADS * 2 * HALF) + row
+        tl.store(v_out, v1, mask=kmask)
+        tl.store(v_out + HALF, v2, mask=kmask)
+    else:
+        v1 = tl.load(v_row, mask=cmask, other=0.0)
+        v2 = tl.load(v_row + HALF, mask=cmask, other=0.0)
     tl.store(vc_ptr + cache, v1, mask=cmask)
     tl.store(vc_ptr + cache + HALF, v2, mask=cmask)
 
@@ -134,45 +160,101 @@ def rotary_write_kv(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """RoPE of q [T, H, d] and k [T, KVH, d], and the rotated k with v stored in the paged
     caches at their slots, in one launch; returns the rotated (q, k). Slot -1 writes nothing."""
+    q_out, k_out, _ = _rotary_write_kv(positions, q, k, v, k_cache, v_cache, slot_mapping, cos, sin, None, 0.0)
+    return q_out, k_out
+
+
+def norm_rotary_write_kv(
+    x: torch.Tensor,
+    eps: float,
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`rotary_write_kv` of q, k and v that are the product of the un-normalised rows
+    x [T, hidden] with a weight that holds its RMSNorm's (`LlamaModel.fold_norms`): each
+    token's q, k and v are first scaled by the 1 / rms of its row of x. Returns (q, k, v),
+    q and k rotated, all three scaled; the cache gets the scaled k and v."""
+    if not x.is_contiguous():
+        raise ValueError(f"x must be contiguous, got strides {x.stride()}")
+    return _rotary_write_kv(positions, q, k, v, k_cache, v_cache, slot_mapping, cos, sin, x, eps)
+
+
+def _rotary_write_kv(positions, q, k, v, k_cache, v_cache, slot_mapping, cos, sin, x, eps):
     t, h, d = q.shape
     kvh = k.shape[1]
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if x.stride(2) != 1:
-            raise ValueError(f"{name} must be contiguous in its head dimension, got strides {x.stride()}")
+    for name, rows in (("q", q), ("k", k), ("v", v)):
+        if rows.stride(2) != 1:
+            raise ValueError(f"{name} must be contiguous in its head dimension, got strides {rows.stride()}")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("the KV caches of a layer must be contiguous")
     q_out = torch.empty((t, h, d), dtype=q.dtype, device=q.device)
     k_out = torch.empty((t, kvh, d), dtype=k.dtype, device=k.device)
+    v_out = None if x is None else torch.empty((t, kvh, d), dtype=v.dtype, device=v.device)
+    n_cols = 0 if x is None else x.shape[-1]
     if t:
         _rotary_write_kv_kernel[(t,)](
             positions, slot_mapping, q, k, v, cos, sin, q_out, k_out, k_cache, v_cache,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            q if x is None else x, q if v_out is None else v_out, n_cols, eps,
             HEADS=h, KV_HEADS=kvh, HEADS_PAD=triton.next_power_of_2(h), KV_PAD=triton.next_power_of_2(kvh),
-            HALF=d // 2, **pdl.launch_args(q.device),
+            HALF=d // 2, ROW_NORM=x is not None, BLOCK_X=triton.next_power_of_2(max(n_cols, 1)),
+            **pdl.launch_args(q.device),
         )
-    return q_out, k_out
+    return q_out, k_out, v_out
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, n_cols, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _silu_and_mul_kernel(
+    x_ptr, out_ptr, n_cols, h_ptr, h_cols, eps, BLOCK: tl.constexpr, ROW_NORM: tl.constexpr, BLOCK_H: tl.constexpr,
+    PDL: tl.constexpr,
+):
     wait_for_predecessor(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n_cols
     g = tl.load(x_ptr + row * 2 * n_cols + offs, mask=mask, other=0.0)
     u = tl.load(x_ptr + row * 2 * n_cols + n_cols + offs, mask=mask, other=0.0)
+    if ROW_NORM:
+        # gate and up are the product of the un-normalised row h: scale by its 1 / rms first.
+        row_scale = _inverse_rms(h_ptr + row * h_cols, h_cols, eps, BLOCK_H)
+        g = (g.to(tl.float32) * row_scale).to(u.dtype)
+        u = (u.to(tl.float32) * row_scale).to(u.dtype)
     gf = g.to(tl.float32)
     s = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
     tl.store(out_ptr + row * n_cols + offs, (s.to(tl.float32) * u.to(tl.float32)).to(g.dtype), mask=mask)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    return _silu_and_mul(gate_up, None, 0.0)
+
+
+def norm_silu_and_mul(h: torch.Tensor, eps: float, gate_up: torch.Tensor) -> torch.Tensor:
+    """`silu_and_mul` of gate_up [T, 2 n], the product of the un-normalised rows h [T, hidden]
+    with a weight that holds its RMSNorm's (`LlamaModel.fold_norms`): each row of gate and
+    up is first scaled by the 1 / rms of its row of h."""
+    if not h.is_contiguous():
+        raise ValueError(f"h must be contiguous, got strides {h.stride()}")
+    return _silu_and_mul(gate_up, h, eps)
+
+
+def _silu_and_mul(gate_up: torch.Tensor, h: torch.Tensor | None, eps: float) -> torch.Tensor:
     t, two_n = gate_up.shape
     n = two_n // 2
     out = torch.empty((t, n), dtype=gate_up.dtype, device=gate_up.device)
-    block = 1024
+    # Each program of a row's norm reads the whole row of h: fewer, wider programs then.
+    block, warps = (1024, 4) if h is None else (4096, 8)
+    h_cols = 0 if h is None else h.shape[-1]
     if t:
         _silu_and_mul_kernel[(t, triton.cdiv(n, block))](
-            gate_up.contiguous(), out, n, BLOCK=block, **pdl.launch_args(out.device)
+            gate_up.contiguous(), out, n, gate_up if h is None else h, h_cols, eps, BLOCK=block,
+            ROW_NORM=h is not None, BLOCK_H=triton.next_power_of_2(max(h_cols, 1)), num_warps=warps,
+            **pdl.launch_args(out.device)
         )
     return out
