@@ -58,16 +58,19 @@ def plan_budget(model: Path, cuda: bool, max_prefill_seqs: int, max_tokens: int)
 
 
 def replanned_budget_mb(status: dict, x_bucket: dict, need_y: int, budget_mb: int) -> int | None:
-    """A budget (MiB) under which Y fits once X is evicted, from the graph bytes measured
-    at ready (`status`, X's bucket entry), or None where the budget in force does that.
+    """The least budget (MiB) under which Y fits once X is evicted, from the graph bytes
+    measured at ready (`status`, X's bucket entry), or None where the budget in force is it.
 
-    A graph's measured cost is the growth of the pool during its capture, so the first
-    graphs may be charged for more than their own activations: then Y does not fit
-    beside them even with X evicted (or neither fits at all)."""
+    A graph's measured cost is the growth of the pool during its capture, so the graphs
+    held at ready may be charged for more than their own activations (then Y would not
+    fit beside them even with X evicted) or for less than the plan's estimate (then,
+    once Y has been captured and its real cost is known, X and Y could fit together and
+    nothing more would be forced). The least budget that admits Y by the graph runner's
+    own estimate leaves no room for X beside Y unless their real costs together come
+    under that estimate."""
     kept = (status.get("graph_bytes") or 0) - ((x_bucket.get("bytes") or 0) if x_bucket.get("captured") else 0)
-    if kept + need_y <= budget_mb * MiB:
-        return None
-    return math.ceil((kept + need_y) / MiB)
+    least = math.ceil((kept + need_y) / MiB)
+    return None if least == budget_mb else least
 
 
 def start_settled(server_factory, client_factory, overrides: dict, x: int):

@@ -32,6 +32,22 @@ def test_neither_captured_counts_only_what_is_held():
 
 
 @pytest.mark.parametrize("x_bucket", [{"captured": True, "bytes": X}, {"captured": False, "bytes": 0}])
-def test_a_budget_that_already_fits_y_is_kept(x_bucket):
+def test_a_budget_that_is_already_the_least_is_kept(x_bucket):
     status = {"graph_bytes": DECODE + SMALL + x_bucket["bytes"]}
-    assert replanned_budget_mb(status, x_bucket, NEED_Y, 400) is None
+    least = -(-(DECODE + SMALL + NEED_Y) // MiB)
+    assert replanned_budget_mb(status, x_bucket, NEED_Y, least) is None
+
+
+def test_a_looser_budget_is_tightened_so_that_x_and_y_never_fit_together():
+    """Graphs that cost less than the plan's estimates: at ready the decode graphs were
+    charged 2 MiB, the 16-token graph nothing and X 62 MiB; Y will cost 68 MiB against
+    its 122 MiB estimate. Under the 134 MiB planned from the estimates both would fit
+    once Y's real cost is known, so the phase would force one capture only; under the
+    least budget that admits Y they do not."""
+    decode, x_real, y_real = 2 * MiB, 65_011_712, 71_303_168
+    status = {"graph_bytes": decode + x_real}
+    assert decode + x_real + y_real <= 134 * MiB  # the loose budget: both would fit
+    budget = replanned_budget_mb(status, {"captured": True, "bytes": x_real}, NEED_Y, 134)
+    assert budget == -(-(decode + NEED_Y) // MiB)
+    assert decode + NEED_Y <= budget * MiB  # Y fits by its estimate once X is evicted
+    assert decode + x_real + y_real > budget * MiB  # and X never fits beside the real Y
