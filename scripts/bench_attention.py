@@ -15,7 +15,8 @@ the best per case. Every timed kernel's output is checked against the torch refe
 
 Prefill attention over one packed sequence of 16/128/512/2048 tokens: the Triton varlen
 kernel against torch SDPA with the packed-step mask (the torch path), time and TFLOP/s
-of the causal attention.
+of the causal attention. `--prefill-sweep` instead times launch plans of the prefill
+kernel at 48-1024 tokens, each call inside a CUDA graph as the step runs it.
 """
 
 from __future__ import annotations
@@ -139,6 +140,49 @@ def prefill_case(shape: str, tokens: int):
     return step, q, k, v, d
 
 
+# The launch plans and step lengths `--prefill-sweep` times (block_m, block_n, warps, stages).
+SWEEP_PREFILL_PLANS = [(bm, bn, 4, 2) for bm in (16, 32, 64, 128) for bn in (32, 64, 128)] + [
+    (16, 64, 2, 2), (16, 32, 2, 2), (32, 64, 2, 2), (16, 64, 4, 3), (32, 64, 4, 3), (64, 64, 8, 2), (64, 64, 4, 3),
+    (128, 64, 8, 3), (16, 128, 4, 3), (32, 128, 4, 3), (16, 64, 4, 1), (32, 64, 4, 1)]
+SWEEP_PREFILL_TOKENS = (48, 64, 128, 256, 512, 1024)
+
+
+def graph_calls_us(q, k, v, step, d, plan, calls: int = 32) -> float:
+    """Microseconds per call of a CUDA graph of `calls` prefill attention calls with `plan`."""
+    def run():
+        for _ in range(calls):
+            triton_attention.prefill_attention(q, k, v, step, d**-0.5, plan=plan)
+
+    return graph_time_ms(run, calls, rep=100) * 1e3
+
+
+def prefill_plan_sweep(out: Path | None) -> None:
+    """Every plan of SWEEP_PREFILL_PLANS on one sequence of each SWEEP_PREFILL_TOKENS length:
+    time per call in a CUDA graph of 32 calls (q, k and v stay in L2, as they do in the
+    step, where the qkv projection has just written them), against the plan the code picks."""
+    rows = []
+    for shape in SHAPES:
+        for tokens in SWEEP_PREFILL_TOKENS:
+            step, q, k, v, d = prefill_case(shape, tokens)
+            ref = ref_attention.prefill_attention(q, k, v, step, d**-0.5)
+            current = triton_attention.prefill_plan(tokens)
+            times = {}
+            for spec in SWEEP_PREFILL_PLANS:
+                plan = triton_attention.PrefillPlan(*spec)
+                err = rel(triton_attention.prefill_attention(q, k, v, step, d**-0.5, plan=plan), ref)
+                times[":".join(map(str, spec))] = (graph_calls_us(q, k, v, step, d, plan), err)
+            now_us = graph_calls_us(q, k, v, step, d, current)
+            top = sorted(times.items(), key=lambda kv: kv[1][0])[:5]
+            print(f"{shape} {tokens}: the code's plan {current.block_m}:{current.block_n}:{current.num_warps}:"
+                  f"{current.num_stages} {now_us:.2f} us; best " + ", ".join(
+                      f"{name} {us:.2f} (err {err:.1e})" for name, (us, err) in top), flush=True)
+            rows.append({"shape": shape, "tokens": tokens, "plan": current.__dict__, "plan_us": now_us,
+                         "times_us_err": times})
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "prefill_plan_sweep.json").write_text(json.dumps(rows, indent=1))
+
+
 def batch_sizes(text: str) -> tuple[int, ...]:
     """Comma-separated positive batch sizes, e.g. "1,8,32"."""
     try:
@@ -158,7 +202,12 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="folder for attention_bench.json")
     parser.add_argument("--batches", type=batch_sizes, default=(1, 8, 32), help="decode batch sizes, e.g. 1,8,32")
     parser.add_argument("--skip-prefill", action="store_true")
+    parser.add_argument("--prefill-sweep", action="store_true",
+                        help="only time prefill launch plans at 48-1024 tokens, in CUDA graphs")
     args = parser.parse_args()
+    if args.prefill_sweep:
+        prefill_plan_sweep(args.out)
+        return
 
     bw = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
