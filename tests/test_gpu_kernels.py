@@ -10,7 +10,7 @@ import torch
 from hybridd.model import attention as ref_attention
 from hybridd.model import ops as ref_ops
 from hybridd.model.config import RopeConfig
-from hybridd.model.rope import cos_sin_table
+from hybridd.model.rope import RotaryArgs, cos_sin_table
 from hybridd.model.step_inputs import StepInputs
 from tests.triton_target import CUDA, DEVICE, DTYPE, rel, require_triton
 
@@ -91,7 +91,8 @@ def test_row_norm_after_the_product_matches_norm_then_product(heads, kv_heads, d
         q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
         return q.view(t, heads, d), k.view(t, kv_heads, d), v.view(t, kv_heads, d)
 
-    tq, tk, tv = triton_ops.norm_rotary_write_kv(x, eps, pos, *split(x @ w_qkv.T), caches[0], caches[1], slots, cos, sin)
+    rotary = RotaryArgs(heads, kv_heads, d, pos, slots, caches[0], caches[1], cos, sin)
+    tq, tk, tv = triton_ops.norm_rotary_write_kv(x, eps, *split(x @ w_qkv.T), rotary)
     rq, rk, rv = split(ref_ops.rms_norm(x, ones, eps) @ w_qkv.T)
     rq, rk = ref_ops.rotary_write_kv(pos, rq, rk, rv, caches[2], caches[3], slots, cos, sin)
     assert rel(tq, rq) < TOL and rel(tk, rk) < TOL and rel(tv, rv) < TOL

@@ -66,8 +66,7 @@ class TritonKernels(ComposedSteps):
     def norm_qkv(self, stream, norm_weight, eps, weight, bias, rotary: RotaryArgs):
         if self._scaled_after(stream, weight, bias):
             q, k, v = rotary.split_qkv(self.linear(stream.base, weight))
-            q, k, v = self.norm_rotary_write_kv(stream.base, eps, rotary.positions, q, k, v, rotary.k_cache,
-                                                rotary.v_cache, rotary.slot_mapping, rotary.cos, rotary.sin)
+            q, k, v = self.norm_rotary_write_kv(stream.base, eps, q, k, v, rotary)
             return q, k, v, stream.base
         x, base, norm = self._input(stream, norm_weight, eps)
         fuse_rotary = "rotary" in gemm_fusions.ENABLED

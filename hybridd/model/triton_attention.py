@@ -252,7 +252,7 @@ class PrefillPlan:
     num_stages: int
 
 
-# (most tokens in the step, its plan), from `scripts/bench_attention.py --sweep` on an H200:
+# (most tokens in the step, its plan), from `scripts/bench_attention.py --prefill-sweep` on an H200:
 # up to 128 tokens the kernel is bound by each program's latency, not by the GPU's
 # throughput, so short steps run more programs of shorter query tiles (at 128 tokens,
 # 32-row tiles that each take up to 128 keys at a time).

@@ -13,6 +13,7 @@ import triton.language as tl
 
 from hybridd.model import pdl
 from hybridd.model.pdl import wait_for_predecessor
+from hybridd.model.rope import RotaryArgs
 
 
 @triton.jit
@@ -165,25 +166,17 @@ def rotary_write_kv(
 
 
 def norm_rotary_write_kv(
-    x: torch.Tensor,
-    eps: float,
-    positions: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
+    x: torch.Tensor, eps: float, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotary: RotaryArgs,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`rotary_write_kv` of q, k and v that are the product of the un-normalised rows
-    x [T, hidden] with a weight that holds its RMSNorm's (`LlamaModel.fold_norms`): each
-    token's q, k and v are first scaled by the 1 / rms of its row of x. Returns (q, k, v),
-    q and k rotated, all three scaled; the cache gets the scaled k and v."""
+    """`rotary_write_kv` (with `rotary`'s positions, slots, caches and tables) of q, k and v
+    that are the product of the un-normalised rows x [T, hidden] with a weight that holds
+    its RMSNorm's (`LlamaModel.fold_norms`): each token's q, k and v are first scaled by
+    the 1 / rms of its row of x. Returns (q, k, v), q and k rotated, all three scaled; the
+    cache gets the scaled k and v."""
     if not x.is_contiguous():
         raise ValueError(f"x must be contiguous, got strides {x.stride()}")
-    return _rotary_write_kv(positions, q, k, v, k_cache, v_cache, slot_mapping, cos, sin, x, eps)
+    return _rotary_write_kv(rotary.positions, q, k, v, rotary.k_cache, rotary.v_cache, rotary.slot_mapping,
+                            rotary.cos, rotary.sin, x, eps)
 
 
 def _rotary_write_kv(positions, q, k, v, k_cache, v_cache, slot_mapping, cos, sin, x, eps):
