@@ -1158,6 +1158,10 @@ def render_table(results: dict) -> str:
                      f"(n={g(ce, 'steady', 'n')}): p99 x{fmt(ce.get('p99_ratio'), 1, 3)}; "
                      f"{ce.get('captures_during_decode')} captures, {ce.get('evictions')} evictions, buckets "
                      f"{g(ce, 'plan', 'x')}/{g(ce, 'plan', 'y')} under a {g(ce, 'config', 'graph_memory_budget_mb')} MiB budget")
+        if ce.get("longest_during_gaps"):
+            lines.append("  longest gaps during captures: " + "; ".join(
+                f"{fmt(x['gap_s'], 1e3)} ms from {fmt(x['after_first_token_s'], 1e3)} ms after the trigger's first "
+                f"token (bucket {x['bucket']}, capture {fmt(x['capture_s'], 1e3)} ms)" for x in ce["longest_during_gaps"]))
         if ce.get("note"):
             lines.append(f"  note: {ce['note']}")
     gw = hy.get("gateway")

@@ -172,6 +172,7 @@ def measure_capture_under_eviction(client_factory, model: Path, cuda: bool, voca
             end = (last.times[0] if last.times else last.sent) + (buckets[target].get("capture_s") or 0.0) + 0.05
             if buckets[target].get("captures", 0) > before:
                 windows.append({"bucket": target, "start": start, "end": end,
+                                "first_token": last.times[0] if last.times else last.sent,
                                 "capture_s": buckets[target].get("capture_s"), "bytes": buckets[target].get("bytes")})
             else:
                 dropped.append((start, end))
@@ -190,18 +191,30 @@ def measure_capture_under_eviction(client_factory, model: Path, cuda: bool, voca
         raise RuntimeError(f"decode stream failed: {failures[0]}")
     blocked = [(t.sent, (t.times[0] if t.times else t.sent) + 0.001) for t in triggers] + dropped
     during, steady = [], []
+    during_gaps = []  # (gap, its start, its window)
     for record in records:
         for a, b in zip(record.times, record.times[1:]):
             if a < decode_from or any(a < e and b > s for s, e in blocked):
                 continue
-            (during if any(a < w["end"] and b > w["start"] for w in windows) else steady).append(b - a)
+            window = next((w for w in windows if a < w["end"] and b > w["start"]), None)
+            if window is None:
+                steady.append(b - a)
+            else:
+                during.append(b - a)
+                during_gaps.append((b - a, a, window))
     result.update({
         "during": itl_summary(during), "steady": itl_summary(steady),
         "p99_ratio": ratio(percentile(during, 99), percentile(steady, 99)) if len(during) >= 5 else None,
         "p50_ratio": ratio(percentile(during, 50), percentile(steady, 50)) if during else None,
         "captures_during_decode": len(windows), "cycles_without_capture": len(dropped),
-        "capture_windows": [{k: (v - decode_from if k in ("start", "end") else v) for k, v in w.items()}
+        "capture_windows": [{k: (v - decode_from if k in ("start", "end", "first_token") else v) for k, v in w.items()}
                             for w in windows],
+        # Where the longest gaps inside the windows sit: from the trigger prompt's first
+        # token, after which the capture runs (a gap before it overlaps the prompt's own
+        # prefill and is left out).
+        "longest_during_gaps": [{"gap_s": gap, "after_first_token_s": start - w["first_token"], "bucket": w["bucket"],
+                                 "capture_s": w["capture_s"]}
+                                for gap, start, w in sorted(during_gaps, key=lambda x: -x[0])[:3]],
         "evictions": sum(b.get("evictions", 0) for b in final.values()),
         "triggers": len(triggers), "decode_streams": len(records), "tokens_per_stream": tokens,
     })

@@ -112,6 +112,14 @@ def test_capture_forced_during_decode(bench_out):
     assert ce["captures_during_decode"] >= 1 and ce["evictions"] >= 1, ce
     assert ce["steady"]["n"] > 20 and ce["during"]["n"] >= 1, ce
     assert "forced prefill capture" in stdout
+    # The longest gaps inside the windows, longest first. A counted gap starts after its
+    # trigger's first token: one that overlaps the trigger's own prefill is left out.
+    longest = ce["longest_during_gaps"]
+    assert 1 <= len(longest) <= 3 and [x["gap_s"] for x in longest] == sorted((x["gap_s"] for x in longest), reverse=True)
+    assert longest[0]["gap_s"] == ce["during"]["max_s"]
+    assert all(x["after_first_token_s"] >= 0 and x["bucket"] in (ce["plan"]["x"], ce["plan"]["y"])
+               for x in longest), longest
+    assert "longest gaps during captures" in stdout
 
 
 def test_plot(bench_out, tmp_path):
