@@ -122,12 +122,10 @@ def sweep_plans(case: DecodeCase) -> list[triton_attention.DecodePlan]:
 def prefill_plans(tokens: int) -> list[triton_attention.PrefillPlan]:
     plan = triton_attention.prefill_plan(tokens)
     if tokens <= 32:
-        others = [(plan.block_m, 32, 4, 2), (plan.block_m, 64, 2, 1), (16, 64, 4, 2)]
+        others = [(plan.block_m, 32, 4, 2), (plan.block_m, 64, 2, 1)]
     else:
-        others = [(16, 64, 4, 2), (32, 64, 4, 2), (32, 128, 4, 2), (64, 64, 4, 2), (64, 128, 4, 2), (128, 64, 8, 3),
-                  (64, 64, 4, 3), (128, 32, 4, 3), (64, 32, 4, 2)]
-    candidates = [plan] + [triton_attention.PrefillPlan(*o) for o in others]
-    return list(dict.fromkeys(candidates))
+        others = [(128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 4, 3), (64, 32, 4, 2)]
+    return [plan] + [triton_attention.PrefillPlan(*o) for o in others]
 
 
 def prefill_case(shape: str, tokens: int):

@@ -104,6 +104,12 @@ def test_row_norm_after_the_product_matches_norm_then_product(heads, kv_heads, d
     fused = triton_ops.norm_silu_and_mul(x, eps, x @ w_gate_up.T)
     assert rel(fused, ref_ops.silu_and_mul(ref_ops.rms_norm(x, ones, eps) @ w_gate_up.T)) < TOL
 
+    # Norm rows that are not one per token, or not contiguous, are refused before any launch.
+    with pytest.raises(ValueError, match=r"x must hold one row per token \(13\)"):
+        triton_ops.norm_rotary_write_kv(x[:-1], eps, *split(x @ w_qkv.T), rotary)
+    with pytest.raises(ValueError, match="h must be contiguous"):
+        triton_ops.norm_silu_and_mul(x.T.contiguous().T, eps, x @ w_gate_up.T)
+
 
 def paged_case(g, lens, heads, kv_heads, d, page, extra_blocks=8):
     """Random caches, block tables (shuffled blocks) and queries for sequences of `lens`."""

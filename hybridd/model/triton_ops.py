@@ -173,8 +173,7 @@ def norm_rotary_write_kv(
     its RMSNorm's (`LlamaModel.fold_norms`): each token's q, k and v are first scaled by
     the 1 / rms of its row of x. Returns (q, k, v), q and k rotated, all three scaled; the
     cache gets the scaled k and v."""
-    if not x.is_contiguous():
-        raise ValueError(f"x must be contiguous, got strides {x.stride()}")
+    _check_norm_rows("x", x, q.shape[0])
     return _rotary_write_kv(rotary.positions, q, k, v, rotary.k_cache, rotary.v_cache, rotary.slot_mapping,
                             rotary.cos, rotary.sin, x, eps)
 
@@ -232,9 +231,16 @@ def norm_silu_and_mul(h: torch.Tensor, eps: float, gate_up: torch.Tensor) -> tor
     """`silu_and_mul` of gate_up [T, 2 n], the product of the un-normalised rows h [T, hidden]
     with a weight that holds its RMSNorm's (`LlamaModel.fold_norms`): each row of gate and
     up is first scaled by the 1 / rms of its row of h."""
-    if not h.is_contiguous():
-        raise ValueError(f"h must be contiguous, got strides {h.stride()}")
+    _check_norm_rows("h", h, gate_up.shape[0])
     return _silu_and_mul(gate_up, h, eps)
+
+
+def _check_norm_rows(name: str, rows: torch.Tensor, tokens: int) -> None:
+    """The rows a kernel takes its norm from: one contiguous row per token of its input."""
+    if rows.dim() != 2 or rows.shape[0] != tokens:
+        raise ValueError(f"{name} must hold one row per token ({tokens}), got shape {tuple(rows.shape)}")
+    if not rows.is_contiguous():
+        raise ValueError(f"{name} must be contiguous, got strides {rows.stride()}")
 
 
 def _silu_and_mul(gate_up: torch.Tensor, h: torch.Tensor | None, eps: float) -> torch.Tensor:
