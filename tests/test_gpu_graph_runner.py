@@ -185,6 +185,111 @@ def test_background_capture_during_decode_replays(model):
 
 
 @torch.inference_mode()
+def test_captures_that_evict_never_stall_the_decode_thread(model):
+    """Demand flips between two prefill buckets that the budget cannot hold together, so
+    the background thread evicts one and captures the other, again and again, while
+    decode graphs replay on another thread, in a process whose start-up objects are
+    frozen as a worker's are. Evicted graphs are destroyed once their replays have run,
+    outside the runner's lock; no decode step waits for a capture (a capture that held
+    the GIL counting the frozen objects stalled them for 25-50 ms), and the graph of the
+    last demanded bucket still equals the eager path."""
+    import time
+
+    from hybridd.runtime import gc_pauses
+
+    graphs = make_runner(model, True)
+    eager = make_runner(model, False)
+    graphs.capture_decode_graphs()
+    assert graphs._capture(True, 16)
+
+    def hold_only(target, other):
+        """The budget: the graphs held now, less `other`, and `target`'s need; with `other`
+        held too it is a byte short, so capturing `target` evicts `other`."""
+        held = sum(st.bytes for key, st in graphs.stats.items() if st.captured and key[1] != other)
+        charged = graphs.stats[("prefill", other)].bytes
+        assert charged > 0, f"bucket {other} is charged nothing: evicting it would not make room"
+        graphs.memory_budget_bytes = held + graphs._estimate_bytes(True, target) + charged - 1
+
+    assert graphs._capture(True, 256)
+    destroyed = []
+    destroy = graphs._destroy
+
+    def counting_destroy(retired):
+        destroyed.extend(retired)
+        destroy(retired)
+
+    graphs._destroy = counting_destroy
+    capture = graphs._capture
+
+    def capture_then_hold(is_prefill, size):  # nothing more fits until the next cycle says so
+        done = capture(is_prefill, size)
+        with graphs._lock:
+            graphs.memory_budget_bytes = graphs.graph_bytes()
+        return done
+
+    graphs._capture = capture_then_hold
+    gc_pauses.freeze_start_up()
+    seqs = Seqs(4, seed=5)
+    for i in range(4):
+        run_step(eager, seqs.prefill_step([i]))
+        run_step(graphs, seqs.prefill_step([i]))
+    stop = threading.Event()
+    gaps = []
+    step = seqs.decode_step([0, 1])
+
+    def decode_loop():  # graph replays only: the thread needs the GIL as briefly as the daemon's
+        with torch.inference_mode():
+            with torch.cuda.stream(graphs.stream):
+                graphs.buffers.write(step)
+            last = time.perf_counter()
+            while not stop.is_set():
+                graphs.run(False, step.num_tokens, step.num_seqs)
+                graphs.stream.synchronize()
+                now = time.perf_counter()
+                gaps.append(now - last)
+                last = now
+
+    def captured(size):
+        return graphs.stats[("prefill", size)].captured
+
+    worker = threading.Thread(target=decode_loop)
+    worker.start()
+    hold_only(512, 256)
+    graphs.start_background_capture()
+    try:
+        for cycle in range(6):
+            assert captured(256) != captured(512), f"cycle {cycle}: the budget held both or neither"
+            target, other = (512, 256) if captured(256) else (256, 512)
+            with graphs._lock:
+                hold_only(target, other)
+            while graphs.stats[("prefill", target)].demand <= graphs.stats[("prefill", other)].demand:
+                graphs.plan_step(True, target, 1)
+            deadline = time.time() + 60
+            while not captured(target) and time.time() < deadline:
+                time.sleep(0.01)
+            assert captured(target), f"cycle {cycle}: {target} not captured"
+    finally:
+        stop.set()
+        worker.join()
+        graphs.stop_background_capture()
+    evictions = sum(graphs.stats[("prefill", s)].evictions for s in (256, 512))
+    assert evictions >= 6 and len(destroyed) >= 4, (evictions, len(destroyed))
+    # What evicted graphs left in the pool is charged to the graphs that took it over, or to none.
+    snapshot = graphs.snapshot()
+    assert snapshot["graph_bytes"] + snapshot["unowned_pool_bytes"] == snapshot["pool_bytes"], snapshot
+    assert len(gaps) > 50
+    steady = sorted(gaps)[len(gaps) // 2]
+    assert max(gaps) < steady + 0.012, f"a decode step waited {max(gaps) * 1e3:.1f} ms (median {steady * 1e3:.2f} ms)"
+    _, got, ref = run_both(graphs, eager, seqs.decode_step([0, 1, 2, 3]))
+    assert torch.equal(got, ref)
+    from hybridd.model import StepInputs
+
+    # 200 tokens: bucket 256, the last one demanded and captured.
+    shape, got, ref = run_both(graphs, eager, StepInputs.prefill([list(range(3, 203))], [seqs.tables[3]], BLOCK))
+    assert shape.graph and shape.bucket == 256 and torch.equal(got, ref)
+
+
+@torch.inference_mode()
 def test_capture_out_of_memory_disables_bucket(model):
     from hybridd.model import KVCache
     from hybridd.runtime.buckets import BucketPlan

@@ -112,6 +112,12 @@ class GraphRunner:
         # a pool with a live graph grows only while a graph is captured into it and never
         # shrinks, so the status report need not walk the allocator's snapshot every time.
         self._pool_bytes: dict[tuple[int, int], int] = {}
+        # Each pool's bytes that no live graph is charged for: what evicted graphs and failed
+        # captures left in it. The pool never shrinks, so the next capture into it reuses that
+        # memory before growing the pool, and is charged for what it reuses. A pool's bytes
+        # are always its live graphs' charges plus its unowned bytes.
+        self._unowned_bytes: dict[tuple[int, int], int] = {}
+        self._graph_pools: dict[tuple[str, int], tuple[int, int] | None] = {}
         # Serving never uses the legacy default stream: it synchronizes implicitly with every
         # blocking stream, which is an error while the background thread captures.
         on_cuda = self.device.type == "cuda"
@@ -274,6 +280,7 @@ class GraphRunner:
         tokens, seqs = self._shape_of(is_prefill, size)
         started = time.perf_counter()
         pool = self.pool
+        need = self._estimate_bytes(is_prefill, size)
         uploaded = False
         try:
             self._warm_up(is_prefill, tokens, seqs)
@@ -295,19 +302,30 @@ class GraphRunner:
             )
             if self.cuda:
                 torch.cuda.empty_cache()
-                self._pool_bytes[pool] = pool_bytes(pool)  # what the failed capture left in it
+                after = pool_bytes(pool)  # what the failed capture left in it belongs to no graph
+                with self._lock:
+                    self._unowned_bytes[pool] = (self._unowned_bytes.get(pool, 0)
+                                                 + max(0, after - self._pool_bytes.get(pool, 0)))
+                    self._pool_bytes[pool] = after
             return False
-        # Its cost is what the capture added to the graphs' pool. The drop in the device's
-        # free memory would also charge it with whatever the serving thread or the other
-        # worker allocated meanwhile (the same GPU, under MPS the same memory).
+        # Its cost is what the capture added to the graphs' pool, plus the pool memory no
+        # live graph holds that it took over (up to what it was expected to need). The drop
+        # in the device's free memory would also charge it with whatever the serving thread
+        # or the other worker allocated meanwhile (the same GPU, under MPS the same memory).
         if self.cuda:
             pool_after = pool_bytes(pool)
-            used = max(0, pool_after - self._pool_bytes.get(pool, 0))
+            grown = max(0, pool_after - self._pool_bytes.get(pool, 0))
         else:
-            pool_after, used = 0, self._estimate_bytes(is_prefill, size)
+            pool_after, grown = 0, self._estimate_bytes(is_prefill, size)
         with self._lock:
+            used = grown
             if self.cuda:
                 self._pool_bytes[pool] = pool_after
+                unowned = self._unowned_bytes.get(pool, 0)
+                taken = min(unowned, max(0, need - grown))
+                self._unowned_bytes[pool] = unowned - taken
+                used += taken
+                self._graph_pools[key] = pool
             (self._prefill_graphs if is_prefill else self._decode_graphs)[size] = graph
             stats.captured = True
             stats.captures += 1
@@ -470,8 +488,21 @@ class GraphRunner:
                     continue
                 need = self._estimate_bytes(True, size)
                 self._evict_for(need, self.stats[("prefill", size)].demand)
-                self._retired = [(g, e) for g, e in self._retired if not e.query()]
+                finished = [(g, e) for g, e in self._retired if e.query()]
+                self._retired = [(g, e) for g, e in self._retired if all(g is not f for f, _ in finished)]
+            self._destroy(finished)
             self._capture(True, size)
+
+    @staticmethod
+    def _destroy(retired: list[tuple[object, object]]) -> None:
+        """Destroy evicted graphs whose replays have run, outside the lock: freeing a graph's
+        executable takes about half a millisecond, which a replay waiting for the lock would
+        add to its step. `reset()` releases the GIL while it frees; dropping the last
+        reference would free it with the GIL held, stalling the serving thread as well."""
+        for graph, _ in retired:
+            reset = getattr(graph, "reset", None)
+            if reset is not None:
+                reset()
 
     def _evict_for(self, need: int, demand: int) -> None:
         """Evict least-recently-used, less-demanded prefill graphs until `need` fits (lock held)."""
@@ -489,6 +520,9 @@ class GraphRunner:
                 self._retired.append((graph, done))
             stats.captured = False
             stats.evictions += 1
+            pool = self._graph_pools.pop(("prefill", victim), None)
+            if pool is not None:  # its memory stays in the pool, for the next capture into it
+                self._unowned_bytes[pool] = self._unowned_bytes.get(pool, 0) + stats.bytes
             log.info("graph_evicted", kind="prefill", size=victim, bytes=stats.bytes)
 
     # ------------------------------------------------------------------- stats
@@ -504,5 +538,6 @@ class GraphRunner:
                 "memory_budget_bytes": self.memory_budget_bytes,
                 "graph_bytes": self.graph_bytes(),
                 "pool_bytes": sum(self._pool_bytes.values()),
+                "unowned_pool_bytes": sum(self._unowned_bytes.values()),
                 "buckets": [s.to_dict() for s in self.stats.values()],
             }
