@@ -236,6 +236,7 @@ def test_captures_that_evict_never_stall_the_decode_thread(model):
     stop = threading.Event()
     gaps = []
     step = seqs.decode_step([0, 1])
+    run_both(graphs, eager, step)  # both caches hold its keys and values, which the replays below rewrite
 
     def decode_loop():  # graph replays only: the thread needs the GIL as briefly as the daemon's
         with torch.inference_mode():
