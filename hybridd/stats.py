@@ -7,10 +7,18 @@ from collections.abc import Collection, Sequence
 
 def percentile(values: Collection[float], q: float) -> float | None:
     """Nearest-rank percentile `q` (0..100) of `values`; None when there are none."""
+    return percentiles(values, q)[0]
+
+
+def percentiles(values: Collection[float], *qs: float) -> list[float | None]:
+    """Nearest-rank percentiles `qs` (0..100) of `values` from one sort (the status reply
+    is built on the serving loop: each sort of a 2,048-sample window costs it 0.1-0.2 ms
+    on a CPU); None for each when there are none."""
     if not values:
-        return None
+        return [None] * len(qs)
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
+    last = len(ordered) - 1
+    return [ordered[min(last, int(round(q / 100 * last)))] for q in qs]
 
 
 def slowest(values: Sequence[float], n: int) -> list[int]:

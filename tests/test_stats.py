@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hybridd.stats import percentile, slowest
+from hybridd.stats import percentile, percentiles, slowest
 
 
 def test_slowest_gives_the_positions_of_the_largest_values_in_order():
@@ -16,3 +16,9 @@ def test_percentile_nearest_rank():
     assert percentile([], 50) is None
     assert percentile([4.0, 1.0, 3.0, 2.0, 5.0], 50) == 3.0
     assert percentile([4.0, 1.0, 3.0, 2.0, 5.0], 99) == 5.0
+
+
+def test_several_percentiles_from_one_sort_agree_with_each_alone():
+    values = [7.0, 3.0, 9.0, 1.0, 4.0, 8.0, 2.0]
+    assert percentiles(values, 0, 50, 90, 99, 100) == [percentile(values, q) for q in (0, 50, 90, 99, 100)]
+    assert percentiles([], 50, 99) == [None, None]

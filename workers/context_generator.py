@@ -35,7 +35,7 @@ from hybridd.model import ModelConfig, load_tokenizer
 from hybridd.runtime import gc_pauses
 from hybridd.runtime.step_buffers import StepBuffers, geometry
 from hybridd.serving_metrics import ServingMetrics
-from hybridd.stats import percentile
+from hybridd.stats import percentiles
 from hybridd.runtime.step_trace import StepTracer, mark
 from hybridd.ipc.channel import CLIENT_SOCKET_MODE, Channel, PeerProtocolError, bind_ipc_endpoint
 from hybridd.ipc.posix_shm import pid_alive
@@ -782,6 +782,8 @@ class ContextGenerator:
         graph = self.graph_stats
         bm = self.block_manager
         info = self.supervisor_info
+        ttft_p50, ttft_p99 = percentiles(self.ttft, 50, 99)
+        itl_p50, itl_p99 = percentiles(self.itl, 50, 99)
         return {
             "state": self._lifecycle_state(),
             "uptime_s": info.get("uptime_s", time.time() - self.started),
@@ -811,8 +813,7 @@ class ContextGenerator:
                          "queued": len(self.scheduler.waiting) + len(self.encoding),
                          "served": self.served, "failed": self.failed,
                          "preemptions": self.scheduler.num_preemptions},
-            "latency": {"ttft_p50_s": percentile(self.ttft, 50), "ttft_p99_s": percentile(self.ttft, 99),
-                        "itl_p50_s": percentile(self.itl, 50), "itl_p99_s": percentile(self.itl, 99),
+            "latency": {"ttft_p50_s": ttft_p50, "ttft_p99_s": ttft_p99, "itl_p50_s": itl_p50, "itl_p99_s": itl_p99,
                         "window": len(self.itl)},
             "metrics": self.metrics.to_status(),
         }
