@@ -191,7 +191,7 @@ def test_captures_that_evict_never_stall_the_decode_thread(model):
     decode graphs replay on another thread, in a process whose start-up objects are
     frozen as a worker's are. Evicted graphs are destroyed once their replays have run,
     outside the runner's lock; no decode step waits for a capture (a capture that held
-    the GIL counting the frozen objects stalled them for 25-50 ms), and the graph of the
+    the GIL counting the frozen objects stalled them for 26-32 ms in the daemon), and the graph of the
     last demanded bucket still equals the eager path."""
     import time
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from hybridd.stats import percentile, percentiles, slowest
 
 
@@ -22,3 +24,10 @@ def test_several_percentiles_from_one_sort_agree_with_each_alone():
     values = [7.0, 3.0, 9.0, 1.0, 4.0, 8.0, 2.0]
     assert percentiles(values, 0, 50, 90, 99, 100) == [percentile(values, q) for q in (0, 50, 90, 99, 100)]
     assert percentiles([], 50, 99) == [None, None]
+
+
+def test_a_percentile_outside_0_to_100_is_refused_by_name():
+    with pytest.raises(ValueError, match="within 0..100, got -1"):
+        percentiles([1.0, 2.0], 50, -1)
+    with pytest.raises(ValueError, match="got 101"):
+        percentile([1.0], 101)

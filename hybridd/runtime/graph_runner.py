@@ -488,21 +488,24 @@ class GraphRunner:
                     continue
                 need = self._estimate_bytes(True, size)
                 self._evict_for(need, self.stats[("prefill", size)].demand)
-                finished = [(g, e) for g, e in self._retired if e.query()]
-                self._retired = [(g, e) for g, e in self._retired if all(g is not f for f, _ in finished)]
+                finished, waiting = [], []
+                for graph, done in self._retired:
+                    if done.query():
+                        finished.append(graph)
+                    else:
+                        waiting.append((graph, done))
+                self._retired = waiting
             self._destroy(finished)
             self._capture(True, size)
 
     @staticmethod
-    def _destroy(retired: list[tuple[object, object]]) -> None:
-        """Destroy evicted graphs whose replays have run, outside the lock: freeing a graph's
-        executable takes about half a millisecond, which a replay waiting for the lock would
-        add to its step. `reset()` releases the GIL while it frees; dropping the last
-        reference would free it with the GIL held, stalling the serving thread as well."""
-        for graph, _ in retired:
-            reset = getattr(graph, "reset", None)
-            if reset is not None:
-                reset()
+    def _destroy(graphs: list[torch.cuda.CUDAGraph]) -> None:
+        """Destroy evicted graphs whose replays have run, outside the lock, which a replay
+        would otherwise wait for while a graph's executable is freed. `reset()` releases the
+        GIL while it frees; dropping the last reference would free it with the GIL held,
+        stalling the serving thread as well."""
+        for graph in graphs:
+            graph.reset()
 
     def _evict_for(self, need: int, demand: int) -> None:
         """Evict least-recently-used, less-demanded prefill graphs until `need` fits (lock held)."""
