@@ -23,6 +23,7 @@ from hybridd.runtime.buckets import DEFAULT_DECODE_BUCKETS, DEFAULT_PREFILL_BUCK
 # One day: longer deadlines are typos, and a drain deadline must fit in a timer.
 MAX_TIMEOUT_S = 86400.0
 MAX_BUSY_POLL_S = 10.0  # polling longer than this is a core spent for nothing
+MAX_STEP_WAKE_POLL_S = 1.0  # a request is admitted in well under a millisecond
 MAX_HEARTBEAT_INTERVAL_S = 60.0
 
 if TYPE_CHECKING:
@@ -95,6 +96,11 @@ class Config:
     # so that the next message is taken without a wake-up (0: sleep at once). Each worker
     # keeps a CPU core busy while it polls.
     busy_poll_s: float = 0.0
+    # When a request arrives while no step is in flight, the graph generator is told a step
+    # is coming (`control.Expect`) and polls its socket until it comes, for at most this
+    # long, so that the step is not held up by the wake-up of the graph generator's threads
+    # (0: it sleeps until the step wakes it).
+    step_wake_poll_s: float = 0.005
     # lifecycle: every deadline the supervisor applies is one of these
     startup_timeout_s: float = 900.0  # spawn to ready, per worker: loading, compiling, capturing
     heartbeat_interval_s: float = 0.25
@@ -126,12 +132,14 @@ class Config:
                      "graph_memory_budget_mb", "drain_timeout_s", "heartbeat_interval_s", "heartbeat_timeout_s",
                      "startup_timeout_s"):
             positive(name)
-        for name in ("num_kv_blocks", "max_model_len", "max_restarts", "restart_backoff_s", "busy_poll_s"):
+        for name in ("num_kv_blocks", "max_model_len", "max_restarts", "restart_backoff_s", "busy_poll_s",
+                     "step_wake_poll_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         for name, limit in (("heartbeat_interval_s", MAX_HEARTBEAT_INTERVAL_S), ("drain_timeout_s", MAX_TIMEOUT_S),
                             ("heartbeat_timeout_s", MAX_TIMEOUT_S), ("startup_timeout_s", MAX_TIMEOUT_S),
-                            ("restart_backoff_s", MAX_TIMEOUT_S), ("busy_poll_s", MAX_BUSY_POLL_S)):
+                            ("restart_backoff_s", MAX_TIMEOUT_S), ("busy_poll_s", MAX_BUSY_POLL_S),
+                            ("step_wake_poll_s", MAX_STEP_WAKE_POLL_S)):
             if getattr(self, name) > limit:
                 raise ConfigError(f"{name} must be at most {limit:g} s, got {getattr(self, name)!r}")
         if self.heartbeat_timeout_s < 2 * self.heartbeat_interval_s:

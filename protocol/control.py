@@ -5,7 +5,9 @@ over one ZeroMQ PAIR socket. The graph generator opens with `Ready` (arena manif
 event handles, capacities); the context generator answers `ReadyAck` once it has
 mapped every arena (the owner may then drop the arenas' names). In steady state the
 context generator sends `Step` and the graph generator answers `Launched` as soon as
-the step is enqueued on the GPU; it sends `Stats` when they change. These messages
+the step is enqueued on the GPU; it sends `Stats` when they change. A request that
+arrives while no step is in flight is announced with `Expect`, so that the graph
+generator is awake when its `Step` comes. These messages
 carry no `id`: the channel is point-to-point and `step` numbers order the pipeline.
 """
 
@@ -61,6 +63,13 @@ class Step(Message, tag="step"):
     n_tokens: Count
 
 
+class Expect(Message, tag="expect"):
+    """Context generator → graph generator: a request arrived while no step was in flight,
+    so a `Step` follows once it is admitted. The graph generator polls its socket until
+    then, for at most its `step_wake_poll_s`, instead of sleeping: the `Step` finds its
+    threads awake rather than paying for their wake-up on the way to the first token."""
+
+
 class Launched(Message, tag="launched"):
     """Graph generator → context generator: step `step` is enqueued (its tokens are sampled
     after `logits_ready`)."""
@@ -78,4 +87,4 @@ class Shutdown(Message, tag="shutdown"):
     """Context generator → graph generator: exit now."""
 
 
-ControlMessage = Ready | ReadyAck | Step | Launched | Stats | Shutdown
+ControlMessage = Ready | ReadyAck | Expect | Step | Launched | Stats | Shutdown

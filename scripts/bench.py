@@ -63,10 +63,14 @@ goes on; the JSON is rewritten after every part, so a killed run still leaves re
    at once, within the 50 ms, so this is the figure of a client that keeps the daemon
    busy (CUDA only: on the CPU the polling workers would take the cores the forward
    runs on). Last, so that it runs only where the budget leaves time for it.
+13. `hybridd_no_wake`: the daemon whose graph generator sleeps until each step's message
+   wakes it (`step_wake_poll_s = 0`; by default a request arriving while no step is in
+   flight is announced, and the graph generator polls until its step comes): TTFT at 10
+   and 128 tokens and batch-1 ITL, each divided by the `hybridd` part's figure (CUDA only).
 
 `--preset llama3-8b` (grouped-query attention with 8 KV heads, a 128256-token
 vocabulary) skips hybridd_eager, hybridd_no_mps, hybridd_no_pdl, hybridd_unfused, in_process,
-hybridd_poll and the gateway by default (`--skip` replaces that list), so that each shape's command fits 10 minutes
+hybridd_poll, hybridd_no_wake and the gateway by default (`--skip` replaces that list), so that each shape's command fits 10 minutes
 on an H200; give each shape its own `--out` and plot them together.
 
 Prints one table (each figure, its ratio to the floor and to each peer, the breakdown,
@@ -119,10 +123,10 @@ TINY_PRESET = dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, n
 # Estimated seconds per part on an H200 with the Llama-2-7B / Llama-3-8B shape (the budget check uses them).
 ESTIMATE_S_7B = {"ceilings": 8, "checkpoint": 60, "breakdown": 45, "hybridd_eager": 50, "hybridd": 100,
                  "hybridd_no_mps": 60, "hybridd_no_pdl": 60, "hybridd_unfused": 60, "capture_evict": 60, "in_process": 35,
-                 "hf_eager": 45, "hf_static": 120, "hybridd_poll": 60}
+                 "hf_eager": 45, "hf_static": 120, "hybridd_poll": 60, "hybridd_no_wake": 60}
 ESTIMATE_S_SMALL = {"ceilings": 3, "checkpoint": 5, "breakdown": 10, "hybridd_eager": 12, "hybridd": 20,
                     "hybridd_no_mps": 20, "hybridd_no_pdl": 20, "hybridd_unfused": 20, "capture_evict": 20, "in_process": 10,
-                    "hf_eager": 8, "hf_static": 60, "hybridd_poll": 20}
+                    "hf_eager": 8, "hf_static": 60, "hybridd_poll": 20, "hybridd_no_wake": 20}
 # What --skip may name: the parts, and the HTTP gateway's figures inside the hybridd part.
 SKIPPABLE = frozenset(ESTIMATE_S_7B) | {"gateway"}
 LARGE_PRESETS = ("llama2-7b", "llama3-8b")
@@ -130,7 +134,7 @@ LARGE_PRESETS = ("llama2-7b", "llama3-8b")
 # show its kernels and latency (breakdown, TTFT, ITL, streams, forced capture, peers), so that
 # it fits 10 minutes.
 PRESET_SKIP = {"llama3-8b": ("hybridd_eager", "hybridd_no_mps", "hybridd_no_pdl", "hybridd_unfused", "in_process",
-                             "gateway", "hybridd_poll")}
+                             "gateway", "hybridd_poll", "hybridd_no_wake")}
 # How a model is named in tables and plots: its shape, never the directory it was written to.
 SHAPE_NAMES = {"llama2-7b": "Llama-2-7B", "llama3-8b": "Llama-3-8B", "llama-1b": "Llama-1B", "small": "small",
                "tiny": "tiny"}
@@ -705,6 +709,13 @@ def run_hybridd_poll(args, model: Path, vocab: int, deadline: float, notes: list
     run_hybridd_beside(args, model, vocab, deadline, notes, result, base, {}, {"busy_poll_s": 0.05})
 
 
+def run_hybridd_no_wake(args, model: Path, vocab: int, deadline: float, notes: list[str], result: dict,
+                        base: dict) -> None:
+    """The graph generator asleep until each step's message wakes it (`step_wake_poll_s =
+    0`) against the `hybridd` part (polling for an announced step, the default)."""
+    run_hybridd_beside(args, model, vocab, deadline, notes, result, base, {}, {"step_wake_poll_s": 0})
+
+
 def beside_comparison(on: dict, off: dict) -> dict:
     """On ÷ off for ITL p50/p99 at batch 1 and TTFT p50 at each length both measured."""
     out = {"itl_p50_on_s": g(on, "itl", "p50_s"), "itl_p50_off_s": g(off, "itl", "p50_s"),
@@ -1122,7 +1133,8 @@ def render_table(results: dict) -> str:
                      f"{fmt(bc.get('first_token_after_capture_start_s'))} s after capture began")
         if bc.get("note"):
             lines.append(f"  note: {bc['note']}")
-    for name in ("hybridd", "hybridd_eager", "hybridd_no_mps", "hybridd_no_pdl", "hybridd_unfused", "hybridd_poll"):
+    for name in ("hybridd", "hybridd_eager", "hybridd_no_mps", "hybridd_no_pdl", "hybridd_unfused", "hybridd_poll",
+                 "hybridd_no_wake"):
         st = g(results, name, "startup")
         if st:
             lines.append(f"{name} start: spawn->ready {fmt(st['spawn_to_ready_s'])} s (imports "
@@ -1142,7 +1154,8 @@ def render_table(results: dict) -> str:
                       f"floor: bytes / copy bandwidth or FLOPs / matmul rate)"]
         lines += render_breakdown(bd)
     for name, what in (("hybridd_no_mps", "Without MPS"), ("hybridd_no_pdl", "Without PDL"),
-                       ("hybridd_unfused", "No fused neighbours"), ("hybridd_poll", "Polling workers")):
+                       ("hybridd_unfused", "No fused neighbours"), ("hybridd_poll", "Polling workers"),
+                       ("hybridd_no_wake", "No step wake-up")):
         vs = g(results, name, "vs_off")
         if vs:
             lines.append(f"{what} vs the default (client, batch 1): ITL p50 {fmt(vs['itl_p50_on_s'], 1e3, 3)} vs "
@@ -1269,7 +1282,8 @@ def main(argv: list[str] | None = None) -> int:
                  "hybridd_no_mps": "CUDA only (MPS is a CUDA feature)",
                  "hybridd_no_pdl": "CUDA only (programmatic dependent launch is a CUDA feature)",
                  "hybridd_unfused": "CUDA only (the fusions are in the Triton projection)",
-                 "hybridd_poll": "CUDA only (polling workers on the CPU take the forward's cores)"}
+                 "hybridd_poll": "CUDA only (polling workers on the CPU take the forward's cores)",
+                 "hybridd_no_wake": "CUDA only (the wake-up it leaves out is a fraction of a CPU step)"}
     if args.hf_static_on_cpu:
         cuda_only.pop("hf_static")
     shared: dict[str, Any] = {}
@@ -1376,6 +1390,9 @@ def main(argv: list[str] | None = None) -> int:
              needs=("model", "vocab"))
         part("hybridd_poll", lambda out: run_hybridd_poll(args, state["model"], vocab(), deadline, meta["notes"],
                                                           out, results.get("hybridd", {})), needs=("model", "vocab"))
+        part("hybridd_no_wake", lambda out: run_hybridd_no_wake(args, state["model"], vocab(), deadline,
+                                                                meta["notes"], out, results.get("hybridd", {})),
+             needs=("model", "vocab"))
     finally:  # also on SIGTERM (a run past the device's limit): keep what was measured
         if state.get("running"):
             meta["errors"][state["running"]] = "interrupted (SIGTERM or KeyboardInterrupt); partial results kept"

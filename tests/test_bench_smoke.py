@@ -39,7 +39,8 @@ def test_json_has_every_figure(bench_out):
     assert sorted(p.name for p in out.iterdir()) == ["bench.json", "bench_table.txt"]
     r = json.loads((out / "bench.json").read_text())
     assert r["meta"]["errors"] == {}, r["meta"]["errors"]
-    cuda_only = {"in_process", "hf_static", "hybridd_no_mps", "hybridd_no_pdl", "hybridd_unfused", "hybridd_poll"}
+    cuda_only = {"in_process", "hf_static", "hybridd_no_mps", "hybridd_no_pdl", "hybridd_unfused", "hybridd_poll",
+                 "hybridd_no_wake"}
     assert set(r["meta"]["skipped"]) == cuda_only
     assert r["meta"]["shape"] == "tiny shape, random float32 weights"
     assert r["device"]["copy_bandwidth_Bps"] > 0 and r["device"]["matmul_flops"] > 0

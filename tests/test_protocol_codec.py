@@ -8,7 +8,7 @@ import pytest
 from hybridd.protocol import limits
 from hybridd.protocol import codec
 from hybridd.protocol.codec import decode, encode
-from hybridd.protocol.control import Launched, Ready, ReadyAck, Shutdown, Stats, Step
+from hybridd.protocol.control import Expect, Launched, Ready, ReadyAck, Shutdown, Stats, Step
 from hybridd.protocol.errors import ErrorCode, ProtocolError
 from hybridd.protocol.messages import (
     CancelRequest,
@@ -119,6 +119,7 @@ CONTROL = [
         prefill_buckets=[16, 32, 64],
     ),
     ReadyAck(),
+    Expect(),
     Step(step=7, kind="decode", n_real=5, n_tokens=5),
     Launched(step=7),
     Stats(stats={"graphs": 6, "replays": 1000}),

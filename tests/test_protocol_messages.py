@@ -10,7 +10,7 @@ import pytest
 from hybridd.protocol import limits
 from hybridd.protocol import codec
 from hybridd.protocol.codec import decode, encode
-from hybridd.protocol.control import Launched, Step
+from hybridd.protocol.control import Expect, Launched, Step
 from hybridd.protocol.errors import ErrorCode, ProtocolError
 from hybridd.protocol.messages import ErrorReply, GenerateRequest, SamplingParams
 
@@ -205,9 +205,10 @@ def test_reply_validation_rejects_wrong_types():
         (Step(step=1, kind="decode", n_real=3, n_tokens=3).to_wire() | {"step": "1"}, "step"),
         (Launched(step=1).to_wire() | {"step": -1}, "step"),
         (Launched(step=1).to_wire() | {"extra": 1}, "extra"),
+        (Expect().to_wire() | {"step": 1}, "step"),
         ({"v": 1, "type": "ready"}, "arenas"),
     ],
-    ids=["step-kind", "step-n-real", "step-type", "launched-step", "launched-extra", "ready-empty"],
+    ids=["step-kind", "step-n-real", "step-type", "launched-step", "launched-extra", "expect-extra", "ready-empty"],
 )
 def test_control_messages_reject_wrong_types(data, field):
     error = _rejects(data, codec.CONTROL.decode)

@@ -68,6 +68,8 @@ def _no_tokenizer(model: Path) -> None:
     (["--restart-backoff-s", "-1"], "restart_backoff_s must be >= 0, got -1.0"),
     (["--busy-poll-s", "-0.5"], "busy_poll_s must be >= 0, got -0.5"),
     (["--busy-poll-s", "11"], "busy_poll_s must be at most 10 s, got 11.0"),
+    (["--step-wake-poll-s", "-0.001"], "step_wake_poll_s must be >= 0, got -0.001"),
+    (["--step-wake-poll-s", "2"], "step_wake_poll_s must be at most 1 s, got 2.0"),
     (["--startup-timeout-s", "0"], "startup_timeout_s must be positive, got 0.0"),
     (["--heartbeat-timeout-s", "0.3"], "heartbeat_timeout_s (0.3) must be at least twice heartbeat_interval_s (0.25)"),
     (["--model", "/nonexistent"], "model /nonexistent: no such directory"),

@@ -156,6 +156,7 @@ class ContextGenerator:
         self.owners: dict[str, ClientRequest] = {}  # a sequence's id -> its request
         self._token_texts: dict[int, str] = {}
         self.inflight: deque[InflightStep] = deque()
+        self._expect_until = 0.0  # the graph generator's poll window after the last `Expect`
         self.state = "loading"
         self.drain_deadline: float | None = None
         self.started = time.time()
@@ -580,6 +581,7 @@ class ContextGenerator:
             refuse(ErrorCode.INVALID_REQUEST,
                    f"{where}: token id {params.stop_token_ids[bad]} is outside the vocabulary of {vocab}", where)
             return
+        self._expect_step()
         deadline = received + req.timeout_s if req.timeout_s else None
         if req.prompt_token_ids is not None:
             if len(req.prompt_token_ids) >= self.ready.max_model_len:  # before looking at every id
@@ -617,6 +619,17 @@ class ContextGenerator:
             messages = [m.as_dict() for m in req.messages or []]
             encoding = self.intake.submit(prompt_token_ids, self.intake.tokenizer, messages=messages, vocab_size=vocab)
         self.encoding[key] = PendingPrompt(identity, req, received, deadline, encoding)
+
+    def _expect_step(self) -> None:
+        """Tell the graph generator that a step follows, when none is in flight: it polls
+        for the step instead of sleeping, and the wake-up of its threads overlaps this
+        request's admission instead of following it (at most once per poll window)."""
+        window = self.config.step_wake_poll_s
+        now = time.monotonic()
+        if window and not self.inflight and now >= self._expect_until:
+            self._expect_until = now + window
+            mark("expect_send")
+            self.ctl.send(control.Expect())
 
     def _prompt_ids(self, prompt: str) -> list[int]:
         """On the intake's thread: the prompt's ids (the first max_model_len at most)."""

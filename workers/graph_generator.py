@@ -138,7 +138,7 @@ class GraphGenerator:
         poller.register(self.ctl.socket, zmq.POLLIN)
         poller.register(self.link.socket, zmq.POLLIN)
         idle_ms = int(self.config.heartbeat_interval_s * 1000)
-        poll_until = 0.0  # busy_poll_s after the last step
+        poll_until = 0.0  # busy_poll_s after the last step; step_wake_poll_s after an `Expect`
         while not self._stop:
             self.link.heartbeat()
             now = time.monotonic()
@@ -162,6 +162,9 @@ class GraphGenerator:
                 mark("step_received")
                 self._step(message)
                 poll_until = time.monotonic() + self.config.busy_poll_s
+            elif isinstance(message, control.Expect):
+                mark("expect_received")
+                poll_until = max(poll_until, time.monotonic() + self.config.step_wake_poll_s)
             elif isinstance(message, control.ReadyAck) and not ack_seen:
                 ack_seen = True
                 # The peer has mapped the arenas: their names can go, mappings stay valid.
