@@ -32,7 +32,9 @@ def test_each_request_passes_its_milestones_in_order(tmp_path):
         # No --model: the script makes its random checkpoint of the preset's shape, on the CPU here.
         [sys.executable, str(ROOT / "scripts" / "trace_requests.py"), "--out", str(tmp_path), "--device", "cpu",
          "--preset", "small", "--requests", "10", "--warmup-requests",
-         "2", "--gap-ms", "0", "--max-tokens", "3", "--client-spin", "alternate"],
+         "2", "--gap-ms", "0", "--max-tokens", "3", "--client-spin", "alternate",
+         # A poll window longer than a request: each request from idle is announced all the same.
+         "--config", '{"step_wake_poll_s": 1.0}'],
         capture_output=True, text=True, timeout=on_this_host(300),
     )
     assert out.returncode == 0, out.stderr[-3000:]
@@ -44,11 +46,17 @@ def test_each_request_passes_its_milestones_in_order(tmp_path):
     assert [r["spin"] for r in traced] == [False, True] * 5  # every other request polls
     context = sorted(ns for _, _, ns in marks["context"]["marks"])
     graph = sorted(ns for _, _, ns in marks["graph"]["marks"])
-    # Every traced request was received, launched and answered between its send and the next send.
-    for request, nxt in zip(traced, timeline[3:13]):
+    expects = {role: [ns for name, _, ns in marks[role]["marks"] if name.startswith("expect_")] for role in marks}
+    # Every traced request was received, launched and answered between its send and the next send,
+    # and announced once: each arrived while no step was in flight (the first of them before the
+    # marks window opened at its step).
+    for i, (request, nxt) in enumerate(zip(traced, timeline[3:13])):
         window = [ns for ns in context if request["sent_ns"] <= ns < nxt["sent_ns"]]
         assert window, f"no context marks for request {request['request']}"
         assert any(request["sent_ns"] <= ns < nxt["sent_ns"] for ns in graph)
+        for role in ("context", "graph") if i else ():
+            announced = [ns for ns in expects[role] if request["sent_ns"] <= ns < nxt["sent_ns"]]
+            assert len(announced) == 1, (role, request["request"], announced)
     for name in ("milestones.json", "milestones-spin.json"):  # the sleeping and the polling half
         milestones = json.loads((tmp_path / name).read_text())
         order = [row["milestone"] for row in milestones]

@@ -156,7 +156,8 @@ class ContextGenerator:
         self.owners: dict[str, ClientRequest] = {}  # a sequence's id -> its request
         self._token_texts: dict[int, str] = {}
         self.inflight: deque[InflightStep] = deque()
-        self._expect_until = 0.0  # the graph generator's poll window after the last `Expect`
+        # The end of the graph generator's poll window after the last `Expect` (0: none open).
+        self._expect_until = 0.0
         self.state = "loading"
         self.drain_deadline: float | None = None
         self.started = time.time()
@@ -349,6 +350,7 @@ class ContextGenerator:
                         if seq.index == 0 and seq.request_id in self.owners:
                             self.metrics.scheduled(now - seq.arrival_time)
                 self.inflight.append(self.pipeline.launch(batch))
+                self._expect_until = 0.0  # a step ends the graph generator's poll window
                 self.tracer.step()
                 self.link.steps += 1
                 if len(self.inflight) < PIPELINE_DEPTH:
