@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from hybridd import gemm_fusions
@@ -40,6 +42,15 @@ class TritonKernels(ComposedSteps):
         # Set by `LlamaModel.fold_norms`: the norms before qkv and gate/up have unit weights,
         # theirs being folded into those projections, so the projections may apply them.
         self.norms_folded = False
+
+    def launches(self, num_tokens: int) -> contextlib.AbstractContextManager:
+        """The launch settings of a step of `num_tokens` rows: without programmatic
+        dependent launch where its projections run on cuBLAS (`pdl.CUBLAS_STEPS`)."""
+        from hybridd.model import pdl
+
+        if num_tokens > self.skinny_rows and not pdl.CUBLAS_STEPS:
+            return pdl.off()
+        return contextlib.nullcontext()
 
     def _input(self, stream: ResidualStream, weight: torch.Tensor, eps: float):
         """(the rows a projection reads, the stream's value, the folded norm it applies

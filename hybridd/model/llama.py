@@ -141,10 +141,11 @@ class LlamaModel(nn.Module):
             # Checked where it is free; on CUDA callers check lengths on the host (the
             # scheduler's max_model_len, greedy_generate) instead of syncing here.
             self.check_sequence_length(int(step.positions.max()) + 1)
-        stream = ResidualStream(self.embed_tokens(step.input_ids))
-        for layer in self.layers:
-            stream = layer(stream, step, kv_cache, self.kernels, self.rope)
-        hidden, _ = self.kernels.stream_norm(stream, self.norm.weight, self.norm.eps)
+        with self.kernels.launches(step.num_tokens):
+            stream = ResidualStream(self.embed_tokens(step.input_ids))
+            for layer in self.layers:
+                stream = layer(stream, step, kv_cache, self.kernels, self.rope)
+            hidden, _ = self.kernels.stream_norm(stream, self.norm.weight, self.norm.eps)
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor, logits_indices: torch.Tensor | None = None) -> torch.Tensor:

@@ -6,6 +6,8 @@ rounding points (`hybridd/model/triton_ops.py`); `LlamaModel.kernels` selects on
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
@@ -118,6 +120,10 @@ class TorchKernels(ComposedSteps):
     name = "torch"
     supports_sliding_window = True
     skinny_rows = 0  # every projection goes to torch's matmul (cuBLAS on CUDA)
+
+    def launches(self, num_tokens: int) -> contextlib.AbstractContextManager:
+        """The launch settings of a step of `num_tokens` rows (torch's own, always)."""
+        return contextlib.nullcontext()
     rms_norm = staticmethod(rms_norm)
     add_rms_norm = staticmethod(add_rms_norm)
     rotary_write_kv = staticmethod(rotary_write_kv)

@@ -24,20 +24,41 @@ hand-overs absorb it (docs/benchmarks.md).
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 
 import torch
 import triton
 import triton.language as tl
 
 ENABLED = True  # the default of Config.pdl
+# Whether a step whose projections run on cuBLAS (more token rows than the skinny kernel
+# takes: a prefill of over 32 tokens) launches its Triton kernels with PDL too. cuBLAS's
+# kernels neither wait nor let their successors launch early, and there the chain was
+# slower with it: a 128-token Llama-2-7B prefill step took 4.71 ms with PDL, 4.59 ms
+# without (`python scripts/bench_pdl_steps.py`, docs/benchmarks.md).
+CUBLAS_STEPS = False
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _capable: dict[int, bool] = {}
+_thread = threading.local()  # `off` per thread: the capture thread and the serving thread differ
 
 
 def enabled(device: torch.device) -> bool:
-    """Whether kernels on `device` are launched with PDL (turned on, and supported)."""
-    return ENABLED and supported(device)
+    """Whether kernels on `device` are launched with PDL (turned on, supported, and not
+    turned off for this thread's step by `off`)."""
+    return ENABLED and not getattr(_thread, "off", False) and supported(device)
+
+
+@contextlib.contextmanager
+def off():
+    """Launch this thread's kernels without PDL meanwhile."""
+    before = getattr(_thread, "off", False)
+    _thread.off = True
+    try:
+        yield
+    finally:
+        _thread.off = before
 
 
 def supported(device: torch.device) -> bool:

@@ -1,0 +1,142 @@
+"""Graph steps launched with programmatic dependent launch throughout against the code's
+launch policy, side by side (CUDA).
+
+    python scripts/bench_pdl_steps.py --out $OUT
+
+Builds the Llama-2-7B shape with random weights (or `--model DIR`) and, for each policy
+in turn (two rounds, alternated), captures the decode graphs of batch 1 and 32 and the
+prefill graphs of 16-512 tokens in a fresh graph runner, then times each step: back to
+back (ten replays between two CUDA events, the median of ten rounds) and from an idle
+GPU (one replay, the median of 40). The policies:
+
+- `code`: the default (`pdl.CUBLAS_STEPS = False`): a step whose projections run on
+  cuBLAS (more token rows than the skinny projections take) launches its Triton
+  kernels without PDL, every other step with it;
+- `pdl_throughout`: every step's Triton kernels with PDL (`pdl.CUBLAS_STEPS = True`).
+
+Prints a table and writes `pdl_steps.json` under `--out`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from bench_graphs import BLOCK, decode_step, prefill_step  # noqa: E402
+
+from hybridd.config import Config  # noqa: E402
+from hybridd.model import KVCache, load_model, pdl  # noqa: E402
+from hybridd.runtime.buckets import BucketPlan  # noqa: E402
+from hybridd.runtime.graph_runner import GraphRunner  # noqa: E402
+from hybridd.runtime.step_buffers import StepBuffers  # noqa: E402
+
+CONTEXT = 512
+DECODE_BATCHES = (1, 32)
+PREFILL_TOKENS = (16, 32, 64, 128, 256, 512)
+POLICIES = {"code": False, "pdl_throughout": True}
+
+
+def gpu_times(stream: torch.cuda.Stream, run, idle_rounds: int = 40, rounds: int = 10, per_round: int = 10):
+    """(back to back, from idle) median seconds per step of `run` on `stream`."""
+    def between(fn) -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        stream.synchronize()
+        start.record(stream)
+        fn()
+        end.record(stream)
+        stream.synchronize()
+        return start.elapsed_time(end) / 1e3
+
+    for _ in range(5):
+        run()
+    back_to_back = [between(lambda: [run() for _ in range(per_round)]) / per_round for _ in range(rounds)]
+    idle = []
+    for _ in range(idle_rounds):
+        time.sleep(0.003)  # the GPU idles, as before a request's first step
+        idle.append(between(run))
+    return statistics.median(back_to_back), statistics.median(idle)
+
+
+def measure(model, through_cublas_steps: bool) -> dict[str, dict[str, float]]:
+    """Each step's times under one policy, with graphs captured under it."""
+    pdl.CUBLAS_STEPS = through_cublas_steps
+    config = model.config
+    width = (CONTEXT + max(PREFILL_TOKENS)) // BLOCK + 1
+    plan = BucketPlan.create(list(DECODE_BATCHES), list(PREFILL_TOKENS), Config().max_prefill_seqs)
+    kv = KVCache.allocate(config, max(DECODE_BATCHES) * width, BLOCK, model.dtype, "cuda")
+    buffers = StepBuffers.allocate(max(plan.max_batch, plan.max_prefill_tokens), plan.max_rows, width,
+                                   config.vocab_size, "cuda")
+    runner = GraphRunner(model, kv, buffers, plan, use_graphs=True)
+    runner.capture_decode_graphs()
+    for tokens in PREFILL_TOKENS:
+        runner.plan_step(True, tokens, 1)
+    runner.start_background_capture()
+    deadline = time.monotonic() + 300
+    stats = [runner.stats[("prefill", tokens)] for tokens in PREFILL_TOKENS]
+    while not all(s.captured or s.disabled for s in stats) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    runner.stop_background_capture()
+    missing = [tokens for tokens, s in zip(PREFILL_TOKENS, stats) if not s.captured]
+    if missing:
+        raise RuntimeError(f"prefill graphs of {missing} tokens were not captured")
+    tables = [list(range(i * width, (i + 1) * width)) for i in range(max(DECODE_BATCHES))]
+    steps = {f"decode_b{b}": decode_step(b, CONTEXT, tables[:b]) for b in DECODE_BATCHES}
+    steps |= {f"prefill_{n}": prefill_step(n, tables[0]) for n in PREFILL_TOKENS}
+    out = {}
+    for name, step in steps.items():
+        with torch.cuda.stream(runner.stream):
+            buffers.write(step)
+        shape = runner.plan_step(step.is_prefill, step.num_tokens, step.num_seqs)
+        if not shape.graph:
+            raise RuntimeError(f"{name} did not run as a graph")
+        b2b, idle = gpu_times(runner.stream, lambda: runner.run(step.is_prefill, step.num_tokens, step.num_seqs))
+        out[name] = {"back_to_back_s": b2b, "from_idle_s": idle}
+    del runner, kv, buffers
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", type=Path, help="local HF model directory (default: random Llama-2-7B shape)")
+    parser.add_argument("--out", type=Path, default=Path("out"))
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_pdl_steps.py needs a CUDA device")
+    args.out.mkdir(parents=True, exist_ok=True)
+    model_dir = args.model
+    if model_dir is None:
+        from make_random_checkpoint import make_checkpoint
+
+        model_dir = make_checkpoint(Path("/tmp/hybridd-llama2-7b-normal-random"), "llama2-7b")
+    model = load_model(model_dir, dtype=torch.bfloat16, device="cuda", max_positions=2048)
+    runs = []
+    for _ in range(args.rounds):
+        for policy, through in POLICIES.items():
+            runs.append({"policy": policy, "steps": measure(model, through)})
+    pdl.CUBLAS_STEPS = False
+    (args.out / "pdl_steps.json").write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "runs": runs}, indent=1))
+    names = list(runs[0]["steps"])
+    print(f"{torch.cuda.get_device_name()}, Llama-2-7B shape, context {CONTEXT} for decode; ms per step, "
+          f"back to back / from an idle GPU, each round's policies in the order given")
+    print(f"{'step':12s}" + "".join(f" | {r['policy']:>21s}" for r in runs))
+    for name in names:
+        print(f"{name:12s}" + "".join(f" | {r['steps'][name]['back_to_back_s'] * 1e3:9.3f} / "
+                                      f"{r['steps'][name]['from_idle_s'] * 1e3:9.3f}" for r in runs))
+
+
+if __name__ == "__main__":
+    main()
