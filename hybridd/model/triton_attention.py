@@ -394,7 +394,8 @@ def prefill_attention(
 # Graph buckets of other sizes pick other launch plans (split counts, query tile heights),
 # each its own compiled kernel. The first eager call for a geometry (the graph runner's
 # warm-up) launches every plan a bucket can pick, on empty inputs, so a later capture
-# finds them compiled and loaded instead of compiling inside the capture.
+# finds them compiled and loaded instead of compiling inside the capture. With and without
+# dependent launch they are different kernels (`pdl`), each compiled by its first call.
 _MAX_BUCKET_BATCH = 512
 _compiled: set[tuple] = set()
 
@@ -410,7 +411,7 @@ def _compile_decode_plans(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor, scale: float
 ) -> None:
     h, kvh, page, width = q.shape[1], k_cache.shape[2], k_cache.shape[1], block_tables.shape[1]
-    key = ("decode", q.device, q.dtype, tuple(q.shape[1:]), tuple(k_cache.shape[1:]), width)
+    key = ("decode", q.device, q.dtype, tuple(q.shape[1:]), tuple(k_cache.shape[1:]), width, pdl.enabled(q.device))
     if not _first_eager_call(key, q.device):
         return
     plans = {decode_plan(b, kvh, width * page) for b in range(1, _MAX_BUCKET_BATCH + 1)}
@@ -430,7 +431,7 @@ def _compile_prefill_plans(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, st
     """Every query tile height, for every padding of the sequence count up to this step's:
     an eager prefill (a bucket not captured yet) has its own count of sequences."""
     seqs = step.query_start_loc.shape[0] - 1
-    key = ("prefill", q.device, q.dtype, tuple(q.shape[1:]), tuple(k.shape[1:]), seqs)
+    key = ("prefill", q.device, q.dtype, tuple(q.shape[1:]), tuple(k.shape[1:]), seqs, pdl.enabled(q.device))
     if not _first_eager_call(key, q.device):
         return
     plans = dict.fromkeys([plan for _, plan in _PREFILL_PLANS] + [_LONG_PREFILL_PLAN])

@@ -468,7 +468,8 @@ def _compile_every_bucket(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     finds its kernel compiled and loaded instead of compiling inside the capture. The
     launches run on zero rows; a rotary variant's slots are all -1, so it writes nothing
     to the caches."""
-    key = (tuple(weight.shape), weight.dtype, x.device, bias is not None, gated, residual is not None)
+    key = (tuple(weight.shape), weight.dtype, x.device, bias is not None, gated, residual is not None,
+           pdl.enabled(x.device))
     if rotary is not None:
         key += (rotary.num_heads, rotary.num_kv_heads, rotary.head_dim, rotary.k_cache.dtype)
     if norm is not None:
