@@ -36,8 +36,9 @@ ENABLED = True  # the default of Config.pdl
 # Whether a step whose projections run on cuBLAS (more token rows than the skinny kernel
 # takes: a prefill of over 32 tokens) launches its Triton kernels with PDL too. cuBLAS's
 # kernels neither wait nor let their successors launch early, and there the chain was
-# slower with it: a 128-token Llama-2-7B prefill step took 4.71 ms with PDL, 4.59 ms
-# without (`python scripts/bench_pdl_steps.py`, docs/benchmarks.md).
+# slower with it: Llama-2-7B prefill steps of 64-256 tokens took 0.4-2.9 % longer with
+# PDL, 128 tokens 4.62 ms against 4.49-4.58 ms (`python scripts/bench_pdl_steps.py`,
+# docs/benchmarks.md).
 CUBLAS_STEPS = False
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _capable: dict[int, bool] = {}
