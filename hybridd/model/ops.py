@@ -120,10 +120,6 @@ class TorchKernels(ComposedSteps):
     name = "torch"
     supports_sliding_window = True
     skinny_rows = 0  # every projection goes to torch's matmul (cuBLAS on CUDA)
-
-    def launches(self, num_tokens: int) -> contextlib.AbstractContextManager:
-        """The launch settings of a step of `num_tokens` rows (torch's own, always)."""
-        return contextlib.nullcontext()
     rms_norm = staticmethod(rms_norm)
     add_rms_norm = staticmethod(add_rms_norm)
     rotary_write_kv = staticmethod(rotary_write_kv)
@@ -132,3 +128,7 @@ class TorchKernels(ComposedSteps):
     linear_silu_and_mul = staticmethod(linear_silu_and_mul)
     prefill_attention = staticmethod(attention.prefill_attention)
     decode_attention = staticmethod(attention.decode_attention)
+
+    def launches(self, num_tokens: int) -> contextlib.AbstractContextManager:
+        """The launch settings of a step of `num_tokens` rows (torch's own, always)."""
+        return contextlib.nullcontext()
