@@ -271,13 +271,10 @@ def median_step_s(runner, run, iters: int, cuda: bool, per_round: int = 1) -> fl
 def run_breakdown(model_dir: Path, device: str, ceilings: dict, steps: int = 20) -> dict:
     """Capture the graphs, then profile decode batch 1 and 32 (context 512) and the
     16- and 128-token prefills; one summary per step kind."""
-    from bench_graphs import decode_step, prefill_step, stepper
+    from bench_graphs import captured_runner, decode_step, prefill_step, stepper
 
-    from hybridd.config import Config
-    from hybridd.model import KVCache, load_model
-    from hybridd.runtime.buckets import BucketPlan
+    from hybridd.model import load_model
     from hybridd.runtime.graph_runner import GraphRunner
-    from hybridd.runtime.step_buffers import StepBuffers
 
     cuda = device == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
@@ -285,22 +282,10 @@ def run_breakdown(model_dir: Path, device: str, ceilings: dict, steps: int = 20)
     model = load_model(model_dir, dtype=dtype, device=device, max_positions=max_positions)
     config = model.config
     elem = torch.finfo(dtype).bits // 8
-    plan = BucketPlan.create(list(DECODE_BATCHES), list(PREFILL_SIZES), Config().max_prefill_seqs)
     width = max_positions // BLOCK
     batch = max(DECODE_BATCHES)
-    kv = KVCache.allocate(config, batch * width, BLOCK, dtype, device)
-    buffers = StepBuffers.allocate(max(plan.max_batch, plan.max_prefill_tokens), plan.max_rows, width,
-                                   config.vocab_size, device)
-    runner = GraphRunner(model, kv, buffers, plan, use_graphs=True)
-    runner.capture_decode_graphs()
-    for tokens in PREFILL_SIZES:
-        runner.plan_step(True, tokens, 1)
-    runner.start_background_capture()
-    deadline = time.monotonic() + 120
-    stats = [runner.stats[("prefill", tokens)] for tokens in PREFILL_SIZES]
-    while not all(s.captured or s.disabled for s in stats) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    runner.stop_background_capture()
+    runner = captured_runner(model, DECODE_BATCHES, PREFILL_SIZES, width)
+    kv, buffers, plan = runner.kv_cache, runner.buffers, runner.plan
     tables = [list(range(i * width, (i + 1) * width)) for i in range(batch)]
     sync = runner.stream.synchronize if cuda else (lambda: None)
     bw, flops = ceilings["copy_bandwidth_Bps"], ceilings["matmul_flops"]

@@ -82,6 +82,32 @@ def prefill_step(tokens: int, table: list[int]) -> StepInputs:
     return StepInputs.prefill([[11] * tokens], [table], BLOCK)
 
 
+def captured_runner(model, decode_batches: list[int], prefill_tokens: list[int], width: int,
+                    timeout_s: float = 120.0) -> GraphRunner:
+    """A graph runner over a fresh KV cache (`width` blocks per sequence of the largest
+    batch) and fresh step buffers, its decode graphs captured and its prefill graphs
+    captured by its background thread, as the graph generator does (waited for up to
+    `timeout_s`; a bucket that failed or ran out of time is left eager)."""
+    from hybridd.config import Config
+
+    device = model.device
+    plan = BucketPlan.create(list(decode_batches), list(prefill_tokens), Config().max_prefill_seqs)
+    kv = KVCache.allocate(model.config, max(decode_batches) * width, BLOCK, model.dtype, device)
+    buffers = StepBuffers.allocate(max(plan.max_batch, plan.max_prefill_tokens), plan.max_rows, width,
+                                   model.config.vocab_size, device)
+    runner = GraphRunner(model, kv, buffers, plan, use_graphs=True)
+    runner.capture_decode_graphs()
+    for tokens in prefill_tokens:
+        runner.plan_step(True, tokens, 1)
+    runner.start_background_capture()
+    deadline = time.monotonic() + timeout_s
+    stats = [runner.stats[("prefill", tokens)] for tokens in prefill_tokens]
+    while not all(s.captured or s.disabled for s in stats) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    runner.stop_background_capture()
+    return runner
+
+
 def stepper(runner: GraphRunner, step: StepInputs):
     """Writes the step's rows once (on the serving stream); returns what runs it again:
     the graph generator's part of a step (pick the bucket, pad, replay)."""

@@ -33,13 +33,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench_graphs import BLOCK, decode_step, prefill_step  # noqa: E402
+from bench_graphs import BLOCK, captured_runner, decode_step, prefill_step  # noqa: E402
 
-from hybridd.config import Config  # noqa: E402
-from hybridd.model import KVCache, load_model, pdl  # noqa: E402
-from hybridd.runtime.buckets import BucketPlan  # noqa: E402
-from hybridd.runtime.graph_runner import GraphRunner  # noqa: E402
-from hybridd.runtime.step_buffers import StepBuffers  # noqa: E402
+from hybridd.model import load_model, pdl  # noqa: E402
 
 CONTEXT = 512
 DECODE_BATCHES = (1, 32)
@@ -71,23 +67,10 @@ def gpu_times(stream: torch.cuda.Stream, run, idle_rounds: int = 40, rounds: int
 def measure(model, through_cublas_steps: bool) -> dict[str, dict[str, float]]:
     """Each step's times under one policy, with graphs captured under it."""
     pdl.CUBLAS_STEPS = through_cublas_steps
-    config = model.config
     width = (CONTEXT + max(PREFILL_TOKENS)) // BLOCK + 1
-    plan = BucketPlan.create(list(DECODE_BATCHES), list(PREFILL_TOKENS), Config().max_prefill_seqs)
-    kv = KVCache.allocate(config, max(DECODE_BATCHES) * width, BLOCK, model.dtype, "cuda")
-    buffers = StepBuffers.allocate(max(plan.max_batch, plan.max_prefill_tokens), plan.max_rows, width,
-                                   config.vocab_size, "cuda")
-    runner = GraphRunner(model, kv, buffers, plan, use_graphs=True)
-    runner.capture_decode_graphs()
-    for tokens in PREFILL_TOKENS:
-        runner.plan_step(True, tokens, 1)
-    runner.start_background_capture()
-    deadline = time.monotonic() + 300
-    stats = [runner.stats[("prefill", tokens)] for tokens in PREFILL_TOKENS]
-    while not all(s.captured or s.disabled for s in stats) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    runner.stop_background_capture()
-    missing = [tokens for tokens, s in zip(PREFILL_TOKENS, stats) if not s.captured]
+    runner = captured_runner(model, DECODE_BATCHES, PREFILL_TOKENS, width, timeout_s=300)
+    buffers = runner.buffers
+    missing = [tokens for tokens in PREFILL_TOKENS if not runner.stats[("prefill", tokens)].captured]
     if missing:
         raise RuntimeError(f"prefill graphs of {missing} tokens were not captured")
     tables = [list(range(i * width, (i + 1) * width)) for i in range(max(DECODE_BATCHES))]
@@ -102,7 +85,7 @@ def measure(model, through_cublas_steps: bool) -> dict[str, dict[str, float]]:
             raise RuntimeError(f"{name} did not run as a graph")
         b2b, idle = gpu_times(runner.stream, lambda: runner.run(step.is_prefill, step.num_tokens, step.num_seqs))
         out[name] = {"back_to_back_s": b2b, "from_idle_s": idle}
-    del runner, kv, buffers
+    del runner, buffers
     gc.collect()
     torch.cuda.empty_cache()
     return out
