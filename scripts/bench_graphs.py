@@ -131,14 +131,18 @@ def time_steps(runner: GraphRunner, fn, iters: int) -> list[float]:
     return out
 
 
-def median_gpu_time(fn, iters: int, stream: torch.cuda.Stream | None = None, per_round: int = 1) -> float:
+def median_gpu_time(fn, iters: int, stream: torch.cuda.Stream | None = None, per_round: int = 1,
+                    idle_s: float = 0.0) -> float:
     """Median GPU time per call of fn() by CUDA events on `stream` (default: the current
     one), in seconds: `per_round` calls between two events, over `iters` rounds. With one
     call a round the time includes the host's launch of it onto an idle GPU; with several,
     the host launches each call while the GPU still runs the one before, as the daemon's
-    pipeline does, so the time is the GPU's own (with the gaps between calls)."""
+    pipeline does, so the time is the GPU's own (with the gaps between calls). `idle_s`:
+    the GPU idles that long before each round, as before a request's first step."""
     times = []
     for _ in range(iters):
+        if idle_s:
+            time.sleep(idle_s)
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         s.record(stream)
         for _ in range(per_round):

@@ -22,9 +22,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -33,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench_graphs import BLOCK, captured_runner, decode_step, prefill_step  # noqa: E402
+from bench_graphs import BLOCK, captured_runner, decode_step, median_gpu_time, prefill_step  # noqa: E402
 
 from hybridd.model import load_model, pdl  # noqa: E402
 
@@ -43,25 +41,13 @@ PREFILL_TOKENS = (16, 32, 64, 128, 256, 512)
 POLICIES = {"code": False, "pdl_throughout": True}
 
 
-def gpu_times(stream: torch.cuda.Stream, run, idle_rounds: int = 40, rounds: int = 10, per_round: int = 10):
+def gpu_times(stream: torch.cuda.Stream, run) -> tuple[float, float]:
     """(back to back, from idle) median seconds per step of `run` on `stream`."""
-    def between(fn) -> float:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        stream.synchronize()
-        start.record(stream)
-        fn()
-        end.record(stream)
-        stream.synchronize()
-        return start.elapsed_time(end) / 1e3
-
     for _ in range(5):
         run()
-    back_to_back = [between(lambda: [run() for _ in range(per_round)]) / per_round for _ in range(rounds)]
-    idle = []
-    for _ in range(idle_rounds):
-        time.sleep(0.003)  # the GPU idles, as before a request's first step
-        idle.append(between(run))
-    return statistics.median(back_to_back), statistics.median(idle)
+    stream.synchronize()
+    return (median_gpu_time(run, 10, stream, per_round=10),
+            median_gpu_time(run, 40, stream, idle_s=0.003))
 
 
 def measure(model, through_cublas_steps: bool) -> dict[str, dict[str, float]]:
@@ -91,11 +77,18 @@ def measure(model, through_cublas_steps: bool) -> dict[str, dict[str, float]]:
     return out
 
 
+def _rounds(value: str) -> int:
+    rounds = int(value)
+    if rounds < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {rounds}")
+    return rounds
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, help="local HF model directory (default: random Llama-2-7B shape)")
     parser.add_argument("--out", type=Path, default=Path("out"))
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=_rounds, default=2, help="rounds of both policies (default 2)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_pdl_steps.py needs a CUDA device")

@@ -627,8 +627,10 @@ class ContextGenerator:
         for the step instead of sleeping, and the wake-up of its threads overlaps this
         request's admission instead of following it (at most once per poll window)."""
         window = self.config.step_wake_poll_s
+        if not window or self.inflight:
+            return
         now = time.monotonic()
-        if window and not self.inflight and now >= self._expect_until:
+        if now >= self._expect_until:
             self._expect_until = now + window
             mark("expect_send")
             self.ctl.send(control.Expect())

@@ -24,7 +24,7 @@ class TritonKernels(ComposedSteps):
     name = "triton"
 
     def __init__(self) -> None:
-        from hybridd.model import triton_attention, triton_gemm, triton_ops
+        from hybridd.model import pdl, triton_attention, triton_gemm, triton_ops
 
         # Projections of up to this many token rows may run on the skinny kernel, not cuBLAS.
         self.skinny_rows = triton_gemm.MAX_ROWS
@@ -39,6 +39,7 @@ class TritonKernels(ComposedSteps):
         self.prefill_attention = triton_attention.prefill_attention
         self.decode_attention = triton_attention.decode_attention
         self._gemm = triton_gemm
+        self._pdl = pdl
         # Set by `LlamaModel.fold_norms`: the norms before qkv and gate/up have unit weights,
         # theirs being folded into those projections, so the projections may apply them.
         self.norms_folded = False
@@ -46,10 +47,8 @@ class TritonKernels(ComposedSteps):
     def launches(self, num_tokens: int) -> contextlib.AbstractContextManager:
         """The launch settings of a step of `num_tokens` rows: without programmatic
         dependent launch where its projections run on cuBLAS (`pdl.CUBLAS_STEPS`)."""
-        from hybridd.model import pdl
-
-        if num_tokens > self.skinny_rows and not pdl.CUBLAS_STEPS:
-            return pdl.off()
+        if num_tokens > self.skinny_rows and not self._pdl.CUBLAS_STEPS:
+            return self._pdl.off()
         return contextlib.nullcontext()
 
     def _input(self, stream: ResidualStream, weight: torch.Tensor, eps: float):
