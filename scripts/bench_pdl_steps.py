@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench_graphs import BLOCK, captured_runner, decode_step, median_gpu_time, prefill_step  # noqa: E402
+from bench_graphs import BLOCK, captured_runner, decode_step, median_gpu_time, prefill_step, stepper  # noqa: E402
 
 from hybridd.model import load_model, pdl  # noqa: E402
 
@@ -55,7 +55,6 @@ def measure(model, through_cublas_steps: bool) -> dict[str, dict[str, float]]:
     pdl.CUBLAS_STEPS = through_cublas_steps
     width = (CONTEXT + max(PREFILL_TOKENS)) // BLOCK + 1
     runner = captured_runner(model, DECODE_BATCHES, PREFILL_TOKENS, width, timeout_s=300)
-    buffers = runner.buffers
     missing = [tokens for tokens in PREFILL_TOKENS if not runner.stats[("prefill", tokens)].captured]
     if missing:
         raise RuntimeError(f"prefill graphs of {missing} tokens were not captured")
@@ -64,14 +63,12 @@ def measure(model, through_cublas_steps: bool) -> dict[str, dict[str, float]]:
     steps |= {f"prefill_{n}": prefill_step(n, tables[0]) for n in PREFILL_TOKENS}
     out = {}
     for name, step in steps.items():
-        with torch.cuda.stream(runner.stream):
-            buffers.write(step)
-        shape = runner.plan_step(step.is_prefill, step.num_tokens, step.num_seqs)
-        if not shape.graph:
+        run = stepper(runner, step)
+        if not runner.plan_step(step.is_prefill, step.num_tokens, step.num_seqs).graph:
             raise RuntimeError(f"{name} did not run as a graph")
-        b2b, idle = gpu_times(runner.stream, lambda: runner.run(step.is_prefill, step.num_tokens, step.num_seqs))
+        b2b, idle = gpu_times(runner.stream, run)
         out[name] = {"back_to_back_s": b2b, "from_idle_s": idle}
-    del runner, buffers
+    del runner, run
     gc.collect()
     torch.cuda.empty_cache()
     return out
@@ -100,10 +97,13 @@ def main() -> None:
         model_dir = make_checkpoint(Path("/tmp/hybridd-llama2-7b-normal-random"), "llama2-7b")
     model = load_model(model_dir, dtype=torch.bfloat16, device="cuda", max_positions=2048)
     runs = []
-    for _ in range(args.rounds):
-        for policy, through in POLICIES.items():
-            runs.append({"policy": policy, "steps": measure(model, through)})
-    pdl.CUBLAS_STEPS = False
+    default = pdl.CUBLAS_STEPS
+    try:
+        for _ in range(args.rounds):
+            for policy, through in POLICIES.items():
+                runs.append({"policy": policy, "steps": measure(model, through)})
+    finally:
+        pdl.CUBLAS_STEPS = default
     (args.out / "pdl_steps.json").write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "runs": runs}, indent=1))
     names = list(runs[0]["steps"])
     print(f"{torch.cuda.get_device_name()}, Llama-2-7B shape, context {CONTEXT} for decode; ms per step, "
