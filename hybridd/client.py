@@ -47,6 +47,7 @@ from msgspec.structs import replace
 from zmq.utils.monitor import parse_monitor_message
 
 from hybridd import client_fallback
+from hybridd.client_ring import DEFAULT_RING_BYTES, RING_SPIN_S, RingDelivery
 from hybridd.errors import (
     DaemonUnreachableError,
     DrainingError,
@@ -62,12 +63,22 @@ from hybridd.errors import (
     UnavailableError,
     error_for_code,
 )
+from hybridd.ipc.reply_ring import HEADER_BYTES as RING_HEADER_BYTES
+from hybridd.ipc.reply_ring import RingBroken, RingReader
+from hybridd.ipc.reply_ring import supported as ring_supported
 from hybridd.log import get_logger
 from hybridd.protocol import codec
 from hybridd.protocol.codec import encode
 from hybridd.protocol.errors import ErrorCode, ProtocolError
-from hybridd.protocol.limits import MAX_MESSAGE_BYTES, MAX_TIMEOUT_S, PROTOCOL_VERSION
+from hybridd.protocol.limits import (
+    MAX_MESSAGE_BYTES,
+    MAX_REPLY_RING_BYTES,
+    MAX_TIMEOUT_S,
+    MIN_REPLY_RING_BYTES,
+    PROTOCOL_VERSION,
+)
 from hybridd.protocol.messages import (
+    AttachRingRequest,
     CancelRequest,
     ChatMessage,
     Choice,
@@ -78,6 +89,7 @@ from hybridd.protocol.messages import (
     HealthReply,
     HealthRequest,
     Reply,
+    RingAttachedReply,
     SamplingParams,
     StatusReply,
     StatusRequest,
@@ -242,11 +254,15 @@ Sink = Callable[[Reply | HybriddError], None]
 
 
 class _Session:
-    """One DEALER connection and the requests in flight on it; used from its loop only."""
+    """One DEALER connection and the requests in flight on it; used from its loop,
+    except `poll_ring`, which any thread may call (the lock guards what it touches)."""
 
     def __init__(self, endpoint: str, *, server_public_key: bytes | None, public_key: bytes | None,
-                 secret_key: bytes | None) -> None:
+                 secret_key: bytes | None, reply_ring: int | None = None) -> None:
         self.endpoint = endpoint
+        self._ring_bytes = reply_ring  # attach a ring of this many bytes on each connection
+        self._ring: RingDelivery | None = None
+        self._lock = threading.RLock()  # the pending sinks and the ring, between the loop and pollers
         self._context = zmq.asyncio.Context()
         # A plain socket read from the loop's reader callback (`_readable`); its monitor is
         # an asyncio socket of the same context.
@@ -291,7 +307,7 @@ class _Session:
         its request's sink, and send what waited for room. ZeroMQ's descriptor is edge-
         triggered (it signals a change, not a level), so the socket's events are read
         until nothing is left."""
-        socket, pending = self._socket, self.pending
+        socket = self._socket
         while not self.closed:
             events = socket.get(zmq.EVENTS)
             if self._outbox and events & zmq.POLLOUT:
@@ -299,19 +315,76 @@ class _Session:
             if not events & zmq.POLLIN:
                 return
             frame = socket.recv(zmq.NOBLOCK, copy=False)
+            with self._lock:
+                if self._ring is not None and not self._ring.from_socket():
+                    continue  # the ring brought it
+                self._deliver(frame.buffer)
+
+    def _deliver(self, payload: memoryview | bytes) -> None:
+        """Hand one reply to its request's sink (the lock held)."""
+        try:
+            reply = codec.REPLIES.decode(payload)
+        except ProtocolError as error:
+            log.warning("undecodable reply from the daemon", error=str(error))
+            return
+        sink = self.pending.get(reply.id)
+        if sink is None:
+            if isinstance(reply, ErrorReply) and not reply.id:
+                log.warning("unattributed error from the daemon", code=reply.code.value, message=reply.message)
+            return  # a reply for a request that already ended (timed out, dropped)
+        if _is_terminal(reply):
+            del self.pending[reply.id]
+        sink(reply)
+
+    @property
+    def ring_attached(self) -> bool:
+        return self._ring is not None
+
+    def poll_ring(self) -> bool:
+        """Deliver the replies the ring holds that are next in order; True if any. Called
+        by the threads that wait for a reply, instead of sleeping until the socket's."""
+        with self._lock:
+            ring = self._ring
+            if ring is None:
+                return False
+            delivered = False
             try:
-                reply = codec.REPLIES.decode(frame.buffer)
-            except ProtocolError as error:
-                log.warning("undecodable reply from the daemon", error=str(error))
-                continue
-            sink = pending.get(reply.id)
-            if sink is None:
-                if isinstance(reply, ErrorReply) and not reply.id:
-                    log.warning("unattributed error from the daemon", code=reply.code.value, message=reply.message)
-                continue  # a reply for a request that already ended (timed out, dropped)
-            if _is_terminal(reply):
-                del pending[reply.id]
-            sink(reply)
+                for payload in ring.from_ring():
+                    self._deliver(payload)
+                    delivered = True
+            except RingBroken as error:
+                log.warning("reply ring dropped; replies come by the socket", error=str(error))
+                self._drop_ring()
+            return delivered
+
+    def _attach_ring(self) -> None:
+        """Ask the daemon of a new connection to attach a fresh ring (it is the first
+        message on the connection, so every reply after its answer is numbered)."""
+        try:
+            reader = RingReader(self._ring_bytes - RING_HEADER_BYTES)
+        except OSError as error:
+            log.warning("no reply ring (memory for it refused); replies come by the socket", error=str(error))
+            return
+        request = AttachRingRequest(id=new_request_id(), fd=reader.fd, bytes=reader.nbytes)
+
+        def answered(reply: Reply | HybriddError) -> None:
+            if isinstance(reply, RingAttachedReply):
+                reader.release_fd()
+                self._ring = RingDelivery(reader)
+                return
+            reader.close()
+            reason = reply.message if isinstance(reply, ErrorReply | HybriddError) else type(reply).__name__
+            log.warning("the daemon did not attach the reply ring; replies come by the socket", reason=reason)
+
+        with self._lock:
+            self.pending[request.id] = answered
+        self._send(encode(request))
+
+    def _drop_ring(self) -> None:
+        with self._lock:
+            if self._ring is not None:
+                self._ring.close()
+                self._ring = None
 
     def _send(self, frame: bytes) -> None:
         if not self._outbox:
@@ -339,9 +412,12 @@ class _Session:
             kind = event["event"]
             if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self.connected, self._refused = True, None
+                if self._ring_bytes:
+                    self._attach_ring()
             elif kind == zmq.EVENT_DISCONNECTED and self.connected:
                 # Only a session that was established can lose the daemon.
                 self.connected = False
+                self._drop_ring()  # a new connection is a new session, numbered afresh
                 self.fail_all(EngineDeadError(f"the daemon's socket {self.endpoint} disconnected"))
             elif kind == zmq.EVENT_CONNECT_RETRIED:
                 self._transport = "refused"
@@ -390,7 +466,8 @@ class _Session:
         return f"no answer from {self.endpoint} within {_seconds(timeout)} s (connected, but no ZeroMQ handshake)"
 
     def fail_all(self, error: HybriddError) -> None:
-        pending, self.pending = self.pending, {}
+        with self._lock:
+            pending, self.pending = self.pending, {}
         for request_id, sink in pending.items():
             sink(type(error)(error.message, code=error.code, request_id=request_id))
 
@@ -404,11 +481,13 @@ class _Session:
             frame = encode(request)
         except ProtocolError as error:  # over MAX_MESSAGE_BYTES: the daemon would drop the connection
             raise error_for_code(error.code, error.message, field=error.field, request_id=request.id) from None
-        self.pending[request.id] = sink
+        with self._lock:
+            self.pending[request.id] = sink
         self._send(frame)
 
     def forget(self, request_id: str) -> None:
-        self.pending.pop(request_id, None)
+        with self._lock:
+            self.pending.pop(request_id, None)
 
     def cancel(self, target: str) -> None:
         """Fire and forget: a valid cancel has no reply of its own; the target's waiter
@@ -418,7 +497,9 @@ class _Session:
 
     def abandon(self, target: str) -> None:
         """A caller stopped waiting (timeout, dropped stream): free the daemon's work too."""
-        if self.pending.pop(target, None) is not None:
+        with self._lock:
+            abandoned = self.pending.pop(target, None) is not None
+        if abandoned:
             self.cancel(target)
 
     async def close(self) -> None:
@@ -429,6 +510,7 @@ class _Session:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._drop_ring()
         self._loop.remove_reader(self._fd)
         self._socket.disable_monitor()
         self._monitor.close(linger=0)
@@ -519,11 +601,31 @@ class Stream:
     def __iter__(self) -> Iterator[Chunk]:
         return self
 
+    def _poll_ring(self) -> Reply | HybriddError | None:
+        """Poll the session's reply ring for this stream's next reply, for at most
+        RING_SPIN_S; None if it did not come (the socket brings it)."""
+        session = self._client._session
+        spin_until = time.monotonic() + RING_SPIN_S
+        if self._deadline is not None:
+            spin_until = min(spin_until, self._deadline)
+        replies = self._queue
+        while session.ring_attached:
+            if not replies.empty() or session.poll_ring():
+                if not replies.empty():
+                    return replies.get_nowait()
+                continue
+            if time.monotonic() >= spin_until:
+                return None
+            os.sched_yield()  # lets the client's I/O thread run; no sleep
+        return None
+
     def __next__(self) -> Chunk:
         if self._done:
             raise StopIteration
         try:
-            reply = self._queue.get(timeout=_remaining(self._deadline))
+            reply = self._poll_ring() if self._client._session.ring_attached else None
+            if reply is None:
+                reply = self._queue.get(timeout=_remaining(self._deadline))
         except queue.Empty:
             self.close()
             raise RequestTimeoutError("the call's timeout expired", request_id=self.id) from None
@@ -596,7 +698,16 @@ def _positive(value: float | None, name: str) -> float | None:
 
 
 class Client(_ClientOptions):
-    """A thread-safe client for one daemon. Use as a context manager, or call `close()`."""
+    """A thread-safe client for one daemon. Use as a context manager, or call `close()`.
+
+    `reply_ring=True` (or a size in bytes) asks a daemon on this host (an ipc:// endpoint,
+    x86-64) to write the session's replies into shared memory as well as on the socket
+    (ipc/reply_ring.py); a thread iterating a `Stream` then polls that memory for its
+    next chunk, up to RING_SPIN_S at a time, instead of sleeping until the socket's
+    I/O thread wakes it: the chunk arrives without two thread wake-ups, and the thread
+    keeps a CPU busy while it waits. A daemon that cannot attach the ring (another user,
+    a limit) says why in the client's log, and replies come by the socket alone.
+    """
 
     def __init__(
         self,
@@ -607,12 +718,14 @@ class Client(_ClientOptions):
         server_public_key: str | bytes | None = None,
         public_key: str | bytes | None = None,
         secret_key: str | bytes | None = None,
+        reply_ring: bool | int = False,
     ) -> None:
         super().__init__(endpoint, timeout=timeout, connect_timeout=connect_timeout,
                          server_public_key=server_public_key, public_key=public_key, secret_key=secret_key)
+        ring_bytes = _ring_bytes(reply_ring, self.endpoint)
         self._io = _LoopThread()
         try:
-            self._session: _Session = self._io.run(_create_session(self.endpoint, self._keys))
+            self._session: _Session = self._io.run(_create_session(self.endpoint, self._keys, ring_bytes))
         except BaseException:
             self._io.stop()
             raise
@@ -737,8 +850,26 @@ class Client(_ClientOptions):
         self.close()
 
 
-async def _create_session(endpoint: str, keys: dict[str, bytes | None]) -> _Session:
-    return _Session(endpoint, **keys)
+def _ring_bytes(reply_ring: bool | int, endpoint: str) -> int | None:
+    """The bytes of the reply ring `reply_ring` asks for, None for none; ValueError when
+    this client cannot have one."""
+    if reply_ring is False:
+        return None
+    nbytes = DEFAULT_RING_BYTES if reply_ring is True else reply_ring
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or not (
+            MIN_REPLY_RING_BYTES <= nbytes <= MAX_REPLY_RING_BYTES) or nbytes % 8:
+        raise ValueError(f"reply_ring: expected True or a multiple of 8 bytes from {MIN_REPLY_RING_BYTES} to "
+                         f"{MAX_REPLY_RING_BYTES}, got {reply_ring!r}")
+    if not endpoint.startswith("ipc://"):
+        raise ValueError(f"reply_ring: only a daemon on this host (an ipc:// endpoint) can share memory, "
+                         f"not {endpoint}")
+    if not ring_supported():
+        raise ValueError("reply_ring: needs an x86-64 host (the ring relies on its memory ordering)")
+    return nbytes
+
+
+async def _create_session(endpoint: str, keys: dict[str, bytes | None], reply_ring: int | None = None) -> _Session:
+    return _Session(endpoint, **keys, reply_ring=reply_ring)
 
 
 # ---------------------------------------------------------------- async client

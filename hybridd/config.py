@@ -101,6 +101,9 @@ class Config:
     # long, so that the step is not held up by the wake-up of the graph generator's threads
     # (0: it sleeps until the step wakes it).
     step_wake_poll_s: float = 0.005
+    # Client sessions that may have a reply ring attached at once (each maps that client's
+    # memory; ipc/reply_ring.py); 0 refuses every ring.
+    max_reply_rings: int = 256
     # lifecycle: every deadline the supervisor applies is one of these
     startup_timeout_s: float = 900.0  # spawn to ready, per worker: loading, compiling, capturing
     heartbeat_interval_s: float = 0.25
@@ -133,7 +136,7 @@ class Config:
                      "startup_timeout_s"):
             positive(name)
         for name in ("num_kv_blocks", "max_model_len", "max_restarts", "restart_backoff_s", "busy_poll_s",
-                     "step_wake_poll_s"):
+                     "step_wake_poll_s", "max_reply_rings"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         for name, limit in (("heartbeat_interval_s", MAX_HEARTBEAT_INTERVAL_S), ("drain_timeout_s", MAX_TIMEOUT_S),

@@ -62,3 +62,8 @@ UNPACK_MAX_EXT_LEN: Final = 0
 # outbox. Past this the session's generate requests end with `overloaded`; past
 # twice this the session is abandoned as if it had disconnected.
 SESSION_BACKLOG_LIMIT: Final = 1024
+
+# Reply rings (`attach_ring`): the bytes of one ring's memory, header included. How many
+# the daemon keeps attached at once is its `max_reply_rings` setting.
+MIN_REPLY_RING_BYTES: Final = 64 * 1024
+MAX_REPLY_RING_BYTES: Final = 64 * 1024 * 1024

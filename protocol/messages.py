@@ -29,6 +29,7 @@ from hybridd.protocol.limits import (
     MAX_N,
     MAX_PROMPT_CHARS,
     MAX_PROMPT_TOKEN_IDS,
+    MAX_REPLY_RING_BYTES,
     MAX_SEED,
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
@@ -37,6 +38,7 @@ from hybridd.protocol.limits import (
     MAX_TOKEN_ID,
     MAX_TOKENS_CAP,
     MAX_TOP_LOGPROBS,
+    MIN_REPLY_RING_BYTES,
     PROTOCOL_VERSION,
 )
 
@@ -187,7 +189,16 @@ class HealthRequest(Message, tag="health"):
     id: RequestId
 
 
-Request = GenerateRequest | CancelRequest | StatusRequest | HealthRequest
+class AttachRingRequest(Message, tag="attach_ring"):
+    """Version 2: a same-host client's reply ring (ipc/reply_ring.py), a memfd the
+    daemon opens as `/proc/<the session's peer pid>/fd/<fd>`."""
+
+    id: RequestId
+    fd: Annotated[int, Meta(ge=0, le=2**31 - 1)]
+    bytes: Annotated[int, Meta(ge=MIN_REPLY_RING_BYTES, le=MAX_REPLY_RING_BYTES)]
+
+
+Request = GenerateRequest | CancelRequest | StatusRequest | HealthRequest | AttachRingRequest
 REQUEST_FORMS = {2: Request, 1: _GenerateRequestV1 | CancelRequest | StatusRequest | HealthRequest}
 """The structs a frame of each version decodes into."""
 
@@ -370,9 +381,16 @@ class HealthReply(Message, tag="health_reply"):
     ok: bool  # true when generate requests are being accepted
 
 
-Reply = ChunkReply | FinalReply | ErrorReply | StatusReply | HealthReply
+class RingAttachedReply(Message, tag="ring_attached"):
+    """The ring is attached: every later reply of the session is numbered from 1 and
+    written to it as well."""
+
+    id: ReplyId
+
+
+Reply = ChunkReply | FinalReply | ErrorReply | StatusReply | HealthReply | RingAttachedReply
 REPLY_FORMS = {
-    2: _Chunk | FinalReply | ErrorReply | StatusReply | HealthReply,
+    2: _Chunk | FinalReply | ErrorReply | StatusReply | HealthReply | RingAttachedReply,
     1: _ChunkV1 | _FinalV1 | ErrorReply | StatusReply | HealthReply,
 }
 """The structs a frame of each version decodes into."""

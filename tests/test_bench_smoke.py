@@ -55,6 +55,11 @@ def test_json_has_every_figure(bench_out):
         (run,) = part["itl"]["runs"]
         assert len(run["slowest"]) == 6 and all(0 <= i < 31 for i, _ in run["slowest"]), name
         assert min(gap for _, gap in run["slowest"]) >= run["p50_s"], name
+    for name in ("hybridd", "hybridd_eager"):  # through the SDK with the reply ring as well
+        part = r[name]
+        assert set(part["ttft_ring_s"]) == {"10", "32", "128", "256", "500"}, name
+        assert part["itl_ring"]["n"] == 31 and part["itl_ring"]["p50_s"] > 0, name
+        assert 0 < part["ring_replies"]["by_ring"] <= part["ring_replies"]["delivered"], name
     hy = r["hybridd"]
     assert set(hy["concurrency"]) == {"1", "4", "16", "32"}
     assert all(c["tokens_per_s"] > 0 and c["itl_p50_s"] > 0 for c in hy["concurrency"].values())

@@ -46,6 +46,7 @@ from hybridd.protocol.errors import ErrorCode, ProtocolError
 from hybridd.protocol.limits import PROTOCOL_VERSION, SESSION_BACKLOG_LIMIT
 from hybridd.protocol.supervisor import Drain, SupervisorInfo
 from hybridd.protocol.messages import (
+    AttachRingRequest,
     CancelRequest,
     Choice,
     ChunkReply,
@@ -55,6 +56,7 @@ from hybridd.protocol.messages import (
     HealthReply,
     HealthRequest,
     Request,
+    RingAttachedReply,
     StatusReply,
     StatusRequest,
     Timings,
@@ -64,6 +66,7 @@ from hybridd.protocol.messages import (
 )
 from hybridd.workers.client_sessions import ClientSessions, client_chosen, socket_options
 from hybridd.workers.intake import Intake
+from hybridd.workers.reply_rings import ReplyRings
 from hybridd.workers.supervisor_link import SupervisorLink
 
 PIPELINE_DEPTH = 2
@@ -169,6 +172,7 @@ class ContextGenerator:
         self.itl = deque(maxlen=LATENCY_WINDOW)
         self.throughput = Throughput()
         self.metrics = ServingMetrics()
+        self.rings = ReplyRings(config.max_reply_rings)
         self.stop = False
 
     # ------------------------------------------------------------------ start
@@ -429,7 +433,9 @@ class ContextGenerator:
         """Deliver a reply, or queue it in the session's outbox; never drops it while
         the session lives. A session whose backlog passes twice its limit is abandoned."""
         sessions, routing_id = self._route(identity)
-        backlog = sessions.send(routing_id, encode(message))
+        frame = encode(message)
+        self.rings.put(identity, frame)
+        backlog = sessions.send(routing_id, frame)
         if backlog > 2 * SESSION_BACKLOG_LIMIT:
             self.log.warning("abandoning a session that reads none of its replies", backlog=backlog)
             sessions.end(routing_id)
@@ -460,6 +466,7 @@ class ContextGenerator:
 
     def _end_session(self, identity: bytes) -> None:
         """The client is gone: its requests are cancelled, their KV blocks freed; no reply."""
+        self.rings.detach(identity)
         for key in [key for key, pending in self.encoding.items() if pending.identity == identity]:
             del self.encoding[key]  # its prompt's ids are dropped when they come
         ended = [key for key, request in self.requests.items() if request.identity == identity]
@@ -548,6 +555,19 @@ class ContextGenerator:
             # supervisor hears of it, and a client that waited for ok reads the state next.
             state = self._lifecycle_state()
             self._send(identity, HealthReply(id=request.id, state=state, ok=state == "ready", v=request.v))
+        elif isinstance(request, AttachRingRequest):
+            self._attach_ring(channel, identity, request)
+
+    def _attach_ring(self, channel: Channel, identity: bytes, request: AttachRingRequest) -> None:
+        try:
+            ring = self.rings.open(identity, request, None if channel is self.tcp else channel.last_peer_fd)
+        except ProtocolError as error:
+            error.version = request.v
+            self._send(identity, ErrorReply.from_error(error, request.id))
+            return
+        # The reply that says so is the last one the ring does not carry.
+        self._send(identity, RingAttachedReply(id=request.id, v=request.v))
+        self.rings.attach(identity, ring)
 
     def _key(self, identity: bytes, request_id: str) -> str:
         return f"{identity.hex()}:{request_id}"
@@ -833,6 +853,8 @@ class ContextGenerator:
             "latency": {"ttft_p50_s": ttft_p50, "ttft_p99_s": ttft_p99, "itl_p50_s": itl_p50, "itl_p99_s": itl_p99,
                         "window": len(self.itl)},
             "metrics": self.metrics.to_status(),
+            "reply_rings": {"attached": len(self.rings), "written": self.rings.written,
+                            "left_out": self.rings.left_out},
         }
 
     def _rejected(self) -> dict[str, int]:
@@ -856,6 +878,7 @@ class ContextGenerator:
         for sessions in getattr(self, "sessions", {}).values():
             sessions.flush()
             sessions.close()
+        self.rings.close()
         for name in ("client", "tcp"):
             channel = getattr(self, name, None)
             if channel is not None:

@@ -1,0 +1,67 @@
+"""The client's side of a reply ring: each reply delivered once, in order, from
+whichever of the two paths brings it first.
+
+After `ring_attached` the daemon numbers the session's replies 1, 2, ... and writes each
+to the ring (when it has room) before it sends it on the socket (ipc/reply_ring.py). The
+socket carries every reply, so its k-th frame after `ring_attached` is reply k; the ring
+carries a reply's number in its record. The next reply to deliver is always
+`delivered + 1`: a copy with a smaller number was delivered already, and a ring record
+with a larger one (the ring had no room for some before it) waits until the socket has
+brought the ones in between.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from hybridd.ipc.reply_ring import RingReader
+
+DEFAULT_RING_BYTES = 1 << 20
+# How long a stream's reader polls the ring for its next reply before it sleeps until
+# the socket brings it (a prefill queued behind others, a client that stopped reading).
+RING_SPIN_S = 0.25
+
+
+class RingDelivery:
+    """The numbering of one attached ring's session; not thread-safe (the session
+    serialises its callers)."""
+
+    def __init__(self, reader: RingReader) -> None:
+        self.reader = reader
+        self.socket_number = 0  # of the last socket frame since `ring_attached`
+        self.delivered = 0  # the number of the last reply delivered
+        self.by_ring = 0  # replies the ring delivered (before the socket)
+
+    def from_socket(self) -> bool:
+        """Count one socket frame; True when it is the next reply to deliver (the ring has
+        not brought it)."""
+        self.socket_number += 1
+        if self.socket_number <= self.delivered:
+            return False
+        self.delivered = self.socket_number
+        self.skip_delivered()
+        return True
+
+    def from_ring(self) -> Iterator[memoryview | bytes]:
+        """The payloads of the ring's records that are next in order, taken as they are
+        yielded."""
+        reader = self.reader
+        while (record := reader.peek()) is not None:
+            number, payload = record
+            if number > self.delivered + 1:
+                return
+            reader.advance()
+            if number == self.delivered + 1:
+                self.delivered = number
+                self.by_ring += 1
+                yield payload
+
+    def skip_delivered(self) -> None:
+        """Take the ring's records the socket delivered already, so that a ring nobody
+        polls does not stay full."""
+        reader = self.reader
+        while (record := reader.peek()) is not None and record[0] <= self.delivered:
+            reader.advance()
+
+    def close(self) -> None:
+        self.reader.close()

@@ -1,0 +1,286 @@
+"""Reply rings: the ring itself over a real memfd, the client's choice between its two
+copies of each reply, and the real daemon attaching, writing, refusing and detaching
+rings for real clients (the SDK and the raw protocol client)."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import re
+import struct
+import time
+from collections.abc import Iterator
+
+import pytest
+import zmq
+
+from hybridd import Client
+from hybridd.client_ring import RingDelivery
+from hybridd.ipc import reply_ring
+from hybridd.ipc.reply_ring import HEADER_BYTES, RingBroken, RingReader, RingWriter
+from hybridd.protocol import codec
+from hybridd.protocol.limits import MIN_REPLY_RING_BYTES
+from tests.daemon import RunningDaemon, run_daemon
+from tests.engine_pair import Client as RawClient
+from tests.host_load import on_this_host
+
+pytestmark = pytest.mark.skipif(not reply_ring.supported(), reason="reply rings need x86-64")
+
+LONG = {"max_tokens": 200, "ignore_eos": True, "temperature": 0.0}
+
+
+def pair(capacity: int = 4096, **reader_options) -> tuple[RingReader, RingWriter]:
+    reader = RingReader(capacity, **reader_options)
+    return reader, RingWriter(os.getpid(), reader.fd, reader.nbytes)
+
+
+def drain(reader: RingReader) -> list[tuple[int, bytes]]:
+    out = []
+    while (record := reader.peek()) is not None:
+        out.append((record[0], bytes(record[1])))
+        reader.advance()
+    return out
+
+
+# ---------------------------------------------------------------- the ring
+
+
+def test_records_come_out_in_order_across_the_wrap_and_a_full_ring_refuses():
+    reader, writer = pair(4096)
+    try:
+        frames = [bytes([i % 251]) * (100 + 37 * i) for i in range(40)]
+        taken = []
+        for frame in frames:
+            assert writer.put(frame)
+            taken += drain(reader)  # read as it goes: the positions pass the end many times
+        assert taken == list(enumerate(frames, start=1))
+        fitted = 0
+        while writer.put(b"x" * 100):  # 116 bytes a record: about 35 fill the ring
+            fitted += 1
+        assert 30 <= fitted <= 35
+        assert not writer.put(b"z" * 5000)  # never fits
+        assert drain(reader) == [(41 + i, b"x" * 100) for i in range(fitted)]
+        assert writer.put(b"w" * 10)
+        # The one refused when the ring was full and the one too large were left to the socket.
+        assert drain(reader) == [(41 + fitted + 2, b"w" * 10)]
+    finally:
+        writer.close()
+        reader.close()
+
+
+def test_the_writer_refuses_what_is_not_a_fresh_sealed_ring_of_the_announced_size():
+    reader = RingReader(4096)
+    try:
+        with pytest.raises(ValueError, match="holds 4352 bytes, the request says 8448"):
+            RingWriter(os.getpid(), reader.fd, 8448)
+        struct.pack_into("<Q", reader._ring.map, 0, 7)
+        with pytest.raises(ValueError, match="is not a reply ring"):
+            RingWriter(os.getpid(), reader.fd, reader.nbytes)
+    finally:
+        reader.close()
+    unsealed = RingReader(4096, seals=0)
+    try:
+        with pytest.raises(ValueError, match="not a memfd sealed against shrinking"):
+            RingWriter(os.getpid(), unsealed.fd, unsealed.nbytes)
+    finally:
+        unsealed.close()
+    used, writer = pair()
+    try:
+        writer.put(b"abc")
+        with pytest.raises(ValueError, match="is not fresh"):
+            RingWriter(os.getpid(), used.fd, used.nbytes)
+    finally:
+        writer.close()
+        used.close()
+    read_end, write_end = os.pipe()
+    try:
+        with pytest.raises(ValueError, match="not a regular file"):
+            RingWriter(os.getpid(), read_end, 4352)
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+    with pytest.raises(FileNotFoundError):
+        RingWriter(os.getpid(), 1_000_000, 4352)
+
+
+def test_a_sealed_ring_cannot_be_shrunk_under_the_daemon():
+    reader = RingReader(4096)
+    try:
+        assert fcntl.fcntl(reader.fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SHRINK
+        with pytest.raises(PermissionError):
+            os.ftruncate(reader.fd, 64)
+    finally:
+        reader.close()
+
+
+def test_a_read_position_the_writer_never_gave_breaks_the_ring():
+    reader, writer = pair()
+    try:
+        writer.put(b"abc")
+        reader._ring.read_pos.value = 10_000  # past the writes
+        with pytest.raises(RingBroken, match="read position 10000"):
+            writer.put(b"def")
+    finally:
+        writer.close()
+        reader.close()
+
+
+# ---------------------------------------------------------------- one copy of each reply
+
+
+def test_each_reply_is_delivered_once_in_order_whichever_path_brings_it():
+    reader, writer = pair(4096)
+    delivery = RingDelivery(reader)
+    try:
+        for i in range(1, 4):
+            writer.put(b"r%d" % i)
+        assert [bytes(p) for p in delivery.from_ring()] == [b"r1", b"r2", b"r3"]
+        assert [delivery.from_socket() for _ in range(3)] == [False, False, False]  # the copies
+        assert delivery.from_socket()  # reply 4 came by the socket first
+        writer.put(b"r4")
+        writer.put(b"r5")
+        assert [bytes(p) for p in delivery.from_ring()] == [b"r5"]  # its copy of 4 skipped
+        assert not writer.put(b"x" * 4000)  # 6: no room, the socket alone carries it
+        assert not delivery.from_socket()  # the socket's copy of 5
+        writer.put(b"r7")
+        assert list(delivery.from_ring()) == []  # 7 waits for 6
+        assert delivery.from_socket()  # 6 by the socket
+        assert [bytes(p) for p in delivery.from_ring()] == [b"r7"]
+        assert delivery.by_ring == 5 and delivery.delivered == 7
+    finally:
+        writer.close()
+        delivery.close()
+
+
+# ---------------------------------------------------------------- the daemon
+
+
+@pytest.fixture(scope="module")
+def daemon() -> Iterator[RunningDaemon]:
+    with run_daemon(env={"HYBRIDD_MAX_REPLY_RINGS": "2"}) as running:
+        yield running
+
+
+@pytest.fixture
+def raw(daemon) -> Iterator[RawClient]:
+    context = zmq.Context()
+    client = RawClient(context, daemon.endpoint, version=2)
+    yield client
+    client.close()
+    context.term()
+
+
+def rings(daemon) -> dict:
+    with Client(daemon.endpoint, timeout=30) as client:
+        return client.status()["reply_rings"]
+
+
+def wait_for(condition, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + on_this_host(timeout)
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.02)
+
+
+def ringed_client(daemon) -> Client:
+    client = Client(daemon.endpoint, timeout=120, reply_ring=True)
+    client.health()
+    wait_for(lambda: client._session.ring_attached)
+    return client
+
+
+def test_a_ring_client_streams_what_a_plain_client_does_mostly_by_the_ring(daemon):
+    with Client(daemon.endpoint, timeout=120) as plain, ringed_client(daemon) as ringed:
+        expected = plain.generate("ROMEO:", **LONG).token_ids
+        before = rings(daemon)
+        stream = ringed.stream("ROMEO:", **LONG)
+        chunks = list(stream)
+        assert [t for c in chunks for t in c.token_ids] == expected
+        assert stream.result.token_ids == expected and stream.result.finish_reason == "length"
+        after = rings(daemon)
+        assert after["attached"] >= 1
+        assert after["written"] - before["written"] >= len(chunks) + 1  # every chunk, the final, status
+        delivery = ringed._session._ring
+        assert delivery.by_ring > 0  # the poller took replies off the ring before the socket brought them
+        # Another thread's non-streaming call is served in between, off either path.
+        assert ringed.generate("ROMEO:", **LONG).token_ids == expected
+
+
+def test_a_closed_session_detaches_its_ring_and_the_limit_is_enforced(daemon):
+    wait_for(lambda: rings(daemon)["attached"] == 0)  # the sessions of earlier tests have ended
+    with ringed_client(daemon):
+        assert rings(daemon)["attached"] == 1
+    wait_for(lambda: rings(daemon)["attached"] == 0)
+    clients = [ringed_client(daemon) for _ in range(2)]
+    try:
+        over = Client(daemon.endpoint, timeout=60, reply_ring=True)
+        with over:
+            # The daemon refuses the third ring (max_reply_rings 2); the client goes on by its socket.
+            assert over.generate("ROMEO:", max_tokens=5).finish_reason == "length"
+            assert not over._session.ring_attached
+            stream = over.stream("ROMEO:", max_tokens=5)
+            assert len([t for c in stream for t in c.token_ids]) == 5
+    finally:
+        for client in clients:
+            client.close()
+
+
+@pytest.mark.parametrize("fields, match", [
+    ({"fd": 0, "bytes": MIN_REPLY_RING_BYTES - 8}, "bytes: expected `int` >= 65536"),
+    ({"fd": -1, "bytes": MIN_REPLY_RING_BYTES}, "fd: expected `int` >= 0"),
+    ({"fd": 999_999, "bytes": MIN_REPLY_RING_BYTES}, "fd: cannot attach the reply ring: .*No such file"),
+])
+def test_bad_attach_requests_get_an_error_naming_the_field(raw, daemon, fields, match):
+    reply = raw.request({"type": "attach_ring", **fields})
+    assert reply["type"] == "error" and reply["code"] == "invalid_request"
+    assert re.search(match, reply["message"]), reply["message"]
+    final, chunks = raw.generate(prompt_token_ids=[5, 6, 7], sampling={"max_tokens": 3})
+    assert final["type"] == "final" and len(chunks) == 3  # the daemon serves on
+
+
+def test_a_ring_that_is_not_sealed_or_not_a_ring_is_refused(raw, daemon):
+    unsealed = RingReader(MIN_REPLY_RING_BYTES - HEADER_BYTES, seals=0)
+    try:
+        reply = raw.request({"type": "attach_ring", "fd": unsealed.fd, "bytes": unsealed.nbytes})
+        assert reply["code"] == "invalid_request" and reply["field"] == "fd"
+        assert "not a memfd sealed against shrinking" in reply["message"]
+    finally:
+        unsealed.close()
+    ring = RingReader(MIN_REPLY_RING_BYTES - HEADER_BYTES)
+    try:
+        reply = raw.request({"type": "attach_ring", "fd": ring.fd, "bytes": ring.nbytes + 8})
+        assert reply["code"] == "invalid_request" and "the request says" in reply["message"]
+        assert raw.request({"type": "attach_ring", "fd": ring.fd, "bytes": ring.nbytes})["type"] == "ring_attached"
+        again = RingReader(MIN_REPLY_RING_BYTES - HEADER_BYTES)
+        try:
+            reply = raw.request({"type": "attach_ring", "fd": again.fd, "bytes": again.nbytes})
+            assert reply["code"] == "invalid_request" and "has a reply ring already" in reply["message"]
+        finally:
+            again.close()
+    finally:
+        ring.close()
+
+
+def test_a_ring_nobody_reads_leaves_replies_to_the_socket_and_a_hostile_one_is_detached(raw, daemon):
+    ring = RingReader(MIN_REPLY_RING_BYTES - HEADER_BYTES)
+    try:
+        assert raw.request({"type": "attach_ring", "fd": ring.fd, "bytes": ring.nbytes})["type"] == "ring_attached"
+        before = rings(daemon)
+        # Logprobs make each chunk large: the 64 KiB ring fills and the socket carries the rest.
+        final, chunks = raw.generate(prompt_token_ids=[5, 6, 7], timeout=120,
+                                     sampling={"max_tokens": 300, "ignore_eos": True, "logprobs": True,
+                                               "top_logprobs": 20})
+        assert final["type"] == "final" and len(chunks) == 300
+        after = rings(daemon)
+        assert after["left_out"] > before["left_out"]
+        records = drain(ring)
+        assert records and [n for n, _ in records] == list(range(1, len(records) + 1))
+        assert codec.decode(records[0][1]) == chunks[0]  # the ring's copy is the socket's reply
+        # A read position the daemon never gave: the ring is detached, the session goes on.
+        ring._ring.read_pos.value = 1 << 40
+        attached = rings(daemon)["attached"]
+        final, chunks = raw.generate(prompt_token_ids=[5, 6, 7], sampling={"max_tokens": 4})
+        assert final["type"] == "final" and len(chunks) == 4
+        wait_for(lambda: rings(daemon)["attached"] == attached - 1)
+    finally:
+        ring.close()
