@@ -101,7 +101,11 @@ class RingWriter:
         shrinking) and check that it is a fresh ring; OSError or ValueError say what is
         wrong with it."""
         name = f"/proc/{pid}/fd/{fd}"
-        # Non-blocking: a descriptor that is a FIFO must not stall the daemon's open.
+        # Only a memfd is opened: never a device, a FIFO or a file that the open itself
+        # could act on or stall.
+        target = os.readlink(name)
+        if not target.startswith("/memfd:"):
+            raise ValueError(f"reply ring {name} is not a memfd (it is {target[:200]!r})")
         handle = os.open(name, os.O_RDWR | os.O_CLOEXEC | os.O_NONBLOCK)
         try:
             info = os.fstat(handle)

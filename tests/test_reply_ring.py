@@ -15,11 +15,12 @@ import pytest
 import zmq
 
 from hybridd import Client
+from hybridd.config import Config, ConfigError
 from hybridd.client_ring import RingDelivery
 from hybridd.ipc import reply_ring
 from hybridd.ipc.reply_ring import HEADER_BYTES, RingBroken, RingReader, RingWriter
 from hybridd.protocol import codec
-from hybridd.protocol.limits import MIN_REPLY_RING_BYTES
+from hybridd.protocol.limits import MAX_REPLY_RING_BYTES, MIN_REPLY_RING_BYTES
 from tests.daemon import RunningDaemon, run_daemon
 from tests.engine_pair import Client as RawClient
 from tests.host_load import on_this_host
@@ -94,11 +95,14 @@ def test_the_writer_refuses_what_is_not_a_fresh_sealed_ring_of_the_announced_siz
         used.close()
     read_end, write_end = os.pipe()
     try:
-        with pytest.raises(ValueError, match="not a regular file"):
+        with pytest.raises(ValueError, match=r"is not a memfd \(it is 'pipe:"):
             RingWriter(os.getpid(), read_end, 4352)
     finally:
         os.close(read_end)
         os.close(write_end)
+    with open(__file__, "rb") as source:
+        with pytest.raises(ValueError, match="is not a memfd .*test_reply_ring.py"):
+            RingWriter(os.getpid(), source.fileno(), 4352)
     with pytest.raises(FileNotFoundError):
         RingWriter(os.getpid(), 1_000_000, 4352)
 
@@ -225,8 +229,19 @@ def test_a_closed_session_detaches_its_ring_and_the_limit_is_enforced(daemon):
             client.close()
 
 
+def test_a_client_asks_for_a_ring_only_where_one_can_be_had():
+    with pytest.raises(ValueError, match="only a daemon on this host .* not tcp://127.0.0.1:5555"):
+        Client("tcp://127.0.0.1:5555", reply_ring=True)
+    for size in (MIN_REPLY_RING_BYTES - 8, MAX_REPLY_RING_BYTES + 8, MIN_REPLY_RING_BYTES + 4, 1.5e6, "big"):
+        with pytest.raises(ValueError, match="reply_ring: expected True or a multiple of 8 bytes"):
+            Client("ipc:///nonexistent/hybridd.sock", reply_ring=size)
+    with pytest.raises(ConfigError, match="max_reply_rings must be >= 0"):
+        Config.from_dict({"max_reply_rings": -1})
+
+
 @pytest.mark.parametrize("fields, match", [
     ({"fd": 0, "bytes": MIN_REPLY_RING_BYTES - 8}, "bytes: expected `int` >= 65536"),
+    ({"fd": 0, "bytes": MAX_REPLY_RING_BYTES + 8}, "bytes: expected `int` <= 67108864"),
     ({"fd": -1, "bytes": MIN_REPLY_RING_BYTES}, "fd: expected `int` >= 0"),
     ({"fd": 999_999, "bytes": MIN_REPLY_RING_BYTES}, "fd: cannot attach the reply ring: .*No such file"),
 ])
