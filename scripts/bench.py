@@ -30,7 +30,8 @@ goes on; the JSON is rewritten after every part, so a killed run still leaves re
    hand-over and without the client's own wake-ups); then TTFT and ITL through the SDK
    with the reply ring (`Client(reply_ring=True)`, `ttft_ring_s`, `itl_ring`: replies
    read from shared memory by the streaming thread, without either side's ZeroMQ I/O
-   thread on their way);
+   thread on their way), taking turns with a second SDK client without it
+   (`ttft_beside_ring_s`, `itl_beside_ring`);
    aggregate tokens/s and ITL at 1/4/16/32 concurrent streams; graph memory per bucket;
    what the HTTP gateway adds: TTFT and ITL p50 streamed through `/v1/completions` vs
    through the SDK, interleaved (scripts/bench_gateway.py; `--skip gateway` leaves it out).
@@ -518,19 +519,45 @@ def measure_itl_raw_clients(endpoint: str, args, vocab: int, deadline: float) ->
 
 
 def measure_ring_client(endpoint: str, args, vocab: int, deadline: float) -> dict:
-    """TTFT and batch-1 ITL through the SDK with the reply ring, with prompts of a
-    generator of its own."""
+    """TTFT and batch-1 ITL through the SDK with the reply ring and through the SDK's
+    socket alone, interleaved (the two clients take turns, request by request for TTFT
+    and stream by stream for ITL, so that a disturbance of the host meets both), with
+    prompts of a generator of its own."""
     rng = random.Random(8)
-    client = SdkClient(endpoint, reply_ring=True)
+    plain = SdkClient(endpoint)
+    ringed = SdkClient(endpoint, reply_ring=True)
     try:
-        ttft_fn, gaps_fn = hybridd_stream_fns(client)
-        out = {"ttft_ring_s": measure_ttft(ttft_fn, TTFT_LENGTHS, args.ttft_reps, vocab, rng, deadline + 30),
-               "itl_ring": measure_itl(gaps_fn, ITL_PROMPT, args.itl_tokens, args.itl_runs, vocab, rng, deadline + 30)}
-        ring = client._client._session._ring
-        out["ring_replies"] = {"by_ring": ring.by_ring, "delivered": ring.delivered}
-        return out
+        fns = {"sdk": hybridd_stream_fns(plain), "ring": hybridd_stream_fns(ringed)}
+        order = ("sdk", "ring")
+        ttft = {key: {} for key in order}
+        for n in TTFT_LENGTHS:
+            samples = {key: [] for key in order}
+            for key in order:
+                fns[key][0](random_prompt(rng, n, vocab), 1)  # warm-up
+            for i in range(args.ttft_reps):
+                if i >= 2 and time.perf_counter() > deadline + 30:
+                    break
+                for key in order if i % 2 == 0 else order[::-1]:
+                    samples[key].append(fns[key][0](random_prompt(rng, n, vocab), 1))
+            for key in order:
+                ttft[key][str(n)] = ttft_summary(samples[key])
+        gaps = {key: [] for key in order}
+        for key in order:
+            fns[key][1](random_prompt(rng, ITL_PROMPT, vocab), min(args.itl_tokens, 32))  # warm-up
+        for i in range(2 * args.itl_runs):
+            if i >= 2 and time.perf_counter() > deadline + 30:
+                break
+            for key in order if i % 2 == 0 else order[::-1]:
+                gaps[key].extend(fns[key][1](random_prompt(rng, ITL_PROMPT, vocab), args.itl_tokens))
+        ring = ringed._client._session._ring
+        return {"ttft_ring_s": ttft["ring"], "ttft_beside_ring_s": ttft["sdk"],
+                "itl_ring": {**itl_summary(gaps["ring"]), "prompt_tokens": ITL_PROMPT, "tokens": args.itl_tokens},
+                "itl_beside_ring": {**itl_summary(gaps["sdk"]), "prompt_tokens": ITL_PROMPT,
+                                    "tokens": args.itl_tokens},
+                "ring_replies": {"by_ring": ring.by_ring, "delivered": ring.delivered}}
     finally:
-        client.close()
+        ringed.close()
+        plain.close()
 
 
 def hybridd_stream_fns(client: HybriddClient):
@@ -1049,12 +1076,13 @@ def build_report(results: dict) -> tuple[list[dict], list[dict]]:
     row("ITL p99 (b=1)", "s", lambda r: g(r, "itl", "p99_s"), fl.get("decode_floor_s"))
     row("ITL p99/p50", "", lambda r: g(r, "itl", "p99_over_p50"))
     for key, label in (("itl_raw_client", "raw client"), ("itl_polling_client", "raw client polling"),
-                       ("itl_ring", "SDK reply ring")):
+                       ("itl_beside_ring", "SDK, turns with ring"), ("itl_ring", "SDK reply ring")):
         row(f"ITL p50, {label}", "s", lambda r, key=key: g(r, key, "p50_s"), fl.get("decode_floor_s"))
         row(f"ITL p99/p50, {label}", "", lambda r, key=key: g(r, key, "p99_over_p50"))
-    for n in TTFT_LENGTHS:
-        row(f"TTFT {n} tok, SDK reply ring", "s", lambda r, n=n: g(r, "ttft_ring_s", str(n), "median_s"),
-            g(fl, "prefill_floor_s", str(n)))
+    for key, label in (("ttft_beside_ring_s", "SDK, turns with ring"), ("ttft_ring_s", "SDK reply ring")):
+        for n in TTFT_LENGTHS:
+            row(f"TTFT {n} tok, {label}", "s", lambda r, n=n, key=key: g(r, key, str(n), "median_s"),
+                g(fl, "prefill_floor_s", str(n)))
 
     targets = []
 

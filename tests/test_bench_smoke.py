@@ -57,8 +57,11 @@ def test_json_has_every_figure(bench_out):
         assert min(gap for _, gap in run["slowest"]) >= run["p50_s"], name
     for name in ("hybridd", "hybridd_eager"):  # through the SDK with the reply ring as well
         part = r[name]
-        assert set(part["ttft_ring_s"]) == {"10", "32", "128", "256", "500"}, name
-        assert part["itl_ring"]["n"] == 31 and part["itl_ring"]["p50_s"] > 0, name
+        for key in ("ttft_ring_s", "ttft_beside_ring_s"):
+            assert set(part[key]) == {"10", "32", "128", "256", "500"}, name
+            assert all(v["median_s"] > 0 and v["n"] >= 2 for v in part[key].values()), name
+        for key in ("itl_ring", "itl_beside_ring"):  # two turns each (--quick: one run per part)
+            assert part[key]["n"] == 62 and part[key]["p50_s"] > 0, name
         assert 0 < part["ring_replies"]["by_ring"] <= part["ring_replies"]["delivered"], name
     hy = r["hybridd"]
     assert set(hy["concurrency"]) == {"1", "4", "16", "32"}
@@ -75,8 +78,8 @@ def test_json_has_every_figure(bench_out):
                          "decode ITL p99/p50, batch 1 (raw client polling its socket)"]
     for key in ("itl_raw_client", "itl_polling_client"):
         assert hy[key]["n"] == 31 and hy[key]["p99_s"] >= hy[key]["p50_s"] > 0, key
-    assert len(names) == 14 and all(t["value"] is not None for t in r["targets"] if "one process" not in t["target"])
-    assert names[9].startswith("ITL p99 during forced prefill capture / steady")
+    assert len(names) == 16 and all(t["value"] is not None for t in r["targets"] if "one process" not in t["target"])
+    assert names[11].startswith("ITL p99 during forced prefill capture / steady")
     gateway = hy["gateway"]
     for side in ("sdk", "http"):
         # An HTTP event's time is its last byte's recv: on a busy host several events can
