@@ -41,7 +41,6 @@ import struct
 
 MAGIC = 0x3130474E49524448  # "HDRING01", little-endian
 HEADER_BYTES = 256
-_CAPACITY_AT = 8
 _WRITE_AT = 64
 _READ_AT = 128
 _RECORD = struct.Struct("<IIQ")  # length, zero, number
