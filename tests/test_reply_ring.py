@@ -10,9 +10,11 @@ import re
 import struct
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import zmq
+import zmq.auth
 
 from hybridd import Client
 from hybridd.config import Config, ConfigError
@@ -21,7 +23,7 @@ from hybridd.ipc import reply_ring
 from hybridd.ipc.reply_ring import HEADER_BYTES, RingBroken, RingReader, RingWriter
 from hybridd.protocol import codec
 from hybridd.protocol.limits import MAX_REPLY_RING_BYTES, MIN_REPLY_RING_BYTES
-from tests.daemon import RunningDaemon, run_daemon
+from tests.daemon import RunningDaemon, free_port, run_daemon
 from tests.engine_pair import Client as RawClient
 from tests.host_load import on_this_host
 
@@ -160,8 +162,20 @@ def test_each_reply_is_delivered_once_in_order_whichever_path_brings_it():
 
 
 @pytest.fixture(scope="module")
-def daemon() -> Iterator[RunningDaemon]:
-    with run_daemon(env={"HYBRIDD_MAX_REPLY_RINGS": "2"}) as running:
+def keys(tmp_path_factory) -> Path:
+    directory = tmp_path_factory.mktemp("keys")
+    zmq.auth.create_certificates(directory, "server")
+    zmq.auth.create_certificates(directory, "client")
+    return directory
+
+
+@pytest.fixture(scope="module")
+def daemon(keys) -> Iterator[RunningDaemon]:
+    port = free_port()
+    with run_daemon("--tcp-endpoint", f"tcp://127.0.0.1:{port}", "--curve-secret-key-file",
+                    str(keys / "server.key_secret"), "--curve-allow-any",
+                    env={"HYBRIDD_MAX_REPLY_RINGS": "2"}) as running:
+        running.tcp_endpoint = f"tcp://127.0.0.1:{port}"
         yield running
 
 
@@ -251,6 +265,30 @@ def test_bad_attach_requests_get_an_error_naming_the_field(raw, daemon, fields, 
     assert re.search(match, reply["message"]), reply["message"]
     final, chunks = raw.generate(prompt_token_ids=[5, 6, 7], sampling={"max_tokens": 3})
     assert final["type"] == "final" and len(chunks) == 3  # the daemon serves on
+
+
+def test_a_client_over_tcp_cannot_attach_a_ring(daemon, keys):
+    context = zmq.Context()
+    try:
+        dealer = context.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        server_public, _ = zmq.auth.load_certificate(keys / "server.key_secret")
+        public, secret = zmq.auth.load_certificate(keys / "client.key_secret")
+        for option, value in ((zmq.CURVE_SERVERKEY, server_public), (zmq.CURVE_PUBLICKEY, public),
+                              (zmq.CURVE_SECRETKEY, secret)):
+            dealer.setsockopt(option, value)
+        dealer.connect(daemon.tcp_endpoint)
+        ring = RingReader(MIN_REPLY_RING_BYTES - HEADER_BYTES)
+        try:
+            dealer.send(codec.encode({"v": 2, "type": "attach_ring", "id": "r", "fd": ring.fd, "bytes": ring.nbytes}))
+            assert dealer.poll(int(on_this_host(30) * 1000))
+            reply = codec.decode(dealer.recv())
+        finally:
+            ring.close()
+        assert reply["type"] == "error" and reply["code"] == "invalid_request" and reply["id"] == "r"
+        assert "only a client on the daemon's host, connected over ipc://" in reply["message"]
+    finally:
+        context.destroy(linger=0)
 
 
 def test_a_ring_that_is_not_sealed_or_not_a_ring_is_refused(raw, daemon):
