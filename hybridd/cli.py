@@ -284,6 +284,10 @@ def format_status(status: dict[str, Any]) -> str:
                  f"(last {latency.get('window', '-')} inter-token samples)")
     if isinstance(get("tokens_per_s"), int | float):
         lines.append(f"throughput {get('tokens_per_s'):.1f} tokens/s over the last minute")
+    rings = get("reply_rings") or {}
+    if rings.get("attached") or rings.get("written"):
+        lines.append(f"rings      {rings.get('attached', '-')} reply rings attached; {rings.get('written', '-')} "
+                     f"replies written to rings, {rings.get('left_out', '-')} left to the socket (no room)")
     kv = get("kv_blocks") or {}
     usage = f" ({get('kv_usage') * 100:.0f}% in use)" if isinstance(get("kv_usage"), int | float) else ""
     lines.append(f"KV blocks  {kv.get('used', '-')} used, {kv.get('free', '-')} free of {kv.get('total', '-')}{usage}")
