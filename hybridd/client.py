@@ -610,10 +610,9 @@ class Stream:
             spin_until = min(spin_until, self._deadline)
         replies = self._queue
         while session.ring_attached:
-            if not replies.empty() or session.poll_ring():
-                if not replies.empty():
-                    return replies.get_nowait()
-                continue
+            session.poll_ring()
+            if not replies.empty():
+                return replies.get_nowait()
             if time.monotonic() >= spin_until:
                 return None
             os.sched_yield()  # lets the client's I/O thread run; no sleep
@@ -623,7 +622,7 @@ class Stream:
         if self._done:
             raise StopIteration
         try:
-            reply = self._poll_ring() if self._client._session.ring_attached else None
+            reply = self._poll_ring()
             if reply is None:
                 reply = self._queue.get(timeout=_remaining(self._deadline))
         except queue.Empty:

@@ -42,25 +42,27 @@ class RingDelivery:
         self.skip_delivered()
         return True
 
-    def from_ring(self) -> Iterator[memoryview | bytes]:
+    def from_ring(self) -> Iterator[bytes]:
         """The payloads of the ring's records that are next in order, taken as they are
         yielded."""
         reader = self.reader
-        while (record := reader.peek()) is not None:
-            number, payload = record
+        while (number := reader.next_number()) is not None:
             if number > self.delivered + 1:
                 return
+            if number <= self.delivered:
+                reader.advance()  # the socket brought it
+                continue
+            payload = reader.payload()
             reader.advance()
-            if number == self.delivered + 1:
-                self.delivered = number
-                self.by_ring += 1
-                yield payload
+            self.delivered = number
+            self.by_ring += 1
+            yield payload
 
     def skip_delivered(self) -> None:
         """Take the ring's records the socket delivered already, so that a ring nobody
         polls does not stay full."""
         reader = self.reader
-        while (record := reader.peek()) is not None and record[0] <= self.delivered:
+        while (number := reader.next_number()) is not None and number <= self.delivered:
             reader.advance()
 
     def close(self) -> None:

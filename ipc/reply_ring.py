@@ -188,7 +188,8 @@ class RingReader:
         struct.pack_into("<QQ", mapping, 0, MAGIC, capacity)
         self._ring = _Mapping(f"memfd {self.fd}", mapping, capacity)
         self._read = 0
-        self._next = 0  # the position after the record `peek` returned
+        # The record `next_number` found: where it starts, its payload's length, the position after it.
+        self._at = self._length = self._next = 0
 
     @property
     def nbytes(self) -> int:
@@ -200,8 +201,9 @@ class RingReader:
             os.close(self.fd)
             self.fd = None
 
-    def peek(self) -> tuple[int, bytes] | None:
-        """The next record (number, payload), without taking it; None when there is none."""
+    def next_number(self) -> int | None:
+        """The number of the next record, without taking it or copying its payload; None
+        when there is none."""
         ring = self._ring
         capacity = ring.capacity
         while True:
@@ -217,13 +219,21 @@ class RingReader:
             end = self._read + _RECORD.size + _padded(length)
             if offset + _RECORD.size + length > capacity or end > write:
                 raise RingBroken(f"reply ring record of {length} bytes at {self._read} runs past the daemon's writes")
-            at = HEADER_BYTES + offset
-            number = _RECORD.unpack_from(ring.map, at)[2]
-            self._next = end
-            return number, ring.map[at + _RECORD.size:at + _RECORD.size + length]
+            self._at, self._length, self._next = HEADER_BYTES + offset, length, end
+            return _RECORD.unpack_from(ring.map, self._at)[2]
+
+    def payload(self) -> bytes:
+        """A copy of the payload of the record `next_number` found."""
+        start = self._at + _RECORD.size
+        return self._ring.map[start:start + self._length]
+
+    def peek(self) -> tuple[int, bytes] | None:
+        """The next record (number, payload), without taking it; None when there is none."""
+        number = self.next_number()
+        return None if number is None else (number, self.payload())
 
     def advance(self) -> None:
-        """Take the record `peek` returned: its space is the daemon's again."""
+        """Take the record `next_number` (or `peek`) found: its space is the daemon's again."""
         self._read = self._next
         self._ring.read_pos.value = self._read
 
