@@ -47,7 +47,7 @@ from msgspec.structs import replace
 from zmq.utils.monitor import parse_monitor_message
 
 from hybridd import client_fallback
-from hybridd.client_ring import DEFAULT_RING_BYTES, RING_SPIN_S, RingDelivery
+from hybridd.client_ring import DEFAULT_RING_BYTES, MAX_RING_SPIN_S, RING_SLEEP_S, RING_SPIN_S, RingDelivery
 from hybridd.errors import (
     DaemonUnreachableError,
     DrainingError,
@@ -319,6 +319,8 @@ class _Session:
                 if self._ring is not None and not self._ring.from_socket():
                     continue  # the ring brought it
                 self._deliver(frame.buffer)
+                if self._ring is not None:
+                    self._ring.reader.ring_bell()  # a thread asleep on the ring may wait for it
 
     def _deliver(self, payload: memoryview | bytes) -> None:
         """Hand one reply to its request's sink (the lock held)."""
@@ -339,6 +341,11 @@ class _Session:
     @property
     def ring_attached(self) -> bool:
         return self._ring is not None
+
+    def ring_reader(self) -> RingReader | None:
+        """The attached ring's reader, for a thread to sleep on; None without a ring."""
+        with self._lock:
+            return None if self._ring is None else self._ring.reader
 
     def poll_ring(self) -> bool:
         """Deliver the replies the ring holds that are next in order; True if any. Called
@@ -601,28 +608,41 @@ class Stream:
     def __iter__(self) -> Iterator[Chunk]:
         return self
 
-    def _poll_ring(self) -> Reply | HybriddError | None:
-        """Poll the session's reply ring for this stream's next reply, for at most
-        RING_SPIN_S; None if it did not come (the socket brings it)."""
+    def _wait_ring(self) -> Reply | HybriddError | None:
+        """This stream's next reply by way of the session's reply ring: polled for the
+        client's `ring_spin_s`, then slept for on the ring's bell, which the daemon rings
+        after each record it writes and the session after a reply only the socket
+        brought. None when the session has no ring (any more) or the deadline passed."""
         session = self._client._session
-        spin_until = time.monotonic() + RING_SPIN_S
-        if self._deadline is not None:
-            spin_until = min(spin_until, self._deadline)
+        reader = session.ring_reader()
+        if reader is None:
+            return None
         replies = self._queue
-        while session.ring_attached:
-            session.poll_ring()
-            if not replies.empty():
-                return replies.get_nowait()
-            if time.monotonic() >= spin_until:
-                return None
-            os.sched_yield()  # lets the client's I/O thread run; no sleep
+        spin_until = time.monotonic() + self._client.ring_spin_s
+        try:
+            with reader.sleeping():
+                while not reader.closing:
+                    bell = reader.bell()  # before looking: a record written after it changes it
+                    session.poll_ring()
+                    if not replies.empty():
+                        return replies.get_nowait()
+                    now = time.monotonic()
+                    if self._deadline is not None and now >= self._deadline:
+                        return None
+                    if now < spin_until:
+                        os.sched_yield()  # lets the client's I/O thread run; no sleep
+                        continue
+                    sleep = RING_SLEEP_S if self._deadline is None else min(RING_SLEEP_S, self._deadline - now)
+                    reader.sleep(bell, sleep)
+        except RingBroken:
+            pass  # closed before this thread came to sleep on it
         return None
 
     def __next__(self) -> Chunk:
         if self._done:
             raise StopIteration
         try:
-            reply = self._poll_ring()
+            reply = self._wait_ring()
             if reply is None:
                 reply = self._queue.get(timeout=_remaining(self._deadline))
         except queue.Empty:
@@ -702,10 +722,11 @@ class Client(_ClientOptions):
     `reply_ring=True` (or a size in bytes) asks a daemon on this host (an ipc:// endpoint,
     x86-64) to write the session's replies into shared memory as well as on the socket
     (ipc/reply_ring.py); a thread iterating a `Stream` then polls that memory for its
-    next chunk, up to RING_SPIN_S at a time, instead of sleeping until the socket's
-    I/O thread wakes it: the chunk arrives without two thread wake-ups, and the thread
-    keeps a CPU busy while it waits. A daemon that cannot attach the ring (another user,
-    a limit) says why in the client's log, and replies come by the socket alone.
+    next chunk for up to `ring_spin_s` (keeping a CPU busy), then sleeps until the daemon
+    itself wakes it after writing a reply: either way the chunk arrives without the
+    socket's I/O threads and the client's event loop in between. `ring_spin_s=0` never
+    polls. A daemon that cannot attach the ring (another user, a limit) says why in the
+    client's log, and replies come by the socket alone.
     """
 
     def __init__(
@@ -718,10 +739,15 @@ class Client(_ClientOptions):
         public_key: str | bytes | None = None,
         secret_key: str | bytes | None = None,
         reply_ring: bool | int = False,
+        ring_spin_s: float = RING_SPIN_S,
     ) -> None:
         super().__init__(endpoint, timeout=timeout, connect_timeout=connect_timeout,
                          server_public_key=server_public_key, public_key=public_key, secret_key=secret_key)
         ring_bytes = _ring_bytes(reply_ring, self.endpoint)
+        if isinstance(ring_spin_s, bool) or not isinstance(ring_spin_s, int | float) \
+                or not 0 <= ring_spin_s <= MAX_RING_SPIN_S:
+            raise ValueError(f"ring_spin_s: expected seconds from 0 to {MAX_RING_SPIN_S}, got {ring_spin_s!r}")
+        self.ring_spin_s = float(ring_spin_s)
         self._io = _LoopThread()
         try:
             self._session: _Session = self._io.run(_create_session(self.endpoint, self._keys, ring_bytes))

@@ -17,9 +17,12 @@ from collections.abc import Iterator
 from hybridd.ipc.reply_ring import RingReader
 
 DEFAULT_RING_BYTES = 1 << 20
-# How long a stream's reader polls the ring for its next reply before it sleeps until
-# the socket brings it (a prefill queued behind others, a client that stopped reading).
+# How long a stream's reader polls the ring for its next reply, by default, before it
+# sleeps on the ring's bell (a prefill queued behind others, a slow step).
 RING_SPIN_S = 0.25
+MAX_RING_SPIN_S = 10.0
+# The longest single sleep on the bell: a sleeper looks again at least this often.
+RING_SLEEP_S = 0.5
 
 
 class RingDelivery:

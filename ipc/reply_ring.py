@@ -8,17 +8,22 @@ complete: a reply the ring has no room for is simply left out of it. The client 
 each reply from whichever path brings it first and drops the other copy by its number
 (a socket reply's number is its place after `ring_attached`). A client thread that
 polls the ring sees a reply as soon as the daemon wrote it, without waiting for either
-side's ZeroMQ I/O thread to wake up.
+side's ZeroMQ I/O thread to wake up; a thread that sleeps instead is woken by the
+daemon itself, through a futex on the ring's bell (ipc/futex.py).
 
 Layout: a header of four 64-byte lines (magic and capacity; the daemon's write
-position; the client's read position; spare), then `capacity` bytes of records. A
+position and the bell; the client's read position and its count of sleepers; spare),
+then `capacity` bytes of records. A
 record is its payload's length (u32), a zero u32, its number (u64), the payload, and
 zero padding to 8 bytes; a record that would run past the end is preceded by the
 length `WRAP`, and the reader continues at offset 0. Positions count bytes since the
 attach and never wrap; a record sits at `position % capacity`.
 
 Each side publishes its position with one aligned 8-byte store after the bytes it
-covers. x86-64 keeps one core's stores in order and its loads in order, so a reader
+covers. After each record the daemon also stores the low 32 bits of its write position
+in the bell and, when the client counts a sleeper, wakes the bell's futex; the client
+changes the bell itself (and wakes it) when a reply came by the socket instead, so a
+sleeper waiting for "the bell is no longer what I saw" misses neither. x86-64 keeps one core's stores in order and its loads in order, so a reader
 that sees a position sees the bytes before it; elsewhere the ring is not offered.
 The daemon trusts nothing the client controls. It maps only a memfd sealed against
 shrinking (a client that could truncate the memory would crash the daemon's next write
@@ -38,11 +43,19 @@ import platform
 import socket
 import stat
 import struct
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from hybridd.ipc import futex
 
 MAGIC = 0x3130474E49524448  # "HDRING01", little-endian
 HEADER_BYTES = 256
 _WRITE_AT = 64
+_BELL_AT = 72
 _READ_AT = 128
+_SLEEPERS_AT = 136
+_BELL_FLIP = 0x80000000  # the client's change of the bell: never a value the daemon is about to store
 _RECORD = struct.Struct("<IIQ")  # length, zero, number
 WRAP = 0xFFFFFFFF
 
@@ -83,12 +96,14 @@ class _Mapping:
         self.capacity = capacity
         self.write_pos = ctypes.c_uint64.from_buffer(mapping, _WRITE_AT)
         self.read_pos = ctypes.c_uint64.from_buffer(mapping, _READ_AT)
+        self.bell = ctypes.c_uint32.from_buffer(mapping, _BELL_AT)
+        self.sleepers = ctypes.c_uint32.from_buffer(mapping, _SLEEPERS_AT)
 
     def close(self) -> None:
         if self.map.closed:
             return
         # The ctypes views export the buffer; mmap refuses to close while they live.
-        del self.write_pos, self.read_pos
+        del self.write_pos, self.read_pos, self.bell, self.sleepers
         self.map.close()
 
 
@@ -163,6 +178,12 @@ class RingWriter:
         write += need
         ring.write_pos.value = write
         self._write = write
+        ring.bell.value = write & 0xFFFFFFFF
+        # The bell's store must be seen before the sleepers are read: a client that
+        # counted itself a sleeper after this read sees the new bell in its futex wait.
+        futex.fence()
+        if ring.sleepers.value:
+            futex.wake(ring.bell)
         return True
 
     def close(self) -> None:
@@ -190,6 +211,9 @@ class RingReader:
         self._read = 0
         # The record `next_number` found: where it starts, its payload's length, the position after it.
         self._at = self._length = self._next = 0
+        self._sleepers = 0  # threads between `sleeping()`'s entry and exit
+        self._closing = False
+        self._lock = threading.Lock()  # the sleepers and the closing, between the client's threads
 
     @property
     def nbytes(self) -> int:
@@ -237,6 +261,56 @@ class RingReader:
         self._read = self._next
         self._ring.read_pos.value = self._read
 
+    # ---------------------------------------------------------------- sleeping until a reply
+
+    @contextmanager
+    def sleeping(self) -> Iterator[None]:
+        """Count the calling thread as a sleeper, so that the daemon wakes the bell after
+        each record; `bell()` and `sleep()` are called inside."""
+        with self._lock:
+            if self._closing:
+                raise RingBroken("the reply ring is closed")
+            self._sleepers += 1
+            self._ring.sleepers.value = self._sleepers
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._sleepers -= 1
+                self._ring.sleepers.value = self._sleepers
+                if self._closing and not self._sleepers:
+                    self._ring.close()  # the last sleeper out unmaps what `close` left mapped
+
+    def bell(self) -> int:
+        """The bell's value: read it before looking for a reply, sleep on it after."""
+        return self._ring.bell.value
+
+    def sleep(self, bell: int, timeout_s: float) -> None:
+        """Sleep while the bell holds `bell` (no record written, no `ring_bell`), for at
+        most `timeout_s`; only inside `sleeping()`."""
+        futex.wait(self._ring.bell, bell, timeout_s)
+
+    def ring_bell(self) -> None:
+        """Wake this process's sleepers: a reply they may wait for came another way."""
+        ring = self._ring
+        ring.bell.value ^= _BELL_FLIP
+        futex.fence()
+        if ring.sleepers.value:
+            futex.wake(ring.bell)
+
     def close(self) -> None:
-        self.release_fd()
-        self._ring.close()
+        """Unmap the ring, at once or, while threads sleep on it, when the last leaves
+        (they are woken and find it closing)."""
+        with self._lock:
+            if self._closing:
+                return
+            self._closing = True
+            self.release_fd()
+            if self._sleepers:
+                self.ring_bell()
+            else:
+                self._ring.close()
+
+    @property
+    def closing(self) -> bool:
+        return self._closing

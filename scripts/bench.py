@@ -30,7 +30,9 @@ goes on; the JSON is rewritten after every part, so a killed run still leaves re
    hand-over and without the client's own wake-ups); then TTFT and ITL through the SDK
    with the reply ring (`Client(reply_ring=True)`, `ttft_ring_s`, `itl_ring`: replies
    read from shared memory by the streaming thread, without either side's ZeroMQ I/O
-   thread on their way), taking turns with a second SDK client without it
+   thread on their way; the thread polls the ring), and again with a ring whose thread
+   sleeps until the daemon wakes it (`ring_spin_s=0`: `ttft_ring_sleep_s`,
+   `itl_ring_sleep`), taking turns with a third SDK client without a ring
    (`ttft_beside_ring_s`, `itl_beside_ring`);
    aggregate tokens/s and ITL at 1/4/16/32 concurrent streams; graph memory per bucket;
    what the HTTP gateway adds: TTFT and ITL p50 streamed through `/v1/completions` vs
@@ -273,13 +275,14 @@ class SdkClient(HybriddClient):
 
     kind = "sdk (hybridd.Client.stream; AsyncClient.stream for concurrent streams)"
 
-    def __init__(self, endpoint: str, reply_ring: bool = False):
+    def __init__(self, endpoint: str, reply_ring: bool = False, ring_spin_s: float | None = None):
         from hybridd.client import Client
 
         self.endpoint = endpoint
-        self._client = Client(endpoint, timeout=60.0, reply_ring=reply_ring)
+        spin = {} if ring_spin_s is None else {"ring_spin_s": ring_spin_s}
+        self._client = Client(endpoint, timeout=60.0, reply_ring=reply_ring, **spin)
         if reply_ring:
-            self.kind = "sdk with the reply ring (hybridd.Client(reply_ring=True).stream)"
+            self.kind = f"sdk with the reply ring (hybridd.Client(reply_ring=True, ring_spin_s={self._client.ring_spin_s}).stream)"
             self._client.health()  # the ring is attached on connecting; its answer comes first
             if not self._client._session.ring_attached:
                 raise RuntimeError("the daemon did not attach the reply ring (see the client's log)")
@@ -519,16 +522,19 @@ def measure_itl_raw_clients(endpoint: str, args, vocab: int, deadline: float) ->
 
 
 def measure_ring_client(endpoint: str, args, vocab: int, deadline: float) -> dict:
-    """TTFT and batch-1 ITL through the SDK with the reply ring and through the SDK's
-    socket alone, interleaved (the two clients take turns, request by request for TTFT
-    and stream by stream for ITL, so that a disturbance of the host meets both), with
+    """TTFT and batch-1 ITL through the SDK with the reply ring, its thread polling
+    ("ring") or asleep until the daemon wakes it ("ring_sleep"), and through the SDK's
+    socket alone, interleaved (the clients take turns, request by request for TTFT and
+    stream by stream for ITL, so that a disturbance of the host meets each), with
     prompts of a generator of its own."""
     rng = random.Random(8)
     plain = SdkClient(endpoint)
     ringed = SdkClient(endpoint, reply_ring=True)
+    sleeping = SdkClient(endpoint, reply_ring=True, ring_spin_s=0)
     try:
-        fns = {"sdk": hybridd_stream_fns(plain), "ring": hybridd_stream_fns(ringed)}
-        order = ("sdk", "ring")
+        fns = {"sdk": hybridd_stream_fns(plain), "ring": hybridd_stream_fns(ringed),
+               "ring_sleep": hybridd_stream_fns(sleeping)}
+        order = ("sdk", "ring", "ring_sleep")
         ttft = {key: {} for key in order}
         for n in TTFT_LENGTHS:
             samples = {key: [] for key in order}
@@ -549,13 +555,14 @@ def measure_ring_client(endpoint: str, args, vocab: int, deadline: float) -> dic
                 break
             for key in order if i % 2 == 0 else order[::-1]:
                 gaps[key].extend(fns[key][1](random_prompt(rng, ITL_PROMPT, vocab), args.itl_tokens))
-        ring = ringed._client._session._ring
-        return {"ttft_ring_s": ttft["ring"], "ttft_beside_ring_s": ttft["sdk"],
-                "itl_ring": {**itl_summary(gaps["ring"]), "prompt_tokens": ITL_PROMPT, "tokens": args.itl_tokens},
-                "itl_beside_ring": {**itl_summary(gaps["sdk"]), "prompt_tokens": ITL_PROMPT,
-                                    "tokens": args.itl_tokens},
-                "ring_replies": {"by_ring": ring.by_ring, "delivered": ring.delivered}}
+        ring, asleep = ringed._client._session._ring, sleeping._client._session._ring
+        itl = {key: {**itl_summary(gaps[key]), "prompt_tokens": ITL_PROMPT, "tokens": args.itl_tokens} for key in order}
+        return {"ttft_ring_s": ttft["ring"], "ttft_ring_sleep_s": ttft["ring_sleep"], "ttft_beside_ring_s": ttft["sdk"],
+                "itl_ring": itl["ring"], "itl_ring_sleep": itl["ring_sleep"], "itl_beside_ring": itl["sdk"],
+                "ring_replies": {"by_ring": ring.by_ring, "delivered": ring.delivered},
+                "ring_sleep_replies": {"by_ring": asleep.by_ring, "delivered": asleep.delivered}}
     finally:
+        sleeping.close()
         ringed.close()
         plain.close()
 
@@ -1076,10 +1083,12 @@ def build_report(results: dict) -> tuple[list[dict], list[dict]]:
     row("ITL p99 (b=1)", "s", lambda r: g(r, "itl", "p99_s"), fl.get("decode_floor_s"))
     row("ITL p99/p50", "", lambda r: g(r, "itl", "p99_over_p50"))
     for key, label in (("itl_raw_client", "raw client"), ("itl_polling_client", "raw client polling"),
-                       ("itl_beside_ring", "SDK, turns with ring"), ("itl_ring", "SDK reply ring")):
+                       ("itl_beside_ring", "SDK, turns with ring"), ("itl_ring", "SDK reply ring"),
+                       ("itl_ring_sleep", "SDK reply ring, asleep")):
         row(f"ITL p50, {label}", "s", lambda r, key=key: g(r, key, "p50_s"), fl.get("decode_floor_s"))
         row(f"ITL p99/p50, {label}", "", lambda r, key=key: g(r, key, "p99_over_p50"))
-    for key, label in (("ttft_beside_ring_s", "SDK, turns with ring"), ("ttft_ring_s", "SDK reply ring")):
+    for key, label in (("ttft_beside_ring_s", "SDK, turns with ring"), ("ttft_ring_s", "SDK reply ring"),
+                       ("ttft_ring_sleep_s", "SDK reply ring, asleep")):
         for n in TTFT_LENGTHS:
             row(f"TTFT {n} tok, {label}", "s", lambda r, n=n, key=key: g(r, key, str(n), "median_s"),
                 g(fl, "prefill_floor_s", str(n)))
@@ -1102,6 +1111,8 @@ def build_report(results: dict) -> tuple[list[dict], list[dict]]:
            g(hy, "itl_polling_client", "p99_over_p50"), 1.05)
     target("decode ITL p99/p50, batch 1 (SDK with the reply ring)", "<= 1.05",
            g(hy, "itl_ring", "p99_over_p50"), 1.05)
+    target("decode ITL p99/p50, batch 1 (SDK with the reply ring, asleep until woken)", "<= 1.05",
+           g(hy, "itl_ring_sleep", "p99_over_p50"), 1.05)
 
     def worst_ttft(key: str) -> float | None:
         worst = [ratio(g(hy, key, str(n), "median_s"), g(fl, "prefill_floor_s", str(n))) for n in TTFT_LENGTHS]

@@ -57,12 +57,13 @@ def test_json_has_every_figure(bench_out):
         assert min(gap for _, gap in run["slowest"]) >= run["p50_s"], name
     for name in ("hybridd", "hybridd_eager"):  # through the SDK with the reply ring as well
         part = r[name]
-        for key in ("ttft_ring_s", "ttft_beside_ring_s"):
+        for key in ("ttft_ring_s", "ttft_ring_sleep_s", "ttft_beside_ring_s"):
             assert set(part[key]) == {"10", "32", "128", "256", "500"}, name
             assert all(v["median_s"] > 0 and v["n"] >= 2 for v in part[key].values()), name
-        for key in ("itl_ring", "itl_beside_ring"):  # two turns each (--quick: one run per part)
+        for key in ("itl_ring", "itl_ring_sleep", "itl_beside_ring"):  # two turns each (--quick: one run per part)
             assert part[key]["n"] == 62 and part[key]["p50_s"] > 0, name
-        assert 0 < part["ring_replies"]["by_ring"] <= part["ring_replies"]["delivered"], name
+        for key in ("ring_replies", "ring_sleep_replies"):
+            assert 0 < part[key]["by_ring"] <= part[key]["delivered"], name
     hy = r["hybridd"]
     assert set(hy["concurrency"]) == {"1", "4", "16", "32"}
     assert all(c["tokens_per_s"] > 0 and c["itl_p50_s"] > 0 for c in hy["concurrency"].values())
@@ -78,8 +79,8 @@ def test_json_has_every_figure(bench_out):
                          "decode ITL p99/p50, batch 1 (raw client polling its socket)"]
     for key in ("itl_raw_client", "itl_polling_client"):
         assert hy[key]["n"] == 31 and hy[key]["p99_s"] >= hy[key]["p50_s"] > 0, key
-    assert len(names) == 16 and all(t["value"] is not None for t in r["targets"] if "one process" not in t["target"])
-    assert names[11].startswith("ITL p99 during forced prefill capture / steady")
+    assert len(names) == 17 and all(t["value"] is not None for t in r["targets"] if "one process" not in t["target"])
+    assert names[12].startswith("ITL p99 during forced prefill capture / steady")
     gateway = hy["gateway"]
     for side in ("sdk", "http"):
         # An HTTP event's time is its last byte's recv: on a busy host several events can

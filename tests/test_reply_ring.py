@@ -8,8 +8,9 @@ import fcntl
 import os
 import re
 import struct
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,7 @@ import zmq.auth
 
 from hybridd import Client
 from hybridd.config import Config, ConfigError
-from hybridd.client_ring import RingDelivery
+from hybridd.client_ring import MAX_RING_SPIN_S, RingDelivery
 from hybridd.ipc import reply_ring
 from hybridd.ipc.reply_ring import HEADER_BYTES, RingBroken, RingReader, RingWriter
 from hybridd.protocol import codec
@@ -131,6 +132,78 @@ def test_a_read_position_the_writer_never_gave_breaks_the_ring():
         reader.close()
 
 
+# ---------------------------------------------------------------- sleeping on the bell
+
+# Longer than any test waits: a sleeper that returns was woken, not timed out.
+NEVER_S = 3600.0
+
+
+def sleep_in_thread(reader: RingReader) -> tuple[threading.Thread, list[float]]:
+    """A thread that counts itself a sleeper, reads the bell, then sleeps on it until
+    woken; returned once it has read the bell (whatever rings it after that wakes it)."""
+    slept: list[float] = []
+    has_read = threading.Event()
+
+    def sleeper() -> None:
+        with reader.sleeping():
+            bell = reader.bell()
+            has_read.set()
+            started = time.monotonic()
+            reader.sleep(bell, NEVER_S)
+            slept.append(time.monotonic() - started)
+
+    thread = threading.Thread(target=sleeper, daemon=True)
+    thread.start()
+    assert has_read.wait(on_this_host(10))
+    return thread, slept
+
+
+def test_the_writers_record_wakes_a_sleeping_reader_through_another_mapping():
+    reader, writer = pair(4096)
+    try:
+        thread, slept = sleep_in_thread(reader)
+        assert writer._ring.sleepers.value == 1  # the daemon's mapping sees the sleeper
+        assert writer.put(b"abc")
+        thread.join(on_this_host(10))
+        assert not thread.is_alive() and slept  # woken by the write, not by a timeout
+        assert writer._ring.sleepers.value == 0
+        assert drain(reader) == [(1, b"abc")]
+    finally:
+        writer.close()
+        reader.close()
+
+
+def test_the_clients_bell_wakes_a_sleeper_and_a_close_wakes_it_and_waits_for_it():
+    reader, writer = pair(4096)
+    try:
+        thread, slept = sleep_in_thread(reader)
+        reader.ring_bell()  # a reply came by the socket instead
+        thread.join(on_this_host(10))
+        assert not thread.is_alive() and slept
+
+        stayed = threading.Event()
+
+        def sleeper_until_closed() -> None:
+            with reader.sleeping():
+                while not reader.closing:
+                    reader.sleep(reader.bell(), NEVER_S)
+                stayed.set()
+
+        thread = threading.Thread(target=sleeper_until_closed, daemon=True)
+        thread.start()
+        wait_for(lambda: reader._ring.sleepers.value == 1)
+        reader.close()
+        thread.join(on_this_host(10))
+        assert not thread.is_alive() and stayed.is_set()
+        assert reader._ring.map.closed  # unmapped by the last sleeper out, not under it
+        with pytest.raises(RingBroken, match="closed"):
+            with reader.sleeping():
+                pass
+    finally:
+        writer.close()
+        reader.close()
+
+
 # ---------------------------------------------------------------- one copy of each reply
 
 
@@ -224,6 +297,45 @@ def test_a_ring_client_streams_what_a_plain_client_does_mostly_by_the_ring(daemo
         assert ringed.generate("ROMEO:", **LONG).token_ids == expected
 
 
+def thread_states(native_id: int) -> Callable[[], str]:
+    """Sample a thread's scheduler state (R, S, ...) from /proc every millisecond until
+    the returned call, which gives the samples."""
+    path = Path(f"/proc/self/task/{native_id}/stat")
+    samples: list[str] = []
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.wait(0.001):
+            samples.append(path.read_text().rsplit(")", 1)[1].split()[0])
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+
+    def stop() -> str:
+        done.set()
+        sampler.join()
+        return "".join(samples)
+
+    return stop
+
+
+def test_a_ring_client_that_does_not_spin_sleeps_until_the_daemon_wakes_it(daemon):
+    with Client(daemon.endpoint, timeout=120) as plain:
+        expected = plain.generate("ROMEO:", **LONG).token_ids
+    with Client(daemon.endpoint, timeout=120, reply_ring=True, ring_spin_s=0) as client:
+        client.health()
+        wait_for(lambda: client._session.ring_attached)
+        delivery = client._session._ring
+        by_ring = delivery.by_ring
+        states = thread_states(threading.get_native_id())
+        tokens = [t for chunk in client.stream("ROMEO:", **LONG) for t in chunk.token_ids]
+        states = states()
+        assert tokens == expected
+        assert delivery.by_ring > by_ring  # woken by the daemon's bell, it found replies in the ring first
+        # Between chunks it slept: a polling thread is runnable ("R") even while another runs.
+        assert states.count("S") > len(states) / 2, f"{states.count('S')} of {len(states)} samples asleep"
+
+
 def test_a_closed_session_detaches_its_ring_and_the_limit_is_enforced(daemon):
     wait_for(lambda: rings(daemon)["attached"] == 0)  # the sessions of earlier tests have ended
     with ringed_client(daemon):
@@ -249,6 +361,9 @@ def test_a_client_asks_for_a_ring_only_where_one_can_be_had():
     for size in (MIN_REPLY_RING_BYTES - 8, MAX_REPLY_RING_BYTES + 8, MIN_REPLY_RING_BYTES + 4, 1.5e6, "big"):
         with pytest.raises(ValueError, match="reply_ring: expected True or a multiple of 8 bytes"):
             Client("ipc:///nonexistent/hybridd.sock", reply_ring=size)
+    for spin in (-1, MAX_RING_SPIN_S + 1, "0.1", True):
+        with pytest.raises(ValueError, match="ring_spin_s: expected seconds from 0 to 10.0"):
+            Client("ipc:///nonexistent/hybridd.sock", reply_ring=True, ring_spin_s=spin)
     with pytest.raises(ConfigError, match="max_reply_rings must be >= 0"):
         Config.from_dict({"max_reply_rings": -1})
 
