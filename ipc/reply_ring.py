@@ -13,18 +13,21 @@ daemon itself, through a futex on the ring's bell (ipc/futex.py).
 
 Layout: a header of four 64-byte lines (magic and capacity; the daemon's write
 position and the bell; the client's read position and its count of sleepers; spare),
-then `capacity` bytes of records. A
-record is its payload's length (u32), a zero u32, its number (u64), the payload, and
-zero padding to 8 bytes; a record that would run past the end is preceded by the
-length `WRAP`, and the reader continues at offset 0. Positions count bytes since the
-attach and never wrap; a record sits at `position % capacity`.
+then `capacity` bytes of records. A record is its payload's length (u32), a zero u32,
+its number (u64), the payload, and zero padding to 8 bytes; a record that would run
+past the end is preceded by the length `WRAP`, and the reader continues at offset 0.
+Positions count bytes since the attach and never wrap; a record sits at
+`position % capacity`.
 
 Each side publishes its position with one aligned 8-byte store after the bytes it
-covers. After each record the daemon also stores the low 32 bits of its write position
-in the bell and, when the client counts a sleeper, wakes the bell's futex; the client
-changes the bell itself (and wakes it) when a reply came by the socket instead, so a
-sleeper waiting for "the bell is no longer what I saw" misses neither. x86-64 keeps one core's stores in order and its loads in order, so a reader
+covers. x86-64 keeps one core's stores in order and its loads in order, so a reader
 that sees a position sees the bytes before it; elsewhere the ring is not offered.
+After each record the daemon also stores the low 32 bits of its write position in the
+bell and, when the client counts a sleeper, wakes the bell's futex; the client flips
+the bell's top bit itself (and wakes it) when a reply came by the socket instead. A
+sleeper that read the bell before looking for its reply and sleeps while the bell
+still holds that value misses neither.
+
 The daemon trusts nothing the client controls. It maps only a memfd sealed against
 shrinking (a client that could truncate the memory would crash the daemon's next write
 with SIGBUS), opened through `/proc/<pid>/fd/<fd>` of the process at the other end of
