@@ -287,7 +287,8 @@ def format_status(status: dict[str, Any]) -> str:
     rings = get("reply_rings") or {}
     if rings.get("attached") or rings.get("written"):
         lines.append(f"rings      {rings.get('attached', '-')} reply rings attached; {rings.get('written', '-')} "
-                     f"replies written to rings, {rings.get('left_out', '-')} left to the socket (no room)")
+                     f"replies written to rings, {rings.get('left_out', '-')} left to the socket (no room); "
+                     f"sleeping readers woken {rings.get('wakes', '-')} times")
     kv = get("kv_blocks") or {}
     usage = f" ({get('kv_usage') * 100:.0f}% in use)" if isinstance(get("kv_usage"), int | float) else ""
     lines.append(f"KV blocks  {kv.get('used', '-')} used, {kv.get('free', '-')} free of {kv.get('total', '-')}{usage}")

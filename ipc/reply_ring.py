@@ -182,11 +182,19 @@ class RingWriter:
         ring.write_pos.value = write
         self._write = write
         ring.bell.value = write & 0xFFFFFFFF
+        return True
+
+    def wake(self) -> bool:
+        """Wake the client's threads asleep on the bell, if it counts any; True if it
+        did. Called after `put`: a sleeper that read the bell before the record sees
+        it changed, or is woken here."""
+        ring = self._ring
         # The bell's store must be seen before the sleepers are read: a client that
         # counted itself a sleeper after this read sees the new bell in its futex wait.
         futex.fence()
-        if ring.sleepers.value:
-            futex.wake(ring.bell)
+        if not ring.sleepers.value:
+            return False
+        futex.wake(ring.bell)
         return True
 
     def close(self) -> None:

@@ -34,10 +34,11 @@ def test_status_while_serving_names_what_the_latency_window_counts():
         "state": "ready", "version": "0.1.0", "max_model_len": 1024, "tokens_per_s": 812.5, "kv_usage": 0.25,
         "kv_blocks": {"total": 512, "used": 128, "free": 384}, "latency": {"window": 2048},
         "requests": {"running": 1, "queued": 0, "served": 9, "failed": 0},
-        "reply_rings": {"attached": 2, "written": 40, "left_out": 3},
+        "reply_rings": {"attached": 2, "written": 40, "left_out": 3, "wakes": 12},
     })
     assert "(last 2048 inter-token samples)" in text
-    assert "rings      2 reply rings attached; 40 replies written to rings, 3 left to the socket (no room)" in text
+    assert ("rings      2 reply rings attached; 40 replies written to rings, 3 left to the socket (no room); "
+            "sleeping readers woken 12 times") in text
     quiet = format_status({"state": "ready", "reply_rings": {"attached": 0, "written": 0, "left_out": 0}})
     assert "rings " not in quiet  # no line while no client has used a ring
     assert "throughput 812.5 tokens/s over the last minute" in text

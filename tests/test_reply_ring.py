@@ -161,9 +161,10 @@ def sleep_in_thread(reader: RingReader) -> tuple[threading.Thread, list[float]]:
 def test_the_writers_record_wakes_a_sleeping_reader_through_another_mapping():
     reader, writer = pair(4096)
     try:
+        assert not writer.wake()  # nobody asleep: no wake
         thread, slept = sleep_in_thread(reader)
         assert writer._ring.sleepers.value == 1  # the daemon's mapping sees the sleeper
-        assert writer.put(b"abc")
+        assert writer.put(b"abc") and writer.wake()
         thread.join(on_this_host(10))
         assert not thread.is_alive() and slept  # woken by the write, not by a timeout
         assert writer._ring.sleepers.value == 0
@@ -334,6 +335,35 @@ def test_a_ring_client_that_does_not_spin_sleeps_until_the_daemon_wakes_it(daemo
         assert delivery.by_ring > by_ring  # woken by the daemon's bell, it found replies in the ring first
         # Between chunks it slept: a polling thread is runnable ("R") even while another runs.
         assert states.count("S") > len(states) / 2, f"{states.count('S')} of {len(states)} samples asleep"
+
+
+def test_many_sleeping_streams_of_one_client_are_woken_about_twice_a_step_not_once_a_reply(daemon):
+    prompts = ["ROMEO:", "JULIET:", "First Citizen:", "MENENIUS:", "KING HENRY:", "To be", "O", "Now is"]
+    sampling = {"max_tokens": 40, "ignore_eos": True, "temperature": 0.0}
+    with Client(daemon.endpoint, timeout=120) as plain:
+        expected = [plain.generate(prompt, **sampling).token_ids for prompt in prompts]
+    with Client(daemon.endpoint, timeout=120, reply_ring=True, ring_spin_s=0) as client:
+        client.health()
+        wait_for(lambda: client._session.ring_attached)
+        before = rings(daemon)
+        results: list[list[int] | None] = [None] * len(prompts)
+        start = threading.Barrier(len(prompts))
+
+        def stream(i: int) -> None:
+            start.wait()
+            results[i] = [t for chunk in client.stream(prompts[i], **sampling) for t in chunk.token_ids]
+
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(len(prompts))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(on_this_host(120))
+        assert results == expected
+        after = rings(daemon)
+    written, wakes = after["written"] - before["written"], after["wakes"] - before["wakes"]
+    assert written >= len(prompts) * 41  # every chunk and final went to the ring
+    # Eight streams share most steps: a wake per reply would be about `written`.
+    assert 0 < wakes < written / 2, (wakes, written)
 
 
 def test_a_closed_session_detaches_its_ring_and_the_limit_is_enforced(daemon):

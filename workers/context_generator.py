@@ -337,6 +337,7 @@ class ContextGenerator:
             self._advance()
             if self.state == "draining":
                 self._check_drain()
+            self.rings.end_batch()
 
     def _advance(self) -> None:
         """Launch the next step while fewer than PIPELINE_DEPTH are in flight (the steps
@@ -404,6 +405,7 @@ class ContextGenerator:
                 request.chunks += 1
         for seq in finished:
             self._finish_sequence(seq)
+        self.rings.end_batch()
 
     def _token_logprob(self, logprobs: Logprobs, row: int, token: int, top: int) -> TokenLogprob:
         """The host's view of one row's logprobs: the sampled token's and its top
@@ -854,7 +856,7 @@ class ContextGenerator:
                         "window": len(self.itl)},
             "metrics": self.metrics.to_status(),
             "reply_rings": {"attached": len(self.rings), "written": self.rings.written,
-                            "left_out": self.rings.left_out},
+                            "left_out": self.rings.left_out, "wakes": self.rings.wakes},
         }
 
     def _rejected(self) -> dict[str, int]:

@@ -2,7 +2,10 @@
 
 A session may attach one ring (`attach_ring`, ipc/reply_ring.py). Every reply sent to
 the session after the `ring_attached` reply is written to its ring before it goes to
-the socket; a ring with no room leaves the reply to the socket. A ring whose client
+the socket; a ring with no room leaves the reply to the socket. The client's threads
+asleep on a ring are woken at its first record of a batch of replies (a step's chunks,
+a pass of the serving loop) and once more at the batch's end if more records followed:
+a client with many streams wakes its sleepers about twice a step, not once a record. A ring whose client
 wrote a read position the daemon never gave it is detached, with a warning, and the
 session goes on over its socket, which has carried every reply all along. A session's
 ring is detached when the session ends.
@@ -26,6 +29,9 @@ class ReplyRings:
         self._rings: dict[bytes, reply_ring.RingWriter] = {}
         self.written = 0  # replies written to a ring
         self.left_out = 0  # replies a ring had no room for
+        self.wakes = 0  # times a ring's sleepers were woken
+        self._woken: set[bytes] = set()  # rings woken in this batch
+        self._unwoken: set[bytes] = set()  # rings with records since their wake in this batch
 
     def __len__(self) -> int:
         return len(self._rings)
@@ -60,13 +66,28 @@ class ReplyRings:
         if ring is None:
             return
         try:
-            if ring.put(frame):
-                self.written += 1
-            else:
+            if not ring.put(frame):
                 self.left_out += 1
+                return
+            self.written += 1
+            if identity in self._woken:
+                self._unwoken.add(identity)
+            else:
+                self._woken.add(identity)
+                self.wakes += ring.wake()
         except reply_ring.RingBroken as exc:
             log.warning("reply ring detached; the session's replies go by its socket alone", reason=str(exc))
             self.detach(identity)
+
+    def end_batch(self) -> None:
+        """Wake the rings that took records since their wake in this batch, and start
+        the next batch."""
+        for identity in self._unwoken:
+            ring = self._rings.get(identity)
+            if ring is not None:
+                self.wakes += ring.wake()
+        self._unwoken.clear()
+        self._woken.clear()
 
     def detach(self, identity: bytes) -> None:
         ring = self._rings.pop(identity, None)
