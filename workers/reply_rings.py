@@ -5,10 +5,10 @@ the session after the `ring_attached` reply is written to its ring before it goe
 the socket; a ring with no room leaves the reply to the socket. The client's threads
 asleep on a ring are woken at its first record of a batch of replies (a step's chunks,
 a pass of the serving loop) and once more at the batch's end if more records followed:
-a client with many streams wakes its sleepers about twice a step, not once a record. A ring whose client
-wrote a read position the daemon never gave it is detached, with a warning, and the
-session goes on over its socket, which has carried every reply all along. A session's
-ring is detached when the session ends.
+a client with many streams wakes its sleepers about twice a step, not once a record.
+A ring whose client wrote a read position the daemon never gave it is detached, with a
+warning, and the session goes on over its socket, which has carried every reply all
+along. A session's ring is detached when the session ends.
 """
 
 from __future__ import annotations
@@ -62,6 +62,7 @@ class ReplyRings:
         self._rings[identity] = ring
 
     def put(self, identity: bytes, frame: bytes) -> None:
+        """Write a reply to the session's ring, if it has one (before the socket sends it)."""
         ring = self._rings.get(identity)
         if ring is None:
             return
