@@ -282,7 +282,8 @@ class SdkClient(HybriddClient):
         spin = {} if ring_spin_s is None else {"ring_spin_s": ring_spin_s}
         self._client = Client(endpoint, timeout=60.0, reply_ring=reply_ring, **spin)
         if reply_ring:
-            self.kind = f"sdk with the reply ring (hybridd.Client(reply_ring=True, ring_spin_s={self._client.ring_spin_s}).stream)"
+            spin_s = self._client.ring_spin_s
+            self.kind = f"sdk with the reply ring (hybridd.Client(reply_ring=True, ring_spin_s={spin_s}).stream)"
             self._client.health()  # the ring is attached on connecting; its answer comes first
             if not self._client._session.ring_attached:
                 raise RuntimeError("the daemon did not attach the reply ring (see the client's log)")
