@@ -611,8 +611,7 @@ class Stream:
     def _wait_ring(self) -> Reply | HybriddError | None:
         """This stream's next reply by way of the session's reply ring: polled for the
         client's `ring_spin_s`, then slept for on the ring's bell, which the daemon rings
-        after each record it writes and the session after a reply only the socket
-        brought. None when the session has no ring (any more) or the deadline passed."""
+        after writing records and the session after a reply only the socket brought. None when the session has no ring (any more) or the deadline passed."""
         session = self._client._session
         reader = session.ring_reader()
         if reader is None:

@@ -91,7 +91,8 @@ class RingBroken(Exception):
 
 
 class _Mapping:
-    """A mapped ring segment and its two positions as aligned 8-byte words."""
+    """A mapped ring segment and its header's words: the two positions (aligned 8-byte
+    words), the bell and the count of sleepers (aligned 4-byte words)."""
 
     def __init__(self, name: str, mapping: mmap.mmap, capacity: int) -> None:
         self.name = name
@@ -222,9 +223,8 @@ class RingReader:
         self._read = 0
         # The record `next_number` found: where it starts, its payload's length, the position after it.
         self._at = self._length = self._next = 0
-        self._sleepers = 0  # threads between `sleeping()`'s entry and exit
         self._closing = False
-        self._lock = threading.Lock()  # the sleepers and the closing, between the client's threads
+        self._lock = threading.Lock()  # the count of sleepers and the closing, between the client's threads
 
     @property
     def nbytes(self) -> int:
@@ -276,20 +276,19 @@ class RingReader:
 
     @contextmanager
     def sleeping(self) -> Iterator[None]:
-        """Count the calling thread as a sleeper, so that the daemon wakes the bell after
-        each record; `bell()` and `sleep()` are called inside."""
+        """Count the calling thread as a sleeper (in the ring's header, where the daemon
+        reads it), so that the daemon wakes the bell after writing records; `bell()`
+        and `sleep()` are called inside."""
         with self._lock:
             if self._closing:
                 raise RingBroken("the reply ring is closed")
-            self._sleepers += 1
-            self._ring.sleepers.value = self._sleepers
+            self._ring.sleepers.value += 1
         try:
             yield
         finally:
             with self._lock:
-                self._sleepers -= 1
-                self._ring.sleepers.value = self._sleepers
-                if self._closing and not self._sleepers:
+                self._ring.sleepers.value -= 1
+                if self._closing and not self._ring.sleepers.value:
                     self._ring.close()  # the last sleeper out unmaps what `close` left mapped
 
     def bell(self) -> int:
@@ -317,7 +316,7 @@ class RingReader:
                 return
             self._closing = True
             self.release_fd()
-            if self._sleepers:
+            if self._ring.sleepers.value:
                 self.ring_bell()
             else:
                 self._ring.close()

@@ -83,6 +83,8 @@ class ReplyRings:
     def end_batch(self) -> None:
         """Wake the rings that took records since their wake in this batch, and start
         the next batch."""
+        if not self._woken:  # no record in this batch (most passes of the loop)
+            return
         for identity in self._unwoken:
             ring = self._rings.get(identity)
             if ring is not None:
