@@ -14,7 +14,7 @@ epilogue (`hybridd/model/triton_gemm.py`): the daemon's `gemm_fusions` setting
 
 or `none`. The fused kernels round in other places than the separate ones (the folded
 weights, the product scaled after the sum); top-1 stays the same. The default is what
-measured fastest on the H200 (docs/benchmarks.md, "Fused neighbours"): the norm saves
+measured fastest on the H200 (docs/kernels.md, "Fused neighbours"): the norm saves
 about 0.1 ms of a 7B decode step, and RoPE with the KV write (one kernel fewer a layer)
 about 1 % more with programmatic dependent launch on (nothing without it); SiLU·mul is
 slower. The graph generator sets `ENABLED` from its configuration before it loads the

@@ -94,3 +94,30 @@ def test_the_plot_draws_no_categories_from_a_profile_whose_kernels_overlap():
     assert benchmarks_plot.overlapping_steps(run(0.0065, None)) == ["decode_b1"]  # PDL summed twice
     assert benchmarks_plot.overlapping_steps(run(0.0039, None)) == []  # no overlap: kernels within the step
     assert benchmarks_plot.overlapping_steps(run(0.0065, "exclusive")) == []
+
+
+def test_the_itl_panel_shows_each_client_of_hybridd_then_the_peers_on_hybridds_scale(tmp_path):
+    pytest.importorskip("matplotlib")
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "docs"))
+    import benchmarks_plot
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def itl(p50: float, p99: float) -> dict:
+        return {"p50_s": p50, "p99_s": p99}
+
+    results = {"floors": {"decode_floor_s": 0.0032},
+               "hybridd": {"itl": itl(0.0037, 0.0041), "itl_ring": itl(0.0037, 0.0038),
+                           "itl_polling_client": itl(0.0037, 0.0047)},
+               "hf_eager": {"itl": itl(0.0376, 0.107)}}
+    labels = [label for label, _, _, _ in benchmarks_plot.itl_bars(results)]
+    assert labels == ["hybridd\nSDK", "hybridd\nraw client,\npolling", "hybridd\nSDK,\nreply ring", "HF generate\neager"]
+    fig, ax = plt.subplots()
+    benchmarks_plot.itl_panel(ax, results)
+    top = ax.get_ylim()[1]
+    assert 4.7 < top < 10  # hybridd's slowest p99 (4.7 ms) fits; the peer's 37.6 ms does not set the scale
+    assert max(patch.get_height() for patch in ax.patches) == pytest.approx(top)  # the peer's bar, cut at the top
+    assert any("37.6 ms" in text.get_text() for text in ax.texts)
+    plt.close(fig)

@@ -38,7 +38,7 @@ ENABLED = True  # the default of Config.pdl
 # kernels neither wait nor let their successors launch early, and there the chain was
 # slower with it: Llama-2-7B prefill steps of 64-256 tokens took 0.4-2.9 % longer with
 # PDL, 128 tokens 4.62 ms against 4.49-4.58 ms (`python scripts/bench_pdl_steps.py`,
-# docs/benchmarks.md).
+# docs/kernels.md).
 CUBLAS_STEPS = False
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _capable: dict[int, bool] = {}

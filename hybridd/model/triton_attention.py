@@ -75,7 +75,7 @@ def decode_plan(batch: int, kv_heads: int, max_tokens: int) -> DecodePlan:
     to 3.751 at 512 against 256 programs of two warps and 64-token tiles; Llama-3-8B's
     from 4.352 to 4.267 ms at 2048 and 4.449 to 4.384 at 4096, and 4.129 to 4.152 at 512
     (+0.6 %). Loading a split's first tile, or only the lengths and its block ids, before
-    the wait for the previous kernel measured no faster (docs/benchmarks.md)."""
+    the wait for the previous kernel measured no faster (docs/kernels.md)."""
     tile = BATCH1_TILE if batch == 1 else 64
     target = BATCH1_PROGRAMS if batch == 1 else 512
     want = max(1, -(-target // (batch * kv_heads)))
