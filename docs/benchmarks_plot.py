@@ -118,28 +118,29 @@ def itl_panel(ax, results: dict) -> None:
     # The axis is hybridd's scale: a peer ten times slower would flatten every hybridd bar,
     # so bars past the top are cut there and carry their value.
     ours = [itl.get("p99_s") or itl["p50_s"] for _, itl, _, mine in bars if mine] + ([floor] if floor else [])
-    top = 1.35 * max(ours) * 1e3 if ours else None
+    top = 1.35 * max(ours) * 1e3 if ours else float("inf")
     for i, (label, itl, color, _) in enumerate(bars):
         p50, p99 = itl["p50_s"] * 1e3, (itl.get("p99_s") or 0) * 1e3
-        ax.bar(i, min(p50, top) if top else p50, 0.6, color=color)
-        if top and p50 > top:
+        ax.bar(i, min(p50, top), 0.6, color=color)
+        if p50 > top:
             ax.text(i, top, f"{p50:.1f} ms\n(p99 {p99:.0f})\nabove the axis", ha="center", va="top", fontsize=6,
                     color="white", fontweight="bold")
             continue
         ratio = f"\n{p50 / (floor * 1e3):.2f}x floor" if floor else ""
         ax.text(i, p50 * 0.5, f"{p50:.2f}{ratio}", ha="center", va="center", fontsize=6, color="white")
         if p99:
-            ax.hlines(min(p99, top) if top else p99, i - 0.3, i + 0.3, color="k", linestyle="--",
-                      label="p99" if i == 0 else None)
-            ax.text(i, min(p99, top) if top else p99, f"{p99 / p50:.2f}x p50", ha="center", va="bottom", fontsize=6)
+            tick = min(p99, top)
+            ax.hlines(tick, i - 0.3, i + 0.3, color="k", linestyle="--", label="p99" if i == 0 else None)
+            ax.text(i, tick, f"{p99 / p50:.2f}x p50", ha="center", va="bottom", fontsize=6)
     if floor:
         ax.axhline(floor * 1e3, color="k", linewidth=1.5, label=f"decode floor {floor * 1e3:.2f} ms")
     ax.set_xticks(range(len(bars)), [label for label, _, _, _ in bars], fontsize=6)
     ax.set_ylabel("inter-token latency, batch 1 (ms)")
     ax.set_title("ITL at batch 1: p50 (bars) and p99 (dashes)")
-    ax.set_ylim(0, top)
+    ax.set_ylim(0, top if top != float("inf") else None)
     ax.grid(True, axis="y", alpha=0.3)
-    ax.legend(fontsize=7, loc="lower right")
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7, loc="lower right")
 
 
 def streams_panel(ax, results: dict) -> None:
@@ -255,14 +256,27 @@ def plot(runs: list[dict], png: Path, theirs: dict | None = None) -> Path:
     return png
 
 
+def read_object(parser: argparse.ArgumentParser, path: Path) -> dict:
+    """The JSON object in `path`; a clear error naming the file otherwise."""
+    try:
+        value = json.loads(path.read_text())
+    except OSError as exc:
+        parser.error(f"{path}: cannot read it: {exc.strerror}")
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        parser.error(f"{path}: not JSON: {exc}")
+    if not isinstance(value, dict):
+        parser.error(f"{path}: expected a JSON object as scripts/bench.py writes, got {type(value).__name__}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("json", type=Path, nargs="+", help="bench.json files written by scripts/bench.py")
     parser.add_argument("--png", type=Path, help="output image (default: next to the first JSON, bench.png)")
     parser.add_argument("--theirs", type=Path, help="published TTFT figures of others, labelled as theirs")
     args = parser.parse_args(argv)
-    runs = [json.loads(p.read_text()) for p in args.json]
-    theirs = json.loads(args.theirs.read_text()) if args.theirs else None
+    runs = [read_object(parser, p) for p in args.json]
+    theirs = read_object(parser, args.theirs) if args.theirs else None
     print(plot(runs, args.png or args.json[0].with_name("bench.png"), theirs))
     return 0
 

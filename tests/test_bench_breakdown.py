@@ -4,6 +4,7 @@ attribution of GEMMs to projections by their position in a step."""
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 
@@ -121,3 +122,16 @@ def test_the_itl_panel_shows_each_client_of_hybridd_then_the_peers_on_hybridds_s
     assert max(patch.get_height() for patch in ax.patches) == pytest.approx(top)  # the peer's bar, cut at the top
     assert any("37.6 ms" in text.get_text() for text in ax.texts)
     plt.close(fig)
+
+
+@pytest.mark.parametrize(("content", "says"), [(None, "cannot read it"), ("not json", "not JSON"),
+                                               ("[1]", "expected a JSON object")])
+def test_the_plot_refuses_a_file_that_is_not_a_bench_result_by_name(tmp_path, content, says):
+    path = tmp_path / "bench.json"
+    if content is not None:
+        path.write_text(content)
+    done = subprocess.run([sys.executable, str(Path(__file__).resolve().parent.parent / "docs" / "benchmarks_plot.py"),
+                           str(path), "--png", str(tmp_path / "out.png")], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert f"{path}: {says}" in done.stderr and "Traceback" not in done.stderr
+    assert not (tmp_path / "out.png").exists()
