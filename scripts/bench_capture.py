@@ -6,9 +6,11 @@ The daemon is started with prefill buckets 16 < X < Y and a graph memory budget 
 holds the decode graphs, the 16-token graph and one of X, Y but not both: at ready the
 graph generator captures 16 and X and finds Y blocked by the budget. While one client
 streams tokens without pause (its prompts fall in bucket 16), another sends prompts of
-the bucket that is not captured until its demand exceeds the captured one's (the bench
-counts both demands itself: only its prompts reach X and Y), so the background thread
-evicts the captured graph and captures the demanded one at once, during decode. The
+the bucket that is not captured until its demand exceeds the captured one's (by the
+daemon's statistics, plus the prompts sent since; each prompt is a decode prompt short of
+its bucket, so that a step that also takes the decode stream's next prompt still counts
+for that bucket), so the background thread evicts the captured graph and captures the
+demanded one at once, during decode. The
 capture window of a cycle is [the last trigger prompt sent, its first token + the
 capture's own duration + 50 ms]; a cycle counts only when the daemon's statistics
 (reported once a second) show the bucket's capture count up within CAPTURE_WAIT_S. Inter-token gaps inside a counted window are "during"; gaps outside every
@@ -27,6 +29,7 @@ from typing import Any
 
 MiB = 1 << 20
 SMALL = 16  # the bucket of the decode stream's own prompts
+DECODE_PROMPT = 8  # tokens of each decode stream's prompt
 # Bucket pairs tried in order: the first whose estimates force an eviction is used.
 PAIRS = ((512, 1024), (256, 512), (1024, 2048), (128, 256))
 DECODE_BUCKETS = [1, 2]  # one decode stream plus one trigger prompt at a time
@@ -132,7 +135,6 @@ def measure_capture_under_eviction(client_factory, model: Path, cuda: bool, voca
         decoder = client_factory(server.endpoint)
         result["at_ready"] = {s: {k: b.get(k) for k in ("captured", "bytes", "demand", "disabled")}
                               for s, b in buckets.items()}
-        demand = {s: buckets[s].get("demand", 0) for s in (x, y)}
         rng = random.Random(11)
         tokens = 64 if quick else 256
 
@@ -140,7 +142,7 @@ def measure_capture_under_eviction(client_factory, model: Path, cuda: bool, voca
             drng = random.Random(12)
             try:
                 while not stop.is_set():
-                    records.append(decoder.stream(random_prompt(drng, 8, vocab), tokens))
+                    records.append(decoder.stream(random_prompt(drng, DECODE_PROMPT, vocab), tokens))
             except Exception as exc:  # noted; the main thread ends the phase
                 failures.append(f"{type(exc).__name__}: {exc}")
 
@@ -158,9 +160,16 @@ def measure_capture_under_eviction(client_factory, model: Path, cuda: bool, voca
             target = pending[0]
             other = x if target == y else y
             before = buckets[target].get("captures", 0)
-            while demand[target] <= demand[other]:
-                triggers.append(ctl.stream(random_prompt(rng, target, vocab), 1))
+            # The daemon's counts (a report at most a second old: it can only have counted
+            # more since, so this sends at least as many as needed).
+            demand = {s: buckets[s].get("demand", 0) for s in (x, y)}
+            while True:
+                # A trigger short of its bucket by a decode prompt: a step that also takes
+                # the decode stream's next prompt stays in the bucket, and counts for it.
+                triggers.append(ctl.stream(random_prompt(rng, target - DECODE_PROMPT, vocab), 1))
                 demand[target] += 1
+                if demand[target] > demand[other]:
+                    break
             last = triggers[-1]
             seen_by = time.perf_counter() + CAPTURE_WAIT_S
             while True:  # the statistics arrive once a second: poll until they show the capture
