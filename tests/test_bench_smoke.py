@@ -55,16 +55,15 @@ def test_json_has_every_figure(bench_out):
         (run,) = part["itl"]["runs"]
         assert len(run["slowest"]) == 6 and all(0 <= i < 31 for i, _ in run["slowest"]), name
         assert min(gap for _, gap in run["slowest"]) >= run["p50_s"], name
-    part = r["hybridd"]  # through the SDK with the reply ring as well, with graphs on only
+    hy = r["hybridd"]  # through the SDK with the reply ring as well, with graphs on only
     assert not {"ttft_ring_s", "itl_ring", "itl_raw_client"} & set(r["hybridd_eager"])
     for key in ("ttft_ring_s", "ttft_ring_sleep_s", "ttft_beside_ring_s"):
-        assert set(part[key]) == {"10", "32", "128", "256", "500"}, key
-        assert all(v["median_s"] > 0 and v["n"] >= 2 for v in part[key].values()), key
+        assert set(hy[key]) == {"10", "32", "128", "256", "500"}, key
+        assert all(v["median_s"] > 0 and v["n"] >= 2 for v in hy[key].values()), key
     for key in ("itl_ring", "itl_ring_sleep", "itl_beside_ring"):  # two turns each (--quick: one run per part)
-        assert part[key]["n"] == 62 and part[key]["p50_s"] > 0, key
+        assert hy[key]["n"] == 62 and hy[key]["p50_s"] > 0, key
     for key in ("ring_replies", "ring_sleep_replies"):
-        assert 0 < part[key]["by_ring"] <= part[key]["delivered"], key
-    hy = r["hybridd"]
+        assert 0 < hy[key]["by_ring"] <= hy[key]["delivered"], key
     assert set(hy["concurrency"]) == {"1", "4", "16", "32"}
     assert all(c["tokens_per_s"] > 0 and c["itl_p50_s"] > 0 for c in hy["concurrency"].values())
     assert hy["concurrency"]["32"]["tokens"] == 32 * 16
