@@ -183,7 +183,7 @@ def stop(config_path: str | None, runtime_dir: str | None, timeout: float | None
 
 
 def _client(config_path: str | None, runtime_dir: str | None, endpoint: str | None, server_key: str | None,
-            client_key: str | None, timeout: float | None, connect_timeout: float | None):
+            client_key: str | None, timeout: float | None, connect_timeout: float | None, reply_ring: bool | str = "auto"):
     from hybridd.client import Client, load_curve_keys
 
     config = _load(config_path, {"runtime_dir": runtime_dir})
@@ -199,7 +199,7 @@ def _client(config_path: str | None, runtime_dir: str | None, endpoint: str | No
         keys = {"server_public_key": server_public, "public_key": public, "secret_key": secret}
     if connect_timeout is not None:
         keys["connect_timeout"] = connect_timeout
-    return Client(endpoint, timeout=timeout, **keys), endpoint
+    return Client(endpoint, timeout=timeout, reply_ring=reply_ring, **keys), endpoint
 
 
 def _fail_for(error: Exception, what: str) -> None:
@@ -324,7 +324,9 @@ def status(config_path, runtime_dir, endpoint, server_key, client_key, as_json: 
     """Show the running daemon's state, workers, buckets, KV blocks, queues and latency."""
     from hybridd.errors import HybriddError
 
-    client, endpoint = _client(config_path, runtime_dir, endpoint, server_key, client_key, timeout, timeout)
+    # One answer, no stream: a reply ring would only be attached to be detached.
+    client, endpoint = _client(config_path, runtime_dir, endpoint, server_key, client_key, timeout, timeout,
+                               reply_ring=False)
     with client:
         try:
             result = client.status()

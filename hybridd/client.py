@@ -47,7 +47,7 @@ from msgspec.structs import replace
 from zmq.utils.monitor import parse_monitor_message
 
 from hybridd import client_fallback
-from hybridd.client_ring import DEFAULT_RING_BYTES, MAX_RING_SPIN_S, RING_SLEEP_S, RING_SPIN_S, RingDelivery
+from hybridd.client_ring import AUTO_RING, DEFAULT_RING_BYTES, MAX_RING_SPIN_S, RING_SLEEP_S, RING_SPIN_S, RingDelivery
 from hybridd.errors import (
     DaemonUnreachableError,
     DrainingError,
@@ -258,9 +258,11 @@ class _Session:
     except `poll_ring`, which any thread may call (the lock guards what it touches)."""
 
     def __init__(self, endpoint: str, *, server_public_key: bytes | None, public_key: bytes | None,
-                 secret_key: bytes | None, reply_ring: int | None = None) -> None:
+                 secret_key: bytes | None, reply_ring: int | None = None, ring_optional: bool = False) -> None:
         self.endpoint = endpoint
         self._ring_bytes = reply_ring  # attach a ring of this many bytes on each connection
+        # A ring asked for by default, not by the caller: going without one is no warning.
+        self._ring_log = log.debug if ring_optional else log.warning
         self._ring: RingDelivery | None = None
         self._lock = threading.RLock()  # the pending sinks and the ring, between the loop and pollers
         self._context = zmq.asyncio.Context()
@@ -370,7 +372,7 @@ class _Session:
         try:
             reader = RingReader(self._ring_bytes - RING_HEADER_BYTES)
         except OSError as error:
-            log.warning("no reply ring (memory for it refused); replies come by the socket", error=str(error))
+            self._ring_log("no reply ring (memory for it refused); replies come by the socket", error=str(error))
             return
         request = AttachRingRequest(id=new_request_id(), fd=reader.fd, bytes=reader.nbytes)
 
@@ -381,7 +383,7 @@ class _Session:
                 return
             reader.close()
             reason = reply.message if isinstance(reply, ErrorReply | HybriddError) else type(reply).__name__
-            log.warning("the daemon did not attach the reply ring; replies come by the socket", reason=reason)
+            self._ring_log("the daemon did not attach the reply ring; replies come by the socket", reason=reason)
 
         with self._lock:
             self.pending[request.id] = answered
@@ -718,14 +720,16 @@ def _positive(value: float | None, name: str) -> float | None:
 class Client(_ClientOptions):
     """A thread-safe client for one daemon. Use as a context manager, or call `close()`.
 
-    `reply_ring=True` (or a size in bytes) asks a daemon on this host (an ipc:// endpoint,
-    x86-64) to write the session's replies into shared memory as well as on the socket
-    (ipc/reply_ring.py); a thread iterating a `Stream` then polls that memory for its
-    next chunk for up to `ring_spin_s` (keeping a CPU busy), then sleeps until the daemon
-    itself wakes it after writing a reply: either way the chunk arrives without the
-    socket's I/O threads and the client's event loop in between. `ring_spin_s=0` never
-    polls. A daemon that cannot attach the ring (another user, a limit) says why in the
-    client's log, and replies come by the socket alone.
+    A client of a daemon on this host (an ipc:// endpoint, x86-64) asks it, by default
+    (`reply_ring="auto"`), to write the session's replies into shared memory as well as
+    on the socket (ipc/reply_ring.py): a thread iterating a `Stream` sleeps on that
+    memory until the daemon itself wakes it after writing a reply, so the chunk arrives
+    without the socket's I/O threads and the client's event loop in between. With
+    `ring_spin_s` > 0 the thread first polls the memory for that long (keeping a CPU
+    busy). Where the daemon cannot attach the ring (another user, a limit), replies come
+    by the socket alone, and the client's log says why: a debug line, or a warning where
+    the caller asked for the ring (`reply_ring=True` or a size in bytes, which a client
+    of a daemon elsewhere cannot have). `reply_ring=False` asks for none.
     """
 
     def __init__(
@@ -737,7 +741,7 @@ class Client(_ClientOptions):
         server_public_key: str | bytes | None = None,
         public_key: str | bytes | None = None,
         secret_key: str | bytes | None = None,
-        reply_ring: bool | int = False,
+        reply_ring: bool | int | str = AUTO_RING,
         ring_spin_s: float = RING_SPIN_S,
     ) -> None:
         super().__init__(endpoint, timeout=timeout, connect_timeout=connect_timeout,
@@ -749,7 +753,8 @@ class Client(_ClientOptions):
         self.ring_spin_s = float(ring_spin_s)
         self._io = _LoopThread()
         try:
-            self._session: _Session = self._io.run(_create_session(self.endpoint, self._keys, ring_bytes))
+            self._session: _Session = self._io.run(
+                _create_session(self.endpoint, self._keys, ring_bytes, ring_optional=reply_ring == AUTO_RING))
         except BaseException:
             self._io.stop()
             raise
@@ -874,16 +879,19 @@ class Client(_ClientOptions):
         self.close()
 
 
-def _ring_bytes(reply_ring: bool | int, endpoint: str) -> int | None:
+def _ring_bytes(reply_ring: bool | int | str, endpoint: str) -> int | None:
     """The bytes of the reply ring `reply_ring` asks for, None for none; ValueError when
-    this client cannot have one."""
+    this client cannot have the ring it asks for. "auto" asks for one only where it can be
+    had: an ipc:// endpoint on an x86-64 host."""
     if reply_ring is False:
         return None
+    if reply_ring == AUTO_RING:
+        return DEFAULT_RING_BYTES if endpoint.startswith("ipc://") and ring_supported() else None
     nbytes = DEFAULT_RING_BYTES if reply_ring is True else reply_ring
     if isinstance(nbytes, bool) or not isinstance(nbytes, int) or not (
             MIN_REPLY_RING_BYTES <= nbytes <= MAX_REPLY_RING_BYTES) or nbytes % 8:
-        raise ValueError(f"reply_ring: expected True or a multiple of 8 bytes from {MIN_REPLY_RING_BYTES} to "
-                         f"{MAX_REPLY_RING_BYTES}, got {reply_ring!r}")
+        raise ValueError(f"reply_ring: expected {AUTO_RING!r}, False, True or a multiple of 8 bytes from "
+                         f"{MIN_REPLY_RING_BYTES} to {MAX_REPLY_RING_BYTES}, got {reply_ring!r}")
     if not endpoint.startswith("ipc://"):
         raise ValueError(f"reply_ring: only a daemon on this host (an ipc:// endpoint) can share memory, "
                          f"not {endpoint}")
@@ -892,8 +900,9 @@ def _ring_bytes(reply_ring: bool | int, endpoint: str) -> int | None:
     return nbytes
 
 
-async def _create_session(endpoint: str, keys: dict[str, bytes | None], reply_ring: int | None = None) -> _Session:
-    return _Session(endpoint, **keys, reply_ring=reply_ring)
+async def _create_session(endpoint: str, keys: dict[str, bytes | None], reply_ring: int | None = None,
+                          ring_optional: bool = False) -> _Session:
+    return _Session(endpoint, **keys, reply_ring=reply_ring, ring_optional=ring_optional)
 
 
 # ---------------------------------------------------------------- async client

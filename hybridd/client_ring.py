@@ -16,10 +16,15 @@ from collections.abc import Iterator
 
 from hybridd.ipc.reply_ring import RingReader
 
+# A client's `reply_ring` by default: a ring wherever one can be had (an ipc:// endpoint,
+# an x86-64 host), the socket alone where the daemon does not attach it.
+AUTO_RING = "auto"
 DEFAULT_RING_BYTES = 1 << 20
 # How long a stream's reader polls the ring for its next reply, by default, before it
-# sleeps on the ring's bell (a prefill queued behind others, a slow step).
-RING_SPIN_S = 0.25
+# sleeps on the ring's bell: not at all. Asleep, it is woken by the daemon itself, as
+# soon as a polling reader sees the reply (docs/benchmarks.md, "The reply ring"), and
+# keeps no core busy.
+RING_SPIN_S = 0.0
 MAX_RING_SPIN_S = 10.0
 # The longest single sleep on the bell: a sleeper looks again at least this often.
 RING_SLEEP_S = 0.5

@@ -1,6 +1,8 @@
 """What the HTTP gateway adds at the client: TTFT and ITL p50 of the same greedy
 requests streamed through the OpenAI-compatible gateway (`/v1/completions`, SSE) and
 through the SDK (`hybridd.Client.stream`), interleaved in one run against one daemon.
+The SDK side takes its replies by its socket alone (`reply_ring=False`), as the
+gateway's own client of the daemon does: the difference is the HTTP layer's.
 
     python scripts/bench_gateway.py --endpoint ipc:///run/hybridd/hybridd.sock --model /path/to/model
 
@@ -209,7 +211,7 @@ def measure_gateway(endpoint: str, model: str, *, prompt_len: int, ttft_reps: in
 
     gateway = Gateway(endpoint, model)
     try:
-        with Client(endpoint, timeout=300.0) as sdk:
+        with Client(endpoint, timeout=300.0, reply_ring=False) as sdk:
             prompt = lambda: [rng.randrange(3, vocab) for _ in range(prompt_len)]  # noqa: E731
             ttft_fns = {"sdk": lambda ids: _sdk_stream(sdk, ids, 1)[0], "http": lambda ids: gateway.stream(ids, 1)[0],
                         "httpx": lambda ids: gateway.stream_httpx(ids, 1)}

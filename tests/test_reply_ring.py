@@ -19,7 +19,7 @@ import zmq.auth
 
 from hybridd import Client
 from hybridd.config import Config, ConfigError
-from hybridd.client_ring import MAX_RING_SPIN_S, RingDelivery
+from hybridd.client_ring import DEFAULT_RING_BYTES, MAX_RING_SPIN_S, RingDelivery
 from hybridd.ipc import reply_ring
 from hybridd.ipc.reply_ring import HEADER_BYTES, RingBroken, RingReader, RingWriter
 from hybridd.protocol import codec
@@ -263,7 +263,7 @@ def raw(daemon) -> Iterator[RawClient]:
 
 
 def rings(daemon) -> dict:
-    with Client(daemon.endpoint, timeout=30) as client:
+    with Client(daemon.endpoint, timeout=30, reply_ring=False) as client:
         return client.status()["reply_rings"]
 
 
@@ -282,7 +282,7 @@ def ringed_client(daemon) -> Client:
 
 
 def test_a_ring_client_streams_what_a_plain_client_does_mostly_by_the_ring(daemon):
-    with Client(daemon.endpoint, timeout=120) as plain, ringed_client(daemon) as ringed:
+    with Client(daemon.endpoint, timeout=120, reply_ring=False) as plain, ringed_client(daemon) as ringed:
         expected = plain.generate("ROMEO:", **LONG).token_ids
         before = rings(daemon)
         stream = ringed.stream("ROMEO:", **LONG)
@@ -320,10 +320,11 @@ def thread_states(native_id: int) -> Callable[[], str]:
     return stop
 
 
-def test_a_ring_client_that_does_not_spin_sleeps_until_the_daemon_wakes_it(daemon):
-    with Client(daemon.endpoint, timeout=120) as plain:
+@pytest.mark.parametrize("options", [{"reply_ring": True, "ring_spin_s": 0}, {}], ids=["asked", "by-default"])
+def test_a_ring_client_that_does_not_spin_sleeps_until_the_daemon_wakes_it(daemon, options):
+    with Client(daemon.endpoint, timeout=120, reply_ring=False) as plain:
         expected = plain.generate("ROMEO:", **LONG).token_ids
-    with Client(daemon.endpoint, timeout=120, reply_ring=True, ring_spin_s=0) as client:
+    with Client(daemon.endpoint, timeout=120, **options) as client:
         client.health()
         wait_for(lambda: client._session.ring_attached)
         delivery = client._session._ring
@@ -340,7 +341,7 @@ def test_a_ring_client_that_does_not_spin_sleeps_until_the_daemon_wakes_it(daemo
 def test_many_sleeping_streams_of_one_client_are_woken_about_twice_a_step_not_once_a_reply(daemon):
     prompts = ["ROMEO:", "JULIET:", "First Citizen:", "MENENIUS:", "KING HENRY:", "To be", "O", "Now is"]
     sampling = {"max_tokens": 40, "ignore_eos": True, "temperature": 0.0}
-    with Client(daemon.endpoint, timeout=120) as plain:
+    with Client(daemon.endpoint, timeout=120, reply_ring=False) as plain:
         expected = [plain.generate(prompt, **sampling).token_ids for prompt in prompts]
     with Client(daemon.endpoint, timeout=120, reply_ring=True, ring_spin_s=0) as client:
         client.health()
@@ -366,20 +367,25 @@ def test_many_sleeping_streams_of_one_client_are_woken_about_twice_a_step_not_on
     assert 0 < wakes < written / 2, (wakes, written)
 
 
-def test_a_closed_session_detaches_its_ring_and_the_limit_is_enforced(daemon):
+def test_a_closed_session_detaches_its_ring_and_the_limit_is_enforced(daemon, capsys):
     wait_for(lambda: rings(daemon)["attached"] == 0)  # the sessions of earlier tests have ended
     with ringed_client(daemon):
         assert rings(daemon)["attached"] == 1
     wait_for(lambda: rings(daemon)["attached"] == 0)
     clients = [ringed_client(daemon) for _ in range(2)]
     try:
-        over = Client(daemon.endpoint, timeout=60, reply_ring=True)
-        with over:
-            # The daemon refuses the third ring (max_reply_rings 2); the client goes on by its socket.
-            assert over.generate("ROMEO:", max_tokens=5).finish_reason == "length"
-            assert not over._session.ring_attached
-            stream = over.stream("ROMEO:", max_tokens=5)
-            assert len([t for c in stream for t in c.token_ids]) == 5
+        for asked in (True, "auto"):
+            capsys.readouterr()
+            with Client(daemon.endpoint, timeout=60, reply_ring=asked) as over:
+                # The daemon refuses the third ring (max_reply_rings 2); the client goes on by its socket.
+                assert over.generate("ROMEO:", max_tokens=5).finish_reason == "length"
+                assert not over._session.ring_attached
+                stream = over.stream("ROMEO:", max_tokens=5)
+                assert len([t for c in stream for t in c.token_ids]) == 5
+            # Refused a ring it asked for, the client warns; refused its default one, it
+            # says so at debug level only (below the default threshold).
+            warned = "did not attach the reply ring" in capsys.readouterr().err
+            assert warned == (asked is True), (asked, warned)
     finally:
         for client in clients:
             client.close()
@@ -388,9 +394,13 @@ def test_a_closed_session_detaches_its_ring_and_the_limit_is_enforced(daemon):
 def test_a_client_asks_for_a_ring_only_where_one_can_be_had():
     with pytest.raises(ValueError, match="only a daemon on this host .* not tcp://127.0.0.1:5555"):
         Client("tcp://127.0.0.1:5555", reply_ring=True)
-    for size in (MIN_REPLY_RING_BYTES - 8, MAX_REPLY_RING_BYTES + 8, MIN_REPLY_RING_BYTES + 4, 1.5e6, "big"):
-        with pytest.raises(ValueError, match="reply_ring: expected True or a multiple of 8 bytes"):
+    for size in (MIN_REPLY_RING_BYTES - 8, MAX_REPLY_RING_BYTES + 8, MIN_REPLY_RING_BYTES + 4, 1.5e6, "big", None):
+        with pytest.raises(ValueError, match="reply_ring: expected 'auto', False, True or a multiple of 8 bytes"):
             Client("ipc:///nonexistent/hybridd.sock", reply_ring=size)
+    # By default a client asks for a ring only where it can have one, and a client of a
+    # daemon elsewhere is no error.
+    with Client("ipc:///nonexistent/hybridd.sock", connect_timeout=0.1) as client:
+        assert client._session._ring_bytes == DEFAULT_RING_BYTES
     for spin in (-1, MAX_RING_SPIN_S + 1, "0.1", True):
         with pytest.raises(ValueError, match="ring_spin_s: expected seconds from 0 to 10.0"):
             Client("ipc:///nonexistent/hybridd.sock", reply_ring=True, ring_spin_s=spin)
@@ -434,6 +444,11 @@ def test_a_client_over_tcp_cannot_attach_a_ring(daemon, keys):
         assert "only a client on the daemon's host, connected over ipc://" in reply["message"]
     finally:
         context.destroy(linger=0)
+    # The SDK over TCP asks for no ring by default and is served by its socket.
+    with Client(daemon.tcp_endpoint, timeout=60, server_public_key=server_public, public_key=public,
+                secret_key=secret) as client:
+        assert client._session._ring_bytes is None
+        assert client.generate("ROMEO:", max_tokens=3).finish_reason == "length"
 
 
 def test_a_ring_that_is_not_sealed_or_not_a_ring_is_refused(raw, daemon):
