@@ -37,8 +37,10 @@ def test_norms_silu_match_reference():
     assert rel(triton_ops.silu_and_mul(gu), ref_ops.silu_and_mul(gu)) < TOL
 
 
-@pytest.mark.parametrize(("heads", "kv_heads", "d"), [(8, 2, 64), (4, 4, 128)])
-def test_rotary_write_kv_matches_reference_and_skips_padding_slots(heads, kv_heads, d):
+@pytest.mark.parametrize("splits", [1, 2, 4])
+@pytest.mark.parametrize(("heads", "kv_heads", "d"), [(8, 2, 64), (4, 4, 128), (12, 6, 64)])
+def test_rotary_write_kv_matches_reference_and_skips_padding_slots(heads, kv_heads, d, splits, monkeypatch):
+    monkeypatch.setattr(triton_ops, "ROTARY_SPLITS", splits)  # each token's heads over this many programs
     g = torch.Generator(device=DEVICE).manual_seed(heads + d)
     t, page, blocks = 13, 4, 8
     cos, sin = cos_sin_table(RopeConfig(theta=10000.0), d, 4096, torch.device(DEVICE))
@@ -69,11 +71,13 @@ def test_rotary_write_kv_matches_reference_and_skips_padding_slots(heads, kv_hea
     assert rel(kc[:blocks], kc_ref[:blocks]) < TOL and torch.equal(vc[:blocks], vc_ref[:blocks])
 
 
+@pytest.mark.parametrize("splits", [1, 2])
 @pytest.mark.parametrize(("heads", "kv_heads", "d"), [(8, 2, 64), (4, 4, 128)])
-def test_row_norm_after_the_product_matches_norm_then_product(heads, kv_heads, d):
+def test_row_norm_after_the_product_matches_norm_then_product(heads, kv_heads, d, splits, monkeypatch):
     """RoPE with the KV write, and SiLU·mul, applying the RMSNorm of the rows the product
     was taken of (its weight folded into W): q, k, v, both caches and SiLU·mul equal the
     reference's norm, then product, then kernel."""
+    monkeypatch.setattr(triton_ops, "ROTARY_SPLITS", splits)
     g = torch.Generator(device=DEVICE).manual_seed(heads + d + 1)
     t, page, blocks, hidden, eps = 13, 4, 8, 96, 1e-5
     cos, sin = cos_sin_table(RopeConfig(theta=10000.0), d, 4096, torch.device(DEVICE))

@@ -7,6 +7,8 @@ fused path differs from the reference only by the order of float32 reductions.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -14,6 +16,12 @@ import triton.language as tl
 from hybridd.model import pdl
 from hybridd.model.pdl import wait_for_predecessor
 from hybridd.model.rope import RotaryArgs
+
+# Programs per token of RoPE with the KV write: each takes an equal share of the token's
+# q heads and of its k and v heads (the largest count up to this that divides both),
+# with this many warps.
+ROTARY_SPLITS = 1
+ROTARY_WARPS = 4
 
 
 @triton.jit
@@ -98,8 +106,14 @@ def _rotary_write_kv_kernel(
     HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, KV_PAD: tl.constexpr, HALF: tl.constexpr,
     ROW_NORM: tl.constexpr, BLOCK_X: tl.constexpr, PDL: tl.constexpr,
 ):
+    """One token's share of its heads: program (t, c) takes q heads [c * HEADS, (c + 1) *
+    HEADS) and k, v heads [c * KV_HEADS, (c + 1) * KV_HEADS) (HEADS and KV_HEADS are the
+    share's counts; the rows' own head counts are HEADS and KV_HEADS times the grid's)."""
     wait_for_predecessor(PDL)
     t = tl.program_id(0).to(tl.int64)
+    share = tl.program_id(1)
+    all_heads = HEADS * tl.num_programs(1)
+    all_kv_heads = KV_HEADS * tl.num_programs(1)
     # With ROW_NORM, q, k and v are the product of the un-normalised rows x and are scaled
     # by the row's 1 / rms of x first; v then goes to `v_out` as well as to the cache.
     row_scale = 1.0
@@ -115,30 +129,32 @@ def _rotary_write_kv_kernel(
     s1 = tl.load(sin_ptr + pos * (2 * HALF) + offs).to(dt).to(tl.float32)[None, :]
     s2 = tl.load(sin_ptr + pos * (2 * HALF) + HALF + offs).to(dt).to(tl.float32)[None, :]
 
-    hq = tl.arange(0, HEADS_PAD)
-    qmask = (hq < HEADS)[:, None]
+    lane = tl.arange(0, HEADS_PAD)
+    hq = share * HEADS + lane
+    qmask = (lane < HEADS)[:, None]
     o1, o2 = _rope_rows(q_ptr + t * stride_qt, stride_qh, hq, qmask, c1, c2, s1, s2, HALF, row_scale, ROW_NORM)
-    q_out = q_out_ptr + t * (HEADS * 2 * HALF) + hq[:, None] * (2 * HALF) + offs[None, :]
+    q_out = q_out_ptr + t * (all_heads * 2 * HALF) + hq[:, None] * (2 * HALF) + offs[None, :]
     tl.store(q_out, o1, mask=qmask)
     tl.store(q_out + HALF, o2, mask=qmask)
 
-    hk = tl.arange(0, KV_PAD)
-    kmask = (hk < KV_HEADS)[:, None]
+    kv_lane = tl.arange(0, KV_PAD)
+    hk = share * KV_HEADS + kv_lane
+    kmask = (kv_lane < KV_HEADS)[:, None]
     k1, k2 = _rope_rows(k_ptr + t * stride_kt, stride_kh, hk, kmask, c1, c2, s1, s2, HALF, row_scale, ROW_NORM)
     row = hk[:, None] * (2 * HALF) + offs[None, :]
-    k_out = k_out_ptr + t * (KV_HEADS * 2 * HALF) + row
+    k_out = k_out_ptr + t * (all_kv_heads * 2 * HALF) + row
     tl.store(k_out, k1, mask=kmask)
     tl.store(k_out + HALF, k2, mask=kmask)
     # Slot -1 (bucket padding) writes nothing to the cache.
     cmask = kmask & (slot >= 0)
-    cache = slot * (KV_HEADS * 2 * HALF) + row
+    cache = slot * (all_kv_heads * 2 * HALF) + row
     tl.store(kc_ptr + cache, k1, mask=cmask)
     tl.store(kc_ptr + cache + HALF, k2, mask=cmask)
     v_row = v_ptr + t * stride_vt + hk[:, None] * stride_vh + offs[None, :]
     if ROW_NORM:
         v1 = (tl.load(v_row, mask=kmask, other=0.0).to(tl.float32) * row_scale).to(dt)
         v2 = (tl.load(v_row + HALF, mask=kmask, other=0.0).to(tl.float32) * row_scale).to(dt)
-        v_out = v_out_ptr + t * (KV_HEADS * 2 * HALF) + row
+        v_out = v_out_ptr + t * (all_kv_heads * 2 * HALF) + row
         tl.store(v_out, v1, mask=kmask)
         tl.store(v_out + HALF, v2, mask=kmask)
     else:
@@ -190,14 +206,16 @@ def _rotary_write_kv(positions, q, k, v, k_cache, v_cache, slot_mapping, cos, si
     k_out = torch.empty((t, kvh, d), dtype=k.dtype, device=k.device)
     v_out = None if x is None else torch.empty((t, kvh, d), dtype=v.dtype, device=v.device)
     n_cols = 0 if x is None else x.shape[-1]
+    splits = math.gcd(h, kvh, ROTARY_SPLITS)
     if t:
-        _rotary_write_kv_kernel[(t,)](
+        _rotary_write_kv_kernel[(t, splits)](
             positions, slot_mapping, q, k, v, cos, sin, q_out, k_out, k_cache, v_cache,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             q if x is None else x, q if v_out is None else v_out, n_cols, eps,
-            HEADS=h, KV_HEADS=kvh, HEADS_PAD=triton.next_power_of_2(h), KV_PAD=triton.next_power_of_2(kvh),
+            HEADS=h // splits, KV_HEADS=kvh // splits, HEADS_PAD=triton.next_power_of_2(h // splits),
+            KV_PAD=triton.next_power_of_2(kvh // splits),
             HALF=d // 2, ROW_NORM=x is not None, BLOCK_X=triton.next_power_of_2(max(n_cols, 1)),
-            **pdl.launch_args(q.device),
+            num_warps=ROTARY_WARPS, **pdl.launch_args(q.device),
         )
     return q_out, k_out, v_out
 
