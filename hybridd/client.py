@@ -589,6 +589,36 @@ def _close_sync(io: _LoopThread, session: _Session) -> None:
     io.stop()
 
 
+def _wait_ring(client: Client, replies: queue.SimpleQueue, deadline: float | None) -> Reply | HybriddError | None:
+    """The next reply in `replies` by way of the session's reply ring: polled for the
+    client's `ring_spin_s`, then slept for on the ring's bell, which the daemon rings
+    after writing records and the session after a reply only the socket brought. None
+    when the session has no ring (any more) or the deadline passed."""
+    session = client._session
+    reader = session.ring_reader()
+    if reader is None:
+        return None
+    spin_until = time.monotonic() + client.ring_spin_s
+    try:
+        with reader.sleeping():
+            while not reader.closing:
+                bell = reader.bell()  # before looking: a record written after it changes it
+                session.poll_ring()
+                if not replies.empty():
+                    return replies.get_nowait()
+                now = time.monotonic()
+                if deadline is not None and now >= deadline:
+                    return None
+                if now < spin_until:
+                    os.sched_yield()  # lets the client's I/O thread run; no sleep
+                    continue
+                sleep = RING_SLEEP_S if deadline is None else min(RING_SLEEP_S, deadline - now)
+                reader.sleep(bell, sleep)
+    except RingBroken:
+        pass  # closed before this thread came to sleep on it
+    return None
+
+
 class Stream:
     """Chunks of one streaming `generate`, as they arrive; `result` once it ended.
 
@@ -610,40 +640,11 @@ class Stream:
     def __iter__(self) -> Iterator[Chunk]:
         return self
 
-    def _wait_ring(self) -> Reply | HybriddError | None:
-        """This stream's next reply by way of the session's reply ring: polled for the
-        client's `ring_spin_s`, then slept for on the ring's bell, which the daemon rings
-        after writing records and the session after a reply only the socket brought. None when the session has no ring (any more) or the deadline passed."""
-        session = self._client._session
-        reader = session.ring_reader()
-        if reader is None:
-            return None
-        replies = self._queue
-        spin_until = time.monotonic() + self._client.ring_spin_s
-        try:
-            with reader.sleeping():
-                while not reader.closing:
-                    bell = reader.bell()  # before looking: a record written after it changes it
-                    session.poll_ring()
-                    if not replies.empty():
-                        return replies.get_nowait()
-                    now = time.monotonic()
-                    if self._deadline is not None and now >= self._deadline:
-                        return None
-                    if now < spin_until:
-                        os.sched_yield()  # lets the client's I/O thread run; no sleep
-                        continue
-                    sleep = RING_SLEEP_S if self._deadline is None else min(RING_SLEEP_S, self._deadline - now)
-                    reader.sleep(bell, sleep)
-        except RingBroken:
-            pass  # closed before this thread came to sleep on it
-        return None
-
     def __next__(self) -> Chunk:
         if self._done:
             raise StopIteration
         try:
-            reply = self._wait_ring()
+            reply = _wait_ring(self._client, self._queue, self._deadline)
             if reply is None:
                 reply = self._queue.get(timeout=_remaining(self._deadline))
         except queue.Empty:
@@ -722,8 +723,9 @@ class Client(_ClientOptions):
 
     A client of a daemon on this host (an ipc:// endpoint, x86-64) asks it, by default
     (`reply_ring="auto"`), to write the session's replies into shared memory as well as
-    on the socket (ipc/reply_ring.py): a thread iterating a `Stream` sleeps on that
-    memory until the daemon itself wakes it after writing a reply, so the chunk arrives
+    on the socket (ipc/reply_ring.py): a thread waiting for a reply (iterating a
+    `Stream`, or in a call with one answer) sleeps on that memory until the daemon
+    itself wakes it after writing the reply, so the reply arrives
     without the socket's I/O threads and the client's event loop in between. With
     `ring_spin_s` > 0 the thread first polls the memory for that long (keeping a CPU
     busy). Where the daemon cannot attach the ring (another user, a limit), replies come
@@ -783,7 +785,9 @@ class Client(_ClientOptions):
         replies: queue.SimpleQueue = queue.SimpleQueue()
         self._io.call(self._session.submit, request, replies.put)
         try:
-            reply = replies.get(timeout=_remaining(deadline))
+            reply = _wait_ring(self, replies, deadline)
+            if reply is None:
+                reply = replies.get(timeout=_remaining(deadline))
         except queue.Empty:
             self._io.post(self._session.abandon, request.id)
             raise RequestTimeoutError("the call's timeout expired", request_id=request.id) from None

@@ -336,6 +336,11 @@ def test_a_ring_client_that_does_not_spin_sleeps_until_the_daemon_wakes_it(daemo
         assert delivery.by_ring > by_ring  # woken by the daemon's bell, it found replies in the ring first
         # Between chunks it slept: a polling thread is runnable ("R") even while another runs.
         assert states.count("S") > len(states) / 2, f"{states.count('S')} of {len(states)} samples asleep"
+        # A call with one reply waits on the ring the same way.
+        by_ring = delivery.by_ring
+        for _ in range(20):
+            assert client.generate("ROMEO:", **{**LONG, "max_tokens": 2}).token_ids == expected[:2]
+        assert delivery.by_ring > by_ring
 
 
 def test_many_sleeping_streams_of_one_client_are_woken_about_twice_a_step_not_once_a_reply(daemon):
