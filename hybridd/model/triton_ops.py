@@ -22,6 +22,10 @@ from hybridd.model.rope import RotaryArgs
 # with this many warps.
 ROTARY_SPLITS = 1
 ROTARY_WARPS = 4
+# SiLU·mul's columns per program and warps, without and with the row norm (each program
+# of a row's norm reads the whole row of h: fewer, wider programs then).
+SILU_LAUNCH = (1024, 4)
+SILU_NORM_LAUNCH = (4096, 8)
 
 
 @triton.jit
@@ -265,8 +269,7 @@ def _silu_and_mul(gate_up: torch.Tensor, h: torch.Tensor | None, eps: float) -> 
     t, two_n = gate_up.shape
     n = two_n // 2
     out = torch.empty((t, n), dtype=gate_up.dtype, device=gate_up.device)
-    # Each program of a row's norm reads the whole row of h: fewer, wider programs then.
-    block, warps = (1024, 4) if h is None else (4096, 8)
+    block, warps = SILU_LAUNCH if h is None else SILU_NORM_LAUNCH
     h_cols = 0 if h is None else h.shape[-1]
     if t:
         _silu_and_mul_kernel[(t, triton.cdiv(n, block))](
