@@ -183,7 +183,8 @@ def stop(config_path: str | None, runtime_dir: str | None, timeout: float | None
 
 
 def _client(config_path: str | None, runtime_dir: str | None, endpoint: str | None, server_key: str | None,
-            client_key: str | None, timeout: float | None, connect_timeout: float | None, reply_ring: bool | str = "auto"):
+            client_key: str | None, timeout: float | None, connect_timeout: float | None,
+            reply_ring: bool | str = "auto"):
     from hybridd.client import Client, load_curve_keys
 
     config = _load(config_path, {"runtime_dir": runtime_dir})

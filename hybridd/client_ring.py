@@ -21,9 +21,9 @@ from hybridd.ipc.reply_ring import RingReader
 AUTO_RING = "auto"
 DEFAULT_RING_BYTES = 1 << 20
 # How long a stream's reader polls the ring for its next reply, by default, before it
-# sleeps on the ring's bell: not at all. Asleep, it is woken by the daemon itself, as
-# soon as a polling reader sees the reply (docs/benchmarks.md, "The reply ring"), and
-# keeps no core busy.
+# sleeps on the ring's bell: not at all. Asleep, it is woken by the daemon itself right
+# after the reply is written, about as soon as a polling reader would see it
+# (docs/benchmarks.md, "The reply ring"), and keeps no core busy.
 RING_SPIN_S = 0.0
 MAX_RING_SPIN_S = 10.0
 # The longest single sleep on the bell: a sleeper looks again at least this often.
