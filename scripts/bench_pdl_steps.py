@@ -1,7 +1,8 @@
-"""Graph steps launched with programmatic dependent launch throughout against the code's
-launch policy, side by side (CUDA).
+"""Graph steps under the code's policies and others, side by side (CUDA): launched with
+programmatic dependent launch throughout, or with the prefill's projections on PyTorch's
+cuBLAS call alone.
 
-    python scripts/bench_pdl_steps.py --out $OUT
+    python scripts/bench_pdl_steps.py --out $OUT [--policies code,pdl_throughout]
 
 Builds the Llama-2-7B shape with random weights (or `--model DIR`) and, for each policy
 in turn (two rounds, alternated), captures the decode graphs of batch 1 and 32 and the
@@ -12,7 +13,9 @@ GPU (one replay, the median of 40). The policies:
 - `code`: the default (`pdl.CUBLAS_STEPS = False`): a step whose projections run on
   cuBLAS (more token rows than the skinny projections take) launches its Triton
   kernels without PDL, every other step with it;
-- `pdl_throughout`: every step's Triton kernels with PDL (`pdl.CUBLAS_STEPS = True`).
+- `pdl_throughout`: every step's Triton kernels with PDL (`pdl.CUBLAS_STEPS = True`);
+- `cublas_prefill`: the prefill's projections on PyTorch's cuBLAS call, none on the
+  cuBLASLt algorithms of `prefill_gemm`'s table (`prefill_gemm.ENABLED = False`).
 
 Prints a table and writes `pdl_steps.json` under `--out`.
 """
@@ -33,12 +36,13 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from bench_graphs import BLOCK, captured_runner, decode_step, median_gpu_time, prefill_step, stepper  # noqa: E402
 
-from hybridd.model import load_model, pdl  # noqa: E402
+from hybridd.model import load_model, pdl, prefill_gemm  # noqa: E402
 
 CONTEXT = 512
 DECODE_BATCHES = (1, 32)
 PREFILL_TOKENS = (16, 32, 64, 128, 256, 512)
-POLICIES = {"code": False, "pdl_throughout": True}
+# policy -> (pdl.CUBLAS_STEPS, prefill_gemm.ENABLED)
+POLICIES = {"code": (False, True), "pdl_throughout": (True, True), "cublas_prefill": (False, False)}
 
 
 def gpu_times(stream: torch.cuda.Stream, run) -> tuple[float, float]:
@@ -50,9 +54,9 @@ def gpu_times(stream: torch.cuda.Stream, run) -> tuple[float, float]:
             median_gpu_time(run, 40, stream, idle_s=0.003))
 
 
-def measure(model, through_cublas_steps: bool) -> dict[str, dict[str, float]]:
+def measure(model, policy: str) -> dict[str, dict[str, float]]:
     """Each step's times under one policy, with graphs captured under it."""
-    pdl.CUBLAS_STEPS = through_cublas_steps
+    pdl.CUBLAS_STEPS, prefill_gemm.ENABLED = POLICIES[policy]
     width = (CONTEXT + max(PREFILL_TOKENS)) // BLOCK + 1
     runner = captured_runner(model, DECODE_BATCHES, PREFILL_TOKENS, width, timeout_s=300)
     missing = [tokens for tokens in PREFILL_TOKENS if not runner.stats[("prefill", tokens)].captured]
@@ -81,11 +85,21 @@ def _rounds(value: str) -> int:
     return rounds
 
 
+def _policies(value: str) -> list[str]:
+    names = [name.strip() for name in value.split(",") if name.strip()]
+    unknown = [name for name in names if name not in POLICIES]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(f"must name some of {', '.join(POLICIES)}, got {value!r}")
+    return names
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, help="local HF model directory (default: random Llama-2-7B shape)")
     parser.add_argument("--out", type=Path, default=Path("out"))
-    parser.add_argument("--rounds", type=_rounds, default=2, help="rounds of both policies (default 2)")
+    parser.add_argument("--rounds", type=_rounds, default=2, help="rounds of the policies (default 2)")
+    parser.add_argument("--policies", type=_policies, default=["code", "pdl_throughout"],
+                        help=f"comma list of {', '.join(POLICIES)} (default code,pdl_throughout)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_pdl_steps.py needs a CUDA device")
@@ -97,13 +111,13 @@ def main() -> None:
         model_dir = make_checkpoint(Path("/tmp/hybridd-llama2-7b-normal-random"), "llama2-7b")
     model = load_model(model_dir, dtype=torch.bfloat16, device="cuda", max_positions=2048)
     runs = []
-    default = pdl.CUBLAS_STEPS
+    default = pdl.CUBLAS_STEPS, prefill_gemm.ENABLED
     try:
         for _ in range(args.rounds):
-            for policy, through in POLICIES.items():
-                runs.append({"policy": policy, "steps": measure(model, through)})
+            for policy in args.policies:
+                runs.append({"policy": policy, "steps": measure(model, policy)})
     finally:
-        pdl.CUBLAS_STEPS = default
+        pdl.CUBLAS_STEPS, prefill_gemm.ENABLED = default
     (args.out / "pdl_steps.json").write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "runs": runs}, indent=1))
     names = list(runs[0]["steps"])
     print(f"{torch.cuda.get_device_name()}, Llama-2-7B shape, context {CONTEXT} for decode; ms per step, "

@@ -7,6 +7,7 @@ import contextlib
 import torch
 
 from hybridd import gemm_fusions
+from hybridd.model import prefill_gemm
 from hybridd.model.ops import ComposedSteps, TorchKernels
 from hybridd.model.residual_stream import ResidualStream
 from hybridd.model.rope import RotaryArgs
@@ -109,8 +110,11 @@ class TritonKernels(ComposedSteps):
             if bias is None and base.is_contiguous():
                 # cuBLAS adds the product to the stream in its epilogue (beta = 1), in place
                 # (out of place, torch would first copy the stream in a kernel of its own),
-                # so the next projection can read the sum as it is (`_scaled_after`).
-                return ResidualStream(base.addmm_(x, weight.t()))
+                # so the next projection can read the sum as it is (`_scaled_after`);
+                # on cuBLASLt's measured algorithm where `prefill_gemm` names one.
+                if not prefill_gemm.add_linear_(base, x, weight):
+                    base.addmm_(x, weight.t())
+                return ResidualStream(base)
         return super().linear_add(x, weight, bias, base)
 
 

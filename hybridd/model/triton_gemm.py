@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from hybridd import gemm_fusions
-from hybridd.model import pdl, split_scratch
+from hybridd.model import pdl, prefill_gemm, split_scratch
 from hybridd.model.pdl import wait_for_predecessor
 from hybridd.model.rope import RotaryArgs
 
@@ -512,9 +512,12 @@ def skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias) for x [M, K]; the skinny kernel where the table has a config."""
+    """F.linear(x, weight, bias) for x [M, K]: the skinny kernel where its table has a
+    config, else cuBLASLt's algorithm where `prefill_gemm`'s table names one, else cuBLAS."""
     if x.is_cuda:
         y = skinny(x, weight, bias)
+        if y is None and bias is None:
+            y = prefill_gemm.linear(x, weight)
         if y is not None:
             return y
     return F.linear(x, weight, bias)

@@ -1,0 +1,132 @@
+"""Projections of a prefill's rows on the cuBLASLt algorithm measured fastest for them.
+
+A prefill of more than `triton_gemm.MAX_ROWS` tokens runs its projections on cuBLAS,
+whose first heuristic choice reads some weights well below the copy bandwidth (the o
+and down projections of Llama-2-7B at 128 rows: 58 % and 72 %). `scripts/bench_cublaslt.py`
+times every algorithm cuBLASLt offers for each shape; where one beat PyTorch's call
+clearly, `_TABLE` names its configuration by the GPU it was measured on, and the product
+runs on it (`cublaslt.LtProduct`). Everywhere else, and wherever the library does not
+offer that configuration (another cuBLAS version), PyTorch's call runs as before.
+
+A split of K needs a workspace; it is allocated with the product, so a product captured
+in a graph takes it from the graph's pool and one run eagerly (a capturing thread's
+warm-up, beside the serving stream's replays) from the caching allocator: no two
+products running at once share one.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+
+import structlog
+import torch
+
+log = structlog.get_logger(__name__)
+
+
+def _lt(**config: int) -> dict[str, int]:
+    """A configuration as `cublaslt.read_config` reads it: the attributes given, and K
+    unsplit, no reduction, no swizzle, no custom option, the default inner shape."""
+    return {"split_k": 1, "reduction": 0, "swizzle": 0, "custom": 0, "inner_shape": 0} | config
+
+
+# (GPU name, rows, N, K, accumulate) -> the configuration of the algorithm to run, from
+# `python scripts/bench_cublaslt.py --rows 128,64,256 --splits-of 2` on that GPU (cuBLAS
+# of PyTorch 2.11 for CUDA 13): the cells where it beat PyTorch's call by 3 % or more.
+_TABLE: dict[tuple[str, int, int, int, bool], dict[str, int]] = {
+    ('NVIDIA H100 80GB HBM3', 128, 22016, 4096, False):
+        _lt(algo_id=66, tile=165, stages=35, cluster_shape=4),
+    ('NVIDIA H100 80GB HBM3', 128, 4096, 14336, False):
+        _lt(algo_id=66, tile=15, custom=1, stages=35, cluster_shape=3),
+    ('NVIDIA H100 80GB HBM3', 128, 4096, 14336, True):
+        _lt(algo_id=66, tile=15, custom=1, stages=35, cluster_shape=3),
+    ('NVIDIA H100 80GB HBM3', 64, 22016, 4096, False):
+        _lt(algo_id=66, tile=164, stages=35, cluster_shape=4),
+    ('NVIDIA H100 80GB HBM3', 64, 4096, 14336, False):
+        _lt(algo_id=66, tile=13, custom=3, stages=35, cluster_shape=5),
+    ('NVIDIA H100 80GB HBM3', 64, 4096, 14336, True):
+        _lt(algo_id=66, tile=13, custom=3, stages=35, cluster_shape=5),
+    ('NVIDIA H100 80GB HBM3', 256, 4096, 4096, False):
+        _lt(algo_id=66, tile=183, custom=2, stages=35, cluster_shape=9),
+    ('NVIDIA H100 80GB HBM3', 256, 4096, 4096, True):
+        _lt(algo_id=66, tile=183, custom=2, stages=35, cluster_shape=9),
+    ('NVIDIA H100 80GB HBM3', 256, 4096, 11008, False):
+        _lt(algo_id=66, tile=135, custom=2, stages=35, cluster_shape=7),
+    ('NVIDIA H100 80GB HBM3', 256, 4096, 11008, True):
+        _lt(algo_id=66, tile=135, custom=2, stages=35, cluster_shape=7),
+    ('NVIDIA H100 80GB HBM3', 256, 4096, 14336, False):
+        _lt(algo_id=66, tile=135, custom=2, stages=35, cluster_shape=7),
+    ('NVIDIA H100 80GB HBM3', 256, 4096, 14336, True):
+        _lt(algo_id=66, tile=135, custom=2, stages=35, cluster_shape=7),
+}
+ENABLED = True
+_lock = threading.Lock()
+
+
+@functools.cache
+def _device_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+@functools.cache
+def _resolve(name: str, m: int, n: int, k: int, dtype: torch.dtype, accumulate: bool):
+    """(the product, the candidate) for the table's entry, or None where the library
+    does not offer its configuration."""
+    from hybridd.model import cublaslt
+
+    wanted = _TABLE[(name, m, n, k, accumulate)]
+    product = cublaslt.LtProduct(m, n, k, dtype, accumulate=accumulate)
+    found = product.candidates(32 << 20, count=64)
+    for candidate in found:
+        if candidate.config == wanted:
+            return product, candidate
+    base = dict(wanted)
+    split = {key: base.pop(key) for key in ("split_k", "reduction")}
+    for candidate in found:
+        unsplit = {key: v for key, v in candidate.config.items() if key not in ("split_k", "reduction")}
+        if unsplit == base:
+            variant = product.variant(candidate, **split)
+            if variant is not None and variant.config == wanted:
+                return product, variant
+    log.warning("cublaslt_config_unavailable", rows=m, n=n, k=k, accumulate=accumulate, config=wanted)
+    return None
+
+
+def _product_for(x: torch.Tensor, weight: torch.Tensor, accumulate: bool):
+    if not (ENABLED and x.is_cuda and x.dim() == 2 and x.dtype == weight.dtype):
+        return None
+    key = (_device_name(x.device.index or 0), x.shape[0], *weight.shape, accumulate)
+    if key not in _TABLE or not (x.is_contiguous() and weight.is_contiguous()):
+        return None
+    with _lock:  # a capturing thread and the serving thread may resolve the same entry
+        return _resolve(key[0], *key[1:4], x.dtype, accumulate)
+
+
+def _workspace(candidate, device: torch.device) -> torch.Tensor | None:
+    if not candidate.workspace_bytes:
+        return None
+    return torch.empty(candidate.workspace_bytes, dtype=torch.uint8, device=device)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """x @ weight.T on the table's algorithm, or None where the table has none for it."""
+    chosen = _product_for(x, weight, accumulate=False)
+    if chosen is None:
+        return None
+    product, candidate = chosen
+    out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
+    return product(x, weight, out, candidate, _workspace(candidate, x.device))
+
+
+def add_linear_(base: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """base += x @ weight.T in place on the table's algorithm; False (base untouched)
+    where the table has none for it."""
+    if not base.is_contiguous():
+        return False
+    chosen = _product_for(x, weight, accumulate=True)
+    if chosen is None:
+        return False
+    product, candidate = chosen
+    product(x, weight, base, candidate, _workspace(candidate, x.device))
+    return True

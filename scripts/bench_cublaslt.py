@@ -1,0 +1,168 @@
+"""Prefill projections on cuBLASLt algorithms of our choosing, against PyTorch's cuBLAS call.
+
+For every projection shape of Llama-2-7B and Llama-3-8B at prefill row counts: the
+product as the model runs it now (`F.linear`, and for o and down `addmm_` adding into
+the residual stream in place), then every algorithm cuBLASLt's heuristic names for it
+(`hybridd.model.cublaslt`), and splits of K of the first few, each checked against
+PyTorch's result before it is timed. Ends with the entries for `prefill_gemm._TABLE`
+(the cells where an algorithm beat PyTorch's call by 3 % or more).
+
+Each time is one call's share of a CUDA graph of calls rotating over copies of the
+weight (about 250 MB of them, so that no call reads its weight from L2), the median
+over ten replays; the share of the copy bandwidth counts the weight, the input and the
+output.
+
+    python scripts/bench_cublaslt.py --out bench_cublaslt.json [--rows 64,128,256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from bench_blas import SHAPES  # noqa: E402
+from bench_graphs import copy_bandwidth  # noqa: E402
+from bench_sampler import sizes  # noqa: E402
+from hybridd.model import cublaslt  # noqa: E402
+
+WORKSPACE_BYTES = 32 << 20
+ACCUMULATED = ("o", "down")  # the projections whose product the model adds to the stream
+
+
+def time_calls(call, copies: int) -> float:
+    """Seconds per `call(i)` for i over `copies`, from a CUDA graph of two rounds."""
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for i in range(copies):
+            call(i)
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph, stream=stream):
+            for _ in range(2):
+                for i in range(copies):
+                    call(i)
+    times = []
+    for _ in range(10):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / (2 * copies))
+    return statistics.median(times)
+
+
+def candidates(product: cublaslt.LtProduct, splits_of: int) -> list[cublaslt.Candidate]:
+    """The heuristic's algorithms, then K split 2-8 ways in the first `splits_of` unsplit ones."""
+    found = product.candidates(WORKSPACE_BYTES, count=64)
+    extra = []
+    for candidate in [c for c in found if c.config.get("split_k", 1) <= 1][:splits_of]:
+        for split in (2, 3, 4, 6, 8):
+            for reduction in (1, 2, 4):
+                variant = product.variant(candidate, split_k=split, reduction=reduction)
+                if variant is not None and variant.workspace_bytes <= WORKSPACE_BYTES:
+                    extra.append(variant)
+    return found + extra
+
+
+def measure(m: int, n: int, k: int, accumulate: bool, splits_of: int) -> dict:
+    copies = max(2, int(2.5e8 // (n * k * 2)))
+    weights = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") / k**0.5 for _ in range(copies)]
+    x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+    base = torch.randn(m, n, dtype=torch.bfloat16, device="cuda")
+    out = base.clone()
+    workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device="cuda")
+    if accumulate:
+        def torch_call(i):
+            out.addmm_(x, weights[i].t())
+        reference = base + F.linear(x, weights[0])
+    else:
+        def torch_call(i):
+            torch.mm(x, weights[i].t(), out=out)
+        reference = F.linear(x, weights[0])
+    cell = {"torch_s": time_calls(torch_call, copies), "candidates": []}
+    product = cublaslt.LtProduct(m, n, k, torch.bfloat16, accumulate=accumulate)
+    for index, candidate in enumerate(candidates(product, splits_of)):
+        out.copy_(base)
+        try:
+            product(x, weights[0], out, candidate, workspace)
+            torch.cuda.synchronize()
+        except cublaslt.CublasLtError as exc:
+            cell["candidates"].append({"index": index, "config": candidate.config, "error": str(exc)})
+            continue
+        error = (out.float() - reference.float()).abs().max().item()
+        entry = {"index": index, "config": candidate.config, "workspace_bytes": candidate.workspace_bytes,
+                 "max_abs_error": error}
+        if error <= 0.05 + 0.02 * reference.float().abs().max().item():
+            entry["seconds"] = time_calls(lambda i: product(x, weights[i], out, candidate, workspace), copies)
+        cell["candidates"].append(entry)
+    timed = [c for c in cell["candidates"] if "seconds" in c]
+    cell["first"] = timed[0] if timed and timed[0]["index"] == 0 else None
+    cell["best"] = min(timed, key=lambda c: c["seconds"]) if timed else None
+    return cell
+
+
+def table_entries(results: dict, margin: float = 0.03) -> dict[tuple, dict[str, int]]:
+    """`prefill_gemm._TABLE`'s entries from a run: each cell whose best algorithm took
+    less than (1 - margin) of PyTorch's call's time."""
+    entries = {}
+    for m, cells in results["rows"].items():
+        for label, cell in cells.items():
+            n, k = SHAPES[label.removesuffix(" +=")]
+            best = cell["best"]
+            if best and best["seconds"] < (1 - margin) * cell["torch_s"]:
+                entries[(results["device"], int(m), n, k, label.endswith(" +="))] = best["config"]
+    return entries
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("bench_cublaslt.json"))
+    parser.add_argument("--rows", type=sizes, default=[64, 128, 256])
+    parser.add_argument("--splits-of", type=int, default=4,
+                        help="split K in this many of the heuristic's first unsplit algorithms")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA GPU")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    bandwidth = copy_bandwidth()
+    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s  {torch.cuda.get_device_name()}")
+    results = {"copy_bandwidth_Bps": bandwidth, "device": torch.cuda.get_device_name(), "rows": {}}
+
+    def share(m, n, k, seconds):
+        return (n * k + m * k + m * n) * 2 / seconds / bandwidth
+
+    for m in args.rows:
+        for name, (n, k) in SHAPES.items():
+            for accumulate in (False, True) if name.split()[-1] in ACCUMULATED else (False,):
+                label = name + (" +=" if accumulate else "")
+                cell = measure(m, n, k, accumulate, args.splits_of)
+                results["rows"].setdefault(str(m), {})[label] = cell
+                line = f"M={m:4d} {label:20s} torch {cell['torch_s'] * 1e6:6.1f} us ({share(m, n, k, cell['torch_s']):4.0%})"
+                for key in ("first", "best"):
+                    if cell[key]:
+                        s = cell[key]["seconds"]
+                        line += f"  {key} {s * 1e6:6.1f} us ({share(m, n, k, s):4.0%})"
+                if cell["best"]:
+                    line += f"  [{len(cell['candidates'])} tried; best {cell['best']['index']}: " \
+                            f"{' '.join(f'{k}={v}' for k, v in cell['best']['config'].items())}]"
+                print(line, flush=True)
+    args.out.write_text(json.dumps(results, indent=1))
+    print("prefill_gemm._TABLE entries (3 % faster or more):")
+    for key, config in table_entries(results).items():
+        print(f"    {key!r}: {config!r},")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,107 @@
+"""cuBLASLt products with a chosen algorithm (`hybridd.model.cublaslt`) and the prefill
+projections that run on them (`hybridd.model.prefill_gemm`), against `F.linear`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hybridd.model import prefill_gemm
+
+CUDA = torch.cuda.is_available()
+gpu = pytest.mark.skipif(not CUDA, reason="cuBLASLt needs CUDA")
+WORKSPACE = 32 << 20
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def test_prefill_gemm_leaves_cpu_products_to_torch():
+    x, w = torch.randn(128, 64), torch.randn(96, 64)
+    base = torch.zeros(128, 96)
+    assert prefill_gemm.linear(x, w) is None
+    assert prefill_gemm.add_linear_(base, x, w) is False and not base.any()
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize(("m", "n", "k"), [(128, 4096, 4096), (64, 4096, 11008), (256, 12288, 4096), (77, 336, 200)])
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_every_candidate_matches_torch(m, n, k, accumulate):
+    """Each algorithm the heuristic names, and K split in the first, computes the product
+    (added in place to the output where accumulating), eagerly and replayed from a graph."""
+    from hybridd.model import cublaslt
+
+    g = torch.Generator(device="cuda").manual_seed(m + n + k)
+    x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda", generator=g)
+    w = torch.randn(n, k, dtype=torch.bfloat16, device="cuda", generator=g) / k**0.5
+    base = torch.randn(m, n, dtype=torch.bfloat16, device="cuda", generator=g)
+    reference = F.linear(x, w) + (base if accumulate else 0)
+    workspace = torch.empty(WORKSPACE, dtype=torch.uint8, device="cuda")
+    product = cublaslt.LtProduct(m, n, k, torch.bfloat16, accumulate=accumulate)
+    found = product.candidates(WORKSPACE, count=16)
+    assert found, "the heuristic named no algorithm"
+    split = product.variant(found[0], split_k=2, reduction=2)
+    for candidate in found + ([split] if split is not None else []):
+        out = base.clone()
+        product(x, w, out, candidate, workspace)
+        assert rel(out, reference) < 1e-2, candidate.describe()
+    out = base.clone()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        product(x, w, out, found[-1], workspace)
+    out.copy_(base)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert rel(out, reference) < 1e-2
+
+
+@pytest.mark.gpu
+@gpu
+def test_a_product_refuses_operands_of_another_shape():
+    from hybridd.model import cublaslt
+
+    product = cublaslt.LtProduct(64, 256, 128, torch.bfloat16)
+    x = torch.zeros(64, 128, dtype=torch.bfloat16, device="cuda")
+    w = torch.zeros(256, 120, dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(ValueError, match=r"\[64, 128\] @ \[256, 128\]\.T -> \[64, 256\], got \(64, 128\) @ \(256, 120\)"):
+        product(x, w, torch.zeros(64, 256, dtype=torch.bfloat16, device="cuda"), None, None)
+    with pytest.raises(ValueError, match="take"):
+        cublaslt.LtProduct(64, 256, 128, torch.int8)
+
+
+@pytest.mark.gpu
+@gpu
+def test_table_entry_runs_its_algorithm_and_an_unknown_one_falls_back(monkeypatch):
+    """A table entry for this GPU runs the product on the named configuration; an entry
+    naming a configuration the library does not offer leaves the product to PyTorch."""
+    from hybridd.model import cublaslt
+
+    m, n, k = 96, 512, 256
+    x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+    w = torch.randn(n, k, dtype=torch.bfloat16, device="cuda") / k**0.5
+    name = torch.cuda.get_device_name(0)
+    found = cublaslt.LtProduct(m, n, k, torch.bfloat16).candidates(WORKSPACE, count=8)
+    split = cublaslt.LtProduct(m, n, k, torch.bfloat16, accumulate=True).variant(found[0], split_k=2, reduction=2)
+    table = {(name, m, n, k, False): found[-1].config}
+    if split is not None:
+        table[(name, m, n, k, True)] = split.config
+    monkeypatch.setattr(prefill_gemm, "_TABLE", table)
+    prefill_gemm._resolve.cache_clear()
+    y = prefill_gemm.linear(x, w)
+    assert y is not None and rel(y, F.linear(x, w)) < 1e-2
+    assert prefill_gemm._resolve.cache_info().currsize == 1
+    if split is not None:
+        base = torch.randn(m, n, dtype=torch.bfloat16, device="cuda")
+        expected = base + F.linear(x, w)
+        assert prefill_gemm.add_linear_(base, x, w) and rel(base, expected) < 1e-2
+    assert prefill_gemm.linear(x[:64], w) is None  # no entry for 64 rows
+
+    monkeypatch.setattr(prefill_gemm, "_TABLE", {(name, m, n, k, False): {**found[0].config, "tile": 10**6}})
+    prefill_gemm._resolve.cache_clear()
+    assert prefill_gemm.linear(x, w) is None
+    prefill_gemm._resolve.cache_clear()
