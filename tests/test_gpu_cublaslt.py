@@ -105,3 +105,27 @@ def test_table_entry_runs_its_algorithm_and_an_unknown_one_falls_back(monkeypatc
     prefill_gemm._resolve.cache_clear()
     assert prefill_gemm.linear(x, w) is None
     prefill_gemm._resolve.cache_clear()
+
+
+@pytest.mark.gpu
+@gpu
+def test_every_table_entry_of_this_gpu_resolves_and_matches_torch():
+    """Each entry measured on this GPU names an algorithm this cuBLAS offers, and the
+    product on it equals PyTorch's (added in place where the entry accumulates)."""
+    name = torch.cuda.get_device_name(0)
+    entries = [key for key in prefill_gemm._TABLE if key[0] == name]
+    if not entries:
+        pytest.skip(f"the table has no entries for {name}")
+    prefill_gemm._resolve.cache_clear()
+    for _, m, n, k, accumulate in entries:
+        x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+        w = torch.randn(n, k, dtype=torch.bfloat16, device="cuda") / k**0.5
+        if accumulate:
+            base = torch.randn(m, n, dtype=torch.bfloat16, device="cuda")
+            expected = base + F.linear(x, w)
+            assert prefill_gemm.add_linear_(base, x, w), (m, n, k, accumulate)
+            assert rel(base, expected) < 1e-2
+        else:
+            y = prefill_gemm.linear(x, w)
+            assert y is not None, (m, n, k, accumulate)
+            assert rel(y, F.linear(x, w)) < 1e-2
