@@ -36,21 +36,20 @@ SHAPES = {  # (N, K) of each projection
 }
 
 
-def time_linear(m: int, n: int, k: int, backend: str) -> float:
-    """Seconds per `F.linear` call of [m, k] by [n, k] in bf16 on `backend`, from L2-cold weights."""
-    torch.backends.cuda.preferred_blas_library(backend)
-    copies = max(2, int(2.5e8 // (n * k * 2)))
-    weights = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") for _ in range(copies)]
-    x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+def time_calls(call, copies: int) -> float:
+    """Seconds per `call(i)` for i over `copies`, from a CUDA graph of two rounds of
+    them (the median over ten replays); the calls are warmed up before the capture, where
+    cuBLAS picks and loads its kernels."""
     graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        for w in weights:  # warm-up outside the capture: cuBLAS picks and loads its kernels
-            F.linear(x, w)
+        for i in range(copies):
+            call(i)
         torch.cuda.synchronize()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, stream=stream):
             for _ in range(2):
-                for w in weights:
-                    F.linear(x, w)
+                for i in range(copies):
+                    call(i)
     times = []
     for _ in range(10):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -60,6 +59,15 @@ def time_linear(m: int, n: int, k: int, backend: str) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3 / (2 * copies))
     return statistics.median(times)
+
+
+def time_linear(m: int, n: int, k: int, backend: str) -> float:
+    """Seconds per `F.linear` call of [m, k] by [n, k] in bf16 on `backend`, from L2-cold weights."""
+    torch.backends.cuda.preferred_blas_library(backend)
+    copies = max(2, int(2.5e8 // (n * k * 2)))
+    weights = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") for _ in range(copies)]
+    x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+    return time_calls(lambda i: F.linear(x, weights[i]), copies)
 
 
 def main() -> int:

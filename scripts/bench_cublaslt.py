@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -30,36 +29,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench_blas import SHAPES  # noqa: E402
+from bench_blas import SHAPES, time_calls  # noqa: E402
 from bench_graphs import copy_bandwidth  # noqa: E402
 from bench_sampler import sizes  # noqa: E402
 from hybridd.model import cublaslt  # noqa: E402
 
 WORKSPACE_BYTES = 32 << 20
 ACCUMULATED = ("o", "down")  # the projections whose product the model adds to the stream
-
-
-def time_calls(call, copies: int) -> float:
-    """Seconds per `call(i)` for i over `copies`, from a CUDA graph of two rounds."""
-    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for i in range(copies):
-            call(i)
-        torch.cuda.synchronize()
-        with torch.cuda.graph(graph, stream=stream):
-            for _ in range(2):
-                for i in range(copies):
-                    call(i)
-    times = []
-    for _ in range(10):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / (2 * copies))
-    return statistics.median(times)
 
 
 def candidates(product: cublaslt.LtProduct, splits_of: int) -> list[cublaslt.Candidate]:
