@@ -99,12 +99,6 @@ def _handle() -> ctypes.c_void_p:
     return handle
 
 
-def _alignment(tensor: torch.Tensor) -> int:
-    """The largest power of two up to 256 that divides the tensor's address."""
-    address = tensor.data_ptr()
-    return min(256, address & -address) if address else 256
-
-
 @dataclass
 class Candidate:
     """One algorithm for a product: cuBLASLt's opaque struct, the workspace it needs,
@@ -221,5 +215,9 @@ def read_config(algo: _Algo) -> dict[str, int]:
 
 
 def alignment_of(*tensors: torch.Tensor) -> int:
-    """The alignment in bytes all of `tensors` share (for `LtProduct.candidates`)."""
-    return min(_alignment(t) for t in tensors)
+    """The alignment in bytes, up to 256, that all of `tensors`' addresses share (for
+    `LtProduct.candidates`)."""
+    address = 0
+    for tensor in tensors:
+        address |= tensor.data_ptr()
+    return min(256, address & -address) if address else 256

@@ -62,11 +62,18 @@ _TABLE: dict[tuple[str, int, int, int, bool], dict[str, int]] = {
 }
 ENABLED = True
 _lock = threading.Lock()
+_SPLIT_KEYS = ("split_k", "reduction")
+# The operands' alignment the table's algorithms were chosen for (cuBLASLt's default).
+_ALIGNMENT = 256
 
 
 @functools.cache
 def _device_name(index: int) -> str:
     return torch.cuda.get_device_name(index)
+
+
+def _unsplit(config: dict[str, int]) -> dict[str, int]:
+    return {key: value for key, value in config.items() if key not in _SPLIT_KEYS}
 
 
 @functools.cache
@@ -81,23 +88,28 @@ def _resolve(name: str, m: int, n: int, k: int, dtype: torch.dtype, accumulate: 
     for candidate in found:
         if candidate.config == wanted:
             return product, candidate
-    base = dict(wanted)
-    split = {key: base.pop(key) for key in ("split_k", "reduction")}
     for candidate in found:
-        unsplit = {key: v for key, v in candidate.config.items() if key not in ("split_k", "reduction")}
-        if unsplit == base:
-            variant = product.variant(candidate, **split)
+        if _unsplit(candidate.config) == _unsplit(wanted):
+            variant = product.variant(candidate, **{key: wanted[key] for key in _SPLIT_KEYS})
             if variant is not None and variant.config == wanted:
                 return product, variant
     log.warning("cublaslt_config_unavailable", rows=m, n=n, k=k, accumulate=accumulate, config=wanted)
     return None
 
 
-def _product_for(x: torch.Tensor, weight: torch.Tensor, accumulate: bool):
+def _product_for(x: torch.Tensor, weight: torch.Tensor, accumulate: bool, *others: torch.Tensor):
+    """(the product, the candidate) for x @ weight.T, `others` being operands it also
+    touches (the sum it adds to), or None where the table names none or an operand is
+    not contiguous or not aligned as the named algorithm assumes."""
     if not (ENABLED and x.is_cuda and x.dim() == 2 and x.dtype == weight.dtype):
         return None
     key = (_device_name(x.device.index or 0), x.shape[0], *weight.shape, accumulate)
-    if key not in _TABLE or not (x.is_contiguous() and weight.is_contiguous()):
+    operands = (x, weight, *others)
+    if key not in _TABLE or not all(t.is_contiguous() for t in operands):
+        return None
+    from hybridd.model import cublaslt
+
+    if cublaslt.alignment_of(*operands) < _ALIGNMENT:
         return None
     with _lock:  # a capturing thread and the serving thread may resolve the same entry
         return _resolve(key[0], *key[1:4], x.dtype, accumulate)
@@ -122,9 +134,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
 def add_linear_(base: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> bool:
     """base += x @ weight.T in place on the table's algorithm; False (base untouched)
     where the table has none for it."""
-    if not base.is_contiguous():
-        return False
-    chosen = _product_for(x, weight, accumulate=True)
+    chosen = _product_for(x, weight, True, base)
     if chosen is None:
         return False
     product, candidate = chosen
