@@ -59,6 +59,30 @@ _TABLE: dict[tuple[str, int, int, int, bool], dict[str, int]] = {
         _lt(algo_id=66, tile=135, custom=2, stages=35, cluster_shape=7),
     ('NVIDIA H100 80GB HBM3', 256, 4096, 14336, True):
         _lt(algo_id=66, tile=135, custom=2, stages=35, cluster_shape=7),
+    ('NVIDIA H200', 128, 4096, 4096, False):
+        _lt(algo_id=66, tile=27, custom=2, stages=35, cluster_shape=7),
+    ('NVIDIA H200', 128, 4096, 4096, True):
+        _lt(algo_id=66, tile=27, custom=2, stages=35, cluster_shape=7),
+    ('NVIDIA H200', 128, 22016, 4096, False):
+        _lt(algo_id=66, tile=31, custom=5, stages=35, cluster_shape=4),
+    ('NVIDIA H200', 128, 28672, 4096, False):
+        _lt(algo_id=66, tile=21, custom=3, stages=35, cluster_shape=5),
+    ('NVIDIA H200', 64, 12288, 4096, False):
+        _lt(algo_id=66, tile=27, stages=35, cluster_shape=3),
+    ('NVIDIA H200', 64, 22016, 4096, False):
+        _lt(algo_id=66, tile=21, custom=1, stages=35, cluster_shape=4),
+    ('NVIDIA H200', 64, 4096, 11008, False):
+        _lt(algo_id=66, tile=13, custom=3, stages=35, cluster_shape=5),
+    ('NVIDIA H200', 64, 4096, 11008, True):
+        _lt(algo_id=66, tile=13, custom=3, stages=35, cluster_shape=5),
+    ('NVIDIA H200', 64, 28672, 4096, False):
+        _lt(algo_id=66, tile=18, custom=1, stages=35, cluster_shape=4),
+    ('NVIDIA H200', 64, 4096, 14336, False):
+        _lt(algo_id=66, tile=15, split_k=2, reduction=2, custom=1, stages=35, cluster_shape=3),
+    ('NVIDIA H200', 64, 4096, 14336, True):
+        _lt(algo_id=66, tile=15, split_k=2, reduction=2, custom=1, stages=35, cluster_shape=3),
+    ('NVIDIA H200', 256, 4096, 4096, False):
+        _lt(algo_id=66, tile=135, custom=2, stages=35, cluster_shape=7),
 }
 ENABLED = True
 _lock = threading.Lock()
