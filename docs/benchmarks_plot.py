@@ -91,7 +91,8 @@ def ttft_panel(ax, results: dict, theirs: dict | None) -> None:
 
 # hybridd's batch-1 ITL through each client the bench measured it with, in its order.
 HYBRIDD_CLIENTS = (("itl", "SDK"), ("itl_raw_client", "raw client"), ("itl_polling_client", "raw client,\npolling"),
-                   ("itl_ring", "SDK,\nreply ring"), ("itl_ring_sleep", "SDK, reply\nring asleep"))
+                   ("itl_ring", "SDK,\nreply ring"), ("itl_ring_sleep", "SDK, reply\nring asleep"),
+                   ("itl_ring_paced", "SDK, reply\nring paced"))
 
 
 def itl_bars(results: dict) -> list[tuple[str, dict, str, bool]]:

@@ -47,7 +47,10 @@ from msgspec.structs import replace
 from zmq.utils.monitor import parse_monitor_message
 
 from hybridd import client_fallback
-from hybridd.client_ring import AUTO_RING, DEFAULT_RING_BYTES, MAX_RING_SPIN_S, RING_SLEEP_S, RING_SPIN_S, RingDelivery
+from hybridd.client_ring import (
+    AUTO_RING, DEFAULT_RING_BYTES, MAX_RING_PACE_S, MAX_RING_SPIN_S, RING_PACE_S, RING_SLEEP_S, RING_SPIN_S,
+    ReplyPacer, RingDelivery,
+)
 from hybridd.errors import (
     DaemonUnreachableError,
     DrainingError,
@@ -589,30 +592,40 @@ def _close_sync(io: _LoopThread, session: _Session) -> None:
     io.stop()
 
 
-def _wait_ring(client: Client, replies: queue.SimpleQueue, deadline: float | None) -> Reply | HybriddError | None:
+def _wait_ring(client: Client, replies: queue.SimpleQueue, deadline: float | None,
+               pacer: ReplyPacer | None = None) -> Reply | HybriddError | None:
     """The next reply in `replies` by way of the session's reply ring: polled for the
-    client's `ring_spin_s`, then slept for on the ring's bell, which the daemon rings
-    after writing records and the session after a reply only the socket brought. None
-    when the session has no ring (any more) or the deadline passed."""
+    client's `ring_spin_s`, and polled again in the `pacer`'s window around the time the
+    reply is due; slept for on the ring's bell otherwise, which the daemon rings after
+    writing records and the session after a reply only the socket brought. None when the
+    session has no ring (any more) or the deadline passed."""
     session = client._session
     reader = session.ring_reader()
     if reader is None:
         return None
     spin_until = time.monotonic() + client.ring_spin_s
+    poll_from, poll_until = (pacer.window() if pacer is not None else None) or (0.0, 0.0)
+    polling = False
     try:
         with reader.sleeping():
             while not reader.closing:
                 bell = reader.bell()  # before looking: a record written after it changes it
                 session.poll_ring()
                 if not replies.empty():
+                    if polling and pacer is not None and poll_from <= time.monotonic():
+                        pacer.caught += 1
                     return replies.get_nowait()
                 now = time.monotonic()
                 if deadline is not None and now >= deadline:
                     return None
-                if now < spin_until:
+                if now < spin_until or poll_from <= now < poll_until:
+                    polling = True
                     os.sched_yield()  # lets the client's I/O thread run; no sleep
                     continue
+                polling = False
                 sleep = RING_SLEEP_S if deadline is None else min(RING_SLEEP_S, deadline - now)
+                if now < poll_from:
+                    sleep = min(sleep, poll_from - now)
                 reader.sleep(bell, sleep)
     except RingBroken:
         pass  # closed before this thread came to sleep on it
@@ -633,6 +646,7 @@ class Stream:
         self._deadline = _deadline(timeout)
         self._done = True  # until submitted: nothing to cancel
         self._logprobs: dict[int, list[TokenLogprob]] = {}
+        self.pacer = ReplyPacer(client.ring_pace_s)
         client._reach(connect_timeout, self._deadline, request)
         client._io.call(client._session.submit, request, self._queue.put)
         self._done = False
@@ -644,12 +658,13 @@ class Stream:
         if self._done:
             raise StopIteration
         try:
-            reply = _wait_ring(self._client, self._queue, self._deadline)
+            reply = _wait_ring(self._client, self._queue, self._deadline, self.pacer)
             if reply is None:
                 reply = self._queue.get(timeout=_remaining(self._deadline))
         except queue.Empty:
             self.close()
             raise RequestTimeoutError("the call's timeout expired", request_id=self.id) from None
+        self.pacer.arrived(time.monotonic())
         if isinstance(reply, ChunkReply):
             return _chunk(reply, self._logprobs)
         self._done = True
@@ -728,7 +743,9 @@ class Client(_ClientOptions):
     itself wakes it after writing the reply, so the reply arrives
     without the socket's I/O threads and the client's event loop in between. With
     `ring_spin_s` > 0 the thread first polls the memory for that long (keeping a CPU
-    busy). Where the daemon cannot attach the ring (another user, a limit), replies come
+    busy). A stream's thread also wakes by itself `ring_pace_s` before its next chunk is
+    due (by the stream's recent gaps) and polls until that long after, so that the chunk
+    finds it awake (0: asleep until woken). Where the daemon cannot attach the ring (another user, a limit), replies come
     by the socket alone, and the client's log says why: a debug line, or a warning where
     the caller asked for the ring (`reply_ring=True` or a size in bytes, which a client
     of a daemon elsewhere cannot have). `reply_ring=False` asks for none.
@@ -745,6 +762,7 @@ class Client(_ClientOptions):
         secret_key: str | bytes | None = None,
         reply_ring: bool | int | str = AUTO_RING,
         ring_spin_s: float = RING_SPIN_S,
+        ring_pace_s: float = RING_PACE_S,
     ) -> None:
         super().__init__(endpoint, timeout=timeout, connect_timeout=connect_timeout,
                          server_public_key=server_public_key, public_key=public_key, secret_key=secret_key)
@@ -753,6 +771,10 @@ class Client(_ClientOptions):
                 or not 0 <= ring_spin_s <= MAX_RING_SPIN_S:
             raise ValueError(f"ring_spin_s: expected seconds from 0 to {MAX_RING_SPIN_S}, got {ring_spin_s!r}")
         self.ring_spin_s = float(ring_spin_s)
+        if isinstance(ring_pace_s, bool) or not isinstance(ring_pace_s, int | float) \
+                or not 0 <= ring_pace_s <= MAX_RING_PACE_S:
+            raise ValueError(f"ring_pace_s: expected seconds from 0 to {MAX_RING_PACE_S}, got {ring_pace_s!r}")
+        self.ring_pace_s = float(ring_pace_s)
         self._io = _LoopThread()
         try:
             self._session: _Session = self._io.run(

@@ -12,6 +12,8 @@ brought the ones in between.
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from collections.abc import Iterator
 
 from hybridd.ipc.reply_ring import RingReader
@@ -28,6 +30,42 @@ RING_SPIN_S = 0.0
 MAX_RING_SPIN_S = 10.0
 # The longest single sleep on the bell: a sleeper looks again at least this often.
 RING_SLEEP_S = 0.5
+# How long before a stream's next reply is due its reader wakes by itself to poll the
+# ring, and how long past that time it goes on polling before it sleeps on the bell
+# again, by default. A thread woken by the bell reaches the reply one scheduler wake-up
+# after it was written, and that wake-up is what lengthens a stream's slowest gaps; a
+# thread already polling when the reply lands takes it at once. Polling only around the
+# time a reply is due costs a fraction of a core (about twice this in each gap), not a
+# whole one (docs/benchmarks.md, "The reply ring").
+RING_PACE_S = 0.0005
+MAX_RING_PACE_S = 0.1
+# The gaps of a stream's recent replies whose median says when the next one is due.
+PACE_GAPS = 8
+
+
+class ReplyPacer:
+    """When a stream's next reply is due (the last reply's time plus the median of the
+    stream's last `PACE_GAPS` gaps) and the window around it in which its reader polls.
+    Nothing is due before the stream's second reply, or with a window of 0."""
+
+    def __init__(self, window_s: float) -> None:
+        self.window_s = window_s
+        self._last: float | None = None
+        self._gaps: deque[float] = deque(maxlen=PACE_GAPS)
+        self.caught = 0  # replies the reader found while polling in a window
+
+    def arrived(self, now: float) -> None:
+        """A reply of the stream was taken at `now` (time.monotonic())."""
+        if self._last is not None:
+            self._gaps.append(now - self._last)
+        self._last = now
+
+    def window(self) -> tuple[float, float] | None:
+        """(poll from, poll until) in time.monotonic() for the next reply, or None."""
+        if not self.window_s or self._last is None or not self._gaps:
+            return None
+        due = self._last + statistics.median(self._gaps)
+        return due - self.window_s, due + self.window_s
 
 
 class RingDelivery:

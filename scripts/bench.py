@@ -27,13 +27,15 @@ goes on; the JSON is rewritten after every part, so a killed run still leaves re
    the background thread is still capturing prefill graphs against steady state; TTFT at
    10/32/128/256/500 prompt tokens; ITL p50/p99 over 256 tokens after a 128-token prompt
    (through the SDK as a user gets it: its replies read from the reply ring, the stream's
-   thread asleep until the daemon wakes it), then again through the raw protocol client
+   thread asleep until the daemon wakes it or polling around the time a chunk is due),
+   then again through the raw protocol client
    asleep until each reply and polling its socket (`itl_raw_client`,
    `itl_polling_client`: the tail left without the SDK's thread hand-over and without
-   the client's own wake-ups); then TTFT and ITL through three SDK clients taking turns:
+   the client's own wake-ups); then TTFT and ITL through four SDK clients taking turns:
    the reply ring polled for 0.25 s before the thread sleeps (`ttft_ring_s`,
-   `itl_ring`), asleep at once as by default (`ring_spin_s=0`: `ttft_ring_sleep_s`,
-   `itl_ring_sleep`), and without a ring, replies by the socket alone
+   `itl_ring`), asleep until woken (`ring_pace_s=0`: `ttft_ring_sleep_s`,
+   `itl_ring_sleep`), paced as by default (`ttft_ring_paced_s`, `itl_ring_paced`), and
+   without a ring, replies by the socket alone
    (`reply_ring=False`: `ttft_beside_ring_s`, `itl_beside_ring`);
    aggregate tokens/s and ITL at 1/4/16/32 concurrent streams; graph memory per bucket;
    what the HTTP gateway adds: TTFT and ITL p50 streamed through `/v1/completions` vs
@@ -272,15 +274,18 @@ class RawClient(HybriddClient):
 
 class SdkClient(HybriddClient):
     """The SDK: `hybridd.Client.stream()` for one stream, `hybridd.AsyncClient` (one event
-    loop, no threads) for concurrent streams. `reply_ring` and `ring_spin_s` are the
-    client's own options (default: a reply ring where the daemon attaches one, the
-    stream's thread asleep on it)."""
+    loop, no threads) for concurrent streams. `reply_ring`, `ring_spin_s` and
+    `ring_pace_s` are the client's own options (default: a reply ring where the daemon
+    attaches one, the stream's thread asleep on it but polling around the time each chunk
+    is due)."""
 
-    def __init__(self, endpoint: str, reply_ring: bool | str = "auto", ring_spin_s: float | None = None):
+    def __init__(self, endpoint: str, reply_ring: bool | str = "auto", ring_spin_s: float | None = None,
+                 ring_pace_s: float | None = None):
         from hybridd.client import Client
 
         self.endpoint = endpoint
-        spin = {} if ring_spin_s is None else {"ring_spin_s": ring_spin_s}
+        spin = {key: value for key, value in (("ring_spin_s", ring_spin_s), ("ring_pace_s", ring_pace_s))
+                if value is not None}
         self._client = Client(endpoint, timeout=60.0, reply_ring=reply_ring, **spin)
         self._client.health()  # a ring is attached on connecting; its answer comes first
         attached = self._client._session.ring_attached
@@ -291,9 +296,14 @@ class SdkClient(HybriddClient):
             path = "replies by its socket alone"
         elif self._client.ring_spin_s:
             path = f"replies by the reply ring, polled for {self._client.ring_spin_s} s, then asleep"
+        elif self._client.ring_pace_s:
+            path = (f"replies by the reply ring, the stream's thread asleep until the daemon wakes it or "
+                    f"polling from {self._client.ring_pace_s * 1e3:g} ms before to {self._client.ring_pace_s * 1e3:g} "
+                    f"ms after each chunk is due")
         else:
             path = "replies by the reply ring, the stream's thread asleep until the daemon wakes it"
         self.kind = f"sdk (hybridd.Client({options}).stream: {path}; AsyncClient.stream for concurrent streams)"
+        self.caught = 0  # chunks its streams found while polling around the time they were due
 
     def stream(self, prompt, max_tokens, timeout=300.0):
         record = StreamRecord(time.perf_counter())
@@ -302,6 +312,7 @@ class SdkClient(HybriddClient):
             record.times.append(time.perf_counter())
             record.tokens += len(chunk.token_ids)
         record.final = {"finish_reason": stream.result.finish_reason, "usage": vars_of(stream.result.usage)}
+        self.caught += stream.pacer.caught
         return record
 
     def streams(self, prompts, max_tokens, timeout=300.0):
@@ -531,18 +542,20 @@ def measure_itl_raw_clients(endpoint: str, args, vocab: int, deadline: float) ->
 
 def measure_ring_client(endpoint: str, args, vocab: int, deadline: float) -> dict:
     """TTFT and batch-1 ITL through the SDK with the reply ring, its thread polling
-    ("ring") or asleep until the daemon wakes it ("ring_sleep"), and through the SDK's
-    socket alone, interleaved (the clients take turns, request by request for TTFT and
+    ("ring"), asleep until the daemon wakes it ("ring_sleep") or paced as by default
+    (asleep, and polling around the time each chunk is due: "ring_paced"), and through
+    the SDK's socket alone, interleaved (the clients take turns, request by request for TTFT and
     stream by stream for ITL, so that a disturbance of the host meets each), with
     prompts of a generator of its own."""
     rng = random.Random(8)
     plain = SdkClient(endpoint, reply_ring=False)
     ringed = SdkClient(endpoint, reply_ring=True, ring_spin_s=0.25)
-    sleeping = SdkClient(endpoint, reply_ring=True, ring_spin_s=0)
+    sleeping = SdkClient(endpoint, reply_ring=True, ring_spin_s=0, ring_pace_s=0)
+    paced = SdkClient(endpoint, reply_ring=True)
     try:
         fns = {"sdk": hybridd_stream_fns(plain), "ring": hybridd_stream_fns(ringed),
-               "ring_sleep": hybridd_stream_fns(sleeping)}
-        order = ("sdk", "ring", "ring_sleep")
+               "ring_sleep": hybridd_stream_fns(sleeping), "ring_paced": hybridd_stream_fns(paced)}
+        order = ("sdk", "ring", "ring_sleep", "ring_paced")
         ttft = {key: {} for key in order}
         for n in TTFT_LENGTHS:
             samples = {key: [] for key in order}
@@ -563,13 +576,17 @@ def measure_ring_client(endpoint: str, args, vocab: int, deadline: float) -> dic
                 break
             for key in order if i % 2 == 0 else order[::-1]:
                 gaps[key].extend(fns[key][1](random_prompt(rng, ITL_PROMPT, vocab), args.itl_tokens))
-        ring, asleep = ringed._client._session._ring, sleeping._client._session._ring
+        ring, asleep, pacing = (c._client._session._ring for c in (ringed, sleeping, paced))
         itl = {key: {**itl_summary(gaps[key]), "prompt_tokens": ITL_PROMPT, "tokens": args.itl_tokens} for key in order}
         return {"ttft_ring_s": ttft["ring"], "ttft_ring_sleep_s": ttft["ring_sleep"], "ttft_beside_ring_s": ttft["sdk"],
-                "itl_ring": itl["ring"], "itl_ring_sleep": itl["ring_sleep"], "itl_beside_ring": itl["sdk"],
+                "ttft_ring_paced_s": ttft["ring_paced"], "itl_ring": itl["ring"], "itl_ring_sleep": itl["ring_sleep"],
+                "itl_ring_paced": itl["ring_paced"], "itl_beside_ring": itl["sdk"],
+                "ring_paced_replies": {"by_ring": pacing.by_ring, "delivered": pacing.delivered,
+                                       "caught_polling": paced.caught},
                 "ring_replies": {"by_ring": ring.by_ring, "delivered": ring.delivered},
                 "ring_sleep_replies": {"by_ring": asleep.by_ring, "delivered": asleep.delivered}}
     finally:
+        paced.close()
         sleeping.close()
         ringed.close()
         plain.close()
@@ -1094,11 +1111,11 @@ def build_report(results: dict) -> tuple[list[dict], list[dict]]:
     row("ITL p99/p50", "", lambda r: g(r, "itl", "p99_over_p50"))
     for key, label in (("itl_raw_client", "raw client"), ("itl_polling_client", "raw client polling"),
                        ("itl_beside_ring", "SDK socket alone, in turns"), ("itl_ring", "SDK reply ring, polled"),
-                       ("itl_ring_sleep", "SDK reply ring, asleep")):
+                       ("itl_ring_sleep", "SDK reply ring, asleep"), ("itl_ring_paced", "SDK reply ring, paced")):
         row(f"ITL p50, {label}", "s", lambda r, key=key: g(r, key, "p50_s"), fl.get("decode_floor_s"))
         row(f"ITL p99/p50, {label}", "", lambda r, key=key: g(r, key, "p99_over_p50"))
     for key, label in (("ttft_beside_ring_s", "SDK socket alone, in turns"), ("ttft_ring_s", "SDK reply ring, polled"),
-                       ("ttft_ring_sleep_s", "SDK reply ring, asleep")):
+                       ("ttft_ring_sleep_s", "SDK reply ring, asleep"), ("ttft_ring_paced_s", "SDK reply ring, paced")):
         for n in TTFT_LENGTHS:
             row(f"TTFT {n} tok, {label}", "s", lambda r, n=n, key=key: g(r, key, str(n), "median_s"),
                 g(fl, "prefill_floor_s", str(n)))
@@ -1123,6 +1140,8 @@ def build_report(results: dict) -> tuple[list[dict], list[dict]]:
            g(hy, "itl_ring", "p99_over_p50"), 1.05)
     target("decode ITL p99/p50, batch 1 (SDK with the reply ring, asleep until woken)", "<= 1.05",
            g(hy, "itl_ring_sleep", "p99_over_p50"), 1.05)
+    target("decode ITL p99/p50, batch 1 (SDK with the reply ring, paced as by default, in turns)", "<= 1.05",
+           g(hy, "itl_ring_paced", "p99_over_p50"), 1.05)
 
     def worst_ttft(key: str) -> float | None:
         worst = [ratio(g(hy, key, str(n), "median_s"), g(fl, "prefill_floor_s", str(n))) for n in TTFT_LENGTHS]

@@ -57,12 +57,12 @@ def test_json_has_every_figure(bench_out):
         assert min(gap for _, gap in run["slowest"]) >= run["p50_s"], name
     hy = r["hybridd"]  # through the SDK with the reply ring as well, with graphs on only
     assert not {"ttft_ring_s", "itl_ring", "itl_raw_client"} & set(r["hybridd_eager"])
-    for key in ("ttft_ring_s", "ttft_ring_sleep_s", "ttft_beside_ring_s"):
+    for key in ("ttft_ring_s", "ttft_ring_sleep_s", "ttft_ring_paced_s", "ttft_beside_ring_s"):
         assert set(hy[key]) == {"10", "32", "128", "256", "500"}, key
         assert all(v["median_s"] > 0 and v["n"] >= 2 for v in hy[key].values()), key
-    for key in ("itl_ring", "itl_ring_sleep", "itl_beside_ring"):  # two turns each (--quick: one run per part)
+    for key in ("itl_ring", "itl_ring_sleep", "itl_ring_paced", "itl_beside_ring"):  # two turns each (--quick: one run per part)
         assert hy[key]["n"] == 62 and hy[key]["p50_s"] > 0, key
-    for key in ("ring_replies", "ring_sleep_replies"):
+    for key in ("ring_replies", "ring_sleep_replies", "ring_paced_replies"):
         assert 0 < hy[key]["by_ring"] <= hy[key]["delivered"], key
     assert set(hy["concurrency"]) == {"1", "4", "16", "32"}
     assert all(c["tokens_per_s"] > 0 and c["itl_p50_s"] > 0 for c in hy["concurrency"].values())
@@ -79,8 +79,8 @@ def test_json_has_every_figure(bench_out):
                          "decode ITL p99/p50, batch 1 (raw client polling its socket)"]
     for key in ("itl_raw_client", "itl_polling_client"):
         assert hy[key]["n"] == 31 and hy[key]["p99_s"] >= hy[key]["p50_s"] > 0, key
-    assert len(names) == 18 and all(t["value"] is not None for t in r["targets"] if "one process" not in t["target"])
-    assert names[13].startswith("ITL p99 during forced prefill capture / steady")
+    assert len(names) == 19 and all(t["value"] is not None for t in r["targets"] if "one process" not in t["target"])
+    assert names[14].startswith("ITL p99 during forced prefill capture / steady")
     gateway = hy["gateway"]
     for side in ("sdk", "http"):
         # An HTTP event's time is its last byte's recv: on a busy host several events can

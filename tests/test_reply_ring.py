@@ -19,7 +19,9 @@ import zmq.auth
 
 from hybridd import Client
 from hybridd.config import Config, ConfigError
-from hybridd.client_ring import DEFAULT_RING_BYTES, MAX_RING_SPIN_S, RingDelivery
+from hybridd.client_ring import (
+    DEFAULT_RING_BYTES, MAX_RING_PACE_S, MAX_RING_SPIN_S, PACE_GAPS, RING_PACE_S, ReplyPacer, RingDelivery,
+)
 from hybridd.ipc import reply_ring
 from hybridd.ipc.reply_ring import HEADER_BYTES, RingBroken, RingReader, RingWriter
 from hybridd.protocol import codec
@@ -320,7 +322,8 @@ def thread_states(native_id: int) -> Callable[[], str]:
     return stop
 
 
-@pytest.mark.parametrize("options", [{"reply_ring": True, "ring_spin_s": 0}, {}], ids=["asked", "by-default"])
+@pytest.mark.parametrize("options", [{"reply_ring": True, "ring_spin_s": 0, "ring_pace_s": 0}, {"ring_pace_s": 0}],
+                         ids=["asked", "by-default"])
 def test_a_ring_client_that_does_not_spin_sleeps_until_the_daemon_wakes_it(daemon, options):
     with Client(daemon.endpoint, timeout=120, reply_ring=False) as plain:
         expected = plain.generate("ROMEO:", **LONG).token_ids
@@ -341,6 +344,47 @@ def test_a_ring_client_that_does_not_spin_sleeps_until_the_daemon_wakes_it(daemo
         for _ in range(20):
             assert client.generate("ROMEO:", **{**LONG, "max_tokens": 2}).token_ids == expected[:2]
         assert delivery.by_ring > by_ring
+
+
+def test_a_paced_stream_polls_around_the_time_each_chunk_is_due_and_loses_nothing(daemon):
+    with Client(daemon.endpoint, timeout=120, reply_ring=False) as plain:
+        expected = plain.generate("ROMEO:", **LONG).token_ids
+    # A window wider than any gap of this host: from the third chunk on, the reader is
+    # polling when each chunk lands.
+    with Client(daemon.endpoint, timeout=120, ring_pace_s=MAX_RING_PACE_S) as paced, \
+            Client(daemon.endpoint, timeout=120, ring_pace_s=0) as asleep:
+        for client in (paced, asleep):
+            client.health()
+            wait_for(lambda client=client: client._session.ring_attached)
+        stream = paced.stream("ROMEO:", **LONG)
+        assert [t for chunk in stream for t in chunk.token_ids] == expected
+        assert stream.result.token_ids == expected
+        assert stream.pacer.caught > 0
+        stream = asleep.stream("ROMEO:", **LONG)
+        assert [t for chunk in stream for t in chunk.token_ids] == expected
+        assert stream.pacer.caught == 0  # never polled: woken by the bell each time
+    # The default client paces its streams and delivers the same.
+    with Client(daemon.endpoint, timeout=120) as client:
+        assert client.ring_pace_s == RING_PACE_S > 0
+        assert [t for chunk in client.stream("ROMEO:", **LONG) for t in chunk.token_ids] == expected
+
+
+def test_a_pacer_expects_the_next_reply_after_the_median_of_recent_gaps():
+    pacer = ReplyPacer(0.001)
+    assert pacer.window() is None  # no reply yet
+    pacer.arrived(10.0)
+    assert pacer.window() is None  # one reply: no gap yet
+    for t in (10.004, 10.008, 10.020, 10.024):  # gaps 4, 4, 12, 4 ms
+        pacer.arrived(t)
+    poll_from, poll_until = pacer.window()
+    assert poll_from == pytest.approx(10.024 + 0.004 - 0.001) and poll_until == pytest.approx(10.024 + 0.004 + 0.001)
+    for i in range(1, PACE_GAPS + 1):  # only the last PACE_GAPS gaps count
+        pacer.arrived(10.024 + 0.010 * i)
+    assert pacer.window()[0] == pytest.approx(10.024 + 0.010 * PACE_GAPS + 0.010 - 0.001)
+    off = ReplyPacer(0.0)
+    for t in (1.0, 1.004, 1.008):
+        off.arrived(t)
+    assert off.window() is None
 
 
 def test_many_sleeping_streams_of_one_client_are_woken_about_twice_a_step_not_once_a_reply(daemon):
@@ -409,6 +453,9 @@ def test_a_client_asks_for_a_ring_only_where_one_can_be_had():
     for spin in (-1, MAX_RING_SPIN_S + 1, "0.1", True):
         with pytest.raises(ValueError, match="ring_spin_s: expected seconds from 0 to 10.0"):
             Client("ipc:///nonexistent/hybridd.sock", reply_ring=True, ring_spin_s=spin)
+    for pace in (-0.001, MAX_RING_PACE_S * 2, "0.1", False):
+        with pytest.raises(ValueError, match="ring_pace_s: expected seconds from 0 to 0.1"):
+            Client("ipc:///nonexistent/hybridd.sock", ring_pace_s=pace)
     with pytest.raises(ConfigError, match="max_reply_rings must be >= 0"):
         Config.from_dict({"max_reply_rings": -1})
 
