@@ -304,8 +304,11 @@ class SdkClient(HybriddClient):
             path = "replies by the reply ring, the stream's thread asleep until the daemon wakes it"
         self.kind = f"sdk (hybridd.Client({options}).stream: {path}; AsyncClient.stream for concurrent streams)"
         self.caught = 0  # chunks its streams found while polling around the time they were due
+        # CPU time of the thread that iterated its streams, and those streams' wall time.
+        self.thread_cpu_s = self.stream_s = 0.0
 
     def stream(self, prompt, max_tokens, timeout=300.0):
+        cpu = time.thread_time()
         record = StreamRecord(time.perf_counter())
         stream = self._client.stream(prompt, max_tokens=max_tokens, timeout=timeout, **SAMPLING)
         for chunk in stream:
@@ -313,6 +316,8 @@ class SdkClient(HybriddClient):
             record.tokens += len(chunk.token_ids)
         record.final = {"finish_reason": stream.result.finish_reason, "usage": vars_of(stream.result.usage)}
         self.caught += stream.pacer.caught
+        self.thread_cpu_s += time.thread_time() - cpu
+        self.stream_s += time.perf_counter() - record.sent
         return record
 
     def streams(self, prompts, max_tokens, timeout=300.0):
@@ -583,6 +588,8 @@ def measure_ring_client(endpoint: str, args, vocab: int, deadline: float) -> dic
                 "itl_ring_paced": itl["ring_paced"], "itl_beside_ring": itl["sdk"],
                 "ring_paced_replies": {"by_ring": pacing.by_ring, "delivered": pacing.delivered,
                                        "caught_polling": paced.caught},
+                "client_thread_cpu_share": {key: c.thread_cpu_s / c.stream_s if c.stream_s else None
+                                            for key, c in zip(order, (plain, ringed, sleeping, paced))},
                 "ring_replies": {"by_ring": ring.by_ring, "delivered": ring.delivered},
                 "ring_sleep_replies": {"by_ring": asleep.by_ring, "delivered": asleep.delivered}}
     finally:
@@ -1248,6 +1255,11 @@ def render_table(results: dict) -> str:
                          f"{fmt(st['interpreter_and_imports_s'])} s, weights {fmt(st['weights_load_s'])} s, "
                          f"after weights -> ready {fmt(st['after_weights_to_ready_s'])} s; "
                          f"{cache_state(st)}; {'under MPS' if g(results, name, 'mps_server_pids') else 'no MPS'})")
+    share = hy.get("client_thread_cpu_share")
+    if share:
+        names = {"sdk": "socket alone", "ring": "ring polled", "ring_sleep": "ring asleep", "ring_paced": "ring paced"}
+        lines.append("SDK clients in turns, share of a core their streaming thread used: "
+                     + ", ".join(f"{names.get(k, k)} {fmt(v, 1, 2)}" for k, v in share.items()))
     gm = hy.get("graph_memory")
     if gm:
         per = ", ".join(f"{b['kind'][0]}{b['size']}:{fmt(b['bytes'], 2**-20, 0)}" for b in gm["buckets"] if b["captured"])

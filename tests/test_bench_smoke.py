@@ -62,6 +62,9 @@ def test_json_has_every_figure(bench_out):
         assert all(v["median_s"] > 0 and v["n"] >= 2 for v in hy[key].values()), key
     for key in ("itl_ring", "itl_ring_sleep", "itl_ring_paced", "itl_beside_ring"):  # two turns each (--quick: one run per part)
         assert hy[key]["n"] == 62 and hy[key]["p50_s"] > 0, key
+    # The share of a core each client's streaming thread used: the polled one the most.
+    share = hy["client_thread_cpu_share"]
+    assert set(share) == {"sdk", "ring", "ring_sleep", "ring_paced"} and all(0 < v for v in share.values()), share
     for key in ("ring_replies", "ring_sleep_replies", "ring_paced_replies"):
         assert 0 < hy[key]["by_ring"] <= hy[key]["delivered"], key
     assert set(hy["concurrency"]) == {"1", "4", "16", "32"}
