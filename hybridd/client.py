@@ -48,8 +48,8 @@ from zmq.utils.monitor import parse_monitor_message
 
 from hybridd import client_fallback
 from hybridd.client_ring import (
-    AUTO_RING, DEFAULT_RING_BYTES, MAX_RING_PACE_S, MAX_RING_SPIN_S, RING_PACE_S, RING_SLEEP_S, RING_SPIN_S,
-    ReplyPacer, RingDelivery,
+    AUTO_RING, DEFAULT_RING_BYTES, MAX_RING_FIRST_POLL_S, MAX_RING_PACE_S, MAX_RING_SPIN_S, RING_FIRST_POLL_S,
+    RING_PACE_S, RING_SLEEP_S, RING_SPIN_S, ReplyPacer, RingDelivery,
 )
 from hybridd.errors import (
     DaemonUnreachableError,
@@ -646,7 +646,7 @@ class Stream:
         self._deadline = _deadline(timeout)
         self._done = True  # until submitted: nothing to cancel
         self._logprobs: dict[int, list[TokenLogprob]] = {}
-        self.pacer = ReplyPacer(client.ring_pace_s)
+        self.pacer = ReplyPacer(client.ring_pace_s, client.ring_first_poll_s, time.monotonic())
         client._reach(connect_timeout, self._deadline, request)
         client._io.call(client._session.submit, request, self._queue.put)
         self._done = False
@@ -745,7 +745,8 @@ class Client(_ClientOptions):
     `ring_spin_s` > 0 the thread first polls the memory for that long (keeping a CPU
     busy). A stream's thread also wakes by itself `ring_pace_s` before its next chunk is
     due (by the stream's recent gaps) and polls until that long after, so that the chunk
-    finds it awake (0: asleep until woken). Where the daemon cannot attach the ring (another user, a limit), replies come
+    finds it awake (0: asleep until woken); for its first chunk it polls from the
+    request's submission for up to `ring_first_poll_s` (0: not at all). Where the daemon cannot attach the ring (another user, a limit), replies come
     by the socket alone, and the client's log says why: a debug line, or a warning where
     the caller asked for the ring (`reply_ring=True` or a size in bytes, which a client
     of a daemon elsewhere cannot have). `reply_ring=False` asks for none.
@@ -763,6 +764,7 @@ class Client(_ClientOptions):
         reply_ring: bool | int | str = AUTO_RING,
         ring_spin_s: float = RING_SPIN_S,
         ring_pace_s: float = RING_PACE_S,
+        ring_first_poll_s: float = RING_FIRST_POLL_S,
     ) -> None:
         super().__init__(endpoint, timeout=timeout, connect_timeout=connect_timeout,
                          server_public_key=server_public_key, public_key=public_key, secret_key=secret_key)
@@ -775,6 +777,11 @@ class Client(_ClientOptions):
                 or not 0 <= ring_pace_s <= MAX_RING_PACE_S:
             raise ValueError(f"ring_pace_s: expected seconds from 0 to {MAX_RING_PACE_S}, got {ring_pace_s!r}")
         self.ring_pace_s = float(ring_pace_s)
+        if isinstance(ring_first_poll_s, bool) or not isinstance(ring_first_poll_s, int | float) \
+                or not 0 <= ring_first_poll_s <= MAX_RING_FIRST_POLL_S:
+            raise ValueError(f"ring_first_poll_s: expected seconds from 0 to {MAX_RING_FIRST_POLL_S}, "
+                             f"got {ring_first_poll_s!r}")
+        self.ring_first_poll_s = float(ring_first_poll_s)
         self._io = _LoopThread()
         try:
             self._session: _Session = self._io.run(

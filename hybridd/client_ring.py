@@ -39,17 +39,28 @@ RING_SLEEP_S = 0.5
 # whole one (docs/benchmarks.md, "The reply ring").
 RING_PACE_S = 0.0005
 MAX_RING_PACE_S = 0.1
+# How long a stream's reader polls the ring for the stream's first chunk, from the
+# request's submission, before it sleeps on the bell, by default. Nothing says when the
+# first chunk is due, but on a daemon with room it comes within milliseconds (the
+# prompt's prefill), and a reader already polling saves it the wake-up; the bound keeps
+# a request that waits behind others from holding a core for that wait.
+RING_FIRST_POLL_S = 0.02
+MAX_RING_FIRST_POLL_S = 10.0
 # The gaps of a stream's recent replies whose median says when the next one is due.
 PACE_GAPS = 8
 
 
 class ReplyPacer:
-    """When a stream's next reply is due (the last reply's time plus the median of the
-    stream's last `PACE_GAPS` gaps) and the window around it in which its reader polls.
-    Nothing is due before the stream's second reply, or with a window of 0."""
+    """When a stream's reader polls for its next reply: for its first, from the request's
+    submission for `first_s`; for the others, in a window of `window_s` either side of
+    the time the reply is due (the last reply's time plus the median of the stream's last
+    `PACE_GAPS` gaps). Between the first reply and the second nothing is due; 0 turns
+    either off."""
 
-    def __init__(self, window_s: float) -> None:
+    def __init__(self, window_s: float, first_s: float = 0.0, submitted: float = 0.0) -> None:
         self.window_s = window_s
+        self.first_s = first_s
+        self._submitted = submitted
         self._last: float | None = None
         self._gaps: deque[float] = deque(maxlen=PACE_GAPS)
         self.caught = 0  # replies the reader found while polling in a window
@@ -62,7 +73,9 @@ class ReplyPacer:
 
     def window(self) -> tuple[float, float] | None:
         """(poll from, poll until) in time.monotonic() for the next reply, or None."""
-        if not self.window_s or self._last is None or not self._gaps:
+        if self._last is None:
+            return (self._submitted, self._submitted + self.first_s) if self.first_s else None
+        if not self.window_s or not self._gaps:
             return None
         due = self._last + statistics.median(self._gaps)
         return due - self.window_s, due + self.window_s

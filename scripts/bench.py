@@ -27,13 +27,14 @@ goes on; the JSON is rewritten after every part, so a killed run still leaves re
    the background thread is still capturing prefill graphs against steady state; TTFT at
    10/32/128/256/500 prompt tokens; ITL p50/p99 over 256 tokens after a 128-token prompt
    (through the SDK as a user gets it: its replies read from the reply ring, the stream's
-   thread asleep until the daemon wakes it or polling around the time a chunk is due),
+   thread polling for the first chunk and around the time each other chunk is due,
+   asleep until the daemon wakes it otherwise),
    then again through the raw protocol client
    asleep until each reply and polling its socket (`itl_raw_client`,
    `itl_polling_client`: the tail left without the SDK's thread hand-over and without
    the client's own wake-ups); then TTFT and ITL through four SDK clients taking turns:
    the reply ring polled for 0.25 s before the thread sleeps (`ttft_ring_s`,
-   `itl_ring`), asleep until woken (`ring_pace_s=0`: `ttft_ring_sleep_s`,
+   `itl_ring`), asleep until woken (`ring_pace_s=0, ring_first_poll_s=0`: `ttft_ring_sleep_s`,
    `itl_ring_sleep`), paced as by default (`ttft_ring_paced_s`, `itl_ring_paced`), and
    without a ring, replies by the socket alone
    (`reply_ring=False`: `ttft_beside_ring_s`, `itl_beside_ring`);
@@ -276,16 +277,16 @@ class SdkClient(HybriddClient):
     """The SDK: `hybridd.Client.stream()` for one stream, `hybridd.AsyncClient` (one event
     loop, no threads) for concurrent streams. `reply_ring`, `ring_spin_s` and
     `ring_pace_s` are the client's own options (default: a reply ring where the daemon
-    attaches one, the stream's thread asleep on it but polling around the time each chunk
-    is due)."""
+    attaches one, the stream's thread asleep on it but polling for the first chunk and
+    around the time each other chunk is due)."""
 
     def __init__(self, endpoint: str, reply_ring: bool | str = "auto", ring_spin_s: float | None = None,
-                 ring_pace_s: float | None = None):
+                 ring_pace_s: float | None = None, ring_first_poll_s: float | None = None):
         from hybridd.client import Client
 
         self.endpoint = endpoint
-        spin = {key: value for key, value in (("ring_spin_s", ring_spin_s), ("ring_pace_s", ring_pace_s))
-                if value is not None}
+        spin = {key: value for key, value in (("ring_spin_s", ring_spin_s), ("ring_pace_s", ring_pace_s),
+                                              ("ring_first_poll_s", ring_first_poll_s)) if value is not None}
         self._client = Client(endpoint, timeout=60.0, reply_ring=reply_ring, **spin)
         self._client.health()  # a ring is attached on connecting; its answer comes first
         attached = self._client._session.ring_attached
@@ -296,10 +297,11 @@ class SdkClient(HybriddClient):
             path = "replies by its socket alone"
         elif self._client.ring_spin_s:
             path = f"replies by the reply ring, polled for {self._client.ring_spin_s} s, then asleep"
-        elif self._client.ring_pace_s:
-            path = (f"replies by the reply ring, the stream's thread asleep until the daemon wakes it or "
-                    f"polling from {self._client.ring_pace_s * 1e3:g} ms before to {self._client.ring_pace_s * 1e3:g} "
-                    f"ms after each chunk is due")
+        elif self._client.ring_pace_s or self._client.ring_first_poll_s:
+            c = self._client
+            path = (f"replies by the reply ring, the stream's thread polling for its first chunk for up to "
+                    f"{c.ring_first_poll_s * 1e3:g} ms, then from {c.ring_pace_s * 1e3:g} ms before to "
+                    f"{c.ring_pace_s * 1e3:g} ms after each chunk is due, asleep until the daemon wakes it otherwise")
         else:
             path = "replies by the reply ring, the stream's thread asleep until the daemon wakes it"
         self.kind = f"sdk (hybridd.Client({options}).stream: {path}; AsyncClient.stream for concurrent streams)"
@@ -555,7 +557,7 @@ def measure_ring_client(endpoint: str, args, vocab: int, deadline: float) -> dic
     rng = random.Random(8)
     plain = SdkClient(endpoint, reply_ring=False)
     ringed = SdkClient(endpoint, reply_ring=True, ring_spin_s=0.25)
-    sleeping = SdkClient(endpoint, reply_ring=True, ring_spin_s=0, ring_pace_s=0)
+    sleeping = SdkClient(endpoint, reply_ring=True, ring_spin_s=0, ring_pace_s=0, ring_first_poll_s=0)
     paced = SdkClient(endpoint, reply_ring=True)
     try:
         fns = {"sdk": hybridd_stream_fns(plain), "ring": hybridd_stream_fns(ringed),

@@ -20,7 +20,8 @@ import zmq.auth
 from hybridd import Client
 from hybridd.config import Config, ConfigError
 from hybridd.client_ring import (
-    DEFAULT_RING_BYTES, MAX_RING_PACE_S, MAX_RING_SPIN_S, PACE_GAPS, RING_PACE_S, ReplyPacer, RingDelivery,
+    DEFAULT_RING_BYTES, MAX_RING_FIRST_POLL_S, MAX_RING_PACE_S, MAX_RING_SPIN_S, PACE_GAPS, RING_FIRST_POLL_S,
+    RING_PACE_S, ReplyPacer, RingDelivery,
 )
 from hybridd.ipc import reply_ring
 from hybridd.ipc.reply_ring import HEADER_BYTES, RingBroken, RingReader, RingWriter
@@ -322,8 +323,8 @@ def thread_states(native_id: int) -> Callable[[], str]:
     return stop
 
 
-@pytest.mark.parametrize("options", [{"reply_ring": True, "ring_spin_s": 0, "ring_pace_s": 0}, {"ring_pace_s": 0}],
-                         ids=["asked", "by-default"])
+@pytest.mark.parametrize("options", [{"reply_ring": True, "ring_spin_s": 0, "ring_pace_s": 0, "ring_first_poll_s": 0},
+                                     {"ring_pace_s": 0, "ring_first_poll_s": 0}], ids=["asked", "by-default"])
 def test_a_ring_client_that_does_not_spin_sleeps_until_the_daemon_wakes_it(daemon, options):
     with Client(daemon.endpoint, timeout=120, reply_ring=False) as plain:
         expected = plain.generate("ROMEO:", **LONG).token_ids
@@ -352,7 +353,7 @@ def test_a_paced_stream_polls_around_the_time_each_chunk_is_due_and_loses_nothin
     # A window wider than any gap of this host: from the third chunk on, the reader is
     # polling when each chunk lands.
     with Client(daemon.endpoint, timeout=120, ring_pace_s=MAX_RING_PACE_S) as paced, \
-            Client(daemon.endpoint, timeout=120, ring_pace_s=0) as asleep:
+            Client(daemon.endpoint, timeout=120, ring_pace_s=0, ring_first_poll_s=0) as asleep:
         for client in (paced, asleep):
             client.health()
             wait_for(lambda client=client: client._session.ring_attached)
@@ -365,8 +366,16 @@ def test_a_paced_stream_polls_around_the_time_each_chunk_is_due_and_loses_nothin
         assert stream.pacer.caught == 0  # never polled: woken by the bell each time
     # The default client paces its streams and delivers the same.
     with Client(daemon.endpoint, timeout=120) as client:
-        assert client.ring_pace_s == RING_PACE_S > 0
+        assert client.ring_pace_s == RING_PACE_S > 0 and client.ring_first_poll_s == RING_FIRST_POLL_S > 0
         assert [t for chunk in client.stream("ROMEO:", **LONG) for t in chunk.token_ids] == expected
+    # Polling for the first chunk alone, for longer than it takes on this host, it finds
+    # that chunk while polling (and no other: the rest are not paced).
+    with Client(daemon.endpoint, timeout=120, ring_pace_s=0, ring_first_poll_s=MAX_RING_FIRST_POLL_S) as first:
+        first.health()
+        wait_for(lambda: first._session.ring_attached)
+        stream = first.stream("ROMEO:", **LONG)
+        assert [t for chunk in stream for t in chunk.token_ids] == expected
+        assert stream.pacer.caught == 1
 
 
 def test_a_pacer_expects_the_next_reply_after_the_median_of_recent_gaps():
@@ -385,6 +394,14 @@ def test_a_pacer_expects_the_next_reply_after_the_median_of_recent_gaps():
     for t in (1.0, 1.004, 1.008):
         off.arrived(t)
     assert off.window() is None
+    # The first reply: polled for from the submission; none is due between it and the second.
+    first = ReplyPacer(0.001, first_s=0.02, submitted=5.0)
+    assert first.window() == (5.0, 5.02)
+    first.arrived(5.004)
+    assert first.window() is None
+    first.arrived(5.008)
+    assert first.window() == pytest.approx((5.011, 5.013))
+    assert ReplyPacer(0.001, first_s=0.0, submitted=5.0).window() is None
 
 
 def test_many_sleeping_streams_of_one_client_are_woken_about_twice_a_step_not_once_a_reply(daemon):
@@ -456,6 +473,8 @@ def test_a_client_asks_for_a_ring_only_where_one_can_be_had():
     for pace in (-0.001, MAX_RING_PACE_S * 2, "0.1", False):
         with pytest.raises(ValueError, match="ring_pace_s: expected seconds from 0 to 0.1"):
             Client("ipc:///nonexistent/hybridd.sock", ring_pace_s=pace)
+        with pytest.raises(ValueError, match="ring_first_poll_s: expected seconds from 0 to 10.0"):
+            Client("ipc:///nonexistent/hybridd.sock", ring_first_poll_s=pace if pace != MAX_RING_PACE_S * 2 else 11)
     with pytest.raises(ConfigError, match="max_reply_rings must be >= 0"):
         Config.from_dict({"max_reply_rings": -1})
 
