@@ -1193,11 +1193,13 @@ def build_report(results: dict) -> tuple[list[dict], list[dict]]:
 
 
 def cache_state(startup: dict) -> str:
-    """'cold caches' for a start that found the Triton or Inductor cache empty, else 'warm caches'."""
+    """Which compile caches the start found empty ("Triton cache cold, Inductor cache
+    warm"): a Triton cache left by an earlier part (the breakdown compiles the kernels)
+    spares the start most of its compiling, an empty one is a first start on the host."""
     files = startup.get("compile_cache_files_at_spawn")
     if not files:
         return "caches unknown"
-    return "warm caches" if all(files.values()) else "cold caches"
+    return ", ".join(f"{name.capitalize()} cache {'warm' if n else 'cold'}" for name, n in files.items())
 
 
 def fmt(v: Any, scale: float = 1.0, digits: int = 2) -> str:
