@@ -733,6 +733,13 @@ def _positive(value: float | None, name: str) -> float | None:
     return value
 
 
+def _seconds_up_to(value: float, most: float, name: str) -> float:
+    """A number of seconds from 0 to `most`, as a float; ValueError naming `name` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= most:
+        raise ValueError(f"{name}: expected seconds from 0 to {most}, got {value!r}")
+    return float(value)
+
+
 class Client(_ClientOptions):
     """A thread-safe client for one daemon. Use as a context manager, or call `close()`.
 
@@ -746,7 +753,8 @@ class Client(_ClientOptions):
     busy). A stream's thread also wakes by itself `ring_pace_s` before its next chunk is
     due (by the stream's recent gaps) and polls until that long after, so that the chunk
     finds it awake (0: asleep until woken); for its first chunk it polls from the
-    request's submission for up to `ring_first_poll_s` (0: not at all). Where the daemon cannot attach the ring (another user, a limit), replies come
+    request's submission for up to `ring_first_poll_s` (0: not at all). Where the
+    daemon cannot attach the ring (another user, a limit), replies come
     by the socket alone, and the client's log says why: a debug line, or a warning where
     the caller asked for the ring (`reply_ring=True` or a size in bytes, which a client
     of a daemon elsewhere cannot have). `reply_ring=False` asks for none.
@@ -769,19 +777,9 @@ class Client(_ClientOptions):
         super().__init__(endpoint, timeout=timeout, connect_timeout=connect_timeout,
                          server_public_key=server_public_key, public_key=public_key, secret_key=secret_key)
         ring_bytes = _ring_bytes(reply_ring, self.endpoint)
-        if isinstance(ring_spin_s, bool) or not isinstance(ring_spin_s, int | float) \
-                or not 0 <= ring_spin_s <= MAX_RING_SPIN_S:
-            raise ValueError(f"ring_spin_s: expected seconds from 0 to {MAX_RING_SPIN_S}, got {ring_spin_s!r}")
-        self.ring_spin_s = float(ring_spin_s)
-        if isinstance(ring_pace_s, bool) or not isinstance(ring_pace_s, int | float) \
-                or not 0 <= ring_pace_s <= MAX_RING_PACE_S:
-            raise ValueError(f"ring_pace_s: expected seconds from 0 to {MAX_RING_PACE_S}, got {ring_pace_s!r}")
-        self.ring_pace_s = float(ring_pace_s)
-        if isinstance(ring_first_poll_s, bool) or not isinstance(ring_first_poll_s, int | float) \
-                or not 0 <= ring_first_poll_s <= MAX_RING_FIRST_POLL_S:
-            raise ValueError(f"ring_first_poll_s: expected seconds from 0 to {MAX_RING_FIRST_POLL_S}, "
-                             f"got {ring_first_poll_s!r}")
-        self.ring_first_poll_s = float(ring_first_poll_s)
+        self.ring_spin_s = _seconds_up_to(ring_spin_s, MAX_RING_SPIN_S, "ring_spin_s")
+        self.ring_pace_s = _seconds_up_to(ring_pace_s, MAX_RING_PACE_S, "ring_pace_s")
+        self.ring_first_poll_s = _seconds_up_to(ring_first_poll_s, MAX_RING_FIRST_POLL_S, "ring_first_poll_s")
         self._io = _LoopThread()
         try:
             self._session: _Session = self._io.run(
