@@ -61,6 +61,24 @@ def time_calls(call, copies: int) -> float:
     return statistics.median(times)
 
 
+def bandwidth_share(m: int, n: int, k: int, seconds: float, bandwidth: float) -> float:
+    """The share of the copy bandwidth a bf16 [m, k] by [n, k] product in `seconds`
+    reached, counting the weight, the input and the output."""
+    return (n * k + m * k + m * n) * 2 / seconds / bandwidth
+
+
+def start_sweep(parser: argparse.ArgumentParser) -> tuple[argparse.Namespace, float, dict]:
+    """A sweep's start: its arguments (a parser error without a CUDA GPU), TF32 off, the
+    copy bandwidth measured and printed, and its results so far."""
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA GPU")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    bandwidth = copy_bandwidth()
+    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s  {torch.cuda.get_device_name()}")
+    return args, bandwidth, {"copy_bandwidth_Bps": bandwidth, "device": torch.cuda.get_device_name(), "rows": {}}
+
+
 def time_linear(m: int, n: int, k: int, backend: str) -> float:
     """Seconds per `F.linear` call of [m, k] by [n, k] in bf16 on `backend`, from L2-cold weights."""
     torch.backends.cuda.preferred_blas_library(backend)
@@ -74,13 +92,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("bench_blas.json"))
     parser.add_argument("--rows", type=sizes, default=[64, 128, 256, 512])
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        parser.error("needs a CUDA GPU")
-    torch.backends.cuda.matmul.allow_tf32 = False
-    bandwidth = copy_bandwidth()
-    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s")
-    results = {"copy_bandwidth_Bps": bandwidth, "device": torch.cuda.get_device_name(), "rows": {}}
+    args, bandwidth, results = start_sweep(parser)
     default = torch.backends.cuda.preferred_blas_library()
     try:
         for m in args.rows:
@@ -89,7 +101,7 @@ def main() -> int:
                 line = f"M={m:4d} {name:18s}"
                 for backend in BACKENDS:
                     seconds = time_linear(m, n, k, backend)
-                    share = (n * k + m * k + m * n) * 2 / seconds / bandwidth
+                    share = bandwidth_share(m, n, k, seconds, bandwidth)
                     row[backend] = {"seconds": seconds, "bandwidth_share": share}
                     line += f"  {backend} {seconds * 1e6:7.1f} us ({share * 100:3.0f}%)"
                 print(line, flush=True)

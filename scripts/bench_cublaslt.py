@@ -29,18 +29,17 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench_blas import SHAPES, time_calls  # noqa: E402
-from bench_graphs import copy_bandwidth  # noqa: E402
+from bench_blas import SHAPES, bandwidth_share, start_sweep, time_calls  # noqa: E402
 from bench_sampler import sizes  # noqa: E402
-from hybridd.model import cublaslt  # noqa: E402
+from hybridd.model import cublaslt, prefill_gemm  # noqa: E402
 
-WORKSPACE_BYTES = 32 << 20
+WORKSPACE_BYTES = prefill_gemm.CANDIDATE_WORKSPACE_BYTES
 ACCUMULATED = ("o", "down")  # the projections whose product the model adds to the stream
 
 
 def candidates(product: cublaslt.LtProduct, splits_of: int) -> list[cublaslt.Candidate]:
     """The heuristic's algorithms, then K split 2-8 ways in the first `splits_of` unsplit ones."""
-    found = product.candidates(WORKSPACE_BYTES, count=64)
+    found = product.candidates(WORKSPACE_BYTES, count=prefill_gemm.CANDIDATES)
     extra = []
     for candidate in [c for c in found if c.config.get("split_k", 1) <= 1][:splits_of]:
         for split in (2, 3, 4, 6, 8):
@@ -101,22 +100,23 @@ def table_entries(results: dict, margin: float = 0.03) -> dict[tuple, dict[str, 
     return entries
 
 
+def table_source(config: dict[str, int]) -> str:
+    """A configuration as `prefill_gemm._TABLE` writes it: `_lt(...)` with the attributes
+    that differ from `_lt`'s defaults."""
+    defaults = prefill_gemm._lt()
+    return "_lt(" + ", ".join(f"{key}={value}" for key, value in config.items() if defaults.get(key) != value) + ")"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("bench_cublaslt.json"))
     parser.add_argument("--rows", type=sizes, default=[64, 128, 256])
     parser.add_argument("--splits-of", type=int, default=4,
                         help="split K in this many of the heuristic's first unsplit algorithms")
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        parser.error("needs a CUDA GPU")
-    torch.backends.cuda.matmul.allow_tf32 = False
-    bandwidth = copy_bandwidth()
-    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s  {torch.cuda.get_device_name()}")
-    results = {"copy_bandwidth_Bps": bandwidth, "device": torch.cuda.get_device_name(), "rows": {}}
+    args, bandwidth, results = start_sweep(parser)
 
     def share(m, n, k, seconds):
-        return (n * k + m * k + m * n) * 2 / seconds / bandwidth
+        return bandwidth_share(m, n, k, seconds, bandwidth)
 
     for m in args.rows:
         for name, (n, k) in SHAPES.items():
@@ -136,7 +136,7 @@ def main() -> int:
     args.out.write_text(json.dumps(results, indent=1))
     print("prefill_gemm._TABLE entries (3 % faster or more):")
     for key, config in table_entries(results).items():
-        print(f"    {key!r}: {config!r},")
+        print(f"    {key!r}:\n        {table_source(config)},")
     return 0
 
 

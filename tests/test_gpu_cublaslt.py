@@ -3,6 +3,9 @@ projections that run on them (`hybridd.model.prefill_gemm`), against `F.linear`.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -16,6 +19,15 @@ WORKSPACE = 32 << 20
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def test_the_sweep_writes_each_configuration_as_the_table_holds_it():
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    from bench_cublaslt import table_source
+
+    for config in prefill_gemm._TABLE.values():
+        assert eval(table_source(config), {"_lt": prefill_gemm._lt}) == config  # noqa: S307 (our own output)
+    assert table_source(prefill_gemm._lt(algo_id=66, tile=27, stages=35)) == "_lt(algo_id=66, tile=27, stages=35)"
 
 
 def test_prefill_gemm_leaves_cpu_products_to_torch():

@@ -85,6 +85,10 @@ _TABLE: dict[tuple[str, int, int, int, bool], dict[str, int]] = {
         _lt(algo_id=66, tile=135, custom=2, stages=35, cluster_shape=7),
 }
 ENABLED = True
+# The heuristic's search the table's algorithms come from (scripts/bench_cublaslt.py
+# searches the same way): the workspace it may assume and how many candidates it names.
+CANDIDATE_WORKSPACE_BYTES = 32 << 20
+CANDIDATES = 64
 _lock = threading.Lock()
 _SPLIT_KEYS = ("split_k", "reduction")
 # The operands' alignment the table's algorithms were chosen for (cuBLASLt's default).
@@ -108,7 +112,7 @@ def _resolve(name: str, m: int, n: int, k: int, dtype: torch.dtype, accumulate: 
 
     wanted = _TABLE[(name, m, n, k, accumulate)]
     product = cublaslt.LtProduct(m, n, k, dtype, accumulate=accumulate)
-    found = product.candidates(32 << 20, count=64)
+    found = product.candidates(CANDIDATE_WORKSPACE_BYTES, count=CANDIDATES)
     for candidate in found:
         if candidate.config == wanted:
             return product, candidate
