@@ -25,6 +25,7 @@ MAX_TIMEOUT_S = 86400.0
 MAX_BUSY_POLL_S = 10.0  # polling longer than this is a core spent for nothing
 MAX_STEP_WAKE_POLL_S = 1.0  # a request is admitted in well under a millisecond
 MAX_HEARTBEAT_INTERVAL_S = 60.0
+MAX_KERNEL_COMPILE_WORKERS = 64  # each imports torch and Triton: a few hundred MB of memory
 
 if TYPE_CHECKING:
     import torch
@@ -81,6 +82,10 @@ class Config:
     # static domain
     use_cuda_graphs: bool = True
     graph_memory_budget_mb: int = 1024
+    # Processes that compile the graphs' Triton kernels at start, all at once, before the
+    # captures load them (hybridd/runtime/kernel_precompile.py); 0: each kernel compiles at
+    # its first launch, one after another. At most the host's core count are started.
+    kernel_compile_workers: int = 8
     # on CUDA, sample with the fused Triton kernels (compiled at start) instead of eager torch
     compile_sampler: bool = True
     # auto/on: the workers share a CUDA device through a private MPS daemon; auto runs
@@ -136,7 +141,7 @@ class Config:
                      "startup_timeout_s"):
             positive(name)
         for name in ("num_kv_blocks", "max_model_len", "max_restarts", "restart_backoff_s", "busy_poll_s",
-                     "step_wake_poll_s", "max_reply_rings"):
+                     "step_wake_poll_s", "max_reply_rings", "kernel_compile_workers"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         for name, limit in (("heartbeat_interval_s", MAX_HEARTBEAT_INTERVAL_S), ("drain_timeout_s", MAX_TIMEOUT_S),
@@ -145,6 +150,9 @@ class Config:
                             ("step_wake_poll_s", MAX_STEP_WAKE_POLL_S)):
             if getattr(self, name) > limit:
                 raise ConfigError(f"{name} must be at most {limit:g} s, got {getattr(self, name)!r}")
+        if self.kernel_compile_workers > MAX_KERNEL_COMPILE_WORKERS:
+            raise ConfigError(f"kernel_compile_workers must be at most {MAX_KERNEL_COMPILE_WORKERS}, "
+                              f"got {self.kernel_compile_workers!r}")
         if self.heartbeat_timeout_s < 2 * self.heartbeat_interval_s:
             raise ConfigError(f"heartbeat_timeout_s ({self.heartbeat_timeout_s:g}) must be at least twice "
                               f"heartbeat_interval_s ({self.heartbeat_interval_s:g})")

@@ -31,9 +31,11 @@ class EnginePair:
         from hybridd.workers import context_generator, graph_generator
 
         # No supervisor calls this pair ready: the context generator's own state says it.
+        # Not daemonic, as the supervisor spawns them: the graph generator starts processes
+        # of its own (its kernel compile pool); close() ends both.
         self.context = ctx.Process(target=context_target or context_generator.main,
-                                   args=(self.config.to_dict(), ctl, False), daemon=True)
-        self.graph = ctx.Process(target=graph_generator.main, args=(self.config.to_dict(), ctl), daemon=True)
+                                   args=(self.config.to_dict(), ctl, False), daemon=False)
+        self.graph = ctx.Process(target=graph_generator.main, args=(self.config.to_dict(), ctl), daemon=False)
         try:
             with mock.patch.dict(os.environ, self.mps.env if self.mps else {}):
                 self.context.start()

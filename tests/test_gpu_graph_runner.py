@@ -99,6 +99,34 @@ def run_both(graph_runner, eager_runner, step):
 
 
 @torch.inference_mode()
+def test_precompiled_kernels_are_loaded_by_the_warm_ups_not_compiled(model, tmp_path, monkeypatch):
+    """First in this module, so that the runner's kernels are not in memory yet."""
+    from triton import knobs
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    graphs = make_runner(model, True)
+    report = graphs.precompile_kernels(workers=4)
+    assert report is not None and report.failed == {}, report
+    assert report.kernels > 0 and report.missing == report.kernels, report
+    compiled = []
+    knobs.compilation.listener = lambda *, src, cache_hit, **_: compiled.append((src.name, cache_hit))
+    try:
+        graphs.capture_decode_graphs()
+        graphs.warm_up_prefill()
+        for size in PREFILL:
+            assert graphs._capture(True, size)
+    finally:
+        knobs.compilation.listener = None
+    assert compiled, "the warm-ups loaded no kernel: the dry runs compiled or launched them"
+    assert not [name for name, hit in compiled if not hit], f"compiled after the precompile: {compiled}"
+    eager = make_runner(model, False)
+    seqs = Seqs(4, seed=5)
+    for step in (seqs.prefill_step([0, 1]), seqs.decode_step([0, 1]), seqs.decode_step([0])):
+        shape, got, ref = run_both(graphs, eager, step)
+        assert shape.graph and torch.equal(got, ref)
+
+
+@torch.inference_mode()
 def test_every_bucket_graph_equals_eager_bitwise(model):
     graphs = make_runner(model, True)
     eager = make_runner(model, False)

@@ -70,6 +70,8 @@ def _no_tokenizer(model: Path) -> None:
     (["--busy-poll-s", "11"], "busy_poll_s must be at most 10 s, got 11.0"),
     (["--step-wake-poll-s", "-0.001"], "step_wake_poll_s must be >= 0, got -0.001"),
     (["--step-wake-poll-s", "2"], "step_wake_poll_s must be at most 1 s, got 2.0"),
+    (["--kernel-compile-workers", "-1"], "kernel_compile_workers must be >= 0, got -1"),
+    (["--kernel-compile-workers", "65"], "kernel_compile_workers must be at most 64, got 65"),
     (["--startup-timeout-s", "0"], "startup_timeout_s must be positive, got 0.0"),
     (["--heartbeat-timeout-s", "0.3"], "heartbeat_timeout_s (0.3) must be at least twice heartbeat_interval_s (0.25)"),
     (["--model", "/nonexistent"], "model /nonexistent: no such directory"),

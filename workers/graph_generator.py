@@ -97,6 +97,9 @@ class GraphGenerator:
         self.inputs_ready = InterprocessEvent.create(self.device)
         self.logits_ready = InterprocessEvent.create(self.device)
 
+        if config.use_cuda_graphs and self.device.type == "cuda" and config.kernel_compile_workers:
+            self.link.phase("capturing", f"compiling kernels in {config.kernel_compile_workers} processes")
+            self.runner.precompile_kernels(config.kernel_compile_workers)
         total = len(self.plan.decode)
         self.link.phase("capturing", "capturing decode graphs", 0, total)
         self.runner.capture_decode_graphs(

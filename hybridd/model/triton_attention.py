@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from hybridd.model import pdl, split_scratch
+from hybridd.model.launch_variants import first_eager_call
 from hybridd.model.pdl import wait_for_predecessor
 from hybridd.model.step_inputs import StepInputs
 
@@ -391,20 +392,11 @@ def prefill_attention(
     return out
 
 
-# Graph buckets of other sizes pick other launch plans (split counts, query tile heights),
-# each its own compiled kernel. The first eager call for a geometry (the graph runner's
-# warm-up) launches every plan a bucket can pick, on empty inputs, so a later capture
-# finds them compiled and loaded instead of compiling inside the capture. With and without
-# dependent launch they are different kernels (`pdl`), each compiled by its first call.
+# Graph buckets of other sizes pick other launch plans (split counts, query tile heights);
+# the first eager call for a geometry launches every plan a bucket can pick
+# (`launch_variants`). With and without dependent launch they are different kernels
+# (`pdl`), each compiled by its first call.
 _MAX_BUCKET_BATCH = 512
-_compiled: set[tuple] = set()
-
-
-def _first_eager_call(key: tuple, device: torch.device) -> bool:
-    if key in _compiled or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-        return False
-    _compiled.add(key)
-    return True
 
 
 def _compile_decode_plans(
@@ -412,7 +404,7 @@ def _compile_decode_plans(
 ) -> None:
     h, kvh, page, width = q.shape[1], k_cache.shape[2], k_cache.shape[1], block_tables.shape[1]
     key = ("decode", q.device, q.dtype, tuple(q.shape[1:]), tuple(k_cache.shape[1:]), width, pdl.enabled(q.device))
-    if not _first_eager_call(key, q.device):
+    if not first_eager_call(key, q.device):
         return
     plans = {decode_plan(b, kvh, width * page) for b in range(1, _MAX_BUCKET_BATCH + 1)}
     empty = torch.zeros(1, dtype=torch.int32, device=q.device)
@@ -432,7 +424,7 @@ def _compile_prefill_plans(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, st
     an eager prefill (a bucket not captured yet) has its own count of sequences."""
     seqs = step.query_start_loc.shape[0] - 1
     key = ("prefill", q.device, q.dtype, tuple(q.shape[1:]), tuple(k.shape[1:]), seqs, pdl.enabled(q.device))
-    if not _first_eager_call(key, q.device):
+    if not first_eager_call(key, q.device):
         return
     plans = dict.fromkeys([plan for _, plan in _PREFILL_PLANS] + [_LONG_PREFILL_PLAN])
     tokens = 16  # any multiple of 16 (as every bucket is) compiles the kernel a bucket runs

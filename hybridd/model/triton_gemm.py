@@ -32,6 +32,7 @@ import triton.language as tl
 
 from hybridd import gemm_fusions
 from hybridd.model import pdl, prefill_gemm, split_scratch
+from hybridd.model.launch_variants import first_eager_call
 from hybridd.model.pdl import wait_for_predecessor
 from hybridd.model.rope import RotaryArgs
 
@@ -457,9 +458,6 @@ def config_for(m: int, n: int, k: int) -> GemmConfig | None:
     return None
 
 
-_compiled: set[tuple] = set()
-
-
 def _compile_every_bucket(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool = False,
                           rotary: RotaryArgs | None = None, norm: FoldedNorm | None = None,
                           residual: torch.Tensor | None = None) -> None:
@@ -468,15 +466,14 @@ def _compile_every_bucket(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     finds its kernel compiled and loaded instead of compiling inside the capture. The
     launches run on zero rows; a rotary variant's slots are all -1, so it writes nothing
     to the caches."""
-    key = (tuple(weight.shape), weight.dtype, x.device, bias is not None, gated, residual is not None,
+    key = ("gemm", tuple(weight.shape), weight.dtype, x.device, bias is not None, gated, residual is not None,
            pdl.enabled(x.device))
     if rotary is not None:
         key += (rotary.num_heads, rotary.num_kv_heads, rotary.head_dim, rotary.k_cache.dtype)
     if norm is not None:
         key += (triton.next_power_of_2(norm.sum_squares.shape[1]),)
-    if key in _compiled or torch.cuda.is_current_stream_capturing():
+    if not first_eager_call(key, x.device):
         return
-    _compiled.add(key)
     if rotary is not None:
         rotary = RotaryArgs(
             rotary.num_heads, rotary.num_kv_heads, rotary.head_dim,

@@ -36,6 +36,7 @@ from hybridd.runtime import gc_pauses
 from hybridd.runtime.buckets import BucketPlan
 from hybridd.runtime.graph_memory import activation_bytes, pool_bytes
 from hybridd.runtime.graph_stats import BucketStats
+from hybridd.runtime.kernel_precompile import PrecompileReport, precompile
 from hybridd.runtime.step_buffers import StepBuffers
 
 log = get_logger("graph_runner")
@@ -211,6 +212,31 @@ class GraphRunner:
         logits_out[: view.num_seqs].copy_(self.model.compute_logits(hidden, view.logits_indices))
 
     # ----------------------------------------------------------------- capture
+    def precompile_kernels(self, workers: int) -> PrecompileReport | None:
+        """Compile the Triton kernels that capturing the decode graphs and warming up
+        prefill will launch, in `workers` processes at once, before either runs (CUDA with
+        graphs, `workers` >= 1; `kernel_precompile`). Their warm-ups then load the kernels
+        from Triton's cache instead of compiling them one after another. A failure is
+        logged and leaves the compiling to those warm-ups, as without it."""
+        if not self.cuda or workers < 1:
+            return None
+        seqs = self.plan.max_prefill_seqs
+
+        def dry_runs() -> None:
+            with torch.cuda.stream(self.capture_stream):
+                for size in sorted(self.plan.decode):
+                    self._step_body(self._dummy_inputs(False, size, size), self._scratch_logits(size))
+                for size in prefill_warm_up_sizes(self.plan.prefill, self.model.kernels.skinny_rows):
+                    self._step_body(self._dummy_inputs(True, size, seqs), self._scratch_logits(seqs))
+            self.capture_stream.synchronize()
+
+        try:
+            return precompile(dry_runs, workers)
+        except Exception as exc:  # the warm-ups compile what is missing, one by one
+            log.warning("kernel_precompile_failed", error=f"{type(exc).__name__}: {str(exc)[:200]}",
+                        consequence="the warm-ups compile the kernels one after another")
+            return None
+
     def capture_decode_graphs(self, progress=None) -> None:
         """Capture every decode bucket, largest first (before the daemon is ready)."""
         if not self.use_graphs:

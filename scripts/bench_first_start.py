@@ -1,0 +1,99 @@
+"""A daemon's first start on a host: the time from its weights loaded to ready with
+Triton's and Inductor's caches empty, by how many processes compile the graphs'
+kernels (`kernel_compile_workers`), and a later start that finds them cached.
+
+    python scripts/bench_first_start.py --out $OUT --workers 0,8,16
+
+Random weights of the preset's shape (as scripts/bench.py writes them). Each start in
+`--workers` gets caches of its own, empty; `--warm-again` (default on) starts once more
+on the last start's caches. Prints one line per start and writes first_start.json with
+each start's phases (seconds from spawn) as the graph generator reported them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+for _p in (str(ROOT), str(ROOT / "scripts")):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+CACHE_VARS = ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")
+
+
+def phase_spans(phases: list[dict]) -> dict[str, float]:
+    """Seconds between the graph generator's consecutive phase reports, by the detail of the
+    one that opened each span (the last span ends at the context generator's ready)."""
+    graph = [p for p in phases if p["worker"] == "graph"]
+    ready = next((p["t_s"] for p in phases if p["worker"] == "context" and p["phase"] == "ready"), None)
+    spans: dict[str, float] = {}
+    for i, p in enumerate(graph):
+        end = graph[i + 1]["t_s"] if i + 1 < len(graph) else ready
+        if end is None or p["phase"] == "ready":
+            continue
+        label = p["detail"] or p["phase"]
+        spans[label] = round(spans.get(label, 0.0) + end - p["t_s"], 3)
+    return spans
+
+
+def one_start(model: Path, workers: int, caches: Path, timeout_s: float) -> dict:
+    from bench import HybriddServer
+
+    for name in CACHE_VARS:
+        os.environ[name] = str(caches / name.lower())
+    started = time.perf_counter()
+    server = HybriddServer(model, "cuda", timeout_s, kernel_compile_workers=workers)
+    try:
+        startup = server.startup()
+    finally:
+        server.close()
+    return {"kernel_compile_workers": workers, "caches": str(caches), "wall_s": time.perf_counter() - started,
+            "after_weights_to_ready_s": startup["after_weights_to_ready_s"],
+            "weights_load_s": startup["weights_load_s"],
+            "compile_cache_files_at_spawn": startup["compile_cache_files_at_spawn"],
+            "spans_s": phase_spans(startup["phases"]), "phases": startup["phases"]}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--preset", default="llama2-7b")
+    p.add_argument("--workers", default="0,8", help="comma-separated kernel_compile_workers, one start each")
+    p.add_argument("--warm-again", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--timeout-s", type=float, default=300.0, help="the longest one start is waited for")
+    args = p.parse_args()
+    from bench import make_model
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    args.device, args.checkpoint_dir = "cuda", None
+    model = make_model(args)
+    scratch = Path(tempfile.mkdtemp(prefix="hybridd-first-start-"))
+    starts = []
+    try:
+        plan = [(int(w), scratch / f"caches-{i}") for i, w in enumerate(args.workers.split(","))]
+        if args.warm_again:
+            plan.append((plan[-1][0], plan[-1][1]))
+        for workers, caches in plan:
+            result = one_start(model, workers, caches, args.timeout_s)
+            starts.append(result)
+            files = result["compile_cache_files_at_spawn"]
+            print(f"kernel_compile_workers {workers}: weights -> ready {result['after_weights_to_ready_s']:.1f} s "
+                  f"(cache files at spawn: triton {files['triton']}, inductor {files['inductor']}); "
+                  + ", ".join(f"{k} {v:.1f} s" for k, v in result["spans_s"].items()), flush=True)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+        (args.out / "first_start.json").write_text(json.dumps(
+            {"preset": args.preset, "cpu_count": os.cpu_count(), "starts": starts}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
