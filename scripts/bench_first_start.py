@@ -4,7 +4,8 @@ kernels (`kernel_compile_workers`), and a later start that finds them cached.
 
     python scripts/bench_first_start.py --out $OUT --workers 0,8,16
 
-Random weights of the preset's shape (as scripts/bench.py writes them). Each start in
+Random weights of the preset's shape (as scripts/bench.py writes them); both workers
+compile what the daemon's do at start (the graphs' kernels, the sampler's). Each start in
 `--workers` gets caches of its own, empty; `--warm-again` (default on) starts once more
 on the last start's caches. Prints one line per start and writes first_start.json with
 each start's phases (seconds from spawn) as the graph generator reported them.
@@ -30,17 +31,14 @@ CACHE_VARS = ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")
 
 
 def phase_spans(phases: list[dict]) -> dict[str, float]:
-    """Seconds between the graph generator's consecutive phase reports, by the detail of the
-    one that opened each span (the last span ends at the context generator's ready)."""
-    graph = [p for p in phases if p["worker"] == "graph"]
-    ready = next((p["t_s"] for p in phases if p["worker"] == "context" and p["phase"] == "ready"), None)
+    """Seconds between each worker's consecutive phase reports, by worker and the detail of
+    the report that opened each span (a worker's last span ends at its ready)."""
     spans: dict[str, float] = {}
-    for i, p in enumerate(graph):
-        end = graph[i + 1]["t_s"] if i + 1 < len(graph) else ready
-        if end is None or p["phase"] == "ready":
-            continue
-        label = p["detail"] or p["phase"]
-        spans[label] = round(spans.get(label, 0.0) + end - p["t_s"], 3)
+    for worker in ("graph", "context"):
+        own = [p for p in phases if p["worker"] == worker]
+        for p, after in zip(own, own[1:]):
+            label = f"{worker}: {p['detail'] or p['phase']}"
+            spans[label] = round(spans.get(label, 0.0) + after["t_s"] - p["t_s"], 3)
     return spans
 
 
@@ -50,7 +48,8 @@ def one_start(model: Path, workers: int, caches: Path, timeout_s: float) -> dict
     for name in CACHE_VARS:
         os.environ[name] = str(caches / name.lower())
     started = time.perf_counter()
-    server = HybriddServer(model, "cuda", timeout_s, kernel_compile_workers=workers)
+    # The sampler's kernels too, as the daemon compiles them at start (the context generator's part).
+    server = HybriddServer(model, "cuda", timeout_s, kernel_compile_workers=workers, compile_sampler=True)
     try:
         startup = server.startup()
     finally:
