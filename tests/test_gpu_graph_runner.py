@@ -104,8 +104,11 @@ def test_precompiled_kernels_are_loaded_by_the_warm_ups_not_compiled(model, tmp_
     from triton import knobs
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    from hybridd.runtime.kernel_precompile import CompilePool
+
     graphs = make_runner(model, True)
-    report = graphs.precompile_kernels(workers=4)
+    with CompilePool(4) as pool:
+        report = graphs.precompile_kernels(pool)
     assert report is not None and report.failed == {}, report
     assert report.kernels > 0 and report.missing == report.kernels, report
     compiled = []

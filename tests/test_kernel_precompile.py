@@ -51,9 +51,10 @@ from tests.test_kernel_precompile import TARGET, _rms_norm_spec
 
 good, other, missing = _rms_norm_spec(4096), _rms_norm_spec(2048), _rms_norm_spec(4096, name="_no_such_kernel")
 before = kp._in_cache(good, TARGET)
-first = kp.compile_kernels([good, other, missing], TARGET, workers=2)
-after = [kp._in_cache(good, TARGET), kp._in_cache(other, TARGET)]
-again = kp.compile_kernels([good, other], TARGET, workers=2)
+with kp.CompilePool(2) as pool:
+    first = pool.compile([good, other, missing], TARGET)
+    after = [kp._in_cache(good, TARGET), kp._in_cache(other, TARGET)]
+    again = pool.compile([good, other], TARGET)
 print(json.dumps({"before": before, "first": first.as_dict(), "after": after, "again": again.as_dict()}))
 """
 
@@ -87,7 +88,7 @@ def test_a_spec_the_cache_cannot_be_asked_about_counts_as_missing(tmp_path, monk
     broken = KernelSpec("hybridd.model.triton_ops", "_rms_norm_kernel", "{not json")
     assert not kernel_precompile._in_cache(broken, TARGET)
     with pytest.raises(ValueError, match="workers must be at least 1, got 0"):
-        kernel_precompile.compile_kernels([broken], TARGET, workers=0)
+        kernel_precompile.CompilePool(0)
 
 
 def test_a_dry_run_leaves_the_variant_record_as_it_was():

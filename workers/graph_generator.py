@@ -26,6 +26,7 @@ from hybridd.model.kv_cache import kv_arena_shape, kv_bytes_per_block
 from hybridd.runtime import gc_pauses
 from hybridd.runtime.buckets import BucketPlan
 from hybridd.runtime.graph_runner import GraphRunner
+from hybridd.runtime.kernel_precompile import CompilePool
 from hybridd.runtime.step_buffers import StepBuffers, buffer_layout, geometry
 from hybridd.runtime.step_trace import StepTracer, mark
 from hybridd.ipc.arena_layout import ArenaLayout
@@ -59,6 +60,27 @@ class GraphGenerator:
         self._stop = False
 
     def start(self) -> None:
+        pool = self._start_compile_pool()
+        try:
+            self._load_and_capture(pool)
+        finally:
+            if pool is not None:
+                pool.close()
+
+    def _start_compile_pool(self) -> CompilePool | None:
+        """The processes that compile the graphs' kernels (`kernel_compile_workers`, at most
+        one per core), started before the weights load so that their imports overlap it."""
+        config = self.config
+        workers = min(config.kernel_compile_workers, os.cpu_count() or 1)
+        if not (config.use_cuda_graphs and self.device.type == "cuda" and workers):
+            return None
+        try:
+            return CompilePool(workers)
+        except Exception as exc:  # the warm-ups compile the kernels one after another instead
+            self.log.warning("compile_pool_not_started", error=f"{type(exc).__name__}: {exc}")
+            return None
+
+    def _load_and_capture(self, pool: CompilePool | None) -> None:
         config = self.config
         self.link.phase("loading", f"loading {config.model}")
         if self.device.type == "cuda":
@@ -97,9 +119,9 @@ class GraphGenerator:
         self.inputs_ready = InterprocessEvent.create(self.device)
         self.logits_ready = InterprocessEvent.create(self.device)
 
-        if config.use_cuda_graphs and self.device.type == "cuda" and config.kernel_compile_workers:
-            self.link.phase("capturing", f"compiling kernels in {config.kernel_compile_workers} processes")
-            self.runner.precompile_kernels(config.kernel_compile_workers)
+        if pool is not None:
+            self.link.phase("capturing", f"compiling kernels in {pool.workers} processes")
+            self.runner.precompile_kernels(pool)
         total = len(self.plan.decode)
         self.link.phase("capturing", "capturing decode graphs", 0, total)
         self.runner.capture_decode_graphs(

@@ -36,7 +36,7 @@ from hybridd.runtime import gc_pauses
 from hybridd.runtime.buckets import BucketPlan
 from hybridd.runtime.graph_memory import activation_bytes, pool_bytes
 from hybridd.runtime.graph_stats import BucketStats
-from hybridd.runtime.kernel_precompile import PrecompileReport, precompile
+from hybridd.runtime.kernel_precompile import CompilePool, PrecompileReport, precompile
 from hybridd.runtime.step_buffers import StepBuffers
 
 log = get_logger("graph_runner")
@@ -212,13 +212,13 @@ class GraphRunner:
         logits_out[: view.num_seqs].copy_(self.model.compute_logits(hidden, view.logits_indices))
 
     # ----------------------------------------------------------------- capture
-    def precompile_kernels(self, workers: int) -> PrecompileReport | None:
+    def precompile_kernels(self, pool: CompilePool) -> PrecompileReport | None:
         """Compile the Triton kernels that capturing the decode graphs and warming up
-        prefill will launch, in `workers` processes at once, before either runs (CUDA with
-        graphs, `workers` >= 1; `kernel_precompile`). Their warm-ups then load the kernels
-        from Triton's cache instead of compiling them one after another. A failure is
-        logged and leaves the compiling to those warm-ups, as without it."""
-        if not self.cuda or workers < 1:
+        prefill will launch, in `pool`'s processes at once, before either runs (CUDA with
+        graphs; `kernel_precompile`). Their warm-ups then load the kernels from Triton's
+        cache instead of compiling them one after another. A failure is logged and leaves
+        the compiling to those warm-ups, as without it."""
+        if not self.cuda:
             return None
         seqs = self.plan.max_prefill_seqs
 
@@ -231,7 +231,7 @@ class GraphRunner:
             self.capture_stream.synchronize()
 
         try:
-            return precompile(dry_runs, workers)
+            return precompile(dry_runs, pool)
         except Exception as exc:  # the warm-ups compile what is missing, one by one
             log.warning("kernel_precompile_failed", error=f"{type(exc).__name__}: {str(exc)[:200]}",
                         consequence="the warm-ups compile the kernels one after another")

@@ -22,7 +22,6 @@ import contextlib
 import importlib
 import json
 import multiprocessing
-import os
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
@@ -97,28 +96,57 @@ def current_target() -> tuple[str, int | str, int]:
     return target.backend, target.arch, target.warp_size
 
 
-def compile_kernels(specs: list[KernelSpec], target: tuple, workers: int) -> PrecompileReport:
-    """Compile those of `specs` that Triton's cache lacks, for `target`, in up to `workers`
-    spawned processes."""
-    if workers < 1:
-        raise ValueError(f"workers must be at least 1, got {workers}")
-    from triton import knobs
+class CompilePool:
+    """Processes that compile kernels, started ahead of the specs they will get: each
+    imports torch, Triton and the kernel modules as it starts (seconds), which the graph
+    generator overlaps with its weights' load. `close` ends them."""
 
-    started = time.perf_counter()
-    missing = [spec for spec in specs if not _in_cache(spec, target)]
-    report = PrecompileReport(kernels=len(specs), missing=len(missing), workers=min(workers, len(missing)))
-    if missing:
+    def __init__(self, workers: int):
+        if workers < 1:
+            raise ValueError(f"workers must be at least 1, got {workers}")
+        self.workers = workers
+        self._executor = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
+        # One import task each: a spawn pool starts a process per task that finds none idle.
+        self._imports = [self._executor.submit(import_kernel_modules) for _ in range(workers)]
+
+    def compile(self, specs: list[KernelSpec], target: tuple) -> PrecompileReport:
+        """Compile those of `specs` that Triton's cache lacks, for `target`."""
+        from triton import knobs
+
+        started = time.perf_counter()
+        missing = [spec for spec in specs if not _in_cache(spec, target)]
+        report = PrecompileReport(kernels=len(specs), missing=len(missing),
+                                  workers=min(self.workers, len(missing)))
         cache_dir = knobs.cache.dir
-        with ProcessPoolExecutor(report.workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-            futures = [pool.submit(compile_one, spec.module, spec.name, spec.specialization, target, cache_dir)
-                       for spec in missing]
-            for spec, future in zip(missing, futures):
-                try:
-                    future.result()
-                except Exception as exc:  # the first launch compiles it instead
-                    report.failed[spec.label] = f"{type(exc).__name__}: {str(exc)[:300]}"
-    report.seconds = time.perf_counter() - started
-    return report
+        futures = [self._executor.submit(compile_one, spec.module, spec.name, spec.specialization, target, cache_dir)
+                   for spec in missing]
+        for spec, future in zip(missing, futures):
+            try:
+                future.result()
+            except Exception as exc:  # the first launch compiles it instead
+                report.failed[spec.label] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        report.seconds = time.perf_counter() - started
+        return report
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True, cancel_futures=True)
+
+    def __enter__(self) -> CompilePool:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+# The modules whose kernels the graphs launch, imported by each worker as it starts.
+KERNEL_MODULES = ("hybridd.model.triton_gemm", "hybridd.model.triton_attention", "hybridd.model.triton_ops")
+
+
+def import_kernel_modules() -> None:
+    import triton.compiler  # noqa: F401
+
+    for module in KERNEL_MODULES:
+        importlib.import_module(module)
 
 
 def _rebuilt(module: str, name: str, specialization: str, target: tuple):
@@ -171,11 +199,11 @@ def compile_one(module: str, name: str, specialization: str, target: tuple, cach
     triton.compile(src, target=gpu, options=options.__dict__)
 
 
-def precompile(dry_runs: Callable[[], None], workers: int) -> PrecompileReport:
-    """Record what `dry_runs()` would compile and compile it in `workers` processes."""
+def precompile(dry_runs: Callable[[], None], pool: CompilePool) -> PrecompileReport:
+    """Record what `dry_runs()` would compile and compile it in `pool`."""
     started = time.perf_counter()
     specs = record_launches(dry_runs)
-    report = compile_kernels(specs, current_target(), min(workers, os.cpu_count() or 1))
+    report = pool.compile(specs, current_target())
     report.seconds = time.perf_counter() - started
     log.info("kernels_precompiled", **report.as_dict())
     if report.failed:
