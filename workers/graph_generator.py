@@ -121,7 +121,10 @@ class GraphGenerator:
 
         if pool is not None:
             self.link.phase("capturing", f"compiling kernels in {pool.workers} processes")
-            self.runner.precompile_kernels(pool)
+            report = self.runner.precompile_kernels(pool)
+            if report is not None:
+                self.link.phase("capturing", f"compiled {report.missing} kernels in {report.workers} processes "
+                                f"({report.kernels - report.missing} found compiled, {len(report.failed)} failed)")
         total = len(self.plan.decode)
         self.link.phase("capturing", "capturing decode graphs", 0, total)
         self.runner.capture_decode_graphs(
