@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -81,6 +82,45 @@ def test_workers_fill_the_cache_and_name_what_they_could_not_build(tmp_path):
     assert cubins == ["_rms_norm_kernel.cubin"] * 2
     again = result["again"]
     assert (again["kernels"], again["missing"], again["workers"], again["failed"]) == (2, 0, 0, {})
+
+
+_POOL_THEN_WAIT = """
+import multiprocessing, time
+from hybridd.runtime.kernel_precompile import CompilePool
+pool = CompilePool(2)
+for started in pool._imports:
+    started.result()
+print(" ".join(str(p.pid) for p in multiprocessing.active_children()), flush=True)
+time.sleep(600)
+"""
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+def test_the_workers_die_with_the_process_that_started_them():
+    """A graph generator killed mid-start (SIGKILL: no clean-up of its own runs) leaves no
+    compiler processes behind."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    owner = subprocess.Popen([sys.executable, "-c", _POOL_THEN_WAIT], env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                             text=True)
+    try:
+        workers = [int(pid) for pid in owner.stdout.readline().split()]
+        assert len(workers) >= 2 and all(_running(pid) for pid in workers), workers
+    finally:
+        owner.kill()
+        owner.wait()
+    deadline = time.monotonic() + on_this_host(10)
+    while any(_running(pid) for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [pid for pid in workers if _running(pid)]
 
 
 def test_a_spec_the_cache_cannot_be_asked_about_counts_as_missing(tmp_path, monkeypatch):

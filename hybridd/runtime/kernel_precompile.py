@@ -22,6 +22,7 @@ import contextlib
 import importlib
 import json
 import multiprocessing
+import os
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
@@ -105,7 +106,8 @@ class CompilePool:
         if workers < 1:
             raise ValueError(f"workers must be at least 1, got {workers}")
         self.workers = workers
-        self._executor = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
+        self._executor = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                                             initializer=die_with_parent, initargs=(os.getpid(),))
         # One import task each: a spawn pool starts a process per task that finds none idle.
         self._imports = [self._executor.submit(import_kernel_modules) for _ in range(workers)]
 
@@ -136,6 +138,21 @@ class CompilePool:
 
     def __exit__(self, *exc_info) -> None:
         self.close()
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """In a worker: be killed when the process that started it dies (Linux's parent-death
+    signal): a graph generator killed mid-start must not leave its compilers behind."""
+    import ctypes
+    import signal
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the pool's own shutdown still ends it
+        return
+    if os.getppid() != parent_pid:  # the parent died before the signal was asked for
+        os._exit(1)
 
 
 # The modules whose kernels the graphs launch, imported by each worker as it starts.
