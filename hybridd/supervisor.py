@@ -14,7 +14,6 @@ and the signal wakeup pipe: a worker's death wakes the loop at once, the same wa
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import dataclasses
 import multiprocessing
 import os
@@ -30,6 +29,7 @@ from typing import Any
 import zmq
 
 from hybridd import exit_codes
+from hybridd.child_process import die_with_parent, set_process_title
 from hybridd.config import Config
 from hybridd.cuda_mps import MpsDaemon, start_for
 from hybridd.fallback_endpoint import FallbackEndpoint
@@ -141,31 +141,14 @@ def _endpoint_locked(endpoint: str) -> bool:
 # ---------------------------------------------------------------- the worker side
 
 
-def _die_with_parent() -> None:
-    # PR_SET_PDEATHSIG: if the supervisor is SIGKILLed, its workers must not keep
-    # the GPU (and the client socket) to themselves.
-    PR_SET_PDEATHSIG = 1
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-
-
-def set_process_title(title: str) -> None:
-    """`hybridd: supervisor` etc. in ps/top instead of `python3 -c from multiprocessing…`."""
-    try:
-        from setproctitle import setproctitle
-    except ImportError:  # the title is cosmetic; setproctitle comes with the server extra
-        return
-    setproctitle(title)
-
-
 WORKER_TITLES = {"graph": "hybridd: graph-generator", "context": "hybridd: context-generator"}
 
 
 def worker_main(name: str, target: WorkerTarget, config: dict[str, Any], ctl_endpoint: str, parent_pid: int) -> None:
     """First code of a spawned worker, before its entry point."""
-    _die_with_parent()
-    if os.getppid() != parent_pid:  # the supervisor died before prctl took effect
+    # If the supervisor is SIGKILLed, its workers must not keep the GPU (and the client
+    # socket) to themselves.
+    if not die_with_parent(parent_pid):  # the supervisor died before the signal was asked for
         os._exit(EXIT_FAILURE)
     set_process_title(WORKER_TITLES.get(name, f"hybridd: {name}"))
     # Ctrl-C, `timeout`, `kill -- -PGID` or a KillMode=control-group stop signal the

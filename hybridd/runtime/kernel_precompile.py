@@ -28,6 +28,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
+from hybridd.child_process import die_with_parent, set_process_title
 from hybridd.log import get_logger
 from hybridd.model import launch_variants
 
@@ -107,7 +108,7 @@ class CompilePool:
             raise ValueError(f"workers must be at least 1, got {workers}")
         self.workers = workers
         self._executor = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
-                                             initializer=die_with_parent, initargs=(os.getpid(),))
+                                             initializer=start_worker, initargs=(os.getpid(),))
         # One import task each: a spawn pool starts a process per task that finds none idle.
         self._imports = [self._executor.submit(import_kernel_modules) for _ in range(workers)]
 
@@ -140,19 +141,12 @@ class CompilePool:
         self.close()
 
 
-def die_with_parent(parent_pid: int) -> None:
-    """In a worker: be killed when the process that started it dies (Linux's parent-death
-    signal): a graph generator killed mid-start must not leave its compilers behind."""
-    import ctypes
-    import signal
-
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):  # not Linux: the pool's own shutdown still ends it
-        return
-    if os.getppid() != parent_pid:  # the parent died before the signal was asked for
+def start_worker(parent_pid: int) -> None:
+    """A worker's first code: it dies with the process that started it (a graph generator
+    killed mid-start must not leave its compilers behind) and names itself."""
+    if not die_with_parent(parent_pid):
         os._exit(1)
+    set_process_title("hybridd: kernel compiler")
 
 
 # The modules whose kernels the graphs launch, imported by each worker as it starts.
