@@ -34,6 +34,7 @@ from hybridd.model import launch_variants
 
 log = get_logger("kernel_precompile")
 
+
 @dataclass(frozen=True)
 class KernelSpec:
     """One specialization of one Triton kernel, as a worker process can rebuild it."""
@@ -56,8 +57,8 @@ class PrecompileReport:
     failed: dict[str, str] = field(default_factory=dict)  # kernel label: error
 
     def as_dict(self) -> dict:
-        return {"kernels": self.kernels, "missing": self.missing, "workers": self.workers, "seconds": round(self.seconds, 3),
-                "failed": dict(self.failed)}
+        return {"kernels": self.kernels, "missing": self.missing, "workers": self.workers,
+                "seconds": round(self.seconds, 3), "failed": dict(self.failed)}
 
 
 @contextlib.contextmanager
@@ -154,6 +155,7 @@ KERNEL_MODULES = ("hybridd.model.triton_gemm", "hybridd.model.triton_attention",
 
 
 def import_kernel_modules() -> None:
+    """A worker's first task: the imports every compile needs, done while nothing waits."""
     import triton.compiler  # noqa: F401
 
     for module in KERNEL_MODULES:
@@ -189,8 +191,8 @@ def _in_cache(spec: KernelSpec, target: tuple) -> bool:
     try:
         import hashlib
 
-        from triton.runtime.cache import get_cache_key, get_cache_manager
         from triton._C.libtriton import get_cache_invalidating_env_vars
+        from triton.runtime.cache import get_cache_key, get_cache_manager
 
         src, _, backend, options = _rebuilt(spec.module, spec.name, spec.specialization, target)
         key = get_cache_key(src, backend, options, env_vars=get_cache_invalidating_env_vars())
