@@ -105,15 +105,19 @@ def _running(pid: int) -> bool:
 
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
-def test_the_workers_die_with_the_process_that_started_them():
+def test_the_workers_die_with_the_process_that_started_them(tmp_path):
     """A graph generator killed mid-start (SIGKILL: no clean-up of its own runs) leaves no
     compiler processes behind; in ps they are named for what they are."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    owner = subprocess.Popen([sys.executable, "-c", _POOL_THEN_WAIT], env=env, cwd=ROOT, stdout=subprocess.PIPE,
-                             text=True)
+    # Its stderr to a file: multiprocessing's resource tracker warns there of the owner's
+    # semaphores when it outlives the owner.
+    errors = tmp_path / "owner.err"
+    with errors.open("w") as stderr:
+        owner = subprocess.Popen([sys.executable, "-c", _POOL_THEN_WAIT], env=env, cwd=ROOT,
+                                 stdout=subprocess.PIPE, stderr=stderr, text=True)
     try:
         workers = [int(pid) for pid in owner.stdout.readline().split()]
-        assert len(workers) == 2 and all(_running(pid) for pid in workers), workers
+        assert len(workers) == 2 and all(_running(pid) for pid in workers), (workers, errors.read_text())
         for pid in workers:
             with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
                 assert cmdline.read().split(b"\0")[0].strip() == b"hybridd: kernel compiler"
