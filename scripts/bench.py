@@ -23,7 +23,9 @@ goes on; the JSON is rewritten after every part, so a killed run still leaves re
    through the SDK (the other clients of `hybridd` below are measured with graphs on only).
 5. `hybridd`: both worker processes, graphs on (the daemon's defaults): time to ready
    (split into interpreter start, weight load and capture from the workers' lifecycle
-   phases, which the bench receives by binding the supervisor socket itself); ITL while
+   phases, which the bench receives by binding the supervisor socket itself), by default
+   on compile caches of its own, empty, as a first start on a host finds them
+   (`--no-first-start`: on those the parts before it filled); ITL while
    the background thread is still capturing prefill graphs against steady state; TTFT at
    10/32/128/256/500 prompt tokens; ITL p50/p99 over 256 tokens after a 128-token prompt
    (through the SDK as a user gets it: its replies read from the reply ring, the stream's
@@ -131,7 +133,7 @@ TINY_PRESET = dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, n
                    num_key_value_heads=2, vocab_size=1024, max_position_embeddings=1024)
 
 # Estimated seconds per part on an H200 with the Llama-2-7B / Llama-3-8B shape (the budget check uses them).
-ESTIMATE_S_7B = {"ceilings": 8, "checkpoint": 60, "breakdown": 45, "hybridd_eager": 50, "hybridd": 100,
+ESTIMATE_S_7B = {"ceilings": 8, "checkpoint": 60, "breakdown": 45, "hybridd_eager": 50, "hybridd": 110,
                  "hybridd_no_mps": 60, "hybridd_no_pdl": 60, "hybridd_unfused": 60, "capture_evict": 60, "in_process": 35,
                  "hf_eager": 45, "hf_static": 60, "hybridd_poll": 60, "hybridd_no_wake": 60}
 ESTIMATE_S_SMALL = {"ceilings": 3, "checkpoint": 5, "breakdown": 10, "hybridd_eager": 12, "hybridd": 20,
@@ -436,6 +438,31 @@ def compile_cache_entries() -> dict[str, int]:
         or os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}"),
     }
     return {name: sum(len(files) for _, _, files in os.walk(d)) for name, d in dirs.items()}
+
+
+COMPILE_CACHE_VARS = ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")
+
+
+def on_empty_compile_caches(fn, caches: Path | None = None):
+    """fn() with Triton's and Inductor's caches in `caches` (default: a new directory,
+    removed afterwards), as the workers spawned meanwhile will find them: a start there is
+    a first start on the host (it compiles every kernel) unless `caches` holds an earlier one's."""
+    saved = {name: os.environ.get(name) for name in COMPILE_CACHE_VARS}
+    scratch = None if caches is not None else Path(tempfile.mkdtemp(prefix="hybridd-caches-"))
+    root = caches if caches is not None else scratch
+    os.environ.update({name: str(root / name.lower()) for name in COMPILE_CACHE_VARS})
+    try:
+        return fn()
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        if scratch is not None:
+            import shutil
+
+            shutil.rmtree(scratch, ignore_errors=True)
 
 
 class HybriddServer:
@@ -1259,6 +1286,9 @@ def render_table(results: dict) -> str:
                          f"{fmt(st['interpreter_and_imports_s'])} s, weights {fmt(st['weights_load_s'])} s, "
                          f"after weights -> ready {fmt(st['after_weights_to_ready_s'])} s; "
                          f"{cache_state(st)}; {'under MPS' if g(results, name, 'mps_server_pids') else 'no MPS'})")
+            ahead = next((p["detail"] for p in st.get("phases", []) if p["detail"].startswith("compiled ")), None)
+            if ahead:
+                lines.append(f"  kernels compiled ahead: {ahead}")
     share = hy.get("client_thread_cpu_share")
     if share:
         names = {"sdk": "socket alone", "ring": "ring polled", "ring_sleep": "ring asleep", "ring_paced": "ring paced"}
@@ -1354,6 +1384,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hf-static-compile", choices=("generate", "forward"), default="generate")
     p.add_argument("--hf-static-on-cpu", action="store_true", help="try HF static+compile on the CPU too")
     p.add_argument("--verbose", action="store_true", help="the workers' info logs")
+    p.add_argument("--first-start", action=argparse.BooleanOptionalAction, default=True,
+                   help="start the `hybridd` part on compile caches of its own, empty (a first start on the host: "
+                        "it compiles every kernel); --no-first-start: on those the parts before it filled")
     args = p.parse_args(argv)
     if args.device is None:
         import torch
@@ -1487,8 +1520,11 @@ def main(argv: list[str] | None = None) -> int:
              needs=("model", "ceilings"))
         part("hybridd_eager", lambda out: run_hybridd(args, state["model"], vocab(), False, deadline, meta["notes"], out),
              needs=("model", "vocab"))
-        part("hybridd", lambda out: run_hybridd(args, state["model"], vocab(), True, deadline, meta["notes"], out),
-             needs=("model", "vocab"))
+        def do_hybridd(out):
+            run = lambda: run_hybridd(args, state["model"], vocab(), True, deadline, meta["notes"], out)  # noqa: E731
+            return on_empty_compile_caches(run) if args.first_start else run()
+
+        part("hybridd", do_hybridd, needs=("model", "vocab"))
         meta["client"] = g(results, "hybridd", "client") or g(results, "hybridd_eager", "client")
         part("hybridd_no_mps", lambda out: run_hybridd_no_mps(args, state["model"], vocab(), deadline, meta["notes"],
                                                               out, results.get("hybridd", {})), needs=("model", "vocab"))

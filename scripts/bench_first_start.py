@@ -19,16 +19,12 @@ import os
 import shutil
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 for _p in (str(ROOT), str(ROOT / "scripts")):
     if _p not in sys.path:
         sys.path.insert(0, _p)
-
-CACHE_VARS = ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")
-
 
 def phase_spans(phases: list[dict]) -> dict[str, float]:
     """Seconds between each worker's consecutive phase reports, by worker and the detail of
@@ -43,19 +39,19 @@ def phase_spans(phases: list[dict]) -> dict[str, float]:
 
 
 def one_start(model: Path, workers: int, caches: Path, timeout_s: float) -> dict:
-    from bench import HybriddServer
+    from bench import HybriddServer, on_empty_compile_caches
 
-    for name in CACHE_VARS:
-        os.environ[name] = str(caches / name.lower())
-    started = time.perf_counter()
-    # The sampler's kernels too, as the daemon compiles them at start (the context generator's part).
-    server = HybriddServer(model, "cuda", timeout_s, kernel_compile_workers=workers, compile_sampler=True)
-    try:
-        startup = server.startup()
-    finally:
-        server.close()
-    return {"kernel_compile_workers": workers, "caches": str(caches), "wall_s": time.perf_counter() - started,
-            "after_weights_to_ready_s": startup["after_weights_to_ready_s"],
+    def start() -> dict:
+        # The sampler's kernels too, as the daemon compiles them at start (the context generator's part).
+        server = HybriddServer(model, "cuda", timeout_s, kernel_compile_workers=workers, compile_sampler=True)
+        try:
+            return server.startup()
+        finally:
+            server.close()
+
+    startup = on_empty_compile_caches(start, caches)
+    return {"kernel_compile_workers": workers, "caches": str(caches),
+            "spawn_to_ready_s": startup["spawn_to_ready_s"], "after_weights_to_ready_s": startup["after_weights_to_ready_s"],
             "weights_load_s": startup["weights_load_s"],
             "compile_cache_files_at_spawn": startup["compile_cache_files_at_spawn"],
             "spans_s": phase_spans(startup["phases"]), "phases": startup["phases"]}

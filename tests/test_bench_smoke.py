@@ -24,6 +24,11 @@ pytestmark = pytest.mark.slow
 def bench_out(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
+    for name in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR"):  # caches an earlier run left
+        cache = out / name.lower()
+        cache.mkdir()
+        (cache / "left-by-an-earlier-run").write_text("")
+        env[name] = str(cache)
     proc = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "bench.py"), "--out", str(out / "out"), "--device", "cpu",
          "--preset", "tiny", "--quick", "--checkpoint-dir", str(out / "ckpt"), "--budget-s",
@@ -56,6 +61,10 @@ def test_json_has_every_figure(bench_out):
         assert len(run["slowest"]) == 6 and all(0 <= i < 31 for i, _ in run["slowest"]), name
         assert min(gap for _, gap in run["slowest"]) >= run["p50_s"], name
     hy = r["hybridd"]  # through the SDK with the reply ring as well, with graphs on only
+    # A first start on the host (--first-start, the default): compile caches of its own, empty;
+    # the other parts start on the caches the environment names.
+    assert hy["startup"]["compile_cache_files_at_spawn"] == {"triton": 0, "inductor": 0}
+    assert r["hybridd_eager"]["startup"]["compile_cache_files_at_spawn"] == {"triton": 1, "inductor": 1}
     assert not {"ttft_ring_s", "itl_ring", "itl_raw_client"} & set(r["hybridd_eager"])
     for key in ("ttft_ring_s", "ttft_ring_sleep_s", "ttft_ring_paced_s", "ttft_beside_ring_s"):
         assert set(hy[key]) == {"10", "32", "128", "256", "500"}, key
