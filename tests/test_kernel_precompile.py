@@ -56,6 +56,7 @@ with kp.CompilePool(2) as pool:
     first = pool.compile([good, other, missing], TARGET)
     after = [kp._in_cache(good, TARGET), kp._in_cache(other, TARGET)]
     again = pool.compile([good, other], TARGET)
+pool.close()  # closed twice (again on leaving the block): nothing more happens
 print(json.dumps({"before": before, "first": first.as_dict(), "after": after, "again": again.as_dict()}))
 """
 

@@ -60,6 +60,7 @@ class GraphGenerator:
         self._stop = False
 
     def start(self) -> None:
+        """Load the model, compile and capture; Ready to the context generator."""
         pool = self._start_compile_pool()
         try:
             self._load_and_capture(pool)
@@ -122,6 +123,7 @@ class GraphGenerator:
         if pool is not None:
             self.link.phase("capturing", f"compiling kernels in {pool.workers} processes")
             report = self.runner.precompile_kernels(pool)
+            pool.close()  # its processes' memory is not needed past this point
             if report is not None:
                 self.link.phase("capturing", f"compiled {report.missing} kernels in {report.workers} processes "
                                 f"({report.kernels - report.missing} found compiled, {len(report.failed)} failed)")

@@ -133,6 +133,7 @@ class CompilePool:
         return report
 
     def close(self) -> None:
+        """End the processes (at once if idle); closing again does nothing."""
         self._executor.shutdown(wait=True, cancel_futures=True)
 
     def __enter__(self) -> CompilePool:
