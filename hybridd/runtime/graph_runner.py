@@ -220,15 +220,11 @@ class GraphRunner:
         the compiling to those warm-ups, as without it."""
         if not self.cuda:
             return None
-        seqs = self.plan.max_prefill_seqs
 
-        def dry_runs() -> None:
-            with torch.cuda.stream(self.capture_stream):
-                for size in sorted(self.plan.decode):
-                    self._step_body(self._dummy_inputs(False, size, size), self._scratch_logits(size))
-                for size in prefill_warm_up_sizes(self.plan.prefill, self.model.kernels.skinny_rows):
-                    self._step_body(self._dummy_inputs(True, size, seqs), self._scratch_logits(seqs))
-            self.capture_stream.synchronize()
+        def dry_runs() -> None:  # the warm-ups of every decode bucket and of prefill
+            for size in sorted(self.plan.decode):
+                self._warm_up_steps(False, size)
+            self._warm_up_steps(True, min(self.plan.prefill))
 
         try:
             return precompile(dry_runs, pool)
@@ -378,7 +374,14 @@ class GraphRunner:
         key = (threading.get_ident(), is_prefill, None if is_prefill else tokens)
         if key in self._warm_threads:
             return
-        sizes = [tokens]
+        self._warm_up_steps(is_prefill, tokens)
+        # Only a warm-up that ran counts: one that failed (out of memory) is redone
+        # before the next capture, or that capture would compile inside itself.
+        self._warm_threads.add(key)
+
+    def _warm_up_steps(self, is_prefill: bool, tokens: int) -> None:
+        """The steps a CUDA warm-up runs (`_warm_up`), on the capture stream, waited for."""
+        sizes, seqs = [tokens], tokens
         if is_prefill:
             seqs = self.plan.max_prefill_seqs
             sizes = prefill_warm_up_sizes(self.plan.prefill, self.model.kernels.skinny_rows)
@@ -387,9 +390,6 @@ class GraphRunner:
             for size in sizes:
                 self._step_body(self._dummy_inputs(is_prefill, size, seqs), scratch_logits)
         self.capture_stream.synchronize()
-        # Only a warm-up that ran counts: one that failed (out of memory) is redone
-        # before the next capture, or that capture would compile inside itself.
-        self._warm_threads.add(key)
 
     def _scratch_logits(self, seqs: int) -> torch.Tensor:
         return torch.empty((seqs, self.model.config.vocab_size), device=self.device)

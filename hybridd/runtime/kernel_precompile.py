@@ -53,7 +53,7 @@ class PrecompileReport:
     kernels: int = 0  # distinct specializations the dry runs launched
     missing: int = 0  # of those, not in Triton's cache: compiled by the workers
     workers: int = 0
-    seconds: float = 0.0
+    seconds: float = 0.0  # the dry runs and the compiling (`precompile`)
     failed: dict[str, str] = field(default_factory=dict)  # kernel label: error
 
     def as_dict(self) -> dict:
@@ -117,7 +117,6 @@ class CompilePool:
         """Compile those of `specs` that Triton's cache lacks, for `target`."""
         from triton import knobs
 
-        started = time.perf_counter()
         missing = [spec for spec in specs if not _in_cache(spec, target)]
         report = PrecompileReport(kernels=len(specs), missing=len(missing),
                                   workers=min(self.workers, len(missing)))
@@ -129,7 +128,6 @@ class CompilePool:
                 future.result()
             except Exception as exc:  # the first launch compiles it instead
                 report.failed[spec.label] = f"{type(exc).__name__}: {str(exc)[:300]}"
-        report.seconds = time.perf_counter() - started
         return report
 
     def close(self) -> None:
