@@ -17,6 +17,12 @@ GPU (one replay, the median of 40). The policies:
 - `cublas_prefill`: the prefill's projections on PyTorch's cuBLAS call, none on the
   cuBLASLt algorithms of `prefill_gemm`'s table (`prefill_gemm.ENABLED = False`).
 
+A policy may be followed by ` with KNOB=VALUE ...`, each KNOB a launch constant of the
+Triton kernels outside the projections (`ops.ROTARY_SPLITS`, `ops.ROTARY_WARPS`,
+`ops.SILU_LAUNCH`, `ops.SILU_NORM_LAUNCH`; a pair written `4096:8`), set for that policy's
+graphs alone: `--policies "code,code with ops.ROTARY_SPLITS=4"`. `--prefill` picks the
+prefill lengths (default 16-512).
+
 Prints a table and writes `pdl_steps.json` under `--out`.
 """
 
@@ -36,13 +42,36 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from bench_graphs import BLOCK, captured_runner, decode_step, median_gpu_time, prefill_step, stepper  # noqa: E402
 
-from hybridd.model import load_model, pdl, prefill_gemm  # noqa: E402
+from hybridd.model import load_model, pdl, prefill_gemm, triton_ops  # noqa: E402
 
 CONTEXT = 512
 DECODE_BATCHES = (1, 32)
 PREFILL_TOKENS = (16, 32, 64, 128, 256, 512)
 # policy -> (pdl.CUBLAS_STEPS, prefill_gemm.ENABLED)
 POLICIES = {"code": (False, True), "pdl_throughout": (True, True), "cublas_prefill": (False, False)}
+# Launch constants a policy may set, as `ops.NAME`.
+KNOBS = {"ops.ROTARY_SPLITS": int, "ops.ROTARY_WARPS": int, "ops.SILU_LAUNCH": tuple, "ops.SILU_NORM_LAUNCH": tuple}
+
+
+def parse_policy(label: str) -> tuple[str, dict[str, object]]:
+    """`POLICY [with KNOB=VALUE ...]` -> (policy, {knob: value}); ValueError naming what is wrong."""
+    base, _, changes = label.partition(" with ")
+    base = base.strip()
+    if base not in POLICIES:
+        raise ValueError(f"no policy {base!r} in {label!r} (policies: {', '.join(POLICIES)})")
+    knobs: dict[str, object] = {}
+    for change in changes.split():
+        name, eq, value = change.partition("=")
+        if name not in KNOBS or not eq:
+            raise ValueError(f"{change!r} in {label!r}: want KNOB=VALUE, KNOB one of {', '.join(KNOBS)}")
+        try:
+            parts = tuple(int(v) for v in value.split(":"))
+        except ValueError:
+            raise ValueError(f"{change!r} in {label!r}: the value must be an integer or integers joined by ':'") from None
+        if (KNOBS[name] is int) != (len(parts) == 1):
+            raise ValueError(f"{change!r} in {label!r}: {name} takes {'one integer' if KNOBS[name] is int else 'a pair a:b'}")
+        knobs[name] = parts[0] if KNOBS[name] is int else parts
+    return base, knobs
 
 
 def gpu_times(stream: torch.cuda.Stream, run) -> tuple[float, float]:
@@ -54,17 +83,20 @@ def gpu_times(stream: torch.cuda.Stream, run) -> tuple[float, float]:
             median_gpu_time(run, 40, stream, idle_s=0.003))
 
 
-def measure(model, policy: str) -> dict[str, dict[str, float]]:
+def measure(model, label: str, prefill_tokens: tuple[int, ...]) -> dict[str, dict[str, float]]:
     """Each step's times under one policy, with graphs captured under it."""
+    policy, knobs = parse_policy(label)
     pdl.CUBLAS_STEPS, prefill_gemm.ENABLED = POLICIES[policy]
-    width = (CONTEXT + max(PREFILL_TOKENS)) // BLOCK + 1
-    runner = captured_runner(model, DECODE_BATCHES, PREFILL_TOKENS, width, timeout_s=300)
-    missing = [tokens for tokens in PREFILL_TOKENS if not runner.stats[("prefill", tokens)].captured]
+    for name, value in knobs.items():
+        setattr(triton_ops, name.split(".")[1], value)
+    width = (CONTEXT + max(prefill_tokens)) // BLOCK + 1
+    runner = captured_runner(model, DECODE_BATCHES, prefill_tokens, width, timeout_s=300)
+    missing = [tokens for tokens in prefill_tokens if not runner.stats[("prefill", tokens)].captured]
     if missing:
         raise RuntimeError(f"prefill graphs of {missing} tokens were not captured")
     tables = [list(range(i * width, (i + 1) * width)) for i in range(max(DECODE_BATCHES))]
     steps = {f"decode_b{b}": decode_step(b, CONTEXT, tables[:b]) for b in DECODE_BATCHES}
-    steps |= {f"prefill_{n}": prefill_step(n, tables[0]) for n in PREFILL_TOKENS}
+    steps |= {f"prefill_{n}": prefill_step(n, tables[0]) for n in prefill_tokens}
     out = {}
     for name, step in steps.items():
         run = stepper(runner, step)
@@ -87,10 +119,24 @@ def _rounds(value: str) -> int:
 
 def _policies(value: str) -> list[str]:
     names = [name.strip() for name in value.split(",") if name.strip()]
-    unknown = [name for name in names if name not in POLICIES]
-    if not names or unknown:
+    if not names:
         raise argparse.ArgumentTypeError(f"must name some of {', '.join(POLICIES)}, got {value!r}")
+    for name in names:
+        try:
+            parse_policy(name)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
     return names
+
+
+def _prefill(value: str) -> tuple[int, ...]:
+    try:
+        tokens = tuple(int(v) for v in value.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be comma-separated token counts, got {value!r}") from None
+    if not tokens or min(tokens) < 1:
+        raise argparse.ArgumentTypeError(f"token counts must be at least 1, got {value!r}")
+    return tokens
 
 
 def main() -> None:
@@ -99,7 +145,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("out"))
     parser.add_argument("--rounds", type=_rounds, default=2, help="rounds of the policies (default 2)")
     parser.add_argument("--policies", type=_policies, default=["code", "pdl_throughout"],
-                        help=f"comma list of {', '.join(POLICIES)} (default code,pdl_throughout)")
+                        help=f"comma list of {', '.join(POLICIES)}, each maybe 'with KNOB=VALUE ...' (default code,pdl_throughout)")
+    parser.add_argument("--prefill", type=_prefill, default=PREFILL_TOKENS, help="prefill lengths (default 16-512)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_pdl_steps.py needs a CUDA device")
@@ -112,17 +159,24 @@ def main() -> None:
     model = load_model(model_dir, dtype=torch.bfloat16, device="cuda", max_positions=2048)
     runs = []
     default = pdl.CUBLAS_STEPS, prefill_gemm.ENABLED
+    knob_defaults = {name: getattr(triton_ops, name.split(".")[1]) for name in KNOBS}
     try:
         for _ in range(args.rounds):
             for policy in args.policies:
-                runs.append({"policy": policy, "steps": measure(model, policy)})
+                try:
+                    runs.append({"policy": policy, "steps": measure(model, policy, args.prefill)})
+                finally:
+                    for name, value in knob_defaults.items():
+                        setattr(triton_ops, name.split(".")[1], value)
     finally:
         pdl.CUBLAS_STEPS, prefill_gemm.ENABLED = default
     (args.out / "pdl_steps.json").write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "runs": runs}, indent=1))
     names = list(runs[0]["steps"])
     print(f"{torch.cuda.get_device_name()}, Llama-2-7B shape, context {CONTEXT} for decode; ms per step, "
           f"back to back / from an idle GPU, each round's policies in the order given")
-    print(f"{'step':12s}" + "".join(f" | {r['policy']:>21s}" for r in runs))
+    for i, r in enumerate(runs, 1):
+        print(f"  [{i}] {r['policy']}")
+    print(f"{'step':12s}" + "".join(f" | {f'[{i}]':>21s}" for i in range(1, len(runs) + 1)))
     for name in names:
         print(f"{name:12s}" + "".join(f" | {r['steps'][name]['back_to_back_s'] * 1e3:9.3f} / "
                                       f"{r['steps'][name]['from_idle_s'] * 1e3:9.3f}" for r in runs))

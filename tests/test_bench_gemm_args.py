@@ -1,5 +1,6 @@
-"""scripts/bench_gemm.py and scripts/bench_attention.py refuse bad arguments before they
-touch a GPU, naming what was wrong (the refusals run on any host)."""
+"""scripts/bench_gemm.py, scripts/bench_attention.py and scripts/bench_pdl_steps.py refuse
+bad arguments before they touch a GPU, naming what was wrong (the refusals run on any
+host)."""
 
 from __future__ import annotations
 
@@ -137,3 +138,36 @@ def test_profile_target_names_what_it_needs():
     if not torch.cuda.is_available():
         done = subprocess.run([sys.executable, str(script), "attention"], capture_output=True, text=True, timeout=300)
         assert done.returncode == 2 and "needs a CUDA GPU" in done.stderr
+
+
+PDL_STEPS_SCRIPT = SCRIPT.parent / "bench_pdl_steps.py"
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--policies", "code,fast"], "no policy 'fast' in 'fast' (policies: code, pdl_throughout, cublas_prefill)"),
+    (["--policies", "code with ops.ROTARY=2"], "'ops.ROTARY=2' in 'code with ops.ROTARY=2': want KNOB=VALUE"),
+    (["--policies", "code with ops.ROTARY_SPLITS=2:4"], "ops.ROTARY_SPLITS takes one integer"),
+    (["--policies", "code with ops.SILU_LAUNCH=1024"], "ops.SILU_LAUNCH takes a pair a:b"),
+    (["--policies", "code with ops.ROTARY_WARPS=x"], "the value must be an integer or integers joined by ':'"),
+    (["--prefill", "128,0"], "token counts must be at least 1, got '128,0'"),
+])
+def test_pdl_steps_policies_are_refused_by_name(args, message):
+    done = subprocess.run([sys.executable, str(PDL_STEPS_SCRIPT), *args], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2
+    assert message in done.stderr
+
+
+def test_pdl_steps_knobs_are_launch_constants_of_the_kernels():
+    """Each knob a policy may set is a constant of `triton_ops` of the kind it is parsed to."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        from bench_pdl_steps import KNOBS, parse_policy
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    from hybridd.model import triton_ops
+
+    for name, kind in KNOBS.items():
+        default = getattr(triton_ops, name.split(".")[1])
+        assert isinstance(default, kind) and (kind is int or len(default) == 2), name
+    assert parse_policy("pdl_throughout with ops.ROTARY_SPLITS=4 ops.SILU_NORM_LAUNCH=2048:4") == (
+        "pdl_throughout", {"ops.ROTARY_SPLITS": 4, "ops.SILU_NORM_LAUNCH": (2048, 4)})
