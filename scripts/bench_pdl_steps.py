@@ -87,8 +87,23 @@ def measure(model, label: str, prefill_tokens: tuple[int, ...]) -> dict[str, dic
     """Each step's times under one policy, with graphs captured under it."""
     policy, knobs = parse_policy(label)
     pdl.CUBLAS_STEPS, prefill_gemm.ENABLED = POLICIES[policy]
-    for name, value in knobs.items():
-        setattr(triton_ops, name.split(".")[1], value)
+    defaults = {name: getattr(triton_ops, _constant(name)) for name in knobs}
+    try:
+        for name, value in knobs.items():
+            setattr(triton_ops, _constant(name), value)
+        return _timed_steps(model, prefill_tokens)
+    finally:  # the next policy's graphs are captured with the code's constants unless it sets its own
+        for name, value in defaults.items():
+            setattr(triton_ops, _constant(name), value)
+
+
+def _constant(knob: str) -> str:
+    """The name in `triton_ops` of knob `ops.NAME`."""
+    return knob.removeprefix("ops.")
+
+
+def _timed_steps(model, prefill_tokens: tuple[int, ...]) -> dict[str, dict[str, float]]:
+    """Each step's times, with graphs captured under the settings in force."""
     width = (CONTEXT + max(prefill_tokens)) // BLOCK + 1
     runner = captured_runner(model, DECODE_BATCHES, prefill_tokens, width, timeout_s=300)
     missing = [tokens for tokens in prefill_tokens if not runner.stats[("prefill", tokens)].captured]
@@ -159,15 +174,10 @@ def main() -> None:
     model = load_model(model_dir, dtype=torch.bfloat16, device="cuda", max_positions=2048)
     runs = []
     default = pdl.CUBLAS_STEPS, prefill_gemm.ENABLED
-    knob_defaults = {name: getattr(triton_ops, name.split(".")[1]) for name in KNOBS}
     try:
         for _ in range(args.rounds):
             for policy in args.policies:
-                try:
-                    runs.append({"policy": policy, "steps": measure(model, policy, args.prefill)})
-                finally:
-                    for name, value in knob_defaults.items():
-                        setattr(triton_ops, name.split(".")[1], value)
+                runs.append({"policy": policy, "steps": measure(model, policy, args.prefill)})
     finally:
         pdl.CUBLAS_STEPS, prefill_gemm.ENABLED = default
     (args.out / "pdl_steps.json").write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "runs": runs}, indent=1))

@@ -15,6 +15,11 @@ SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench_gemm.py"
 ATTENTION_SCRIPT = SCRIPT.parent / "bench_attention.py"
 
 
+def run_script(script: Path, args: list[str]) -> subprocess.CompletedProcess:
+    """One run of a bench script with `args`, its output captured."""
+    return subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=300)
+
+
 @pytest.mark.parametrize(("args", "message"), [
     (["--decode-batch", "0"], "--decode-batch: a comma list of batch sizes of at least 1, got '0'"),
     (["--decode-batch", "x,2"], "--decode-batch: a comma list of batch sizes of at least 1, got 'x,2'"),
@@ -23,7 +28,7 @@ ATTENTION_SCRIPT = SCRIPT.parent / "bench_attention.py"
     (["--decode-step", "--old-attention", "/nonexistent/attention.py"], "--old-attention: no file /nonexistent/attention.py"),
 ])
 def test_bad_arguments_are_refused_by_name(args, message):
-    done = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=300)
+    done = run_script(SCRIPT, args)
     assert done.returncode == 2
     assert message in done.stderr
 
@@ -124,7 +129,7 @@ def test_composed_variants_change_a_known_variant():
     (["--decode-step", "--variants", "skinny+norm with o=1"], "--variants: 'o=1': a config is"),
 ])
 def test_config_and_composed_arguments_are_refused_by_name(args, message):
-    done = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=300)
+    done = run_script(SCRIPT, args)
     assert done.returncode == 2
     assert message in done.stderr
 
@@ -133,10 +138,10 @@ def test_profile_target_names_what_it_needs():
     """The profiler target refuses, by name, a kernel it does not know and a machine
     without CUDA (where it has nothing to profile)."""
     script = SCRIPT.parent / "profile_target.py"
-    done = subprocess.run([sys.executable, str(script), "lm_head"], capture_output=True, text=True, timeout=300)
+    done = run_script(script, ["lm_head"])
     assert done.returncode == 2 and "invalid choice: 'lm_head'" in done.stderr
     if not torch.cuda.is_available():
-        done = subprocess.run([sys.executable, str(script), "attention"], capture_output=True, text=True, timeout=300)
+        done = run_script(script, ["attention"])
         assert done.returncode == 2 and "needs a CUDA GPU" in done.stderr
 
 
@@ -152,7 +157,7 @@ PDL_STEPS_SCRIPT = SCRIPT.parent / "bench_pdl_steps.py"
     (["--prefill", "128,0"], "token counts must be at least 1, got '128,0'"),
 ])
 def test_pdl_steps_policies_are_refused_by_name(args, message):
-    done = subprocess.run([sys.executable, str(PDL_STEPS_SCRIPT), *args], capture_output=True, text=True, timeout=300)
+    done = run_script(PDL_STEPS_SCRIPT, args)
     assert done.returncode == 2
     assert message in done.stderr
 
