@@ -110,8 +110,9 @@ class CompilePool:
         self.workers = workers
         self._executor = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
                                              initializer=start_worker, initargs=(os.getpid(),))
-        # One import task each: a spawn pool starts a process per task that finds none idle.
-        self._imports = [self._executor.submit(import_kernel_modules) for _ in range(workers)]
+        # A spawn pool starts a process per task that finds none idle: one task each starts
+        # them all now. Each imports in its initializer, whichever of these tasks it draws.
+        self._started = [self._executor.submit(os.getpid) for _ in range(workers)]
 
     def compile(self, specs: list[KernelSpec], target: tuple) -> PrecompileReport:
         """Compile those of `specs` that Triton's cache lacks, for `target`."""
@@ -143,10 +144,12 @@ class CompilePool:
 
 def start_worker(parent_pid: int) -> None:
     """A worker's first code: it dies with the process that started it (a graph generator
-    killed mid-start must not leave its compilers behind) and names itself."""
+    killed mid-start must not leave its compilers behind), names itself and imports what
+    every compile needs, while nothing waits for it yet."""
     if not die_with_parent(parent_pid):
         os._exit(1)
     set_process_title("hybridd: kernel compiler")
+    import_kernel_modules()
 
 
 # The modules whose kernels the graphs launch, imported by each worker as it starts.
@@ -154,7 +157,7 @@ KERNEL_MODULES = ("hybridd.model.triton_gemm", "hybridd.model.triton_attention",
 
 
 def import_kernel_modules() -> None:
-    """A worker's first task: the imports every compile needs, done while nothing waits."""
+    """The imports every compile needs: torch, Triton and the kernel modules."""
     import triton.compiler  # noqa: F401
 
     for module in KERNEL_MODULES:
