@@ -10,7 +10,6 @@ contents change.
 
 from __future__ import annotations
 
-from array import array
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 from itertools import accumulate, chain
@@ -112,33 +111,39 @@ class HostStepInputs(StepFields[np.ndarray]):
         start_positions: list[int] | None = None,
         table_width: int | None = None,
     ) -> HostStepInputs:
-        """A prefill step of whole prompts (or of their tails from `start_positions`),
-        built in Python arrays that numpy then wraps without a copy."""
-        starts = start_positions or [0] * len(prompts)
-        ids, positions, slots, seq_lens = array("q"), array("q"), array("q"), []
-        for prompt, table, start in zip(prompts, block_tables, starts, strict=True):
-            end = start + len(prompt)
-            ids.extend(prompt)
-            positions.extend(range(start, end))
-            # One run of consecutive slots per block the tokens fall in: the whole block,
-            # but for where the first starts and the last ends.
-            first, stop = start // block_size, -(-end // block_size)
-            lows = [int(block) * block_size for block in table[first:stop]]
-            if lows:
-                highs = [low + block_size for low in lows]
-                highs[-1] -= stop * block_size - end
-                lows[0] += start - first * block_size
-                slots.extend(chain.from_iterable(map(range, lows, highs)))
-            seq_lens.append(end)
-        query_start_loc = np.fromiter(accumulate((len(p) for p in prompts), initial=0), np.int32, len(prompts) + 1)
+        """A prefill step of whole prompts (or of their tails from `start_positions`).
+        A first token waits for this work, so it is a few numpy calls over all the tokens
+        at once (`scripts/bench_step_inputs.py` times it), not a loop over them."""
+        n = len(prompts)
+        starts = start_positions or [0] * n
+        lengths = [len(prompt) for prompt in prompts]
+        ends = [start + length for start, length in zip(starts, lengths, strict=True)]
+        for row, (table, end) in enumerate(zip(block_tables, ends, strict=True)):
+            if len(table) * block_size < end:
+                raise ValueError(f"block_tables[{row}] holds {len(table)} blocks of {block_size} tokens, too few for "
+                                 f"its tokens up to position {end - 1}")
+        tables = _pad_tables(block_tables, table_width)
+        starts_in_step = list(accumulate(lengths, initial=0))
+        if n == 1:
+            input_ids = np.array(prompts[0], dtype=np.int64)
+            positions = np.arange(starts[0], ends[0], dtype=np.int64)
+            # Every slot of the sequence's blocks in order; its tokens' are a run of them.
+            slots = (tables[0, : -(-ends[0] // block_size), None].astype(np.int64) * block_size
+                     + np.arange(block_size)).ravel()[starts[0]:ends[0]]
+        else:
+            input_ids = np.fromiter(chain.from_iterable(prompts), np.int64, starts_in_step[-1])
+            rows = np.repeat(np.arange(n), lengths)
+            offsets = np.array([s - i for s, i in zip(starts, starts_in_step)], dtype=np.int64)  # position - flat index
+            positions = np.arange(input_ids.shape[0], dtype=np.int64) + offsets[rows]
+            slots = tables[rows, positions // block_size].astype(np.int64) * block_size + positions % block_size
         return cls(
-            input_ids=_int64(ids),
-            positions=_int64(positions),
-            slot_mapping=_int64(slots),
-            block_tables=_pad_tables(block_tables, table_width),
-            seq_lens=np.array(seq_lens, dtype=np.int32),
-            query_start_loc=query_start_loc,
-            logits_indices=query_start_loc[1:].astype(np.int64) - 1,
+            input_ids=input_ids,
+            positions=positions,
+            slot_mapping=slots,
+            block_tables=tables,
+            seq_lens=np.array(ends, dtype=np.int32),
+            query_start_loc=np.array(starts_in_step, dtype=np.int32),
+            logits_indices=np.array(starts_in_step[1:], dtype=np.int64) - 1,
             is_prefill=True,
         )
 
@@ -175,11 +180,6 @@ class HostStepInputs(StepFields[np.ndarray]):
 
 
 _TENSORS = ("input_ids", "positions", "slot_mapping", "block_tables", "seq_lens", "query_start_loc", "logits_indices")
-
-
-def _int64(values: array) -> np.ndarray:
-    """An int64 array over an array of int64 ("q") values, sharing its memory."""
-    return np.frombuffer(values, dtype=np.int64) if values else np.empty(0, dtype=np.int64)
 
 
 def _pad_tables(tables: list[list[int]], width: int | None) -> np.ndarray:
