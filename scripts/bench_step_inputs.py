@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import timeit
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
@@ -79,11 +80,11 @@ def main() -> None:
     for prompts in (1, 4):
         for length in LENGTHS:
             ids, tables = case(rng, length, prompts)
-            build = lambda: step_inputs.HostStepInputs.prefill(ids, tables, BLOCK, table_width=TABLE_WIDTH)  # noqa: E731
+            build = partial(step_inputs.HostStepInputs.prefill, ids, tables, BLOCK, table_width=TABLE_WIDTH)
             row = {"tokens": length, "prompts": prompts, "us": round(per_call_us(build), 2)}
             line = f"{length:>15} {prompts:>8} {row['us']:>13.2f}"
             if baseline:
-                old = lambda: baseline.HostStepInputs.prefill(ids, tables, BLOCK, table_width=TABLE_WIDTH)  # noqa: E731
+                old = partial(baseline.HostStepInputs.prefill, ids, tables, BLOCK, table_width=TABLE_WIDTH)
                 new_step, old_step = build(), old()
                 for name in FIELDS:
                     a, b = getattr(new_step, name), getattr(old_step, name)
