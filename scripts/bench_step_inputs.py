@@ -40,8 +40,11 @@ FIELDS = ("input_ids", "positions", "slot_mapping", "block_tables", "seq_lens", 
 
 def load_baseline(revision: str):
     """`revision`'s hybridd/model/step_inputs.py as a module of its own."""
-    source = subprocess.run(["git", "-C", str(ROOT), "show", f"{revision}:hybridd/model/step_inputs.py"],
-                            check=True, capture_output=True, text=True).stdout
+    shown = subprocess.run(["git", "-C", str(ROOT), "show", f"{revision}:hybridd/model/step_inputs.py"],
+                           capture_output=True, text=True)
+    if shown.returncode:
+        raise SystemExit(f"--baseline {revision}: {shown.stderr.strip()}")
+    source = shown.stdout
     path = Path(tempfile.mkdtemp(prefix="hybridd-step-inputs-")) / "baseline_step_inputs.py"
     path.write_text(source)
     spec = importlib.util.spec_from_file_location("baseline_step_inputs", path)

@@ -10,6 +10,8 @@ arrives, promptly for this host) rather than the host's idle time.
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Callable
 
 
 def load_factor() -> float:
@@ -20,3 +22,12 @@ def load_factor() -> float:
 def on_this_host(seconds: float) -> float:
     """`seconds` as measured on an idle host, stretched by the host's current load."""
     return seconds * load_factor()
+
+
+def wait_for(condition: Callable[[], object], timeout: float = 30.0, what: str = "condition not reached") -> None:
+    """Await `condition` (readiness awaited, not slept for), for at most `timeout` seconds as
+    measured on an idle host; an assertion error saying `what` when it never holds."""
+    deadline = time.monotonic() + on_this_host(timeout)
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)

@@ -20,7 +20,7 @@ pytest.importorskip("triton")
 from hybridd.model import launch_variants  # noqa: E402
 from hybridd.runtime import kernel_precompile  # noqa: E402
 from hybridd.runtime.kernel_precompile import KernelSpec  # noqa: E402
-from tests.host_load import on_this_host  # noqa: E402
+from tests.host_load import on_this_host, wait_for  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -125,10 +125,8 @@ def test_the_workers_die_with_the_process_that_started_them(tmp_path):
         workers = [int(pid) for pid in owner.stdout.readline().split()]
         assert len(workers) == 2 and all(_running(pid) for pid in workers), (workers, errors.read_text())
         # A worker that drew no task of its own may still be in its initializer: awaited.
-        deadline = time.monotonic() + on_this_host(30)
-        while time.monotonic() < deadline and [_title(pid) for pid in workers] != [b"hybridd: kernel compiler"] * 2:
-            time.sleep(0.05)
-        assert [_title(pid) for pid in workers] == [b"hybridd: kernel compiler"] * 2
+        wait_for(lambda: [_title(pid) for pid in workers] == [b"hybridd: kernel compiler"] * 2, 30,
+                 what="the workers are not named 'hybridd: kernel compiler' in ps")
     finally:
         owner.kill()
         owner.wait()

@@ -29,7 +29,7 @@ from hybridd.protocol import codec
 from hybridd.protocol.limits import MAX_REPLY_RING_BYTES, MIN_REPLY_RING_BYTES
 from tests.daemon import RunningDaemon, free_port, run_daemon
 from tests.engine_pair import Client as RawClient
-from tests.host_load import on_this_host
+from tests.host_load import on_this_host, wait_for
 
 pytestmark = pytest.mark.skipif(not reply_ring.supported(), reason="reply rings need x86-64")
 
@@ -268,13 +268,6 @@ def raw(daemon) -> Iterator[RawClient]:
 def rings(daemon) -> dict:
     with Client(daemon.endpoint, timeout=30, reply_ring=False) as client:
         return client.status()["reply_rings"]
-
-
-def wait_for(condition, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + on_this_host(timeout)
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.02)
 
 
 def ringed_client(daemon) -> Client:
