@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -31,6 +30,7 @@ from hybridd.engine.block_manager import BlockManager  # noqa: E402
 from hybridd.engine.scheduler import Scheduler  # noqa: E402
 from hybridd.engine.sequence import Sequence  # noqa: E402
 from hybridd.protocol.messages import SamplingParams  # noqa: E402
+from hybridd.stats import percentiles  # noqa: E402
 
 BLOCK = 16
 MAX_MODEL_LEN = 4096
@@ -81,9 +81,8 @@ def main() -> None:
     print(f"{args.prompt_len}-token prompt, {args.rounds} rounds; µs per schedule()")
     print(f"{'asleep before':>14} {'median':>8} {'p90':>8}")
     for idle_ms in [0.0, *idles, 0.0]:
-        times = sorted(schedule_times(sched, args.prompt_len, idle_ms / 1e3, args.rounds))
-        row = {"idle_ms": idle_ms, "median_us": round(statistics.median(times) * 1e6, 1),
-               "p90_us": round(times[int(0.9 * (len(times) - 1))] * 1e6, 1)}
+        median, p90 = percentiles(schedule_times(sched, args.prompt_len, idle_ms / 1e3, args.rounds), 50, 90)
+        row = {"idle_ms": idle_ms, "median_us": round(median * 1e6, 1), "p90_us": round(p90 * 1e6, 1)}
         rows.append(row)
         print(f"{idle_ms:>11.1f} ms {row['median_us']:>8.1f} {row['p90_us']:>8.1f}")
     if args.out:

@@ -227,6 +227,7 @@ def test_captures_that_evict_never_stall_the_decode_thread(model):
     import time
 
     from hybridd.runtime import gc_pauses
+    from hybridd.stats import slowest
 
     graphs = make_runner(model, True, prefill=(16, 256, 512))  # no other bucket competes for the budget
     eager = make_runner(model, False, prefill=(16, 256, 512))
@@ -318,7 +319,7 @@ def test_captures_that_evict_never_stall_the_decode_thread(model):
     assert snapshot["graph_bytes"] + snapshot["unowned_pool_bytes"] == snapshot["pool_bytes"], snapshot
     assert len(gaps) > 50
     steady = sorted(gaps)[len(gaps) // 2]
-    worst = max(range(len(gaps)), key=gaps.__getitem__)
+    [worst] = slowest(gaps, 1)
     end = gap_ends[worst]
     start = end - gaps[worst]
     during = [f"{what} {(a - start) * 1e3:+.1f}..{(b - start) * 1e3:+.1f} ms" for what, a, b in spans
