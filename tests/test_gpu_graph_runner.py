@@ -468,3 +468,56 @@ def test_a_capture_is_not_charged_for_what_serving_allocates_meanwhile(model):
     assert len(held) == 1 and free_before - torch.cuda.mem_get_info()[0] >= 256 << 20
     charged = graphs.stats[("prefill", 32)].bytes
     assert charged < 64 << 20, f"the 32-token graph was charged {charged} bytes"
+
+
+@torch.inference_mode()
+def test_a_serving_thread_bound_to_the_stream_runs_steps_without_switching_streams(model, monkeypatch):
+    """`serve_from_this_thread`: the thread's own steps go to the serving stream with no
+    `torch.cuda.stream` switch, give the logits a switching thread gets, and leave every
+    other thread's current stream as it was."""
+    graphs = make_runner(model, use_graphs=True, prefill=(16, 32))
+    graphs.capture_decode_graphs()
+    from hybridd.model import StepInputs
+
+    tables = [list(range(0, 64)), list(range(64, 128))]
+    prefill = StepInputs.prefill([[11 + i for i in range(20)], [300 + i for i in range(9)]], tables, BLOCK)
+    decode = StepInputs.decode([5, 6], [20, 9], tables, BLOCK)
+    switches = []
+    stream_context = torch.cuda.stream
+
+    def counting_stream(stream):
+        switches.append(threading.get_ident())
+        return stream_context(stream)
+
+    def serve(results):
+        try:
+            with torch.inference_mode():  # thread-local, as the stream is
+                graphs.serve_from_this_thread()
+                results["current"] = torch.cuda.current_stream()
+                monkeypatch.setattr(torch.cuda, "stream", counting_stream)
+                for step in (prefill, decode):
+                    graphs.buffers.write(step)  # on the thread's current stream: the serving stream
+                    results[step.is_prefill] = (graphs.run(step.is_prefill, step.num_tokens, step.num_seqs),
+                                                graphs.buffers.logits[: step.num_seqs].clone())
+                graphs.stream.synchronize()
+        except BaseException as exc:
+            results["error"] = exc
+        finally:
+            monkeypatch.setattr(torch.cuda, "stream", stream_context)
+
+    bound: dict = {}
+    server = threading.Thread(target=serve, args=(bound,))
+    server.start()
+    server.join()
+    if "error" in bound:
+        raise bound["error"]
+    assert bound["current"] == graphs.stream
+    assert server.ident not in switches, "the bound thread switched streams for its steps"
+    assert torch.cuda.current_stream() != graphs.stream, "binding changed another thread's current stream"
+    assert bound[False][0].graph, "the decode step did not replay its graph"
+    # Unbound, this thread switches to the serving stream per step; same inputs, same logits.
+    for step in (prefill, decode):
+        shape = run_step(graphs, step)
+        graphs.stream.synchronize()
+        assert shape == bound[step.is_prefill][0]
+        torch.testing.assert_close(graphs.buffers.logits[: step.num_seqs], bound[step.is_prefill][1], rtol=0, atol=0)

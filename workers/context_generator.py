@@ -299,6 +299,7 @@ class ContextGenerator:
 
     # ------------------------------------------------------------------- loop
     def serve(self) -> None:
+        self.pipeline.serve_from_this_thread()
         poller = zmq.Poller()
         sockets = [self.client.socket, self.link.socket, self.ctl.socket] + ([self.tcp.socket] if self.tcp else [])
         sockets += [sessions.monitor for sessions in self.sessions.values()]

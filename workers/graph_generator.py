@@ -162,6 +162,7 @@ class GraphGenerator:
         return max(16, budget // kv_bytes_per_block(model.config, block_size, model.dtype))
 
     def serve(self) -> None:
+        self.runner.serve_from_this_thread()
         ack_seen = False
         last_stats = 0.0
         poller = zmq.Poller()

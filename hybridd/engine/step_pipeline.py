@@ -22,6 +22,7 @@ to the host with the tokens; other batches do no logprob work at all.
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -88,9 +89,18 @@ class StepPipeline:
         self.logits_ready = InterprocessEvent.from_handle(ready.events.get("logits_ready", b""), device)
         self.ring = torch.zeros((RING_STEPS, buffers.max_seqs), dtype=torch.int64, device=device)
         self._greedy_tensors: dict[int, SamplingTensors] = {}
+        self._serving_thread: int | None = None  # `serve_from_this_thread`
+
+    def serve_from_this_thread(self) -> None:
+        """Make the step stream this thread's current stream for good, so that its launches
+        need no stream switch each (`GraphRunner.serve_from_this_thread` says what one
+        costs); other threads' launches still switch to it and back."""
+        if self.cuda:
+            torch.cuda.set_stream(self.stream)
+        self._serving_thread = threading.get_ident()
 
     def launch(self, batch: ScheduledBatch) -> InflightStep:
-        if self.cuda:
+        if self.cuda and threading.get_ident() != self._serving_thread:
             with torch.cuda.stream(self.stream):
                 return self._launch(batch)
         return self._launch(batch)
