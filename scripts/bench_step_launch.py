@@ -35,22 +35,14 @@ for _p in (str(ROOT), str(ROOT / "scripts")):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
+from bench_wakeup import idle_milliseconds  # noqa: E402
+
 from hybridd.stats import percentiles  # noqa: E402
 
 CONTEXT = 512
 PREFILL_TOKENS = 128
 SPLIT_HEAD = 8
 GPU_IDLE_S = 0.010
-
-
-def _milliseconds(value: str) -> list[float]:
-    try:
-        idles = [float(x) for x in value.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r} is not a comma list of milliseconds") from None
-    if not idles or min(idles) < 0:
-        raise argparse.ArgumentTypeError("needs one sleep or more, none negative")
-    return idles
 
 
 def _kernel_counts(value: str) -> list[int]:
@@ -94,7 +86,7 @@ def runner_launches(model_dir: Path | None, idles_ms: list[float], rounds: int) 
             samples: dict[str, list[int]] = {"bound": [], "switching": []}
             for i in range(2 * rounds):
                 mode = "bound" if i % 2 else "switching"
-                runner._serving_thread = this_thread if mode == "bound" else None
+                runner.serving.thread = this_thread if mode == "bound" else None
                 runner.stream.synchronize()
                 if idle_ms:
                     time.sleep(idle_ms / 1e3)
@@ -103,7 +95,7 @@ def runner_launches(model_dir: Path | None, idles_ms: list[float], rounds: int) 
                 samples[mode].append(time.perf_counter_ns() - start)
                 if not shape.graph:
                     raise SystemExit(f"{name} did not replay a graph")
-            runner._serving_thread = this_thread
+            runner.serving.thread = this_thread
             runner.stream.synchronize()
             rows.append({"step": name, "idle_ms": idle_ms,
                          **{f"{mode}_us": _median_us(s) for mode, s in samples.items()}})
@@ -194,7 +186,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True, help="JSON file for the figures")
     parser.add_argument("--model", type=Path, help="local HF model directory (default: random Llama-2-7B shape)")
-    parser.add_argument("--idle-ms", type=_milliseconds, default=[1.0, 5.0, 20.0],
+    parser.add_argument("--idle-ms", type=idle_milliseconds, default="1,5,20",
                         help="comma list of host sleeps before each step, besides none (default 1,5,20)")
     parser.add_argument("--kernels", type=_kernel_counts, default=[16, 100, 230, 460],
                         help="comma list of bare graphs' kernel counts (default 16,100,230,460)")

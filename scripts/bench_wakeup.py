@@ -59,28 +59,34 @@ def schedule_times(sched: Scheduler, prompt_len: int, idle_s: float, rounds: int
     return times
 
 
+def idle_milliseconds(value: str) -> list[float]:
+    """An `--idle-ms` value: a comma list of sleeps in milliseconds, one or more, none negative."""
+    try:
+        idles = [float(x) for x in value.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a comma list of milliseconds") from None
+    if not idles or min(idles) < 0:
+        raise argparse.ArgumentTypeError("needs one sleep or more, none negative")
+    return idles
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompt-len", type=int, default=128)
-    parser.add_argument("--idle-ms", default="1,5,20", help="comma list of sleeps before each call, besides none")
+    parser.add_argument("--idle-ms", type=idle_milliseconds, default="1,5,20",
+                        help="comma list of sleeps before each call, besides none")
     parser.add_argument("--rounds", type=int, default=300)
     parser.add_argument("--out", type=Path, help="also write the figures here as JSON")
     args = parser.parse_args()
     if not 0 < args.prompt_len < MAX_MODEL_LEN:
         parser.error(f"--prompt-len must be 1-{MAX_MODEL_LEN - 1}")
-    try:
-        idles = [float(x) for x in args.idle_ms.split(",") if x.strip()]
-    except ValueError:
-        parser.error(f"--idle-ms: {args.idle_ms!r} is not a comma list of milliseconds")
-    if not idles or min(idles) < 0:
-        parser.error("--idle-ms needs one sleep or more, none negative")
     log.configure(level="warning")  # the rounds' aborts log at info
     sched = scheduler()
     schedule_times(sched, args.prompt_len, 0.0, 50)  # warm-up
     rows = []
     print(f"{args.prompt_len}-token prompt, {args.rounds} rounds; µs per schedule()")
     print(f"{'asleep before':>14} {'median':>8} {'p90':>8}")
-    for idle_ms in [0.0, *idles, 0.0]:
+    for idle_ms in [0.0, *args.idle_ms, 0.0]:
         median, p90 = percentiles(schedule_times(sched, args.prompt_len, idle_ms / 1e3, args.rounds), 50, 90)
         row = {"idle_ms": idle_ms, "median_us": round(median * 1e6, 1), "p90_us": round(p90 * 1e6, 1)}
         rows.append(row)

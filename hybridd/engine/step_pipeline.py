@@ -22,7 +22,6 @@ to the host with the tokens; other batches do no logprob work at all.
 from __future__ import annotations
 
 import dataclasses
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,6 +31,7 @@ import torch
 from hybridd.engine.sampler import Logprobs, Sampler, SamplingTensors
 from hybridd.errors import EngineDeadError
 from hybridd.engine.scheduler import ScheduledBatch
+from hybridd.runtime.serving_stream import ServingStream
 from hybridd.runtime.step_buffers import StepBuffers
 from hybridd.runtime.step_trace import mark
 from hybridd.ipc.channel import Channel
@@ -85,25 +85,19 @@ class StepPipeline:
         self.cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
+        self.serving = ServingStream(self.stream)
         self.inputs_ready = InterprocessEvent.from_handle(ready.events.get("inputs_ready", b""), device)
         self.logits_ready = InterprocessEvent.from_handle(ready.events.get("logits_ready", b""), device)
         self.ring = torch.zeros((RING_STEPS, buffers.max_seqs), dtype=torch.int64, device=device)
         self._greedy_tensors: dict[int, SamplingTensors] = {}
-        self._serving_thread: int | None = None  # `serve_from_this_thread`
 
     def serve_from_this_thread(self) -> None:
-        """Make the step stream this thread's current stream for good, so that its launches
-        need no stream switch each (`GraphRunner.serve_from_this_thread` says what one
-        costs); other threads' launches still switch to it and back."""
-        if self.cuda:
-            torch.cuda.set_stream(self.stream)
-        self._serving_thread = threading.get_ident()
+        """Launch this thread's steps on the step stream without a switch each (`ServingStream`)."""
+        self.serving.bind_this_thread()
 
     def launch(self, batch: ScheduledBatch) -> InflightStep:
-        if self.cuda and threading.get_ident() != self._serving_thread:
-            with torch.cuda.stream(self.stream):
-                return self._launch(batch)
-        return self._launch(batch)
+        with self.serving.entered():
+            return self._launch(batch)
 
     def _launch(self, batch: ScheduledBatch) -> InflightStep:
         n_tokens, n_seqs = batch.num_tokens, batch.num_seqs

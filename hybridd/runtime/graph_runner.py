@@ -37,6 +37,7 @@ from hybridd.runtime.buckets import BucketPlan
 from hybridd.runtime.graph_memory import activation_bytes, pool_bytes
 from hybridd.runtime.graph_stats import BucketStats
 from hybridd.runtime.kernel_precompile import CompilePool, PrecompileReport, precompile
+from hybridd.runtime.serving_stream import ServingStream
 from hybridd.runtime.step_buffers import StepBuffers
 
 log = get_logger("graph_runner")
@@ -124,6 +125,7 @@ class GraphRunner:
         on_cuda = self.device.type == "cuda"
         self.stream = stream if stream is not None else (torch.cuda.Stream(self.device) if on_cuda else None)
         self.capture_stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self.serving = ServingStream(self.stream)
         if self.cuda:
             self._open_pool()
         if plan.max_batch > buffers.max_seqs or plan.max_prefill_seqs > buffers.max_seqs:
@@ -143,7 +145,6 @@ class GraphRunner:
         self._thread: threading.Thread | None = None
         self._retired: list[tuple[object, torch.cuda.Event]] = []
         self._warm_threads: set[int] = set()
-        self._serving_thread: int | None = None  # `serve_from_this_thread`
 
     # ---------------------------------------------------------------- planning
     def plan_step(self, is_prefill: bool, num_tokens: int, num_seqs: int) -> StepShape:
@@ -185,22 +186,13 @@ class GraphRunner:
         past them), on the serving stream: pick its bucket and replay the bucket's graph
         (or run eagerly). The logits of its sequences land in `buffers.logits[:num_seqs]`."""
         shape = self.plan_step(is_prefill, num_tokens, num_seqs)
-        if self.stream is None or threading.get_ident() == self._serving_thread:
+        with self.serving.entered():
             self._execute(shape)
-        else:
-            with torch.cuda.stream(self.stream):
-                self._execute(shape)
         return shape
 
     def serve_from_this_thread(self) -> None:
-        """Make the serving stream this thread's current stream for good, so that its steps
-        (`run`) launch without a stream switch each: `torch.cuda.stream`'s enter and exit
-        cost about 20 µs of host time back to back and 100-200 µs on a core that was idle
-        a few milliseconds, which a request's first step is. Other threads' `run` still
-        switch to the serving stream and back."""
-        if self.stream is not None:
-            torch.cuda.set_stream(self.stream)
-        self._serving_thread = threading.get_ident()
+        """Run this thread's steps on the serving stream without a switch each (`ServingStream`)."""
+        self.serving.bind_this_thread()
 
     def _execute(self, shape: StepShape) -> None:
         if shape.graph:
