@@ -74,6 +74,72 @@ def test_every_candidate_matches_torch(m, n, k, accumulate):
 
 @pytest.mark.gpu
 @gpu
+def test_configurations_beyond_the_heuristic_build_check_and_compute_the_product():
+    """An algorithm's capabilities enumerate configurations the library accepts; the
+    heuristic's first is among them, a configuration read back builds the same algorithm,
+    each built one computes the product, and one the library refuses builds None."""
+    from hybridd.model import cublaslt
+
+    m, n, k = 128, 1024, 512
+    x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+    w = torch.randn(n, k, dtype=torch.bfloat16, device="cuda") / k**0.5
+    reference = F.linear(x, w)
+    product = cublaslt.LtProduct(m, n, k, torch.bfloat16)
+    first = product.candidates(WORKSPACE, count=8)[0]
+    assert first.config["algo_id"] in product.algo_ids()
+    caps = product.capabilities(first.config["algo_id"])
+    assert caps is not None and first.config["tile"] in (caps["tiles"] or [0])
+    accepted = product.configurations(first.config["algo_id"], stages=[first.config["stages"]])
+    unsplit = {key: value for key, value in first.config.items() if key not in ("split_k", "reduction")}
+    configs = [{key: c.config[key] for key in unsplit} for c in accepted]
+    assert unsplit in configs, f"{first.describe()} not among {len(accepted)} enumerated"
+    rebuilt = product.build(first.config)
+    assert rebuilt is not None and rebuilt.config == first.config
+    workspace = torch.empty(WORKSPACE, dtype=torch.uint8, device="cuda")
+    for candidate in [rebuilt, *accepted[:: max(1, len(accepted) // 12)]]:
+        if candidate.workspace_bytes > WORKSPACE:
+            continue
+        out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+        product(x, w, out, candidate, workspace)
+        assert rel(out, reference) < 1e-2, candidate.describe()
+    assert product.build({**first.config, "tile": 10**6}) is None
+    assert product.capabilities(-5) is None
+    with pytest.raises(ValueError, match="algo_id"):
+        product.build({"tile": first.config["tile"]})
+
+
+@pytest.mark.gpu
+@gpu
+def test_a_table_entry_the_heuristic_does_not_name_is_built(monkeypatch):
+    """A table entry whose configuration is not among the heuristic's candidates (an
+    enumerated one) resolves by building it, and the product on it equals PyTorch's."""
+    from hybridd.model import cublaslt
+
+    m, n, k = 96, 512, 256
+    x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+    w = torch.randn(n, k, dtype=torch.bfloat16, device="cuda") / k**0.5
+    product = cublaslt.LtProduct(m, n, k, torch.bfloat16)
+    named = product.candidates(prefill_gemm.CANDIDATE_WORKSPACE_BYTES, count=prefill_gemm.CANDIDATES)
+    first = named[0]
+    names = {tuple(sorted(c.config.items())) for c in named}
+    unnamed = [c for c in product.configurations(first.config["algo_id"], stages=[first.config["stages"]])
+               if tuple(sorted(c.config.items())) not in names and not c.workspace_bytes]
+    if not unnamed:
+        pytest.skip("every accepted configuration is among the heuristic's candidates here")
+    name = torch.cuda.get_device_name(0)
+    monkeypatch.setattr(prefill_gemm, "_TABLE", {(name, m, n, k, False): unnamed[0].config})
+    prefill_gemm._resolve.cache_clear()
+    try:
+        resolved = prefill_gemm._resolve(name, m, n, k, torch.bfloat16, False)
+        assert resolved is not None and resolved[1].config == unnamed[0].config
+        y = prefill_gemm.linear(x, w)
+        assert y is not None and rel(y, F.linear(x, w)) < 1e-2
+    finally:
+        prefill_gemm._resolve.cache_clear()
+
+
+@pytest.mark.gpu
+@gpu
 def test_a_product_refuses_operands_of_another_shape():
     from hybridd.model import cublaslt
 

@@ -3,11 +3,13 @@
 PyTorch runs a projection on cuBLAS with the first algorithm the library's heuristic
 names for its shape. For the prefill's 64-256 rows that first choice reads the weight
 at 58-90 % of the copy bandwidth. cuBLASLt's heuristic can name more candidates (other
-tiles, stages, splits of K and their reduction schemes) for the same product; an
-`LtProduct` asks for them, checks each, and runs y = x @ W.T (or adds it to y in place,
-beta = 1) with the one it is given, on PyTorch's current stream, so that it can be
-captured in a CUDA graph like any other kernel. Which candidate to give is measured
-(`scripts/bench_cublaslt.py`).
+tiles, stages, splits of K and their reduction schemes) for the same product, and each
+of its algorithms takes configurations the heuristic never names (every tile, cluster
+shape, custom option and swizzle the algorithm lists as a capability, each checked by
+the library); an `LtProduct` lists both, builds an algorithm from a configuration read
+back earlier, and runs y = x @ W.T (or adds it to y in place, beta = 1) with the one it
+is given, on PyTorch's current stream, so that it can be captured in a CUDA graph like
+any other kernel. Which candidate to give is measured (`scripts/bench_cublaslt.py`).
 
 The library is the one PyTorch loaded (found among the process's mapped files), so the
 two share a version. Only CUDA builds have it: nothing here runs on the CPU.
@@ -28,6 +30,11 @@ _DESC_TRANSA, _DESC_TRANSB = 3, 4  # cublasLtMatmulDescAttributes_t
 _OP_N, _OP_T = 0, 1
 _PREF_MAX_WORKSPACE_BYTES = 1  # cublasLtMatmulPreferenceAttributes_t
 _PREF_MIN_ALIGNMENT = (5, 6, 7, 8)  # A, B, C, D
+# cublasLtMatmulAlgoCapAttributes_t: what an algorithm can be configured with.
+_CAP_SPLIT_K, _CAP_REDUCTION_MASK, _CAP_SWIZZLING, _CAP_TILE_IDS, _CAP_CUSTOM_MAX, _CAP_STAGES_IDS = 0, 1, 2, 6, 7, 13
+# cublasLtClusterShape_t: 0 is automatic, 2 up are shapes (1x1x1, 2x1x1, ...); no capability
+# lists them, so an enumeration tries each below this bound and keeps those the check takes.
+CLUSTER_SHAPE_BOUND = 48
 # cublasLtMatmulAlgoConfigAttributes_t, all of them a candidate carries.
 CONFIG_ATTRIBUTES = {
     "algo_id": (0, ctypes.c_int32), "tile": (1, ctypes.c_uint32), "split_k": (2, ctypes.c_uint32),
@@ -79,6 +86,9 @@ def _lib() -> ctypes.CDLL:
         "cublasLtMatmulAlgoCheck": [p, p, p, p, p, p, ctypes.POINTER(_Algo), ctypes.POINTER(_HeuristicResult)],
         "cublasLtMatmulAlgoConfigGetAttribute": [ctypes.POINTER(_Algo), i32, p, sz, ctypes.POINTER(sz)],
         "cublasLtMatmulAlgoConfigSetAttribute": [ctypes.POINTER(_Algo), i32, p, sz],
+        "cublasLtMatmulAlgoGetIds": [p, i32, i32, i32, i32, i32, i32, i32, ctypes.POINTER(i32), ctypes.POINTER(i32)],
+        "cublasLtMatmulAlgoInit": [p, i32, i32, i32, i32, i32, i32, i32, ctypes.POINTER(_Algo)],
+        "cublasLtMatmulAlgoCapGetAttribute": [ctypes.POINTER(_Algo), i32, p, sz, ctypes.POINTER(sz)],
         "cublasLtMatmul": [p, p, p, p, p, p, p, p, p, p, p, p, ctypes.POINTER(_Algo), p, sz, p],
     }
     for name, argtypes in signatures.items():
@@ -124,6 +134,7 @@ class LtProduct:
         self.dtype = dtype
         self.accumulate = accumulate
         lib, data_type = _lib(), _DATA_TYPES[dtype]
+        self._types = (_COMPUTE_32F, _R_32F, data_type, data_type, data_type, data_type)
         self._desc = ctypes.c_void_p()
         _check(lib.cublasLtMatmulDescCreate(ctypes.byref(self._desc), _COMPUTE_32F, _R_32F),
                "cublasLtMatmulDescCreate")
@@ -166,9 +177,65 @@ class LtProduct:
     def variant(self, candidate: Candidate, **config: int) -> Candidate | None:
         """`candidate` with some of its configuration changed (e.g. split_k, reduction),
         or None where cuBLASLt refuses that configuration for this product."""
-        lib = _lib()
         algo = _Algo()
         ctypes.memmove(ctypes.byref(algo), ctypes.byref(candidate.algo), ctypes.sizeof(_Algo))
+        return self._checked(algo, config)
+
+    def algo_ids(self, limit: int = 256) -> list[int]:
+        """The ids of the algorithms the library has for this product's types."""
+        ids, returned = (ctypes.c_int32 * limit)(), ctypes.c_int32(0)
+        _check(_lib().cublasLtMatmulAlgoGetIds(_handle(), *self._types, limit, ids, ctypes.byref(returned)),
+               "cublasLtMatmulAlgoGetIds")
+        return list(ids[:returned.value])
+
+    def _initialized(self, algo_id: int) -> _Algo | None:
+        algo = _Algo()
+        if _lib().cublasLtMatmulAlgoInit(_handle(), *self._types, algo_id, ctypes.byref(algo)) != 0:
+            return None
+        return algo
+
+    def capabilities(self, algo_id: int) -> dict[str, list[int] | int] | None:
+        """What algorithm `algo_id` can be configured with (its tiles and stages, whether
+        it splits K, its reduction schemes as a mask, its largest swizzle and custom
+        option), or None where the library cannot initialize it for this product."""
+        algo = self._initialized(algo_id)
+        if algo is None:
+            return None
+        return {"tiles": _capability_list(algo, _CAP_TILE_IDS), "stages": _capability_list(algo, _CAP_STAGES_IDS),
+                "split_k": _capability_int(algo, _CAP_SPLIT_K), "reductions": _capability_int(algo, _CAP_REDUCTION_MASK),
+                "swizzle": _capability_int(algo, _CAP_SWIZZLING), "custom": _capability_int(algo, _CAP_CUSTOM_MAX)}
+
+    def build(self, config: dict[str, int]) -> Candidate | None:
+        """The algorithm of a configuration as `read_config` reads it (its `algo_id` and
+        the attributes given), or None where the library refuses it for this product."""
+        if "algo_id" not in config:
+            raise ValueError(f"a configuration names its algo_id, got {config}")
+        algo = self._initialized(config["algo_id"])
+        if algo is None:
+            return None
+        return self._checked(algo, {key: value for key, value in config.items() if key != "algo_id"})
+
+    def configurations(self, algo_id: int, stages: list[int] | None = None) -> list[Candidate]:
+        """Every configuration of algorithm `algo_id` the library accepts for this product,
+        K unsplit: each tile, custom option, swizzle and cluster shape it can take, with
+        the stages given (the algorithm's own list where None; it can be long)."""
+        caps = self.capabilities(algo_id)
+        if caps is None:
+            return []
+        accepted = []
+        for tile in caps["tiles"] or [0]:
+            for stage in (caps["stages"] or [0]) if stages is None else stages:
+                for custom in range(caps["custom"] + 1):
+                    for swizzle in range(caps["swizzle"] + 1):
+                        for cluster in range(CLUSTER_SHAPE_BOUND):
+                            candidate = self.build({"algo_id": algo_id, "tile": tile, "stages": stage,
+                                                    "custom": custom, "swizzle": swizzle, "cluster_shape": cluster})
+                            if candidate is not None:
+                                accepted.append(candidate)
+        return accepted
+
+    def _checked(self, algo: _Algo, config: dict[str, int]) -> Candidate | None:
+        lib = _lib()
         for key, value in config.items():
             attribute, ctype = CONFIG_ATTRIBUTES[key]
             raw = ctype(value)
@@ -212,6 +279,25 @@ def read_config(algo: _Algo) -> dict[str, int]:
                                                      ctypes.sizeof(value), ctypes.byref(written)) == 0:
             config[key] = int(value.value)
     return config
+
+
+def _capability_int(algo: _Algo, attribute: int) -> int:
+    value, written = ctypes.c_int32(0), ctypes.c_size_t(0)
+    if _lib().cublasLtMatmulAlgoCapGetAttribute(ctypes.byref(algo), attribute, ctypes.byref(value),
+                                                ctypes.sizeof(value), ctypes.byref(written)) != 0:
+        return 0
+    return int(value.value)
+
+
+def _capability_list(algo: _Algo, attribute: int) -> list[int]:
+    lib, written = _lib(), ctypes.c_size_t(0)
+    if lib.cublasLtMatmulAlgoCapGetAttribute(ctypes.byref(algo), attribute, None, 0, ctypes.byref(written)) != 0:
+        return []
+    values = (ctypes.c_uint32 * (written.value // 4))()
+    if values and lib.cublasLtMatmulAlgoCapGetAttribute(ctypes.byref(algo), attribute, values,
+                                                        ctypes.sizeof(values), ctypes.byref(written)) != 0:
+        return []
+    return list(values)
 
 
 def alignment_of(*tensors: torch.Tensor) -> int:

@@ -3,7 +3,8 @@
 A prefill of more than `triton_gemm.MAX_ROWS` tokens runs its projections on cuBLAS,
 whose first heuristic choice reads some weights well below the copy bandwidth (the o
 and down projections of Llama-2-7B at 128 rows: 58 % and 72 %). `scripts/bench_cublaslt.py`
-times every algorithm cuBLASLt offers for each shape; where one beat PyTorch's call
+times the algorithms cuBLASLt offers for each shape (the heuristic's, or with
+`--exhaustive` every configuration its algorithms accept); where one beat PyTorch's call
 clearly, `_TABLE` names its configuration by the GPU it was measured on, and the product
 runs on it (`cublaslt.LtProduct`). Everywhere else, and wherever the library does not
 offer that configuration (another cuBLAS version), PyTorch's call runs as before.
@@ -34,19 +35,26 @@ def _lt(**config: int) -> dict[str, int]:
 # (GPU name, rows, N, K, accumulate) -> the configuration of the algorithm to run, from
 # `python scripts/bench_cublaslt.py --rows 128,64,256 --splits-of 2` on that GPU (cuBLAS
 # of PyTorch 2.11 for CUDA 13): the cells where it beat PyTorch's call by 3 % or more.
+# The H100's and the H200's entries for the products the model runs at 128 rows (qkv,
+# gate/up, o and down added to the stream) are from the same script with `--exhaustive
+# --limit 600` over those products. Its winners at 256 rows made the 256-token prefill
+# step slower on the H200 (scripts/bench_pdl_steps.py), so those rows keep the first
+# sweep's entries.
 _TABLE: dict[tuple[str, int, int, int, bool], dict[str, int]] = {
-    ('NVIDIA H100 80GB HBM3', 128, 22016, 4096, False):
-        _lt(algo_id=66, tile=165, stages=35, cluster_shape=4),
-    ('NVIDIA H100 80GB HBM3', 128, 4096, 14336, False):
-        _lt(algo_id=66, tile=15, custom=1, stages=35, cluster_shape=3),
-    ('NVIDIA H100 80GB HBM3', 128, 4096, 14336, True):
-        _lt(algo_id=66, tile=15, custom=1, stages=35, cluster_shape=3),
-    ('NVIDIA H100 80GB HBM3', 64, 22016, 4096, False):
-        _lt(algo_id=66, tile=164, stages=35, cluster_shape=4),
     ('NVIDIA H100 80GB HBM3', 64, 4096, 14336, False):
         _lt(algo_id=66, tile=13, custom=3, stages=35, cluster_shape=5),
     ('NVIDIA H100 80GB HBM3', 64, 4096, 14336, True):
         _lt(algo_id=66, tile=13, custom=3, stages=35, cluster_shape=5),
+    ('NVIDIA H100 80GB HBM3', 64, 22016, 4096, False):
+        _lt(algo_id=66, tile=164, stages=35, cluster_shape=4),
+    ('NVIDIA H100 80GB HBM3', 128, 4096, 11008, True):
+        _lt(algo_id=66, tile=15, custom=2, stages=35, cluster_shape=5),
+    ('NVIDIA H100 80GB HBM3', 128, 4096, 14336, False):
+        _lt(algo_id=66, tile=15, custom=1, stages=35, cluster_shape=3),
+    ('NVIDIA H100 80GB HBM3', 128, 4096, 14336, True):
+        _lt(algo_id=66, tile=15, custom=1, stages=35, cluster_shape=2),
+    ('NVIDIA H100 80GB HBM3', 128, 22016, 4096, False):
+        _lt(algo_id=66, tile=28, custom=4, stages=35, cluster_shape=4),
     ('NVIDIA H100 80GB HBM3', 256, 4096, 4096, False):
         _lt(algo_id=66, tile=183, custom=2, stages=35, cluster_shape=9),
     ('NVIDIA H100 80GB HBM3', 256, 4096, 4096, True):
@@ -59,28 +67,32 @@ _TABLE: dict[tuple[str, int, int, int, bool], dict[str, int]] = {
         _lt(algo_id=66, tile=135, custom=2, stages=35, cluster_shape=7),
     ('NVIDIA H100 80GB HBM3', 256, 4096, 14336, True):
         _lt(algo_id=66, tile=135, custom=2, stages=35, cluster_shape=7),
-    ('NVIDIA H200', 128, 4096, 4096, False):
-        _lt(algo_id=66, tile=27, custom=2, stages=35, cluster_shape=7),
-    ('NVIDIA H200', 128, 4096, 4096, True):
-        _lt(algo_id=66, tile=27, custom=2, stages=35, cluster_shape=7),
-    ('NVIDIA H200', 128, 22016, 4096, False):
-        _lt(algo_id=66, tile=31, custom=5, stages=35, cluster_shape=4),
-    ('NVIDIA H200', 128, 28672, 4096, False):
-        _lt(algo_id=66, tile=21, custom=3, stages=35, cluster_shape=5),
-    ('NVIDIA H200', 64, 12288, 4096, False):
-        _lt(algo_id=66, tile=27, stages=35, cluster_shape=3),
-    ('NVIDIA H200', 64, 22016, 4096, False):
-        _lt(algo_id=66, tile=21, custom=1, stages=35, cluster_shape=4),
     ('NVIDIA H200', 64, 4096, 11008, False):
         _lt(algo_id=66, tile=13, custom=3, stages=35, cluster_shape=5),
     ('NVIDIA H200', 64, 4096, 11008, True):
         _lt(algo_id=66, tile=13, custom=3, stages=35, cluster_shape=5),
-    ('NVIDIA H200', 64, 28672, 4096, False):
-        _lt(algo_id=66, tile=18, custom=1, stages=35, cluster_shape=4),
     ('NVIDIA H200', 64, 4096, 14336, False):
         _lt(algo_id=66, tile=15, split_k=2, reduction=2, custom=1, stages=35, cluster_shape=3),
     ('NVIDIA H200', 64, 4096, 14336, True):
         _lt(algo_id=66, tile=15, split_k=2, reduction=2, custom=1, stages=35, cluster_shape=3),
+    ('NVIDIA H200', 64, 12288, 4096, False):
+        _lt(algo_id=66, tile=27, stages=35, cluster_shape=3),
+    ('NVIDIA H200', 64, 22016, 4096, False):
+        _lt(algo_id=66, tile=21, custom=1, stages=35, cluster_shape=4),
+    ('NVIDIA H200', 64, 28672, 4096, False):
+        _lt(algo_id=66, tile=18, custom=1, stages=35, cluster_shape=4),
+    ('NVIDIA H200', 128, 4096, 4096, False):
+        _lt(algo_id=66, tile=27, custom=2, stages=35, cluster_shape=7),
+    ('NVIDIA H200', 128, 4096, 4096, True):
+        _lt(algo_id=66, tile=15, stages=35, cluster_shape=2),
+    ('NVIDIA H200', 128, 4096, 11008, True):
+        _lt(algo_id=66, tile=15, stages=35, cluster_shape=5),
+    ('NVIDIA H200', 128, 4096, 14336, True):
+        _lt(algo_id=66, tile=15, custom=1, stages=35, cluster_shape=5),
+    ('NVIDIA H200', 128, 22016, 4096, False):
+        _lt(algo_id=66, tile=201, custom=6, stages=35, cluster_shape=2),
+    ('NVIDIA H200', 128, 28672, 4096, False):
+        _lt(algo_id=66, tile=165, custom=4, stages=35, cluster_shape=3),
     ('NVIDIA H200', 256, 4096, 4096, False):
         _lt(algo_id=66, tile=135, custom=2, stages=35, cluster_shape=7),
 }
@@ -121,6 +133,9 @@ def _resolve(name: str, m: int, n: int, k: int, dtype: torch.dtype, accumulate: 
             variant = product.variant(candidate, **{key: wanted[key] for key in _SPLIT_KEYS})
             if variant is not None and variant.config == wanted:
                 return product, variant
+    built = product.build(wanted)  # a configuration the heuristic does not name
+    if built is not None and built.config == wanted:
+        return product, built
     log.warning("cublaslt_config_unavailable", rows=m, n=n, k=k, accumulate=accumulate, config=wanted)
     return None
 
