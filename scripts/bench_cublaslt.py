@@ -4,10 +4,11 @@ For every projection shape of Llama-2-7B and Llama-3-8B at prefill row counts: t
 product as the model runs it now (`F.linear`, and for o and down `addmm_` adding into
 the residual stream in place), then every algorithm cuBLASLt's heuristic names for it
 (`hybridd.model.cublaslt`), and splits of K of the first few, each checked against
-PyTorch's result before it is timed. With `--exhaustive`, also every configuration the
-heuristic's algorithms accept (each tile, custom option, swizzle and cluster shape they
-list, at the heuristic's stages; up to `--limit` of them a cell, drawn at random beyond
-that), then K split in the three fastest. The fastest few and PyTorch's call are timed
+PyTorch's result before it is timed. With `--exhaustive`, also the configurations the
+heuristic's algorithms accept beyond its own (each tile, custom option, swizzle and
+cluster shape they list, at the heuristic's stages): first those that share a tile with
+one of its candidates, then others drawn at random, up to `--limit` a cell; then K split
+in the three fastest. The fastest few and PyTorch's call are timed
 again in turns (`--rounds`), and the cell's best is the one with the lowest median of
 those rounds. Ends with the entries for `prefill_gemm._TABLE` (the cells where an
 algorithm beat PyTorch's call by 3 % or more).
@@ -19,7 +20,7 @@ output.
 
     python scripts/bench_cublaslt.py --out bench_cublaslt.json [--rows 64,128,256]
     python scripts/bench_cublaslt.py --out bench_cublaslt.json --rows 128,256 --exhaustive \
-        --shapes "llama2-7b o,llama2-7b down"
+        --shapes "llama2-7b o +=,llama2-7b down +="
 """
 
 from __future__ import annotations
