@@ -20,7 +20,11 @@ output.
 
     python scripts/bench_cublaslt.py --out bench_cublaslt.json [--rows 64,128,256]
     python scripts/bench_cublaslt.py --out bench_cublaslt.json --rows 128,256 --exhaustive \
-        --shapes "llama2-7b o +=,llama2-7b down +="
+        --shapes "llama2-7b o +=,llama2-7b down +=" --table-out winners.json
+
+`--table-out` writes the entries as JSON; `scripts/bench_pdl_steps.py` tries them in the
+graph steps beside the table as it is (`--policies "code,code with table=winners.json"`),
+since a product faster alone is not always faster in the step.
 """
 
 from __future__ import annotations
@@ -173,6 +177,35 @@ def table_entries(results: dict, margin: float = 0.03) -> dict[tuple, dict[str, 
     return entries
 
 
+def write_table(path: Path, entries: dict[tuple, dict[str, int]]) -> None:
+    """`table_entries` as JSON, for `bench_pdl_steps.py`'s `table=PATH` to try in the steps."""
+    path.write_text(json.dumps([{"gpu": gpu, "rows": m, "n": n, "k": k, "accumulate": accumulate, "config": config}
+                                for (gpu, m, n, k, accumulate), config in entries.items()], indent=1) + "\n")
+
+
+def read_table(path: Path) -> dict[tuple, dict[str, int]]:
+    """Table entries written by `write_table`; ValueError naming what is wrong."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path}: not a table of entries: {exc}") from None
+    if not isinstance(data, list):
+        raise ValueError(f"{path}: a table is a list of entries, got {type(data).__name__}")
+    entries = {}
+    for i, entry in enumerate(data):
+        fields = {"gpu": str, "rows": int, "n": int, "k": int, "accumulate": bool, "config": dict}
+        if not isinstance(entry, dict) or set(entry) != set(fields):
+            raise ValueError(f"{path}: entry {i} must have exactly {', '.join(fields)}")
+        wrong = [name for name, kind in fields.items()
+                 if not isinstance(entry[name], kind) or (kind is int and isinstance(entry[name], bool))]
+        config = entry["config"]
+        if wrong or "algo_id" not in config or not all(isinstance(v, int) for v in config.values()):
+            raise ValueError(f"{path}: entry {i}: {', '.join(wrong) or 'config'} malformed "
+                             "(config maps attribute names to integers and names its algo_id)")
+        entries[(entry["gpu"], entry["rows"], entry["n"], entry["k"], entry["accumulate"])] = config
+    return entries
+
+
 def _seconds(candidate: dict) -> float:
     """A timed candidate's time: the median of its rounds where it had them."""
     return candidate.get("seconds_rounds", candidate["seconds"])
@@ -198,6 +231,8 @@ def main() -> int:
                         help="also every configuration the heuristic's algorithms accept")
     parser.add_argument("--limit", type=int, default=1000,
                         help="with --exhaustive, at most this many configurations a cell")
+    parser.add_argument("--table-out", type=Path,
+                        help="also write the table's entries as JSON (for bench_pdl_steps.py's table=PATH)")
     parser.add_argument("--rounds", type=int, default=5,
                         help="time the fastest few and PyTorch's call again this many times, in turns")
     args, bandwidth, results = start_sweep(parser)
@@ -229,6 +264,8 @@ def main() -> int:
                 print(line, flush=True)
                 args.out.write_text(json.dumps(results, indent=1))  # each cell kept as it comes
     print("prefill_gemm._TABLE entries (3 % faster or more):")
+    if args.table_out:
+        write_table(args.table_out, table_entries(results))
     for key, config in table_entries(results).items():
         print(f"    {key!r}:\n        {table_source(config)},")
     return 0

@@ -20,7 +20,10 @@ GPU (one replay, the median of 40). The policies:
 A policy may be followed by ` with KNOB=VALUE ...`, each KNOB a launch constant of the
 Triton kernels outside the projections (`ops.ROTARY_SPLITS`, `ops.ROTARY_WARPS`,
 `ops.SILU_LAUNCH`, `ops.SILU_NORM_LAUNCH`; a pair written `4096:8`), set for that policy's
-graphs alone: `--policies "code,code with ops.ROTARY_SPLITS=4"`. `--prefill` picks the
+graphs alone: `--policies "code,code with ops.ROTARY_SPLITS=4"`; or `table=PATH`, the
+cuBLASLt entries `bench_cublaslt.py --table-out PATH` wrote, taking the place of the
+code's entries for the same products in that policy's graphs:
+`--policies "code,code with table=winners.json"`. `--prefill` picks the
 prefill lengths (default 16-512).
 
 Prints a table and writes `pdl_steps.json` under `--out`.
@@ -29,6 +32,7 @@ Prints a table and writes `pdl_steps.json` under `--out`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import sys
@@ -51,6 +55,8 @@ PREFILL_TOKENS = (16, 32, 64, 128, 256, 512)
 POLICIES = {"code": (False, True), "pdl_throughout": (True, True), "cublas_prefill": (False, False)}
 # Launch constants a policy may set, as `ops.NAME`.
 KNOBS = {"ops.ROTARY_SPLITS": int, "ops.ROTARY_WARPS": int, "ops.SILU_LAUNCH": tuple, "ops.SILU_NORM_LAUNCH": tuple}
+# A policy's cuBLASLt entries over the code's `prefill_gemm._TABLE`: `table=PATH`.
+TABLE_KNOB = "table"
 
 
 def parse_policy(label: str) -> tuple[str, dict[str, object]]:
@@ -62,8 +68,14 @@ def parse_policy(label: str) -> tuple[str, dict[str, object]]:
     knobs: dict[str, object] = {}
     for change in changes.split():
         name, eq, value = change.partition("=")
+        if name == TABLE_KNOB and eq:
+            from bench_cublaslt import read_table
+
+            knobs[name] = read_table(Path(value))
+            continue
         if name not in KNOBS or not eq:
-            raise ValueError(f"{change!r} in {label!r}: want KNOB=VALUE, KNOB one of {', '.join(KNOBS)}")
+            raise ValueError(f"{change!r} in {label!r}: want KNOB=VALUE, KNOB one of "
+                             f"{', '.join([*KNOBS, TABLE_KNOB])}")
         try:
             parts = tuple(int(v) for v in value.split(":"))
         except ValueError:
@@ -85,16 +97,33 @@ def gpu_times(stream: torch.cuda.Stream, run) -> tuple[float, float]:
 
 def measure(model, label: str, prefill_tokens: tuple[int, ...]) -> dict[str, dict[str, float]]:
     """Each step's times under one policy, with graphs captured under it."""
+    with policy_settings(label):
+        return _timed_steps(model, prefill_tokens)
+
+
+@contextlib.contextmanager
+def policy_settings(label: str):
+    """The policy `label` names in force (its PDL and table settings, its knobs), and the
+    code's own again afterwards."""
     policy, knobs = parse_policy(label)
+    code_policy = pdl.CUBLAS_STEPS, prefill_gemm.ENABLED
     pdl.CUBLAS_STEPS, prefill_gemm.ENABLED = POLICIES[policy]
+    table = knobs.pop(TABLE_KNOB, None)
+    code_table = prefill_gemm._TABLE
     defaults = {name: getattr(triton_ops, _constant(name)) for name in knobs}
     try:
         for name, value in knobs.items():
             setattr(triton_ops, _constant(name), value)
-        return _timed_steps(model, prefill_tokens)
-    finally:  # the next policy's graphs are captured with the code's constants unless it sets its own
+        if table is not None:
+            prefill_gemm._TABLE = code_table | table
+            prefill_gemm._resolve.cache_clear()
+        yield
+    finally:  # the next policy's graphs are captured with the code's settings unless it sets its own
         for name, value in defaults.items():
             setattr(triton_ops, _constant(name), value)
+        prefill_gemm._TABLE = code_table
+        prefill_gemm._resolve.cache_clear()
+        pdl.CUBLAS_STEPS, prefill_gemm.ENABLED = code_policy
 
 
 def _constant(knob: str) -> str:

@@ -155,6 +155,7 @@ PDL_STEPS_SCRIPT = SCRIPT.parent / "bench_pdl_steps.py"
     (["--policies", "code with ops.SILU_LAUNCH=1024"], "ops.SILU_LAUNCH takes a pair a:b"),
     (["--policies", "code with ops.ROTARY_WARPS=x"], "the value must be an integer or integers joined by ':'"),
     (["--prefill", "128,0"], "token counts must be at least 1, got '128,0'"),
+    (["--policies", "code with table=/nonexistent/winners.json"], "/nonexistent/winners.json: not a table of entries"),
 ])
 def test_pdl_steps_policies_are_refused_by_name(args, message):
     done = run_script(PDL_STEPS_SCRIPT, args)
@@ -176,3 +177,67 @@ def test_pdl_steps_knobs_are_launch_constants_of_the_kernels():
         assert isinstance(default, kind) and (kind is int or len(default) == 2), name
     assert parse_policy("pdl_throughout with ops.ROTARY_SPLITS=4 ops.SILU_NORM_LAUNCH=2048:4") == (
         "pdl_throughout", {"ops.ROTARY_SPLITS": 4, "ops.SILU_NORM_LAUNCH": (2048, 4)})
+
+
+def _bench_scripts():
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import bench_cublaslt
+        import bench_pdl_steps
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    return bench_cublaslt, bench_pdl_steps
+
+
+def test_a_sweeps_winners_written_as_json_read_back_as_table_entries(tmp_path):
+    bench_cublaslt, _ = _bench_scripts()
+    from hybridd.model import prefill_gemm
+
+    entries = {("NVIDIA H200", 256, 4096, 11008, True): prefill_gemm._lt(algo_id=66, tile=18, stages=35, cluster_shape=2),
+               ("NVIDIA H200", 128, 22016, 4096, False): prefill_gemm._lt(algo_id=66, tile=201, custom=6, stages=35)}
+    path = tmp_path / "winners.json"
+    bench_cublaslt.write_table(path, entries)
+    assert bench_cublaslt.read_table(path) == entries
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    ("{}", "a table is a list of entries, got dict"),
+    ('[{"gpu": "G", "rows": 128}]', "entry 0 must have exactly gpu, rows, n, k, accumulate, config"),
+    ('[{"gpu": "G", "rows": true, "n": 1, "k": 1, "accumulate": false, "config": {"algo_id": 66}}]', "entry 0: rows malformed"),
+    ('[{"gpu": "G", "rows": 128, "n": 1, "k": 1, "accumulate": false, "config": {"tile": 3}}]', "entry 0: config malformed"),
+    ("[oops", "not a table of entries"),
+])
+def test_a_malformed_table_is_refused_with_what_is_wrong(tmp_path, content, message):
+    bench_cublaslt, _ = _bench_scripts()
+    path = tmp_path / "winners.json"
+    path.write_text(content)
+    with pytest.raises(ValueError, match=message):
+        bench_cublaslt.read_table(path)
+
+
+def test_a_policys_table_is_in_force_for_its_graphs_alone(tmp_path):
+    """`code with table=PATH` puts the file's entries over the code's table (the same
+    products replaced, others kept) while the policy's graphs are made, and the code's
+    table, its resolved entries and its policy are back afterwards."""
+    bench_cublaslt, bench_pdl_steps = _bench_scripts()
+    from hybridd.model import pdl, prefill_gemm
+
+    code_table = prefill_gemm._TABLE
+    replaced = next(iter(code_table))
+    added = ("NVIDIA H200", 512, 4096, 4096, True)
+    entries = {replaced: prefill_gemm._lt(algo_id=66, tile=1, stages=35), added: prefill_gemm._lt(algo_id=66, tile=2)}
+    path = tmp_path / "winners.json"
+    bench_cublaslt.write_table(path, entries)
+    policy, knobs = bench_pdl_steps.parse_policy(f"cublas_prefill with table={path} ops.ROTARY_SPLITS=2")
+    assert policy == "cublas_prefill" and knobs == {"table": entries, "ops.ROTARY_SPLITS": 2}
+    before = (pdl.CUBLAS_STEPS, prefill_gemm.ENABLED)
+    with bench_pdl_steps.policy_settings(f"code with table={path}"):
+        assert prefill_gemm._TABLE[replaced] == entries[replaced]
+        assert prefill_gemm._TABLE[added] == entries[added]
+        assert len(prefill_gemm._TABLE) == len(code_table) + 1
+    assert prefill_gemm._TABLE is code_table
+    assert (pdl.CUBLAS_STEPS, prefill_gemm.ENABLED) == before
+    with pytest.raises(RuntimeError), bench_pdl_steps.policy_settings("pdl_throughout"):
+        assert pdl.CUBLAS_STEPS
+        raise RuntimeError("a capture failed")
+    assert (pdl.CUBLAS_STEPS, prefill_gemm.ENABLED) == before
