@@ -179,6 +179,20 @@ def test_pdl_steps_knobs_are_launch_constants_of_the_kernels():
         "pdl_throughout", {"ops.ROTARY_SPLITS": 4, "ops.SILU_NORM_LAUNCH": (2048, 4)})
 
 
+CUBLASLT_SCRIPT = SCRIPT.parent / "bench_cublaslt.py"
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--limit", "0"], "argument --limit: must be at least 1, got 0"),
+    (["--rounds", "-1"], "argument --rounds: must be at least 0, got -1"),
+    (["--splits-of", "two"], "argument --splits-of: must be an integer, got 'two'"),
+])
+def test_cublaslt_sweep_counts_are_refused_by_name(args, message):
+    done = run_script(CUBLASLT_SCRIPT, args)
+    assert done.returncode == 2
+    assert message in done.stderr
+
+
 def _bench_scripts():
     sys.path.insert(0, str(SCRIPT.parent))
     try:
