@@ -177,6 +177,10 @@ def table_entries(results: dict, margin: float = 0.03) -> dict[tuple, dict[str, 
     return entries
 
 
+# An entry of a table file as `write_table` writes it: each field's type.
+_TABLE_FIELDS = {"gpu": str, "rows": int, "n": int, "k": int, "accumulate": bool, "config": dict}
+
+
 def write_table(path: Path, entries: dict[tuple, dict[str, int]]) -> None:
     """`table_entries` as JSON, for `bench_pdl_steps.py`'s `table=PATH` to try in the steps."""
     path.write_text(json.dumps([{"gpu": gpu, "rows": m, "n": n, "k": k, "accumulate": accumulate, "config": config}
@@ -193,10 +197,9 @@ def read_table(path: Path) -> dict[tuple, dict[str, int]]:
         raise ValueError(f"{path}: a table is a list of entries, got {type(data).__name__}")
     entries = {}
     for i, entry in enumerate(data):
-        fields = {"gpu": str, "rows": int, "n": int, "k": int, "accumulate": bool, "config": dict}
-        if not isinstance(entry, dict) or set(entry) != set(fields):
-            raise ValueError(f"{path}: entry {i} must have exactly {', '.join(fields)}")
-        wrong = [name for name, kind in fields.items()
+        if not isinstance(entry, dict) or set(entry) != set(_TABLE_FIELDS):
+            raise ValueError(f"{path}: entry {i} must have exactly {', '.join(_TABLE_FIELDS)}")
+        wrong = [name for name, kind in _TABLE_FIELDS.items()
                  if not isinstance(entry[name], kind) or (kind is int and isinstance(entry[name], bool))]
         config = entry["config"]
         if wrong or "algo_id" not in config or not all(isinstance(v, int) for v in config.values()):

@@ -44,6 +44,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
+from bench_cublaslt import read_table  # noqa: E402
 from bench_graphs import BLOCK, captured_runner, decode_step, median_gpu_time, prefill_step, stepper  # noqa: E402
 
 from hybridd.model import load_model, pdl, prefill_gemm, triton_ops  # noqa: E402
@@ -69,8 +70,6 @@ def parse_policy(label: str) -> tuple[str, dict[str, object]]:
     for change in changes.split():
         name, eq, value = change.partition("=")
         if name == TABLE_KNOB and eq:
-            from bench_cublaslt import read_table
-
             knobs[name] = read_table(Path(value))
             continue
         if name not in KNOBS or not eq:
