@@ -147,9 +147,6 @@ LARGE_PRESETS = ("llama2-7b", "llama3-8b")
 # it fits 10 minutes.
 PRESET_SKIP = {"llama3-8b": ("hybridd_eager", "hybridd_no_mps", "hybridd_no_pdl", "hybridd_unfused", "in_process",
                              "gateway", "hybridd_poll", "hybridd_no_wake")}
-# How a model is named in tables and plots: its shape, never the directory it was written to.
-SHAPE_NAMES = {"llama2-7b": "Llama-2-7B", "llama3-8b": "Llama-3-8B", "llama-1b": "Llama-1B", "small": "small",
-               "tiny": "tiny"}
 
 
 # ----------------------------------------------------------------------------- statistics
@@ -1565,9 +1562,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def model_shape_name(args) -> str:
     """The model as a reader should see it named: its shape and weights, or its directory's name."""
+    from make_random_checkpoint import SHAPE_NAMES, describe
+
     dtype = "bf16" if args.device == "cuda" else "float32"
     if args.model is not None:
-        return f"{Path(args.model).name} ({dtype})"
+        return f"{describe(args.model)} ({dtype})"
     return f"{SHAPE_NAMES.get(args.preset, args.preset)} shape, random {dtype} weights"
 
 

@@ -46,6 +46,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from bench_cublaslt import read_table  # noqa: E402
 from bench_graphs import BLOCK, captured_runner, decode_step, median_gpu_time, prefill_step, stepper  # noqa: E402
+from make_random_checkpoint import describe, make_checkpoint  # noqa: E402
 
 from hybridd.model import load_model, pdl, prefill_gemm, triton_ops  # noqa: E402
 
@@ -196,8 +197,6 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     model_dir = args.model
     if model_dir is None:
-        from make_random_checkpoint import make_checkpoint
-
         model_dir = make_checkpoint(Path("/tmp/hybridd-llama2-7b-normal-random"), "llama2-7b")
     model = load_model(model_dir, dtype=torch.bfloat16, device="cuda", max_positions=2048)
     runs = []
@@ -208,9 +207,11 @@ def main() -> None:
                 runs.append({"policy": policy, "steps": measure(model, policy, args.prefill)})
     finally:
         pdl.CUBLAS_STEPS, prefill_gemm.ENABLED = default
-    (args.out / "pdl_steps.json").write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "runs": runs}, indent=1))
+    model_name = describe(model_dir)
+    (args.out / "pdl_steps.json").write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "model": model_name,
+                                                         "runs": runs}, indent=1))
     names = list(runs[0]["steps"])
-    print(f"{torch.cuda.get_device_name()}, Llama-2-7B shape, context {CONTEXT} for decode; ms per step, "
+    print(f"{torch.cuda.get_device_name()}, {model_name}, context {CONTEXT} for decode; ms per step, "
           f"back to back / from an idle GPU, each round's policies in the order given")
     for i, r in enumerate(runs, 1):
         print(f"  [{i}] {r['policy']}")

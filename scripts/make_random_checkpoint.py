@@ -31,6 +31,10 @@ PRESETS = {
     "small": dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=4, num_attention_heads=8,
                   num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048),
 }
+# How a preset is named in tables and plots: its shape, never the directory it was written to.
+SHAPE_NAMES = {"llama2-7b": "Llama-2-7B", "llama3-8b": "Llama-3-8B", "llama-1b": "Llama-1B", "small": "small",
+               "tiny": "tiny"}
+MARKER = "hybridd-random.json"  # written beside the weights: the preset, seed and init they came from
 
 
 def make_checkpoint(
@@ -42,8 +46,8 @@ def make_checkpoint(
     from transformers import LlamaConfig, LlamaForCausalLM
 
     out.mkdir(parents=True, exist_ok=True)
-    if (out / "config.json").is_file() and (out / "hybridd-random.json").is_file():
-        if json.loads((out / "hybridd-random.json").read_text()) == {"preset": preset, "seed": seed, "init": init}:
+    if (out / "config.json").is_file() and (out / MARKER).is_file():
+        if json.loads((out / MARKER).read_text()) == {"preset": preset, "seed": seed, "init": init}:
             return out
     config = LlamaConfig(**PRESETS[preset], rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, dtype=str(dtype).removeprefix("torch."))
     torch.manual_seed(seed)
@@ -62,9 +66,19 @@ def make_checkpoint(
             param.normal_(0.0, std, generator=generator)
     model.save_pretrained(out, max_shard_size="4GB")
     save_synthetic_tokenizer(out, config.vocab_size)
-    (out / "hybridd-random.json").write_text(json.dumps({"preset": preset, "seed": seed, "init": init}))
+    (out / MARKER).write_text(json.dumps({"preset": preset, "seed": seed, "init": init}))
     del model
     return out
+
+
+def describe(model_dir: Path) -> str:
+    """A checkpoint as a reader should see it named: "Llama-3-8B shape, random weights"
+    for one this script wrote, else its directory's name."""
+    try:
+        preset = json.loads((Path(model_dir) / MARKER).read_text())["preset"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return Path(model_dir).name
+    return f"{SHAPE_NAMES.get(preset, preset)} shape, random weights"
 
 
 def save_synthetic_tokenizer(out: Path, vocab_size: int) -> None:
