@@ -95,6 +95,13 @@ def test_configurations_beyond_the_heuristic_build_check_and_compute_the_product
     assert unsplit in configs, f"{first.describe()} not among {len(accepted)} enumerated"
     rebuilt = product.build(first.config)
     assert rebuilt is not None and rebuilt.config == first.config
+    # What `prefill_gemm` relies on to build its entries alone: a configuration built
+    # from what is read back is the very struct the heuristic returned, split or not.
+    named = product.candidates(WORKSPACE, count=8)
+    split = product.variant(first, split_k=2, reduction=2)
+    for candidate in named + ([split] if split is not None else []):
+        built = product.build(candidate.config)
+        assert built is not None and bytes(built.algo) == bytes(candidate.algo), candidate.describe()
     workspace = torch.empty(WORKSPACE, dtype=torch.uint8, device="cuda")
     for candidate in [rebuilt, *accepted[:: max(1, len(accepted) // 12)]]:
         if candidate.workspace_bytes > WORKSPACE:

@@ -177,9 +177,7 @@ class LtProduct:
     def variant(self, candidate: Candidate, **config: int) -> Candidate | None:
         """`candidate` with some of its configuration changed (e.g. split_k, reduction),
         or None where cuBLASLt refuses that configuration for this product."""
-        algo = _Algo()
-        ctypes.memmove(ctypes.byref(algo), ctypes.byref(candidate.algo), ctypes.sizeof(_Algo))
-        return self._checked(algo, config)
+        return self._checked(_copy(candidate.algo), config)
 
     def algo_ids(self, limit: int = 256) -> list[int]:
         """The ids of the algorithms the library has for this product's types."""
@@ -219,8 +217,9 @@ class LtProduct:
         """Every configuration of algorithm `algo_id` the library accepts for this product,
         K unsplit: each tile, custom option, swizzle and cluster shape it can take, with
         the stages given (the algorithm's own list where None; it can be long)."""
+        initialized = self._initialized(algo_id)
         caps = self.capabilities(algo_id)
-        if caps is None:
+        if initialized is None or caps is None:
             return []
         accepted = []
         for tile in caps["tiles"] or [0]:
@@ -228,8 +227,11 @@ class LtProduct:
                 for custom in range(caps["custom"] + 1):
                     for swizzle in range(caps["swizzle"] + 1):
                         for cluster in range(CLUSTER_SHAPE_BOUND):
-                            candidate = self.build({"algo_id": algo_id, "tile": tile, "stages": stage,
-                                                    "custom": custom, "swizzle": swizzle, "cluster_shape": cluster})
+                            # A copy of the one initialized algorithm: initializing it
+                            # again for each of the ~16,000 combinations took seconds.
+                            candidate = self._checked(_copy(initialized), {
+                                "tile": tile, "stages": stage, "custom": custom, "swizzle": swizzle,
+                                "cluster_shape": cluster})
                             if candidate is not None:
                                 accepted.append(candidate)
         return accepted
@@ -268,6 +270,13 @@ class LtProduct:
             torch.cuda.current_stream(x.device).cuda_stream,
         ), "cublasLtMatmul")
         return out
+
+
+def _copy(algo: _Algo) -> _Algo:
+    """A copy of an algorithm's opaque struct, to configure without touching the original."""
+    copy = _Algo()
+    ctypes.memmove(ctypes.byref(copy), ctypes.byref(algo), ctypes.sizeof(_Algo))
+    return copy
 
 
 def read_config(algo: _Algo) -> dict[str, int]:

@@ -102,7 +102,6 @@ ENABLED = True
 CANDIDATE_WORKSPACE_BYTES = 32 << 20
 CANDIDATES = 64
 _lock = threading.Lock()
-_SPLIT_KEYS = ("split_k", "reduction")
 # The operands' alignment the table's algorithms were chosen for (cuBLASLt's default).
 _ALIGNMENT = 256
 
@@ -110,10 +109,6 @@ _ALIGNMENT = 256
 @functools.cache
 def _device_name(index: int) -> str:
     return torch.cuda.get_device_name(index)
-
-
-def _unsplit(config: dict[str, int]) -> dict[str, int]:
-    return {key: value for key, value in config.items() if key not in _SPLIT_KEYS}
 
 
 @functools.cache
@@ -124,16 +119,9 @@ def _resolve(name: str, m: int, n: int, k: int, dtype: torch.dtype, accumulate: 
 
     wanted = _TABLE[(name, m, n, k, accumulate)]
     product = cublaslt.LtProduct(m, n, k, dtype, accumulate=accumulate)
-    found = product.candidates(CANDIDATE_WORKSPACE_BYTES, count=CANDIDATES)
-    for candidate in found:
-        if candidate.config == wanted:
-            return product, candidate
-    for candidate in found:
-        if _unsplit(candidate.config) == _unsplit(wanted):
-            variant = product.variant(candidate, **{key: wanted[key] for key in _SPLIT_KEYS})
-            if variant is not None and variant.config == wanted:
-                return product, variant
-    built = product.build(wanted)  # a configuration the heuristic does not name
+    # Built from its configuration alone, whether or not the heuristic would name it:
+    # the algorithm the heuristic returns for a configuration is the same struct.
+    built = product.build(wanted)
     if built is not None and built.config == wanted:
         return product, built
     log.warning("cublaslt_config_unavailable", rows=m, n=n, k=k, accumulate=accumulate, config=wanted)
