@@ -38,8 +38,8 @@ def _lt(**config: int) -> dict[str, int]:
 # The H100's and the H200's entries for the products the model runs at 128 rows (qkv,
 # gate/up, o and down added to the stream) are from the same script with `--exhaustive
 # --limit 600` over those products. Its winners at 256 rows made the 256-token prefill
-# step slower on the H200 (scripts/bench_pdl_steps.py), so those rows keep the first
-# sweep's entries.
+# step slower on the H200 and no faster on the H100 (scripts/bench_pdl_steps.py's
+# `table=PATH`, docs/kernels.md), so those rows keep the first sweep's entries.
 _TABLE: dict[tuple[str, int, int, int, bool], dict[str, int]] = {
     ('NVIDIA H100 80GB HBM3', 64, 4096, 14336, False):
         _lt(algo_id=66, tile=13, custom=3, stages=35, cluster_shape=5),
