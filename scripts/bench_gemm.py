@@ -399,7 +399,8 @@ def step_config(shape: str):
 
 
 # The decode attention's knobs a step variant may set, as `attn.NAME`.
-KNOBS = ("attn.BATCH1_PROGRAMS", "attn.BATCH1_WARPS", "attn.BATCH1_STAGES", "attn.BATCH1_TILE")
+KNOBS = ("attn.BATCH1_PROGRAMS", "attn.BATCH1_WARPS", "attn.BATCH1_STAGES", "attn.BATCH1_TILE",
+         "attn.PREFETCH_NEXT_COLUMNS")
 
 
 def _knob_module(name: str):
