@@ -31,8 +31,8 @@ import triton.language as tl
 from hybridd.model import pdl, split_scratch
 from hybridd.model.launch_variants import first_eager_call
 from hybridd.model.pdl import wait_for_predecessor
-from hybridd.model.triton_gemm import _prefetch_to_l2
 from hybridd.model.step_inputs import StepInputs
+from hybridd.model.triton_gemm import _prefetch_to_l2
 
 # Triton's CPU interpreter (the CPU tests) cannot loop over a bound read from memory
 # with `range`; the compiled kernel must, so that the loop is software-pipelined.
@@ -416,24 +416,9 @@ def prefill_attention(
         SEQS_PAD=_seqs_pad(seqs),
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         INTERPRET=_INTERPRET, num_warps=plan.num_warps, num_stages=plan.num_stages,
-        **pdl.launch_args(q.device), **_next_weight_args(next_weight, b * kvh * splits),
+        **pdl.launch_args(q.device),
     )
     return out
-
-
-def _next_weight_args(weight: torch.Tensor | None, programs: int) -> dict:
-    """The kernel arguments that have `programs` programs share the L2 prefetch of each of
-    `weight`'s rows' first PREFETCH_NEXT_COLUMNS (none without PDL, where nothing overlaps)."""
-    if weight is None or PREFETCH_NEXT_COLUMNS <= 0 or not pdl.enabled(weight.device):
-        return {}
-    rows, cols = weight.shape
-    size = weight.element_size()
-    nbytes = min(cols, PREFETCH_NEXT_COLUMNS) * size
-    nbytes -= nbytes % 16  # the bulk prefetch copies whole 16-byte units
-    if nbytes <= 0 or (cols * size) % 16 or weight.data_ptr() % 16 or not weight.is_contiguous():
-        return {}
-    return {"nw_ptr": weight.view(torch.uint8), "nw_rows": rows, "nw_row_bytes": cols * size, "nw_bytes": nbytes,
-            "NEXT_ROWS": triton.next_power_of_2(-(-rows // programs))}
 
 
 # Graph buckets of other sizes pick other launch plans (split counts, query tile heights);
