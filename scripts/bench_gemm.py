@@ -399,8 +399,7 @@ def step_config(shape: str):
 
 
 # The decode attention's knobs a step variant may set, as `attn.NAME`.
-KNOBS = ("attn.BATCH1_PROGRAMS", "attn.BATCH1_WARPS", "attn.BATCH1_STAGES", "attn.BATCH1_TILE",
-         "attn.PREFETCH_NEXT_COLUMNS")
+KNOBS = ("attn.BATCH1_PROGRAMS", "attn.BATCH1_WARPS", "attn.BATCH1_STAGES", "attn.BATCH1_TILE")
 
 
 def _knob_module(name: str):

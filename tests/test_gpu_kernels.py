@@ -161,37 +161,6 @@ def test_decode_attention_matches_reference(heads, kv_heads, page):
     assert not out.isnan().any() and out[0].abs().sum() == 0
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not CUDA, reason="the L2 prefetch is a GPU instruction")
-@pytest.mark.parametrize("batch", [1, 3])
-def test_decode_attention_prefetching_the_next_weight_gives_the_same_bits(monkeypatch, batch):
-    """Asking the next projection's weight into L2 (whole rows, a prefix of each, rows
-    that do not divide among the programs) changes nothing the attention computes,
-    eagerly or replayed from a graph, and leaves the weight as it was."""
-    from hybridd.model import pdl
-
-    if not pdl.supported(torch.device("cuda")):
-        pytest.skip("the prefetch runs only under programmatic dependent launch (compute capability 9+)")
-    g = torch.Generator(device=DEVICE).manual_seed(batch)
-    q, kc, vc, tables, seq_lens = paged_case(g, [700, 33, 4096][:batch], 32, 8, 128, 16)
-    plain = triton_attention.decode_attention(q, kc, vc, tables, seq_lens, 128**-0.5)
-    for rows, cols, columns in ((4096, 4096, 4096), (4096, 4096, 1000), (1000, 520, 256)):
-        weight = torch.randn(rows, cols, dtype=DTYPE, device=DEVICE, generator=g)
-        before = weight.clone()
-        monkeypatch.setattr(triton_attention, "PREFETCH_NEXT_COLUMNS", columns)
-        assert triton_attention._next_weight_args(weight, 1024)["nw_bytes"] == min(cols, columns) * 2 // 16 * 16
-        out = triton_attention.decode_attention(q, kc, vc, tables, seq_lens, 128**-0.5, next_weight=weight)
-        assert torch.equal(out, plain), (rows, cols, columns)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            replayed = triton_attention.decode_attention(q, kc, vc, tables, seq_lens, 128**-0.5, next_weight=weight)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(replayed, plain) and torch.equal(weight, before)
-    monkeypatch.setattr(triton_attention, "PREFETCH_NEXT_COLUMNS", 0)
-    assert triton_attention._next_weight_args(weight, 1024) == {}
-
-
 def test_decode_plan_knobs():
     """The batch-1 program target reaches the plans made after it is set, and only batch 1's."""
     one = triton_attention.decode_plan(1, 32, 512)

@@ -67,11 +67,9 @@ def decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
-    next_weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query per sequence over its paged context (its last `sliding_window` tokens
-    when given). q [B, H, d] -> [B, H, d]. `next_weight`, the weight of the projection
-    that reads the output, is for the GPU kernel (which may ask it into L2) and unused here."""
+    when given). q [B, H, d] -> [B, H, d]."""
     b, h, d = q.shape
     kvh = k_cache.shape[2]
     block_size = k_cache.shape[1]

@@ -227,8 +227,9 @@ class LtProduct:
                 for custom in range(caps["custom"] + 1):
                     for swizzle in range(caps["swizzle"] + 1):
                         for cluster in range(CLUSTER_SHAPE_BOUND):
-                            # A copy of the one initialized algorithm: initializing it
-                            # again for each of the ~16,000 combinations took seconds.
+                            # A copy of the one initialized algorithm (the library's
+                            # check of each, not its initialization, is what takes time:
+                            # 2.7 s for 11,448 accepted of algorithm 66 on an H100).
                             candidate = self._checked(_copy(initialized), {
                                 "tile": tile, "stages": stage, "custom": custom, "swizzle": swizzle,
                                 "cluster_shape": cluster})

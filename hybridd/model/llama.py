@@ -65,8 +65,7 @@ class DecoderLayer(nn.Module):
         if step.is_prefill:
             o = ops.prefill_attention(q, k, v, step, self.scale, **self.window)
         else:
-            o = ops.decode_attention(q, k_cache, v_cache, step.block_tables, step.seq_lens, self.scale, **self.window,
-                                     next_weight=self.o_proj.weight)
+            o = ops.decode_attention(q, k_cache, v_cache, step.block_tables, step.seq_lens, self.scale, **self.window)
         stream = ops.linear_add(o.reshape(t, self.q_size), self.o_proj.weight, self.o_proj.bias, base)
         norm = self.post_attention_layernorm
         x, base = ops.norm_gate_up(stream, norm.weight, norm.eps, self.gate_up_proj.weight)

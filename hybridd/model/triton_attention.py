@@ -32,7 +32,6 @@ from hybridd.model import pdl, split_scratch
 from hybridd.model.launch_variants import first_eager_call
 from hybridd.model.pdl import wait_for_predecessor
 from hybridd.model.step_inputs import StepInputs
-from hybridd.model.triton_gemm import _prefetch_to_l2
 
 # Triton's CPU interpreter (the CPU tests) cannot loop over a bound read from memory
 # with `range`; the compiled kernel must, so that the loop is software-pipelined.
@@ -57,10 +56,6 @@ BATCH1_PROGRAMS = 1024
 BATCH1_WARPS = 1
 BATCH1_STAGES = 3
 BATCH1_TILE = 16
-# Columns of each row of the next projection's weight (o_proj's) that a decode attention
-# call's programs ask into L2 right after their wait, while their own reads are few and
-# latency-bound, so that the projection reads them from L2 (0: none).
-PREFETCH_NEXT_COLUMNS = 0
 
 
 def decode_plan(batch: int, kv_heads: int, max_tokens: int) -> DecodePlan:
@@ -146,17 +141,11 @@ def _decode_kernel(
     GROUP: tl.constexpr, MERGE_ROWS: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE: tl.constexpr, TILE: tl.constexpr, NUM_SPLITS: tl.constexpr, NUM_HEADS: tl.constexpr,
     KV_HEADS: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
-    nw_ptr=None, nw_rows=0, nw_row_bytes=0, nw_bytes=0, NEXT_ROWS: tl.constexpr = 0,
 ):
     wait_for_predecessor(PDL)
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    if NEXT_ROWS > 0:
-        # This program's share of the next weight's rows, their first nw_bytes into L2.
-        pid = (b * KV_HEADS + kvh) * NUM_SPLITS + split
-        rows = tl.minimum(pid * NEXT_ROWS + tl.arange(0, NEXT_ROWS), nw_rows - 1)
-        _prefetch_to_l2(nw_ptr + rows * nw_row_bytes, tl.full([NEXT_ROWS], 0, tl.int32) + nw_bytes)
     seq_len = tl.load(len_ptr + b)
     per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), TILE) * TILE
     start = split * per_split
@@ -214,11 +203,8 @@ def decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
     plan: DecodePlan | None = None,
-    next_weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q [B, H, d], caches [blocks, page, KVH, d] -> [B, H, d]; same contract as the torch path.
-    `next_weight`: the weight of the projection that reads the output, of which each row's
-    first PREFETCH_NEXT_COLUMNS are asked into L2."""
+    """q [B, H, d], caches [blocks, page, KVH, d] -> [B, H, d]; same contract as the torch path."""
     b, h, d = q.shape
     kvh = k_cache.shape[2]
     page = k_cache.shape[1]
@@ -249,24 +235,9 @@ def decode_attention(
         # float32 caches get true float32 products, not TF32 (bf16 ignores this).
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         INTERPRET=_INTERPRET, num_warps=plan.num_warps, num_stages=plan.num_stages,
-        **pdl.launch_args(q.device), **_next_weight_args(next_weight, b * kvh * splits),
+        **pdl.launch_args(q.device),
     )
     return out
-
-
-def _next_weight_args(weight: torch.Tensor | None, programs: int) -> dict:
-    """The kernel arguments that have `programs` programs share the L2 prefetch of each of
-    `weight`'s rows' first PREFETCH_NEXT_COLUMNS (none without PDL, where nothing overlaps)."""
-    if weight is None or PREFETCH_NEXT_COLUMNS <= 0 or not pdl.enabled(weight.device):
-        return {}
-    rows, cols = weight.shape
-    size = weight.element_size()
-    nbytes = min(cols, PREFETCH_NEXT_COLUMNS) * size
-    nbytes -= nbytes % 16  # the bulk prefetch copies whole 16-byte units
-    if nbytes <= 0 or (cols * size) % 16 or weight.data_ptr() % 16 or not weight.is_contiguous():
-        return {}
-    return {"nw_ptr": weight.view(torch.uint8), "nw_rows": rows, "nw_row_bytes": cols * size, "nw_bytes": nbytes,
-            "NEXT_ROWS": triton.next_power_of_2(-(-rows // programs))}
 
 
 _LOG2E = 1.4426950408889634
