@@ -352,15 +352,17 @@ def test_capture_out_of_memory_disables_bucket(model):
     free, _ = torch.cuda.mem_get_info()
     hog = torch.empty(free - (4 << 20), dtype=torch.uint8, device="cuda")
     try:
-        assert not runner._capture(True, 512)
+        captured = runner._capture(True, 512)
     finally:
         del hog
         torch.cuda.empty_cache()  # the hog's memory back to the device, not kept cached
     # Out of memory as PyTorch's allocator says it, or as cuBLAS does when the thread's
     # handle is created under the hog (the first test of a process to use cuBLAS there).
+    assert not captured, f"the 512-token capture fitted in the {4 << 20} bytes left beside the hog"
     reason = runner.stats[("prefill", 512)].disabled
     assert any(word in reason for word in ("OutOfMemory", "memory", "ALLOC_FAILED")), reason
-    assert runner._capture(True, 16) and runner._capture(False, 1)
+    assert runner._capture(True, 16), runner.stats[("prefill", 16)].disabled
+    assert runner._capture(False, 1), runner.stats[("decode", 1)].disabled
 
 
 def test_an_invalidated_capture_disables_only_its_bucket(model, monkeypatch):
