@@ -221,7 +221,7 @@ def table_source(config: dict[str, int]) -> str:
     return "_lt(" + ", ".join(f"{key}={value}" for key, value in config.items() if defaults.get(key) != value) + ")"
 
 
-def _count_from(least: int):
+def count_from(least: int):
     """An argparse type: an integer of at least `least`."""
     def count(value: str) -> int:
         try:
@@ -238,18 +238,18 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("bench_cublaslt.json"))
     parser.add_argument("--rows", type=sizes, default=[64, 128, 256])
-    parser.add_argument("--splits-of", type=_count_from(0), default=4,
+    parser.add_argument("--splits-of", type=count_from(0), default=4,
                         help="split K in this many of the heuristic's first unsplit algorithms")
     parser.add_argument("--shapes", default=",".join(SHAPES),
                         help=f"comma-separated projections of {', '.join(SHAPES)}; o or down with ' +=' "
                              "for only the product added to the residual stream")
     parser.add_argument("--exhaustive", action="store_true",
                         help="also every configuration the heuristic's algorithms accept")
-    parser.add_argument("--limit", type=_count_from(1), default=1000,
+    parser.add_argument("--limit", type=count_from(1), default=1000,
                         help="with --exhaustive, at most this many configurations a cell")
     parser.add_argument("--table-out", type=Path,
                         help="also write the table's entries as JSON (for bench_pdl_steps.py's table=PATH)")
-    parser.add_argument("--rounds", type=_count_from(0), default=5,
+    parser.add_argument("--rounds", type=count_from(0), default=5,
                         help="time the fastest few and PyTorch's call again this many times, in turns")
     args, bandwidth, results = start_sweep(parser)
 

@@ -44,7 +44,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench_cublaslt import read_table  # noqa: E402
+from bench_cublaslt import count_from, read_table  # noqa: E402
 from bench_graphs import BLOCK, captured_runner, decode_step, median_gpu_time, prefill_step, stepper  # noqa: E402
 from make_random_checkpoint import describe, make_checkpoint  # noqa: E402
 
@@ -154,13 +154,6 @@ def _timed_steps(model, prefill_tokens: tuple[int, ...]) -> dict[str, dict[str, 
     return out
 
 
-def _rounds(value: str) -> int:
-    rounds = int(value)
-    if rounds < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {rounds}")
-    return rounds
-
-
 def _policies(value: str) -> list[str]:
     names = [name.strip() for name in value.split(",") if name.strip()]
     if not names:
@@ -187,7 +180,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, help="local HF model directory (default: random Llama-2-7B shape)")
     parser.add_argument("--out", type=Path, default=Path("out"))
-    parser.add_argument("--rounds", type=_rounds, default=2, help="rounds of the policies (default 2)")
+    parser.add_argument("--rounds", type=count_from(1), default=2, help="rounds of the policies (default 2)")
     parser.add_argument("--policies", type=_policies, default=["code", "pdl_throughout"],
                         help=f"comma list of {', '.join(POLICIES)}, each maybe 'with KNOB=VALUE ...' (default code,pdl_throughout)")
     parser.add_argument("--prefill", type=_prefill, default=PREFILL_TOKENS, help="prefill lengths (default 16-512)")

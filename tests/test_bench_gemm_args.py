@@ -148,7 +148,10 @@ def test_profile_target_names_what_it_needs():
 PDL_STEPS_SCRIPT = SCRIPT.parent / "bench_pdl_steps.py"
 
 
-@pytest.mark.parametrize(("args", "message"), [
+CUBLASLT_SCRIPT = SCRIPT.parent / "bench_cublaslt.py"
+
+
+@pytest.mark.parametrize(("script", "args", "message"), [(PDL_STEPS_SCRIPT, *case) for case in [
     (["--policies", "code,fast"], "no policy 'fast' in 'fast' (policies: code, pdl_throughout, cublas_prefill)"),
     (["--policies", "code with ops.ROTARY=2"], "'ops.ROTARY=2' in 'code with ops.ROTARY=2': want KNOB=VALUE"),
     (["--policies", "code with ops.ROTARY_SPLITS=2:4"], "ops.ROTARY_SPLITS takes one integer"),
@@ -156,9 +159,13 @@ PDL_STEPS_SCRIPT = SCRIPT.parent / "bench_pdl_steps.py"
     (["--policies", "code with ops.ROTARY_WARPS=x"], "the value must be an integer or integers joined by ':'"),
     (["--prefill", "128,0"], "token counts must be at least 1, got '128,0'"),
     (["--policies", "code with table=/nonexistent/winners.json"], "/nonexistent/winners.json: not a table of entries"),
-])
-def test_pdl_steps_policies_are_refused_by_name(args, message):
-    done = run_script(PDL_STEPS_SCRIPT, args)
+]] + [(CUBLASLT_SCRIPT, *case) for case in [
+    (["--limit", "0"], "argument --limit: must be at least 1, got 0"),
+    (["--rounds", "-1"], "argument --rounds: must be at least 0, got -1"),
+    (["--splits-of", "two"], "argument --splits-of: must be an integer, got 'two'"),
+]])
+def test_pdl_steps_and_cublaslt_arguments_are_refused_by_name(script, args, message):
+    done = run_script(script, args)
     assert done.returncode == 2
     assert message in done.stderr
 
@@ -177,20 +184,6 @@ def test_pdl_steps_knobs_are_launch_constants_of_the_kernels():
         assert isinstance(default, kind) and (kind is int or len(default) == 2), name
     assert parse_policy("pdl_throughout with ops.ROTARY_SPLITS=4 ops.SILU_NORM_LAUNCH=2048:4") == (
         "pdl_throughout", {"ops.ROTARY_SPLITS": 4, "ops.SILU_NORM_LAUNCH": (2048, 4)})
-
-
-CUBLASLT_SCRIPT = SCRIPT.parent / "bench_cublaslt.py"
-
-
-@pytest.mark.parametrize(("args", "message"), [
-    (["--limit", "0"], "argument --limit: must be at least 1, got 0"),
-    (["--rounds", "-1"], "argument --rounds: must be at least 0, got -1"),
-    (["--splits-of", "two"], "argument --splits-of: must be an integer, got 'two'"),
-])
-def test_cublaslt_sweep_counts_are_refused_by_name(args, message):
-    done = run_script(CUBLASLT_SCRIPT, args)
-    assert done.returncode == 2
-    assert message in done.stderr
 
 
 def _bench_scripts():

@@ -197,11 +197,7 @@ class LtProduct:
         it splits K, its reduction schemes as a mask, its largest swizzle and custom
         option), or None where the library cannot initialize it for this product."""
         algo = self._initialized(algo_id)
-        if algo is None:
-            return None
-        return {"tiles": _capability_list(algo, _CAP_TILE_IDS), "stages": _capability_list(algo, _CAP_STAGES_IDS),
-                "split_k": _capability_int(algo, _CAP_SPLIT_K), "reductions": _capability_int(algo, _CAP_REDUCTION_MASK),
-                "swizzle": _capability_int(algo, _CAP_SWIZZLING), "custom": _capability_int(algo, _CAP_CUSTOM_MAX)}
+        return None if algo is None else _capabilities_of(algo)
 
     def build(self, config: dict[str, int]) -> Candidate | None:
         """The algorithm of a configuration as `read_config` reads it (its `algo_id` and
@@ -218,9 +214,9 @@ class LtProduct:
         K unsplit: each tile, custom option, swizzle and cluster shape it can take, with
         the stages given (the algorithm's own list where None; it can be long)."""
         initialized = self._initialized(algo_id)
-        caps = self.capabilities(algo_id)
-        if initialized is None or caps is None:
+        if initialized is None:
             return []
+        caps = _capabilities_of(initialized)
         accepted = []
         for tile in caps["tiles"] or [0]:
             for stage in (caps["stages"] or [0]) if stages is None else stages:
@@ -289,6 +285,13 @@ def read_config(algo: _Algo) -> dict[str, int]:
                                                      ctypes.sizeof(value), ctypes.byref(written)) == 0:
             config[key] = int(value.value)
     return config
+
+
+def _capabilities_of(algo: _Algo) -> dict[str, list[int] | int]:
+    """An initialized algorithm's capabilities (`LtProduct.capabilities`)."""
+    return {"tiles": _capability_list(algo, _CAP_TILE_IDS), "stages": _capability_list(algo, _CAP_STAGES_IDS),
+            "split_k": _capability_int(algo, _CAP_SPLIT_K), "reductions": _capability_int(algo, _CAP_REDUCTION_MASK),
+            "swizzle": _capability_int(algo, _CAP_SWIZZLING), "custom": _capability_int(algo, _CAP_CUSTOM_MAX)}
 
 
 def _capability_int(algo: _Algo, attribute: int) -> int:
