@@ -298,6 +298,9 @@ def sweep_mid(bw: float, results: dict, rows: list[int]) -> None:
         torch.cuda.empty_cache()
 
 
+CONFIG_SYNTAX = "block_n:block_k:split:warps:stages[:mROWS][:pCOLUMNS]"
+
+
 def config_from(text: str) -> GemmConfig:
     """block_n:block_k:split:warps:stages, then optionally :mROWS (a tile of ROWS rows, for
     more than 32) and :pCOLUMNS (columns of each weight row prefetched into L2 before the
@@ -309,16 +312,22 @@ def config_from(text: str) -> GemmConfig:
         token = parts.pop()
         options[extra[token[0]]] = int(token[1:])
     if len(parts) != 5 or not all(n.isdigit() for n in parts):
-        raise ValueError(f"a config is block_n:block_k:split:warps:stages[:mROWS][:pCOLUMNS], got {text!r}")
+        raise ValueError(f"a config is {CONFIG_SYNTAX}, got {text!r}")
     return GemmConfig(*(int(n) for n in parts), **options)
 
 
+def config_label(c: GemmConfig) -> str:
+    """A config as `config_from` reads it."""
+    return (f"{c.block_n}:{c.block_k}:{c.split_k}:{c.num_warps}:{c.num_stages}"
+            + (f":m{c.block_m}" if c.block_m else "") + (f":p{c.prefetch_k}" if c.prefetch_k else ""))
+
+
 def parse_configs(text: str) -> list[GemmConfig]:
-    """--configs: a comma list of block_n:block_k:split:warps:stages[:mROWS][:pCOLUMNS]."""
+    """--configs: a comma list of configs as `config_from` reads them."""
     try:
         return [config_from(part) for part in text.split(",")]
     except ValueError as e:
-        raise argparse.ArgumentTypeError(f"a comma list of block_n:block_k:split:warps:stages[:mROWS][:pCOLUMNS], "
+        raise argparse.ArgumentTypeError(f"a comma list of {CONFIG_SYNTAX}, "
                                          f"got {text!r}: {e}") from e
 
 
@@ -334,9 +343,7 @@ def time_configs(bw: float, results: dict, shapes: list[str], configs: list[Gemm
             table = triton_gemm.config_for(m, n, k)
             timed = [("cuBLAS", time_per_call(cublas, ops, m))]
             for c in ([table] if table else []) + [c for c in configs if c != table]:
-                label = (f"{c.block_n}:{c.block_k}:{c.split_k}:{c.num_warps}:{c.num_stages}"
-                         + (f":m{c.block_m}" if c.block_m else "") + (f":p{c.prefetch_k}" if c.prefetch_k else "")
-                         + (" (table)" if c == table else ""))
+                label = config_label(c) + (" (table)" if c == table else "")
                 try:
                     err = check(skinny(c), ops, m)
                     if not err < 1e-2:
@@ -417,7 +424,7 @@ def projection_shapes(cfg) -> dict[str, tuple[int, int]]:
 
 def composed_variant(label: str, known: dict, cfg) -> tuple:
     """A step variant written as `BASE with CHANGE ...`: BASE a variant of `step_variants`,
-    each CHANGE either PROJECTION=block_n:block_k:split:warps:stages[:mROWS][:pCOLUMNS] (that projection's
+    each CHANGE either PROJECTION=CONFIG (`config_from`; that projection's
     config at every row count) or a knob of `KNOBS`=integer. ValueError naming what is
     wrong."""
     base, _, changes = label.partition(" with ")
@@ -429,7 +436,7 @@ def composed_variant(label: str, known: dict, cfg) -> tuple:
     for change in changes.split():
         name, eq, value = change.partition("=")
         if not eq or not value:
-            raise ValueError(f"{change!r} in {label!r}: want NAME=integer or PROJECTION=bn:bk:split:warps:stages[:mROWS][:pCOLUMNS]")
+            raise ValueError(f"{change!r} in {label!r}: want NAME=integer or PROJECTION={CONFIG_SYNTAX}")
         if name in shapes:
             try:
                 table[shapes[name]] = [(32, config_from(value))]
