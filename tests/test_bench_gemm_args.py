@@ -151,6 +151,9 @@ PDL_STEPS_SCRIPT = SCRIPT.parent / "bench_pdl_steps.py"
 CUBLASLT_SCRIPT = SCRIPT.parent / "bench_cublaslt.py"
 
 
+READ_RAMP_SCRIPT = SCRIPT.parent / "bench_read_ramp.py"
+
+
 @pytest.mark.parametrize(("script", "args", "message"), [(PDL_STEPS_SCRIPT, *case) for case in [
     (["--policies", "code,fast"], "no policy 'fast' in 'fast' (policies: code, pdl_throughout, cublas_prefill)"),
     (["--policies", "code with ops.ROTARY=2"], "'ops.ROTARY=2' in 'code with ops.ROTARY=2': want KNOB=VALUE"),
@@ -163,8 +166,11 @@ CUBLASLT_SCRIPT = SCRIPT.parent / "bench_cublaslt.py"
     (["--limit", "0"], "argument --limit: must be at least 1, got 0"),
     (["--rounds", "-1"], "argument --rounds: must be at least 0, got -1"),
     (["--splits-of", "two"], "argument --splits-of: must be an integer, got 'two'"),
+]] + [(READ_RAMP_SCRIPT, *case) for case in [
+    (["--sizes-mib", "32,0"], "--sizes-mib: a comma list of sizes of at least 1 MiB, got '32,0'"),
+    (["--sizes-mib", "32,x"], "--sizes-mib: a comma list of sizes of at least 1 MiB, got '32,x'"),
 ]])
-def test_pdl_steps_and_cublaslt_arguments_are_refused_by_name(script, args, message):
+def test_bench_script_arguments_are_refused_by_name(script, args, message):
     done = run_script(script, args)
     assert done.returncode == 2
     assert message in done.stderr
