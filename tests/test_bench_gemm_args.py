@@ -254,3 +254,18 @@ def test_a_policys_table_is_in_force_for_its_graphs_alone(tmp_path):
         assert pdl.CUBLAS_STEPS
         raise RuntimeError("a capture failed")
     assert (pdl.CUBLAS_STEPS, prefill_gemm.ENABLED) == before
+
+
+def test_read_ramp_fit_recovers_fixed_cost_and_rate():
+    """The least-squares line of bench_read_ramp.py gives back the fixed cost and the rate of
+    times made from them, and the best line through noisy ones."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        from bench_read_ramp import fit_line
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    sizes = [float(mib << 20) for mib in (4, 32, 86, 172, 1024)]
+    fixed, rate = fit_line(sizes, [2e-6 + s / 3e12 for s in sizes])
+    assert fixed == pytest.approx(2e-6, rel=1e-6) and rate == pytest.approx(3e12, rel=1e-9)
+    fixed, rate = fit_line([1.0, 2.0, 3.0], [1.0, 2.5, 3.0])
+    assert fixed == pytest.approx(1 / 6) and rate == pytest.approx(1.0)
