@@ -38,7 +38,7 @@ MIB = 1 << 20
 SIZES_MIB = (4, 8, 16, 32, 64, 86, 96, 172, 344, 1024)
 ROTATE_BYTES = 400 * MIB  # several times the H200's 50 MB L2
 # (programs per multiprocessor, elements a program reads per step, warps)
-SHAPES = ((2, 8192, 8), (4, 4096, 4), (8, 4096, 4), (8, 8192, 4), (8, 2048, 4), (16, 2048, 4), (16, 4096, 4))
+SHAPES = ((2, 8192, 8), (4, 4096, 4), (8, 4096, 4), (8, 2048, 4), (16, 2048, 4))
 
 
 @triton.jit
