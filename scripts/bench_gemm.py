@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench_graphs import copy_bandwidth, median_gpu_time  # noqa: E402
+from bench_graphs import copy_bandwidth, median_gpu_time, time_calls_in_graph  # noqa: E402
 from make_random_checkpoint import PRESETS  # noqa: E402
 from hybridd import gemm_fusions  # noqa: E402
 from hybridd.model import pdl, triton_gemm  # noqa: E402
@@ -88,27 +88,7 @@ class Operands:
 
 def time_per_call(fn, ops: Operands, m: int, min_calls: int = 24) -> float:
     """Median seconds per call of fn(x, w), from CUDA-graph replays over the rotated copies."""
-    pairs = list(zip(ops.inputs, ops.weights))
-    reps = max(1, -(-min_calls // len(pairs)))
-    for x, w in pairs:
-        fn(x[:m], w)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    # capture_begin/end directly: torch.cuda.graph() would run gc and empty the cache each time.
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        graph.capture_begin()
-        for _ in range(reps):
-            for x, w in pairs:
-                fn(x[:m], w)
-        graph.capture_end()
-    torch.cuda.current_stream().wait_stream(side)
-    graph.replay()
-    torch.cuda.synchronize()
-    seconds = median_gpu_time(graph.replay, 5)
-    del graph
-    return seconds / (reps * len(pairs))
+    return time_calls_in_graph([lambda x=x, w=w: fn(x[:m], w) for x, w in zip(ops.inputs, ops.weights)], min_calls)
 
 
 def check(fn, ops: Operands, m: int) -> float:

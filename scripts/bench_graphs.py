@@ -153,6 +153,32 @@ def median_gpu_time(fn, iters: int, stream: torch.cuda.Stream | None = None, per
     return statistics.median(times)
 
 
+def time_calls_in_graph(calls: list, min_calls: int = 24) -> float:
+    """Median GPU seconds per call of `calls` (functions that launch kernels), captured in
+    turn, at least `min_calls` of them, in one CUDA graph and replayed five times: the
+    calls run back to back as a step's kernels do."""
+    reps = max(1, -(-min_calls // len(calls)))
+    for call in calls:
+        call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    # capture_begin/end directly: torch.cuda.graph() would run gc and empty the cache each time.
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        graph.capture_begin()
+        for _ in range(reps):
+            for call in calls:
+                call()
+        graph.capture_end()
+    torch.cuda.current_stream().wait_stream(side)
+    graph.replay()
+    torch.cuda.synchronize()
+    seconds = median_gpu_time(graph.replay, 5)
+    del graph
+    return seconds / (reps * len(calls))
+
+
 def time_gpu(runner: GraphRunner, fn, iters: int, per_round: int = 1) -> float:
     """Median GPU time per call of fn() on the runner's stream, in seconds (`median_gpu_time`)."""
     return median_gpu_time(fn, iters, runner.stream, per_round)

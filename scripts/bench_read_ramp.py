@@ -8,8 +8,8 @@ back over copies that together overflow L2, as `bench_gemm.py` times its project
 with programmatic dependent launch (each call waits for the one before, as a step's
 kernels do) and without. Each size takes the fastest of a few launch shapes. The line
 time = fixed + S / rate fitted over the sizes gives what every kernel costs beyond its
-bytes and the rate a long read reaches; a step of many kernels, each reading its weight
-once, cannot come closer to the weight-read floor than its kernels' fixed costs allow.
+bytes and the rate a long read reaches: an estimate of how far a step of many kernels,
+each reading its weight once, stays from the weight-read floor however fast each kernel is.
 Prints a table; writes JSON.
 """
 
@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench_graphs import copy_bandwidth, median_gpu_time  # noqa: E402
+from bench_graphs import copy_bandwidth, time_calls_in_graph  # noqa: E402
 from hybridd.model import pdl  # noqa: E402
 from hybridd.model.pdl import wait_for_predecessor  # noqa: E402
 
@@ -66,28 +66,9 @@ def read_call(x: torch.Tensor, out: torch.Tensor, programs: int, block: int, war
 
 
 def time_per_read(buffers: list[torch.Tensor], out: torch.Tensor, programs: int, block: int, warps: int,
-                  with_pdl: bool, min_calls: int = 24) -> float:
+                  with_pdl: bool) -> float:
     """Median seconds per call, from CUDA-graph replays of calls over the rotated buffers."""
-    calls = [read_call(x, out, programs, block, warps, with_pdl) for x in buffers]
-    reps = max(1, -(-min_calls // len(calls)))
-    for call in calls:
-        call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        graph.capture_begin()
-        for _ in range(reps):
-            for call in calls:
-                call()
-        graph.capture_end()
-    torch.cuda.current_stream().wait_stream(side)
-    graph.replay()
-    torch.cuda.synchronize()
-    seconds = median_gpu_time(graph.replay, 5)
-    del graph
-    return seconds / (reps * len(calls))
+    return time_calls_in_graph([read_call(x, out, programs, block, warps, with_pdl) for x in buffers])
 
 
 def fit_line(sizes: list[float], seconds: list[float]) -> tuple[float, float]:
