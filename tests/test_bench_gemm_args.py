@@ -152,6 +152,7 @@ CUBLASLT_SCRIPT = SCRIPT.parent / "bench_cublaslt.py"
 
 
 READ_RAMP_SCRIPT = SCRIPT.parent / "bench_read_ramp.py"
+BOUNDARY_SCRIPT = SCRIPT.parent / "bench_kernel_boundary.py"
 
 
 @pytest.mark.parametrize(("script", "args", "message"), [(PDL_STEPS_SCRIPT, *case) for case in [
@@ -169,6 +170,10 @@ READ_RAMP_SCRIPT = SCRIPT.parent / "bench_read_ramp.py"
 ]] + [(READ_RAMP_SCRIPT, *case) for case in [
     (["--sizes-mib", "32,0"], "--sizes-mib: a comma list of sizes of at least 1 MiB, got '32,0'"),
     (["--sizes-mib", "32,x"], "--sizes-mib: a comma list of sizes of at least 1 MiB, got '32,x'"),
+]] + [(BOUNDARY_SCRIPT, *case) for case in [
+    (["--phases-mib", "96"], "--phases-mib: a comma list of two or more sizes of at least 1 MiB, got '96'"),
+    (["--phases-mib", "96,0"], "--phases-mib: a comma list of two or more sizes of at least 1 MiB, got '96,0'"),
+    (["--phases-mib", "96,x"], "--phases-mib: a comma list of two or more sizes of at least 1 MiB, got '96,x'"),
 ]])
 def test_bench_script_arguments_are_refused_by_name(script, args, message):
     done = run_script(script, args)
