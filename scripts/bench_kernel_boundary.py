@@ -61,7 +61,7 @@ def _phased_read_kernel(x_ptr, bounds_ptr, out_ptr, count_ptr, failed_ptr, progr
                         PHASES: tl.constexpr, BLOCK: tl.constexpr, BARRIER: tl.constexpr, EARLY: tl.constexpr,
                         MAX_POLLS: tl.constexpr, PDL: tl.constexpr, INTERPRET: tl.constexpr = False):
     """Program `pid` reads its contiguous share of each phase [bounds[p], bounds[p + 1]) of
-    x, phase after phase, and adds its sum to out[pid]. With BARRIER, no program starts a
+    x (bounds multiples of 16 elements), phase after phase, and adds its sum to out[pid]. With BARRIER, no program starts a
     phase's loads (but EARLY blocks of them) before every program has ended the phase
     before."""
     wait_for_predecessor(PDL)
@@ -72,8 +72,9 @@ def _phased_read_kernel(x_ptr, bounds_ptr, out_ptr, count_ptr, failed_ptr, progr
         lo = tl.load(bounds_ptr + p)
         hi = tl.load(bounds_ptr + p + 1)
         per_program = tl.cdiv(tl.cdiv(hi - lo, programs), BLOCK) * BLOCK
-        start = lo + pid.to(tl.int64) * per_program
-        end = tl.minimum(start + per_program, hi)
+        # Bounds are multiples of 16 elements (`Layers`): loads of 16 bytes, as a weight's.
+        start = tl.multiple_of(lo + pid.to(tl.int64) * per_program, 16)
+        end = tl.multiple_of(tl.minimum(start + per_program, hi), 16)
         early = tl.zeros([BLOCK], dtype=tl.float32)
         for b in tl.static_range(EARLY):
             idx = start + b * BLOCK + lanes
@@ -109,7 +110,7 @@ class Layers:
     bounds of its elements."""
 
     def __init__(self, phases_mib: list[int], layers: int, device: str):
-        sizes = [mib * MIB // 2 for mib in phases_mib]
+        sizes = [mib * MIB // 2 for mib in phases_mib]  # multiples of 16 elements, as the kernel needs
         edges = [0]
         for n in sizes:
             edges.append(edges[-1] + n)
@@ -235,6 +236,7 @@ def main() -> int:
                 BLOCK=form.block, EARLY=form.early, MAX_POLLS=MAX_POLLS, num_warps=form.warps, num_stages=3,
                 **pdl.launch_args(out.device))
             torch.cuda.synchronize()
+            count.zero_()  # the count must start at a multiple of the timed grid's programs
             if resident_per_sm(kernel, form.warps, props) < form.per_sm:
                 row["skipped"] = f"only {resident_per_sm(kernel, form.warps, props)} programs a multiprocessor resident"
                 results["forms"].append(row)
