@@ -59,12 +59,14 @@ MAX_POLLS = 1 << 20
 @triton.jit
 def _phased_read_kernel(x_ptr, bounds_ptr, out_ptr, count_ptr, failed_ptr, programs,
                         PHASES: tl.constexpr, BLOCK: tl.constexpr, BARRIER: tl.constexpr, EARLY: tl.constexpr,
-                        MAX_POLLS: tl.constexpr, PDL: tl.constexpr, INTERPRET: tl.constexpr = False):
+                        MAX_POLLS: tl.constexpr, PDL: tl.constexpr, INTERPRET: tl.constexpr = False,
+                        EARLY_BEFORE_WAIT: tl.constexpr = False):
     """Program `pid` reads its contiguous share of each phase [bounds[p], bounds[p + 1]) of
     x (bounds multiples of 16 elements), phase after phase, and adds its sum to out[pid]. With BARRIER, no program starts a
     phase's loads (but EARLY blocks of them) before every program has ended the phase
     before."""
-    wait_for_predecessor(PDL)
+    if not EARLY_BEFORE_WAIT:
+        wait_for_predecessor(PDL)
     pid = tl.program_id(0)
     lanes = tl.arange(0, BLOCK)
     acc = tl.zeros([BLOCK], dtype=tl.float32)
@@ -79,6 +81,10 @@ def _phased_read_kernel(x_ptr, bounds_ptr, out_ptr, count_ptr, failed_ptr, progr
         for b in tl.static_range(EARLY):
             idx = start + b * BLOCK + lanes
             early += tl.load(x_ptr + idx, mask=idx < end, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        if EARLY_BEFORE_WAIT and p == 0:
+            # The first blocks were loaded while the kernel before may still run (no kernel
+            # writes them), as a projection could load its first weight tiles.
+            wait_for_predecessor(PDL)
         if BARRIER and p > 0:
             # Each barrier adds `programs` to the count, so a program's ticket names its
             # barrier, and the count keeps serving across calls without a reset.
@@ -123,12 +129,13 @@ class Layers:
 
 
 class Form:
-    """One way to read a layer: `calls(layers)` gives a function per layer launching it."""
+    """One way to read a layer: `call(...)` gives a function that launches one layer's reads."""
 
     def __init__(self, name: str, per_sm: int, block: int, warps: int, chain: bool, barrier: bool, early: int,
-                 with_pdl: bool):
+                 with_pdl: bool, before_wait: bool = False):
         self.name, self.per_sm, self.block, self.warps = name, per_sm, block, warps
         self.chain, self.barrier, self.early, self.with_pdl = chain, barrier, early, with_pdl
+        self.before_wait = before_wait
 
     @property
     def label(self) -> str:
@@ -137,7 +144,8 @@ class Form:
     def call(self, layers: Layers, x: torch.Tensor, out: torch.Tensor, count: torch.Tensor, failed: torch.Tensor,
              programs: int):
         launch = pdl.launch_args(x.device) if self.with_pdl else {"PDL": False}
-        common = dict(BLOCK=self.block, EARLY=self.early, MAX_POLLS=MAX_POLLS, num_warps=self.warps,
+        common = dict(BLOCK=self.block, EARLY=self.early, EARLY_BEFORE_WAIT=self.before_wait, MAX_POLLS=MAX_POLLS,
+                      num_warps=self.warps,
                       num_stages=3, **launch)
         if self.chain:
             def call():
@@ -168,6 +176,10 @@ def forms(shapes, early_blocks) -> list[Form]:
                 Form(f"one read{blocks}", per_sm, block, warps, chain=False, barrier=False, early=early,
                      with_pdl=True),
             ]
+            if early:
+                out += [Form(f"{form}{blocks} before the wait", per_sm, block, warps, chain=form.startswith("chain"),
+                             barrier=form == "barriers", early=early, with_pdl=True, before_wait=True)
+                        for form in ("chain, PDL", "barriers")]
     return out
 
 
@@ -238,7 +250,7 @@ def main() -> int:
             # Compiled on one program (its barriers pass at once) to learn its residency.
             kernel = _phased_read_kernel[(1,)](
                 layers.buffers[0], layers.bounds, out, count, failed, 1, PHASES=layers.phases, BARRIER=True,
-                BLOCK=form.block, EARLY=form.early, MAX_POLLS=MAX_POLLS, num_warps=form.warps, num_stages=3,
+                BLOCK=form.block, EARLY=form.early, EARLY_BEFORE_WAIT=form.before_wait, MAX_POLLS=MAX_POLLS, num_warps=form.warps, num_stages=3,
                 **pdl.launch_args(out.device))
             torch.cuda.synchronize()
             count.zero_()  # the count must start at a multiple of the timed grid's programs

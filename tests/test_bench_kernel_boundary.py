@@ -30,23 +30,25 @@ def layer():
     return x, torch.tensor(edges, dtype=torch.int64, device=DEVICE)
 
 
-def run(x, bounds, programs, phases, barrier, early, max_polls=1 << 20):
+def run(x, bounds, programs, phases, barrier, early, max_polls=1 << 20, before_wait=False):
     out = torch.zeros(programs, dtype=torch.float32, device=DEVICE)
     count = torch.zeros(1, dtype=torch.int32, device=DEVICE)
     failed = torch.zeros(1, dtype=torch.int32, device=DEVICE)
     _phased_read_kernel[(programs,)](x, bounds, out, count, failed, programs, PHASES=phases, BLOCK=64,
                                      BARRIER=barrier, EARLY=early, MAX_POLLS=max_polls, PDL=False,
-                                     INTERPRET=not CUDA)
+                                     INTERPRET=not CUDA, EARLY_BEFORE_WAIT=before_wait)
     return out, count, failed
 
 
-@pytest.mark.parametrize("early", [0, 1, 2])
+@pytest.mark.parametrize(("early", "before_wait"), [(0, False), (1, False), (2, False), (1, True)])
 @pytest.mark.parametrize("programs", [1, 3])
-def test_one_kernel_and_the_chain_read_every_byte_once(early, programs):
+def test_one_kernel_and_the_chain_read_every_byte_once(early, before_wait, programs):
     x, bounds = layer()
-    out, _, failed = run(x, bounds, programs, len(PHASE_ELEMENTS), barrier=False, early=early)
+    out, _, failed = run(x, bounds, programs, len(PHASE_ELEMENTS), barrier=False, early=early,
+                         before_wait=before_wait)
     assert out.sum().item() == pytest.approx(x.sum().item(), rel=1e-4, abs=1e-3)
-    chained = sum(run(x, bounds[p:p + 2], programs, 1, barrier=False, early=early)[0].sum().item()
+    chained = sum(run(x, bounds[p:p + 2], programs, 1, barrier=False, early=early,
+                      before_wait=before_wait)[0].sum().item()
                   for p in range(len(PHASE_ELEMENTS)))
     assert chained == pytest.approx(x.sum().item(), rel=1e-4, abs=1e-3)
     assert failed.item() == 0
