@@ -145,8 +145,7 @@ class Form:
              programs: int):
         launch = pdl.launch_args(x.device) if self.with_pdl else {"PDL": False}
         common = dict(BLOCK=self.block, EARLY=self.early, EARLY_BEFORE_WAIT=self.before_wait, MAX_POLLS=MAX_POLLS,
-                      num_warps=self.warps,
-                      num_stages=3, **launch)
+                      num_warps=self.warps, num_stages=3, **launch)
         if self.chain:
             def call():
                 for bounds in layers.phase_bounds:
@@ -250,8 +249,8 @@ def main() -> int:
             # Compiled on one program (its barriers pass at once) to learn its residency.
             kernel = _phased_read_kernel[(1,)](
                 layers.buffers[0], layers.bounds, out, count, failed, 1, PHASES=layers.phases, BARRIER=True,
-                BLOCK=form.block, EARLY=form.early, EARLY_BEFORE_WAIT=form.before_wait, MAX_POLLS=MAX_POLLS, num_warps=form.warps, num_stages=3,
-                **pdl.launch_args(out.device))
+                BLOCK=form.block, EARLY=form.early, EARLY_BEFORE_WAIT=form.before_wait, MAX_POLLS=MAX_POLLS,
+                num_warps=form.warps, num_stages=3, **pdl.launch_args(out.device))
             torch.cuda.synchronize()
             count.zero_()  # the count must start at a multiple of the timed grid's programs
             if resident_per_sm(kernel, form.warps, props) < form.per_sm:
