@@ -62,9 +62,9 @@ def _phased_read_kernel(x_ptr, bounds_ptr, out_ptr, count_ptr, failed_ptr, progr
                         MAX_POLLS: tl.constexpr, PDL: tl.constexpr, INTERPRET: tl.constexpr = False,
                         EARLY_BEFORE_WAIT: tl.constexpr = False):
     """Program `pid` reads its contiguous share of each phase [bounds[p], bounds[p + 1]) of
-    x (bounds multiples of 16 elements), phase after phase, and adds its sum to out[pid]. With BARRIER, no program starts a
-    phase's loads (but EARLY blocks of them) before every program has ended the phase
-    before."""
+    x (bounds multiples of 16 elements), phase after phase, and adds its sum to out[pid].
+    With BARRIER, no program starts a phase's loads (but EARLY blocks of them) before every
+    program has ended the phase before."""
     if not EARLY_BEFORE_WAIT:
         wait_for_predecessor(PDL)
     pid = tl.program_id(0)
@@ -273,7 +273,8 @@ def main() -> int:
     results["best"] = best
     chain = min((row for name, row in best.items() if name.startswith("chain")), default=None,
                 key=lambda row: row["s_per_layer"])
-    print(f"\nbest launch shape of each form, per layer ({boundaries} boundaries between its {len(phases_mib)} phases):")
+    print(f"\nbest launch shape of each form, per layer ({boundaries} boundaries between its "
+          f"{len(phases_mib)} phases):")
     for name, row in best.items():
         saved = "" if chain is None or name.startswith("chain") else (
             f"   {(chain['s_per_layer'] - row['s_per_layer']) / boundaries * 1e6:+.2f} us a boundary against the "
