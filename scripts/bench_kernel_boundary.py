@@ -14,13 +14,19 @@ layers back to back over buffers that overflow L2:
 - **barriers**: one kernel per layer, whose programs (all resident at once) pass a grid
   barrier between phases, as a kernel that fused the layer would wait for each product
   before the next;
-- **barriers, early blocks**: the same, each program loading the first blocks of its
-  share of the next phase before the barrier, as a fused layer could load the next
-  weight (which no phase writes) while the last products of the one before finish;
-- **one read**: one kernel per layer without barriers, the same bytes read as one.
+- **one read**: one kernel per layer without barriers, the same bytes read as one;
+- **before the wait**: with dependent launch, each program's first blocks loaded before
+  it waits for the kernel before (in the chain, at every phase; with barriers, at the
+  layer's start), as a projection could load its first weight tiles while the kernel
+  before it finishes.
 
-The difference between the chain and the barrier forms, per boundary, is what fusing a
-layer's kernels into one could save at most before its phases do any work. Every form
+Each form runs with and without early blocks: each program loads the first block of its
+share of a phase before its loop over the rest, with barriers before the barrier, as a
+fused layer could load the next weight (which no phase writes) while the last products
+of the one before finish.
+
+The difference between the fastest chain and the barrier forms, per boundary, estimates
+what fusing a layer's kernels into one could save before its phases do any work. Every form
 reads every byte once (checked against torch's sum first). Prints a table; writes JSON.
 """
 
