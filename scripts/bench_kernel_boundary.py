@@ -197,6 +197,10 @@ def resident_per_sm(kernel, warps: int, props) -> int:
     return min(by_warps, by_regs, by_smem)
 
 
+class BarrierGaveUp(RuntimeError):
+    """A barrier waited MAX_POLLS polls: not every program of the grid was resident."""
+
+
 def check_sum(form: Form, layers: Layers, out: torch.Tensor, count: torch.Tensor, failed: torch.Tensor,
               programs: int) -> None:
     """Run the form over the first layer once; its programs' sums must add up to torch's."""
@@ -205,7 +209,7 @@ def check_sum(form: Form, layers: Layers, out: torch.Tensor, count: torch.Tensor
     form.call(layers, x, out, count, failed, programs)()
     torch.cuda.synchronize()
     if failed.item():
-        raise RuntimeError(f"{form.label}: a barrier gave up waiting (programs not all resident)")
+        raise BarrierGaveUp(f"{form.label}: a barrier gave up waiting (programs not all resident)")
     want = x.float().sum().item()
     got = out.sum().item()
     if abs(got - want) > 1e-3 * x.float().abs().sum().item():
@@ -264,7 +268,15 @@ def main() -> int:
                 results["forms"].append(row)
                 print(f"{form.label:48s} skipped: {row['skipped']}", flush=True)
                 continue
-        check_sum(form, layers, out, count, failed, programs)
+        try:
+            check_sum(form, layers, out, count, failed, programs)
+        except BarrierGaveUp:
+            # More programs than the GPU holds at once, where the registers' count said they fit.
+            failed.zero_()
+            row["skipped"] = "a barrier gave up waiting: programs not all resident"
+            results["forms"].append(row)
+            print(f"{form.label:48s} skipped: {row['skipped']}", flush=True)
+            continue
         seconds = time_calls_in_graph([form.call(layers, x, out, count, failed, programs) for x in layers.buffers])
         if failed.item():
             raise SystemExit(f"{form.label}: a barrier gave up waiting while timed")
