@@ -11,6 +11,9 @@ epilogue (`hybridd/model/triton_gemm.py`): the daemon's `gemm_fusions` setting
   the KV write, SiLU·mul) apply the row scales;
 - `rotary`: RoPE of q and k and the KV-cache write, in the qkv projection's epilogue;
 - `silu`: the MLP's SiLU·mul, in the gate/up projection's epilogue;
+- `mlp`: with `norm`, the whole MLP of a step of up to 32 rows as one persistent kernel
+  (gate/up with its norm and SiLU·mul, a grid barrier, down with the residual add;
+  `hybridd/model/triton_mlp.py`) instead of three;
 
 or `none`. The fused kernels round in other places than the separate ones (the folded
 weights, the product scaled after the sum); top-1 stays the same. The default is what
@@ -23,7 +26,7 @@ model; a program that loads a model itself may set it too.
 
 from __future__ import annotations
 
-KNOWN = ("norm", "rotary", "silu")
+KNOWN = ("norm", "rotary", "silu", "mlp")
 DEFAULT = "norm,rotary"
 
 
@@ -34,6 +37,8 @@ def parse(value: str, name: str = "gemm_fusions") -> frozenset[str]:
         return frozenset()
     if not names or any(n not in KNOWN for n in names):
         raise ValueError(f"{name} must be a comma list of {', '.join(KNOWN)} or 'none', got {value!r}")
+    if "mlp" in names and "norm" not in names:
+        raise ValueError(f"{name} {value!r}: mlp takes the norm from the stream's sums of squares, so it needs norm")
     return frozenset(names)
 
 

@@ -386,13 +386,27 @@ def step_config(shape: str):
 
 
 # The decode attention's knobs a step variant may set, as `attn.NAME`.
-KNOBS = ("attn.BATCH1_PROGRAMS", "attn.BATCH1_WARPS", "attn.BATCH1_STAGES", "attn.BATCH1_TILE")
+# The persistent MLP kernel's knobs (`mlp.COOPERATIVE`, `mlp.EARLY`: 0 or 1) and its
+# tiles (`mlp.CONFIG=GATE_UP_N:GATE_UP_K:GATE_UP_STAGES:DOWN_N:DOWN_K:DOWN_STAGES`).
+KNOBS = ("attn.BATCH1_PROGRAMS", "attn.BATCH1_WARPS", "attn.BATCH1_STAGES", "attn.BATCH1_TILE",
+         "mlp.COOPERATIVE", "mlp.EARLY", "mlp.CONFIG")
 
 
 def _knob_module(name: str):
-    from hybridd.model import triton_attention
+    from hybridd.model import triton_attention, triton_mlp
 
-    return {"attn": triton_attention}[name.split(".")[0]]
+    return {"attn": triton_attention, "mlp": triton_mlp}[name.split(".")[0]]
+
+
+def mlp_config_from(text: str):
+    """An MlpConfig from `GATE_UP_N:GATE_UP_K:GATE_UP_STAGES:DOWN_N:DOWN_K:DOWN_STAGES`."""
+    from hybridd.model.triton_mlp import MlpConfig
+
+    fields = text.split(":")
+    if len(fields) != 6 or not all(f.isdigit() and int(f) > 0 for f in fields):
+        raise ValueError(f"mlp.CONFIG takes six positive integers "
+                         f"GATE_UP_N:GATE_UP_K:GATE_UP_STAGES:DOWN_N:DOWN_K:DOWN_STAGES, got {text!r}")
+    return MlpConfig(*map(int, fields))
 
 
 def projection_shapes(cfg) -> dict[str, tuple[int, int]]:
@@ -422,6 +436,8 @@ def composed_variant(label: str, known: dict, cfg) -> tuple:
                 table[shapes[name]] = [(32, config_from(value))]
             except ValueError as e:
                 raise ValueError(f"{change!r}: {e}") from None
+        elif name == "mlp.CONFIG":
+            knobs[name] = mlp_config_from(value)
         elif name in KNOBS:
             if not value.lstrip("-").isdigit():
                 raise ValueError(f"{change!r} in {label!r}: a knob takes an integer")
@@ -438,7 +454,7 @@ def step_variants(cfg, with_pdl: bool) -> dict[str, tuple]:
     columns, table entries replaced, decode attention knobs set): the decode step's
     variants for a model of `cfg` (the PDL ones only `with_pdl`)."""
     variants = {"cublas": (False, "none", False, 0, {}, {}), "skinny": (True, "none", False, 0, {}, {})}
-    for fused in ("norm", "rotary", "silu", "norm,rotary", "norm,rotary,silu"):
+    for fused in ("norm", "rotary", "silu", "norm,rotary", "norm,rotary,silu", "norm,rotary,mlp"):
         variants[f"skinny+{fused.replace(',', '+')}"] = (True, fused, False, 0, {}, {})
     default = gemm_fusions.DEFAULT.replace(",", "+")
     # The o and down projections fill only 64 of the GPU's multiprocessors with the table's
@@ -467,7 +483,7 @@ def step_variants(cfg, with_pdl: bool) -> dict[str, tuple]:
         variants[f"skinny+{default}+pdl attn b1 128 programs"] = (True, gemm_fusions.DEFAULT, True, 0, {},
                                                                   {"attn.BATCH1_PROGRAMS": 128})
         # The other sets of epilogue fusions, with dependent launch.
-        for fused in ("norm", "norm,rotary", "norm,silu", "norm,rotary,silu"):
+        for fused in ("norm", "norm,rotary", "norm,silu", "norm,rotary,silu", "norm,rotary,mlp"):
             if fused != gemm_fusions.DEFAULT:
                 variants[f"skinny+{fused.replace(',', '+')}+pdl"] = (True, fused, True, 0, {}, {})
     return variants

@@ -25,6 +25,8 @@ def run_script(script: Path, args: list[str]) -> subprocess.CompletedProcess:
     (["--decode-batch", "x,2"], "--decode-batch: a comma list of batch sizes of at least 1, got 'x,2'"),
     (["--decode-step", "--variants", "skinny+norm,bogus"], "--variants: no variant named bogus; the variants are cublas,"),
     (["--decode-shape", "llama9"], "argument --decode-shape: invalid choice: 'llama9'"),
+    (["--decode-step", "--variants", "skinny+norm+rotary+mlp+pdl with mlp.CONFIG=64:256"],
+     "mlp.CONFIG takes six positive integers GATE_UP_N:GATE_UP_K:GATE_UP_STAGES:DOWN_N:DOWN_K:DOWN_STAGES, got '64:256'"),
     (["--decode-step", "--old-attention", "/nonexistent/attention.py"], "--old-attention: no file /nonexistent/attention.py"),
 ])
 def test_bad_arguments_are_refused_by_name(args, message):

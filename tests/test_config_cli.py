@@ -65,7 +65,7 @@ def test_config_file_from_environment_and_boolean_and_list_flags(toml):
         ("", {"HYBRIDD_MAX_BATCH": "many"}, [], "environment variable HYBRIDD_MAX_BATCH: setting 'max_batch' expects int"),
         ("", {"HYBRIDD_BOGUS": "1"}, [], "environment (HYBRIDD_*): unknown setting HYBRIDD_BOGUS"),
         ('gemm_fusions = "norm,gelu"\n', {}, [],
-         "{file}: gemm_fusions must be a comma list of norm, rotary, silu or 'none', got 'norm,gelu'"),
+         "{file}: gemm_fusions must be a comma list of norm, rotary, silu, mlp or 'none', got 'norm,gelu'"),
         ("", {"HYBRIDD_GEMM_FUSIONS": ""}, [], "environment variable HYBRIDD_GEMM_FUSIONS: gemm_fusions must be"),
         ("", {"HYBRIDD_PDL": "maybe"}, [], "environment variable HYBRIDD_PDL: setting 'pdl' expects bool"),
         ("", {}, ["--max-batch", "x"], "command-line flag --max-batch: setting 'max_batch' expects int, got 'x'"),

@@ -349,6 +349,33 @@ def test_fused_neighbours_match_the_torch_path(tiny_model_dir, enabled, monkeypa
 
 
 @torch.inference_mode()
+def test_the_mlp_as_one_kernel_matches_the_torch_path(tiny_model_dir, monkeypatch):
+    """The `mlp` fusion (with norm and rotary): each layer's MLP of the 29-token prefill and
+    the three decode steps runs as one persistent kernel (tiles that fit the tiny model),
+    the gate/up and down projections never on the skinny kernel, and the logits and caches
+    equal the torch path's. Its launches are counted, so a fallback cannot pass."""
+    from hybridd.model import triton_mlp
+
+    monkeypatch.setattr(triton_mlp, "CONFIG", triton_mlp.MlpConfig(32, 32, 2, 16, 16, 2))
+    fused = []
+    real = triton_mlp.fused_mlp
+
+    def counted(*args, **kwargs):
+        out = real(*args, **kwargs)
+        fused.append(out is not None)
+        return out
+
+    monkeypatch.setattr(triton_mlp, "fused_mlp", counted)
+    kinds, layers = _fused_against_torch(tiny_model_dir, "norm,rotary,mlp", monkeypatch,
+                                         ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))
+    steps = 4
+    assert fused == [True] * layers * steps
+    assert kinds.count("gated") == 0
+    assert kinds.count("residual") == layers * steps  # o_proj's only
+    assert kinds.count("rotary") == layers * steps
+
+
+@torch.inference_mode()
 def test_fused_steps_fall_back_where_the_kernel_cannot_run(tiny_model_dir, monkeypatch):
     """Every fusion on and the norms folded, but gate/up without a skinny config and a
     40-token prefill (more rows than the kernel takes): the steps that cannot fuse run

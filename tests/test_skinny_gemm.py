@@ -136,6 +136,7 @@ def test_gated_product_is_the_projection_then_silu_and_mul(m, inter, k, block_n)
 
 @pytest.mark.parametrize(("value", "enabled"), [
     ("none", set()), ("silu", {"silu"}), ("norm, rotary,silu", {"norm", "rotary", "silu"}), ("norm", {"norm"}),
+    ("norm,rotary,mlp", {"norm", "rotary", "mlp"}),
 ])
 def test_fusions_are_named_by_a_comma_list(value, enabled):
     assert gemm_fusions.parse(value) == enabled
@@ -143,9 +144,14 @@ def test_fusions_are_named_by_a_comma_list(value, enabled):
 
 @pytest.mark.parametrize("value", ["yes", "", "norm,gelu", "none,silu"])
 def test_fusions_refuse_other_names(value):
-    with pytest.raises(ValueError, match=f"gemm_fusions must be a comma list of norm, rotary, silu or 'none', "
+    with pytest.raises(ValueError, match=f"gemm_fusions must be a comma list of norm, rotary, silu, mlp or 'none', "
                                          f"got {value!r}"):
         gemm_fusions.parse(value)
+
+
+def test_the_mlp_kernel_needs_the_norm_fusion():
+    with pytest.raises(ValueError, match="gemm_fusions 'rotary,mlp': mlp takes the norm .* so it needs norm"):
+        gemm_fusions.parse("rotary,mlp")
 
 
 def test_gated_product_leaves_splits_and_biases_to_the_separate_kernels():

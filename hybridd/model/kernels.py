@@ -25,7 +25,7 @@ class TritonKernels(ComposedSteps):
     name = "triton"
 
     def __init__(self) -> None:
-        from hybridd.model import pdl, triton_attention, triton_gemm, triton_ops
+        from hybridd.model import pdl, triton_attention, triton_gemm, triton_mlp, triton_ops
 
         # Projections of up to this many token rows may run on the skinny kernel, not cuBLAS.
         self.skinny_rows = triton_gemm.MAX_ROWS
@@ -40,6 +40,7 @@ class TritonKernels(ComposedSteps):
         self.prefill_attention = triton_attention.prefill_attention
         self.decode_attention = triton_attention.decode_attention
         self._gemm = triton_gemm
+        self._mlp = triton_mlp
         self._pdl = pdl
         # Set by `LlamaModel.fold_norms`: the norms before qkv and gate/up have unit weights,
         # theirs being folded into those projections, so the projections may apply them.
@@ -100,6 +101,17 @@ class TritonKernels(ComposedSteps):
         if y is None:
             return self.linear_silu_and_mul(self._normalised(x, norm, norm_weight, eps), weight), base
         return (y if gated else self.silu_and_mul(y)), base
+
+    def mlp(self, stream, norm_weight, eps, gate_up_weight, down_weight) -> ResidualStream:
+        if ("mlp" in gemm_fusions.ENABLED and self.norms_folded and stream.update is None
+                and stream.sum_squares is not None
+                and self._gemm.config_for(stream.base.shape[0], *gate_up_weight.shape) is not None
+                and self._gemm.config_for(stream.base.shape[0], *down_weight.shape) is not None):
+            out = self._mlp.fused_mlp(stream.base, self._gemm.FoldedNorm(eps, stream.sum_squares), gate_up_weight,
+                                      down_weight, stream.base)
+            if out is not None:
+                return ResidualStream(out[0], None, out[1])
+        return super().mlp(stream, norm_weight, eps, gate_up_weight, down_weight)
 
     def linear_add(self, x, weight, bias, base) -> ResidualStream:
         if self.norms_folded:

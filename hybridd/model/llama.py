@@ -68,8 +68,7 @@ class DecoderLayer(nn.Module):
             o = ops.decode_attention(q, k_cache, v_cache, step.block_tables, step.seq_lens, self.scale, **self.window)
         stream = ops.linear_add(o.reshape(t, self.q_size), self.o_proj.weight, self.o_proj.bias, base)
         norm = self.post_attention_layernorm
-        x, base = ops.norm_gate_up(stream, norm.weight, norm.eps, self.gate_up_proj.weight)
-        return ops.linear_add(x, self.down_proj.weight, None, base)
+        return ops.mlp(stream, norm.weight, norm.eps, self.gate_up_proj.weight, self.down_proj.weight)
 
 
 class LlamaModel(nn.Module):

@@ -113,6 +113,12 @@ class ComposedSteps:
         """The stream after a projection whose output joins it (o_proj, down_proj)."""
         return ResidualStream(base, self.linear(x, weight, bias))
 
+    def mlp(self, stream: ResidualStream, norm_weight: torch.Tensor, eps: float, gate_up_weight: torch.Tensor,
+            down_weight: torch.Tensor) -> ResidualStream:
+        """The stream after the MLP: down(SiLU·mul(gate/up(norm(stream)))) joins it."""
+        x, base = self.norm_gate_up(stream, norm_weight, eps, gate_up_weight)
+        return self.linear_add(x, down_weight, None, base)
+
 
 class TorchKernels(ComposedSteps):
     """The plain torch implementation of every per-layer operation."""
