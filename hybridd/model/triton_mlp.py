@@ -10,8 +10,8 @@ program loaded the first block of its next weights before it waited at the barri
 layer where the phase after the barrier reads nothing but its weights and the phase
 before's product: this kernel runs it so.
 
-One program per multiprocessor, launched as a cooperative grid so that all are resident
-at once (the barrier's premise). Phase 1: the programs take gate/up tiles in turn (rows
+One program per multiprocessor (`PER_SM`), launched as a cooperative grid so that all
+are resident at once (the barrier's premise). Phase 1: the programs take gate/up tiles in turn (rows
 alternating gate and up, as `triton_gemm`'s gated epilogue), scale each row by its
 folded norm's 1 / rms and store silu(gate) * up to a scratch activation. Phase 2: each
 program takes at most one down tile of one K split, loads its first weight block, waits
@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from hybridd.model import pdl, split_scratch
+from hybridd.model.launch_variants import first_eager_call
 from hybridd.model.pdl import wait_for_predecessor
 from hybridd.model.triton_gemm import FoldedNorm, _store_residual_add, _store_silu_and_mul
 
@@ -45,6 +46,9 @@ MAX_ROWS = 32
 COOPERATIVE = True
 # Each program loads the first block of its down weights before the barrier.
 EARLY = True
+# Programs a multiprocessor runs (all resident, for the barrier): one keeps the grid
+# within any GPU's occupancy; more keep more loads in flight per multiprocessor.
+PER_SM = 1
 # Float32 partials of the down splits, and per-tile counters (split_scratch).
 _WORKSPACE_FLOATS = 1 << 19
 _COUNTERS = 1 << 12
@@ -175,7 +179,7 @@ def _fused_mlp_kernel(
 def _programs(device: torch.device) -> int:
     if device.type != "cuda":
         return 8  # the interpreter: any count shows the work's division
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _split(config: MlpConfig, hidden: int, inter: int, programs: int) -> int:
@@ -187,6 +191,21 @@ def _split(config: MlpConfig, hidden: int, inter: int, programs: int) -> int:
         if blocks % split == 0:
             return split
     return 0
+
+
+def _compile_both_tiles(x: torch.Tensor, norm: FoldedNorm, gate_up_weight: torch.Tensor, down_weight: torch.Tensor,
+                       config: MlpConfig) -> None:
+    """On the first eager call for these weights' shapes, launch the kernel at 16 and at 32
+    rows (its two tile heights) on zeros, so that a graph captured later for another row
+    count finds its variant compiled and loaded instead of compiling inside the capture."""
+    key = ("mlp", tuple(gate_up_weight.shape), gate_up_weight.dtype, x.device, config, COOPERATIVE, EARLY, PER_SM,
+           triton.next_power_of_2(norm.sum_squares.shape[1]), pdl.enabled(x.device))
+    if not first_eager_call(key, x.device):
+        return
+    rows = torch.zeros((MAX_ROWS, x.shape[1]), dtype=x.dtype, device=x.device)
+    sums = torch.ones((MAX_ROWS, norm.sum_squares.shape[1]), dtype=torch.float32, device=x.device)
+    for m in (16, MAX_ROWS):
+        fused_mlp(rows[:m], FoldedNorm(norm.eps, sums[:m]), gate_up_weight, down_weight, rows[:m], config)
 
 
 def fused_mlp(x: torch.Tensor, norm: FoldedNorm, gate_up_weight: torch.Tensor, down_weight: torch.Tensor,
@@ -223,6 +242,8 @@ def fused_mlp(x: torch.Tensor, norm: FoldedNorm, gate_up_weight: torch.Tensor, d
     ws = split_scratch.scratch(x.device, "mlp_partials", _WORKSPACE_FLOATS, torch.float32)
     if counts is None or barrier is None or ws is None or split * block_m * hidden > ws.numel() or tiles_d > _COUNTERS:
         return None
+    if x.is_cuda:
+        _compile_both_tiles(x, norm, gate_up_weight, down_weight, c)
     h = torch.empty((m, inter), dtype=x.dtype, device=x.device)
     y = torch.empty((m, hidden), dtype=x.dtype, device=x.device)
     sum_squares = torch.empty((m, tiles_d), dtype=torch.float32, device=x.device)
