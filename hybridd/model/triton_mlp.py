@@ -205,16 +205,24 @@ def _compile_both_tiles(x: torch.Tensor, norm: FoldedNorm, gate_up_weight: torch
     rows = torch.zeros((MAX_ROWS, x.shape[1]), dtype=x.dtype, device=x.device)
     sums = torch.ones((MAX_ROWS, norm.sum_squares.shape[1]), dtype=torch.float32, device=x.device)
     for m in (16, MAX_ROWS):
-        fused_mlp(rows[:m], FoldedNorm(norm.eps, sums[:m]), gate_up_weight, down_weight, rows[:m], config)
+        _run(rows[:m], FoldedNorm(norm.eps, sums[:m]), gate_up_weight, down_weight, rows[:m], config, 3, False)
 
 
 def fused_mlp(x: torch.Tensor, norm: FoldedNorm, gate_up_weight: torch.Tensor, down_weight: torch.Tensor,
-              residual: torch.Tensor, config: MlpConfig | None = None):
+              residual: torch.Tensor, config: MlpConfig | None = None, phases: int = 3):
     """(residual + down(silu(gate) * up of x, normalised by `norm`), the sum's rows' sums of
     squares in parts [M, down tiles]), as `triton_gemm`'s gated gate/up and its down
     projection with `residual` give them; None where this kernel cannot run the shapes
     (the caller takes those two kernels): more than MAX_ROWS rows, tiles that do not divide
-    the weights, or scratch missing during capture. `config`: CONFIG by default."""
+    the weights, or scratch missing during capture. `config`: CONFIG by default. `phases`
+    1 or 2 launches that phase alone, without the barrier (to time it; the result is then
+    incomplete)."""
+    if phases not in (1, 2, 3):
+        raise ValueError(f"phases must be 1, 2 or 3, got {phases!r}")
+    return _run(x, norm, gate_up_weight, down_weight, residual, config or CONFIG, phases, True)
+
+
+def _run(x, norm, gate_up_weight, down_weight, residual, c: MlpConfig, phases: int, compile_first: bool):
     m, hidden = x.shape
     inter = gate_up_weight.shape[0] // 2
     if not (x.is_cuda or _INTERPRET) or m == 0 or m > MAX_ROWS:
@@ -225,7 +233,6 @@ def fused_mlp(x: torch.Tensor, norm: FoldedNorm, gate_up_weight: torch.Tensor, d
                          f"{tuple(down_weight.shape)}")
     if residual.shape != (m, hidden) or norm.sum_squares.shape[0] < m:
         raise ValueError(f"an MLP of {m} rows needs a [{m}, {hidden}] residual and {m} rows of sums of squares")
-    c = config or CONFIG
     if (hidden % c.gate_up_block_k or inter % (c.gate_up_block_n // 2) or hidden % c.down_block_n
             or inter % c.down_block_k or not x.is_contiguous() or not residual.is_contiguous()
             or not norm.sum_squares.is_contiguous() or not gate_up_weight.is_contiguous()
@@ -242,7 +249,7 @@ def fused_mlp(x: torch.Tensor, norm: FoldedNorm, gate_up_weight: torch.Tensor, d
     ws = split_scratch.scratch(x.device, "mlp_partials", _WORKSPACE_FLOATS, torch.float32)
     if counts is None or barrier is None or ws is None or split * block_m * hidden > ws.numel() or tiles_d > _COUNTERS:
         return None
-    if x.is_cuda:
+    if x.is_cuda and compile_first:
         _compile_both_tiles(x, norm, gate_up_weight, down_weight, c)
     h = torch.empty((m, inter), dtype=x.dtype, device=x.device)
     y = torch.empty((m, hidden), dtype=x.dtype, device=x.device)
@@ -255,9 +262,10 @@ def fused_mlp(x: torch.Tensor, norm: FoldedNorm, gate_up_weight: torch.Tensor, d
                 D_BLOCK_N=c.down_block_n, D_BLOCK_K=c.down_block_k, D_STAGES=c.down_stages, SPLIT=split,
                 EARLY=EARLY, INTERPRET=_INTERPRET, num_warps=c.num_warps)
     if _INTERPRET:
-        for phases in (1, 2):
-            _fused_mlp_kernel[(programs,)](*args, PHASES=phases, PDL=False, **meta)
+        for phase in (1, 2):
+            if phase & phases:
+                _fused_mlp_kernel[(programs,)](*args, PHASES=phase, PDL=False, **meta)
     else:
-        _fused_mlp_kernel[(programs,)](*args, PHASES=3, launch_cooperative_grid=COOPERATIVE,
+        _fused_mlp_kernel[(programs,)](*args, PHASES=phases, launch_cooperative_grid=COOPERATIVE and phases == 3,
                                        **pdl.launch_args(x.device), **meta)
     return y, sum_squares
