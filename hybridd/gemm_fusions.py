@@ -11,7 +11,7 @@ epilogue (`hybridd/model/triton_gemm.py`): the daemon's `gemm_fusions` setting
   the KV write, SiLU·mul) apply the row scales;
 - `rotary`: RoPE of q and k and the KV-cache write, in the qkv projection's epilogue;
 - `silu`: the MLP's SiLU·mul, in the gate/up projection's epilogue;
-- `mlp`: with `norm`, the whole MLP of a step of up to 32 rows as one persistent kernel
+- `mlp`: with `norm`, the whole MLP of a step of up to 16 rows as one persistent kernel
   (gate/up with its norm and SiLU·mul, a grid barrier, down with the residual add;
   `hybridd/model/triton_mlp.py`) instead of three;
 

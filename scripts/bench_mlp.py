@@ -12,9 +12,11 @@ L2, programmatic dependent launch as the step launches them), at each row count:
   launched alone (no barrier);
 - the bytes of the weights over the copy bandwidth.
 
-With `--configs`, one kernel for each MlpConfig given too (six integers each,
-GATE_UP_N:GATE_UP_K:GATE_UP_STAGES:DOWN_N:DOWN_K:DOWN_STAGES). Prints a table; writes
-JSON.
+With `--configs`, one kernel for each MlpConfig given too (six or seven integers each,
+GATE_UP_N:GATE_UP_K:GATE_UP_STAGES:DOWN_N:DOWN_K:DOWN_STAGES[:WARPS]), and with `--per-sm`
+each of them with that many programs a multiprocessor too. A form that cannot launch
+(too many programs to be resident, too much shared memory) is reported and skipped.
+Prints a table; writes JSON.
 """
 
 from __future__ import annotations
@@ -53,10 +55,10 @@ def parse_configs(text: str) -> list:
     configs = []
     for item in filter(None, (t.strip() for t in text.split(","))):
         fields = item.split(":")
-        if len(fields) != 6 or not all(f.isdigit() and int(f) > 0 for f in fields):
+        if len(fields) not in (6, 7) or not all(f.isdigit() and int(f) > 0 for f in fields):
             raise argparse.ArgumentTypeError(
-                f"a config is six positive integers GATE_UP_N:GATE_UP_K:GATE_UP_STAGES:DOWN_N:DOWN_K:DOWN_STAGES, "
-                f"got {item!r}")
+                f"a config is six or seven positive integers "
+                f"GATE_UP_N:GATE_UP_K:GATE_UP_STAGES:DOWN_N:DOWN_K:DOWN_STAGES[:WARPS], got {item!r}")
         configs.append(MlpConfig(*map(int, fields)))
     return configs
 
@@ -76,7 +78,19 @@ class Layers:
         self.bytes = per_layer
 
 
-def forms(layers: Layers, configs: list) -> dict[str, list]:
+def per_sm_run(programs: int, call):
+    """call() with `programs` programs a multiprocessor."""
+    from hybridd.model import triton_mlp
+
+    before = triton_mlp.PER_SM
+    triton_mlp.PER_SM = programs
+    try:
+        return call()
+    finally:
+        triton_mlp.PER_SM = before
+
+
+def forms(layers: Layers, configs: list, per_sm: list[int]) -> dict[str, list]:
     """name -> one callable per layer."""
     from hybridd.model import triton_gemm, triton_mlp, triton_ops
     from hybridd.model.triton_gemm import FoldedNorm
@@ -98,13 +112,31 @@ def forms(layers: Layers, configs: list) -> dict[str, list]:
         "kernels: down": [lambda i=i: triton_gemm.skinny(h, layers.down[i], None, residual=x)
                           for i in range(layers.count)],
     }
-    for config in [None, *configs]:
-        label = "one kernel" if config is None else f"one kernel {':'.join(str(v) for v in vars(config).values())}"
-        for phases, suffix in ((3, ""), (1, ": gate/up phase"), (2, ": down phase")):
-            out[label + suffix] = [
-                lambda i=i, p=phases, c=config: triton_mlp.fused_mlp(x, norm, layers.gate_up[i], layers.down[i], x,
-                                                                     c, phases=p)
-                for i in range(layers.count)]
+    for programs in [1, *per_sm]:
+        for config in [None, *configs]:
+            label = "one kernel" if config is None else f"one kernel {':'.join(str(v) for v in vars(config).values())}"
+            label += f", {programs} a multiprocessor" if programs > 1 else ""
+            for phases, suffix in ((3, ""), (1, ": gate/up phase"), (2, ": down phase")):
+                out[label + suffix] = [
+                    lambda i=i, p=phases, c=config, n=programs: per_sm_run(n, lambda: triton_mlp.fused_mlp(
+                        x, norm, layers.gate_up[i], layers.down[i], x, c, phases=p))
+                    for i in range(layers.count)]
+    return out
+
+
+def compiled_resources() -> list[dict]:
+    """Registers, spilled bytes and shared memory of each compiled variant of the kernel."""
+    from hybridd.model import triton_mlp
+
+    out = []
+    for caches in triton_mlp._fused_mlp_kernel.device_caches.values():
+        for kernel in caches[0].values():
+            kernel._init_handles()
+            c = kernel.src.constants if hasattr(kernel.src, "constants") else {}
+            out.append({"constants": {str(k): v for k, v in getattr(kernel, "constants", c).items()
+                                      if isinstance(v, (int, bool))} if isinstance(c, dict) else {},
+                        "registers": kernel.n_regs, "spilled": kernel.n_spills, "shared": kernel.metadata.shared,
+                        "warps": kernel.metadata.num_warps})
     return out
 
 
@@ -114,6 +146,8 @@ def main() -> int:
     parser.add_argument("--rows", type=parse_rows, default=[1], help="comma list of row counts (default 1)")
     parser.add_argument("--shape", choices=SHAPES, default="llama2-7b")
     parser.add_argument("--configs", type=parse_configs, default=[], help="more MlpConfigs to time the kernel with")
+    parser.add_argument("--per-sm", type=lambda t: [int(v) for v in t.split(",")], default=[],
+                        help="comma list of more programs-a-multiprocessor counts to time each config with")
     args = parser.parse_args()
     from hybridd.model import triton_mlp
 
@@ -128,18 +162,28 @@ def main() -> int:
             layers = Layers(hidden, inter, rows)
             floor = layers.bytes / bw
             timed = {"the weights' bytes over the copy bandwidth": floor}
-            for name, calls in forms(layers, args.configs).items():
-                if calls[0]() is None:
-                    print(f"  {name}: the kernel does not take this shape", flush=True)
-                    continue
-                timed[name] = time_calls_in_graph(calls)
+            for name, calls in forms(layers, args.configs, args.per_sm).items():
+                try:
+                    if calls[0]() is None:
+                        print(f"  {name}: the kernel does not take this shape", flush=True)
+                        continue
+                    timed[name] = time_calls_in_graph(calls)
+                except Exception as exc:  # a launch shape the GPU cannot hold: reported, the others still run
+                    print(f"  {name}: cannot run: {type(exc).__name__}: {str(exc)[:160]}", flush=True)
+                    torch.cuda.synchronize()
             results["rows"][rows] = {name: t * 1e6 for name, t in timed.items()}
             print(f"\n{rows} row(s), µs a layer (x the MLP's bytes over the copy bandwidth):", flush=True)
             for name, t in timed.items():
                 print(f"  {name:48s} {t * 1e6:8.2f}  ({t / floor:.3f})", flush=True)
             del layers
             torch.cuda.empty_cache()
-    (args.out / "bench_mlp.json").write_text(json.dumps(results, indent=2))
+    try:
+        results["compiled"] = compiled_resources()
+        for entry in results["compiled"]:
+            print(f"  compiled: {entry}", flush=True)
+    except Exception as exc:  # Triton's internals vary between versions: the timings stand without it
+        print(f"  compiled resources unavailable: {type(exc).__name__}: {exc}", flush=True)
+    (args.out / "bench_mlp.json").write_text(json.dumps(results, indent=2, default=str))
     return 0
 
 

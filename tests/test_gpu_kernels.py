@@ -350,10 +350,10 @@ def test_fused_neighbours_match_the_torch_path(tiny_model_dir, enabled, monkeypa
 
 @torch.inference_mode()
 def test_the_mlp_as_one_kernel_matches_the_torch_path(tiny_model_dir, monkeypatch):
-    """The `mlp` fusion (with norm and rotary): each layer's MLP of the 29-token prefill and
-    the three decode steps runs as one persistent kernel (tiles that fit the tiny model),
-    the gate/up and down projections never on the skinny kernel, and the logits and caches
-    equal the torch path's. Its launches are counted, so a fallback cannot pass."""
+    """The `mlp` fusion (with norm and rotary): each layer's MLP of the three decode steps
+    runs as one persistent kernel (tiles that fit the tiny model), the 29-token prefill's
+    (more rows than it takes) as the separate kernels, and the logits and caches equal the
+    torch path's. Its launches are counted, so a fallback cannot pass."""
     from hybridd.model import triton_mlp
 
     monkeypatch.setattr(triton_mlp, "CONFIG", triton_mlp.MlpConfig(32, 32, 2, 16, 16, 2))
@@ -368,11 +368,11 @@ def test_the_mlp_as_one_kernel_matches_the_torch_path(tiny_model_dir, monkeypatc
     monkeypatch.setattr(triton_mlp, "fused_mlp", counted)
     kinds, layers = _fused_against_torch(tiny_model_dir, "norm,rotary,mlp", monkeypatch,
                                          ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))
-    steps = 4
-    assert fused == [True] * layers * steps
+    decode_steps = 3
+    assert fused == [False] * layers + [True] * layers * decode_steps
     assert kinds.count("gated") == 0
-    assert kinds.count("residual") == layers * steps  # o_proj's only
-    assert kinds.count("rotary") == layers * steps
+    assert kinds.count("residual") == layers * (decode_steps + 1) + layers  # every o_proj, the prefill's down_proj
+    assert kinds.count("rotary") == layers * (decode_steps + 1)
 
 
 @torch.inference_mode()
