@@ -91,7 +91,7 @@ class Config:
     # auto/on: the workers share a CUDA device through a private MPS daemon; auto runs
     # without it where it is not installed or does not start (hybridd/cuda_mps.py)
     cuda_mps: str = "auto"
-    # What the decode projections compute in their own kernel: norm, rotary, silu or none
+    # What the decode projections compute in their own kernel: norm, rotary, silu, mlp or none
     # (hybridd/gemm_fusions.py).
     gemm_fusions: str = gemm_fusions.DEFAULT
     # Chain the fused Triton kernels by programmatic dependent launch on compute
