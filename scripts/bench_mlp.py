@@ -49,6 +49,13 @@ def parse_rows(text: str) -> list[int]:
     return rows
 
 
+def parse_per_sm(text: str) -> list[int]:
+    counts = [v.strip() for v in text.split(",") if v.strip()]
+    if not counts or not all(v.isdigit() and 1 <= int(v) <= 8 for v in counts):
+        raise argparse.ArgumentTypeError(f"a comma list of programs a multiprocessor, 1-8, got {text!r}")
+    return [int(v) for v in counts]
+
+
 def parse_configs(text: str) -> list:
     from hybridd.model.triton_mlp import MlpConfig
 
@@ -146,7 +153,7 @@ def main() -> int:
     parser.add_argument("--rows", type=parse_rows, default=[1], help="comma list of row counts (default 1)")
     parser.add_argument("--shape", choices=SHAPES, default="llama2-7b")
     parser.add_argument("--configs", type=parse_configs, default=[], help="more MlpConfigs to time the kernel with")
-    parser.add_argument("--per-sm", type=lambda t: [int(v) for v in t.split(",")], default=[],
+    parser.add_argument("--per-sm", type=parse_per_sm, default=[],
                         help="comma list of more programs-a-multiprocessor counts to time each config with")
     args = parser.parse_args()
     from hybridd.model import triton_mlp

@@ -13,6 +13,7 @@ import torch
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench_gemm.py"
 ATTENTION_SCRIPT = SCRIPT.parent / "bench_attention.py"
+MLP_SCRIPT = SCRIPT.parent / "bench_mlp.py"
 
 
 def run_script(script: Path, args: list[str]) -> subprocess.CompletedProcess:
@@ -31,6 +32,20 @@ def run_script(script: Path, args: list[str]) -> subprocess.CompletedProcess:
 ])
 def test_bad_arguments_are_refused_by_name(args, message):
     done = run_script(SCRIPT, args)
+    assert done.returncode == 2
+    assert message in done.stderr
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--out", "x", "--rows", "0"], "argument --rows: a comma list of row counts 1-32, got '0'"),
+    (["--out", "x", "--configs", "64:256:4"],
+     "argument --configs: a config is six or seven positive integers "
+     "GATE_UP_N:GATE_UP_K:GATE_UP_STAGES:DOWN_N:DOWN_K:DOWN_STAGES[:WARPS], got '64:256:4'"),
+    (["--out", "x", "--shape", "llama9"], "argument --shape: invalid choice: 'llama9'"),
+    (["--out", "x", "--per-sm", "2,x"], "argument --per-sm: a comma list of programs a multiprocessor, 1-8, got '2,x'"),
+])
+def test_bench_mlp_refuses_bad_arguments_by_name(args, message):
+    done = run_script(MLP_SCRIPT, args)
     assert done.returncode == 2
     assert message in done.stderr
 

@@ -97,6 +97,8 @@ def test_inconsistent_operands_are_refused_by_name():
         triton_mlp.fused_mlp(x, norm, w_gu, w_d[:, :96], x, SMALL)
     with pytest.raises(ValueError, match=r"MLP of 2 rows needs a \[2, 64\] residual"):
         triton_mlp.fused_mlp(x, norm, w_gu, w_d, x[:1], SMALL)
+    with pytest.raises(ValueError, match="phases must be 1, 2 or 3, got 0"):
+        triton_mlp.fused_mlp(x, norm, w_gu, w_d, x, SMALL, phases=0)
 
 
 LLAMA_MLPS = {"llama2-7b": (4096, 11008), "llama3-8b": (4096, 14336)}
