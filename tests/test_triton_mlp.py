@@ -132,7 +132,8 @@ def test_fused_mlp_replays_in_a_graph(with_pdl, monkeypatch):
     hidden, inter = LLAMA_MLPS["llama2-7b"]
     x, norm, w_gu, w_d = operands(4, hidden, inter, 64, seed=9)
     static_x, static_sums = x.clone(), norm.sum_squares.clone()
-    triton_mlp.fused_mlp(static_x, FoldedNorm(norm.eps, static_sums), w_gu, w_d, static_x)  # compile, scratch
+    # The first call compiles the kernel and makes the scratch the graph shares.
+    triton_mlp.fused_mlp(static_x, FoldedNorm(norm.eps, static_sums), w_gu, w_d, static_x)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
