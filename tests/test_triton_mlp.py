@@ -52,8 +52,9 @@ def separate_kernels(x, norm, w_gu, w_d, config: MlpConfig):
 @pytest.mark.parametrize(("m", "hidden", "inter", "parts"),
                          [(1, 64, 160, 4), (5, 64, 160, 1), (16, 32, 96, 3), (9, 32, 64, 2)])
 def test_fused_mlp_is_the_gate_up_then_down_kernels(m, hidden, inter, parts):
-    """One to 16 rows, down tiles split in K or not by the programs there are: the torch MLP with the residual added, the same sums as the skinny kernels'
-    (up to float32 order), and each row's sum of squares of the result in parts, one per
+    """One to 16 rows, down tiles split in K or not by the programs there are: the torch
+    MLP with the residual added, the same sums as the skinny kernels' (up to float32
+    order), and each row's sum of squares of the result in parts, one per
     down tile, which the next projection's folded norm adds up."""
     x, norm, w_gu, w_d = operands(m, hidden, inter, parts, seed=m * 100 + hidden + inter)
     out = triton_mlp.fused_mlp(x, norm, w_gu, w_d, x, SMALL)
