@@ -386,10 +386,10 @@ def step_config(shape: str):
 
 
 # The decode attention's knobs a step variant may set, as `attn.NAME`.
-# The persistent MLP kernel's knobs (`mlp.COOPERATIVE`, `mlp.EARLY`: 0 or 1; `mlp.PER_SM`) and its
+# The persistent MLP kernel's knobs (`mlp.EARLY`: 0 or 1; `mlp.PER_SM`) and its
 # tiles (`mlp.CONFIG=GATE_UP_N:GATE_UP_K:GATE_UP_STAGES:DOWN_N:DOWN_K:DOWN_STAGES`).
 KNOBS = ("attn.BATCH1_PROGRAMS", "attn.BATCH1_WARPS", "attn.BATCH1_STAGES", "attn.BATCH1_TILE",
-         "mlp.COOPERATIVE", "mlp.EARLY", "mlp.PER_SM", "mlp.CONFIG")
+         "mlp.EARLY", "mlp.PER_SM", "mlp.CONFIG")
 
 
 def _knob_module(name: str):

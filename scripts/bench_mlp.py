@@ -131,22 +131,6 @@ def forms(layers: Layers, configs: list, per_sm: list[int]) -> dict[str, list]:
     return out
 
 
-def compiled_resources() -> list[dict]:
-    """Registers, spilled bytes and shared memory of each compiled variant of the kernel."""
-    from hybridd.model import triton_mlp
-
-    out = []
-    for caches in triton_mlp._fused_mlp_kernel.device_caches.values():
-        for kernel in caches[0].values():
-            kernel._init_handles()
-            c = kernel.src.constants if hasattr(kernel.src, "constants") else {}
-            out.append({"constants": {str(k): v for k, v in getattr(kernel, "constants", c).items()
-                                      if isinstance(v, (int, bool))} if isinstance(c, dict) else {},
-                        "registers": kernel.n_regs, "spilled": kernel.n_spills, "shared": kernel.metadata.shared,
-                        "warps": kernel.metadata.num_warps})
-    return out
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
@@ -184,13 +168,7 @@ def main() -> int:
                 print(f"  {name:48s} {t * 1e6:8.2f}  ({t / floor:.3f})", flush=True)
             del layers
             torch.cuda.empty_cache()
-    try:
-        results["compiled"] = compiled_resources()
-        for entry in results["compiled"]:
-            print(f"  compiled: {entry}", flush=True)
-    except Exception as exc:  # Triton's internals vary between versions: the timings stand without it
-        print(f"  compiled resources unavailable: {type(exc).__name__}: {exc}", flush=True)
-    (args.out / "bench_mlp.json").write_text(json.dumps(results, indent=2, default=str))
+    (args.out / "bench_mlp.json").write_text(json.dumps(results, indent=2))
     return 0
 
 

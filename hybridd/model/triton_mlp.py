@@ -43,15 +43,11 @@ import triton
 import triton.language as tl
 
 from hybridd.model import pdl, split_scratch
-from hybridd.model.launch_variants import first_eager_call
 from hybridd.model.pdl import wait_for_predecessor
 from hybridd.model.triton_gemm import FoldedNorm, _store_residual_add, _store_silu_and_mul
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_ROWS = 16
-# Launched as a cooperative grid (co-residency guaranteed by the driver) or as a plain
-# one, relying on one program per multiprocessor fitting; kept as a knob to measure it.
-COOPERATIVE = True
 # Each program loads the first block of its down weights before the barrier.
 EARLY = True
 # Programs a multiprocessor runs (all resident, for the barrier): one keeps the grid
@@ -201,21 +197,6 @@ def _split(config: MlpConfig, hidden: int, inter: int, programs: int) -> int:
     return 0
 
 
-def _compile_both_tiles(x: torch.Tensor, norm: FoldedNorm, gate_up_weight: torch.Tensor, down_weight: torch.Tensor,
-                       config: MlpConfig) -> None:
-    """On the first eager call for these weights' shapes, launch the kernel at 16 and at 32
-    rows (its two tile heights) on zeros, so that a graph captured later for another row
-    count finds its variant compiled and loaded instead of compiling inside the capture."""
-    key = ("mlp", tuple(gate_up_weight.shape), gate_up_weight.dtype, x.device, config, COOPERATIVE, EARLY, PER_SM,
-           triton.next_power_of_2(norm.sum_squares.shape[1]), pdl.enabled(x.device))
-    if not first_eager_call(key, x.device):
-        return
-    rows = torch.zeros((MAX_ROWS, x.shape[1]), dtype=x.dtype, device=x.device)
-    sums = torch.ones((MAX_ROWS, norm.sum_squares.shape[1]), dtype=torch.float32, device=x.device)
-    for m in (MAX_ROWS,):
-        _run(rows[:m], FoldedNorm(norm.eps, sums[:m]), gate_up_weight, down_weight, rows[:m], config, 3, False)
-
-
 def fused_mlp(x: torch.Tensor, norm: FoldedNorm, gate_up_weight: torch.Tensor, down_weight: torch.Tensor,
               residual: torch.Tensor, config: MlpConfig | None = None, phases: int = 3):
     """(residual + down(silu(gate) * up of x, normalised by `norm`), the sum's rows' sums of
@@ -227,10 +208,7 @@ def fused_mlp(x: torch.Tensor, norm: FoldedNorm, gate_up_weight: torch.Tensor, d
     incomplete)."""
     if phases not in (1, 2, 3):
         raise ValueError(f"phases must be 1, 2 or 3, got {phases!r}")
-    return _run(x, norm, gate_up_weight, down_weight, residual, config or CONFIG, phases, True)
-
-
-def _run(x, norm, gate_up_weight, down_weight, residual, c: MlpConfig, phases: int, compile_first: bool):
+    c = config or CONFIG
     m, hidden = x.shape
     inter = gate_up_weight.shape[0] // 2
     if not (x.is_cuda or _INTERPRET) or m == 0 or m > MAX_ROWS:
@@ -250,15 +228,13 @@ def _run(x, norm, gate_up_weight, down_weight, residual, c: MlpConfig, phases: i
     split = _split(c, hidden, inter, programs)
     if split == 0:
         return None
-    block_m = 16 if m <= 16 else 32
+    block_m = MAX_ROWS  # one tile height: tl.dot takes no fewer than 16 rows
     tiles_d = hidden // c.down_block_n
     counts = split_scratch.scratch(x.device, "mlp_counters", _COUNTERS, torch.int32)
     barrier = split_scratch.scratch(x.device, "mlp_barrier", 2, torch.int32)
     ws = split_scratch.scratch(x.device, "mlp_partials", _WORKSPACE_FLOATS, torch.float32)
     if counts is None or barrier is None or ws is None or split * block_m * hidden > ws.numel() or tiles_d > _COUNTERS:
         return None
-    if x.is_cuda and compile_first:
-        _compile_both_tiles(x, norm, gate_up_weight, down_weight, c)
     h = torch.empty((m, inter), dtype=x.dtype, device=x.device)
     y = torch.empty((m, hidden), dtype=x.dtype, device=x.device)
     sum_squares = torch.empty((m, tiles_d), dtype=torch.float32, device=x.device)
@@ -274,6 +250,8 @@ def _run(x, norm, gate_up_weight, down_weight, residual, c: MlpConfig, phases: i
             if phase & phases:
                 _fused_mlp_kernel[(programs,)](*args, PHASES=phase, PDL=False, **meta)
     else:
-        _fused_mlp_kernel[(programs,)](*args, PHASES=phases, launch_cooperative_grid=COOPERATIVE and phases == 3,
+        # Cooperative: the driver refuses a grid that cannot be resident at once, where a
+        # plain launch would leave the barrier waiting for programs that never start.
+        _fused_mlp_kernel[(programs,)](*args, PHASES=phases, launch_cooperative_grid=phases == 3,
                                        **pdl.launch_args(x.device), **meta)
     return y, sum_squares
