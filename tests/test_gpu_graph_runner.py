@@ -336,6 +336,24 @@ def test_captures_that_evict_never_stall_the_decode_thread(model):
     assert shape.graph and shape.bucket == 256 and torch.equal(got, ref)
 
 
+def hold_all_but(sliver: int) -> list[torch.Tensor]:
+    """Allocations that leave at most about `sliver` bytes of the device free. Taken in
+    pieces, halved whenever one fails: one allocation of all that `mem_get_info` reports
+    free can fail where the driver keeps some of it back."""
+    held = []
+    piece = 1 << 30
+    while piece >= 1 << 20:
+        free, _ = torch.cuda.mem_get_info()
+        if free - piece < sliver:
+            piece //= 2
+            continue
+        try:
+            held.append(torch.empty(piece, dtype=torch.uint8, device="cuda"))
+        except torch.OutOfMemoryError:
+            piece //= 2
+    return held
+
+
 @torch.inference_mode()
 def test_capture_out_of_memory_disables_bucket(model):
     from hybridd.model import KVCache
@@ -349,8 +367,7 @@ def test_capture_out_of_memory_disables_bucket(model):
     runner = GraphRunner(model, kv, buffers, plan)
     # Hold all but a sliver of the GPU's memory: capturing the 512-token prefill runs out.
     torch.cuda.empty_cache()
-    free, _ = torch.cuda.mem_get_info()
-    hog = torch.empty(free - (4 << 20), dtype=torch.uint8, device="cuda")
+    hog = hold_all_but(4 << 20)
     try:
         captured = runner._capture(True, 512)
     finally:
