@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hybridd import gemm_fusions
+from hybridd.kernels import gemm_fusions
 from hybridd.protocol.supervisor import LOG_FORMATS, LOG_LEVELS
 from hybridd.runtime.buckets import DEFAULT_DECODE_BUCKETS, DEFAULT_PREFILL_BUCKETS
 
@@ -92,10 +92,10 @@ class Config:
     # without it where it is not installed or does not start (hybridd/cuda_mps.py)
     cuda_mps: str = "auto"
     # What the decode projections compute in their own kernel: norm, rotary, silu, mlp or none
-    # (hybridd/gemm_fusions.py).
+    # (hybridd/kernels/gemm_fusions.py).
     gemm_fusions: str = gemm_fusions.DEFAULT
     # Chain the fused Triton kernels by programmatic dependent launch on compute
-    # capability 9+ (hybridd/model/pdl.py)
+    # capability 9+ (hybridd/kernels/pdl.py)
     pdl: bool = True
     # After its last piece of work a worker polls its sockets this long without sleeping,
     # so that the next message is taken without a wake-up (0: sleep at once). Each worker

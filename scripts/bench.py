@@ -51,10 +51,10 @@ goes on; the JSON is rewritten after every part, so a killed run still leaves re
    installed, hybridd/cuda_mps.py): TTFT at 10 and 128 tokens and batch-1 ITL, each
    divided by the `hybridd` part's figure (CUDA only).
 7. `hybridd_no_pdl`: the same daemon without programmatic dependent launch between its
-   fused kernels (`pdl = false`, hybridd/model/pdl.py), the same figures divided by
+   fused kernels (`pdl = false`, hybridd/kernels/pdl.py), the same figures divided by
    the `hybridd` part's (CUDA only). `hybridd_unfused` likewise, with no
    neighbour fused into the skinny projections (`gemm_fusions = "none"`,
-   hybridd/gemm_fusions.py): each norm, RoPE with the KV write and SiLU·mul its own
+   hybridd/kernels/gemm_fusions.py): each norm, RoPE with the KV write and SiLU·mul its own
    kernel (CUDA only).
 8. `capture_evict`: prefill graphs captured while a decode stream runs, forced through
    the daemon by a small graph memory budget and prompts for the evicted bucket: ITL
@@ -807,7 +807,7 @@ def run_hybridd_no_mps(args, model: Path, vocab: int, deadline: float, notes: li
 def run_hybridd_no_pdl(args, model: Path, vocab: int, deadline: float, notes: list[str], result: dict,
                        base: dict) -> None:
     """The fused kernels without programmatic dependent launch (`pdl = false`,
-    hybridd/model/pdl.py) against the `hybridd` part (with it, the default)."""
+    hybridd/kernels/pdl.py) against the `hybridd` part (with it, the default)."""
     run_hybridd_beside(args, model, vocab, deadline, notes, result, base, {}, {"pdl": False})
 
 

@@ -10,7 +10,7 @@ bandwidth (the floor). Each call is timed as the model runs it: a CUDA graph of 
 per layer over distinct caches (as many layers as keep the data well past the L2 cache),
 replayed; time per call is a replay's time over the layers. `--old` times another module
 with the same `decode_attention` signature beside it (e.g. an earlier version of
-hybridd/model/triton_attention.py); `--sweep` also times other launch plans and prints
+hybridd/kernels/triton_attention.py); `--sweep` also times other launch plans and prints
 the best per case. Every timed kernel's output is checked against the torch reference.
 
 Prefill attention over one packed sequence of 16/128/512/2048 tokens: the Triton varlen
@@ -35,8 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_gemm import old_attention_option  # noqa: E402
 from bench_graphs import copy_bandwidth  # noqa: E402
-from hybridd.model import attention as ref_attention  # noqa: E402
-from hybridd.model import triton_attention  # noqa: E402
+from hybridd.kernels import attention as ref_attention  # noqa: E402
+from hybridd.kernels import triton_attention  # noqa: E402
 from hybridd.model.step_inputs import StepInputs  # noqa: E402
 
 SHAPES = {"llama2-7b": (32, 32, 128), "llama3-8b": (32, 8, 128)}

@@ -292,7 +292,7 @@ def run_breakdown(model_dir: Path, device: str, ceilings: dict, steps: int = 20)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     cases = [(f"decode_b{b}", decode_step(b, CONTEXT, tables[:b]), b, b, CONTEXT, False) for b in DECODE_BATCHES]
     cases += [(f"prefill_{n}", prefill_step(n, tables[0]), n, 1, 0, True) for n in PREFILL_SIZES]
-    from hybridd.model import pdl
+    from hybridd.kernels import pdl
 
     # Kernel times are charged exclusively (`exclusive_times`), so that PDL's overlap is
     # not counted twice; earlier outputs without "attribution" summed whole durations.

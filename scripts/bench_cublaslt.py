@@ -3,7 +3,7 @@
 For every projection shape of Llama-2-7B and Llama-3-8B at prefill row counts: the
 product as the model runs it now (`F.linear`, and for o and down `addmm_` adding into
 the residual stream in place), then every algorithm cuBLASLt's heuristic names for it
-(`hybridd.model.cublaslt`), and splits of K of the first few, each checked against
+(`hybridd.kernels.cublaslt`), and splits of K of the first few, each checked against
 PyTorch's result before it is timed. With `--exhaustive`, also the configurations the
 heuristic's algorithms accept beyond its own (each tile, custom option, swizzle and
 cluster shape they list, at the heuristic's stages): first those that share a tile with
@@ -45,7 +45,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from bench_blas import SHAPES, bandwidth_share, start_sweep, time_calls  # noqa: E402
 from bench_sampler import sizes  # noqa: E402
-from hybridd.model import cublaslt, prefill_gemm  # noqa: E402
+from hybridd.kernels import cublaslt, prefill_gemm  # noqa: E402
 
 WORKSPACE_BYTES = prefill_gemm.CANDIDATE_WORKSPACE_BYTES
 ACCUMULATED = ("o", "down")  # the projections whose product the model adds to the stream

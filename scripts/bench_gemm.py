@@ -1,4 +1,4 @@
-"""Benchmark of the skinny projections (hybridd/model/triton_gemm.py) against cuBLAS.
+"""Benchmark of the skinny projections (hybridd/kernels/triton_gemm.py) against cuBLAS.
 
     python scripts/bench_gemm.py --out $OUT                 # the table in the code vs cuBLAS
     python scripts/bench_gemm.py --sweep --out $OUT         # sweep configs, print a new table
@@ -19,7 +19,7 @@ written `BASE with CHANGE ...`, see `composed_variant`). `--shapes` times each c
 `--configs` alone on those projections at `--rows`, beside the table's config and
 cuBLAS. `--old-attention FILE` times each step
 also with the `decode_attention` of FILE (e.g. an earlier
-hybridd/model/triton_attention.py), the two interleaved over two rounds. Results are
+hybridd/kernels/triton_attention.py), the two interleaved over two rounds. Results are
 written to bench_gemm.json under --out (the sweep's table also to gemm_table.py).
 """
 
@@ -42,9 +42,9 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from bench_graphs import copy_bandwidth, median_gpu_time, time_calls_in_graph  # noqa: E402
 from make_random_checkpoint import PRESETS  # noqa: E402
-from hybridd import gemm_fusions  # noqa: E402
-from hybridd.model import pdl, triton_gemm  # noqa: E402
-from hybridd.model.triton_gemm import GemmConfig  # noqa: E402
+from hybridd.kernels import gemm_fusions  # noqa: E402
+from hybridd.kernels import pdl, triton_gemm  # noqa: E402
+from hybridd.kernels.triton_gemm import GemmConfig  # noqa: E402
 
 # name -> (N, K)
 SHAPES = {
@@ -393,14 +393,14 @@ KNOBS = ("attn.BATCH1_PROGRAMS", "attn.BATCH1_WARPS", "attn.BATCH1_STAGES", "att
 
 
 def _knob_module(name: str):
-    from hybridd.model import triton_attention, triton_mlp
+    from hybridd.kernels import triton_attention, triton_mlp
 
     return {"attn": triton_attention, "mlp": triton_mlp}[name.split(".")[0]]
 
 
 def mlp_config_from(text: str):
     """An MlpConfig from `GATE_UP_N:GATE_UP_K:GATE_UP_STAGES:DOWN_N:DOWN_K:DOWN_STAGES`."""
-    from hybridd.model.triton_mlp import MlpConfig
+    from hybridd.kernels.triton_mlp import MlpConfig
 
     fields = text.split(":")
     if len(fields) != 6 or not all(f.isdigit() and int(f) > 0 for f in fields):
@@ -479,7 +479,7 @@ def step_variants(cfg, with_pdl: bool) -> dict[str, tuple]:
             variants[f"skinny+{default}+pdl {name}"] = (True, gemm_fusions.DEFAULT, True, 0, table, {})
     if with_pdl:
         variants |= {f"skinny+{default}+pdl+prefetch{c}": (True, gemm_fusions.DEFAULT, True, c, {}, {}) for c in (0, 512)}
-        # The decode attention's batch-1 program target (hybridd/model/triton_attention.py).
+        # The decode attention's batch-1 program target (hybridd/kernels/triton_attention.py).
         variants[f"skinny+{default}+pdl attn b1 128 programs"] = (True, gemm_fusions.DEFAULT, True, 0, {},
                                                                   {"attn.BATCH1_PROGRAMS": 128})
         # The other sets of epilogue fusions, with dependent launch.
@@ -493,7 +493,7 @@ def decode_step(bw: float, results: dict, context: int = 512, batch: int = 1, on
                 shape: str = "llama2-7b", tag: str = "") -> None:
     """One decode step of `batch` sequences of the `shape` model (graph replay): cuBLAS projections, the
     skinny kernels alone, and the skinny kernels with each set of fused neighbours
-    (`hybridd/gemm_fusions.py`), other projection configs, then the default set chained
+    (`hybridd/kernels/gemm_fusions.py`), other projection configs, then the default set chained
     with programmatic dependent launch where the GPU has it (`step_variants`; `only`: a
     subset of them, the plain skinny step always among them). The norm weights are
     folded into the projections for all of them (`LlamaModel.fold_norms`); the fusions
@@ -566,7 +566,7 @@ def decode_step(bw: float, results: dict, context: int = 512, batch: int = 1, on
 
 def load_decode_attention(path: Path):
     """The `decode_attention` of the module file at `path` (e.g. an earlier
-    hybridd/model/triton_attention.py); ValueError naming the file where there is none,
+    hybridd/kernels/triton_attention.py); ValueError naming the file where there is none,
     it does not load, or it has no such function."""
     if not path.is_file():
         raise ValueError(f"no file {path}")
@@ -662,7 +662,7 @@ def main() -> int:
         if not args.skip_compare:
             compare(bw, results)
         if args.decode_step and args.old_attention is not None:
-            from hybridd.model import triton_attention
+            from hybridd.kernels import triton_attention
 
             new = triton_attention.decode_attention
             try:

@@ -57,7 +57,7 @@ def parse_per_sm(text: str) -> list[int]:
 
 
 def parse_configs(text: str) -> list:
-    from hybridd.model.triton_mlp import MlpConfig
+    from hybridd.kernels.triton_mlp import MlpConfig
 
     configs = []
     for item in filter(None, (t.strip() for t in text.split(","))):
@@ -87,7 +87,7 @@ class Layers:
 
 def per_sm_run(programs: int, call):
     """call() with `programs` programs a multiprocessor."""
-    from hybridd.model import triton_mlp
+    from hybridd.kernels import triton_mlp
 
     before = triton_mlp.PER_SM
     triton_mlp.PER_SM = programs
@@ -99,8 +99,8 @@ def per_sm_run(programs: int, call):
 
 def forms(layers: Layers, configs: list, per_sm: list[int]) -> dict[str, list]:
     """name -> one callable per layer."""
-    from hybridd.model import triton_gemm, triton_mlp, triton_ops
-    from hybridd.model.triton_gemm import FoldedNorm
+    from hybridd.kernels import triton_gemm, triton_mlp, triton_ops
+    from hybridd.kernels.triton_gemm import FoldedNorm
 
     norm = FoldedNorm(1e-5, layers.sums)
     x = layers.x
@@ -140,7 +140,7 @@ def main() -> int:
     parser.add_argument("--per-sm", type=parse_per_sm, default=[],
                         help="comma list of more programs-a-multiprocessor counts to time each config with")
     args = parser.parse_args()
-    from hybridd.model import triton_mlp
+    from hybridd.kernels import triton_mlp
 
     args.out.mkdir(parents=True, exist_ok=True)
     bw = copy_bandwidth()

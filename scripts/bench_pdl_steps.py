@@ -48,7 +48,8 @@ from bench_cublaslt import count_from, read_table  # noqa: E402
 from bench_graphs import BLOCK, captured_runner, decode_step, median_gpu_time, prefill_step, stepper  # noqa: E402
 from make_random_checkpoint import describe, make_checkpoint  # noqa: E402
 
-from hybridd.model import load_model, pdl, prefill_gemm, triton_ops  # noqa: E402
+from hybridd.model import load_model
+from hybridd.kernels import pdl, prefill_gemm, triton_ops  # noqa: E402
 
 CONTEXT = 512
 DECODE_BATCHES = (1, 32)

@@ -34,7 +34,7 @@ from hybridd.model import KVCache, StepInputs, load_model  # noqa: E402
 from hybridd.runtime import gc_pauses  # noqa: E402
 from hybridd.runtime.buckets import BucketPlan  # noqa: E402
 from hybridd.runtime.graph_runner import GraphRunner  # noqa: E402
-from hybridd.model.kernels import select_kernels  # noqa: E402
+from hybridd.kernels.selection import select_kernels  # noqa: E402
 from hybridd.runtime.step_buffers import StepBuffers  # noqa: E402
 from hybridd.stats import percentile, slowest  # noqa: E402
 

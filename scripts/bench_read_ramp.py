@@ -30,8 +30,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from bench_graphs import copy_bandwidth, time_calls_in_graph  # noqa: E402
-from hybridd.model import pdl  # noqa: E402
-from hybridd.model.pdl import wait_for_predecessor  # noqa: E402
+from hybridd.kernels import pdl  # noqa: E402
+from hybridd.kernels.pdl import wait_for_predecessor  # noqa: E402
 
 MIB = 1 << 20
 # Llama-2-7B's o (32 MiB), down (86 MiB), qkv (96 MiB) and gate/up (172 MiB) weights among them.

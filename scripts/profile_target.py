@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_attention import DecodeCase  # noqa: E402
-from hybridd.model import triton_attention, triton_gemm  # noqa: E402
+from hybridd.kernels import triton_attention, triton_gemm  # noqa: E402
 
 
 def main() -> None:

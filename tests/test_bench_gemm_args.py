@@ -82,14 +82,14 @@ def test_an_old_attention_module_that_does_not_serve_is_refused_by_name(tmp_path
 
 def test_step_variants_set_only_knobs_the_attention_module_has():
     """Every decode-step variant names its settings in full, and the attention knobs it sets
-    exist in hybridd/model/triton_attention.py with values of their type."""
+    exist in hybridd/kernels/triton_attention.py with values of their type."""
     pytest.importorskip("triton")
     sys.path.insert(0, str(SCRIPT.parent.parent))
     try:
         from scripts import bench_gemm
     finally:
         sys.path.pop(0)
-    from hybridd.model import triton_attention
+    from hybridd.kernels import triton_attention
 
     variants = bench_gemm.step_variants(bench_gemm.step_config("llama2-7b"), with_pdl=True)
     assert all(len(v) == 6 for v in variants.values())
@@ -205,7 +205,7 @@ def test_pdl_steps_knobs_are_launch_constants_of_the_kernels():
         from bench_pdl_steps import KNOBS, parse_policy
     finally:
         sys.path.remove(str(SCRIPT.parent))
-    from hybridd.model import triton_ops
+    from hybridd.kernels import triton_ops
 
     for name, kind in KNOBS.items():
         default = getattr(triton_ops, name.split(".")[1])
@@ -226,7 +226,7 @@ def _bench_scripts():
 
 def test_a_sweeps_winners_written_as_json_read_back_as_table_entries(tmp_path):
     bench_cublaslt, _ = _bench_scripts()
-    from hybridd.model import prefill_gemm
+    from hybridd.kernels import prefill_gemm
 
     entries = {("NVIDIA H200", 256, 4096, 11008, True): prefill_gemm._lt(algo_id=66, tile=18, stages=35, cluster_shape=2),
                ("NVIDIA H200", 128, 22016, 4096, False): prefill_gemm._lt(algo_id=66, tile=201, custom=6, stages=35)}
@@ -255,7 +255,7 @@ def test_a_policys_table_is_in_force_for_its_graphs_alone(tmp_path):
     products replaced, others kept) while the policy's graphs are made, and the code's
     table, its resolved entries and its policy are back afterwards."""
     bench_cublaslt, bench_pdl_steps = _bench_scripts()
-    from hybridd.model import pdl, prefill_gemm
+    from hybridd.kernels import pdl, prefill_gemm
 
     code_table = prefill_gemm._TABLE
     replaced = next(iter(code_table))

@@ -98,7 +98,7 @@ def test_kernel_settings_from_file_environment_and_flags(tmp_path):
     assert result.exit_code == 0, result.output
     defaults = json.loads(result.output)
     assert defaults["gemm_fusions"] == "norm,rotary" and defaults["pdl"] is True and defaults["cuda_mps"] == "auto"
-    from hybridd.model import pdl
+    from hybridd.kernels import pdl
 
     assert pdl.ENABLED is True  # the module's default is the setting's, for code outside the daemon
     path = tmp_path / "k.toml"

@@ -1,5 +1,5 @@
-"""cuBLASLt products with a chosen algorithm (`hybridd.model.cublaslt`) and the prefill
-projections that run on them (`hybridd.model.prefill_gemm`), against `F.linear`."""
+"""cuBLASLt products with a chosen algorithm (`hybridd.kernels.cublaslt`) and the prefill
+projections that run on them (`hybridd.kernels.prefill_gemm`), against `F.linear`."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hybridd.model import prefill_gemm
+from hybridd.kernels import prefill_gemm
 
 CUDA = torch.cuda.is_available()
 gpu = pytest.mark.skipif(not CUDA, reason="cuBLASLt needs CUDA")
@@ -44,7 +44,7 @@ def test_prefill_gemm_leaves_cpu_products_to_torch():
 def test_every_candidate_matches_torch(m, n, k, accumulate):
     """Each algorithm the heuristic names, and K split in the first, computes the product
     (added in place to the output where accumulating), eagerly and replayed from a graph."""
-    from hybridd.model import cublaslt
+    from hybridd.kernels import cublaslt
 
     g = torch.Generator(device="cuda").manual_seed(m + n + k)
     x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda", generator=g)
@@ -78,7 +78,7 @@ def test_configurations_beyond_the_heuristic_build_check_and_compute_the_product
     """An algorithm's capabilities enumerate configurations the library accepts; the
     heuristic's first is among them, a configuration read back builds the same algorithm,
     each built one computes the product, and one the library refuses builds None."""
-    from hybridd.model import cublaslt
+    from hybridd.kernels import cublaslt
 
     m, n, k = 128, 1024, 512
     x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
@@ -120,7 +120,7 @@ def test_configurations_beyond_the_heuristic_build_check_and_compute_the_product
 def test_a_table_entry_the_heuristic_does_not_name_is_built(monkeypatch):
     """A table entry whose configuration is not among the heuristic's candidates (an
     enumerated one) resolves by building it, and the product on it equals PyTorch's."""
-    from hybridd.model import cublaslt
+    from hybridd.kernels import cublaslt
 
     m, n, k = 96, 512, 256
     x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
@@ -148,7 +148,7 @@ def test_a_table_entry_the_heuristic_does_not_name_is_built(monkeypatch):
 @pytest.mark.gpu
 @gpu
 def test_a_product_refuses_operands_of_another_shape():
-    from hybridd.model import cublaslt
+    from hybridd.kernels import cublaslt
 
     product = cublaslt.LtProduct(64, 256, 128, torch.bfloat16)
     x = torch.zeros(64, 128, dtype=torch.bfloat16, device="cuda")
@@ -164,7 +164,7 @@ def test_a_product_refuses_operands_of_another_shape():
 def test_table_entry_runs_its_algorithm_and_an_unknown_one_falls_back(monkeypatch):
     """A table entry for this GPU runs the product on the named configuration; an entry
     naming a configuration the library does not offer leaves the product to PyTorch."""
-    from hybridd.model import cublaslt
+    from hybridd.kernels import cublaslt
 
     m, n, k = 96, 512, 256
     x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")

@@ -30,7 +30,7 @@ def load_model_for_runner():
     from make_random_checkpoint import make_checkpoint
 
     from hybridd.model import load_model
-    from hybridd.model.kernels import select_kernels
+    from hybridd.kernels.selection import select_kernels
 
     preset = os.environ.get("HYBRIDD_GPU_RUNNER_PRESET", "llama-1b")
     path = make_checkpoint(Path(f"/tmp/hybridd-{preset}-normal-random"), preset)

@@ -7,16 +7,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridd.model import attention as ref_attention
-from hybridd.model import ops as ref_ops
+from hybridd.kernels import attention as ref_attention
+from hybridd.kernels import ops as ref_ops
 from hybridd.model.config import RopeConfig
-from hybridd.model.rope import RotaryArgs, cos_sin_table
+from hybridd.kernels.rotary import RotaryArgs
+from hybridd.model.rope import cos_sin_table
 from hybridd.model.step_inputs import StepInputs
 from tests.triton_target import CUDA, DEVICE, DTYPE, rel, require_triton
 
 require_triton()
 
-from hybridd.model import triton_attention, triton_ops  # noqa: E402
+from hybridd.kernels import triton_attention, triton_ops  # noqa: E402
 
 # bf16 outputs may differ by one rounding step where float32 reduction order differs.
 TOL = 2e-2 if CUDA else 1e-5
@@ -219,7 +220,7 @@ def test_model_through_the_triton_kernels_matches_the_torch_path(tiny_model_dir)
     """The whole forward (fused RoPE + KV write, prefill and decode attention reading what
     it wrote) through the Triton kernels against the torch path, on each architecture."""
     from hybridd.model import KVCache, load_model
-    from hybridd.model.kernels import select_kernels
+    from hybridd.kernels.selection import select_kernels
 
     model = load_model(tiny_model_dir, dtype=DTYPE, device=DEVICE)
     prompts = [[5, 9, 3, 17, 2, 8, 11], [4, 30, 99] * 7, [7]]
@@ -262,10 +263,11 @@ def _fused_against_torch(tiny_model_dir, enabled, monkeypatch, shapes, prompts=P
     Triton kernels with the skinny kernel for the projections `shapes` names (o_proj split
     in K) and `enabled` fused, against the torch path on the same weights: logits and KV
     caches. Returns the kinds of fused launches made."""
-    from hybridd import gemm_fusions
-    from hybridd.model import KVCache, load_model, triton_gemm
-    from hybridd.model.kernels import select_kernels
-    from hybridd.model.triton_gemm import GemmConfig
+    from hybridd.kernels import gemm_fusions
+    from hybridd.kernels import triton_gemm
+    from hybridd.model import KVCache, load_model
+    from hybridd.kernels.selection import select_kernels
+    from hybridd.kernels.triton_gemm import GemmConfig
 
     model = load_model(tiny_model_dir, dtype=DTYPE, device=DEVICE)
     g = torch.Generator().manual_seed(3)
@@ -354,7 +356,7 @@ def test_the_mlp_as_one_kernel_matches_the_torch_path(tiny_model_dir, monkeypatc
     runs as one persistent kernel (tiles that fit the tiny model), the 29-token prefill's
     (more rows than it takes) as the separate kernels, and the logits and caches equal the
     torch path's. Its launches are counted, so a fallback cannot pass."""
-    from hybridd.model import triton_mlp
+    from hybridd.kernels import triton_mlp
 
     monkeypatch.setattr(triton_mlp, "CONFIG", triton_mlp.MlpConfig(32, 32, 2, 16, 16, 2))
     fused = []
@@ -399,7 +401,7 @@ def test_a_prefill_past_the_skinny_rows_runs_no_norm_kernel(tiny_model_dir, monk
     its own; logits and caches still equal the torch path's. The three decode steps after
     it (skinny projections) normalise the embedding and the last stream as before. A qkv
     projection with a bias (Qwen2) cannot be scaled after it: its norm stays a kernel."""
-    from hybridd.model import triton_ops as ops_module
+    from hybridd.kernels import triton_ops as ops_module
     from hybridd.model.config import ModelConfig
 
     qkv_bias = ModelConfig.from_dir(tiny_model_dir).qkv_bias
@@ -505,7 +507,7 @@ PDL_SHAPES = {
 def two_layer_model(shape: str):
     """(config, model): two layers of `shape` (PDL_SHAPES) on the Triton kernels with
     random bf16 weights; skips where programmatic dependent launch is not supported."""
-    from hybridd.model import pdl
+    from hybridd.kernels import pdl
     from hybridd.model.config import ModelConfig
     from hybridd.model.llama import LlamaModel
 
@@ -547,7 +549,8 @@ def test_dependent_launch_changes_no_bit_of_a_decode_step(shape, prefetch):
     """A decode step captured as a graph with programmatic dependent launch (and the
     GEMM's weight prefetch) gives the logits of the same step without it, bit for bit:
     a kernel that touched step data before its predecessor finished would not."""
-    from hybridd.model import KVCache, pdl, triton_gemm
+    from hybridd.kernels import pdl, triton_gemm
+    from hybridd.model import KVCache
 
     cfg, model = two_layer_model(shape)
     page, lens = 16, [700, 33, 1]
@@ -580,8 +583,9 @@ def test_batch_one_attention_reads_the_newest_token_after_its_wait(shape, fusion
     filled with large values before every replay, so a read before the write would change
     the logits, which must equal those of the same graph without dependent launch bit for
     bit, for newest tokens in the first, a middle and the last of the batch-1 splits."""
-    from hybridd import gemm_fusions
-    from hybridd.model import KVCache, pdl
+    from hybridd.kernels import gemm_fusions
+    from hybridd.kernels import pdl
+    from hybridd.model import KVCache
 
     cfg, model = two_layer_model(shape)
     page, width = 16, 64

@@ -37,7 +37,7 @@ def test_bf16_matches_transformers_teacher_forced(checkpoint):
     from transformers import AutoModelForCausalLM
 
     from hybridd.model import KVCache, StepInputs, load_model
-    from hybridd.model.kernels import select_kernels
+    from hybridd.kernels.selection import select_kernels
 
     g = torch.Generator().manual_seed(0)
     # 4 x 64 = 256 prefill rows: a shape whose o and down projections run on cuBLASLt
@@ -58,7 +58,7 @@ def test_bf16_matches_transformers_teacher_forced(checkpoint):
     hf_bf16_vs_fp32 = ((torch.cat(ref_logits) - fp32_logits).norm() / fp32_logits.norm()).item()
 
     ours = load_model(checkpoint, dtype=torch.bfloat16, device="cuda")
-    from hybridd.model import prefill_gemm
+    from hybridd.kernels import prefill_gemm
 
     prefill_gemm._resolve.cache_clear()
     results = {}

@@ -24,7 +24,7 @@ def test_trained_model_bf16_top1_agreement():
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from hybridd.model import KVCache, StepInputs, load_model
-    from hybridd.model.kernels import select_kernels
+    from hybridd.kernels.selection import select_kernels
 
     tok = AutoTokenizer.from_pretrained(MODEL_DIR)
     text = (MODEL_DIR / "validation.txt").read_text()

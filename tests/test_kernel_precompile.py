@@ -17,7 +17,7 @@ import pytest
 
 pytest.importorskip("triton")
 
-from hybridd.model import launch_variants  # noqa: E402
+from hybridd.kernels import launch_variants  # noqa: E402
 from hybridd.runtime import kernel_precompile  # noqa: E402
 from hybridd.runtime.kernel_precompile import KernelSpec  # noqa: E402
 from tests.host_load import on_this_host, wait_for  # noqa: E402
@@ -40,9 +40,9 @@ def _rms_norm_spec(block: int, name: str = "_rms_norm_kernel") -> KernelSpec:
     constants = {(7,): True, (8,): block, (9,): True}
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(6)}
     options = make_backend(GPUTarget(*TARGET)).parse_options({"num_warps": 4, "launch_pdl": True})
-    data = serialize_specialization_data(f"hybridd.model.triton_ops.{name}", signature, constants, attrs, options,
+    data = serialize_specialization_data(f"hybridd.kernels.triton_ops.{name}", signature, constants, attrs, options,
                                          key="test")
-    return KernelSpec("hybridd.model.triton_ops", name, data)
+    return KernelSpec("hybridd.kernels.triton_ops", name, data)
 
 
 _COMPILE_TWICE = """
@@ -76,8 +76,8 @@ def test_workers_fill_the_cache_and_name_what_they_could_not_build(tmp_path):
     assert result["before"] is False
     first = result["first"]
     assert (first["kernels"], first["missing"], first["workers"]) == (3, 3, 2)
-    assert list(first["failed"]) == ["hybridd.model.triton_ops._no_such_kernel"], first["failed"]
-    assert "AttributeError" in first["failed"]["hybridd.model.triton_ops._no_such_kernel"]
+    assert list(first["failed"]) == ["hybridd.kernels.triton_ops._no_such_kernel"], first["failed"]
+    assert "AttributeError" in first["failed"]["hybridd.kernels.triton_ops._no_such_kernel"]
     assert result["after"] == [True, True]
     cubins = sorted(p.name for p in (tmp_path / "cache").rglob("*.cubin"))
     assert cubins == ["_rms_norm_kernel.cubin"] * 2
@@ -138,7 +138,7 @@ def test_the_workers_die_with_the_process_that_started_them(tmp_path):
 
 def test_a_spec_the_cache_cannot_be_asked_about_counts_as_missing(tmp_path, monkeypatch):
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
-    broken = KernelSpec("hybridd.model.triton_ops", "_rms_norm_kernel", "{not json")
+    broken = KernelSpec("hybridd.kernels.triton_ops", "_rms_norm_kernel", "{not json")
     assert not kernel_precompile._in_cache(broken, TARGET)
     with pytest.raises(ValueError, match="workers must be at least 1, got 0"):
         kernel_precompile.CompilePool(0)

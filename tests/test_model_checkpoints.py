@@ -84,7 +84,7 @@ def test_sliding_window_beyond_the_window_matches_transformers(windowed):
 
 
 def test_sliding_window_is_refused_by_kernels_without_it(windowed):
-    from hybridd.model.kernels import TritonKernels
+    from hybridd.kernels.selection import TritonKernels
 
     path, _ = windowed
     ours = load_model(path, dtype=torch.float32, max_positions=64)

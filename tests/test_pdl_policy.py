@@ -1,5 +1,5 @@
 """Which steps launch their Triton kernels with programmatic dependent launch
-(hybridd/model/pdl.py): not a step whose projections run on cuBLAS, and the choice is
+(hybridd/kernels/pdl.py): not a step whose projections run on cuBLAS, and the choice is
 per thread, since the graph generator's capture thread and serving thread run steps of
 different sizes at once. Checked on the CPU with a device index marked capable."""
 
@@ -10,8 +10,8 @@ import threading
 import pytest
 import torch
 
-from hybridd.model import pdl
-from hybridd.model.kernels import TritonKernels
+from hybridd.kernels import pdl
+from hybridd.kernels.selection import TritonKernels
 
 GPU = torch.device("cuda", 0)
 

@@ -1,4 +1,4 @@
-"""The skinny projection kernel (hybridd/model/triton_gemm.py) against torch's F.linear:
+"""The skinny projection kernel (hybridd/kernels/triton_gemm.py) against torch's F.linear:
 on the CPU through Triton's interpreter in float32 on small odd shapes, and on the GPU in
 bf16 for every projection of Llama-2-7B and Llama-3-8B (tests marked `gpu`)."""
 
@@ -8,15 +8,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hybridd.model import ops as ref_ops
+from hybridd.kernels import ops as ref_ops
 from tests.triton_target import CUDA, DEVICE, DTYPE, rel, require_triton
 
 require_triton()
 
-from hybridd import gemm_fusions  # noqa: E402
-from hybridd.model import split_scratch  # noqa: E402
-from hybridd.model import triton_gemm  # noqa: E402
-from hybridd.model.triton_gemm import GemmConfig  # noqa: E402
+from hybridd.kernels import gemm_fusions  # noqa: E402
+from hybridd.kernels import split_scratch  # noqa: E402
+from hybridd.kernels import triton_gemm  # noqa: E402
+from hybridd.kernels.triton_gemm import GemmConfig  # noqa: E402
 
 # bf16 outputs round once from float32 sums whose order differs from cuBLAS's.
 TOL = 1e-2 if CUDA else 1e-5
@@ -118,7 +118,7 @@ def test_gated_product_is_the_projection_then_silu_and_mul(m, inter, k, block_n)
     """SiLU·mul in the product's epilogue gives the bits of the projection followed by
     the separate SiLU·mul kernel, on odd shapes (I not a multiple of the tile, K not of
     BLOCK_K), and matches the torch reference."""
-    from hybridd.model import triton_ops
+    from hybridd.kernels import triton_ops
 
     x, w, _ = operands(m, 2 * inter, k, False, seed=m + inter + k)
     config = GemmConfig(block_n=block_n, block_k=32)
@@ -202,7 +202,7 @@ def _shapes():
 def test_gated_product_on_gpu_is_the_separate_kernels_bit_for_bit(n, k, monkeypatch):
     """The gate/up projection with SiLU·mul in its epilogue, through the dispatch, for M in
     {1, 2, 7, 8, 16, 32}: the bits of the projection then the SiLU·mul kernel."""
-    from hybridd.model import triton_ops
+    from hybridd.kernels import triton_ops
 
     monkeypatch.setattr(gemm_fusions, "ENABLED", frozenset({"silu"}))
     x_full, w, _ = operands(32, n, k, False, seed=n)
@@ -236,7 +236,7 @@ def test_every_projection_shape_on_gpu(n, k):
 def test_a_config_prefetch_reaches_the_kernel_and_leaves_the_product_alone(monkeypatch):
     """A config's own prefetch (`prefetch_k`) is what the kernel is launched with under
     PDL, in place of PREFETCH_COLUMNS, and the product is the one without it, bit for bit."""
-    from hybridd.model import pdl
+    from hybridd.kernels import pdl
 
     monkeypatch.setattr(pdl, "ENABLED", True)
     x, w, _ = operands(4, 4096, 4096, False, seed=17)
@@ -288,7 +288,7 @@ def test_split_product_replays_in_a_cuda_graph():
 def test_norm_projection_chain_in_a_graph_matches_torch():
     """A layer's norm -> gate_up -> SiLU·mul -> down chain of the 7B shape at one row,
     captured in a graph and replayed with fresh inputs, matches the torch path."""
-    from hybridd.model import triton_ops
+    from hybridd.kernels import triton_ops
 
     n_in, inter = 4096, 11008
     g = torch.Generator(device=DEVICE).manual_seed(13)
@@ -434,7 +434,7 @@ def test_rotary_epilogue_is_the_projection_then_rotary_write_kv(m, heads, kv_hea
     same config, then `triton_ops.rotary_write_kv`. On the GPU see
     `assert_same_or_a_rounding_step`; on the CPU up to the interpreter's summation order
     (see the gated test)."""
-    from hybridd.model import triton_ops
+    from hybridd.kernels import triton_ops
 
     x, w, b, r = rotary_case(m, heads, kv_heads, d, k, bias, seed=m + d + k, padded=padded)
     config = GemmConfig(block_n=block_n, block_k=32, split_k=split)
@@ -518,7 +518,7 @@ def test_rotary_epilogue_on_gpu_is_the_separate_kernels(model):
     caches included;
     through the dispatch the bits of `linear` then that kernel; with split K close to the
     torch reference."""
-    from hybridd.model import triton_ops
+    from hybridd.kernels import triton_ops
 
     heads, kv_heads, d, k, bias = QKV_MODELS[model]
     n = (heads + 2 * kv_heads) * d

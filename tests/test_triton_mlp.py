@@ -1,4 +1,4 @@
-"""The MLP as one persistent kernel (hybridd/model/triton_mlp.py) against the torch
+"""The MLP as one persistent kernel (hybridd/kernels/triton_mlp.py) against the torch
 reference and against the skinny kernels it replaces: on the CPU through Triton's
 interpreter in float32 on small shapes (its two phases as two launches), and on the GPU
 in bf16 for the MLPs of Llama-2-7B and Llama-3-8B, once as the step's graphs replay it
@@ -10,14 +10,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hybridd.model import ops as ref_ops
+from hybridd.kernels import ops as ref_ops
 from tests.triton_target import CUDA, DEVICE, DTYPE, rel, require_triton
 
 require_triton()
 
-from hybridd.model import split_scratch, triton_gemm, triton_mlp  # noqa: E402
-from hybridd.model.triton_gemm import FoldedNorm, GemmConfig  # noqa: E402
-from hybridd.model.triton_mlp import MlpConfig  # noqa: E402
+from hybridd.kernels import split_scratch, triton_gemm, triton_mlp  # noqa: E402
+from hybridd.kernels.triton_gemm import FoldedNorm, GemmConfig  # noqa: E402
+from hybridd.kernels.triton_mlp import MlpConfig  # noqa: E402
 
 TOL = 1e-2 if CUDA else 1e-5
 SMALL = MlpConfig(gate_up_block_n=32, gate_up_block_k=32, gate_up_stages=2, down_block_n=16, down_block_k=16,
@@ -127,7 +127,7 @@ def test_fused_mlp_replays_in_a_graph(with_pdl, monkeypatch):
     """Captured in a CUDA graph (cooperative launch, with and without dependent launch) and
     replayed 50 times over fresh inputs, each replay gives the eager call's result: the
     barrier and the split counters re-arm themselves."""
-    from hybridd.model import pdl
+    from hybridd.kernels import pdl
 
     monkeypatch.setattr(pdl, "ENABLED", with_pdl)
     hidden, inter = LLAMA_MLPS["llama2-7b"]

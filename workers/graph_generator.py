@@ -18,10 +18,11 @@ from typing import Any
 import torch
 import zmq
 
-from hybridd import gemm_fusions
+from hybridd.kernels import gemm_fusions
 from hybridd.config import Config, resolve_device, resolve_dtype
 from hybridd.log import configure, get_logger
-from hybridd.model import KVCache, ModelConfig, load_model, pdl
+from hybridd.kernels import pdl
+from hybridd.model import KVCache, ModelConfig, load_model
 from hybridd.model.kv_cache import kv_arena_shape, kv_bytes_per_block
 from hybridd.runtime import gc_pauses
 from hybridd.runtime.buckets import BucketPlan

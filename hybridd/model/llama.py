@@ -14,10 +14,11 @@ from torch import nn
 
 from hybridd.model.config import ModelConfig
 from hybridd.model.errors import ModelLoadError, SequenceTooLongError
-from hybridd.model.kernels import Kernels, select_kernels
+from hybridd.kernels.selection import Kernels, select_kernels
 from hybridd.model.kv_cache import KVCache
-from hybridd.model.residual_stream import ResidualStream
-from hybridd.model.rope import RotaryArgs, cos_sin_table
+from hybridd.kernels.residual_stream import ResidualStream
+from hybridd.kernels.rotary import RotaryArgs
+from hybridd.model.rope import cos_sin_table
 from hybridd.model.step_inputs import StepInputs
 
 

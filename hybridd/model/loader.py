@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from hybridd import gemm_fusions
+from hybridd.kernels import gemm_fusions
 from hybridd.log import get_logger
 from hybridd.model.config import ModelConfig, parse_dtype
 from hybridd.model.errors import ModelLoadError

@@ -30,7 +30,7 @@ from typing import Callable
 
 from hybridd.child_process import die_with_parent, set_process_title
 from hybridd.log import get_logger
-from hybridd.model import launch_variants
+from hybridd.kernels import launch_variants
 
 log = get_logger("kernel_precompile")
 
@@ -153,7 +153,7 @@ def start_worker(parent_pid: int) -> None:
 
 
 # The modules whose kernels the graphs launch, imported by each worker as it starts.
-KERNEL_MODULES = ("hybridd.model.triton_gemm", "hybridd.model.triton_attention", "hybridd.model.triton_ops")
+KERNEL_MODULES = ("hybridd.kernels.triton_gemm", "hybridd.kernels.triton_attention", "hybridd.kernels.triton_ops")
 
 
 def import_kernel_modules() -> None:

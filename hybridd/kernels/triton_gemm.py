@@ -30,11 +30,11 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from hybridd import gemm_fusions
-from hybridd.model import pdl, prefill_gemm, split_scratch
-from hybridd.model.launch_variants import first_eager_call
-from hybridd.model.pdl import wait_for_predecessor
-from hybridd.model.rope import RotaryArgs
+from hybridd.kernels import gemm_fusions
+from hybridd.kernels import pdl, prefill_gemm, split_scratch
+from hybridd.kernels.launch_variants import first_eager_call
+from hybridd.kernels.pdl import wait_for_predecessor
+from hybridd.kernels.rotary import RotaryArgs
 
 MAX_ROWS = 32
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -528,7 +528,7 @@ def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         y = skinny(x, weight, None, gated=True)
         if y is not None:
             return y
-    from hybridd.model import triton_ops
+    from hybridd.kernels import triton_ops
 
     return triton_ops.silu_and_mul(linear(x, weight))
 

@@ -43,9 +43,9 @@ import torch
 import triton
 import triton.language as tl
 
-from hybridd.model import pdl, split_scratch
-from hybridd.model.pdl import wait_for_predecessor
-from hybridd.model.triton_gemm import FoldedNorm, _store_residual_add, _store_silu_and_mul
+from hybridd.kernels import pdl, split_scratch
+from hybridd.kernels.pdl import wait_for_predecessor
+from hybridd.kernels.triton_gemm import FoldedNorm, _store_residual_add, _store_silu_and_mul
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_ROWS = 16

@@ -1,6 +1,6 @@
 """Fused Triton kernels for the per-layer operations of the decode and prefill forward.
 
-Each kernel keeps the rounding points of the torch reference (`hybridd/model/ops.py`):
+Each kernel keeps the rounding points of the torch reference (`hybridd/kernels/ops.py`):
 sums and products are rounded to the activation dtype where torch rounds them, so the
 fused path differs from the reference only by the order of float32 reductions.
 """
@@ -13,9 +13,9 @@ import torch
 import triton
 import triton.language as tl
 
-from hybridd.model import pdl
-from hybridd.model.pdl import wait_for_predecessor
-from hybridd.model.rope import RotaryArgs
+from hybridd.kernels import pdl
+from hybridd.kernels.pdl import wait_for_predecessor
+from hybridd.kernels.rotary import RotaryArgs
 
 # Programs per token of RoPE with the KV write: each takes an equal share of the token's
 # q heads and of its k and v heads (the largest count up to this that divides both),

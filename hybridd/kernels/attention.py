@@ -7,10 +7,14 @@ device tensors and every shape is fixed by the step's bucket, so it is graph-saf
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 
-from hybridd.model.step_inputs import StepInputs
+if TYPE_CHECKING:  # the step's tensors are read by attribute; the model owns their type
+    from hybridd.model.step_inputs import StepInputs
+
 
 
 def write_kv(

@@ -14,24 +14,28 @@ all fixed per captured graph.
 Prefill: each program handles a tile of query rows of the packed step for one head and
 walks the keys of its rows' sequences up to the causal bound; the sequences' bounds come
 from `query_start_loc` on the device, so the grid depends only on the bucket's token count.
-Masking follows the torch reference (`hybridd/model/attention.py`): same sequence and
+Masking follows the torch reference (`hybridd/kernels/attention.py`): same sequence and
 key position <= query position; tokens after the last sequence form one sequence of their
 own, so padding rows see at least themselves and never produce NaN.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import triton
 import triton.language as tl
 
-from hybridd.model import pdl, split_scratch
-from hybridd.model.launch_variants import first_eager_call
-from hybridd.model.pdl import wait_for_predecessor
-from hybridd.model.step_inputs import StepInputs
+from hybridd.kernels import pdl, split_scratch
+from hybridd.kernels.launch_variants import first_eager_call
+from hybridd.kernels.pdl import wait_for_predecessor
+
+if TYPE_CHECKING:  # the step's tensors are read by attribute; the model owns their type
+    from hybridd.model.step_inputs import StepInputs
 
 # Triton's CPU interpreter (the CPU tests) cannot loop over a bound read from memory
 # with `range`; the compiled kernel must, so that the loop is software-pipelined.
@@ -431,7 +435,8 @@ def _compile_prefill_plans(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, st
     for pad in sorted({_seqs_pad(n) for n in range(1, seqs + 1)}):
         n = min(pad, seqs)
         for plan in plans:
-            dummy = StepInputs(
+            dummy = dataclasses.replace(
+                step,
                 input_ids=step.input_ids[:0],
                 positions=_aligned_as(step.positions, tokens),
                 slot_mapping=step.slot_mapping[:0],

@@ -6,11 +6,11 @@ import contextlib
 
 import torch
 
-from hybridd import gemm_fusions
-from hybridd.model import prefill_gemm
-from hybridd.model.ops import ComposedSteps, TorchKernels
-from hybridd.model.residual_stream import ResidualStream
-from hybridd.model.rope import RotaryArgs
+from hybridd.kernels import gemm_fusions
+from hybridd.kernels import prefill_gemm
+from hybridd.kernels.ops import ComposedSteps, TorchKernels
+from hybridd.kernels.residual_stream import ResidualStream
+from hybridd.kernels.rotary import RotaryArgs
 
 
 class TritonKernels(ComposedSteps):
@@ -25,7 +25,7 @@ class TritonKernels(ComposedSteps):
     name = "triton"
 
     def __init__(self) -> None:
-        from hybridd.model import pdl, triton_attention, triton_gemm, triton_mlp, triton_ops
+        from hybridd.kernels import pdl, triton_attention, triton_gemm, triton_mlp, triton_ops
 
         # Projections of up to this many token rows may run on the skinny kernel, not cuBLAS.
         self.skinny_rows = triton_gemm.MAX_ROWS

@@ -1,5 +1,5 @@
 """Which neighbours of a decode step's projections the skinny GEMM computes in its own
-epilogue (`hybridd/model/triton_gemm.py`): the daemon's `gemm_fusions` setting
+epilogue (`hybridd/kernels/triton_gemm.py`): the daemon's `gemm_fusions` setting
 (`HYBRIDD_GEMM_FUSIONS`), a comma list of
 
 - `norm`: the residual add and the RMSNorm: o_proj and down_proj add their output to the
@@ -13,7 +13,7 @@ epilogue (`hybridd/model/triton_gemm.py`): the daemon's `gemm_fusions` setting
 - `silu`: the MLP's SiLU·mul, in the gate/up projection's epilogue;
 - `mlp`: with `norm`, the whole MLP of a step of up to 16 rows as one persistent kernel
   (gate/up with its norm and SiLU·mul, a grid barrier, down with the residual add;
-  `hybridd/model/triton_mlp.py`) instead of three;
+  `hybridd/kernels/triton_mlp.py`) instead of three;
 
 or `none`. The fused kernels round in other places than the separate ones (the folded
 weights, the product scaled after the sum); top-1 stays the same. The default is what

@@ -115,7 +115,7 @@ def _device_name(index: int) -> str:
 def _resolve(name: str, m: int, n: int, k: int, dtype: torch.dtype, accumulate: bool):
     """(the product, the candidate) for the table's entry, or None where the library
     does not offer its configuration."""
-    from hybridd.model import cublaslt
+    from hybridd.kernels import cublaslt
 
     wanted = _TABLE[(name, m, n, k, accumulate)]
     product = cublaslt.LtProduct(m, n, k, dtype, accumulate=accumulate)
@@ -138,7 +138,7 @@ def _product_for(x: torch.Tensor, weight: torch.Tensor, accumulate: bool, *other
     operands = (x, weight, *others)
     if key not in _TABLE or not all(t.is_contiguous() for t in operands):
         return None
-    from hybridd.model import cublaslt
+    from hybridd.kernels import cublaslt
 
     if cublaslt.alignment_of(*operands) < _ALIGNMENT:
         return None

@@ -1,7 +1,7 @@
 """The per-layer operations of the forward in plain torch: the CPU path and the reference.
 
 The GPU runtime supplies fused Triton versions with the same signatures and the same
-rounding points (`hybridd/model/triton_ops.py`); `LlamaModel.kernels` selects one.
+rounding points (`hybridd/kernels/triton_ops.py`); `LlamaModel.kernels` selects one.
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-from hybridd.model import attention
-from hybridd.model.residual_stream import ResidualStream
-from hybridd.model.rope import RotaryArgs
+from hybridd.kernels import attention
+from hybridd.kernels.residual_stream import ResidualStream
+from hybridd.kernels.rotary import RotaryArgs
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
