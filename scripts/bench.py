@@ -87,7 +87,7 @@ on an H200; give each shape its own `--out` and plot them together.
 
 Prints one table (each figure, its ratio to the floor and to each peer, the breakdown,
 each target met or not) and writes `bench.json` and `bench_table.txt` under `--out`.
-Plot with `python docs/benchmarks_plot.py OUT/llama2-7b/bench.json OUT/llama3-8b/bench.json`.
+Plot with `python docs/lab/benchmarks_plot.py OUT/llama2-7b/bench.json OUT/llama3-8b/bench.json`.
 
 The workers are spawned (multiprocessing "spawn"), which re-imports this file in each
 worker: keep the module top level light (stdlib only).

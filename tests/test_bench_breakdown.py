@@ -82,7 +82,7 @@ def test_overlapping_kernels_count_only_the_time_they_add():
 
 
 def test_the_plot_draws_no_categories_from_a_profile_whose_kernels_overlap():
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "docs"))
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "docs" / "lab"))
     import benchmarks_plot
 
     def run(kernel_s: float, attribution: str | None) -> dict:
@@ -99,7 +99,7 @@ def test_the_plot_draws_no_categories_from_a_profile_whose_kernels_overlap():
 
 def test_the_itl_panel_shows_each_client_of_hybridd_then_the_peers_on_hybridds_scale(tmp_path):
     pytest.importorskip("matplotlib")
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "docs"))
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "docs" / "lab"))
     import benchmarks_plot
     import matplotlib
 
@@ -130,7 +130,7 @@ def test_the_plot_refuses_a_file_that_is_not_a_bench_result_by_name(tmp_path, co
     path = tmp_path / "bench.json"
     if content is not None:
         path.write_text(content)
-    done = subprocess.run([sys.executable, str(Path(__file__).resolve().parent.parent / "docs" / "benchmarks_plot.py"),
+    done = subprocess.run([sys.executable, str(Path(__file__).resolve().parent.parent / "docs" / "lab" / "benchmarks_plot.py"),
                            str(path), "--png", str(tmp_path / "out.png")], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     assert f"{path}: {says}" in done.stderr and "Traceback" not in done.stderr

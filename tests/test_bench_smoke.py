@@ -149,7 +149,7 @@ def test_plot(bench_out, tmp_path):
     pytest.importorskip("matplotlib")
     out, _ = bench_out
     png = tmp_path / "bench.png"
-    subprocess.run([sys.executable, str(ROOT / "docs" / "benchmarks_plot.py"), str(out / "bench.json"), "--png",
+    subprocess.run([sys.executable, str(ROOT / "docs" / "lab" / "benchmarks_plot.py"), str(out / "bench.json"), "--png",
                     str(png)], check=True, cwd=ROOT, timeout=120)
     assert png.stat().st_size > 10_000
 

@@ -1,7 +1,7 @@
 """Plot the results of scripts/bench.py for a reader: one row of panels per model shape.
 
-    python docs/benchmarks_plot.py OUT/llama2-7b/bench.json [OUT/llama3-8b/bench.json ...] \\
-        [--png docs/benchmarks.png] [--theirs paper.json]
+    python docs/lab/benchmarks_plot.py OUT/llama2-7b/bench.json [OUT/llama3-8b/bench.json ...] \\
+        [--png docs/lab/benchmarks.png] [--theirs paper.json]
 
 Runs where matplotlib is installed (a dev tool, not a runtime dependency of hybridd);
 the GPU machine only has to produce bench.json. Every axis is linear, in milliseconds
