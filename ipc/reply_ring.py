@@ -104,11 +104,17 @@ class _Mapping:
         self.sleepers = ctypes.c_uint32.from_buffer(mapping, _SLEEPERS_AT)
 
     def close(self) -> None:
-        if self.map.closed:
-            return
+        if not hasattr(self, "bell"):
+            return  # closed already
         # The ctypes views export the buffer; mmap refuses to close while they live.
         del self.write_pos, self.read_pos, self.bell, self.sleepers
-        self.map.close()
+        try:
+            self.map.close()
+        except BufferError:
+            # A frame still holds a view: an exception's traceback through a wait on the
+            # bell (Ctrl-C during a futex wait). The memory is unmapped when the last
+            # view goes with it; the close must not turn that exception into another.
+            pass
 
 
 class RingWriter:
