@@ -13,7 +13,7 @@ import torch
 from hybridd.model import KVCache, ModelLoadError, StepInputs, load_model
 from hybridd.model.config import ModelConfig
 from hybridd.model.errors import SequenceTooLongError
-from hybridd.model.generate import greedy_generate
+from hybridd.engine.generate import greedy_generate
 from tests.test_model_correctness import REL_TOL, prompts, reference_greedy, rel_err
 from tests.tiny_models import build_tiny_model
 

@@ -14,7 +14,7 @@ import torch
 
 from hybridd.config import EMBEDDED_MODEL
 from hybridd.model import load_model, load_tokenizer
-from hybridd.model.generate import greedy_generate
+from hybridd.engine.generate import greedy_generate
 from tests.engine_pair import EnginePair
 
 pytestmark = pytest.mark.slow

@@ -164,7 +164,7 @@ def test_shipped_hybridd_runtime_matches_transformers(shipped):
     import torch
 
     from hybridd.model import load_model
-    from hybridd.model.generate import greedy_generate
+    from hybridd.engine.generate import greedy_generate
 
     model, tokenizer, _ = shipped
     ours = load_model(ASSET_DIR, dtype=torch.float32)

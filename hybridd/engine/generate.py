@@ -1,0 +1,57 @@
+"""In-process generation: the engine core over a model in this process.
+
+The same scheduler, block manager, sampler and stop criteria as the daemon, driven one
+step deep by `InProcessRunner` instead of the graph generator. Tests and quick scripts
+use it; the two-process runtime is checked against the model it wraps.
+"""
+
+from __future__ import annotations
+
+from hybridd.engine.block_manager import BlockManager
+from hybridd.engine.core import EngineCore
+from hybridd.engine.in_process_runner import InProcessRunner
+from hybridd.engine.scheduler import Scheduler
+from hybridd.engine.sequence import Sequence
+from hybridd.model.kv_cache import KVCache
+from hybridd.model.llama import LlamaModel
+from hybridd.protocol.messages import SamplingParams
+
+
+def generate(
+    model: LlamaModel,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    block_size: int = 16,
+    kv_cache: KVCache | None = None,
+    tokenizer=None,
+) -> list[list[Sequence]]:
+    """Run every prompt with `params` to its end; returns the finished requests'
+    sequences, one list per prompt (`params.n` sequences each)."""
+    lengths = [len(p) + params.max_tokens for p in prompts]
+    model.check_sequence_length(max(lengths, default=0))
+    manager_blocks = sum(params.n * -(-n // block_size) for n in lengths)
+    if kv_cache is None:
+        kv_cache = KVCache.allocate(model.config, manager_blocks + 1, block_size, model.dtype, model.device)
+    blocks = BlockManager(kv_cache.num_blocks, block_size, watermark=0.0)
+    scheduler = Scheduler(
+        blocks, max_batch=max(1, len(prompts) * params.n), max_prefill_tokens=max(sum(map(len, prompts)), 1),
+        max_model_len=model.max_positions, eos_token_ids=model.config.eos_token_ids, tokenizer=tokenizer,
+    )
+    core = EngineCore(scheduler, InProcessRunner(model, kv_cache), tokenizer, pipeline_depth=1)
+    requests = [core.add(str(i), prompt, params) for i, prompt in enumerate(prompts)]
+    while core.has_work:
+        core.step()
+    return [request.seqs for request in requests]
+
+
+def greedy_generate(
+    model: LlamaModel,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    block_size: int = 16,
+    kv_cache: KVCache | None = None,
+) -> list[list[int]]:
+    """Greedy decoding of each prompt for exactly `max_new_tokens` tokens (no stop at
+    EOS); returns the new tokens."""
+    params = SamplingParams(max_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)
+    return [list(seqs[0].output_token_ids) for seqs in generate(model, prompts, params, block_size, kv_cache)]

@@ -1,0 +1,54 @@
+"""The engine core's runner over a model in the same process: no graph generator, no
+arenas. It runs each scheduled batch's forward eagerly on the model's own KV cache and
+samples its tokens with the daemon's sampler, so the in-process path
+(`hybridd.engine.generate`) schedules, forks, preempts and samples exactly as the
+daemon does. Its steps land at once: the core drives it one step deep, so every
+input token is on the host when its step is scheduled.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hybridd.engine.sampler import Logprobs, Sampler, SamplingTensors
+from hybridd.engine.scheduler import ScheduledBatch
+from hybridd.engine.step_pipeline import InflightStep
+from hybridd.model.kv_cache import KVCache
+from hybridd.model.llama import LlamaModel
+
+
+class InProcessRunner:
+    def __init__(self, model: LlamaModel, kv_cache: KVCache, sampler: Sampler | None = None) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.sampler = sampler or Sampler(compile=False)
+        self.device = model.device
+
+    @torch.inference_mode()
+    def launch(self, batch: ScheduledBatch) -> InflightStep:
+        if batch.inputs_on_device:
+            raise RuntimeError("the in-process runner takes steps whose input tokens are on the host "
+                               "(drive its core with pipeline_depth=1)")
+        if batch.kv_copies:
+            src = torch.tensor([c[0] for c in batch.kv_copies], dtype=torch.int64, device=self.device)
+            dst = torch.tensor([c[1] for c in batch.kv_copies], dtype=torch.int64, device=self.device)
+            arena = self.kv_cache.arena
+            arena.index_copy_(2, dst, arena.index_select(2, src))
+        logits = self.model.forward_logits(batch.inputs.on(self.device), self.kv_cache)
+        if batch.forks:
+            logits = logits.index_select(0, torch.tensor(batch.sample_rows, device=self.device))
+        seqs = batch.sampled_seqs
+        tensors = SamplingTensors.from_sequences(seqs, logits.shape[-1], self.device)
+        tokens, logprobs = self.sampler.sample(logits, tensors, with_logprobs=any(s.params.logprobs for s in seqs))
+        host_logprobs = None
+        if logprobs is not None:
+            host_logprobs = logprobs.to(Logprobs.empty_like(logprobs, pin_memory=False))
+        return InflightStep(batch, tokens.cpu(), None, host_logprobs)
+
+    @staticmethod
+    def landed(step: InflightStep) -> bool:
+        return True
+
+    @staticmethod
+    def collect(step: InflightStep) -> list[int]:
+        return step.host_tokens.tolist()
