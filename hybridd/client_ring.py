@@ -25,7 +25,7 @@ DEFAULT_RING_BYTES = 1 << 20
 # How long a stream's reader polls the ring for its next reply, by default, before it
 # sleeps on the ring's bell: not at all. Asleep, it is woken by the daemon itself right
 # after the reply is written, about as soon as a polling reader would see it
-# (docs/benchmarks.md, "The reply ring"), and keeps no core busy.
+# (docs/lab/benchmarks.md, "The reply ring"), and keeps no core busy.
 RING_SPIN_S = 0.0
 MAX_RING_SPIN_S = 10.0
 # The longest single sleep on the bell: a sleeper looks again at least this often.
@@ -36,7 +36,7 @@ RING_SLEEP_S = 0.5
 # after it was written, and that wake-up is what lengthens a stream's slowest gaps; a
 # thread already polling when the reply lands takes it at once. Polling only around the
 # time a reply is due costs a fraction of a core (about twice this in each gap), not a
-# whole one (docs/benchmarks.md, "The reply ring").
+# whole one (docs/lab/benchmarks.md, "The reply ring").
 RING_PACE_S = 0.0005
 MAX_RING_PACE_S = 0.1
 # How long a stream's reader polls the ring for the stream's first chunk, from the

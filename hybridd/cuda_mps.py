@@ -2,10 +2,11 @@
 
 Without MPS each worker has its own CUDA context and the GPU time-slices between
 them: every step hands the GPU over twice (forward in the graph generator, sampling
-in the context generator). On the H200 that cost 0.145 ms a token at batch 1 (ITL
-p50 4.106 ms without MPS, 3.961 ms with it), and it swallowed the gain of
-programmatic dependent launch, which shows only under MPS (3.845 ms with both;
-docs/benchmarks.md). Under MPS both processes' work goes through one server context.
+in the context generator), and each hand-over leaves the GPU idle while it switches
+contexts, on the path of every token. It also hides the gain of programmatic dependent
+launch, which reaches the client only under MPS (docs/lab/design_choices.md, "Two CUDA
+contexts cost two context switches per step"). Under MPS both processes' work goes
+through one server context.
 
 "auto" starts the daemon for a CUDA device when `nvidia-cuda-mps-control` is on PATH,
 and runs without MPS (saying why in the log) when it is not there or does not start;

@@ -12,8 +12,8 @@ def percentile(values: Collection[float], q: float) -> float | None:
 
 def percentiles(values: Collection[float], *qs: float) -> list[float | None]:
     """Nearest-rank percentiles `qs` (0..100) of `values` from one sort (the status reply
-    is built on the serving loop, and each sort of a 2,048-sample window costs it about
-    0.08 ms on a CPU); None for each when there are none. A `q` outside 0..100 is refused."""
+    is built on the serving loop, and every sort of a 2,048-sample window is time the loop
+    does not serve); None for each when there are none. A `q` outside 0..100 is refused."""
     for q in qs:
         if not 0 <= q <= 100:
             raise ValueError(f"a percentile must be within 0..100, got {q}")

@@ -1,9 +1,9 @@
 """Keeping Python's cyclic garbage collector out of the serving loops' way.
 
 A worker starts up with hundreds of thousands of long-lived objects (torch, the model,
-the tokenizer): a full collection of the context generator's takes about 150 ms on a
-CPU (`python -c` after its imports: 297,586 objects, 151 ms), a pause that every token
-in flight would wait for. Once a worker has started, `freeze_start_up()` moves them out
+the tokenizer): a full collection of them is a pause far longer than a decode step, and
+every token in flight would wait for it (docs/lab/design_choices.md, "The cyclic garbage
+collector"). Once a worker has started, `freeze_start_up()` moves them out
 of the collector's reach for good (they stay alive either way), so a collection scans
 only what serving made. A graph capture runs with the collector off
 (`no_collection()`), and afterwards leaves the collector and the freeze as they were.
@@ -30,9 +30,9 @@ def no_collection() -> Iterator[None]:
 
     Nothing here may walk the collector's lists: it would hold the GIL the whole time,
     and every serving thread of the process would wait. `gc.get_freeze_count()` is such
-    a walk (about 18 ms on a CPU over the 185,000 objects of the graph generator's imports
-    alone), and a capture in the background that counted a worker's frozen start-up
-    objects stalled its decode streams for 26-32 ms."""
+    a walk over every frozen object, and a capture in the background that counted a
+    worker's frozen start-up objects stalled its decode streams for several steps
+    (docs/lab/design_choices.md, "The cyclic garbage collector")."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:

@@ -252,7 +252,7 @@ class GraphRunner:
         A prefill whose bucket the background thread has not captured yet runs eagerly
         on the serving thread; without this its first one would compile the prefill
         kernels there (seconds, with cold caches: every stream waits), as the first
-        request after ready did, 2.4 s. The background thread then finds them compiled.
+        request after ready once did. The background thread then finds them compiled.
         The sizes are those a capturing thread warms up at (`prefill_warm_up_sizes`).
         A failure (out of memory) is logged and the daemon still starts, as a failed
         capture disables only its bucket."""
@@ -456,7 +456,7 @@ class GraphRunner:
 
     def _replace_pool(self) -> None:
         """A capture the CUDA runtime invalidated leaves its pool marked as recording in a
-        part of PyTorch's allocators that cannot be told to stop (measured on torch 2.11:
+        part of PyTorch's allocators that cannot be told to stop (seen with torch 2.11:
         every later capture into it is refused, "already recording to mempool_id"); later
         captures go to a new pool, and the graphs already in the old one keep it."""
         try:

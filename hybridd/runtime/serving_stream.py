@@ -1,8 +1,9 @@
 """The step stream of a serving thread: the thread makes it its current stream once, for
 good, so that its steps run without a stream switch each. `torch.cuda.stream`'s enter and
-exit cost about 20 µs of host time back to back and 100-200 µs on a core that was idle a
-few milliseconds, which a request's first step is. Other threads still switch to the
-stream per step and back. Without CUDA there is no stream and nothing to switch."""
+exit cost host time on every step, most on a core that has just woken, which a request's
+first step runs on (docs/lab/benchmarks.md, "A step's launch"). Other threads still
+switch to the stream per step and back. Without CUDA there is no stream and nothing to
+switch."""
 
 from __future__ import annotations
 
