@@ -67,20 +67,15 @@ def decode_plan(batch: int, kv_heads: int, max_tokens: int) -> DecodePlan:
     and no more than tiles of the bucket's width; at large batch one split streams the
     whole context.
 
-    Chosen by scripts/bench_attention.py's sweep on an H200 (Llama-2-7B and Llama-3-8B
-    shapes, batch 1/8/32, context 512/4096): 64-token tiles won everywhere, and these
-    split counts were the best or within 12 % of it; one or two splits, where no merge
-    is needed, were 1.5-2x slower.
+    Above batch 1, enough programs to fill the GPU hide each one's latency, and a split
+    that reads 64-token tiles streams the cache best; a single split saves the merge but
+    leaves most of the GPU idle on short batches (`scripts/bench_attention.py --sweep`).
 
     At batch 1 the attention is bound by each program's chain of dependent steps, not by
     its read, so many small programs run it shortest: one warp and one 16-token tile (a
-    page) a program, up to 32 splits. In the whole decode step (`scripts/bench_gemm.py
-    --decode-step`, dependent launch on, one H200) they took Llama-2-7B's step from 4.492
-    to 4.173 ms at context 4096, 4.080 to 3.910 at 2048, 3.892 to 3.814 at 1024 and 3.760
-    to 3.751 at 512 against 256 programs of two warps and 64-token tiles; Llama-3-8B's
-    from 4.352 to 4.267 ms at 2048 and 4.449 to 4.384 at 4096, and 4.129 to 4.152 at 512
-    (+0.6 %). Loading a split's first tile, or only the lengths and its block ids, before
-    the wait for the previous kernel measured no faster (docs/kernels.md)."""
+    page) a program, up to 32 splits. Starting a split's loads before the wait for the
+    previous kernel gained nothing, so the kernel waits first. The sweeps and the decode
+    steps that chose these are in docs/lab/kernels.md, "Decode attention"."""
     tile = BATCH1_TILE if batch == 1 else 64
     target = BATCH1_PROGRAMS if batch == 1 else 512
     want = max(1, -(-target // (batch * kv_heads)))
@@ -232,8 +227,8 @@ def decode_attention(
         q, k_cache, v_cache, block_tables, seq_lens, out, part_o, part_lse, tickets, scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        # The group's query rows padded to the 16 rows of a tensor-core tile: faster than
-        # one row on the CUDA cores even without GQA (measured), and the KV read is the cost.
+        # The group's query rows padded to the 16 rows of a tensor-core tile: the KV read is
+        # the cost, and the tensor cores take even one row (no GQA) sooner than the CUDA cores.
         GROUP=group, MERGE_ROWS=merge_rows, ROWS=max(16, triton.next_power_of_2(group)), HEAD_DIM=d, PAGE=page,
         TILE=plan.tile, NUM_SPLITS=splits, NUM_HEADS=h, KV_HEADS=kvh,
         # float32 caches get true float32 products, not TF32 (bf16 ignores this).
@@ -257,7 +252,8 @@ class PrefillPlan:
     num_stages: int
 
 
-# (most tokens in the step, its plan), from `scripts/bench_attention.py --prefill-sweep` on an H200:
+# (most tokens in the step, its plan), from `scripts/bench_attention.py --prefill-sweep`
+# (docs/lab/kernels.md, "Prefill attention tiles"):
 # up to 128 tokens the kernel is bound by each program's latency, not by the GPU's
 # throughput, so short steps run more programs of shorter query tiles (at 128 tokens,
 # 32-row tiles that each take up to 128 keys at a time).
