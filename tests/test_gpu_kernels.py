@@ -13,6 +13,7 @@ from hybridd.model.config import RopeConfig
 from hybridd.kernels.rotary import RotaryArgs
 from hybridd.model.rope import cos_sin_table
 from hybridd.model.step_inputs import StepInputs
+from tests.paged_steps import dense_causal, paged_step
 from tests.triton_target import CUDA, DEVICE, DTYPE, rel, require_triton
 
 require_triton()
@@ -176,42 +177,21 @@ def test_decode_plan_knobs():
         triton_attention.BATCH1_PROGRAMS = saved
 
 
-def packed_prefill(g, lens, pad, heads, kv_heads, d, padded_seqs=0):
-    """A packed prefill step of sequences of `lens` plus `pad` padding tokens and
-    `padded_seqs` empty sequences, laid out as the graph runner pads a bucket."""
-    step = StepInputs.prefill([[1] * n for n in lens], [[0] * 1 for _ in lens], 1 << 20, DEVICE)
-    real = sum(lens)
-    positions = torch.cat([step.positions, torch.zeros(pad, dtype=step.positions.dtype, device=DEVICE)])
-    qsl = torch.cat([step.query_start_loc, torch.full((padded_seqs,), real, dtype=torch.int32, device=DEVICE)])
-    step = StepInputs(
-        input_ids=torch.zeros(real + pad, dtype=torch.int64, device=DEVICE),
-        positions=positions,
-        slot_mapping=torch.full((real + pad,), -1, dtype=torch.int64, device=DEVICE),
-        block_tables=step.block_tables,
-        seq_lens=step.seq_lens,
-        query_start_loc=qsl,
-        logits_indices=step.logits_indices,
-        is_prefill=True,
-    )
-    t = real + pad
-    qkv = torch.randn(t, (heads + 2 * kv_heads) * d, dtype=DTYPE, device=DEVICE, generator=g)
-    q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
-    return step, q.view(t, heads, d), k.view(t, kv_heads, d), v.view(t, kv_heads, d)
-
-
 @pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (8, 2)])
 def test_prefill_attention_matches_reference_with_padding(heads, kv_heads):
+    """Whole prompts, a later chunk and decode rows in one step, over the paged cache,
+    with bucket padding: every row, the padding rows too, follows the reference."""
     g = torch.Generator(device=DEVICE).manual_seed(heads)
     d = 64
-    step, q, k, v = packed_prefill(g, [1, 70, 5, 33], pad=11, heads=heads, kv_heads=kv_heads, d=d, padded_seqs=2)
-    ref = ref_attention.prefill_attention(q, k, v, step, d**-0.5)
+    spans = [(0, 1), (0, 70), (41, 5), (130, 1), (7, 33)]
+    step, q, kc, vc, _ = paged_step(g, DEVICE, DTYPE, spans, heads, kv_heads, d, pad=11, padded_seqs=2)
+    ref = ref_attention.prefill_attention(q, kc, vc, step, d**-0.5)
     plans = [None, triton_attention.PrefillPlan(block_m=16, block_n=16, num_warps=2, num_stages=1)]
     if CUDA:  # every plan a bucket can pick, on one step (the interpreter would take minutes)
         plans += sorted({triton_attention.prefill_plan(t) for t in (16, 32, 64, 128, 4096)}, key=repr)
     for plan in plans:
-        out = triton_attention.prefill_attention(q, k, v, step, d**-0.5, plan=plan)
+        out = triton_attention.prefill_attention(q, kc, vc, step, d**-0.5, plan=plan)
         assert not out.isnan().any()
-        # Every row, the padding rows too, follows the reference's rule.
         assert rel(out, ref) < (2e-2 if CUDA else 1e-5), plan
 
 
@@ -469,31 +449,27 @@ def test_decode_attention_graph_replays_new_lengths(heads, kv_heads, d):
 @pytest.mark.parametrize(("heads", "kv_heads", "d"), MODEL_SHAPES)
 def test_prefill_attention_model_shapes(heads, kv_heads, d):
     g = torch.Generator(device=DEVICE).manual_seed(heads + kv_heads + d)
-    cases = [([16], 0, 0), ([3, 9], 4, 2), ([100, 1, 27], 0, 1), ([200, 311], 1, 3), ([1000, 1000, 37], 11, 0)]
-    for lens, pad, padded_seqs in cases:
-        step, q, k, v = packed_prefill(g, lens, pad, heads, kv_heads, d, padded_seqs)
-        out = triton_attention.prefill_attention(q, k, v, step, d**-0.5)
-        ref = ref_attention.prefill_attention(q, k, v, step, d**-0.5)
+    cases = [([(0, 16)], 0, 0), ([(0, 3), (0, 9)], 4, 2), ([(0, 100), (57, 1), (300, 27)], 0, 1),
+             ([(512, 200), (0, 311)], 1, 3), ([(0, 1000), (1000, 1000)] + [(900 + i, 1) for i in range(30)], 11, 0)]
+    for spans, pad, padded_seqs in cases:
+        step, q, kc, vc, contexts = paged_step(g, DEVICE, DTYPE, spans, heads, kv_heads, d, pad=pad,
+                                               padded_seqs=padded_seqs)
+        out = triton_attention.prefill_attention(q, kc, vc, step, d**-0.5)
         assert not out.isnan().any()
-        assert rel(out, ref) < 2e-2, lens
+        assert rel(out, dense_causal(q, spans, contexts, d**-0.5)) < 2e-2, spans
 
 
 @pytest.mark.gpu
 def test_prefill_attention_at_a_long_context():
-    """One 16 K-token sequence (a max_model_len prompt): no T×T buffer in the kernel;
-    compared on a slice of rows against the reference restricted to them."""
+    """A 16 K-token prompt's last 2 K-token chunk over its paged context (a max_model_len
+    prompt): no T×T buffer in the kernel; checked against dense causal attention."""
     g = torch.Generator(device=DEVICE).manual_seed(3)
-    heads, kv_heads, d, t = 32, 8, 128, 16384
-    step, q, k, v = packed_prefill(g, [t], 0, heads, kv_heads, d)
-    out = triton_attention.prefill_attention(q, k, v, step, d**-0.5)
+    heads, kv_heads, d = 32, 8, 128
+    spans = [(14336, 2048)]
+    step, q, kc, vc, contexts = paged_step(g, DEVICE, DTYPE, spans, heads, kv_heads, d)
+    out = triton_attention.prefill_attention(q, kc, vc, step, d**-0.5)
     assert not out.isnan().any()
-    for lo in (0, 8000, t - 64):
-        rows = slice(lo, lo + 64)
-        scores = torch.einsum("qhd,khd->hqk", q[rows].float(), k.float().repeat_interleave(heads // kv_heads, 1))
-        visible = torch.arange(t, device=DEVICE)[None, :] <= torch.arange(lo, lo + 64, device=DEVICE)[:, None]
-        probs = (scores * d**-0.5).masked_fill(~visible, float("-inf")).softmax(-1)
-        ref = torch.einsum("hqk,khd->qhd", probs, v.float().repeat_interleave(heads // kv_heads, 1))
-        assert rel(out[rows], ref) < 2e-2, lo
+    assert rel(out, dense_causal(q, spans, contexts, d**-0.5)) < 2e-2
 
 
 # Two layers of each supported shape: every projection then runs through the skinny

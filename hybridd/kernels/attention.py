@@ -1,5 +1,6 @@
-"""Paged attention in plain torch: the KV write by slot mapping, prefill attention over
-several packed sequences, and decode attention over block tables.
+"""Paged attention in plain torch: the KV write by slot mapping, prefill attention of
+several packed sequences' rows over their paged context, and decode attention over
+block tables.
 
 This is the CPU path and the reference for the GPU kernels. Every bound is read from
 device tensors and every shape is fixed by the step's bucket, so it is graph-safe.
@@ -10,11 +11,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 
 if TYPE_CHECKING:  # the step's tensors are read by attribute; the model owns their type
     from hybridd.model.step_inputs import StepInputs
-
 
 
 def write_kv(
@@ -29,38 +28,54 @@ def write_kv(
     flat_v.index_copy_(0, slots, v)
 
 
-def prefill_mask(step: StepInputs, num_tokens: int, sliding_window: int | None = None) -> torch.Tensor:
-    """[T, T] bool: which keys each query of the packed step sees — the same sequence,
-    at a position not after its own (and within `sliding_window` W: itself and the W - 1
-    tokens before it). The Triton prefill kernel applies this rule tile by tile.
+# Rows a call of `prefill_attention` gathers keys for at once: each row reads its
+# sequence's whole table width, so this bounds the gathered keys' memory.
+_ROWS_PER_GATHER = 64
 
-    Tokens after the last sequence (bucket padding) form one extra sequence of their
-    own, so no row is fully masked and no NaN appears."""
-    token_index = torch.arange(num_tokens, device=step.positions.device, dtype=step.query_start_loc.dtype)
-    seq_of_token = torch.searchsorted(step.query_start_loc[1:], token_index, right=True)
-    same_seq = seq_of_token[:, None] == seq_of_token[None, :]
-    causal = step.positions[None, :] <= step.positions[:, None]
-    mask = same_seq & causal
-    if sliding_window is not None:
-        mask &= step.positions[:, None] - step.positions[None, :] < sliding_window
-    return mask
+
+def sequence_of_rows(query_start_loc: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """[T] the sequence each row of a packed step belongs to; rows past the last
+    sequence's end (bucket padding) get the number of sequences, one past the last."""
+    rows = torch.arange(num_tokens, device=query_start_loc.device, dtype=query_start_loc.dtype)
+    return torch.searchsorted(query_start_loc[1:], rows, right=True)
 
 
 def prefill_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: StepInputs, scale: float,
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, step: StepInputs, scale: float,
     sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """Causal attention within each packed sequence (`prefill_mask`). q [T, H, d],
-    k/v [T, KVH, d] -> [T, H, d]."""
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1).unsqueeze(0),
-        k.transpose(0, 1).unsqueeze(0),
-        v.transpose(0, 1).unsqueeze(0),
-        attn_mask=prefill_mask(step, q.shape[0], sliding_window),
-        scale=scale,
-        enable_gqa=True,
-    )
-    return out.squeeze(0).transpose(0, 1)
+    """Each query row of a packed step over its sequence's paged context: the keys at
+    positions up to its own (and within `sliding_window` W: itself and the W - 1 before
+    it), read through the sequence's block table. The step's own KV is in the cache
+    already (written by slot mapping), so a sequence's rows may start at any position: a
+    chunk of a prompt after earlier chunks, or one decode row. q [T, H, d], caches
+    [blocks, page, KVH, d] -> [T, H, d]. Padding rows (past the last sequence) give 0."""
+    t, h, d = q.shape
+    kvh = k_cache.shape[2]
+    width = step.block_tables.shape[1] * k_cache.shape[1]
+    num_seqs = step.block_tables.shape[0]
+    seq = sequence_of_rows(step.query_start_loc, t)
+    real = seq < num_seqs
+    tables = step.block_tables[seq.clamp(max=max(num_seqs - 1, 0))] if num_seqs else None
+    key_index = torch.arange(width, device=q.device)
+    out = torch.zeros_like(q)
+    for lo in range(0, t if num_seqs else 0, _ROWS_PER_GATHER):
+        rows = slice(lo, min(lo + _ROWS_PER_GATHER, t))
+        n = rows.stop - lo
+        keys = k_cache[tables[rows]].reshape(n, width, kvh, d)
+        values = v_cache[tables[rows]].reshape(n, width, kvh, d)
+        qg = q[rows].view(n, kvh, h // kvh, d)
+        scores = torch.einsum("rkgd,rskd->rkgs", qg.float(), keys.float()) * scale
+        pos = step.positions[rows, None]
+        visible = (key_index[None, :] <= pos) & real[rows, None]
+        if sliding_window is not None:
+            visible &= pos - key_index[None, :] < sliding_window
+        scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+        # Padding rows see no key: their probabilities are 0, not NaN.
+        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+        o = torch.einsum("rkgs,rskd->rkgd", probs, values.float())
+        out[rows] = o.reshape(n, h, d).to(q.dtype)
+    return out
 
 
 def decode_attention(

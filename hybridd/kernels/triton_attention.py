@@ -11,12 +11,13 @@ heads at once (a ticket counter, reset by that same program), so a step is one l
 either way. The grid depends only on the batch bucket, the kv heads and the split count,
 all fixed per captured graph.
 
-Prefill: each program handles a tile of query rows of the packed step for one head and
-walks the keys of its rows' sequences up to the causal bound; the sequences' bounds come
-from `query_start_loc` on the device, so the grid depends only on the bucket's token count.
-Masking follows the torch reference (`hybridd/kernels/attention.py`): same sequence and
-key position <= query position; tokens after the last sequence form one sequence of their
-own, so padding rows see at least themselves and never produce NaN.
+Prefill: each program handles a tile of one sequence's query rows for one head and walks
+that sequence's keys through its block table up to the tile's last position, so a
+sequence's rows may start anywhere (a prompt's later chunk, or a decode row in a mixed
+step): the step's own KV is in the cache already. Which sequence and tile a program has
+comes from `query_start_loc` on the device, so the grid depends only on the bucket's token
+and sequence counts. Masking follows the torch reference (`hybridd/kernels/attention.py`):
+key position <= query position; padding rows after the last sequence give 0.
 """
 
 from __future__ import annotations
@@ -276,20 +277,18 @@ def prefill_plan(tokens: int) -> PrefillPlan:
 
 @triton.jit
 def _prefill_tile(
-    q, k_ptr, v_ptr, pos_ptr, n0, pos_q, row_start, row_end, qk_scale, m_i, l_i, acc, stride_kt, stride_vt,
-    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    q, kc_ptr, vc_ptr, bt_row, kvh, n0, pos_q, hi, qk_scale, m_i, l_i, acc,
+    stride_c_blk, stride_c_tok, stride_c_head,
+    HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
 ):
     d = tl.arange(0, HEAD_DIM)
-    keys = n0 + tl.arange(0, BLOCK_N)
-    kvalid = keys < tl.max(row_end, axis=0)
-    keys64 = keys.to(tl.int64)
-    k = tl.load(k_ptr + keys64[:, None] * stride_kt + d[None, :], mask=kvalid[:, None], other=0.0)
-    v = tl.load(v_ptr + keys64[:, None] * stride_vt + d[None, :], mask=kvalid[:, None], other=0.0)
-    pos_k = tl.load(pos_ptr + keys, mask=kvalid, other=0)
-    visible = (
-        (keys[None, :] >= row_start[:, None]) & (keys[None, :] < row_end[:, None])
-        & (pos_k[None, :] <= pos_q[:, None]) & kvalid[None, :]
-    )
+    toks = n0 + tl.arange(0, BLOCK_N)
+    kvalid = toks < hi
+    blk = tl.load(bt_row + toks // PAGE, mask=kvalid, other=0).to(tl.int64)
+    off = blk * stride_c_blk + (toks % PAGE) * stride_c_tok + kvh * stride_c_head
+    k = tl.load(kc_ptr + off[:, None] + d[None, :], mask=kvalid[:, None], other=0.0)
+    v = tl.load(vc_ptr + off[:, None] + d[None, :], mask=kvalid[:, None], other=0.0)
+    visible = (toks[None, :] <= pos_q[:, None]) & kvalid[None, :]
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
     s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -306,52 +305,54 @@ def _prefill_tile(
 # any size reuses the bucket's compiled kernel instead of compiling one while serving.
 @triton.jit(do_not_specialize=["num_tokens", "num_seqs"])
 def _prefill_kernel(
-    q_ptr, k_ptr, v_ptr, pos_ptr, qsl_ptr, out_ptr, qk_scale, num_tokens, num_seqs,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    SEQS_PAD: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
+    q_ptr, kc_ptr, vc_ptr, bt_ptr, pos_ptr, qsl_ptr, out_ptr, qk_scale, num_tokens, num_seqs,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_c_blk, stride_c_tok, stride_c_head, stride_bt,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, SEQS_PAD: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     wait_for_predecessor(PDL)
+    pid = tl.program_id(0)
     h = tl.program_id(1)
     kvh = h // GROUP
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rvalid = rows < num_tokens
-    # Each row's sequence [row_start, row_end) from the sequences' ends; rows past the
-    # last end (bucket padding) form one sequence up to num_tokens.
+    # Sequence i's query tiles are programs qsl[i] // BLOCK_M + i onwards (never more than
+    # that leaves before the next sequence's); i == num_seqs is the padding rows after the
+    # last sequence, which see no key and give 0. So each program finds its sequence and
+    # tile from `query_start_loc` alone, and a tile never spans two sequences.
     si = tl.arange(0, SEQS_PAD)
-    ends = tl.load(qsl_ptr + 1 + si, mask=si < num_seqs, other=num_tokens)
-    row_start = tl.max(tl.where(ends[None, :] <= rows[:, None], ends[None, :], 0), axis=1)
-    row_end = tl.min(tl.where(ends[None, :] > rows[:, None], ends[None, :], num_tokens), axis=1)
-    last_end = tl.load(qsl_ptr + num_seqs)
-    # A sequence's positions ascend, so no key after a real row in the packed order is
-    # visible to it; padding rows (all at position 0) see their whole pseudo-sequence.
-    row_hi = tl.where(rows < last_end, rows + 1, row_end)
-    lo = tl.min(tl.where(rvalid, row_start, num_tokens), axis=0)
-    hi = tl.max(tl.where(rvalid, row_hi, 0), axis=0)
-    row_end = tl.where(rvalid, row_end, 0)
+    starts = tl.load(qsl_ptr + si, mask=si <= num_seqs, other=num_tokens)
+    first_tile = starts // BLOCK_M + si
+    seq = tl.max(tl.where((first_tile <= pid) & (si <= num_seqs), si, 0), axis=0)
+    seq_start = tl.max(tl.where(si == seq, starts, 0), axis=0)
+    tile = pid - tl.max(tl.where(si == seq, first_tile, 0), axis=0)
+    is_real = seq < num_seqs
+    seq_end = tl.load(qsl_ptr + seq + 1, mask=is_real, other=num_tokens)
+    rows = seq_start + tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    rvalid = rows < seq_end
+    pos_q = tl.load(pos_ptr + rows, mask=rvalid & is_real, other=-1)
+    # A row sees its sequence's keys at positions up to its own, all in the paged cache.
+    hi = tl.max(pos_q, axis=0) + 1
 
     d = tl.arange(0, HEAD_DIM)
     rows64 = rows.to(tl.int64)
     q = tl.load(q_ptr + rows64[:, None] * stride_qt + h * stride_qh + d[None, :], mask=rvalid[:, None], other=0.0)
-    pos_q = tl.load(pos_ptr + rows, mask=rvalid, other=0)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    k_head = k_ptr + kvh * stride_kh
-    v_head = v_ptr + kvh * stride_vh
+    bt_row = bt_ptr + tl.where(is_real, seq, 0).to(tl.int64) * stride_bt
     if INTERPRET:
-        n0 = lo
+        n0 = 0
         while n0 < hi:
             m_i, l_i, acc = _prefill_tile(
-                q, k_head, v_head, pos_ptr, n0, pos_q, row_start, row_end, qk_scale, m_i, l_i, acc,
-                stride_kt, stride_vt, HEAD_DIM, BLOCK_N, PRECISION,
+                q, kc_ptr, vc_ptr, bt_row, kvh, n0, pos_q, hi, qk_scale, m_i, l_i, acc,
+                stride_c_blk, stride_c_tok, stride_c_head, HEAD_DIM, PAGE, BLOCK_N, PRECISION,
             )
             n0 += BLOCK_N
     else:
-        for n0 in tl.range(lo, hi, BLOCK_N):
+        for n0 in tl.range(0, hi, BLOCK_N):
             m_i, l_i, acc = _prefill_tile(
-                q, k_head, v_head, pos_ptr, n0, pos_q, row_start, row_end, qk_scale, m_i, l_i, acc,
-                stride_kt, stride_vt, HEAD_DIM, BLOCK_N, PRECISION,
+                q, kc_ptr, vc_ptr, bt_row, kvh, n0, pos_q, hi, qk_scale, m_i, l_i, acc,
+                stride_c_blk, stride_c_tok, stride_c_head, HEAD_DIM, PAGE, BLOCK_N, PRECISION,
             )
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(
@@ -361,29 +362,32 @@ def _prefill_kernel(
 
 
 def _seqs_pad(seqs: int) -> int:
-    """The prefill kernel's SEQS_PAD for `seqs` sequences: a compile-time constant."""
-    return max(2, triton.next_power_of_2(seqs))
+    """The prefill kernel's SEQS_PAD for `seqs` sequences (and the padding rows' one past
+    them): a compile-time constant."""
+    return max(2, triton.next_power_of_2(seqs + 1))
 
 
 def prefill_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: StepInputs, scale: float,
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, step: StepInputs, scale: float,
     plan: PrefillPlan | None = None,
 ) -> torch.Tensor:
-    """Causal attention within each packed sequence. q [T, H, d], k/v [T, KVH, d] -> [T, H, d];
-    same contract as the torch path (without a sliding window)."""
+    """Each query row of a packed step over its sequence's paged context, up to its own
+    position. q [T, H, d], caches [blocks, page, KVH, d] -> [T, H, d]; same contract as
+    the torch path (without a sliding window)."""
     t, h, d = q.shape
-    kvh = k.shape[1]
+    kvh = k_cache.shape[2]
     out = torch.empty((t, h, d), dtype=q.dtype, device=q.device)
     if t == 0:
         return out
     seqs = step.query_start_loc.shape[0] - 1
     if plan is None:
-        _compile_prefill_plans(q, k, v, step, scale)
+        _compile_prefill_plans(q, k_cache, v_cache, step, scale)
         plan = prefill_plan(t)
-    _prefill_kernel[(triton.cdiv(t, plan.block_m), h)](
-        q, k, v, step.positions, step.query_start_loc, out, scale * _LOG2E, t, seqs,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-        GROUP=h // kvh, HEAD_DIM=d, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
+    _prefill_kernel[(triton.cdiv(t, plan.block_m) + seqs + 1, h)](
+        q, k_cache, v_cache, step.block_tables, step.positions, step.query_start_loc, out, scale * _LOG2E, t, seqs,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), step.block_tables.stride(0),
+        GROUP=h // kvh, HEAD_DIM=d, PAGE=k_cache.shape[1], BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
         SEQS_PAD=_seqs_pad(seqs),
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         INTERPRET=_INTERPRET, num_warps=plan.num_warps, num_stages=plan.num_stages,
@@ -419,17 +423,20 @@ def _aligned_as(t: torch.Tensor, n: int) -> torch.Tensor:
     return torch.zeros(n + shift, dtype=t.dtype, device=t.device)[shift:]
 
 
-def _compile_prefill_plans(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: StepInputs, scale: float) -> None:
+def _compile_prefill_plans(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, step: StepInputs, scale: float
+) -> None:
     """Every query tile height, for every padding of the sequence count up to this step's:
     an eager prefill (a bucket not captured yet) has its own count of sequences."""
     seqs = step.query_start_loc.shape[0] - 1
-    key = ("prefill", q.device, q.dtype, tuple(q.shape[1:]), tuple(k.shape[1:]), seqs, pdl.enabled(q.device))
+    key = ("prefill", q.device, q.dtype, tuple(q.shape[1:]), tuple(k_cache.shape[1:]), seqs,
+           step.block_tables.shape[1], pdl.enabled(q.device))
     if not first_eager_call(key, q.device):
         return
     plans = dict.fromkeys([plan for _, plan in _PREFILL_PLANS] + [_LONG_PREFILL_PLAN])
     tokens = 16  # any multiple of 16 (as every bucket is) compiles the kernel a bucket runs
-    for pad in sorted({_seqs_pad(n) for n in range(1, seqs + 1)}):
-        n = min(pad, seqs)
+    counts = {_seqs_pad(n): n for n in range(1, seqs + 1)}  # the most sequences of each padding
+    for n in counts.values():
         for plan in plans:
             dummy = dataclasses.replace(
                 step,
@@ -442,5 +449,5 @@ def _compile_prefill_plans(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, st
                 logits_indices=step.logits_indices[:n],
                 is_prefill=True,
             )
-            rows = [torch.zeros((tokens, *x.shape[1:]), dtype=x.dtype, device=x.device) for x in (q, k, v)]
-            prefill_attention(*rows, dummy, scale, plan=plan)
+            q_rows = torch.zeros((tokens, *q.shape[1:]), dtype=q.dtype, device=q.device)
+            prefill_attention(q_rows, k_cache, v_cache, dummy, scale, plan=plan)

@@ -64,7 +64,7 @@ class DecoderLayer(nn.Module):
         norm = self.input_layernorm
         q, k, v, base = ops.norm_qkv(stream, norm.weight, norm.eps, self.qkv_proj.weight, self.qkv_proj.bias, rotary)
         if step.is_prefill:
-            o = ops.prefill_attention(q, k, v, step, self.scale, **self.window)
+            o = ops.prefill_attention(q, k_cache, v_cache, step, self.scale, **self.window)
         else:
             o = ops.decode_attention(q, k_cache, v_cache, step.block_tables, step.seq_lens, self.scale, **self.window)
         stream = ops.linear_add(o.reshape(t, self.q_size), self.o_proj.weight, self.o_proj.bias, base)

@@ -1,0 +1,69 @@
+"""Packed steps over a paged KV cache for the attention tests: sequences whose rows start
+at any position, their earlier context already in the cache, laid out as the graph
+runner pads a bucket; and the dense causal attention they must equal."""
+
+from __future__ import annotations
+
+import torch
+
+from hybridd.model.step_inputs import StepInputs
+
+
+def paged_step(g, device, dtype, spans, heads, kv_heads, d, page=16, pad=0, padded_seqs=0):
+    """A step of sequences given as (start position, rows) `spans`, plus `pad` padding
+    rows and `padded_seqs` empty sequences. Returns (step, q, k_cache, v_cache, contexts):
+    each sequence's blocks are a random permutation of the cache's, and holds random keys
+    and values at every position up to its last row (the step's own KV written, as the
+    forward writes it before attention); `contexts[i]` is sequence i's (keys, values)
+    [positions, KVH, d] in position order."""
+    ends = [start + rows for start, rows in spans]
+    widths = [-(-end // page) for end in ends]
+    num_blocks = sum(widths) + 3
+    k_cache = torch.randn(num_blocks + 1, page, kv_heads, d, dtype=dtype, device=device, generator=g)
+    v_cache = torch.randn(num_blocks + 1, page, kv_heads, d, dtype=dtype, device=device, generator=g)
+    order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(len(spans))).tolist()
+    tables, contexts = [], []
+    for width, end in zip(widths, ends, strict=True):
+        table, order = order[:width], order[width:]
+        tables.append(table)
+        blocks = torch.tensor(table, device=device)
+        contexts.append(tuple(c[blocks].reshape(-1, kv_heads, d)[:end] for c in (k_cache, v_cache)))
+    step = StepInputs.prefill([[1] * rows for _, rows in spans], tables, page, device,
+                              start_positions=[start for start, _ in spans], table_width=max(widths) + 1)
+    real = step.num_tokens
+    t = real + pad
+    zeros = torch.zeros(pad, dtype=step.positions.dtype, device=device)
+    step = StepInputs(
+        input_ids=torch.zeros(t, dtype=torch.int64, device=device),
+        positions=torch.cat([step.positions, zeros]),
+        slot_mapping=torch.cat([step.slot_mapping, zeros - 1]),
+        block_tables=torch.cat([step.block_tables, step.block_tables.new_zeros(padded_seqs, step.block_tables.shape[1])]),
+        seq_lens=torch.cat([step.seq_lens, step.seq_lens.new_ones(padded_seqs)]),
+        query_start_loc=torch.cat([step.query_start_loc,
+                                   torch.full((padded_seqs,), real, dtype=torch.int32, device=device)]),
+        logits_indices=torch.cat([step.logits_indices, step.logits_indices.new_zeros(padded_seqs)]),
+        is_prefill=True,
+    )
+    q = torch.randn(t, heads, d, dtype=dtype, device=device, generator=g)
+    return step, q, k_cache, v_cache, contexts
+
+
+def dense_causal(q, spans, contexts, scale, sliding_window=None):
+    """Each sequence's rows over its contiguous context with a plain causal mask; padding
+    rows are 0. The reference the paged attention must equal."""
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    row = 0
+    for (start, rows), (keys, values) in zip(spans, contexts, strict=True):
+        group = q.shape[1] // keys.shape[1]
+        k = keys.float().repeat_interleave(group, 1)
+        v = values.float().repeat_interleave(group, 1)
+        scores = torch.einsum("qhd,khd->hqk", q[row:row + rows].float(), k) * scale
+        pos_q = torch.arange(start, start + rows, device=q.device)[:, None]
+        pos_k = torch.arange(k.shape[0], device=q.device)[None, :]
+        visible = pos_k <= pos_q
+        if sliding_window is not None:
+            visible &= pos_q - pos_k < sliding_window
+        probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+        out[row:row + rows] = torch.einsum("hqk,khd->qhd", probs, v)
+        row += rows
+    return out
