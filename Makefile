@@ -14,7 +14,7 @@ $(BIN)/.installed: pyproject.toml
 	touch $@
 
 run: setup
-	$(BIN)/python scripts/run_demo.py
+	$(BIN)/python -m scripts.run_demo
 
 test: setup
 	$(BIN)/python -m pytest -q tests

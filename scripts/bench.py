@@ -1,9 +1,9 @@
 """hybridd against its peers and the hardware floor, in one command, on the same weights.
 
-    python scripts/bench.py --out $OUT/llama2-7b --budget-s 470                      # H200: Llama-2-7B shape, bf16
-    python scripts/bench.py --out $OUT/llama3-8b --preset llama3-8b --budget-s 470   # H200: Llama-3-8B shape
-    python scripts/bench.py --out $OUT --model /path/to/hf   # any local Hugging Face directory
-    python scripts/bench.py --out /tmp/b --device cpu --preset tiny --quick   # CI smoke, seconds
+    python -m scripts.bench --out $OUT/llama2-7b --budget-s 470                      # H200: Llama-2-7B shape, bf16
+    python -m scripts.bench --out $OUT/llama3-8b --preset llama3-8b --budget-s 470   # H200: Llama-3-8B shape
+    python -m scripts.bench --out $OUT --model /path/to/hf   # any local Hugging Face directory
+    python -m scripts.bench --out /tmp/b --device cpu --preset tiny --quick   # CI smoke, seconds
 
 Parts, in this order (each is skipped, with the reason recorded, when the time budget
 `--budget-s` would be exceeded by its estimate; each failure is recorded and the run
@@ -89,8 +89,8 @@ Prints one table (each figure, its ratio to the floor and to each peer, the brea
 each target met or not) and writes `bench.json` and `bench_table.txt` under `--out`.
 Plot with `python docs/lab/benchmarks_plot.py OUT/llama2-7b/bench.json OUT/llama3-8b/bench.json`.
 
-The workers are spawned (multiprocessing "spawn"), which re-imports this file in each
-worker: keep the module top level light (stdlib only).
+Each daemon is the real one, `hybridd start` in a subprocess (scripts/daemon.py); the
+parts' own modules are scripts/bench_*.py, their shared timing scripts/timing.py.
 """
 
 from __future__ import annotations
@@ -113,12 +113,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-for _p in (str(ROOT), str(ROOT / "scripts")):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
+from hybridd.stats import percentile, slowest
+from scripts.daemon import Daemon
+from scripts.timing import StreamRecord, device_ceilings, itl_summary, random_prompt, ratio, ttft_summary
 
-from hybridd.stats import percentile, slowest  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 TTFT_LENGTHS = (10, 32, 128, 256, 500)
 ITL_PROMPT = 128
@@ -127,10 +126,6 @@ ITL_TOKENS = 256
 SLOWEST_GAPS = 6
 CONCURRENCY = (1, 4, 16, 32)
 GiB = 1 << 30
-
-# A model small enough for a CPU smoke run in seconds (registered into make_random_checkpoint's presets).
-TINY_PRESET = dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
-                   num_key_value_heads=2, vocab_size=1024, max_position_embeddings=1024)
 
 # Estimated seconds per part on an H200 with the Llama-2-7B / Llama-3-8B shape (the budget check uses them).
 ESTIMATE_S_7B = {"ceilings": 8, "checkpoint": 60, "breakdown": 45, "hybridd_eager": 50, "hybridd": 110,
@@ -147,47 +142,6 @@ LARGE_PRESETS = ("llama2-7b", "llama3-8b")
 # it fits 10 minutes.
 PRESET_SKIP = {"llama3-8b": ("hybridd_eager", "hybridd_no_mps", "hybridd_no_pdl", "hybridd_unfused", "in_process",
                              "gateway", "hybridd_poll", "hybridd_no_wake")}
-
-
-# ----------------------------------------------------------------------------- statistics
-
-
-def itl_summary(gaps: list[float]) -> dict[str, Any]:
-    p50, p99 = percentile(gaps, 50), percentile(gaps, 99)
-    return {"n": len(gaps), "p50_s": p50, "p99_s": p99, "p99_over_p50": (p99 / p50) if p50 and p99 else None,
-            "mean_s": statistics.fmean(gaps) if gaps else None, "max_s": max(gaps) if gaps else None}
-
-
-def ttft_summary(samples: list[float]) -> dict[str, Any]:
-    return {"n": len(samples), "median_s": statistics.median(samples) if samples else None,
-            "min_s": min(samples) if samples else None, "max_s": max(samples) if samples else None,
-            "samples_s": samples}
-
-
-def ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
-
-
-@dataclass
-class StreamRecord:
-    """One streamed generation seen by the client: send time and each chunk's arrival."""
-
-    sent: float
-    times: list[float] = field(default_factory=list)
-    tokens: int = 0
-    final: dict | None = None
-
-    @property
-    def ttft(self) -> float | None:
-        return self.times[0] - self.sent if self.times else None
-
-    @property
-    def gaps(self) -> list[float]:
-        return [b - a for a, b in zip(self.times, self.times[1:])]
-
-
-def random_prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
-    return [rng.randrange(3, vocab) for _ in range(n)]
 
 
 # ----------------------------------------------------------------------------- clients
@@ -216,14 +170,14 @@ SAMPLING = {"temperature": 0.0, "ignore_eos": True}
 
 
 class RawClient(HybriddClient):
-    """The raw protocol client of tests/engine_pair.py: one DEALER, msgpack frames."""
+    """The raw protocol client (scripts/raw_client.py): one DEALER, msgpack frames."""
 
-    kind = "raw (tests/engine_pair.Client, protocol/SPEC.md)"
+    kind = "raw (scripts/raw_client.RawClient, protocol/SPEC.md)"
 
     def __init__(self, endpoint: str):
         import zmq
 
-        from tests.engine_pair import Client
+        from scripts.raw_client import RawClient as Client
 
         self._zmq = zmq.Context()
         self._client = Client(self._zmq, endpoint)
@@ -381,49 +335,6 @@ def open_client(kind: str, endpoint: str, notes: list[str]) -> HybriddClient:
 # ----------------------------------------------------------------------------- hybridd server
 
 
-class PhaseListener:
-    """Binds the supervisor's ROUTER socket (the bench plays the supervisor) and records
-    each worker's lifecycle phases with their arrival time: start-up split by phase."""
-
-    def __init__(self, endpoint: str):
-        import zmq
-
-        self._zmq = zmq.Context()
-        self._socket = self._zmq.socket(zmq.ROUTER)
-        self._socket.setsockopt(zmq.LINGER, 0)
-        self._socket.bind(endpoint)
-        self.events: list[tuple[float, str, str, str]] = []  # (time, worker, phase, detail)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="phase-listener", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        import zmq
-
-        from hybridd.protocol import codec
-
-        while not self._stop.is_set():
-            if not self._socket.poll(50):
-                continue
-            try:
-                frames = self._socket.recv_multipart(zmq.NOBLOCK)
-                message = codec.decode(frames[-1])
-            except Exception:
-                continue
-            if message.get("type") == "worker_phase":
-                self.events.append((time.perf_counter(), str(message.get("worker")), str(message.get("phase")),
-                                    str(message.get("detail", ""))))
-
-    def first(self, worker: str, phase: str) -> float | None:
-        return next((t for t, w, p, _ in self.events if w == worker and p == phase), None)
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(2)
-        self._socket.close()
-        self._zmq.term()
-
-
 def compile_cache_entries() -> dict[str, int]:
     """Files in the on-disk Triton and Inductor caches (where the workers will look): a
     start with empty caches compiles every kernel and sampling path, later starts load them."""
@@ -463,36 +374,28 @@ def on_empty_compile_caches(fn, caches: Path | None = None):
 
 
 class HybriddServer:
-    """The two real worker processes (tests/engine_pair.EnginePair) plus the phase listener."""
+    """The real daemon (`hybridd start`) on `model` with `overrides` as its settings; its
+    start split by the lifecycle phases its log records."""
 
     def __init__(self, model: Path, device: str, ready_timeout: float, **overrides):
-        from tests.engine_pair import EnginePair
-
         self.compile_caches_at_spawn = compile_cache_entries()
-        self.run_dir = Path(tempfile.mkdtemp(prefix="hbb-"))
-        self.listener = PhaseListener(f"ipc://{self.run_dir}/supervisor.sock")
-        self.spawned = time.perf_counter()
-        self.pair = EnginePair(self.run_dir, model=str(model), device=device, **overrides)
-        try:
-            self.pair.wait_ready(timeout=ready_timeout)
-        except BaseException:
-            self.close()
-            raise
-        self.health_ok = time.perf_counter()
+        self.daemon = Daemon({"model": str(model), "device": device, **overrides, "log_level": "info"},
+                             ready_timeout=ready_timeout)
+        self.spawned, self.health_ok = self.daemon.spawned, self.daemon.ready
+        self.events = self.daemon.phases()
 
     @property
     def endpoint(self) -> str:
-        return self.pair.config.client_endpoint
+        return self.daemon.endpoint
 
-    def mps_server_pids(self) -> list[int]:
-        """Non-empty when the workers share the GPU through the pair's private MPS server."""
-        return self.pair.mps.server_pids() if self.pair.mps is not None else []
+    def first(self, worker: str, phase: str) -> float | None:
+        """When `worker` first reported `phase`, on this process's perf_counter clock."""
+        return next((self.spawned + t for t, w, p, _ in self.events if w == worker and p == phase), None)
 
     def startup(self) -> dict[str, Any]:
-        at = self.listener.first
         t0 = self.spawned
-        loading, capturing = at("graph", "loading"), at("graph", "capturing")
-        ready = at("context", "ready") or self.health_ok
+        loading, capturing = self.first("graph", "loading"), self.first("graph", "capturing")
+        ready = self.first("context", "ready") or self.health_ok
 
         def since(t: float | None, origin: float | None) -> float | None:
             return t - origin if t is not None and origin is not None else None
@@ -504,17 +407,11 @@ class HybriddServer:
             "weights_load_s": since(capturing, loading),  # weights, KV arena and buffers allocated
             "after_weights_to_ready_s": since(ready, capturing),  # decode capture + handshake
             "compile_cache_files_at_spawn": self.compile_caches_at_spawn,
-            "phases": [{"t_s": t - t0, "worker": w, "phase": p, "detail": d} for t, w, p, d in self.listener.events],
+            "phases": [{"t_s": t, "worker": w, "phase": p, "detail": d} for t, w, p, d in self.events],
         }
 
     def close(self) -> None:
-        try:
-            self.pair.close()
-        finally:
-            self.listener.close()
-            import shutil
-
-            shutil.rmtree(self.run_dir, ignore_errors=True)
+        self.daemon.close()
 
 
 # ----------------------------------------------------------------------------- hybridd measurements
@@ -682,7 +579,7 @@ def measure_during_capture(client: HybriddClient, server: HybriddServer, vocab: 
     and an eager prefill), so the gaps of the first `early_s` seconds after the first
     token are reported too ("early"). Gaps arriving after a status reply first shows every
     prefill bucket captured (or disabled), and after the early window, are "steady"."""
-    t_start = server.listener.first("graph", "ready") or server.health_ok
+    t_start = server.first("graph", "ready") or server.health_ok
     records: list[StreamRecord] = [client.first_record] if client.first_record else []
     t_observed_done = None
     done_state = (0, 0, 0.0)
@@ -773,7 +670,6 @@ def run_hybridd_beside(args, model: Path, vocab: int, deadline: float, notes: li
         server = HybriddServer(model, args.device, 600, **overrides)
         _restore_env(saved)
         result["startup"] = server.startup()
-        result["mps_server_pids"] = server.mps_server_pids()
         client = open_client(args.client, server.endpoint, notes)
         result["client"] = client.kind
         rng = random.Random(4)
@@ -847,7 +743,7 @@ def beside_comparison(on: dict, off: dict) -> dict:
 def run_capture_evict(args, model: Path, vocab: int, notes: list[str]) -> dict:
     """Prefill graphs captured while a decode stream runs, forced by a small graph budget
     and demand for the evicted bucket (scripts/bench_capture.py)."""
-    from bench_capture import measure_capture_under_eviction
+    from scripts.bench_capture import measure_capture_under_eviction
 
     def server_factory(**overrides):
         return HybriddServer(model, args.device, 600 if args.device == "cuda" else 120,
@@ -867,7 +763,6 @@ def run_hybridd(args, model: Path, vocab: int, graphs: bool, deadline: float, no
     client = None
     try:
         result["startup"] = server.startup()
-        result["mps_server_pids"] = server.mps_server_pids()
         client_notes: list[str] = []
         client = open_client(args.client, server.endpoint, client_notes)
         notes.extend(client_notes)
@@ -890,7 +785,7 @@ def run_hybridd(args, model: Path, vocab: int, graphs: bool, deadline: float, no
             result["status"] = {k: v for k, v in status.items() if k != "buckets"}
             if "gateway" in args.skip_set:
                 return
-            from bench_gateway import measure_gateway
+            from scripts.bench_gateway import measure_gateway
 
             result["gateway"] = measure_gateway(server.endpoint, str(model), prompt_len=ITL_PROMPT,
                                                 ttft_reps=args.ttft_reps, itl_tokens=args.itl_tokens,
@@ -1049,36 +944,6 @@ def free_hf(shared: dict) -> None:
 # ----------------------------------------------------------------------------- device and floors
 
 
-def device_ceilings(device: str) -> dict:
-    import torch
-
-    if device == "cuda":
-        from bench_graphs import copy_bandwidth, matmul_rate
-
-        bw, flops = copy_bandwidth(), matmul_rate()
-        torch.cuda.empty_cache()
-        return {"name": torch.cuda.get_device_name(), "copy_bandwidth_Bps": bw, "matmul_flops": flops,
-                "matmul_dtype": "bfloat16"}
-    # CPU: the same measurements at CPU sizes (float32, the dtype hybridd runs there).
-    src = torch.empty(64 << 20, dtype=torch.uint8).random_(0, 255)
-    dst = torch.empty_like(src)
-    times = []
-    for _ in range(6):
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        times.append(time.perf_counter() - t0)
-    bw = 2 * src.numel() / statistics.median(times[1:])
-    a, b = torch.randn(512, 512), torch.randn(512, 512)
-    times = []
-    for _ in range(6):
-        t0 = time.perf_counter()
-        a @ b
-        times.append(time.perf_counter() - t0)
-    flops = 2 * 512**3 / statistics.median(times[1:])
-    return {"name": platform.processor() or platform.machine(), "copy_bandwidth_Bps": bw, "matmul_flops": flops,
-            "matmul_dtype": "float32"}
-
-
 def count_params(model: Path) -> int:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -1098,10 +963,10 @@ def floors(params: int, elem_bytes: int, ceilings: dict) -> dict:
 
 
 def make_model(args) -> Path:
-    import make_random_checkpoint as mrc
     import torch
 
-    mrc.PRESETS.setdefault("tiny", TINY_PRESET)
+    from scripts import make_random_checkpoint as mrc
+
     base = args.checkpoint_dir or Path(tempfile.gettempdir())
     out = Path(base) / f"hybridd-{args.preset}-normal-random"
     path = mrc.make_checkpoint(out, args.preset, seed=0, device=args.device)
@@ -1282,7 +1147,7 @@ def render_table(results: dict) -> str:
             lines.append(f"{name} start: spawn->ready {fmt(st['spawn_to_ready_s'])} s (imports "
                          f"{fmt(st['interpreter_and_imports_s'])} s, weights {fmt(st['weights_load_s'])} s, "
                          f"after weights -> ready {fmt(st['after_weights_to_ready_s'])} s; "
-                         f"{cache_state(st)}; {'under MPS' if g(results, name, 'mps_server_pids') else 'no MPS'})")
+                         f"{cache_state(st)})")
             ahead = next((p["detail"] for p in st.get("phases", []) if p["detail"].startswith("compiled ")), None)
             if ahead:
                 lines.append(f"  kernels compiled ahead: {ahead}")
@@ -1298,7 +1163,7 @@ def render_table(results: dict) -> str:
                      f"{fmt(gm['graph_pool_bytes'], 2**-20, 1)} MiB; per bucket MiB {per}")
     bd = results.get("breakdown")
     if bd:
-        from bench_breakdown import render as render_breakdown
+        from scripts.bench_breakdown import render as render_breakdown
 
         lines += ["", f"where the step goes ({g(bd, 'decode_b1', 'source') or '-'}; each category against its own "
                       f"floor: bytes / copy bandwidth or FLOPs / matmul rate)"]
@@ -1376,6 +1241,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--budget-s", type=float, default=540.0, help="skip parts that would end later than this")
     p.add_argument("--client", choices=("auto", "sdk", "raw"), default="auto")
     p.add_argument("--checkpoint-dir", type=Path, help="where random checkpoints are written (default: tmp)")
+    p.add_argument("--parts", default=None, help="comma-separated parts to run, the others skipped (instead of "
+                   "--skip; the parts run in the order of the list above)")
     p.add_argument("--skip", default=None, help="comma-separated parts to skip (and `gateway`: the gateway "
                    "figures of the hybridd part); default: none, or the preset's list")
     p.add_argument("--hf-static-compile", choices=("generate", "forward"), default="generate")
@@ -1401,6 +1268,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = sorted(args.skip_set - SKIPPABLE)
     if unknown:
         p.error(f"--skip: unknown part(s) {', '.join(unknown)}; the parts are {', '.join(sorted(SKIPPABLE))}")
+    if args.parts is not None:
+        wanted = {s.strip() for s in args.parts.split(",") if s.strip()}
+        unknown = sorted(wanted - SKIPPABLE)
+        if unknown or not wanted:
+            p.error(f"--parts: unknown part(s) {', '.join(unknown) or '(none named)'}; the parts are "
+                    f"{', '.join(sorted(SKIPPABLE))}")
+        args.skip_set = set(SKIPPABLE) - wanted
     return args
 
 
@@ -1534,7 +1408,7 @@ def main(argv: list[str] | None = None) -> int:
              needs=("model", "vocab"))
 
         def do_in_process(_):
-            from bench_pipeline import in_process
+            from scripts.bench_pipeline import in_process
 
             one = in_process(state["model"], [1], ITL_PROMPT, args.itl_tokens)[1]
             return one
@@ -1562,7 +1436,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def model_shape_name(args) -> str:
     """The model as a reader should see it named: its shape and weights, or its directory's name."""
-    from make_random_checkpoint import SHAPE_NAMES, describe
+    from scripts.make_random_checkpoint import SHAPE_NAMES, describe
 
     dtype = "bf16" if args.device == "cuda" else "float32"
     if args.model is not None:
@@ -1575,7 +1449,7 @@ def run_breakdown_subprocess(args, model: Path, ceilings: dict, deadline: float)
     it captures are gone, whatever happens, before the daemons start."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "breakdown.json"
-        cmd = [sys.executable, str(ROOT / "scripts" / "bench_breakdown.py"), "--model", str(model), "--device",
+        cmd = [sys.executable, "-m", "scripts.bench_breakdown", "--model", str(model), "--device",
                args.device, "--out", str(out), "--copy-bandwidth", repr(ceilings["copy_bandwidth_Bps"]),
                "--matmul-flops", repr(ceilings["matmul_flops"]), "--steps", "2" if args.device == "cpu" else "20"]
         # Past the budget's end the part is cut short (recorded as failed) and the run goes on.

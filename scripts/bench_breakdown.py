@@ -1,6 +1,6 @@
 """Where one step's time goes: its kernels by category, each against its own floor.
 
-    python scripts/bench_breakdown.py --model DIR [--device cuda] [--out breakdown.json]
+    python -m scripts.bench_breakdown --model DIR [--device cuda] [--out breakdown.json]
 
 (`scripts/bench.py` runs it as its `breakdown` part.) The model's decode graphs for
 batch 1 and 32 and its 16- and 128-token prefill graphs are captured with the graph
@@ -35,12 +35,8 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-for _p in (str(ROOT), str(ROOT / "scripts")):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
+from scripts.timing import BLOCK, captured_runner, decode_step, device_ceilings, median_gpu_time, prefill_step, stepper
 
-BLOCK = 16
 CONTEXT = 512
 DECODE_BATCHES = (1, 32)
 PREFILL_SIZES = (16, 128)
@@ -214,6 +210,19 @@ def exclusive_times(intervals: list[tuple[float, float, str]]) -> list[tuple[str
     return out
 
 
+def kernel_intervals(path: Path) -> list[tuple[float, float, str]]:
+    """(start µs, end µs, "worker:kernel") of every kernel, copy and memset in a profiler trace."""
+    trace = json.loads(path.read_text())
+    base_us = trace.get("baseTimeNanoseconds", 0) / 1000.0
+    worker = path.stem.split("-")[1] if path.stem.count("-") >= 2 else path.stem
+    out = []
+    for event in trace.get("traceEvents", []):
+        if event.get("ph") == "X" and event.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
+            start = base_us + float(event["ts"])
+            out.append((start, start + float(event.get("dur", 0)), f"{worker}:{event.get('name', '?')}"))
+    return out
+
+
 def profile_steps(run, sync, steps: int, cuda: bool) -> list[list[tuple[str, float]]]:
     """The kernels (CUDA) or top-level operators (CPU) of `steps` calls of `run`, per step,
     in launch order, as (name, seconds)."""
@@ -226,12 +235,10 @@ def profile_steps(run, sync, steps: int, cuda: bool) -> list[list[tuple[str, flo
                 run()
             sync()
     if cuda:
-        from gpu_idle_gaps import kernel_intervals
-
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / "trace-breakdown-0.json"
             prof.export_chrome_trace(str(path))
-            intervals = sorted(kernel_intervals(path, name_chars=None))
+            intervals = sorted(kernel_intervals(path))
         kernels = exclusive_times(intervals)
         if not kernels or len(kernels) % steps:
             return [kernels] if kernels else []  # one list: positions are not comparable across steps
@@ -256,9 +263,7 @@ def median_step_s(runner, run, iters: int, cuda: bool, per_round: int = 1) -> fl
     step launched onto an idle GPU (the host's launch is in it); several are a step's
     time in a stream of steps, each launch overlapping the step before, as in the daemon."""
     if cuda:
-        from bench_graphs import time_gpu
-
-        return time_gpu(runner, run, iters, per_round)
+        return median_gpu_time(run, iters, runner.stream, per_round)
     times = []
     for _ in range(iters):
         t0 = time.perf_counter()
@@ -271,8 +276,6 @@ def median_step_s(runner, run, iters: int, cuda: bool, per_round: int = 1) -> fl
 def run_breakdown(model_dir: Path, device: str, ceilings: dict, steps: int = 20) -> dict:
     """Capture the graphs, then profile decode batch 1 and 32 (context 512) and the
     16- and 128-token prefills; one summary per step kind."""
-    from bench_graphs import captured_runner, decode_step, prefill_step, stepper
-
     from hybridd.model import load_model
     from hybridd.runtime.graph_runner import GraphRunner
 
@@ -375,8 +378,6 @@ def main() -> int:
     if args.copy_bandwidth and args.matmul_flops:
         ceilings = {"copy_bandwidth_Bps": args.copy_bandwidth, "matmul_flops": args.matmul_flops}
     else:
-        from bench import device_ceilings
-
         ceilings = device_ceilings(args.device)
     if args.device == "cpu":
         import os

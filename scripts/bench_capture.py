@@ -27,6 +27,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from scripts.timing import StreamRecord, itl_summary, random_prompt, ratio
+
 MiB = 1 << 20
 SMALL = 16  # the bucket of the decode stream's own prompts
 DECODE_PROMPT = 8  # tokens of each decode stream's prompt
@@ -103,7 +105,6 @@ def prefill_buckets(status: dict) -> dict[int, dict]:
 def measure_capture_under_eviction(client_factory, model: Path, cuda: bool, vocab: int, quick: bool,
                                    server_factory, notes: list[str]) -> dict:
     """Start the daemon (server_factory(**overrides)), run the phase, return its figures."""
-    from bench import StreamRecord, itl_summary, random_prompt, ratio
     from hybridd.config import Config
     from hybridd.stats import percentile
 

@@ -3,8 +3,8 @@ seed (valid requests, each field broken in turn, bytes that are not msgpack, map
 are not messages) plus a fixed corpus of messages that once hurt the daemon; every reply
 is checked against the spec, and the worker pids and restart counters must not change.
 
-    python scripts/fuzz_wire.py --endpoint ipc:///run/hybridd/hybridd.sock --count 10000 --seed 1
-    python scripts/fuzz_wire.py --start --count 10000          # starts its own daemon
+    python -m scripts.fuzz_wire --endpoint ipc:///run/hybridd/hybridd.sock --count 10000 --seed 1
+    python -m scripts.fuzz_wire --start --count 10000          # starts its own daemon
 
 Each of `--lanes` DEALER connections sends one message at a time and reads its replies
 until the spec says they are complete (a `cancel` is followed by a `health` as a
@@ -22,14 +22,12 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import msgpack
 import zmq
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # wire_daemon, next to this script
-import wire_daemon  # noqa: E402
+from scripts import daemon
 
 ERROR_CODES = {"malformed", "too_large", "unsupported_version", "invalid_request", "overloaded", "draining",
                "engine_dead", "timeout", "cancelled", "not_found", "internal"}
@@ -483,19 +481,19 @@ def fuzz(endpoint: str, count: int, seed: int, lanes: int = 8, with_corpus: bool
 
 
 def main() -> int:
-    parser = wire_daemon.argument_parser(__doc__)
+    parser = daemon.argument_parser(__doc__)
     parser.add_argument("--count", type=int, default=10_000)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--lanes", type=int, default=8)
     args = parser.parse_args()
-    with wire_daemon.daemon_endpoint(args) as endpoint:
+    with daemon.daemon_endpoint(args) as endpoint:
         report = fuzz(endpoint, args.count, args.seed, args.lanes)
     summary = {
         "messages": report.sent, "replies": report.replies, "seconds": round(report.seconds, 1),
         "violations": len(report.violations), "first_violations": report.violations[:20],
         "violations_by_kind": dict(Counter(v.split(":")[0] + ": " + v.split(":")[1].split(" for id ")[0][:60]
                                            for v in report.violations).most_common()),
-        "error_codes": dict(report.codes), "kinds": len(report.by_label),
+        "error_codes": dict(report.codes), "kinds": len(report.by_label), "corpus_messages": len(corpus()),
     }
     print(json.dumps(summary, indent=2))
     return 1 if report.violations else 0

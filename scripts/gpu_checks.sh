@@ -7,8 +7,8 @@
 #    `openai` client and no GPU: CI runs them);
 #    tests/test_gpu_kernels.py whole (its unmarked tests run on the CPU too: here in bf16);
 # 2. the two-process end-to-end tests over CUDA IPC (HYBRIDD_TEST_DEVICE=cuda);
-# 3. scripts/bench_pipeline.py with both workers traced, and the GPU's idle gaps;
-# 4. scripts/bench_attention.py (decode and prefill attention against their floors).
+# 3. the bench's device, breakdown and in-process parts (`python -m scripts.bench`): where
+#    the decode and prefill steps go against their floors, and the graphs in one process.
 set -uo pipefail
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -21,9 +21,6 @@ timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_kernels.py -
     2>&1 | tee "$OUT/gpu_kernels.log" || status=1
 HYBRIDD_TEST_DEVICE=cuda timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_runtime_decoupled.py \
     2>&1 | tee "$OUT/gpu_e2e.log" || status=1
-rm -rf /tmp/hybridd-trace
-timeout 240 python3 scripts/bench_pipeline.py --out "$OUT" --trace /tmp/hybridd-trace 2>&1 | tee "$OUT/bench_pipeline.log" \
-    || status=1
-cp /tmp/hybridd-trace/idle_gaps.json "$OUT/" 2>/dev/null || status=1
-timeout 240 python3 scripts/bench_attention.py --out "$OUT" 2>&1 | tee "$OUT/bench_attention.log" || status=1
+timeout 300 python3 -m scripts.bench --out "$OUT/bench" --parts ceilings,checkpoint,breakdown,in_process \
+    --budget-s 280 2>&1 | tee "$OUT/bench.log" || status=1
 exit $status

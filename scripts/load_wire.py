@@ -2,8 +2,8 @@
 and count what went wrong: requests lost, hung or mismatched, and the inter-token
 latency of the well-behaved streams.
 
-    python scripts/load_wire.py --start --requests 2048 --clients 32
-    python scripts/load_wire.py --endpoint ipc:///run/hybridd/hybridd.sock
+    python -m scripts.load_wire --start --requests 2048 --clients 32
+    python -m scripts.load_wire --endpoint ipc:///run/hybridd/hybridd.sock
 
 Clients (raw pyzmq + msgpack, one DEALER each): most are well-behaved greedy streams,
 some of which cancel after a few chunks; one disconnects in the middle of its requests
@@ -22,6 +22,7 @@ pids and restart counters must be unchanged. Prints a JSON report; exits 1 on an
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
 import sys
@@ -29,7 +30,6 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import msgpack
 import zmq
@@ -37,8 +37,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from hybridd.stats import percentile
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # wire_daemon, next to this script
-import wire_daemon  # noqa: E402
+from scripts import daemon
 
 PROMPTS = ["ROMEO:", "JULIET:", "First Citizen:", "KING HENRY:", "O, what a", "To be, or not"]
 MAX_TOKENS = [8, 16, 32]
@@ -360,13 +359,19 @@ def run_load(endpoint: str, requests: int = 2048, clients: int = 32, seed: int =
 
 
 def main() -> int:
-    parser = wire_daemon.argument_parser(__doc__)
+    parser = daemon.argument_parser(__doc__)
     parser.add_argument("--requests", type=int, default=2048)
     parser.add_argument("--clients", type=int, default=32)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--paused-s", type=float, default=30.0, help="how long the slow reader leaves its first "
+                        "batch unread")
+    parser.add_argument("--maximal", action=argparse.BooleanOptionalAction, default=True,
+                        help="one client sends maximal prompts (--no-maximal: it is well-behaved too)")
     args = parser.parse_args()
-    with wire_daemon.daemon_endpoint(args) as endpoint:
-        report = run_load(endpoint, args.requests, args.clients, args.seed)
+    if args.paused_s < 0:
+        parser.error(f"--paused-s must be 0 or more, got {args.paused_s}")
+    with daemon.daemon_endpoint(args) as endpoint:
+        report = run_load(endpoint, args.requests, args.clients, args.seed, args.paused_s, args.maximal)
     print(json.dumps(report, indent=2))
     return 0 if report["ok"] else 1
 

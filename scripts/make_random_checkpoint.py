@@ -7,8 +7,9 @@ hybridd load it. The tokenizer is a synthetic word-level one over the preset's
 vocabulary size (32000 or 128256 ids): benchmarks send token ids, and no real tokenizer
 is needed to serve them.
 
-    python scripts/make_random_checkpoint.py --preset llama2-7b --out /tmp/llama2-7b-random
-    python scripts/make_random_checkpoint.py --preset llama3-8b --out /tmp/llama3-8b-random
+    python -m scripts.make_random_checkpoint --preset llama2-7b --out /tmp/llama2-7b-random
+    python -m scripts.make_random_checkpoint --preset llama3-8b --out /tmp/llama3-8b-random
+    python -m scripts.make_random_checkpoint --describe /tmp/llama3-8b-random   # "Llama-3-8B shape, random weights"
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ PRESETS = {
                      num_key_value_heads=8, vocab_size=32000, max_position_embeddings=4096),
     "small": dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=4, num_attention_heads=8,
                   num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048),
+    # Small enough for a CPU smoke run in seconds.
+    "tiny": dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=1024, max_position_embeddings=1024),
 }
 # How a preset is named in tables and plots: its shape, never the directory it was written to.
 SHAPE_NAMES = {"llama2-7b": "Llama-2-7B", "llama3-8b": "Llama-3-8B", "llama-1b": "Llama-1B", "small": "small",
@@ -100,11 +104,17 @@ def save_synthetic_tokenizer(out: Path, vocab_size: int) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="llama2-7b")
-    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--describe", type=Path, metavar="DIR", help="print how DIR is named in tables, and exit")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--init", choices=("normal", "scaled"), default="normal")
     args = parser.parse_args()
+    if args.describe is not None:
+        print(describe(args.describe))
+        return 0
+    if args.out is None:
+        parser.error("--out is required (or --describe DIR)")
     path = make_checkpoint(args.out, args.preset, args.seed, device=args.device, init=args.init)
     print(path)
     return 0

@@ -1,8 +1,8 @@
 """Where a request's time to first token goes: trace whole requests through both
 workers and print, per milestone, when each request reached it after the client sent it.
 
-    python scripts/trace_requests.py --out $OUT                 # random Llama-2-7B shape, CUDA
-    python scripts/trace_requests.py --out $OUT --kernels       # and the profiler's kernel traces
+    python -m scripts.trace_requests --out $OUT                 # random Llama-2-7B shape, CUDA
+    python -m scripts.trace_requests --out $OUT --kernels       # and the profiler's kernel traces
 
 Starts the two workers (graphs on), sends `--requests` sequential requests of
 `--prompt-len` tokens and `--max-tokens` tokens after a warm-up, and records the
@@ -26,14 +26,14 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-for _p in (str(ROOT), str(ROOT / "scripts")):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
+import zmq
+
+from scripts.daemon import Daemon
+from scripts.make_random_checkpoint import make_checkpoint
+from scripts.raw_client import RawClient
 
 
 def milestones(timeline: list[dict], marks: list[tuple[str, str, int]]) -> list[tuple[str, float, float, int]]:
@@ -99,19 +99,14 @@ def main() -> int:
     os.environ["HYBRIDD_TRACE_WARMUP"] = str(args.warmup_requests * steps_per_request + 1)
     os.environ["HYBRIDD_TRACE_STEPS"] = str(args.requests * steps_per_request)
     if args.model is None:
-        from make_random_checkpoint import make_checkpoint
-
         args.model = make_checkpoint(Path(f"/tmp/hybridd-{args.preset}-normal-random"), args.preset, device=args.device)
-    from tests.engine_pair import EnginePair
-
     overrides = {"kv_cache_memory_fraction": 0.3} if args.device == "cuda" else {}
     overrides.update(args.config)
-    pair = EnginePair(Path(tempfile.mkdtemp(prefix="hbt-")), model=str(args.model), device=args.device,
-                      compile_sampler=args.device == "cuda", **overrides)
-    timeline, client = [], None
+    daemon = Daemon({"model": str(args.model), "device": args.device, "compile_sampler": args.device == "cuda",
+                     "log_level": "warning", **overrides}, ready_timeout=600)
+    timeline, client, context = [], None, zmq.Context()
     try:
-        pair.wait_ready(timeout=600)
-        client = pair.client()
+        client = RawClient(context, daemon.endpoint)
         time.sleep(3)  # background prefill capture
         for i in range(args.warmup_requests + args.requests + 2):
             time.sleep(args.gap_ms / 1e3)
@@ -133,7 +128,8 @@ def main() -> int:
     finally:
         if client is not None:
             client.close()
-        pair.close()
+        context.term()
+        daemon.close()
     for request, after in zip(timeline, timeline[1:] + [None]):
         request["next_ns"] = None if after is None else after["sent_ns"]  # where its marks end
     (args.out / "timeline.json").write_text(json.dumps(timeline, indent=1))

@@ -1,4 +1,4 @@
-"""Smoke test of scripts/bench.py: the whole benchmark on the CPU with a tiny random model
+"""Smoke test of the benchmark (`python -m scripts.bench`): the whole benchmark on the CPU with a tiny random model
 (`--device cpu --preset tiny --quick`), run as a subprocess as the lead runs it on the GPU;
 checks that it finishes and that bench.json has every expected figure, and that the
 plotting step reads it."""
@@ -30,7 +30,7 @@ def bench_out(tmp_path_factory):
         (cache / "left-by-an-earlier-run").write_text("")
         env[name] = str(cache)
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "bench.py"), "--out", str(out / "out"), "--device", "cpu",
+        [sys.executable, "-m", "scripts.bench", "--out", str(out / "out"), "--device", "cpu",
          "--preset", "tiny", "--quick", "--checkpoint-dir", str(out / "ckpt"), "--budget-s",
          str(int(on_this_host(200)))],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=on_this_host(300),
@@ -157,7 +157,7 @@ def test_plot(bench_out, tmp_path):
 def test_an_unknown_part_to_skip_is_named():
     """A part's old name (hybridd_mps became hybridd_no_mps) or a typo is refused before
     any work, not silently measured."""
-    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), "--device", "cpu", "--out",
+    result = subprocess.run([sys.executable, "-m", "scripts.bench", "--device", "cpu", "--out",
                              "/nonexistent/never-written", "--skip", "gateway,hybridd_mps"],
                             capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert result.returncode == 2, result.stderr
@@ -165,18 +165,9 @@ def test_an_unknown_part_to_skip_is_named():
     assert "hybridd_no_mps" in result.stderr
 
 
-def test_bench_sampler_names_an_unknown_sampler_and_needs_cuda():
-    """scripts/bench_sampler.py refuses a sampler it does not know by name, and without a
-    GPU says that it needs one instead of timing the CPU."""
-    script = str(ROOT / "scripts" / "bench_sampler.py")
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    result = subprocess.run([sys.executable, script, "--out", "/nonexistent/x.json", "--samplers", "fused,inductor"],
-                            capture_output=True, text=True, cwd=ROOT, timeout=120, env=env)
+def test_an_unknown_part_to_run_is_named():
+    result = subprocess.run([sys.executable, "-m", "scripts.bench", "--device", "cpu", "--out",
+                             "/nonexistent/never-written", "--parts", "ceilings,bench_gemm"],
+                            capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert result.returncode == 2, result.stderr
-    assert "unknown samplers ['inductor']; known: fused, torch_compile, eager" in result.stderr
-    result = subprocess.run([sys.executable, script, "--out", "/nonexistent/x.json", "--vocab", "32k"],
-                            capture_output=True, text=True, cwd=ROOT, timeout=120, env=env)
-    assert result.returncode == 2 and "--vocab: expected positive integers separated by commas, got '32k'" in result.stderr
-    result = subprocess.run([sys.executable, script, "--out", "/nonexistent/x.json"],
-                            capture_output=True, text=True, cwd=ROOT, timeout=on_this_host(120), env=env)
-    assert result.returncode == 1 and "needs a CUDA device" in result.stderr
+    assert "--parts: unknown part(s) bench_gemm; the parts are" in result.stderr

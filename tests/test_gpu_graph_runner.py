@@ -26,8 +26,7 @@ def model():
 
 
 def load_model_for_runner():
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from make_random_checkpoint import make_checkpoint
+    from tests.random_checkpoint import make_checkpoint
 
     from hybridd.model import load_model
     from hybridd.kernels.selection import select_kernels

@@ -30,12 +30,12 @@ FIRST_TOKEN_PATH = [
 def test_each_request_passes_its_milestones_in_order(tmp_path):
     out = subprocess.run(
         # No --model: the script makes its random checkpoint of the preset's shape, on the CPU here.
-        [sys.executable, str(ROOT / "scripts" / "trace_requests.py"), "--out", str(tmp_path), "--device", "cpu",
+        [sys.executable, "-m", "scripts.trace_requests", "--out", str(tmp_path), "--device", "cpu",
          "--preset", "small", "--requests", "10", "--warmup-requests",
          "2", "--gap-ms", "0", "--max-tokens", "3", "--client-spin", "alternate",
          # A poll window longer than a request: each request from idle is announced all the same.
          "--config", '{"step_wake_poll_s": 1.0}'],
-        capture_output=True, text=True, timeout=on_this_host(300),
+        capture_output=True, text=True, timeout=on_this_host(300), cwd=ROOT,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     marks = {p.name.split("-")[1]: json.loads(p.read_text()) for p in tmp_path.glob("marks-*.json")}
@@ -86,6 +86,6 @@ def test_a_bad_step_count_names_its_variable(monkeypatch, tmp_path, value):
 
 @pytest.mark.parametrize(("config", "message"), [("{busy", "not JSON"), ("[1]", "a JSON object of settings")])
 def test_trace_requests_refuses_bad_settings_before_starting(tmp_path, config, message):
-    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "trace_requests.py"), "--out", str(tmp_path),
-                          "--device", "cpu", "--config", config], capture_output=True, text=True, timeout=60)
+    out = subprocess.run([sys.executable, "-m", "scripts.trace_requests", "--out", str(tmp_path),
+                          "--device", "cpu", "--config", config], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert out.returncode == 2 and "--config" in out.stderr and message in out.stderr, out.stderr
