@@ -263,6 +263,11 @@ class RingReader:
             self._at, self._length, self._next = HEADER_BYTES + offset, length, end
             return _RECORD.unpack_from(ring.map, self._at)[2]
 
+    def has_records(self) -> bool:
+        """Whether the daemon has written records this reader has not taken (a look at
+        the positions alone, for a thread other than the one that takes them)."""
+        return self._ring.write_pos.value != self._read
+
     def payload(self) -> bytes:
         """A copy of the payload of the record `next_number` found."""
         start = self._at + _RECORD.size

@@ -1,6 +1,7 @@
 """The gateway process: uvicorn servers for the OpenAI-compatible API (`http_endpoint`)
 and the metrics endpoint (`metrics_endpoint`), in one asyncio loop over one
-`hybridd.AsyncClient` session with the daemon.
+`hybridd.AsyncClient` session with the daemon (with its reply ring where the daemon
+attaches one, as the SDK's).
 
 The supervisor spawns it like a worker (`hybridd.gateway.supervised`) and stops it
 with SIGTERM, which closes the listening sockets and lets running responses finish
@@ -55,7 +56,9 @@ def _server(app: Any, address: str, name: str) -> _Server:
 def build_gateway(config: Config, client: AsyncClient) -> Gateway:
     keys = load_api_keys(config.http_api_key_file) if config.http_api_key_file else None
     supervisor = fallback_endpoint(client.endpoint)
-    return Gateway(client, config.model, keys, fallback=AsyncClient(supervisor) if supervisor else None)
+    # The supervisor answers health alone: no reply ring for it.
+    fallback = AsyncClient(supervisor, reply_ring=False) if supervisor else None
+    return Gateway(client, config.model, keys, fallback=fallback)
 
 
 async def serve(config: Config, *, endpoint: str | None = None,
