@@ -4,6 +4,8 @@ block table or recompute changes the tokens."""
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 
@@ -51,16 +53,28 @@ class PagedToyModel:
         return out
 
 
+_MODELS: weakref.WeakKeyDictionary[BlockManager, PagedToyModel] = weakref.WeakKeyDictionary()
+
+
+def toy_model(sched: Scheduler) -> PagedToyModel:
+    """The one toy model over `sched`'s KV blocks: its cache outlives a run, as the
+    daemon's does, so a later run's prefix-cache hits read what earlier runs wrote."""
+    bm = sched.block_manager
+    if bm not in _MODELS:
+        _MODELS[bm] = PagedToyModel(bm)
+    return _MODELS[bm]
+
+
 def check_block_invariants(sched: Scheduler) -> None:
     bm = sched.block_manager
-    owned = [b for s in sched.running for b in s.block_table]
-    assert len(owned) == len(set(owned)), "a block is shared"
-    assert len(owned) + bm.num_free == bm.num_blocks, "blocks leaked"
+    # Sequences share blocks of a common prefix (the prefix cache); a held block is never free.
+    held = {b for s in sched.running for b in s.block_table}
+    assert len(held) + bm.num_free == bm.num_blocks, "blocks leaked or held while free"
     assert all(not s.block_table for s in sched.waiting)
 
 
 def run(sched: Scheduler, max_steps: int = 10_000) -> list[ScheduledBatch]:
-    model = PagedToyModel(sched.block_manager)
+    model = toy_model(sched)
     batches = []
     for _ in range(max_steps):
         batch = sched.schedule()
@@ -77,7 +91,7 @@ def run_overlapped(sched: Scheduler, max_steps: int = 10_000) -> tuple[list[Sche
     """Schedule step N+1 before postprocessing step N; inputs still 'on the device'
     are gathered from earlier steps' sampled tokens by (step, row). Returns the
     batches and the ids of the requests that were preempted."""
-    model = PagedToyModel(sched.block_manager)
+    model = toy_model(sched)
     preempted: set[str] = set()
     sampled: dict[int, torch.Tensor] = {}
     pending: ScheduledBatch | None = None
@@ -188,15 +202,18 @@ def test_preemption_by_recompute_completes_all_tokens():
     for s in seqs:
         sched.add(s)
     preempted: set[str] = set()
-    model = PagedToyModel(sched.block_manager)
+    model = toy_model(sched)
     while (batch := sched.schedule()) is not None:
         check_block_invariants(sched)
         preempted |= {s.request_id for s in sched.waiting if s.status is SequenceStatus.PREEMPTED}
         if batch.is_prefill:
-            # A re-prefill covers prompt and the output generated so far.
+            # A re-prefill covers prompt and the output generated so far, after the
+            # blocks of them still in the prefix cache.
             for row, s in enumerate(batch.seqs):
                 lo, hi = batch.inputs.query_start_loc[row : row + 2].tolist()
-                assert batch.inputs.input_ids[lo:hi].tolist() == s.token_ids
+                start = int(batch.inputs.positions[lo])
+                assert start % sched.block_manager.block_size == 0
+                assert batch.inputs.input_ids[lo:hi].tolist() == s.token_ids[start:]
         sched.postprocess(batch, model.step(batch, batch.inputs.input_ids))
     assert len(preempted) >= 2
     assert_complete(seqs)
@@ -334,7 +351,7 @@ def test_invalid_configuration():
 def run_forked_overlapped(sched: Scheduler, max_steps: int = 10_000) -> list[ScheduledBatch]:
     """`run_overlapped` for batches with forks: a fork samples its row's prediction,
     and the listed KV blocks are copied after the step wrote them (as the pipeline does)."""
-    model = PagedToyModel(sched.block_manager)
+    model = toy_model(sched)
     bs = sched.block_manager.block_size
     sampled: dict[int, list[int]] = {}
     pending: ScheduledBatch | None = None

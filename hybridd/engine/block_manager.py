@@ -1,27 +1,44 @@
-"""KV-cache block allocation: which arena blocks each sequence owns.
+"""KV-cache block allocation and the prefix cache: which arena blocks each sequence
+holds, and which full blocks of KV already written a new sequence can reuse.
 
 Blocks `0 .. num_blocks-1` are real block ids of the graph generator's KV arena; a
-token lives in the slot of `hybridd.model.kv_cache.slot`. Admission (`can_allocate`) keeps a watermark of free
-blocks in reserve so that running sequences can still grow; growth (`append_slot`)
-may use every free block.
+token lives in the slot of `hybridd.model.kv_cache.slot`. Admission (`can_admit`) keeps
+a watermark of free blocks in reserve so that running sequences can still grow; growth
+(`append_slot`) may use every free block.
 
-Sequences forked from one prompt (a request's `n` sequences) share the prompt's full
-blocks: a block is counted by the sequences that hold it and returns to the free list
-when the last one lets go. The prompt's last, partly filled block is not shared, since
-each sequence writes its own tokens into it: a fork gets a fresh block that the step
+A block is counted by the sequences that hold it and becomes free when the last one
+lets go. Sequences forked from one prompt (a request's `n` sequences) share the
+prompt's full blocks; the prompt's last, partly filled block is not shared, since each
+sequence writes its own tokens into it: a fork gets a fresh block that the step
 pipeline fills with a device copy of the original (`fork` returns the pair).
+
+Prefix cache (vLLM's design: `v1/core/block_pool.py`): a full block whose KV a step
+writes is indexed by its key in the hash chain of `block_hashes` (its tokens, every
+token before them, the request's `cache_salt`). A new sequence starts with the longest
+run of cached blocks that begins its tokens and prefills only the rest, from the
+first position after them; at least its last token is always computed, for the
+logits it samples from. A cached block that no sequence holds stays in the free queue
+with its KV: it is reused on a hit, and evicted only when the queue hands it out as a
+fresh block. The free queue is the LRU: blocks are handed out from its front and
+return to its back, a sequence's last block first, so that the tail of a prefix goes
+before its head. A block some sequence holds is never in the queue, so it is never
+evicted; a block in the cache is full, so no sequence writes into it. Registering a
+block when its step is scheduled is safe: the steps run in order, so every later
+reader or writer of it runs after that step.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
 
-from hybridd.engine.sequence import Sequence
+from hybridd.engine.block_hashes import extend_block_hashes
+from hybridd.engine.sequence import Sequence, SequenceStatus
 from hybridd.model import kv_cache
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.01) -> None:
+    def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.01,
+                 enable_prefix_caching: bool = True) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         if block_size < 1:
@@ -31,12 +48,24 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.watermark_blocks = int(watermark * num_blocks)
-        self._free: deque[int] = deque(range(num_blocks))
+        self.enable_prefix_caching = enable_prefix_caching
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # front = least recently used
         self._refs: dict[int, int] = {}  # block -> how many sequences hold it
+        self._cached: dict[bytes, int] = {}  # block key -> the block holding that KV
+        self._key_of: dict[int, bytes] = {}  # the inverse, for eviction
+        self._registered: dict[str, int] = {}  # request id -> how many of its first blocks were offered to the cache
+        # Prompt tokens of newly admitted sequences, and how many of them were found cached.
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
 
     @property
     def num_free(self) -> int:
+        """Blocks no sequence holds, cached ones included: each can be handed out."""
         return len(self._free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
 
     @property
     def usage(self) -> float:
@@ -51,26 +80,61 @@ class BlockManager:
         return kv_cache.blocks_for(num_tokens, self.block_size)
 
     def can_allocate(self, num_tokens: int) -> bool:
+        """Room above the watermark for `num_tokens` tokens in fresh blocks."""
         return self.num_free - self.blocks_for(num_tokens) >= self.watermark_blocks
-
-    def allocate(self, seq: Sequence, num_tokens: int | None = None) -> None:
-        """Give `seq` blocks for its first `num_tokens` tokens (default: all of them)."""
-        if seq.block_table:
-            raise RuntimeError(f"{seq.request_id} already holds blocks")
-        n = self.blocks_for(len(seq) if num_tokens is None else num_tokens)
-        if n > self.num_free:
-            raise RuntimeError(f"{seq.request_id} needs {n} blocks, {self.num_free} free")
-        seq.block_table = [self._take() for _ in range(n)]
 
     def fork_blocks(self, num_tokens: int) -> int:
         """New blocks one fork of a `num_tokens`-long sequence takes: its copy of the last
         block when that block is partly filled, else none."""
         return 1 if num_tokens % self.block_size else 0
 
-    def can_allocate_forked(self, num_tokens: int, num_forks: int) -> bool:
-        """Room for a sequence of `num_tokens` and `num_forks` forks of it, above the watermark."""
-        need = self.blocks_for(num_tokens) + num_forks * self.fork_blocks(num_tokens)
-        return self.num_free - need >= self.watermark_blocks
+    def cached_prefix(self, seq: Sequence) -> list[int]:
+        """The cached blocks `seq` would start with: the longest run of its first full
+        blocks found in the cache, short of its last token."""
+        if not self.enable_prefix_caching:
+            return []
+        tokens = seq.token_ids
+        most = (len(tokens) - 1) // self.block_size
+        if len(seq.block_hashes) < most:
+            extend_block_hashes(seq.block_hashes, tokens, self.block_size, most, seq.cache_salt)
+        hits = []
+        for key in seq.block_hashes[:most]:
+            block = self._cached.get(key)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def can_admit(self, seq: Sequence) -> bool:
+        """Room above the watermark for `seq` (its cached prefix reused) and the forks it
+        carries. A cached block no one holds leaves the free queue when reused."""
+        hits = self.cached_prefix(seq)
+        fresh = self.blocks_for(len(seq)) - len(hits) + len(seq.forks) * self.fork_blocks(len(seq))
+        revived = sum(1 for block in hits if block not in self._refs)
+        return self.num_free - fresh - revived >= self.watermark_blocks
+
+    def allocate(self, seq: Sequence, num_tokens: int | None = None) -> int:
+        """Give `seq` blocks for its first `num_tokens` tokens (default: all of them),
+        starting with its cached prefix; return how many of its tokens that prefix holds,
+        whose KV is already written. A new sequence's query and hits are counted."""
+        if seq.block_table:
+            raise RuntimeError(f"{seq.request_id} already holds blocks")
+        hits = self.cached_prefix(seq)
+        fresh = self.blocks_for(len(seq) if num_tokens is None else num_tokens) - len(hits)
+        revived = sum(1 for block in hits if block not in self._refs)
+        if max(fresh, 0) + revived > self.num_free:
+            raise RuntimeError(f"{seq.request_id} needs {max(fresh, 0) + revived} blocks, {self.num_free} free")
+        for block in hits:
+            self._hold(block)
+        seq.block_table = hits + [self._take() for _ in range(fresh)]
+        self._registered[seq.request_id] = len(hits)
+        cached_tokens = len(hits) * self.block_size
+        if seq.status is SequenceStatus.WAITING:
+            seq.num_cached_tokens = cached_tokens
+            if self.enable_prefix_caching:
+                self.prefix_cache_queries += len(seq)
+                self.prefix_cache_hits += cached_tokens
+        return cached_tokens
 
     def fork(self, parent: Sequence, child: Sequence) -> tuple[int, int] | None:
         """Give `child` the blocks of `parent`'s tokens: the full ones shared, the partly
@@ -83,6 +147,9 @@ class BlockManager:
         for block_id in shared:
             self._refs[block_id] += 1
         child.block_table = list(shared)
+        child.block_hashes = parent.block_hashes[:full]
+        child.num_cached_tokens = parent.num_cached_tokens
+        self._registered[child.request_id] = min(self._registered.get(parent.request_id, 0), full)
         if len(parent.block_table) == full:
             return None
         if not self._free:
@@ -102,21 +169,55 @@ class BlockManager:
             seq.block_table.append(self._take())
         return kv_cache.slot(seq.block_table, seq.last_position, self.block_size)
 
+    def cache_blocks(self, seq: Sequence) -> None:
+        """Offer the cache `seq`'s full blocks whose KV the scheduled steps write
+        (`num_computed_tokens`) and whose tokens the host knows (a token sampled on the
+        device is not in `seq` yet). A key already cached keeps its block."""
+        if not self.enable_prefix_caching:
+            return
+        full = min(seq.num_computed_tokens, len(seq), len(seq.block_table) * self.block_size) // self.block_size
+        start = self._registered.get(seq.request_id, 0)
+        if full <= start:
+            return
+        if len(seq.block_hashes) < full:
+            extend_block_hashes(seq.block_hashes, seq.token_ids, self.block_size, full, seq.cache_salt)
+        for index in range(start, full):
+            block = seq.block_table[index]
+            key = seq.block_hashes[index]
+            if key not in self._cached and block not in self._key_of:
+                self._cached[key] = block
+                self._key_of[block] = key
+        self._registered[seq.request_id] = full
+
     def free(self, seq: Sequence) -> None:
-        """Let go of all of `seq`'s blocks (a shared one is freed by its last holder); a
-        sequence without blocks is a no-op."""
+        """Let go of all of `seq`'s blocks (a shared one is freed by its last holder); its
+        full computed blocks stay cached. A sequence without blocks is a no-op."""
+        self.cache_blocks(seq)
         for block_id in reversed(seq.block_table):
             self._refs[block_id] -= 1
             if not self._refs[block_id]:
                 del self._refs[block_id]
-                self._free.append(block_id)
+                self._free[block_id] = None
+        self._registered.pop(seq.request_id, None)
         seq.block_table = []
         seq.num_computed_tokens = 0
 
     def _needs_block(self, seq: Sequence) -> bool:
         return seq.last_position // self.block_size >= len(seq.block_table)
 
+    def _hold(self, block_id: int) -> None:
+        """One more holder of a cached block (out of the free queue if it was unheld)."""
+        if block_id in self._refs:
+            self._refs[block_id] += 1
+        else:
+            del self._free[block_id]
+            self._refs[block_id] = 1
+
     def _take(self) -> int:
-        block_id = self._free.popleft()
+        """A fresh block: the least recently used free one, evicted from the cache."""
+        block_id, _ = self._free.popitem(last=False)
+        key = self._key_of.pop(block_id, None)
+        if key is not None:
+            del self._cached[key]
         self._refs[block_id] = 1
         return block_id

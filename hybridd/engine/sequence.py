@@ -4,7 +4,7 @@ A `Sequence` is the one record of a sequence's output: the scheduler appends its
 tokens and text, the context generator its logprobs, and the client's final reply
 is read from it. A `Sequence` is host-side state only. Its `block_table` lists the KV-arena blocks
 that hold its cache; `num_computed_tokens` counts the tokens whose KV the scheduled
-steps write. In the overlapped pipeline a sampled token may still be on the device
+steps write (or that a prefix-cache hit found already written). In the overlapped pipeline a sampled token may still be on the device
 when the next step is scheduled; `num_inflight_tokens` counts those.
 
 A request for `n` sequences has n `Sequence`s with the same prompt, `index` 0 … n−1.
@@ -58,6 +58,7 @@ class Sequence:
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
         index: int = 0,
+        cache_salt: str | None = None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError("prompt_token_ids must not be empty")
@@ -73,6 +74,12 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
         self.num_computed_tokens = 0
+        # Prefix cache: the salt that keys this sequence's blocks (sequences share KV
+        # blocks only under the same salt), the hash chain of its full blocks so far,
+        # and how many prompt tokens its first admission found cached.
+        self.cache_salt = cache_salt
+        self.block_hashes: list[bytes] = []
+        self.num_cached_tokens = 0
         self.num_inflight_tokens = 0
         # (step id, row) of the step that samples the in-flight token, for the
         # overlapped pipeline to gather it from that step's device output.

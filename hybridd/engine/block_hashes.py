@@ -1,0 +1,40 @@
+"""The prefix cache's keys: a hash chain over a sequence's full KV blocks.
+
+A full block's KV depends on every token before it, not only its own, so its key is
+the hash of the previous block's key and its own token ids; the first block's parent
+is a root derived from the request's `cache_salt`. Two sequences then share a block's
+key exactly when they share every token up to its end and the salt, so two salts never
+share a block. SHA-256, not Python's `hash`: a collision would silently hand one
+request another's KV, and tenants must not be able to build one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+
+_ROOT_TAG = b"hybridd.kv-prefix.v1"
+
+
+def chain_root(cache_salt: str | None) -> bytes:
+    """The parent of a sequence's first block: distinct for every salt and for none."""
+    salt = b"\x00" if cache_salt is None else b"\x01" + cache_salt.encode()
+    return hashlib.sha256(_ROOT_TAG + salt).digest()
+
+
+def block_hash(parent: bytes, token_ids: list[int]) -> bytes:
+    """The key of a full block holding `token_ids`, after the block keyed `parent`."""
+    return hashlib.sha256(parent + array("q", token_ids).tobytes()).digest()
+
+
+def extend_block_hashes(hashes: list[bytes], token_ids: list[int], block_size: int, num_blocks: int,
+                        cache_salt: str | None) -> None:
+    """Append to `hashes` (the keys of the first blocks of `token_ids`) up to `num_blocks`
+    keys; every one of those blocks must be full."""
+    if num_blocks * block_size > len(token_ids):
+        raise ValueError(f"{num_blocks} full blocks of {block_size} need {num_blocks * block_size} tokens, "
+                         f"got {len(token_ids)}")
+    parent = hashes[-1] if hashes else chain_root(cache_salt)
+    for index in range(len(hashes), num_blocks):
+        parent = block_hash(parent, token_ids[index * block_size:(index + 1) * block_size])
+        hashes.append(parent)
