@@ -20,8 +20,18 @@ from typing import Any
 
 import click
 
-from hybridd import exit_codes
-from hybridd.config import Config, ConfigError, config_to_json, load_config
+from hybridd import environment, exit_codes
+from hybridd.config import (
+    SECTIONS,
+    Config,
+    ConfigError,
+    config_to_json,
+    declarations,
+    describe_allowed,
+    describe_default,
+    kind_of,
+    load_config,
+)
 
 EXIT_ERROR = exit_codes.ERROR
 EXIT_USAGE = exit_codes.USAGE
@@ -44,22 +54,76 @@ def _fail(message: str, code: int = EXIT_ERROR) -> None:
 # ---------------------------------------------------------------- configuration
 
 
+class _SettingOption(click.Option):
+    """A setting's flag; its help is the setting's declaration (hybridd/config.py)."""
+
+    def __init__(self, *args: Any, section: str, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.section = section
+
+
+_METAVARS = {"int": "INTEGER", "float": "NUMBER", "str": "TEXT", "list[int]": "N,N,..."}
+
+
+def _setting_help(f: dataclasses.Field) -> tuple[str, str]:
+    """The flag's help text and metavar, from the setting's declaration."""
+    declared = f.metadata["setting"]
+    allowed = describe_allowed(f)
+    if declared.choices:
+        metavar = "[" + "|".join(declared.choices) + "]"
+    elif declared.unit == "s":
+        metavar = "SECONDS"
+    elif declared.allowed in ("a file", "a directory"):
+        metavar = "PATH"
+    elif declared.allowed.startswith("HOST:PORT"):
+        metavar = "HOST:PORT"
+    elif declared.allowed and " " not in declared.allowed:
+        metavar = declared.allowed
+    else:
+        metavar = _METAVARS.get(str(f.type), "VALUE")
+    facts = [f"default: {describe_default(f)}"]
+    if declared.unit:
+        facts.append(f"unit: {declared.unit}")
+    # Where the metavar or the flag pair already says what is allowed, the help does not repeat it.
+    if not (declared.choices or kind_of(f) == "true or false" or allowed in (metavar, "a file", "a directory")):
+        facts.append(f"allowed: {allowed}")
+    return f"{declared.meaning}  [{'; '.join(facts)}]", metavar
+
+
 def _config_field_options(function):
     """One `--field-name` flag per Config field: the CLI layer of the configuration."""
-    for f in reversed(dataclasses.fields(Config)):
+    for f, declared in reversed(declarations()):
         flag = "--" + f.name.replace("_", "-")
+        text, metavar = _setting_help(f)
         if f.type in (bool, "bool"):
-            function = click.option(f"{flag}/--no-{flag[2:]}", f.name, default=None,
-                                    help=f"Config setting {f.name}.")(function)
+            function = click.option(f"{flag}/--no-{flag[2:]}", f.name, cls=_SettingOption, section=declared.section,
+                                    default=None, help=text)(function)
         else:
-            function = click.option(flag, f.name, default=None, metavar="VALUE",
-                                    help=f"Config setting {f.name}" + (" (comma-separated)." if "list" in str(f.type) else "."))(function)
+            function = click.option(flag, f.name, cls=_SettingOption, section=declared.section, default=None,
+                                    metavar=metavar, help=text)(function)
     return function
+
+
+class _StartCommand(click.Command):
+    """`hybridd start`: its settings' flags in the sections of the declaration."""
+
+    def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        groups: dict[str, list[tuple[str, str]]] = {"": []}
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx)
+            if record is not None:
+                groups.setdefault(getattr(param, "section", ""), []).append(record)
+        for section, records in groups.items():
+            title, intro = SECTIONS[section] if section else ("Options", "")
+            with formatter.section(f"{title} settings" if section else title):
+                if intro:
+                    formatter.write_text(intro)
+                formatter.write_dl(records)
 
 
 def resolve_config(path: str | None, overrides: dict[str, Any], environ: dict[str, str] | None = None) -> Config:
     """TOML file < HYBRIDD_* environment < flags; an error names the setting and the layer it came from."""
-    environ = dict(os.environ if environ is None else environ)
+    environ = environment.snapshot() if environ is None else dict(environ)
     path = path or environ.get("HYBRIDD_CONFIG") or None
     overrides = {k: v for k, v in overrides.items() if v is not None}
     file_only = {"HYBRIDD_CONFIG": path} if path else {}
@@ -123,12 +187,17 @@ def main() -> None:
 # ---------------------------------------------------------------- start / stop
 
 
-@main.command()
+@main.command(cls=_StartCommand)
 @_config_option
 @click.option("--print-config", is_flag=True, help="Print the resolved configuration as JSON and exit.")
 @_config_field_options
 def start(config_path: str | None, print_config: bool, **overrides: Any) -> None:
-    """Run the daemon in the foreground (what systemd's hybridd.service runs)."""
+    """Run the daemon in the foreground (what systemd's hybridd.service runs).
+
+    Each setting below comes from the --config file, then its HYBRIDD_<NAME> environment
+    variable, then its flag, each overriding the one before; the README's "Settings"
+    section lists them with the environment variables that are not settings.
+    """
     config = _load(config_path, overrides)
     if print_config:
         click.echo(config_to_json(config))
@@ -282,7 +351,7 @@ def format_status(status: dict[str, Any]) -> str:
     latency = get("latency") or {}
     lines.append(f"latency    TTFT p50 {_ms(latency.get('ttft_p50_s'))}, p99 {_ms(latency.get('ttft_p99_s'))}; "
                  f"ITL p50 {_ms(latency.get('itl_p50_s'))}, p99 {_ms(latency.get('itl_p99_s'))} "
-                 f"(last {latency.get('window', '-')} inter-token samples)")
+                 f"({latency.get('window', '-')} inter-token samples)")
     if isinstance(get("tokens_per_s"), int | float):
         lines.append(f"throughput {get('tokens_per_s'):.1f} tokens/s over the last minute")
     rings = get("reply_rings") or {}

@@ -1,8 +1,12 @@
 """The daemon's configuration: one dataclass, loaded from a TOML file, then `HYBRIDD_*`
 environment variables, then command-line flags (each overriding the one before).
 
-Every field is validated here with an error that names it, so a bad setting stops
-`hybridd start` before any worker is spawned.
+Each field is declared once, with its section, meaning, unit, allowed values and range
+(`setting`): `hybridd start --help`, the example `systemd/hybridd.toml` and the README's
+settings table are made from it (hybridd/settings_docs.py). Every field is validated here
+with an error that names it, so a bad setting stops `hybridd start` before any worker is
+spawned. The environment variables that are not settings are declared in
+hybridd/environment.py.
 """
 
 from __future__ import annotations
@@ -12,10 +16,12 @@ import json
 import math
 import os
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hybridd import environment
 from hybridd.kernels import gemm_fusions
 from hybridd.protocol.supervisor import LOG_FORMATS, LOG_LEVELS
 from hybridd.runtime.buckets import DEFAULT_DECODE_BUCKETS, DEFAULT_PREFILL_BUCKETS
@@ -32,10 +38,6 @@ if TYPE_CHECKING:
 
 EMBEDDED_MODEL = Path(__file__).resolve().parent / "assets" / "tiny-shakespeare"
 ENV_PREFIX = "HYBRIDD_"
-_LOG_VARIABLES = {ENV_PREFIX + "LOG_LEVEL": "log_level", ENV_PREFIX + "LOG_FORMAT": "log_format"}
-# Variables the workers read themselves, not settings: the tests' hooks and the step
-# tracer's (hybridd/runtime/step_trace.py).
-_NOT_SETTINGS = (ENV_PREFIX + "TEST_", ENV_PREFIX + "TRACE_")
 
 
 class ConfigError(ValueError):
@@ -44,80 +46,207 @@ class ConfigError(ValueError):
 
 def default_runtime_dir() -> str:
     # systemd's RuntimeDirectory= sets RUNTIME_DIRECTORY; a user's session has XDG_RUNTIME_DIR.
-    if os.environ.get("RUNTIME_DIRECTORY"):
-        return os.environ["RUNTIME_DIRECTORY"].split(":")[0]
-    if os.environ.get("XDG_RUNTIME_DIR"):
-        return str(Path(os.environ["XDG_RUNTIME_DIR"]) / "hybridd")
+    if systemd_dirs := environment.get("RUNTIME_DIRECTORY"):
+        return systemd_dirs.split(":")[0]
+    if session_dir := environment.get("XDG_RUNTIME_DIR"):
+        return str(Path(session_dir) / "hybridd")
     return f"/tmp/hybridd-{os.getuid()}"
+
+
+@dataclass(frozen=True)
+class Setting:
+    """What a setting is, beside its name, type and default: the declaration that `--help`,
+    the example `systemd/hybridd.toml` and the README's table are made from, and that
+    `Config.validate` checks ranges and choices against."""
+
+    section: str  # a key of SECTIONS
+    meaning: str  # one paragraph, as a new user reads it
+    unit: str = ""
+    choices: tuple[str, ...] = ()  # the allowed values, when they are a list
+    allowed: str = ""  # the allowed values in words, when they are not a list
+    above: float | None = None  # exclusive lower bound
+    at_least: float | None = None
+    at_most: float | None = None
+    default_text: str = ""  # for a default computed at start, or one that means "off"
+
+
+_HOST_PORT = "HOST:PORT, [IPV6]:PORT or :PORT"
+# Section key → (title, what the section's settings have in common).
+SECTIONS: dict[str, tuple[str, str]] = {
+    "model": ("Model", ""),
+    "endpoints": ("Endpoints", "Where clients reach the daemon over ZeroMQ. TCP is served only with CURVE "
+                  "(key pairs from `hybridd keygen`)."),
+    "http": ("HTTP gateway and metrics", "The OpenAI-compatible gateway is a process of its own (restarted like "
+             "the workers, shown by `hybridd status`), a client of the endpoint above. It binds only where told: "
+             "keep it on loopback and put TLS in front with a reverse proxy (README, \"HTTP gateway\")."),
+    "batching": ("KV cache and batching", ""),
+    "kernels": ("CUDA graphs and kernels", ""),
+    "wakeups": ("Wake-ups and reply rings", ""),
+    "lifecycle": ("Lifecycle", "Every deadline the supervisor applies (README, \"Troubleshooting\")."),
+    "logging": ("Logging", ""),
+}
+
+
+def setting(default: Any = dataclasses.MISSING, *, section: str, meaning: str,
+            factory: Callable[[], Any] | None = None, **declaration: Any) -> Any:
+    """A Config field with its declaration (see `Setting`) as metadata."""
+    metadata = {"setting": Setting(section, meaning, **declaration)}
+    if factory is not None:
+        return field(default_factory=factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
 
 
 @dataclass
 class Config:
-    # model
-    model: str = str(EMBEDDED_MODEL)
-    dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
-    device: str = "auto"  # auto: cuda if available, else cpu
-    # endpoints
-    runtime_dir: str = field(default_factory=default_runtime_dir)
-    endpoint: str = ""  # default ipc://{runtime_dir}/hybridd.sock
-    tcp_endpoint: str = ""  # e.g. tcp://0.0.0.0:7070; requires CURVE keys
-    curve_secret_key_file: str = ""
-    curve_client_keys_dir: str = ""  # public *.key files of the clients allowed in over TCP
-    curve_allow_any: bool = False  # true: any client with a CURVE key pair is let in (no allow-list)
-    # the OpenAI-compatible HTTP gateway and Prometheus metrics (hybridd/gateway/); off when empty
-    http_endpoint: str = ""  # HOST:PORT, e.g. 127.0.0.1:8000
-    http_api_key_file: str = ""  # one API key per line; empty: no key needed
-    metrics_endpoint: str = ""  # HOST:PORT serving /metrics alone (the gateway serves it too)
-    # KV cache and batching
-    block_size: int = 16
-    num_kv_blocks: int = 0  # 0: sized from kv_cache_memory_fraction (CUDA) or 512 (CPU)
-    kv_cache_memory_fraction: float = 0.5
-    max_model_len: int = 0  # 0: the model's own limit
-    max_batch: int = 32
-    decode_buckets: list[int] = field(default_factory=lambda: list(DEFAULT_DECODE_BUCKETS))
-    prefill_buckets: list[int] = field(default_factory=lambda: list(DEFAULT_PREFILL_BUCKETS))
-    max_prefill_tokens: int = 2048
-    max_prefill_seqs: int = 8
-    max_queued_requests: int = 256
-    # static domain
-    use_cuda_graphs: bool = True
-    graph_memory_budget_mb: int = 1024
-    # Processes that compile the graphs' Triton kernels at start, all at once, before the
-    # captures load them (hybridd/runtime/kernel_precompile.py); 0: each kernel compiles at
-    # its first launch, one after another. At most the host's core count are started.
-    kernel_compile_workers: int = 8
-    # on CUDA, sample with the fused Triton kernels (compiled at start) instead of eager torch
-    compile_sampler: bool = True
-    # auto/on: the workers share a CUDA device through a private MPS daemon; auto runs
-    # without it where it is not installed or does not start (hybridd/cuda_mps.py)
-    cuda_mps: str = "auto"
-    # What the decode projections compute in their own kernel: norm, rotary, silu, mlp or none
-    # (hybridd/kernels/gemm_fusions.py).
-    gemm_fusions: str = gemm_fusions.DEFAULT
-    # Chain the fused Triton kernels by programmatic dependent launch on compute
-    # capability 9+ (hybridd/kernels/pdl.py)
-    pdl: bool = True
-    # After its last piece of work a worker polls its sockets this long without sleeping,
-    # so that the next message is taken without a wake-up (0: sleep at once). Each worker
-    # keeps a CPU core busy while it polls.
-    busy_poll_s: float = 0.0
-    # When a request arrives while no step is in flight, the graph generator is told a step
-    # is coming (`control.Expect`) and polls its socket until it comes, for at most this
-    # long, so that the step is not held up by the wake-up of the graph generator's threads
-    # (0: it sleeps until the step wakes it).
-    step_wake_poll_s: float = 0.005
-    # Client sessions that may have a reply ring attached at once (each maps that client's
-    # memory; ipc/reply_ring.py); 0 refuses every ring.
-    max_reply_rings: int = 256
-    # lifecycle: every deadline the supervisor applies is one of these
-    startup_timeout_s: float = 900.0  # spawn to ready, per worker: loading, compiling, capturing
-    heartbeat_interval_s: float = 0.25
-    heartbeat_timeout_s: float = 10.0  # a serving loop silent this long is hung
-    drain_timeout_s: float = 30.0
-    max_restarts: int = 5
-    restart_backoff_s: float = 1.0
-    log_level: str = "info"
-    log_format: str = "console"  # console or json
+    # ---- model
+    model: str = setting(str(EMBEDDED_MODEL), section="model", allowed="a directory",
+                         default_text="the embedded tiny-shakespeare model",
+                         meaning="The model: a local Hugging Face directory (config.json, safetensors weights, "
+                                 "tokenizer).")
+    dtype: str = setting("auto", section="model", choices=("auto", "float32", "bfloat16", "float16"),
+                         meaning="The dtype of the weights and the activations; auto is bfloat16 on CUDA and "
+                                 "float32 on the CPU.")
+    device: str = setting("auto", section="model", allowed="auto, cpu, cuda or cuda:N",
+                          meaning="Where the model runs; auto is the first CUDA device when there is one, else "
+                                  "the CPU.")
+    # ---- endpoints
+    runtime_dir: str = setting(section="endpoints", factory=default_runtime_dir, allowed="a directory",
+                               default_text="$RUNTIME_DIRECTORY, else $XDG_RUNTIME_DIR/hybridd, else "
+                                            "/tmp/hybridd-UID",
+                               meaning="The daemon's runtime directory (mode 0750): its pid file and sockets.")
+    endpoint: str = setting("", section="endpoints", allowed="ipc://PATH",
+                            default_text="ipc://RUNTIME_DIR/hybridd.sock",
+                            meaning="The clients' endpoint, an ipc:// path.")
+    tcp_endpoint: str = setting("", section="endpoints", allowed="tcp://HOST:PORT", default_text="off",
+                                meaning="A TCP endpoint served beside the ipc:// one, e.g. tcp://0.0.0.0:7070. "
+                                        "It needs curve_secret_key_file, and curve_client_keys_dir or "
+                                        "curve_allow_any.")
+    curve_secret_key_file: str = setting("", section="endpoints", allowed="a file", default_text="none",
+                                         meaning="The daemon's CURVE secret key file (NAME.key_secret from "
+                                                 "`hybridd keygen`); required by tcp_endpoint.")
+    curve_client_keys_dir: str = setting("", section="endpoints", allowed="a directory", default_text="none",
+                                         meaning="A directory of the public *.key files of the clients let in "
+                                                 "over TCP.")
+    curve_allow_any: bool = setting(False, section="endpoints",
+                                    meaning="Let in any client that has a CURVE key pair, instead of the clients "
+                                            "of curve_client_keys_dir.")
+    # ---- HTTP
+    http_endpoint: str = setting("", section="http", allowed=_HOST_PORT, default_text="off",
+                                 meaning="HOST:PORT of the OpenAI-compatible HTTP gateway (/v1/completions, "
+                                         "/v1/chat/completions, /v1/models, /health, /metrics), e.g. "
+                                         "127.0.0.1:8000; :PORT alone is loopback.")
+    http_api_key_file: str = setting("", section="http", allowed="a file", default_text="none (no key needed)",
+                                     meaning="A file of API keys, one per line (# starts a comment); clients send "
+                                             "Authorization: Bearer KEY. Needs http_endpoint.")
+    http_cache_salt_by_api_key: bool = setting(False, section="http",
+                                               meaning="Salt every request's prefix cache with (a digest of) its "
+                                                       "API key, so that tenants never share KV blocks, nor the "
+                                                       "timing that reveals them; a request's own cache_salt "
+                                                       "then divides its tenant's share. Needs http_api_key_file.")
+    metrics_endpoint: str = setting("", section="http", allowed=_HOST_PORT, default_text="off",
+                                    meaning="HOST:PORT serving the Prometheus /metrics alone (the gateway serves "
+                                            "it too), e.g. 127.0.0.1:9400; not the gateway's address.")
+    # ---- KV cache and batching
+    block_size: int = setting(16, section="batching", unit="tokens", above=0,
+                              meaning="Tokens per block of the paged KV cache.")
+    num_kv_blocks: int = setting(0, section="batching", unit="blocks", at_least=0,
+                                 meaning="Blocks in the KV cache; 0 sizes it from kv_cache_memory_fraction on "
+                                         "CUDA, and is 512 on the CPU.")
+    kv_cache_memory_fraction: float = setting(0.5, section="batching", unit="fraction", allowed="0 < x < 1",
+                                              meaning="With num_kv_blocks = 0 on CUDA, the share of the GPU's free "
+                                                      "memory, after the weights, that the KV cache takes.")
+    max_model_len: int = setting(0, section="batching", unit="tokens", at_least=0,
+                                 meaning="The longest sequence, prompt and generated tokens together; 0 is the "
+                                         "model's own limit, which a larger value is cut to.")
+    max_batch: int = setting(32, section="batching", unit="sequences", above=0,
+                             meaning="The most sequences decoded in one step: the largest decode bucket.")
+    decode_buckets: list[int] = setting(section="batching", unit="sequences",
+                                        factory=lambda: list(DEFAULT_DECODE_BUCKETS),
+                                        meaning="Batch sizes captured as decode graphs before ready, largest "
+                                                "first; a batch pads up to the next one. Sizes above max_batch "
+                                                "are dropped and max_batch is added.")
+    prefill_buckets: list[int] = setting(section="batching", unit="tokens",
+                                         factory=lambda: list(DEFAULT_PREFILL_BUCKETS),
+                                         meaning="Token counts captured as prefill graphs in the background after "
+                                                 "ready, most demanded first; until one exists, its prefills run "
+                                                 "eagerly. None may exceed max_prefill_tokens.")
+    max_prefill_tokens: int = setting(2048, section="batching", unit="tokens", above=0,
+                                      meaning="The most prompt tokens prefilled in one step.")
+    max_prefill_seqs: int = setting(8, section="batching", unit="sequences", above=0,
+                                    meaning="The most prompts prefilled in one step.")
+    enable_prefix_caching: bool = setting(True, section="batching",
+                                          meaning="Reuse the KV of full blocks that a request shares with an "
+                                                  "earlier one (same tokens from the start, same cache_salt): "
+                                                  "only the rest of its prompt is prefilled.")
+    max_queued_requests: int = setting(256, section="batching", unit="requests", above=0,
+                                       meaning="Requests in flight (running and waiting) beyond which a new one is "
+                                               "refused as overloaded.")
+    # ---- CUDA graphs and kernels
+    use_cuda_graphs: bool = setting(True, section="kernels",
+                                    meaning="Replay the captured CUDA graphs; false runs every step eagerly.")
+    graph_memory_budget_mb: int = setting(1024, section="kernels", unit="MiB", above=0,
+                                          meaning="Memory the prefill graphs may hold together; beyond it the "
+                                                  "least recently used one is evicted.")
+    kernel_compile_workers: int = setting(8, section="kernels", unit="processes", at_least=0,
+                                          at_most=MAX_KERNEL_COMPILE_WORKERS,
+                                          meaning="Processes that compile the graphs' Triton kernels at start, all "
+                                                  "at once, before the captures load them "
+                                                  "(hybridd/runtime/kernel_precompile.py); at most the host's core "
+                                                  "count are started. 0: each kernel compiles at its first launch, "
+                                                  "one after another.")
+    compile_sampler: bool = setting(True, section="kernels",
+                                    meaning="On CUDA, sample with the fused Triton kernels (compiled at start) "
+                                            "instead of eager torch.")
+    cuda_mps: str = setting("auto", section="kernels", choices=("auto", "on", "off"),
+                            meaning="Let the two workers share the CUDA device through a private MPS daemon, "
+                                    "started and stopped by hybridd (hybridd/cuda_mps.py). auto: where "
+                                    "nvidia-cuda-mps-control is installed and starts; on: required; off: never.")
+    gemm_fusions: str = setting(gemm_fusions.DEFAULT, section="kernels",
+                                allowed=f"a comma list of {', '.join(gemm_fusions.KNOWN)}; or none",
+                                meaning="What the decode projections compute in their own kernel's epilogue "
+                                        "(hybridd/kernels/gemm_fusions.py).")
+    pdl: bool = setting(True, section="kernels",
+                        meaning="Chain the fused Triton kernels by programmatic dependent launch on compute "
+                                "capability 9 and newer (hybridd/kernels/pdl.py).")
+    # ---- wake-ups and reply rings
+    busy_poll_s: float = setting(0.0, section="wakeups", unit="s", at_least=0, at_most=MAX_BUSY_POLL_S,
+                                 meaning="After its last piece of work each worker polls its sockets this long "
+                                         "without sleeping, so that the next message is taken without a "
+                                         "wake-up; each worker keeps a CPU core busy while it polls. 0: sleep "
+                                         "at once.")
+    step_wake_poll_s: float = setting(0.005, section="wakeups", unit="s", at_least=0, at_most=MAX_STEP_WAKE_POLL_S,
+                                      meaning="When a request arrives while no step is in flight, the graph "
+                                              "generator is told a step is coming and polls its socket until it "
+                                              "comes, for at most this long, so that the step does not wait for "
+                                              "its threads to wake. 0: it sleeps until the step wakes it.")
+    max_reply_rings: int = setting(256, section="wakeups", unit="sessions", at_least=0,
+                                   meaning="Client sessions that may have a shared-memory reply ring attached at "
+                                           "once (each maps that client's memory; ipc/reply_ring.py); 0 refuses "
+                                           "every ring.")
+    # ---- lifecycle
+    startup_timeout_s: float = setting(900.0, section="lifecycle", unit="s", above=0, at_most=MAX_TIMEOUT_S,
+                                       meaning="Per worker, from its spawn to ready: loading, compiling, "
+                                               "capturing. Keep it below TimeoutStartSec in hybridd.service.")
+    heartbeat_interval_s: float = setting(0.25, section="lifecycle", unit="s", above=0,
+                                          at_most=MAX_HEARTBEAT_INTERVAL_S,
+                                          meaning="How often each serving loop reports that it is alive.")
+    heartbeat_timeout_s: float = setting(10.0, section="lifecycle", unit="s", above=0, at_most=MAX_TIMEOUT_S,
+                                         meaning="A serving loop silent this long is hung, and the worker pair "
+                                                 "restarts; at least twice heartbeat_interval_s.")
+    drain_timeout_s: float = setting(30.0, section="lifecycle", unit="s", above=0, at_most=MAX_TIMEOUT_S,
+                                     meaning="On SIGTERM, how long running requests may finish before the rest "
+                                             "are cancelled. Keep it below TimeoutStopSec in hybridd.service.")
+    max_restarts: int = setting(5, section="lifecycle", unit="restarts", at_least=0,
+                                meaning="Worker-pair restarts after failures before the supervisor gives up and "
+                                        "exits 5.")
+    restart_backoff_s: float = setting(1.0, section="lifecycle", unit="s", at_least=0, at_most=MAX_TIMEOUT_S,
+                                       meaning="The wait before a restart; it doubles per consecutive failure, up "
+                                               "to 60 s.")
+    # ---- logging
+    log_level: str = setting("info", section="logging", choices=LOG_LEVELS,
+                             meaning="The lowest level of the log lines written to stderr.")
+    log_format: str = setting("console", section="logging", choices=LOG_FORMATS,
+                              meaning="console: one readable line per event; json: one JSON object per line.")
 
     @property
     def client_endpoint(self) -> str:
@@ -128,43 +257,35 @@ class Config:
         return f"ipc://{self.runtime_dir}/supervisor.sock"
 
     def validate(self) -> Config:
-        def positive(name: str) -> None:
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name} must be positive, got {getattr(self, name)!r}")
-
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if isinstance(value, float) and not math.isfinite(value):
                 raise ConfigError(f"{f.name} must be a finite number, got {value!r}")
-        for name in ("block_size", "max_batch", "max_prefill_tokens", "max_prefill_seqs", "max_queued_requests",
-                     "graph_memory_budget_mb", "drain_timeout_s", "heartbeat_interval_s", "heartbeat_timeout_s",
-                     "startup_timeout_s"):
-            positive(name)
-        for name in ("num_kv_blocks", "max_model_len", "max_restarts", "restart_backoff_s", "busy_poll_s",
-                     "step_wake_poll_s", "max_reply_rings", "kernel_compile_workers"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)!r}")
-        for name, limit in (("heartbeat_interval_s", MAX_HEARTBEAT_INTERVAL_S), ("drain_timeout_s", MAX_TIMEOUT_S),
-                            ("heartbeat_timeout_s", MAX_TIMEOUT_S), ("startup_timeout_s", MAX_TIMEOUT_S),
-                            ("restart_backoff_s", MAX_TIMEOUT_S), ("busy_poll_s", MAX_BUSY_POLL_S),
-                            ("step_wake_poll_s", MAX_STEP_WAKE_POLL_S)):
-            if getattr(self, name) > limit:
-                raise ConfigError(f"{name} must be at most {limit:g} s, got {getattr(self, name)!r}")
-        if self.kernel_compile_workers > MAX_KERNEL_COMPILE_WORKERS:
-            raise ConfigError(f"kernel_compile_workers must be at most {MAX_KERNEL_COMPILE_WORKERS}, "
-                              f"got {self.kernel_compile_workers!r}")
+        for f, declared in declarations():
+            value = getattr(self, f.name)
+            if declared.above is not None and value <= declared.above:
+                bound = "positive" if declared.above == 0 else f"> {declared.above:g}"
+                raise ConfigError(f"{f.name} must be {bound}, got {value!r}")
+            if declared.at_least is not None and value < declared.at_least:
+                raise ConfigError(f"{f.name} must be >= {declared.at_least:g}, got {value!r}")
+        for f, declared in declarations():
+            value = getattr(self, f.name)
+            if declared.at_most is not None and value > declared.at_most:
+                unit = " s" if declared.unit == "s" else ""
+                raise ConfigError(f"{f.name} must be at most {declared.at_most:g}{unit}, got {value!r}")
         if self.heartbeat_timeout_s < 2 * self.heartbeat_interval_s:
             raise ConfigError(f"heartbeat_timeout_s ({self.heartbeat_timeout_s:g}) must be at least twice "
                               f"heartbeat_interval_s ({self.heartbeat_interval_s:g})")
         self.log_level = self.log_level.lower()
-        if self.log_level not in LOG_LEVELS:
-            raise ConfigError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
-        if self.log_format not in LOG_FORMATS:
-            raise ConfigError(f"log_format must be one of {', '.join(LOG_FORMATS)}, got {self.log_format!r}")
+        mps_modes = Config.__dataclass_fields__["cuda_mps"].metadata["setting"].choices
+        if self.cuda_mps not in mps_modes:
+            raise ConfigError(f"cuda_mps must be {', '.join(mps_modes[:-1])} or {mps_modes[-1]}, got {self.cuda_mps!r}")
+        for f, declared in declarations():
+            if declared.choices and getattr(self, f.name) not in declared.choices:
+                raise ConfigError(f"{f.name} must be one of {', '.join(declared.choices)}, "
+                                  f"got {getattr(self, f.name)!r}")
         if not 0 < self.kv_cache_memory_fraction < 1:
             raise ConfigError(f"kv_cache_memory_fraction must be in (0, 1), got {self.kv_cache_memory_fraction!r}")
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ConfigError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ConfigError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         for name in ("decode_buckets", "prefill_buckets"):
@@ -181,8 +302,6 @@ class Config:
             gemm_fusions.parse(self.gemm_fusions)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
-        if self.cuda_mps not in ("auto", "on", "off"):
-            raise ConfigError(f"cuda_mps must be auto, on or off, got {self.cuda_mps!r}")
         if self.cuda_mps == "on" and self.device == "cpu":
             raise ConfigError("cuda_mps = on needs a CUDA device, but device is cpu")
         if self.tcp_endpoint and not self.curve_secret_key_file:
@@ -200,6 +319,9 @@ class Config:
             raise ConfigError("metrics_endpoint must differ from http_endpoint (the gateway serves /metrics too)")
         if self.http_api_key_file and not self.http_endpoint:
             raise ConfigError("http_api_key_file is set but http_endpoint is not")
+        if self.http_cache_salt_by_api_key and not self.http_api_key_file:
+            raise ConfigError("http_cache_salt_by_api_key is set but http_api_key_file is not: without keys "
+                              "there is nothing to salt by")
         if self.endpoint and not self.endpoint.startswith("ipc://"):
             raise ConfigError(f"endpoint must be an ipc:// endpoint (use tcp_endpoint for TCP), got {self.endpoint!r}")
         return self
@@ -222,6 +344,60 @@ class Config:
         for name, value in values.items():
             setattr(config, name, _coerce(name, known[name], value, source))
         return config.validate()
+
+
+def declarations() -> list[tuple[dataclasses.Field, Setting]]:
+    """Every setting's field with its declaration, in the order of the sections."""
+    return [(f, f.metadata["setting"]) for f in dataclasses.fields(Config)]
+
+
+def default_of(f: dataclasses.Field) -> Any:
+    """The field's default value (a fresh one for a factory's)."""
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
+
+
+def env_name(name: str) -> str:
+    return ENV_PREFIX + name.upper()
+
+
+def kind_of(f: dataclasses.Field) -> str:
+    """The value a setting takes, in words."""
+    return {"bool": "true or false", "int": "integer", "float": "number", "str": "text",
+            "list[int]": "comma list of integers"}[_field_type(f)]
+
+
+def describe_default(f: dataclasses.Field) -> str:
+    """The default as `--help` and the README show it."""
+    declared: Setting = f.metadata["setting"]
+    if declared.default_text:
+        return declared.default_text
+    value = default_of(f)
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, list):
+        return ",".join(str(v) for v in value)
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value)
+
+
+def describe_allowed(f: dataclasses.Field) -> str:
+    """The allowed values in words: the choices, the range, or the kind of value."""
+    declared: Setting = f.metadata["setting"]
+    if declared.choices:
+        return ", ".join(declared.choices)
+    if declared.allowed:
+        return declared.allowed
+    bounds = []
+    if declared.above is not None:
+        bounds.append(f"> {declared.above:g}")
+    if declared.at_least is not None:
+        bounds.append(f">= {declared.at_least:g}")
+    if declared.at_most is not None:
+        bounds.append(f"<= {declared.at_most:g}")
+    if bounds:
+        return f"{kind_of(f)} {', '.join(bounds)}"
+    return kind_of(f)
 
 
 def parse_host_port(value: str, name: str) -> tuple[str, int]:
@@ -271,7 +447,7 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
                 environ: dict[str, str] | None = None) -> Config:
     """TOML file < HYBRIDD_* environment < explicit overrides (CLI flags)."""
     values: dict[str, Any] = {}
-    environ = os.environ if environ is None else environ
+    environ = environment.snapshot() if environ is None else environ
     path = path or environ.get(ENV_PREFIX + "CONFIG")
     if path:
         path = Path(path)
@@ -284,15 +460,14 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         Config.from_dict(values, source=str(path))  # names the file in errors
     names = {f.name for f in dataclasses.fields(Config)}
     for key, value in environ.items():
-        if (key.startswith(ENV_PREFIX) and key != ENV_PREFIX + "CONFIG" and key not in _LOG_VARIABLES
-                and not key.startswith(_NOT_SETTINGS)):
-            name = key[len(ENV_PREFIX):].lower()
-            if name not in names:
-                raise ConfigError(f"environment: unknown setting {key}")
-            values[name] = value
-    for key, name in _LOG_VARIABLES.items():  # also read by hybridd.log before any config; empty means unset
-        if environ.get(key):
-            values[name] = environ[key]
+        if not environment.is_setting_variable(key):
+            continue
+        if not value and key in environment.VARIABLES:  # logging's early read takes empty as unset too
+            continue
+        name = key[len(ENV_PREFIX):].lower()
+        if name not in names:
+            raise ConfigError(f"environment: unknown setting {key}")
+        values[name] = value
     values.update({k: v for k, v in (overrides or {}).items() if v is not None})
     return Config.from_dict(values, source="config")
 

@@ -20,12 +20,12 @@ quits it on every exit path.
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import time
 from pathlib import Path
 
+from hybridd import environment
 from hybridd.log import get_logger
 
 log = get_logger("cuda_mps")
@@ -130,7 +130,7 @@ class MpsDaemon:
             log.info("mps_stopped")
 
     def _control(self, path: str, command: str | None, *args: str) -> subprocess.CompletedProcess:
-        env = {**os.environ, **self.env}
+        env = environment.for_child(self.env)
         try:
             return subprocess.run([path, *args], input=None if command is None else command + "\n", env=env,
                                   capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S)

@@ -10,10 +10,11 @@ event. Records of the standard `logging` module (libraries such as transformers)
 from __future__ import annotations
 
 import logging
-import os
 import sys
 
 import structlog
+
+from hybridd import environment
 
 _configured = False
 _threshold = logging.INFO
@@ -75,9 +76,9 @@ def configure(level: str | None = None, json: bool | None = None) -> None:
     """
     global _configured, _threshold, _json
     if not _configured:
-        level = level or os.environ.get("HYBRIDD_LOG_LEVEL") or "info"
+        level = level or environment.get("HYBRIDD_LOG_LEVEL") or "info"
         if json is None:
-            json = os.environ.get("HYBRIDD_LOG_FORMAT", "console") == "json"
+            json = environment.get("HYBRIDD_LOG_FORMAT") == "json"
     if level is not None:
         _threshold = getattr(logging, level.upper(), logging.INFO)
     if json is not None:

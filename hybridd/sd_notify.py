@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import socket
 
+from hybridd import environment
 from hybridd.log import get_logger
 
 log = get_logger("sd_notify")
@@ -29,7 +30,7 @@ class Notifier:
     """Sends notifications to systemd; a no-op without `$NOTIFY_SOCKET`."""
 
     def __init__(self, notify_socket: str | None = None) -> None:
-        target = os.environ.get("NOTIFY_SOCKET", "") if notify_socket is None else notify_socket
+        target = (environment.get("NOTIFY_SOCKET") or "") if notify_socket is None else notify_socket
         self._address: str | bytes | None = _address(target) if target else None
         self._socket: socket.socket | None = None
         if self._address is not None:
@@ -58,7 +59,7 @@ class Notifier:
             self._socket.sendto("\n".join(lines).encode(), self._address)
         except OSError as error:
             if not self._failed:
-                log.warning("cannot notify systemd", socket=os.environ.get("NOTIFY_SOCKET"), error=str(error))
+                log.warning("cannot notify systemd", socket=environment.get("NOTIFY_SOCKET"), error=str(error))
             self._failed = True
             return False
         self._failed = False
@@ -84,8 +85,8 @@ class Notifier:
 
 def watchdog_interval_s() -> float | None:
     """How often to send `WATCHDOG=1` (half of `WatchdogSec=`), or None when not enabled for us."""
-    usec = os.environ.get("WATCHDOG_USEC", "")
-    pid = os.environ.get("WATCHDOG_PID", "")
+    usec = environment.get("WATCHDOG_USEC") or ""
+    pid = environment.get("WATCHDOG_PID") or ""
     if not usec.isdigit() or int(usec) == 0:
         return None
     if pid and pid != str(os.getpid()):

@@ -28,7 +28,7 @@ from typing import Any
 
 import zmq
 
-from hybridd import exit_codes
+from hybridd import environment, exit_codes
 from hybridd.child_process import die_with_parent, set_process_title
 from hybridd.config import Config
 from hybridd.cuda_mps import MpsDaemon, start_for
@@ -325,19 +325,13 @@ class Supervisor:
         self._mps, self._mps_status = start_for(self.config.cuda_mps, self.config.device, self.runtime_dir)
         if self._mps is None:
             return
-        for key, value in self._mps.env.items():
-            self._saved_env[key] = os.environ.get(key)
-            os.environ[key] = value
+        self._saved_env.update(environment.export(self._mps.env))
 
     def _stop_mps(self) -> None:
         if self._mps is None:
             return
         self._mps.stop()
-        for key, value in self._saved_env.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+        environment.restore(self._saved_env)
         self._saved_env.clear()
 
     def _ctl_endpoint(self) -> str:

@@ -13,6 +13,7 @@ import pytest
 from click.testing import CliRunner
 
 from hybridd.cli import main
+from hybridd.kernels import gemm_fusions
 
 HYBRIDD = str(Path(sys.executable).parent / "hybridd")
 
@@ -65,11 +66,11 @@ def test_config_file_from_environment_and_boolean_and_list_flags(toml):
         ("", {"HYBRIDD_MAX_BATCH": "many"}, [], "environment variable HYBRIDD_MAX_BATCH: setting 'max_batch' expects int"),
         ("", {"HYBRIDD_BOGUS": "1"}, [], "environment (HYBRIDD_*): unknown setting HYBRIDD_BOGUS"),
         ('gemm_fusions = "norm,gelu"\n', {}, [],
-         "{file}: gemm_fusions must be a comma list of norm, rotary, silu, mlp or 'none', got 'norm,gelu'"),
+         f"{{file}}: gemm_fusions must be a comma list of {', '.join(gemm_fusions.KNOWN)} or 'none', got 'norm,gelu'"),
         ("", {"HYBRIDD_GEMM_FUSIONS": ""}, [], "environment variable HYBRIDD_GEMM_FUSIONS: gemm_fusions must be"),
         ("", {"HYBRIDD_PDL": "maybe"}, [], "environment variable HYBRIDD_PDL: setting 'pdl' expects bool"),
         ("", {}, ["--max-batch", "x"], "command-line flag --max-batch: setting 'max_batch' expects int, got 'x'"),
-        ("", {}, ["--dtype", "int4"], "command-line flag --dtype: dtype must be auto, float32, bfloat16 or float16"),
+        ("", {}, ["--dtype", "int4"], "command-line flag --dtype: dtype must be one of auto, float32, bfloat16, float16"),
         ("", {}, ["--drain-timeout-s", "0"], "command-line flag --drain-timeout-s: drain_timeout_s must be positive"),
         ("", {}, ["--tcp-endpoint", "tcp://0.0.0.0:7070"],
          "command-line flag --tcp-endpoint: tcp_endpoint requires curve_secret_key_file"),
@@ -98,17 +99,14 @@ def test_kernel_settings_from_file_environment_and_flags(tmp_path):
     assert result.exit_code == 0, result.output
     defaults = json.loads(result.output)
     assert defaults["gemm_fusions"] == "norm,rotary" and defaults["pdl"] is True and defaults["cuda_mps"] == "auto"
-    from hybridd.kernels import pdl
-
-    assert pdl.ENABLED is True  # the module's default is the setting's, for code outside the daemon
     path = tmp_path / "k.toml"
-    path.write_text('gemm_fusions = "rotary,silu"\npdl = false\ncuda_mps = "off"\n')
+    path.write_text('gemm_fusions = "rotary"\npdl = false\ncuda_mps = "off"\n')
     config = json.loads(_print_config(["--config", str(path)]).output)
-    assert config["gemm_fusions"] == "rotary,silu" and config["pdl"] is False and config["cuda_mps"] == "off"
+    assert config["gemm_fusions"] == "rotary" and config["pdl"] is False and config["cuda_mps"] == "off"
     config = json.loads(_print_config([], env={"HYBRIDD_GEMM_FUSIONS": "none", "HYBRIDD_PDL": "0"}).output)
     assert config["gemm_fusions"] == "none" and config["pdl"] is False
-    config = json.loads(_print_config(["--gemm-fusions", "silu"], env={"HYBRIDD_GEMM_FUSIONS": "none"}).output)
-    assert config["gemm_fusions"] == "silu"
+    config = json.loads(_print_config(["--gemm-fusions", "norm"], env={"HYBRIDD_GEMM_FUSIONS": "none"}).output)
+    assert config["gemm_fusions"] == "norm"
 
 
 def test_the_step_tracers_variables_are_not_settings():

@@ -19,6 +19,7 @@ import torch
 import zmq
 
 from hybridd.kernels import gemm_fusions
+from hybridd import environment
 from hybridd.config import Config, resolve_device, resolve_dtype
 from hybridd.log import configure, get_logger
 from hybridd.kernels import pdl
@@ -88,7 +89,7 @@ class GraphGenerator:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         dtype = resolve_dtype(config, self.device)
-        slow_load_s = float(os.environ.get(SLOW_LOAD_HOOK, "0") or 0)
+        slow_load_s = environment.number(SLOW_LOAD_HOOK)
         if slow_load_s > 0:  # the test hook: a load as slow as a cold disk's
             self.log.warning("loading slowly on purpose", seconds=slow_load_s, hook=SLOW_LOAD_HOOK)
             time.sleep(slow_load_s)

@@ -36,12 +36,12 @@ same pipeline runs as fused Triton kernels (`sampling_kernels`).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable, Sequence as Seq
 from dataclasses import dataclass
 
 import torch
 
+from hybridd import environment
 from hybridd.protocol.messages import SamplingParams
 from hybridd.engine.sequence import Sequence
 from hybridd.log import get_logger
@@ -213,7 +213,7 @@ class Sampler:
     def __init__(self, compile: bool = True) -> None:
         self.compiled = compile
         self._fused = None
-        self._interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+        self._interpreted = environment.flag("TRITON_INTERPRET")
         if compile:
             try:
                 from hybridd.engine.sampling_kernels import FusedSampling

@@ -25,12 +25,13 @@ hand-overs absorb it (docs/benchmarks.md).
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 
 import torch
 import triton
 import triton.language as tl
+
+from hybridd import environment
 
 ENABLED = True  # the default of Config.pdl
 # Whether a step whose projections run on cuBLAS (more token rows than the skinny kernel
@@ -40,7 +41,7 @@ ENABLED = True  # the default of Config.pdl
 # PDL, 128 tokens 4.62 ms against 4.49-4.58 ms (`python scripts/bench_pdl_steps.py`,
 # docs/kernels.md).
 CUBLAS_STEPS = False
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+_INTERPRET = environment.flag("TRITON_INTERPRET")
 _capable: dict[int, bool] = {}
 _thread = threading.local()  # `off` per thread: the capture thread and the serving thread differ
 

@@ -23,7 +23,6 @@ key position <= query position; padding rows after the last sequence give 0.
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -31,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from hybridd import environment
 from hybridd.kernels import pdl, split_scratch
 from hybridd.kernels.launch_variants import first_eager_call
 from hybridd.kernels.pdl import wait_for_predecessor
@@ -40,7 +40,7 @@ if TYPE_CHECKING:  # the step's tensors are read by attribute; the model owns th
 
 # Triton's CPU interpreter (the CPU tests) cannot loop over a bound read from memory
 # with `range`; the compiled kernel must, so that the loop is software-pipelined.
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+_INTERPRET = environment.flag("TRITON_INTERPRET")
 
 
 @dataclass(frozen=True)

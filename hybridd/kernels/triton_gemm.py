@@ -22,7 +22,6 @@ goes to cuBLAS (`F.linear`).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +29,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from hybridd import environment
 from hybridd.kernels import gemm_fusions
 from hybridd.kernels import pdl, prefill_gemm, split_scratch
 from hybridd.kernels.launch_variants import first_eager_call
@@ -37,7 +37,7 @@ from hybridd.kernels.pdl import wait_for_predecessor
 from hybridd.kernels.rotary import RotaryArgs
 
 MAX_ROWS = 32
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+_INTERPRET = environment.flag("TRITON_INTERPRET")
 # Float32 partials and per-tile counters for split-K, per (device, stream, capturing).
 _WORKSPACE_FLOATS = 1 << 21
 _COUNTERS = 1 << 14

@@ -36,18 +36,18 @@ alone (64-row tiles, gate/up 256 columns a step three deep, down 128 four deep).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from hybridd import environment
 from hybridd.kernels import pdl, split_scratch
 from hybridd.kernels.pdl import wait_for_predecessor
 from hybridd.kernels.triton_gemm import FoldedNorm, _store_residual_add, _store_silu_and_mul
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+_INTERPRET = environment.flag("TRITON_INTERPRET")
 MAX_ROWS = 16
 # Each program loads the first block of its down weights before the barrier.
 EARLY = True

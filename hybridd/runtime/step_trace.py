@@ -2,13 +2,13 @@
 request's time goes on the host.
 
 With `HYBRIDD_TRACE_DIR` set, a worker traces a window of `HYBRIDD_TRACE_STEPS` steps
-(default 200) after `HYBRIDD_TRACE_WARMUP` steps (default 100):
+after `HYBRIDD_TRACE_WARMUP` steps (the variables and their defaults are declared in
+hybridd/environment.py):
 
 - kernels (unless `HYBRIDD_TRACE_KERNELS=0`): the PyTorch profiler records its CUDA
   kernels into `trace-<role>-<pid>.json`. Kernel timestamps of both workers share one
-  clock, so `scripts/gpu_idle_gaps.py` can merge the two traces and measure the time the
-  GPU runs nothing from either process. With `HYBRIDD_TRACE_CPU=1` the host side (CUDA
-  runtime calls, operators) is recorded too.
+  clock, so the two traces merge into one timeline of the GPU's idle gaps. With
+  `HYBRIDD_TRACE_CPU=1` the host side (CUDA runtime calls, operators) is recorded too.
 - host marks (`HYBRIDD_TRACE_MARKS=1`): the hot path calls `mark(name)` at its
   milestones (a request received, its step's inputs ready, the step sent, the graph
   launched, the tokens on the host, the chunk sent); each becomes a (name, step,
@@ -28,6 +28,7 @@ import os
 import time
 from pathlib import Path
 
+from hybridd import environment
 from hybridd.log import get_logger
 
 log = get_logger("step_trace")
@@ -42,30 +43,29 @@ def mark(name: str) -> None:
         _marks.append((name, _step, time.perf_counter_ns()))
 
 
-def _steps_variable(name: str, default: int) -> int:
+def _steps_variable(name: str) -> int:
     """A step count from the environment; a value that is not one names the variable."""
-    value = os.environ.get(name, str(default))
     try:
-        steps = int(value)
-    except ValueError:
+        steps = environment.number(name)
+    except environment.EnvironmentVariableError:
         steps = -1
     if steps < 0:
-        raise ValueError(f"{name} must be a whole number of steps (>= 0), got {value!r}")
-    return steps
+        raise ValueError(f"{name} must be a whole number of steps (>= 0), got {environment.get(name)!r}")
+    return int(steps)
 
 
 class StepTracer:
     def __init__(self, role: str):
-        directory = os.environ.get("HYBRIDD_TRACE_DIR")
+        directory = environment.get("HYBRIDD_TRACE_DIR")
         self.enabled = bool(directory)
         self.role = role
         if not self.enabled:
             return
         self.directory = Path(directory)
-        self.warmup = _steps_variable("HYBRIDD_TRACE_WARMUP", 100)
-        self.steps = _steps_variable("HYBRIDD_TRACE_STEPS", 200)
-        self.kernels = os.environ.get("HYBRIDD_TRACE_KERNELS", "1") != "0"
-        self.marks = os.environ.get("HYBRIDD_TRACE_MARKS") == "1"
+        self.warmup = _steps_variable("HYBRIDD_TRACE_WARMUP")
+        self.steps = _steps_variable("HYBRIDD_TRACE_STEPS")
+        self.kernels = environment.flag("HYBRIDD_TRACE_KERNELS")
+        self.marks = environment.flag("HYBRIDD_TRACE_MARKS")
         self.count = 0
         self.profiler = None
 
@@ -83,7 +83,7 @@ class StepTracer:
                 from torch.profiler import ProfilerActivity, profile
 
                 activities = [ProfilerActivity.CUDA]
-                if os.environ.get("HYBRIDD_TRACE_CPU") == "1":
+                if environment.flag("HYBRIDD_TRACE_CPU"):
                     activities.append(ProfilerActivity.CPU)
                 self.profiler = profile(activities=activities)
                 self.profiler.__enter__()
