@@ -11,7 +11,7 @@ from typing import Final
 # The major version carried in every message's `v` field: the newest is written by
 # default, and every version from the oldest up is still accepted. Messages with any
 # other value are rejected with `unsupported_version`.
-PROTOCOL_VERSION: Final = 2
+PROTOCOL_VERSION: Final = 3
 OLDEST_PROTOCOL_VERSION: Final = 1
 
 # One encoded message (one ZeroMQ frame). Enforced twice: by ZeroMQ's MAXMSGSIZE on
@@ -33,6 +33,8 @@ MAX_SEED: Final = 2**63 - 1
 # OpenAI-compatible range for presence/frequency penalties.
 MAX_ABS_PENALTY: Final = 2.0
 MAX_ERROR_MESSAGE_CHARS: Final = 4096
+# A request's prefix-cache salt (version 3).
+MAX_CACHE_SALT_CHARS: Final = 256
 # Chat requests (version 2): the messages a chat may hold, the length of a role or a
 # speaker's name; the contents together count against MAX_PROMPT_CHARS.
 MAX_CHAT_MESSAGES: Final = 1024

@@ -6,9 +6,10 @@ violation names the field. SPEC.md documents the same fields for implementers in
 other languages. `SamplingParams` is also what the engine samples and stops with:
 the wire rules are the only rules.
 
-Version 2 added chat `messages`, `n` sequences and logprobs. A message keeps its
-version in `v` and is written in that version's shape (`wire_form`); the version 1
-shapes are the `_V1` structs, read back into the current classes (`current`).
+Version 2 added chat `messages`, `n` sequences and logprobs; version 3 a request's
+`cache_salt` and the final's `usage.cached_tokens`. A message keeps its version in `v`
+and is written in that version's shape (`wire_form`); the older shapes are the `_V1`
+and `_V2` structs, read back into the current classes (`current`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from hybridd.protocol.envelope import MAX_FLOAT, Count, Fields, Message, ReplyId
 from hybridd.protocol.errors import ErrorCode, ProtocolError
 from hybridd.protocol.limits import (
     MAX_ABS_PENALTY,
+    MAX_CACHE_SALT_CHARS,
     MAX_CHAT_MESSAGES,
     MAX_CHAT_ROLE_CHARS,
     MAX_ERROR_MESSAGE_CHARS,
@@ -120,6 +122,7 @@ class ChatMessage(Fields):
 
 Prompt = Annotated[str, Meta(min_length=1, max_length=MAX_PROMPT_CHARS)]
 PromptTokenIds = Annotated[list[TokenId], Meta(min_length=1, max_length=MAX_PROMPT_TOKEN_IDS)]
+CacheSalt = Annotated[str, Meta(min_length=1, max_length=MAX_CACHE_SALT_CHARS)]
 
 
 class GenerateRequest(Message, tag="generate"):
@@ -130,6 +133,8 @@ class GenerateRequest(Message, tag="generate"):
     sampling: SamplingParams | None = None  # nil: all defaults; never None once built
     stream: bool | None = True  # nil: the default; never None once built
     timeout_s: Annotated[float, Meta(gt=0.0, le=MAX_TIMEOUT_S)] | None = None
+    # Version 3: requests share cached KV blocks only under the same salt (nil: the unsalted share).
+    cache_salt: CacheSalt | None = None
 
     def __post_init__(self) -> None:
         if self.sampling is None:
@@ -156,10 +161,31 @@ class GenerateRequest(Message, tag="generate"):
                            f"(its chunks carry the logprobs) or ask for fewer")
 
     def wire_form(self) -> Message:
-        if self.v >= 2:
+        if self.v >= 3:
             return self
+        if self.cache_salt is not None:
+            raise ValueError(f"cache_salt needs protocol version 3, this request is version {self.v}")
+        if self.v == 2:
+            return _GenerateRequestV2(id=self.id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
+                                      messages=self.messages, sampling=self.sampling, stream=self.stream,
+                                      timeout_s=self.timeout_s, v=self.v)
         return _GenerateRequestV1(id=self.id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
                                   sampling=self.sampling.v1(), stream=self.stream, timeout_s=self.timeout_s, v=self.v)
+
+
+class _GenerateRequestV2(Message, tag="generate"):
+    id: RequestId
+    prompt: Prompt | None = None
+    prompt_token_ids: PromptTokenIds | None = None
+    messages: Annotated[list[ChatMessage], Meta(max_length=MAX_CHAT_MESSAGES)] | None = None
+    sampling: SamplingParams | None = None
+    stream: bool | None = True
+    timeout_s: Annotated[float, Meta(gt=0.0, le=MAX_TIMEOUT_S)] | None = None
+
+    def current(self) -> GenerateRequest:
+        return GenerateRequest(id=self.id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
+                               messages=self.messages, sampling=self.sampling, stream=self.stream,
+                               timeout_s=self.timeout_s, v=self.v)
 
 
 class _GenerateRequestV1(Message, tag="generate"):
@@ -199,7 +225,11 @@ class AttachRingRequest(Message, tag="attach_ring"):
 
 
 Request = GenerateRequest | CancelRequest | StatusRequest | HealthRequest | AttachRingRequest
-REQUEST_FORMS = {2: Request, 1: _GenerateRequestV1 | CancelRequest | StatusRequest | HealthRequest}
+REQUEST_FORMS = {
+    3: Request,
+    2: _GenerateRequestV2 | CancelRequest | StatusRequest | HealthRequest | AttachRingRequest,
+    1: _GenerateRequestV1 | CancelRequest | StatusRequest | HealthRequest,
+}
 """The structs a frame of each version decodes into."""
 
 
@@ -268,9 +298,18 @@ class _ChunkV1(Message, tag="chunk"):
         return ChunkReply(id=self.id, index=0, number=self.index, text=self.text, token_ids=self.token_ids, v=self.v)
 
 
-class Usage(Fields):
+class UsageV2(Fields):
+    """The usage of versions 1 and 2 (see `Usage`)."""
+
     prompt_tokens: Count  # counted once, however many sequences share the prompt
     completion_tokens: Count  # over all sequences
+
+
+class Usage(UsageV2):
+    cached_tokens: Count = 0  # version 3: prompt tokens whose KV the prefix cache held (not prefilled)
+
+    def v2(self) -> UsageV2:
+        return UsageV2(prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens)
 
 
 class Timings(Fields):
@@ -320,13 +359,26 @@ class FinalReply(Message, tag="final"):
         return self.choices[0].finish_reason
 
     def wire_form(self) -> Message:
-        if self.v >= 2:
+        if self.v >= 3:
             return self
+        if self.v == 2:
+            return _FinalV2(id=self.id, choices=self.choices, usage=self.usage.v2(), timings=self.timings, v=self.v)
         if len(self.choices) != 1:
             raise ValueError(f"a version 1 final has one sequence, not {len(self.choices)}")
         choice = self.choices[0]
         return _FinalV1(id=self.id, text=choice.text, token_ids=choice.token_ids, finish_reason=choice.finish_reason,
-                        usage=self.usage, timings=self.timings, v=self.v)
+                        usage=self.usage.v2(), timings=self.timings, v=self.v)
+
+
+class _FinalV2(Message, tag="final"):
+    id: ReplyId
+    choices: Annotated[list[Choice], Meta(min_length=1, max_length=MAX_N)]
+    usage: UsageV2
+    timings: Timings
+
+    def current(self) -> FinalReply:
+        return FinalReply(id=self.id, choices=self.choices, usage=Usage(**msgspec.structs.asdict(self.usage)),
+                          timings=self.timings, v=self.v)
 
 
 class _FinalV1(Message, tag="final"):
@@ -334,12 +386,13 @@ class _FinalV1(Message, tag="final"):
     text: str
     token_ids: list[TokenId]
     finish_reason: FinishReason
-    usage: Usage
+    usage: UsageV2
     timings: Timings
 
     def current(self) -> FinalReply:
         choice = Choice(index=0, text=self.text, token_ids=self.token_ids, finish_reason=self.finish_reason)
-        return FinalReply(id=self.id, choices=[choice], usage=self.usage, timings=self.timings, v=self.v)
+        return FinalReply(id=self.id, choices=[choice], usage=Usage(**msgspec.structs.asdict(self.usage)),
+                          timings=self.timings, v=self.v)
 
 
 class ErrorReply(Message, tag="error"):
@@ -390,7 +443,8 @@ class RingAttachedReply(Message, tag="ring_attached"):
 
 Reply = ChunkReply | FinalReply | ErrorReply | StatusReply | HealthReply | RingAttachedReply
 REPLY_FORMS = {
-    2: _Chunk | FinalReply | ErrorReply | StatusReply | HealthReply | RingAttachedReply,
+    3: _Chunk | FinalReply | ErrorReply | StatusReply | HealthReply | RingAttachedReply,
+    2: _Chunk | _FinalV2 | ErrorReply | StatusReply | HealthReply | RingAttachedReply,
     1: _ChunkV1 | _FinalV1 | ErrorReply | StatusReply | HealthReply,
 }
 """The structs a frame of each version decodes into."""
