@@ -1,10 +1,13 @@
 """Reply rings: the ring itself over a real memfd, the client's choice between its two
 copies of each reply, and the real daemon attaching, writing, refusing and detaching
-rings for real clients (the SDK and the raw protocol client)."""
+rings for real clients (the SDK's two faces, the gateway over the async one, and the raw
+protocol client)."""
 
 from __future__ import annotations
 
+import asyncio
 import fcntl
+import json
 import os
 import re
 import struct
@@ -13,11 +16,13 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 import zmq
 import zmq.auth
 
-from hybridd import Client
+from hybridd import AsyncClient, Client
+from hybridd.gateway.app import Gateway, create_app
 from hybridd.config import Config, ConfigError
 from hybridd.client_ring import (
     DEFAULT_RING_BYTES, MAX_RING_FIRST_POLL_S, MAX_RING_PACE_S, MAX_RING_SPIN_S, PACE_GAPS, RING_FIRST_POLL_S,
@@ -292,6 +297,73 @@ def test_a_ring_client_streams_what_a_plain_client_does_mostly_by_the_ring(daemo
         assert delivery.by_ring > 0  # the poller took replies off the ring before the socket brought them
         # Another thread's non-streaming call is served in between, off either path.
         assert ringed.generate("ROMEO:", **LONG).token_ids == expected
+
+
+async def ring_attached(client: AsyncClient) -> None:
+    """Await the ring the client's session asks for on connecting (its answer comes first)."""
+    await client.health()
+    deadline = time.monotonic() + on_this_host(30)
+    while not client._session.ring_attached:
+        assert time.monotonic() < deadline, "the daemon did not attach the async client's ring"
+        await asyncio.sleep(0.01)
+
+
+def test_an_async_client_takes_its_replies_off_the_ring_woken_through_its_loop(daemon):
+    wait_for(lambda: rings(daemon)["attached"] == 0)  # the sessions of earlier tests have ended
+    with Client(daemon.endpoint, timeout=120, reply_ring=False) as plain:
+        expected = plain.generate("ROMEO:", **LONG).token_ids
+
+    async def run() -> tuple:
+        async with AsyncClient(daemon.endpoint, timeout=120) as client:  # a ring by default
+            await ring_attached(client)
+            delivery = client._session._ring
+            stream = client.stream("ROMEO:", **LONG)
+            tokens = [t async for chunk in stream for t in chunk.token_ids]
+            streamed_by_ring = delivery.by_ring
+            whole = await asyncio.gather(*(client.generate("ROMEO:", **LONG) for _ in range(3)))
+            return tokens, stream.result, streamed_by_ring, whole, delivery.by_ring
+
+    tokens, result, streamed_by_ring, whole, by_ring = asyncio.run(run())
+    assert tokens == expected and result.token_ids == expected and result.finish_reason == "length"
+    assert streamed_by_ring > 0  # the loop took replies off the ring before the socket brought them
+    assert [r.token_ids for r in whole] == [expected] * 3
+    assert by_ring > streamed_by_ring
+    # Refused a ring (asked for none here), the async client goes on by its socket.
+    async def plain_async() -> list[int]:
+        async with AsyncClient(daemon.endpoint, timeout=120, reply_ring=False) as client:
+            ids = [t async for chunk in client.stream("ROMEO:", **LONG) for t in chunk.token_ids]
+            assert not client._session.ring_attached
+            return ids
+
+    assert asyncio.run(plain_async()) == expected
+
+
+def test_the_gateway_serves_its_completions_by_the_ring(daemon):
+    """The HTTP gateway's routes over its AsyncClient (in this process, through ASGI):
+    what a completion streams came off the reply ring."""
+    wait_for(lambda: rings(daemon)["attached"] == 0)
+    with Client(daemon.endpoint, timeout=120, reply_ring=False) as plain:
+        expected = plain.generate("ROMEO:", max_tokens=60, temperature=0.0).text
+
+    async def run() -> tuple[str, int]:
+        client = AsyncClient(daemon.endpoint, timeout=120)
+        try:
+            await ring_attached(client)
+            transport = httpx.ASGITransport(app=create_app(Gateway(client, "tiny-shakespeare")))
+            async with httpx.AsyncClient(transport=transport, base_url="http://gateway", timeout=120) as http:
+                body = {"model": "tiny-shakespeare", "prompt": "ROMEO:", "max_tokens": 60, "temperature": 0.0}
+                whole = (await http.post("/v1/completions", json=body)).json()["choices"][0]["text"]
+                streamed = await http.post("/v1/completions", json=body | {"stream": True})
+                text = "".join(json.loads(line[6:])["choices"][0]["text"] for line in streamed.text.splitlines()
+                               if line.startswith("data: {"))
+                assert text == whole
+            return whole, client._session._ring.by_ring
+        finally:
+            await client.close()
+
+    text, by_ring = asyncio.run(run())
+    assert text == expected
+    assert by_ring > 0
 
 
 def thread_states(native_id: int) -> Callable[[], str]:
