@@ -66,6 +66,11 @@ def status_families(status: dict[str, Any], model_name: str) -> Iterator[Metric]
     yield finished
     yield counter("num_preemptions", "Sequences preempted (their KV blocks freed, recomputed later).",
                   requests.get("preemptions", 0))
+    prefix_cache = status.get("prefix_cache") or {}
+    yield counter("prefix_cache_queries", "Prompt tokens of admitted requests looked up in the prefix cache.",
+                  prefix_cache.get("queries", 0))
+    yield counter("prefix_cache_hits", "Of those prompt tokens, the ones whose KV the prefix cache held.",
+                  prefix_cache.get("hits", 0))
     for name, doc in HISTOGRAM_HELP.items():
         histogram = (metrics.get("histograms") or {}).get(name)
         if histogram is None:

@@ -207,7 +207,8 @@ class ContextGenerator:
         max_tokens, blocks_per_seq = geometry(config.max_prefill_tokens, ready.max_batch, ready.max_model_len,
                                               ready.block_size)
         self.buffers = StepBuffers(dict(self.step_arena.tensors), max_tokens, blocks_per_seq)
-        self.block_manager = BlockManager(ready.num_kv_blocks, ready.block_size)
+        self.block_manager = BlockManager(ready.num_kv_blocks, ready.block_size,
+                                          enable_prefix_caching=config.enable_prefix_caching)
         self.intake = Intake(intake_tokenizer, ready.max_model_len)
         self.scheduler = Scheduler(
             self.block_manager,
@@ -690,8 +691,8 @@ class ContextGenerator:
         """Hand a request with its prompt's token ids to the scheduler, or refuse it."""
         req = pending.request
         params = req.sampling
-        seqs = [Sequence(key if i == 0 else f"{key}#{i}", ids, params, pending.received, index=i)
-                for i in range(params.n)]
+        seqs = [Sequence(key if i == 0 else f"{key}#{i}", ids, params, pending.received, index=i,
+                         cache_salt=req.cache_salt) for i in range(params.n)]
         seqs[0].forks = seqs[1:]
         try:
             self.scheduler.add(seqs[0])
@@ -766,7 +767,8 @@ class ContextGenerator:
                             # a stream's chunks carried them already
                             logprobs=None if request.stream else seq.logprobs)
                      for seq in request.seqs],
-            usage=Usage(prompt_tokens=first.num_prompt_tokens, completion_tokens=request.completion_tokens),
+            usage=Usage(prompt_tokens=first.num_prompt_tokens, completion_tokens=request.completion_tokens,
+                        cached_tokens=first.num_cached_tokens),
             timings=Timings(
                 ttft_s=None if first.first_token_time is None else first.first_token_time - first.arrival_time,
                 total_s=now - first.arrival_time,
@@ -853,6 +855,9 @@ class ContextGenerator:
                          "queued": len(self.scheduler.waiting) + len(self.encoding),
                          "served": self.served, "failed": self.failed,
                          "preemptions": self.scheduler.num_preemptions},
+            # In prompt tokens, as vLLM's prefix_cache_queries / prefix_cache_hits.
+            "prefix_cache": {"enabled": bm.enable_prefix_caching, "queries": bm.prefix_cache_queries,
+                             "hits": bm.prefix_cache_hits, "cached_blocks": bm.num_cached_blocks},
             "latency": {"ttft_p50_s": ttft_p50, "ttft_p99_s": ttft_p99, "itl_p50_s": itl_p50, "itl_p99_s": itl_p99,
                         "window": len(self.itl)},
             "metrics": self.metrics.to_status(),

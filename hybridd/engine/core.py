@@ -64,6 +64,11 @@ class EngineRequest:
     def completion_tokens(self) -> int:
         return sum(seq.num_output_tokens for seq in self.seqs)
 
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens whose KV the prefix cache held when the request was admitted."""
+        return self.seqs[0].num_cached_tokens
+
 
 @dataclass
 class TokenOutput:
@@ -111,14 +116,15 @@ class EngineCore:
 
     # ---------------------------------------------------------------- requests
     def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams, arrival: float | None = None,
-            deadline: float | None = None) -> EngineRequest:
-        """Queue a request of `params.n` sequences; raises `AdmissionError` (naming the
-        field) when it can never run, and ValueError when the id is already running."""
+            deadline: float | None = None, cache_salt: str | None = None) -> EngineRequest:
+        """Queue a request of `params.n` sequences (sharing prefix-cache blocks only with
+        requests of the same `cache_salt`); raises `AdmissionError` (naming the field) when
+        it can never run, and ValueError when the id is already running."""
         if request_id in self.requests:
             raise ValueError(f"request {request_id!r} is already running")
         arrival = time.monotonic() if arrival is None else arrival
-        seqs = [Sequence(request_id if i == 0 else f"{request_id}#{i}", prompt_ids, params, arrival, index=i)
-                for i in range(params.n)]
+        seqs = [Sequence(request_id if i == 0 else f"{request_id}#{i}", prompt_ids, params, arrival, index=i,
+                         cache_salt=cache_salt) for i in range(params.n)]
         seqs[0].forks = seqs[1:]
         self.scheduler.add(seqs[0])
         request = EngineRequest(request_id, seqs, deadline)
