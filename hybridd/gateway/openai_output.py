@@ -62,7 +62,7 @@ class Reply:
         self._delta_text = b',"delta":{"content":' if self.chat else b',"text":'
         self._delta_tail = (b'},' if self.chat else b',') + b'"logprobs":null,"finish_reason":null}],"usage":null}\n\n'
 
-    def _object(self, suffix: str, choices: list[dict[str, Any]], usage: dict[str, int] | None) -> dict[str, Any]:
+    def _object(self, suffix: str, choices: list[dict[str, Any]], usage: dict[str, Any] | None) -> dict[str, Any]:
         kind = "chat.completion" + suffix if self.chat else "text_completion"
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices,
                 "usage": usage}
@@ -132,8 +132,11 @@ class Reply:
         return self._object("", choices, usage(jobs))
 
 
-def usage(jobs: list[Job]) -> dict[str, int]:
-    """The prompt counted once per prompt (its n sequences share it), as OpenAI counts it."""
+def usage(jobs: list[Job]) -> dict[str, Any]:
+    """The prompt counted once per prompt (its n sequences share it), as OpenAI counts it;
+    `prompt_tokens_details.cached_tokens`: those of its tokens the prefix cache held."""
     prompt = sum(job.result.usage.prompt_tokens for job in jobs if job.result is not None)
     completion = sum(job.result.usage.completion_tokens for job in jobs if job.result is not None)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    cached = sum(job.result.usage.cached_tokens for job in jobs if job.result is not None)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
