@@ -83,7 +83,8 @@ def run(sched: Scheduler, max_steps: int = 10_000) -> list[ScheduledBatch]:
             return batches
         check_block_invariants(sched)
         batches.append(batch)
-        sched.postprocess(batch, model.step(batch, batch.inputs.input_ids))
+        rows = model.step(batch, batch.inputs.input_ids)
+        sched.postprocess(batch, [rows[r] for r in batch.sample_rows])
     raise AssertionError("scheduler did not finish")
 
 
@@ -102,9 +103,10 @@ def run_overlapped(sched: Scheduler, max_steps: int = 10_000) -> tuple[list[Sche
             check_block_invariants(sched)
             preempted |= {s.request_id for s in sched.waiting if s.status is SequenceStatus.PREEMPTED}
             ids = torch.from_numpy(batch.inputs.input_ids.copy())
-            for i in (batch.input_src_step >= 0).nonzero().flatten().tolist() if not batch.is_prefill else ():
+            for i in (batch.input_src_step >= 0).nonzero().flatten().tolist() if batch.inputs_on_device else ():
                 ids[i] = sampled[int(batch.input_src_step[i])][int(batch.input_src_row[i])]
-            sampled[batch.step_id] = torch.tensor(model.step(batch, ids))
+            rows = model.step(batch, ids)
+            sampled[batch.step_id] = torch.tensor([rows[r] for r in batch.sample_rows], dtype=torch.int64)
             batches.append(batch)
         if pending is not None:
             sched.postprocess(pending, sampled[pending.step_id].tolist())
@@ -146,7 +148,8 @@ def test_many_sequences_of_different_lengths_complete_correctly():
     assert sched.block_manager.num_free == sched.block_manager.num_blocks
     prefills = [b for b in batches if b.kind is BatchKind.PREFILL]
     decodes = [b for b in batches if b.kind is BatchKind.DECODE]
-    assert sum(b.num_seqs for b in prefills) == 30  # nothing was preempted here
+    # Each prompt's final chunk once: nothing was preempted here.
+    assert sum(len(b.sample_rows) - b.num_decode_rows for b in prefills) == 30
     for b in prefills:
         assert b.num_tokens <= sched.max_prefill_tokens
         assert int(b.inputs.query_start_loc[-1]) == b.num_tokens
@@ -154,29 +157,46 @@ def test_many_sequences_of_different_lengths_complete_correctly():
         assert 1 <= b.num_seqs <= sched.max_batch
         assert b.inputs.block_tables.shape == (b.num_seqs, sched.block_table_width)
         assert not b.inputs_on_device
-    assert max(b.num_seqs for b in decodes) == sched.max_batch
+    assert max(b.num_decode_rows for b in batches) == sched.max_batch
 
 
-def test_prefill_respects_token_budget_and_fcfs():
+def test_prompts_are_chunked_within_the_budget_and_share_it():
+    """Prompts are admitted in order and share each step's budget: the short ones end in
+    the first steps while the long one goes on in chunks, each starting where the KV
+    written so far ends; decode rows come first and take their share of the budget."""
     sched = make(max_prefill_tokens=20)
-    seqs = [Sequence(f"r{i}", [i + 1] * 7, SamplingParams(max_tokens=2)) for i in range(5)]
-    seqs.append(Sequence("long", [9] * 25, SamplingParams(max_tokens=2)))  # over budget: runs alone
+    seqs = [Sequence(f"r{i}", [i + 1] * 7, SamplingParams(max_tokens=3)) for i in range(4)]
+    long = Sequence("long", list(range(1, 46)), SamplingParams(max_tokens=3))
+    seqs.insert(1, long)
     for s in seqs:
         sched.add(s)
     first = sched.schedule()
-    assert first.kind is BatchKind.PREFILL and [s.request_id for s in first.seqs] == ["r0", "r1"]
-    assert first.num_tokens == 14
-    assert first.inputs.query_start_loc.tolist() == [0, 7, 14] and first.inputs.logits_indices.tolist() == [6, 13]
-    assert first.inputs.positions.tolist() == list(range(7)) * 2
-    sched.postprocess(first, [1, 2])
-    second = sched.schedule()  # waiting work and room: prefill before decode
-    assert [s.request_id for s in second.seqs] == ["r2", "r3"]
-    sched.postprocess(second, [1, 2])
-    third = sched.schedule()
-    assert [s.request_id for s in third.seqs] == ["r4"]  # r4 + long would exceed the budget
-    sched.postprocess(third, [3])
-    fourth = sched.schedule()
-    assert [s.request_id for s in fourth.seqs] == ["long"] and fourth.num_tokens == 25
+    assert [s.request_id for s in first.seqs] == ["r0", "long", "r1", "r2", "r3"]
+    assert first.num_tokens == 20 and first.partial_rows == frozenset(range(5))
+    rows = toy_model(sched).step(first, first.inputs.input_ids)
+    sched.postprocess(first, [rows[r] for r in first.sample_rows])
+    batches = [first] + run(sched)
+    assert_complete(seqs)
+    chunks_of_long = [b for b in batches if b.is_prefill and long in b.seqs[b.num_decode_rows:]]
+    assert len(chunks_of_long) > 2
+    ends = [int(b.inputs.seq_lens[b.seqs.index(long)]) for b in chunks_of_long]
+    assert ends == sorted(ends) and ends[-1] == 45
+    short_done = max(i for i, b in enumerate(batches) for s in b.sampled_seqs if s.request_id.startswith("r")
+                     and s.num_output_tokens and b.is_prefill)
+    assert short_done < batches.index(chunks_of_long[-1]), "a short prompt waited for the long one's prefill"
+    for b in batches:
+        assert b.num_tokens <= max(sched.max_prefill_tokens, b.num_decode_rows)
+        assert all(len(b.seqs[r].token_ids) for r in range(b.num_decode_rows))
+
+
+def test_fair_shares_split_the_budget():
+    from hybridd.engine.scheduler import fair_shares
+
+    assert fair_shares([7, 7, 100], 20) == [7, 7, 6]
+    assert fair_shares([100, 3, 100], 21) == [9, 3, 9]
+    assert fair_shares([1, 1], 10) == [1, 1]
+    assert fair_shares([50, 50, 50], 3) == [1, 1, 1]
+    assert sum(fair_shares([9, 40, 2, 77], 64)) == 64
 
 
 def test_max_prefill_seqs_caps_rows_per_prefill():
@@ -207,14 +227,14 @@ def test_preemption_by_recompute_completes_all_tokens():
         check_block_invariants(sched)
         preempted |= {s.request_id for s in sched.waiting if s.status is SequenceStatus.PREEMPTED}
         if batch.is_prefill:
-            # A re-prefill covers prompt and the output generated so far, after the
-            # blocks of them still in the prefix cache.
-            for row, s in enumerate(batch.seqs):
+            # A re-prefill covers prompt and the output generated so far, in chunks, after
+            # the blocks of them still in the prefix cache.
+            for row, s in enumerate(batch.seqs[batch.num_decode_rows:], start=batch.num_decode_rows):
                 lo, hi = batch.inputs.query_start_loc[row : row + 2].tolist()
                 start = int(batch.inputs.positions[lo])
-                assert start % sched.block_manager.block_size == 0
-                assert batch.inputs.input_ids[lo:hi].tolist() == s.token_ids[start:]
-        sched.postprocess(batch, model.step(batch, batch.inputs.input_ids))
+                assert batch.inputs.input_ids[lo:hi].tolist() == s.token_ids[start:start + hi - lo]
+        rows = model.step(batch, batch.inputs.input_ids)
+        sched.postprocess(batch, [rows[r] for r in batch.sample_rows])
     assert len(preempted) >= 2
     assert_complete(seqs)
     assert sched.block_manager.num_free == 16
@@ -266,7 +286,7 @@ def test_overlapped_pipeline_computes_nothing_past_a_length_limit():
     assert_complete(seqs)
     assert long_one.finish_reason == "length" and len(long_one) == 40
     for s in [*seqs, long_one]:
-        steps = sum(any(q is s for q in b.seqs) for b in batches)
+        steps = sum(any(q is s for q in b.sampled_seqs) for b in batches)
         assert steps == s.num_output_tokens, (s.request_id, steps, s.num_output_tokens)
 
 
@@ -363,7 +383,7 @@ def run_forked_overlapped(sched: Scheduler, max_steps: int = 10_000) -> list[Sch
             held = {b for s in sched.running for b in s.block_table}
             assert len(held) + bm.num_free == bm.num_blocks, "blocks leaked"
             ids = torch.from_numpy(batch.inputs.input_ids.copy())
-            for i in (batch.input_src_step >= 0).nonzero().flatten().tolist() if not batch.is_prefill else ():
+            for i in (batch.input_src_step >= 0).nonzero().flatten().tolist() if batch.inputs_on_device else ():
                 ids[i] = sampled[int(batch.input_src_step[i])][int(batch.input_src_row[i])]
             rows = model.step(batch, ids)
             for src, dst in batch.kv_copies:
@@ -397,8 +417,8 @@ def test_forks_share_one_prefill_and_read_the_prompt_kv(prompt_len):
     batches = run_forked_overlapped(sched)
     prefill = next(b for b in batches if group[0] in b.seqs)
     assert [f for _, f in prefill.forks] == group[1:]
-    assert sum(1 for b in batches for s in b.seqs if s.request_id.startswith("g")
-               and b.is_prefill) == 1, "the prompt is prefilled once"
+    assert sum(1 for b in batches for s in b.seqs[b.num_decode_rows:] if s.request_id.startswith("g")) == 1, \
+        "the prompt is prefilled once"
     assert len(prefill.kv_copies) == (2 if prompt_len % 4 else 0)
     for seq in group:
         assert seq.output_token_ids == reference(prompt, 12), seq.request_id

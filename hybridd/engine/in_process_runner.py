@@ -29,14 +29,14 @@ class InProcessRunner:
         if batch.inputs_on_device:
             raise RuntimeError("the in-process runner takes steps whose input tokens are on the host "
                                "(drive its core with pipeline_depth=1)")
-        if batch.kv_copies:
+        logits = self.model.forward_logits(batch.inputs.on(self.device), self.kv_cache)
+        if batch.kv_copies:  # forks' copies of the prompt's last block, once this step wrote it
             src = torch.tensor([c[0] for c in batch.kv_copies], dtype=torch.int64, device=self.device)
             dst = torch.tensor([c[1] for c in batch.kv_copies], dtype=torch.int64, device=self.device)
             arena = self.kv_cache.arena
             arena.index_copy_(2, dst, arena.index_select(2, src))
-        logits = self.model.forward_logits(batch.inputs.on(self.device), self.kv_cache)
-        if batch.forks:
-            logits = logits.index_select(0, torch.tensor(batch.sample_rows, device=self.device))
+        if batch.selects_rows:
+            logits = logits.index_select(0, torch.tensor(batch.sample_rows, dtype=torch.int64, device=self.device))
         seqs = batch.sampled_seqs
         tensors = SamplingTensors.from_sequences(seqs, logits.shape[-1], self.device)
         tokens, logprobs = self.sampler.sample(logits, tensors, with_logprobs=any(s.params.logprobs for s in seqs))

@@ -1,9 +1,14 @@
 """Continuous batching: which sequences run in the next step, and the step's inputs.
 
-Each step is either a prefill of whole prompts (first come, first served, within a
-token budget, admitted only when their KV blocks fit above the block manager's
-watermark) or a decode of every running sequence. Prefill wins when there is
-waiting work and room, as in vLLM V0 and nano-vllm. When decode runs out of KV
+Decode first, prompts in chunks (vLLM V1's unified step): every step carries a token
+for each running sequence past its prompt, and fills the rest of a token budget
+(`max_prefill_tokens`) with chunks of prompts, shared out evenly among them, so a long
+prompt is prefilled over several steps while the streams keep ticking, and a short one
+behind it waits a chunk per step. Prompts are admitted first come, first served when
+their KV blocks fit above the block manager's watermark, with blocks for the whole
+prompt; a chunk's rows start where the prompt's KV written so far ends. A step with
+chunks is a prefill step whose first rows are the decode rows; one without is a
+decode step (the decode graphs' fast path). When decode runs out of KV
 blocks, the most recently admitted sequence is preempted by recompute: its blocks
 are freed and it goes back to the front of the waiting queue, keeping its output
 so that its next prefill covers prompt + output so far. A sequence is admitted with
@@ -11,7 +16,7 @@ the blocks of its prefix that the block manager's prefix cache holds (a recomput
 one usually finds its own), and its prefill row starts after them.
 
 A request for n sequences is queued as one sequence carrying n − 1 forks: its prefill
-runs once, and the forks join the running batch right there, each sampling its own
+runs once, and the forks join the running batch at its final chunk, each sampling its own
 first token from the prompt's logits and sharing the prompt's KV blocks (the step
 lists the partly filled blocks to copy). After that they are ordinary sequences.
 
@@ -62,12 +67,17 @@ class ScheduledBatch:
     seqs: list[Sequence]
     inputs: HostStepInputs  # unpadded; input_ids are -1 where the token is still on the device
     # Decode only (None for a prefill, whose tokens are all the prompt's, on the host):
+    # None when every input token is on the host (a prefill step without such decode rows):
     input_src_step: torch.Tensor | None  # [T] int64; step that sampled the input token, -1 when on host
     input_src_row: torch.Tensor | None  # [T] int64; its row in that step's sampled tokens
     # Forks sampled from a row's logits in this step: (row, forked sequence), and the KV
     # blocks to copy (source, destination) before the next step reads them.
     forks: list[tuple[int, Sequence]] = field(default_factory=list)
     kv_copies: list[tuple[int, int]] = field(default_factory=list)
+    # Rows of prompt chunks that do not end their prompt: their logits are not sampled.
+    partial_rows: frozenset[int] = frozenset()
+    # The first rows are decode rows, one token each (all of a decode step's rows).
+    num_decode_rows: int = 0
 
     @property
     def is_prefill(self) -> bool:
@@ -83,19 +93,73 @@ class ScheduledBatch:
 
     @property
     def sampled_seqs(self) -> list[Sequence]:
-        """The sequences that get a token from this step: the rows, then the forks."""
-        return self.seqs + [seq for _, seq in self.forks]
+        """The sequences that get a token from this step: the rows that end a prompt or
+        decode, then the forks."""
+        return [seq for row, seq in enumerate(self.seqs) if row not in self.partial_rows] + [
+            seq for _, seq in self.forks]
 
     @property
     def sample_rows(self) -> list[int]:
         """For each sampled sequence, the row of the step's logits it samples from."""
-        return list(range(len(self.seqs))) + [row for row, _ in self.forks]
+        return [row for row in range(len(self.seqs)) if row not in self.partial_rows] + [row for row, _ in self.forks]
+
+    @property
+    def selects_rows(self) -> bool:
+        """Whether the sampled rows are other than the step's rows in order (forks, or
+        chunks that sample nothing): the logits are then gathered by `sample_rows`."""
+        return bool(self.forks or self.partial_rows)
 
     @property
     def inputs_on_device(self) -> bool:
         """True when some input tokens must be gathered from earlier steps' device output
-        (a prefill's never are: its tokens are the prompt's, and output the host has)."""
-        return self.kind is BatchKind.DECODE and bool((self.input_src_step >= 0).any())
+        (only decode rows' can be: a prompt's tokens, and output the host has, are on it)."""
+        return self.input_src_step is not None and bool((self.input_src_step >= 0).any())
+
+
+def fair_shares(needs: list[int], budget: int) -> list[int]:
+    """Tokens for each of the prompts that `needs` tokens, within `budget`: the budget
+    split evenly, a prompt needing less than its share leaving the rest to the others
+    (water-filling); what integer division leaves goes to the first in order. Every
+    prompt gets at least one token while there are no more prompts than tokens."""
+    shares = [0] * len(needs)
+    left = budget
+    order = sorted(range(len(needs)), key=needs.__getitem__)
+    while order and needs[order[0]] <= left // len(order):
+        index = order.pop(0)
+        shares[index] = needs[index]
+        left -= needs[index]
+    for index in sorted(order):  # each needs more than an even share: it gets one
+        shares[index] = min(needs[index], left // len(order))
+    for index in sorted(order):
+        extra = min(needs[index] - shares[index], left - sum(shares[i] for i in order))
+        shares[index] += extra
+    return shares
+
+
+@dataclass
+class StepStats:
+    """What the scheduled steps carried, for status and metrics: steps, the tokens in
+    them, steps with prompt chunks, and of those the chunked ones (a prompt's chunk
+    that does not end it, or that starts after its first token) and the mixed ones
+    (with decode rows)."""
+
+    steps: int = 0
+    tokens: int = 0
+    prefill_steps: int = 0
+    chunked_prefill_steps: int = 0
+    mixed_steps: int = 0
+
+    def count(self, batch: ScheduledBatch, chunks: list[tuple[Sequence, int, int]]) -> None:
+        self.steps += 1
+        self.tokens += batch.num_tokens
+        if chunks:
+            self.prefill_steps += 1
+            self.chunked_prefill_steps += any(start > 0 or start + n < len(seq) for seq, start, n in chunks)
+            self.mixed_steps += batch.num_decode_rows > 0
+
+    @property
+    def tokens_per_step(self) -> float:
+        return self.tokens / self.steps if self.steps else 0.0
 
 
 class Scheduler:
@@ -129,8 +193,10 @@ class Scheduler:
         self.running: list[Sequence] = []  # in admission order
         self.requests: dict[str, Sequence] = {}
         self._fork_parent: dict[str, Sequence] = {}  # a fork not yet forked -> the sequence it waits on
+        self._prefill_left: set[str] = set()  # admitted sequences whose final chunk is not scheduled yet
         self._next_step_id = 0
         self.num_preemptions = 0
+        self.stats = StepStats()
 
     @property
     def has_work(self) -> bool:
@@ -190,14 +256,22 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch | None:
         """The next step, or None when nothing can run until `postprocess` lands
-        (a preempted sequence waits for its in-flight token) or no work is left."""
-        if self.waiting and len(self.running) < self.max_batch:
-            batch = self._schedule_prefill()
-            if batch is not None:
-                return batch
-        if self.running:
-            return self._schedule_decode()
-        return None
+        (a preempted sequence waits for its in-flight token) or no work is left.
+
+        Decode first: every running sequence past its prompt gets its next token. The
+        rest of the step's token budget (`max_prefill_tokens` less those rows) goes to
+        prompt chunks, shared out among the prompts being prefilled and those admitted
+        now (`fair_shares`), so a short prompt behind long ones waits a chunk per step,
+        not their whole prefills. A step with chunks is a prefill step whose first rows
+        are the decode rows (one token each); a step without is a decode step."""
+        decodes = self._decode_rows()
+        chunks = self._prefill_chunks(self.max_prefill_tokens - len(decodes))
+        if not decodes and not chunks:
+            return None
+        step_id = self._take_step_id()
+        batch = self._decode_batch(step_id, decodes) if not chunks else self._mixed_batch(step_id, decodes, chunks)
+        self.stats.count(batch, chunks)
+        return batch
 
     def postprocess(self, batch: ScheduledBatch, next_token_ids: list[int]) -> list[Sequence]:
         """Append each row's sampled token; return the sequences that finished."""
@@ -225,57 +299,13 @@ class Scheduler:
         return (seq.num_output_tokens + seq.num_inflight_tokens >= seq.params.max_tokens
                 or len(seq) + seq.num_inflight_tokens >= self.max_model_len)
 
-    def _schedule_prefill(self) -> ScheduledBatch | None:
-        bm = self.block_manager
-        seqs: list[Sequence] = []
-        num_tokens = 0
-        forks: list[tuple[int, Sequence]] = []
-        kv_copies: list[tuple[int, int]] = []
-        while self.waiting and len(self.running) < self.max_batch and len(seqs) < self.max_prefill_seqs:
-            seq = self.waiting[0]
-            if seq.num_inflight_tokens:
-                break  # preempted while its last token was in flight: wait for it
-            # A lone sequence longer than the budget still runs, alone, or it would starve.
-            new_tokens = len(seq) - len(bm.cached_prefix(seq)) * bm.block_size
-            if seqs and num_tokens + new_tokens > self.max_prefill_tokens:
-                break
-            if len(self.running) + 1 + len(seq.forks) > self.max_batch:
-                break  # a request's sequences start together
-            if not bm.can_admit(seq):
-                break
-            # Its cached prefix is KV already written: its row starts after it.
-            seq.num_computed_tokens = bm.allocate(seq)
-            self.waiting.popleft()
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            for fork in seq.forks:
-                copy = bm.fork(seq, fork)
-                if copy is not None:
-                    kv_copies.append(copy)
-                del self._fork_parent[fork.request_id]
-                fork.status = SequenceStatus.RUNNING
-                self.running.append(fork)
-                forks.append((len(seqs), fork))
-            seq.forks = []
-            seqs.append(seq)
-            num_tokens += len(seq) - seq.num_computed_tokens
-        if not seqs:
-            return None
+    def _prefilling(self, seq: Sequence) -> bool:
+        """Admitted, with prompt chunks left to schedule (its final chunk not yet scheduled)."""
+        return seq.request_id in self._prefill_left
 
-        starts = [seq.num_computed_tokens for seq in seqs]
-        inputs = HostStepInputs.prefill(
-            [seq.token_ids[start:] for seq, start in zip(seqs, starts)], [seq.block_table for seq in seqs],
-            bm.block_size, start_positions=starts, table_width=self.block_table_width,
-        )
-        step_id = self._take_step_id()
-        for sample_row, (row, fork) in enumerate(forks, start=len(seqs)):
-            self._mark_scheduled(fork, step_id, sample_row, num_computed=len(seqs[row]))
-        for row, seq in enumerate(seqs):
-            self._mark_scheduled(seq, step_id, row, num_computed=len(seq))
-        # No tensors of source steps: a prefill's first token waits for this work.
-        return ScheduledBatch(BatchKind.PREFILL, step_id, seqs, inputs, None, None, forks=forks, kv_copies=kv_copies)
-
-    def _schedule_decode(self) -> ScheduledBatch | None:
+    def _decode_rows(self) -> list[Sequence]:
+        """The running sequences past their prompt that take a token this step, each with
+        a slot for it; when KV blocks run out, the latest admitted sequence is preempted."""
         bm = self.block_manager
         seqs: list[Sequence] = []
         row = 0
@@ -283,8 +313,8 @@ class Scheduler:
             seq = self.running[row]
             if seq.num_inflight_tokens > 1:
                 raise RuntimeError("schedule() ran more than one step ahead of postprocess()")
-            if self._ends_when_landed(seq):
-                row += 1  # its in-flight token is its last: a step now would be thrown away
+            if self._prefilling(seq) or self._ends_when_landed(seq):
+                row += 1  # a prompt still in chunks, or its in-flight token is its last
                 continue
             if bm.can_append(seq):
                 bm.append_slot(seq)
@@ -293,21 +323,52 @@ class Scheduler:
             else:
                 # The victim is never an already scheduled row: those precede `row`.
                 self._preempt(self.running[-1])
-        if not seqs:
-            return None
+        return seqs
 
-        step_id = self._take_step_id()
+    def _prefill_chunks(self, budget: int) -> list[tuple[Sequence, int, int]]:
+        """(sequence, first position, tokens) of the prompt chunks of this step, within
+        `budget` tokens: the prompts being prefilled, then waiting ones admitted in order
+        (each with blocks for its whole prompt, its cached prefix counted computed)."""
+        if budget <= 0:
+            return []
+        bm = self.block_manager
+        prompts = [seq for seq in self.running if self._prefilling(seq)]
+        # A request's forks join the running batch at its final chunk: their places are kept.
+        places = len(self.running) + sum(len(seq.forks) for seq in prompts)
+        while self.waiting and len(prompts) < min(budget, self.max_prefill_seqs):
+            seq = self.waiting[0]
+            if seq.num_inflight_tokens:
+                break  # preempted while its last token was in flight: wait for it
+            if places + 1 + len(seq.forks) > self.max_batch:
+                break  # a request's sequences start together
+            if not bm.can_admit(seq):
+                break
+            # Its cached prefix is KV already written: its chunks start after it.
+            seq.num_computed_tokens = bm.allocate(seq)
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            self._prefill_left.add(seq.request_id)
+            places += 1 + len(seq.forks)
+            prompts.append(seq)
+        shares = fair_shares([len(seq) - seq.num_computed_tokens for seq in prompts], budget)
+        chunks = []
+        for seq, n in zip(prompts, shares, strict=True):
+            start = seq.num_computed_tokens
+            if start + n == len(seq) and sum(bm.fork_blocks(len(seq)) for _ in seq.forks) > bm.num_free:
+                n -= 1  # no blocks yet for its forks' copies: the final chunk waits for them
+            if n > 0:
+                chunks.append((seq, start, n))
+        return chunks
+
+    def _decode_batch(self, step_id: int, seqs: list[Sequence]) -> ScheduledBatch:
+        bm = self.block_manager
         input_ids, src_step, src_row, positions = [], [], [], []
         for row, seq in enumerate(seqs):
-            if seq.num_inflight_tokens:
-                step, src = seq.inflight_source
-                input_ids.append(-1)
-                src_step.append(step)
-                src_row.append(src)
-            else:
-                input_ids.append(seq.last_token)
-                src_step.append(-1)
-                src_row.append(-1)
+            token, step, src = self._decode_input(seq)
+            input_ids.append(token)
+            src_step.append(step)
+            src_row.append(src)
             positions.append(seq.last_position)
             self._mark_scheduled(seq, step_id, row, num_computed=seq.last_position + 1)
         inputs = HostStepInputs.decode(
@@ -316,7 +377,72 @@ class Scheduler:
         return ScheduledBatch(
             BatchKind.DECODE, step_id, seqs, inputs,
             torch.tensor(src_step, dtype=torch.int64), torch.tensor(src_row, dtype=torch.int64),
+            num_decode_rows=len(seqs),
         )
+
+    def _mixed_batch(
+        self, step_id: int, decodes: list[Sequence], chunks: list[tuple[Sequence, int, int]]
+    ) -> ScheduledBatch:
+        """A prefill step: the decode rows first (one token each, which may still be on the
+        device), then the prompt chunks. A chunk that does not end its prompt samples
+        nothing; a final one samples its sequence's first token, and its forks join there."""
+        bm = self.block_manager
+        tokens, starts, src_step, src_row = [], [], [], []
+        for seq in decodes:
+            token, step, src = self._decode_input(seq)
+            tokens.append([token])
+            starts.append(seq.last_position)
+            src_step.append(step)
+            src_row.append(src)
+        on_device = any(step >= 0 for step in src_step)
+        for seq, start, n in chunks:
+            tokens.append(seq.token_ids[start:start + n])
+            starts.append(start)
+        seqs = decodes + [seq for seq, _, _ in chunks]
+        inputs = HostStepInputs.prefill(tokens, [seq.block_table for seq in seqs], bm.block_size,
+                                        start_positions=starts, table_width=self.block_table_width)
+        partial: set[int] = set()
+        forks: list[tuple[int, Sequence]] = []
+        kv_copies: list[tuple[int, int]] = []
+        for row, (seq, start, n) in enumerate(chunks, start=len(decodes)):
+            if start + n < len(seq):
+                partial.add(row)
+                seq.num_computed_tokens = start + n
+                bm.cache_blocks(seq)
+                continue
+            self._prefill_left.discard(seq.request_id)
+            for fork in seq.forks:
+                copy = bm.fork(seq, fork)
+                if copy is not None:
+                    kv_copies.append(copy)
+                del self._fork_parent[fork.request_id]
+                fork.status = SequenceStatus.RUNNING
+                self.running.append(fork)
+                forks.append((row, fork))
+            seq.forks = []
+        # Each sampled sequence's in-flight token is at its index among the step's sampled rows.
+        sampled = [row for row in range(len(seqs)) if row not in partial]
+        for index, (row, fork) in enumerate(forks, start=len(sampled)):
+            self._mark_scheduled(fork, step_id, index, num_computed=len(seqs[row]))
+        for index, row in enumerate(sampled):
+            seq = seqs[row]
+            self._mark_scheduled(seq, step_id, index, num_computed=int(inputs.seq_lens[row]))
+        pad = [-1] * (inputs.num_tokens - len(decodes))
+        return ScheduledBatch(
+            BatchKind.PREFILL, step_id, seqs, inputs,
+            torch.tensor(src_step + pad, dtype=torch.int64) if on_device else None,
+            torch.tensor(src_row + pad, dtype=torch.int64) if on_device else None,
+            forks=forks, kv_copies=kv_copies, partial_rows=frozenset(partial), num_decode_rows=len(decodes),
+        )
+
+    @staticmethod
+    def _decode_input(seq: Sequence) -> tuple[int, int, int]:
+        """(token id, source step, source row) of a decode row's input: a token still on
+        the device is -1 here, gathered from the step that sampled it."""
+        if seq.num_inflight_tokens:
+            step, src = seq.inflight_source
+            return -1, step, src
+        return seq.last_token, -1, -1
 
     def _mark_scheduled(self, seq: Sequence, step_id: int, row: int, num_computed: int) -> None:
         seq.num_computed_tokens = num_computed
@@ -327,6 +453,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.num_preemptions += 1
         self.running.remove(seq)
+        self._prefill_left.discard(seq.request_id)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.PREEMPTED
         self.waiting.appendleft(seq)
@@ -340,6 +467,13 @@ class Scheduler:
     def _finish(self, seq: Sequence, reason: str, stop_reason: str | int | None = None) -> None:
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
+            if self._prefilling(seq):
+                self._prefill_left.discard(seq.request_id)
+                # Its forks no longer have a prefill to share: each is prefilled on its own.
+                for fork in reversed(seq.forks):
+                    del self._fork_parent[fork.request_id]
+                    self.waiting.appendleft(fork)
+                seq.forks = []
         elif seq.request_id in self._fork_parent:  # a fork still waiting for its prefill
             self._fork_parent.pop(seq.request_id).forks.remove(seq)
         elif seq.status in (SequenceStatus.WAITING, SequenceStatus.PREEMPTED):

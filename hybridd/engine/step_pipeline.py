@@ -119,7 +119,8 @@ class StepPipeline:
         if on_device:
             # A decode row's input is the token it sampled a step ago, which the host has
             # not collected yet: penalties count it on the device.
-            tensors.record(self.buffers.input_ids[:n_seqs], self._to_device(batch.input_src_step >= 0))
+            k = batch.num_decode_rows  # the rows whose input can be on the device come first
+            tensors.record(self.buffers.input_ids[:k], self._to_device(batch.input_src_step[:k] >= 0))
         if self.while_launching is not None:
             self.while_launching()
         self._await_launched(batch.step_id)
@@ -128,8 +129,8 @@ class StepPipeline:
         if batch.kv_copies:
             self._copy_blocks(batch.kv_copies)
         logits = self.buffers.logits[:n_seqs]
-        if batch.forks:
-            logits = logits.index_select(0, self._to_device(torch.tensor(batch.sample_rows)))
+        if batch.selects_rows:
+            logits = logits.index_select(0, self._to_device(torch.tensor(batch.sample_rows, dtype=torch.int64)))
         n_rows = logits.shape[0]
         out = self.ring[batch.step_id % RING_STEPS, :n_rows]
         _, logprobs = self.sampler.sample(logits, tensors, out,
