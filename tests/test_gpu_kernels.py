@@ -245,6 +245,7 @@ def _fused_against_torch(tiny_model_dir, enabled, monkeypatch, shapes, prompts=P
     caches. Returns the kinds of fused launches made."""
     from hybridd.kernels import gemm_fusions
     from hybridd.kernels import triton_gemm
+    from hybridd.kernels.choices import KernelChoices
     from hybridd.model import KVCache, load_model
     from hybridd.kernels.selection import select_kernels
     from hybridd.kernels.triton_gemm import GemmConfig
@@ -259,14 +260,14 @@ def _fused_against_torch(tiny_model_dir, enabled, monkeypatch, shapes, prompts=P
     layer = model.layers[0]
     table = {tuple(getattr(layer, name).weight.shape): [(32, GemmConfig(16, 32, 2 if name == "o_proj" else 1))]
              for name in shapes}
-    monkeypatch.setattr(triton_gemm, "_TABLE", table)
-    monkeypatch.setattr(gemm_fusions, "ENABLED", gemm_fusions.parse(enabled))
+    # Configs that fit the tiny model's shapes, for the projections named only.
+    monkeypatch.setattr(triton_gemm, "config_for",
+                        lambda m, n, k, multiprocessors: table.get((n, k), [(0, None)])[0][1] if m <= 32 else None)
     launched = []
     real_launch = triton_gemm.launch
 
     def counting_launch(*args, **kwargs):
-        launched.append([k for k in ("gated", "rotary", "norm", "residual")
-                         if kwargs.get(k) is not None and kwargs.get(k) is not False])
+        launched.append([k for k in ("rotary", "norm", "residual") if kwargs.get(k) is not None])
         return real_launch(*args, **kwargs)
 
     monkeypatch.setattr(triton_gemm, "launch", counting_launch)
@@ -276,7 +277,7 @@ def _fused_against_torch(tiny_model_dir, enabled, monkeypatch, shapes, prompts=P
 
     model.kernels = select_kernels(DEVICE, "torch")
     ref_logits, ref_kv = _steps_logits(model, kv_factory, DEVICE, prompts)
-    model.kernels = select_kernels(DEVICE, "triton")
+    model.kernels = select_kernels(DEVICE, KernelChoices("triton", gemm_fusions.parse(enabled)))
     model.kernels.norms_folded = "norm" in enabled
     logits, kv = _steps_logits(model, kv_factory, DEVICE, prompts)
     assert rel(logits, ref_logits) < (2e-2 if CUDA else 1e-5)
@@ -313,48 +314,20 @@ def test_folding_the_norms_keeps_the_function(tiny_model_dir):
 
 
 @torch.inference_mode()
-@pytest.mark.parametrize("enabled", ["norm", "rotary,silu", "norm,rotary,silu"])
+@pytest.mark.parametrize("enabled", ["norm", "rotary", "norm,rotary"])
 def test_fused_neighbours_match_the_torch_path(tiny_model_dir, enabled, monkeypatch):
-    """Every projection of the tiny model on the skinny kernel (a table entry for each of
-    its shapes, the o_proj's split in K), with the named neighbours fused into it: the
+    """Every projection of the tiny model on the skinny kernel (a config for each of its
+    shapes, the o_proj's split in K), with the named neighbours fused into it: the
     logits of a 29-token prefill and three decode steps, and the KV caches they wrote,
     equal the torch path's (float32 on the CPU; bf16 within a rounding step on the GPU).
     The fused launches are counted, so a fallback to the separate kernels cannot pass."""
     kinds, layers = _fused_against_torch(tiny_model_dir, enabled, monkeypatch,
                                          ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))
     steps = 4
-    expected = {"norm": 2 * layers * steps - steps, "residual": 2 * layers * steps,
-                "rotary": layers * steps, "gated": layers * steps}
+    expected = {"norm": 2 * layers * steps - steps, "residual": 2 * layers * steps, "rotary": layers * steps}
     for name in enabled.split(","):
-        for kind in {"norm": ("norm", "residual"), "rotary": ("rotary",), "silu": ("gated",)}[name]:
+        for kind in {"norm": ("norm", "residual"), "rotary": ("rotary",)}[name]:
             assert kinds.count(kind) == expected[kind], (kind, kinds.count(kind))
-
-
-@torch.inference_mode()
-def test_the_mlp_as_one_kernel_matches_the_torch_path(tiny_model_dir, monkeypatch):
-    """The `mlp` fusion (with norm and rotary): each layer's MLP of the three decode steps
-    runs as one persistent kernel (tiles that fit the tiny model), the 29-token prefill's
-    (more rows than it takes) as the separate kernels, and the logits and caches equal the
-    torch path's. Its launches are counted, so a fallback cannot pass."""
-    from hybridd.kernels import triton_mlp
-
-    monkeypatch.setattr(triton_mlp, "CONFIG", triton_mlp.MlpConfig(32, 32, 2, 16, 16, 2))
-    fused = []
-    real = triton_mlp.fused_mlp
-
-    def counted(*args, **kwargs):
-        out = real(*args, **kwargs)
-        fused.append(out is not None)
-        return out
-
-    monkeypatch.setattr(triton_mlp, "fused_mlp", counted)
-    kinds, layers = _fused_against_torch(tiny_model_dir, "norm,rotary,mlp", monkeypatch,
-                                         ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))
-    decode_steps = 3
-    assert fused == [False] * layers + [True] * layers * decode_steps
-    assert kinds.count("gated") == 0
-    assert kinds.count("residual") == layers * (decode_steps + 1) + layers  # every o_proj, the prefill's down_proj
-    assert kinds.count("rotary") == layers * (decode_steps + 1)
 
 
 @torch.inference_mode()
@@ -364,10 +337,9 @@ def test_fused_steps_fall_back_where_the_kernel_cannot_run(tiny_model_dir, monke
     the separate kernels on the folded weights (unit-weight norms, the add where the
     stream still carries it), and the logits and caches still equal the torch path's."""
     prompts = [[5, 9, 3, 17, 2, 8, 11], [4, 30, 99] * 10, [7, 8]]
-    kinds, layers = _fused_against_torch(tiny_model_dir, "norm,rotary,silu", monkeypatch,
+    kinds, layers = _fused_against_torch(tiny_model_dir, "norm,rotary", monkeypatch,
                                          ("qkv_proj", "o_proj", "down_proj"), prompts)
     decode_steps = 3
-    assert kinds.count("gated") == 0
     assert kinds.count("residual") == 2 * layers * decode_steps  # o and down of each decode step
     assert kinds.count("norm") == (layers - 1) * decode_steps  # qkv after down's fused add; gate/up falls back
     assert kinds.count("rotary") == layers * decode_steps
@@ -519,13 +491,14 @@ def replayed_logits(model, step, kv, before_replay=lambda: None) -> torch.Tensor
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("prefetch", [0, 512])
 @pytest.mark.parametrize("shape", sorted(PDL_SHAPES))
-def test_dependent_launch_changes_no_bit_of_a_decode_step(shape, prefetch):
-    """A decode step captured as a graph with programmatic dependent launch (and the
-    GEMM's weight prefetch) gives the logits of the same step without it, bit for bit:
-    a kernel that touched step data before its predecessor finished would not."""
-    from hybridd.kernels import pdl, triton_gemm
+def test_dependent_launch_changes_no_bit_of_a_decode_step(shape):
+    """A decode step captured as a graph with programmatic dependent launch gives the
+    logits of the same step without it, bit for bit: a kernel that touched step data
+    before its predecessor finished would not."""
+    from hybridd.kernels import triton_gemm
+    from hybridd.kernels.choices import KernelChoices
+    from hybridd.kernels.selection import select_kernels
     from hybridd.model import KVCache
 
     cfg, model = two_layer_model(shape)
@@ -533,17 +506,13 @@ def test_dependent_launch_changes_no_bit_of_a_decode_step(shape, prefetch):
     kv = KVCache.allocate(cfg, 3 * 45 + 1, page, torch.bfloat16, "cuda")
     tables = [list(range(i * 45, i * 45 + 45)) for i in range(len(lens))]
     step = StepInputs.decode([7, 8, 9], lens, tables, page).to("cuda")
-    assert all(triton_gemm.config_for(3, *w.shape) is not None
+    assert all(triton_gemm.config_of(3, w) is not None
                for w in (model.layers[0].qkv_proj.weight, model.layers[0].o_proj.weight,
                          model.layers[0].gate_up_proj.weight, model.layers[0].down_proj.weight, model.lm_head.weight))
-    saved = pdl.ENABLED, triton_gemm.PREFETCH_COLUMNS
     logits = {}
-    try:
-        for on in (False, True):
-            pdl.ENABLED, triton_gemm.PREFETCH_COLUMNS = on, prefetch
-            logits[on] = replayed_logits(model, step, kv)
-    finally:
-        pdl.ENABLED, triton_gemm.PREFETCH_COLUMNS = saved
+    for on in (False, True):
+        model.kernels = select_kernels("cuda", KernelChoices("triton", frozenset(), pdl=on))
+        logits[on] = replayed_logits(model, step, kv)
     assert torch.equal(logits[True], logits[False])
 
 
@@ -560,7 +529,8 @@ def test_batch_one_attention_reads_the_newest_token_after_its_wait(shape, fusion
     the logits, which must equal those of the same graph without dependent launch bit for
     bit, for newest tokens in the first, a middle and the last of the batch-1 splits."""
     from hybridd.kernels import gemm_fusions
-    from hybridd.kernels import pdl
+    from hybridd.kernels.choices import KernelChoices
+    from hybridd.kernels.selection import select_kernels
     from hybridd.model import KVCache
 
     cfg, model = two_layer_model(shape)
@@ -568,22 +538,19 @@ def test_batch_one_attention_reads_the_newest_token_after_its_wait(shape, fusion
     kv = KVCache.allocate(cfg, width + 1, page, torch.bfloat16, "cuda")
     kv.arena.normal_()
     table = torch.randperm(width).tolist()
-    saved = pdl.ENABLED, gemm_fusions.ENABLED
-    gemm_fusions.ENABLED = gemm_fusions.parse(fusions)
-    model.kernels.norms_folded = "norm" in gemm_fusions.ENABLED
-    try:
-        for position in (36, 300, 1000):
-            step = StepInputs.decode([7], [position], [table], page).to("cuda")
-            block, offset = table[position // page], position % page
+    kernels = {on: select_kernels("cuda", KernelChoices("triton", gemm_fusions.parse(fusions), pdl=on))
+               for on in (False, True)}
+    for chosen in kernels.values():
+        chosen.norms_folded = "norm" in chosen.fusions
+    for position in (36, 300, 1000):
+        step = StepInputs.decode([7], [position], [table], page).to("cuda")
+        block, offset = table[position // page], position % page
 
-            def poison(block=block, offset=offset):
-                kv.arena[:, :, block, offset] = 30.0
+        def poison(block=block, offset=offset):
+            kv.arena[:, :, block, offset] = 30.0
 
-            logits = {}
-            for on in (False, True):
-                pdl.ENABLED = on
-                logits[on] = replayed_logits(model, step, kv, before_replay=poison)
-            assert torch.equal(logits[True], logits[False]), position
-    finally:
-        pdl.ENABLED, gemm_fusions.ENABLED = saved
-        model.kernels.norms_folded = "norm" in gemm_fusions.ENABLED
+        logits = {}
+        for on in (False, True):
+            model.kernels = kernels[on]
+            logits[on] = replayed_logits(model, step, kv, before_replay=poison)
+        assert torch.equal(logits[True], logits[False]), position

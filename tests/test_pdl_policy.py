@@ -1,6 +1,6 @@
 """Which steps launch their Triton kernels with programmatic dependent launch
-(hybridd/kernels/pdl.py): not a step whose projections run on cuBLAS, and the choice is
-per thread, since the graph generator's capture thread and serving thread run steps of
+(hybridd/kernels/pdl.py): not a step whose projections run on cuBLAS, nor any step of a
+kernel set whose choices turn it off, and the choice is per thread, since the graph generator's capture thread and serving thread run steps of
 different sizes at once. Checked on the CPU with a device index marked capable."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from hybridd.kernels import pdl
+from hybridd.kernels.choices import KernelChoices
 from hybridd.kernels.selection import TritonKernels
 
 GPU = torch.device("cuda", 0)
@@ -20,8 +21,6 @@ GPU = torch.device("cuda", 0)
 def capable(monkeypatch):
     monkeypatch.setattr(pdl, "_INTERPRET", False)
     monkeypatch.setattr(pdl, "_capable", {0: True})
-    monkeypatch.setattr(pdl, "ENABLED", True)
-    monkeypatch.setattr(pdl, "CUBLAS_STEPS", False)
 
 
 def _enabled_in_another_thread() -> bool:
@@ -52,13 +51,24 @@ def test_a_step_past_the_skinny_rows_launches_without_pdl(capable):
     assert pdl.enabled(GPU)
 
 
-def test_cublas_steps_may_keep_pdl(capable, monkeypatch):
-    monkeypatch.setattr(pdl, "CUBLAS_STEPS", True)
-    with TritonKernels().launches(512):
-        assert pdl.enabled(GPU)
+def test_choices_without_pdl_turn_it_off_for_every_step_and_the_lm_head(capable):
+    kernels = TritonKernels(KernelChoices(pdl=False))
+    for rows in (1, kernels.skinny_rows, kernels.skinny_rows + 1):
+        with kernels.launches(rows):
+            assert not pdl.enabled(GPU), rows
+    assert pdl.enabled(GPU)  # the choice holds inside its launches only: no global was set
+    seen = []
 
+    def recording_linear(x, weight, bias=None):
+        seen.append(pdl.enabled(GPU))
+        return x
 
-def test_the_daemon_setting_still_turns_it_off_everywhere(capable, monkeypatch):
-    monkeypatch.setattr(pdl, "ENABLED", False)
-    with TritonKernels().launches(1):
-        assert not pdl.enabled(GPU)
+    # What the projection sees of the policy when the kernel set calls it (the GPU tests
+    # run the real one).
+    kernels._gemm = type("RecordingGemm", (), {"linear": staticmethod(recording_linear)})
+    kernels.linear(torch.zeros(4, 8), torch.zeros(8, 8))  # the LM head, outside a step's launches
+    assert seen == [False]
+    with_pdl = TritonKernels()
+    with_pdl._gemm = kernels._gemm
+    with_pdl.linear(torch.zeros(4, 8), torch.zeros(8, 8))
+    assert seen == [False, True]

@@ -18,11 +18,10 @@ from typing import Any
 import torch
 import zmq
 
-from hybridd.kernels import gemm_fusions
 from hybridd import environment
 from hybridd.config import Config, resolve_device, resolve_dtype
 from hybridd.log import configure, get_logger
-from hybridd.kernels import pdl
+from hybridd.kernels.choices import KernelChoices
 from hybridd.model import KVCache, ModelConfig, load_model
 from hybridd.model.kv_cache import kv_arena_shape, kv_bytes_per_block
 from hybridd.runtime import gc_pauses
@@ -93,11 +92,11 @@ class GraphGenerator:
         if slow_load_s > 0:  # the test hook: a load as slow as a cold disk's
             self.log.warning("loading slowly on purpose", seconds=slow_load_s, hook=SLOW_LOAD_HOOK)
             time.sleep(slow_load_s)
-        gemm_fusions.ENABLED = gemm_fusions.parse(config.gemm_fusions)
-        pdl.ENABLED = config.pdl
         model_config = ModelConfig.from_dir(config.model)
         max_model_len = min(config.max_model_len or model_config.max_model_len, model_config.max_model_len)
-        model = load_model(config.model, dtype=dtype, device=self.device, max_positions=max_model_len)
+        choices = KernelChoices.from_settings("auto", config.gemm_fusions, config.pdl)
+        model = load_model(config.model, dtype=dtype, device=self.device, max_positions=max_model_len,
+                           kernels=choices)
         mc = model.config
         self.model = model
         self.max_model_len = max_model_len

@@ -126,6 +126,7 @@ class TorchKernels(ComposedSteps):
     name = "torch"
     supports_sliding_window = True
     skinny_rows = 0  # every projection goes to torch's matmul (cuBLAS on CUDA)
+    fusions: frozenset[str] = frozenset()  # no projection computes a neighbour
     rms_norm = staticmethod(rms_norm)
     add_rms_norm = staticmethod(add_rms_norm)
     rotary_write_kv = staticmethod(rotary_write_kv)

@@ -6,20 +6,19 @@ last memory access to the next kernel's first: the launch, the new grid's ramp-u
 its first loads. On Hopper and newer a kernel launched with PDL may start while the
 kernel before it in the stream is still running. It then waits (`gdc_wait`) for that
 kernel's completion and memory before its first load of step data and before any
-store, and lets its own successor launch right after; what it may do before the wait
-touches only what no kernel of the step writes (the skinny GEMM's L2 prefetch of its
-weights). CUDA graphs capture these launches as programmatic edges.
+store, and lets its own successor launch right after. CUDA graphs capture these
+launches as programmatic edges.
 
 Every kernel launched with PDL waits, even one with nothing to read, so that the
 order of the whole chain holds: a kernel completes only after its predecessor did.
 Kernels launched without PDL (torch's, cuBLAS's) keep the stream's full ordering.
 
-On by default (the daemon's `pdl` setting, `HYBRIDD_PDL`; the graph generator sets
-`ENABLED` from it before it loads the model). In one process it shortens the 7B decode
-step by 3 %. Through the daemon the gain reaches the client only when both workers
-share the GPU through MPS (`cuda_mps`, on by default where MPS is installed): ITL p50
-3.961 ms with MPS alone, 3.845 ms with MPS and PDL; without MPS the two contexts'
-hand-overs absorb it (docs/benchmarks.md).
+Supported devices launch with PDL unless the thread is inside `off()`: the model's
+kernel set enters it for a step whose projections run on cuBLAS (whose kernels neither
+wait nor let their successors launch early; there the chain measured slower with it)
+and for every step where its `KernelChoices` turn PDL off (the daemon's `pdl` setting,
+`HYBRIDD_PDL`). Through the daemon the gain reaches the client only when both workers
+share the GPU through MPS (`cuda_mps`). Figures: docs/lab/kernels.md.
 """
 
 from __future__ import annotations
@@ -33,23 +32,15 @@ import triton.language as tl
 
 from hybridd import environment
 
-ENABLED = True  # the default of Config.pdl
-# Whether a step whose projections run on cuBLAS (more token rows than the skinny kernel
-# takes: a prefill of over 32 tokens) launches its Triton kernels with PDL too. cuBLAS's
-# kernels neither wait nor let their successors launch early, and there the chain was
-# slower with it: Llama-2-7B prefill steps of 64-256 tokens took 0.4-2.9 % longer with
-# PDL, 128 tokens 4.62 ms against 4.49-4.58 ms (`python scripts/bench_pdl_steps.py`,
-# docs/kernels.md).
-CUBLAS_STEPS = False
 _INTERPRET = environment.flag("TRITON_INTERPRET")
 _capable: dict[int, bool] = {}
 _thread = threading.local()  # `off` per thread: the capture thread and the serving thread differ
 
 
 def enabled(device: torch.device) -> bool:
-    """Whether kernels on `device` are launched with PDL (turned on, supported, and not
-    turned off for this thread's step by `off`)."""
-    return ENABLED and not getattr(_thread, "off", False) and supported(device)
+    """Whether kernels on `device` are launched with PDL (supported, and not turned off
+    for this thread by `off`)."""
+    return not getattr(_thread, "off", False) and supported(device)
 
 
 @contextlib.contextmanager

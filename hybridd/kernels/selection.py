@@ -6,8 +6,7 @@ import contextlib
 
 import torch
 
-from hybridd.kernels import gemm_fusions
-from hybridd.kernels import prefill_gemm
+from hybridd.kernels.choices import KernelChoices
 from hybridd.kernels.ops import ComposedSteps, TorchKernels
 from hybridd.kernels.residual_stream import ResidualStream
 from hybridd.kernels.rotary import RotaryArgs
@@ -16,16 +15,19 @@ from hybridd.kernels.rotary import RotaryArgs
 class TritonKernels(ComposedSteps):
     """Fused Triton kernels for norms, RoPE with the KV write, SiLU·mul, paged attention
     (prefill over the packed step, decode over block tables; no sliding window) and the
-    projections of a few token rows (cuBLAS for more rows, or where it is faster). Where
-    a step's projection runs on the skinny kernel, its neighbours named in
-    `gemm_fusions.ENABLED` run inside it: the residual add and the norm, RoPE with the KV
-    write, SiLU·mul. Where it runs on cuBLAS with the norms folded, cuBLAS adds o's and
-    down's products to the stream, and RoPE and SiLU·mul apply the norm's row scales."""
+    projections of a few token rows (cuBLAS for more rows). Where a step's projection runs
+    on the skinny kernel, its neighbours named in `choices.fusions` run inside it: the
+    residual add and the norm, RoPE with the KV write. Where it runs on cuBLAS with the
+    norms folded, cuBLAS adds o's and down's products to the stream, and RoPE and SiLU·mul
+    apply the norm's row scales."""
 
     name = "triton"
 
-    def __init__(self) -> None:
-        from hybridd.kernels import pdl, triton_attention, triton_gemm, triton_mlp, triton_ops
+    def __init__(self, choices: KernelChoices = KernelChoices()) -> None:
+        from hybridd.kernels import pdl, triton_attention, triton_gemm, triton_ops
+
+        self.choices = choices
+        self.fusions = choices.fusions
 
         # Projections of up to this many token rows may run on the skinny kernel, not cuBLAS.
         self.skinny_rows = triton_gemm.MAX_ROWS
@@ -35,12 +37,10 @@ class TritonKernels(ComposedSteps):
         self.norm_rotary_write_kv = triton_ops.norm_rotary_write_kv
         self.silu_and_mul = triton_ops.silu_and_mul
         self.norm_silu_and_mul = triton_ops.norm_silu_and_mul
-        self.linear = triton_gemm.linear
         self.linear_silu_and_mul = triton_gemm.linear_silu_and_mul
         self.prefill_attention = triton_attention.prefill_attention
         self.decode_attention = triton_attention.decode_attention
         self._gemm = triton_gemm
-        self._mlp = triton_mlp
         self._pdl = pdl
         # Set by `LlamaModel.fold_norms`: the norms before qkv and gate/up have unit weights,
         # theirs being folded into those projections, so the projections may apply them.
@@ -48,10 +48,17 @@ class TritonKernels(ComposedSteps):
 
     def launches(self, num_tokens: int) -> contextlib.AbstractContextManager:
         """The launch settings of a step of `num_tokens` rows: without programmatic
-        dependent launch where its projections run on cuBLAS (`pdl.CUBLAS_STEPS`)."""
-        if num_tokens > self.skinny_rows and not self._pdl.CUBLAS_STEPS:
+        dependent launch where the choices turn it off or the step's projections run on
+        cuBLAS."""
+        if num_tokens > self.skinny_rows or not self.choices.pdl:
             return self._pdl.off()
         return contextlib.nullcontext()
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """`triton_gemm.linear` under this kernel set's launch settings for x's rows (it is
+        also called outside a step's `launches`: the LM head)."""
+        with self.launches(x.shape[0]):
+            return self._gemm.linear(x, weight, bias)
 
     def _input(self, stream: ResidualStream, weight: torch.Tensor, eps: float):
         """(the rows a projection reads, the stream's value, the folded norm it applies
@@ -73,7 +80,7 @@ class TritonKernels(ComposedSteps):
         sums of squares (an embedding, or a sum cuBLAS formed, see `linear_add`), there is
         no bias (a sum with it would not scale), and the skinny kernel takes no such product."""
         return (self.norms_folded and bias is None and stream.update is None and stream.sum_squares is None
-                and self._gemm.config_for(stream.base.shape[0], *weight.shape) is None)
+                and self._gemm.config_of(stream.base.shape[0], weight) is None)
 
     def norm_qkv(self, stream, norm_weight, eps, weight, bias, rotary: RotaryArgs):
         if self._scaled_after(stream, weight, bias):
@@ -81,7 +88,7 @@ class TritonKernels(ComposedSteps):
             q, k, v = self.norm_rotary_write_kv(stream.base, eps, q, k, v, rotary)
             return q, k, v, stream.base
         x, base, norm = self._input(stream, norm_weight, eps)
-        fuse_rotary = "rotary" in gemm_fusions.ENABLED
+        fuse_rotary = "rotary" in self.fusions
         qkv = self._gemm.skinny(x, weight, bias, norm=norm, rotary=rotary if fuse_rotary else None)
         if qkv is None:
             fuse_rotary = False
@@ -96,22 +103,10 @@ class TritonKernels(ComposedSteps):
         if self._scaled_after(stream, weight, None):
             return self.norm_silu_and_mul(stream.base, eps, self.linear(stream.base, weight)), stream.base
         x, base, norm = self._input(stream, norm_weight, eps)
-        gated = "silu" in gemm_fusions.ENABLED
-        y = self._gemm.skinny(x, weight, None, norm=norm, gated=gated)
+        y = self._gemm.skinny(x, weight, None, norm=norm)
         if y is None:
             return self.linear_silu_and_mul(self._normalised(x, norm, norm_weight, eps), weight), base
-        return (y if gated else self.silu_and_mul(y)), base
-
-    def mlp(self, stream, norm_weight, eps, gate_up_weight, down_weight) -> ResidualStream:
-        if ("mlp" in gemm_fusions.ENABLED and self.norms_folded and stream.update is None
-                and stream.sum_squares is not None
-                and self._gemm.config_for(stream.base.shape[0], *gate_up_weight.shape) is not None
-                and self._gemm.config_for(stream.base.shape[0], *down_weight.shape) is not None):
-            out = self._mlp.fused_mlp(stream.base, self._gemm.FoldedNorm(eps, stream.sum_squares), gate_up_weight,
-                                      down_weight, stream.base)
-            if out is not None:
-                return ResidualStream(out[0], None, out[1])
-        return super().mlp(stream, norm_weight, eps, gate_up_weight, down_weight)
+        return self.silu_and_mul(y), base
 
     def linear_add(self, x, weight, bias, base) -> ResidualStream:
         if self.norms_folded:
@@ -122,23 +117,21 @@ class TritonKernels(ComposedSteps):
             if bias is None and base.is_contiguous():
                 # cuBLAS adds the product to the stream in its epilogue (beta = 1), in place
                 # (out of place, torch would first copy the stream in a kernel of its own),
-                # so the next projection can read the sum as it is (`_scaled_after`);
-                # on cuBLASLt's measured algorithm where `prefill_gemm` names one.
-                if not prefill_gemm.add_linear_(base, x, weight):
-                    base.addmm_(x, weight.t())
+                # so the next projection can read the sum as it is (`_scaled_after`).
+                base.addmm_(x, weight.t())
                 return ResidualStream(base)
         return super().linear_add(x, weight, bias, base)
 
 
 Kernels = TorchKernels | TritonKernels
-KERNEL_CHOICES = ("auto", "triton", "torch")
 
 
-def select_kernels(device: torch.device | str, prefer: str = "auto") -> Kernels:
-    """`prefer` is "auto" (Triton on CUDA), "triton" or "torch"."""
-    if prefer not in KERNEL_CHOICES:
-        raise ValueError(f"kernels must be one of {', '.join(KERNEL_CHOICES)}, got {prefer!r}")
+def select_kernels(device: torch.device | str, choices: KernelChoices | str = KernelChoices()) -> Kernels:
+    """The kernel set `choices` names for `device` (a backend name alone: "auto", Triton
+    on CUDA, "triton" or "torch", with the default fusions and PDL)."""
+    if isinstance(choices, str):
+        choices = KernelChoices(choices)
     device = torch.device(device)
-    if prefer == "torch" or (prefer == "auto" and device.type != "cuda"):
+    if choices.backend == "torch" or (choices.backend == "auto" and device.type != "cuda"):
         return TorchKernels()
-    return TritonKernels()
+    return TritonKernels(choices)

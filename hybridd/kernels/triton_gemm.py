@@ -8,20 +8,20 @@ N tiles alone cannot fill the GPU (o_proj, down_proj) K is split; the split prog
 store float32 partials and the last one to arrive for an N tile (a per-tile counter,
 reset by that program) sums them and writes the output, so a split product is one
 kernel with no memset and no reduce launch, and its launch grid depends only on the
-shape: safe to capture in a CUDA graph. For a fused gate/up projection the kernel can
-also compute the MLP's SiLU·mul in its epilogue (`linear_silu_and_mul`): each tile takes
-its rows alternately from the gate and the up half of W, so it holds both halves of its
-output columns. For the fused qkv projection it can apply RoPE and store k and v in the
-paged KV caches in its epilogue (`launch`'s `rotary`): each tile pairs dim i of a
-head with dim i + d/2 of the same head, so it holds both rotate-half partners.
+shape: safe to capture in a CUDA graph. For the fused qkv projection the kernel can
+apply RoPE and store k and v in the paged KV caches in its epilogue (`launch`'s
+`rotary`): each tile pairs dim i of a head with dim i + d/2 of the same head, so it
+holds both rotate-half partners.
 
-Configs per (N, K) and row count come from `scripts/bench_gemm.py`'s sweep on the H200
-(`_TABLE`); a shape or row count without an entry, or where cuBLAS measured faster,
-goes to cuBLAS (`F.linear`).
+A launch's config (`config_for`) follows from the product's shape, its row count and the
+device's multiprocessor count alone, so every GPU and every Llama-family shape gets one;
+the rule reproduces the configs that sweeps of the Llama-2-7B and Llama-3-8B shapes on an
+H200 chose (docs/lab/kernels.md, "Kernels alone").
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -30,8 +30,7 @@ import triton
 import triton.language as tl
 
 from hybridd import environment
-from hybridd.kernels import gemm_fusions
-from hybridd.kernels import pdl, prefill_gemm, split_scratch
+from hybridd.kernels import pdl, split_scratch
 from hybridd.kernels.launch_variants import first_eager_call
 from hybridd.kernels.pdl import wait_for_predecessor
 from hybridd.kernels.rotary import RotaryArgs
@@ -51,9 +50,6 @@ class GemmConfig:
     num_warps: int = 4
     num_stages: int = 4
     block_m: int = 0  # rows per tile, a power of two >= 16; 0: 16 or 32 by the row count
-    # Columns of its weight rows each program prefetches into L2 before waiting for the
-    # previous kernel (under PDL); 0: PREFETCH_COLUMNS.
-    prefetch_k: int = 0
 
     def __post_init__(self) -> None:
         if self.block_m and (self.block_m < 16 or self.block_m & (self.block_m - 1)):
@@ -102,22 +98,6 @@ def _store_residual_add(y_ptr, b_ptr, res_ptr, stats_ptr, acc, offs_m, offs_n, p
     tl.store(y_ptr + offs, y, mask=mask)
     yf = y.to(tl.float32)
     tl.store(stats_ptr + offs_m * n_tiles + pid_n, tl.sum(yf * yf, axis=0), mask=mask_m)
-
-
-@triton.jit
-def _store_silu_and_mul(y_ptr, acc, offs_m, pid_n, mask_m, n_out, stride_ym, HALF: tl.constexpr,
-                        BLOCK_M: tl.constexpr):
-    """y = silu(gate) * up from a tile whose rows alternate gate, up; rounded where the
-    separate kernels round (the product stored in the activation dtype, then
-    `triton_ops.silu_and_mul`), so the fused result is theirs bit for bit."""
-    dt = y_ptr.dtype.element_ty
-    gate, up = tl.split(tl.permute(tl.reshape(acc, (HALF, 2, BLOCK_M)), (0, 2, 1)))
-    g = gate.to(dt).to(tl.float32)
-    s = (g / (1.0 + tl.exp(-g))).to(dt)
-    out = (s.to(tl.float32) * up.to(dt).to(tl.float32)).to(dt)
-    cols = pid_n * HALF + tl.arange(0, HALF)
-    ptrs = y_ptr + offs_m[None, :] * stride_ym + cols[:, None]
-    tl.store(ptrs, out, mask=mask_m[None, :] & (cols < n_out)[:, None])
 
 
 @triton.jit
@@ -181,13 +161,11 @@ def _store_rotary_kv(y_ptr, b_ptr, acc, offs_m, offs_n, pid_n, mask_m, stride_ym
 
 @triton.jit
 def _store(y_ptr, b_ptr, acc, offs_m, offs_n, pid_n, mask_m, mask_n, N, stride_ym, rope, slot_ptr, kc_ptr, vc_ptr,
-           res_ptr, stats_out_ptr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, ROTARY: tl.constexpr,
+           res_ptr, stats_out_ptr, HAS_BIAS: tl.constexpr, ROTARY: tl.constexpr,
            RESIDUAL: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr,
            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """The product's epilogue: the plain output, or the one its mode computes."""
-    if GATED:
-        _store_silu_and_mul(y_ptr, acc, offs_m, pid_n, mask_m, N // 2, stride_ym, BLOCK_N // 2, BLOCK_M)
-    elif ROTARY:
+    if ROTARY:
         _store_rotary_kv(y_ptr, b_ptr, acc, offs_m, offs_n, pid_n, mask_m, stride_ym, rope, slot_ptr, kc_ptr,
                          vc_ptr, HAS_BIAS, HEADS, KV_HEADS, HALF, BLOCK_M, BLOCK_N // 2)
     elif RESIDUAL:
@@ -197,23 +175,13 @@ def _store(y_ptr, b_ptr, acc, offs_m, offs_n, pid_n, mask_m, mask_n, N, stride_y
         _store_out(y_ptr, b_ptr, acc, offs_m, offs_n, mask_m, mask_n, stride_ym, HAS_BIAS)
 
 
-@triton.jit
-def _prefetch_to_l2(ptrs, nbytes):
-    """Start copying `nbytes` from each of `ptrs` into L2 (Hopper's bulk prefetch; no
-    registers, no waiting)."""
-    tl.inline_asm_elementwise(
-        "cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;",
-        "=r,l,r", [ptrs, nbytes], dtype=tl.int32, is_pure=False, pack=1,
-    )
-
-
 @triton.jit(do_not_specialize=["M"])
 def _skinny_gemm_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, count_ptr,
     M, N, K, k_per_split, split_k, stride_xm, stride_ym,
     HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr,
-    PDL: tl.constexpr, PREFETCH_K: tl.constexpr, W_BYTES: tl.constexpr, GATED: tl.constexpr,
+    PDL: tl.constexpr,
     pos_ptr=None, slot_ptr=None, cos_ptr=None, sin_ptr=None, kc_ptr=None, vc_ptr=None,
     ROTARY: tl.constexpr = False, HEADS: tl.constexpr = 1, KV_HEADS: tl.constexpr = 1, HALF: tl.constexpr = 1,
     stats_ptr=None, n_stats=1, eps=0.0, res_ptr=None, stats_out_ptr=None,
@@ -224,14 +192,7 @@ def _skinny_gemm_kernel(
     offs_m = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
     mask_m = offs_m < M
-    if GATED:
-        # Rows alternate between the gate half of W and the up half: row 2j is gate row
-        # c and row 2j+1 up row c, for the tile's output column c = pid_n * BLOCK_N/2 + j.
-        r = tl.arange(0, BLOCK_N)
-        cols_out = pid_n * (BLOCK_N // 2) + r // 2
-        offs_n = cols_out + (r % 2) * (N // 2)
-        mask_n = cols_out < N // 2
-    elif ROTARY:
+    if ROTARY:
         # Rows alternate between dim i and dim i + HALF of one head (q heads, then k, then
         # v, as the fused weight stacks them): HALF // (BLOCK_N/2) tiles per head.
         r = tl.arange(0, BLOCK_N)
@@ -244,12 +205,6 @@ def _skinny_gemm_kernel(
         mask_n = offs_n < N
     k_start = pid_k * k_per_split
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * K
-    if PREFETCH_K > 0:
-        # The weights are never written by a step: their first columns can be on their
-        # way to L2 while the previous kernel still runs.
-        rows = w_ptr + tl.minimum(offs_n, N - 1).to(tl.int64) * K + k_start
-        cols = tl.minimum(tl.minimum(k_per_split, K - k_start), PREFETCH_K)
-        _prefetch_to_l2(rows, tl.full([BLOCK_N], 0, tl.int32) + cols * W_BYTES)
     wait_for_predecessor(PDL)
     if NORM:
         # 1 / rms of each x row from the partial sums of squares its producer stored.
@@ -295,29 +250,11 @@ def _skinny_gemm_kernel(
                 s += 1
             tl.atomic_xchg(count_ptr + pid_n, 0)
             _store(y_ptr, b_ptr, acc, offs_m, offs_n, pid_n, mask_m, mask_n, N, stride_ym, rope, slot_ptr, kc_ptr,
-                   vc_ptr, res_ptr, stats_out_ptr, HAS_BIAS, GATED, ROTARY, RESIDUAL, HEADS, KV_HEADS, HALF,
+                   vc_ptr, res_ptr, stats_out_ptr, HAS_BIAS, ROTARY, RESIDUAL, HEADS, KV_HEADS, HALF,
                    BLOCK_M, BLOCK_N)
     else:
         _store(y_ptr, b_ptr, acc, offs_m, offs_n, pid_n, mask_m, mask_n, N, stride_ym, rope, slot_ptr, kc_ptr, vc_ptr,
-               res_ptr, stats_out_ptr, HAS_BIAS, GATED, ROTARY, RESIDUAL, HEADS, KV_HEADS, HALF, BLOCK_M, BLOCK_N)
-
-
-# Columns of its weight rows each program prefetches into L2 before waiting for the
-# previous kernel (0: none). The prefetch runs only under PDL, where the wait overlaps it;
-# with 512 columns the 7B decode step measured 3 % slower than without
-# (`python scripts/bench_gemm.py --skip-compare --decode-step`), so none by default.
-PREFETCH_COLUMNS = 0
-
-
-def _prefetch_columns(weight: torch.Tensor, config: GemmConfig) -> int:
-    """The config's prefetch, else PREFETCH_COLUMNS; the bulk prefetch copies whole 16-byte
-    units from 16-byte aligned addresses."""
-    k = weight.shape[1]
-    size = weight.element_size()
-    if not pdl.enabled(weight.device) or (k * size) % 16 or weight.data_ptr() % 16:
-        return 0
-    columns = config.prefetch_k or PREFETCH_COLUMNS
-    return max(0, columns - columns % (16 // size))
+               res_ptr, stats_out_ptr, HAS_BIAS, ROTARY, RESIDUAL, HEADS, KV_HEADS, HALF, BLOCK_M, BLOCK_N)
 
 
 def _rotary_operands(rotary: RotaryArgs, m: int, n: int, block_n: int) -> dict | None:
@@ -355,32 +292,28 @@ class FoldedNorm:
 
 
 def launch(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: GemmConfig, gated: bool = False,
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: GemmConfig,
     rotary: RotaryArgs | None = None, norm: FoldedNorm | None = None, residual: torch.Tensor | None = None,
 ):
     """The skinny product with an explicit config; None where it cannot run (the caller
     falls back to cuBLAS): too many rows, a weight not stored row-major as `nn.Linear`
-    keeps it, or split-K scratch missing during capture. `gated`: W stacks a gate and an
-    up projection ([2I, K], as a fused gate_up_proj) and the result is silu(gate) * up
-    [M, I], computed in the product's epilogue; a split or a bias is not supported there.
-    `rotary`: W is a fused qkv projection and the result [M, q_size + 2 kv_size] holds q
-    and k rotated and v, which also go to the KV caches (see `RotaryArgs`); None where
-    BLOCK_N / 2 does not divide head_dim / 2. `norm`: x's rows are RMS-normalised, the
-    product of each row scaled by its 1 / rms, for a W that holds the norm's weight.
-    `residual` [M, N]: the result is (residual + x @ W.T, its rows' sums of squares in
-    parts [M, N tiles]), the parts a `FoldedNorm` takes."""
+    keeps it, or split-K scratch missing during capture. `rotary`: W is a fused qkv
+    projection and the result [M, q_size + 2 kv_size] holds q and k rotated and v, which
+    also go to the KV caches (see `RotaryArgs`); None where BLOCK_N / 2 does not divide
+    head_dim / 2. `norm`: x's rows are RMS-normalised, the product of each row scaled by
+    its 1 / rms, for a W that holds the norm's weight. `residual` [M, N]: the result is
+    (residual + x @ W.T, its rows' sums of squares in parts [M, N tiles]), the parts a
+    `FoldedNorm` takes."""
     m = x.shape[0]
     n, k = weight.shape
-    if gated + (rotary is not None) + (residual is not None) > 1:
-        raise ValueError("a product's epilogue is one of gated, rotary or residual")
+    if rotary is not None and residual is not None:
+        raise ValueError("a product's epilogue is one of rotary or residual")
     if norm is not None and (norm.sum_squares.shape[0] < m or not norm.sum_squares.is_contiguous()):
         raise ValueError(f"a folded norm of {m} rows needs their sums of squares, contiguous [{m}, parts]")
     if residual is not None and (residual.shape != (m, n) or not residual.is_contiguous()):
         raise ValueError(f"the residual of a [{m}, {n}] product must be a contiguous [{m}, {n}] tensor")
     block_m = config.block_m or (16 if m <= 16 else 32)
     if m == 0 or m > block_m or x.shape[1] != k or weight.stride() != (k, 1):
-        return None
-    if gated and (bias is not None or n % 2 or config.block_n < 2):
         return None
     rotary_args = {} if rotary is None else _rotary_operands(rotary, m, n, config.block_n)
     if rotary_args is None:
@@ -389,12 +322,10 @@ def launch(
         bias = bias.contiguous()
     if x.stride(-1) != 1:
         x = x.contiguous()
-    tiles_n = triton.cdiv(n // 2, config.block_n // 2) if gated else triton.cdiv(n, config.block_n)
+    tiles_n = triton.cdiv(n, config.block_n)
     split = max(1, min(config.split_k, triton.cdiv(k, config.block_k)))
     k_per_split = triton.cdiv(triton.cdiv(k, split), config.block_k) * config.block_k
     split = triton.cdiv(k, k_per_split)
-    if gated and split > 1:
-        return None
     if split > 1:
         if split * block_m * n > _WORKSPACE_FLOATS or tiles_n > _COUNTERS:
             return None
@@ -404,7 +335,7 @@ def launch(
             return None
     else:
         ws, counts = x, x
-    y = torch.empty((m, n // 2 if gated else n), dtype=x.dtype, device=x.device)
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     fused = {}
     if norm is not None:
         parts = norm.sum_squares
@@ -418,55 +349,73 @@ def launch(
         m, n, k, k_per_split, split, x.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, SPLIT=split > 1, EVEN_K=k % k_per_split == 0,
         BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, INTERPRET=_INTERPRET,
-        PREFETCH_K=_prefetch_columns(weight, config), W_BYTES=weight.element_size(), GATED=gated,
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl.launch_args(x.device), **rotary_args,
         **fused,
     )
     return y if residual is None else (y, sum_squares)
 
 
-# (N, K) -> [(largest row count, config or None for cuBLAS), ...] ascending, from
-# `python scripts/bench_gemm.py --sweep` on the H200 (2026-12-01); where configs were within
-# the run-to-run spread of each other, one config serves all row counts. The o and down
-# projections fill 64 of the GPU's multiprocessors: up to 16 rows, 128-column steps seven
-# deep keep more of their weight in flight, 1.6-2.1 % off the Llama-2-7B decode step at
-# batch 1-16 and 0.5-0.8 % off Llama-3-8B's (`--decode-step` with PDL, 2026-12-03); at
-# 32 rows they were slower.
-_O_DOWN_UP_TO_16 = GemmConfig(64, 128, 1, 4, 7)
-_TABLE: dict[tuple[int, int], list[tuple[int, GemmConfig | None]]] = {
-    # o_proj of both models
-    (4096, 4096): [(16, _O_DOWN_UP_TO_16), (32, GemmConfig(64, 256, 1, 4, 4))],
-    # Llama-2-7B
-    (12288, 4096): [(32, GemmConfig(64, 128, 1, 4, 4))],
-    # cuBLAS measured faster at 9-32 rows alone, but not in the decode step, where the
-    # skinny kernel also takes the norm (`scripts/bench_gemm.py --decode-step`, batch 16/32).
-    (22016, 4096): [(32, GemmConfig(64, 256, 1, 4, 4))],
-    (4096, 11008): [(16, _O_DOWN_UP_TO_16), (32, GemmConfig(64, 256, 1, 4, 4))],
-    (32000, 4096): [(16, GemmConfig(64, 128, 1, 4, 4)), (32, GemmConfig(128, 128, 1, 4, 4))],
-    # Llama-3-8B
-    (6144, 4096): [(32, GemmConfig(64, 128, 1, 4, 6))],
-    (28672, 4096): [(32, GemmConfig(64, 128, 1, 4, 4))],
-    (4096, 14336): [(16, _O_DOWN_UP_TO_16), (32, GemmConfig(64, 256, 2, 4, 4))],
-    (128256, 4096): [(32, GemmConfig(128, 128, 1, 4, 4))],
-}
+# The multiprocessors a config is planned for where no GPU is (Triton's interpreter).
+_INTERPRETER_MULTIPROCESSORS = 132
+# A split of K in two streams at least this many columns a half (see `config_for`).
+_SPLIT_MIN_COLUMNS = 6144
 
 
-def config_for(m: int, n: int, k: int) -> GemmConfig | None:
-    for rows, config in _TABLE.get((n, k), ()):
-        if m <= rows:
-            return config
-    return None
+def config_for(m: int, n: int, k: int, multiprocessors: int) -> GemmConfig | None:
+    """The config of an [m, k] @ [n, k].T product on a GPU of `multiprocessors`
+    multiprocessors; None above MAX_ROWS rows (cuBLAS takes those).
+
+    The product is bound by its weight read, so the config keeps every multiprocessor
+    streaming weight rows with as much of them in flight as fits:
+
+    - 64-row tiles of 128-column steps four stages deep, by default;
+    - 128-row tiles where there are plenty of them (at least 1.75 waves at 17-32 rows,
+      4 waves up to 16): fewer, longer programs (the LM heads);
+    - where the 64-row tiles fill at most every multiprocessor (Llama-3-8B's qkv), six
+      stages, and where they fill at most half (o and down): seven stages up to 16 rows,
+      and at 17-32 rows, whose 32-row activation tile takes the shared memory of the
+      deep pipeline, 256-column steps four deep, with K split in two where each half
+      still streams at least `_SPLIT_MIN_COLUMNS` columns (Llama-3-8B's down, not
+      Llama-2-7B's).
+
+    What each choice measured against its alternatives is in docs/lab/kernels.md."""
+    if not 1 <= m <= MAX_ROWS:
+        return None
+    tall = m > 16
+    if n >= 128 * multiprocessors * (7 / 4 if tall else 4):
+        return GemmConfig(128, 128, 1, 4, 4)
+    tiles = triton.cdiv(n, 64)
+    if 2 * tiles <= multiprocessors:
+        if not tall:
+            return GemmConfig(64, 128, 1, 4, 7)
+        return GemmConfig(64, 256, 2 if k >= 2 * _SPLIT_MIN_COLUMNS else 1, 4, 4)
+    if tiles <= multiprocessors:
+        return GemmConfig(64, 128, 1, 4, 6)
+    return GemmConfig(64, 128, 1, 4, 4)
 
 
-def _compile_every_bucket(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool = False,
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    if device.type != "cuda":
+        return _INTERPRETER_MULTIPROCESSORS
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def config_of(m: int, weight: torch.Tensor) -> GemmConfig | None:
+    """`config_for` an [m, K] input to `weight` [N, K] on the weight's device."""
+    return config_for(m, *weight.shape, _multiprocessors(weight.device))
+
+
+def _compile_every_bucket(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                           rotary: RotaryArgs | None = None, norm: FoldedNorm | None = None,
                           residual: torch.Tensor | None = None) -> None:
-    """Launch each kernel variant this shape's table can pick (its config at BLOCK_M 16 and
-    32) once, on the first eager call: a graph captured later for another row count then
-    finds its kernel compiled and loaded instead of compiling inside the capture. The
+    """Launch each kernel variant this shape's row counts can pick (each config at BLOCK_M
+    16 and 32) once, on the first eager call: a graph captured later for another row count
+    then finds its kernel compiled and loaded instead of compiling inside the capture. The
     launches run on zero rows; a rotary variant's slots are all -1, so it writes nothing
     to the caches."""
-    key = ("gemm", tuple(weight.shape), weight.dtype, x.device, bias is not None, gated, residual is not None,
+    key = ("gemm", tuple(weight.shape), weight.dtype, x.device, bias is not None, residual is not None,
            pdl.enabled(x.device))
     if rotary is not None:
         key += (rotary.num_heads, rotary.num_kv_heads, rotary.head_dim, rotary.k_cache.dtype)
@@ -488,19 +437,19 @@ def _compile_every_bucket(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     sums = None if residual is None else torch.zeros((MAX_ROWS, weight.shape[0]), dtype=x.dtype, device=x.device)
     seen = set()
     for m in range(1, MAX_ROWS + 1):
-        config = config_for(m, *weight.shape)
+        config = config_of(m, weight)
         if config is not None and (config, m <= 16) not in seen:
             seen.add((config, m <= 16))
-            launch(rows[:m], weight, bias, config, gated, rotary, norm, None if sums is None else sums[:m])
+            launch(rows[:m], weight, bias, config, rotary, norm, None if sums is None else sums[:m])
 
 
 def skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, **fused):
-    """`launch` with the table's config for x's row count (the keywords: its `gated`,
-    `rotary`, `norm` or `residual`); None where there is none or the kernel cannot run
-    (also for CPU tensors outside Triton's interpreter)."""
+    """`launch` with `config_of` x's row count (the keywords: its `rotary`, `norm` or
+    `residual`); None where there is none or the kernel cannot run (also for CPU tensors
+    outside Triton's interpreter)."""
     if x.dim() != 2 or not (x.is_cuda or _INTERPRET):
         return None
-    config = config_for(x.shape[0], *weight.shape)
+    config = config_of(x.shape[0], weight)
     if config is None:
         return None
     if x.is_cuda:
@@ -509,26 +458,16 @@ def skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias) for x [M, K]: the skinny kernel where its table has a
-    config, else cuBLASLt's algorithm where `prefill_gemm`'s table names one, else cuBLAS."""
-    if x.is_cuda:
-        y = skinny(x, weight, bias)
-        if y is None and bias is None:
-            y = prefill_gemm.linear(x, weight)
-        if y is not None:
-            return y
-    return F.linear(x, weight, bias)
+    """F.linear(x, weight, bias) for x [M, K]: the skinny kernel up to MAX_ROWS rows, else
+    cuBLAS's first-choice algorithm (`F.linear`; what chosen cuBLASLt algorithms saved
+    over it on two GPUs, and why they went, is in docs/lab/kernels.md)."""
+    y = skinny(x, weight, bias) if x.is_cuda else None
+    return F.linear(x, weight, bias) if y is None else y
 
 
 def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """silu(x @ W_gate.T) * (x @ W_up.T) for W = [W_gate; W_up] [2I, K] (a fused
-    gate_up_proj) and x [M, K]: one skinny kernel where the table has a config and the
-    SiLU·mul fusion is on, else the projection and then `triton_ops.silu_and_mul`."""
-    if "silu" in gemm_fusions.ENABLED and x.is_cuda:
-        y = skinny(x, weight, None, gated=True)
-        if y is not None:
-            return y
+    gate_up_proj) and x [M, K]: the projection, then `triton_ops.silu_and_mul`."""
     from hybridd.kernels import triton_ops
 
     return triton_ops.silu_and_mul(linear(x, weight))
-

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from hybridd.kernels import gemm_fusions
+from hybridd.kernels.choices import KernelChoices
 from hybridd.log import get_logger
 from hybridd.model.config import ModelConfig, parse_dtype
 from hybridd.model.errors import ModelLoadError
@@ -106,9 +106,11 @@ def load_model(
     dtype: torch.dtype | str | None = None,
     device: torch.device | str = "cpu",
     max_positions: int | None = None,
-    kernels: str = "auto",
+    kernels: KernelChoices | str = "auto",
 ) -> LlamaModel:
-    """The model of `model_dir` on `device`; `max_positions` and `kernels` as `LlamaModel` takes them."""
+    """The model of `model_dir` on `device`; `max_positions` and `kernels` as `LlamaModel`
+    takes them. Where the kernels fuse the norm into the projections (`gemm_fusions`'
+    `norm`), the norms' weights are folded into them here."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise ModelLoadError(f"{model_dir}: model directory does not exist")
@@ -160,7 +162,7 @@ def load_model(
         missing = sorted(expected)
         raise ModelLoadError(f"{model_dir}: checkpoint lacks tensor(s) {', '.join(missing[:8])}")
     model.eval()
-    if model.kernels.name == "triton" and "norm" in gemm_fusions.ENABLED:
+    if "norm" in model.kernels.fusions:
         model.fold_norms()
     log.info("model_loaded", path=str(model_dir), arch=config.architecture, dtype=str(dtype), device=str(device))
     return model
