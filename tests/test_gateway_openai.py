@@ -120,6 +120,19 @@ def test_n_choices_per_prompt_streamed_and_whole(oai):
     assert sorted(f.index for f in finals) == [0, 1, 2, 3]
 
 
+def test_the_gateway_takes_its_replies_by_the_reply_ring(oai, daemon):
+    """The gateway process's session has a reply ring (its AsyncClient asks for one on
+    this host, as the SDK does): the daemon writes the streamed completion's replies
+    into a ring; without one it would write none."""
+    with hybridd.Client(daemon.endpoint, timeout=120, reply_ring=False) as plain:
+        before = plain.status()["reply_rings"]["written"]
+        stream = oai.completions.create(model=MODEL, prompt="ROMEO:", max_tokens=40, temperature=0, stream=True,
+                                        extra_body={"ignore_eos": True})
+        assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
+        after = plain.status()["reply_rings"]["written"]
+    assert after - before >= 20, (before, after)  # a chunk a step or so, and the final
+
+
 def test_chat_completion_matches_the_sdk_chat(oai, sdk):
     messages = [{"role": "system", "content": "Enter ROMEO."}, {"role": "user", "content": "What light breaks?"}]
     completion = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
