@@ -57,7 +57,7 @@ def test_layer_contracts_hold(tree):
     [
         ("ipc/channel.py", "from hybridd.workers import supervisor_link", "hybridd.ipc is not allowed to import hybridd.workers"),
         ("hybridd/engine/block_manager.py", "from hybridd.engine.scheduler import Scheduler", "No cycles are allowed in hybridd.engine"),
-        ("hybridd/client.py", "import torch", "hybridd.client is not allowed to import torch"),
+        ("hybridd/client/core.py", "import torch", "hybridd.client.core is not allowed to import torch"),
         ("hybridd/kernels/pdl.py", "from hybridd.model import config", "hybridd.kernels is not allowed to import hybridd.model"),
         ("hybridd/stats.py", "from tests import host_load", "hybridd is not allowed to import tests"),
         ("hybridd/log.py", "from scripts import timing", "hybridd is not allowed to import scripts"),
