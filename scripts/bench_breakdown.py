@@ -1,25 +1,17 @@
 """Where one step's time goes: its kernels by category, each against its own floor.
 
     python -m scripts.bench_breakdown --model DIR [--device cuda] [--out breakdown.json]
+    python -m scripts.bench_breakdown --trace DIR/trace-graph-*.json --layers 32 --steps 8
 
-(`scripts/bench.py` runs it as its `breakdown` part.) The model's decode graphs for
-batch 1 and 32 and its 16- and 128-token prefill graphs are captured with the graph
-runner, as the daemon captures them; each step (decode at batch 1 and 32 with 512 tokens
-of context, the 16-token prefill, and the 128-token one, the prompt length whose first
-token is furthest from its floor) is replayed under the PyTorch profiler, and every kernel
-of a step (CUPTI records the kernels a graph launches) is put in a category by its name:
-GEMM by projection (qkv, o, gate_up, down, lm_head), attention, norm, RoPE/KV write,
-other; `gaps` is the step's GPU time (CUDA events, no profiler) minus its kernels' sum.
-The step's GPU time is that of steps replayed back to back, ten between two events, as
-the daemon's pipeline runs them (each launch overlaps the step before); the time of one
-step launched onto an idle GPU, which adds the host's launch, is given beside it.
-Each category's floor is the bytes it must move over the measured copy bandwidth (or
-its FLOPs over the matmul rate, whichever is longer): the weights of each projection,
-the KV cache read by attention, the activations read and written by norms, RoPE, the KV
-write and the rest. Kernels no rule names land in `other` and are listed by name.
-
-On the CPU the same code profiles the eager step's top-level operators (there are no
-kernels), so the classification and the floors are exercised there too.
+The bench's `breakdown` part. The decode graphs for batch 1 and 32 (512 tokens of
+context) and the 16- and 128-token prefill graphs are captured as the daemon captures
+them and replayed under the PyTorch profiler; each kernel is put in a category by its
+name (CATEGORY_RULES: GEMM by projection, attention, norm, RoPE/KV write, other) and
+each category is set against its floor (its bytes over the copy bandwidth or its FLOPs
+over the matmul rate); `gaps` is the step's GPU time, steps back to back, minus its
+kernels. On the CPU the eager step's top-level operators stand in for kernels.
+`--trace` summarizes a kernel trace the daemon wrote (hybridd/runtime/step_trace.py)
+or any profiler trace instead: its kernels by category, no floors.
 """
 
 from __future__ import annotations
@@ -32,8 +24,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-
-import torch
 
 from scripts.timing import BLOCK, captured_runner, decode_step, device_ceilings, median_gpu_time, prefill_step, stepper
 
@@ -60,6 +50,7 @@ CATEGORY_RULES: tuple[tuple[str, str], ...] = (
               r"|reshape|split|empty|zeros|float|select|slice|t|transpose|contiguous)$"),
 )
 _RULES = tuple((category, re.compile(pattern, re.IGNORECASE)) for category, pattern in CATEGORY_RULES)
+NO_FLOOR = {"floor_bytes": 0.0, "floor_flops": 0.0, "floor_s": 0.0}
 CATEGORY_ORDER = ("gemm.qkv", "gemm.o", "gemm.gate_up", "gemm.down", "gemm.lm_head", "gemm", "attention", "norm",
                   "rope_kv", "other", "gaps")
 
@@ -172,9 +163,9 @@ def summarize(steps: list[list[tuple[str, float]]], num_layers: int, step_s: flo
         if name not in per_cat and name == "gemm":
             continue
         c = per_cat.get(name, {"time_s": 0.0, "kernels": 0})
-        fl = floors.get(name) or {"floor_bytes": 0.0, "floor_flops": 0.0, "floor_s": 0.0}
+        fl = floors.get(name) or NO_FLOOR
         if name == "gemm":  # unattributed: the floor of all projections together
-            fl = {key: sum(floors[f"gemm.{p}"][key] for p in (*PROJECTIONS, "lm_head"))
+            fl = {key: sum(floors.get(f"gemm.{p}", NO_FLOOR)[key] for p in (*PROJECTIONS, "lm_head"))
                   for key in ("floor_bytes", "floor_flops", "floor_s")}
         categories[name] = {"time_s": c["time_s"], "kernels_per_step": c["kernels"] / n, **fl,
                             "x_floor": c["time_s"] / fl["floor_s"] if fl["floor_s"] else None}
@@ -276,6 +267,8 @@ def median_step_s(runner, run, iters: int, cuda: bool, per_round: int = 1) -> fl
 def run_breakdown(model_dir: Path, device: str, ceilings: dict, steps: int = 20) -> dict:
     """Capture the graphs, then profile decode batch 1 and 32 (context 512) and the
     16- and 128-token prefills; one summary per step kind."""
+    import torch
+
     from hybridd.model import load_model
     from hybridd.runtime.graph_runner import GraphRunner
 
@@ -366,15 +359,47 @@ def render(breakdown: dict) -> list[str]:
     return lines
 
 
+def summarize_trace(paths: list[Path], num_layers: int, steps: int) -> dict:
+    """A profiler trace's kernels (every file's, on one clock), split into `steps` steps:
+    each kernel's category and exclusive time, and the summary per category."""
+    intervals = sorted(i for path in paths for i in kernel_intervals(path))
+    if not intervals:
+        raise SystemExit(f"no kernels in {', '.join(map(str, paths))}")
+    kernels = exclusive_times(intervals)
+    per = len(kernels) // steps
+    split = [kernels[i * per:(i + 1) * per] for i in range(steps)] if len(kernels) % steps == 0 else [kernels]
+    labels, _ = attribute([name for name, _ in split[0]], num_layers)
+    step_s = (intervals[-1][1] - intervals[0][0]) / 1e6 / steps
+    return {"kernels": [{"name": name, "category": classify(name), "label": label, "seconds": seconds}
+                        for (name, seconds), label in zip(split[0], labels)],
+            **summarize(split, num_layers, step_s, {}, num_steps=steps)}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", type=Path, required=True)
-    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--model", type=Path)
+    parser.add_argument("--trace", type=Path, nargs="+", help="summarize these profiler traces instead")
+    parser.add_argument("--layers", type=int, help="with --trace: the model's decoder layers")
+    parser.add_argument("--device", choices=("cuda", "cpu"))
     parser.add_argument("--out", type=Path, default=Path("breakdown.json"))
     parser.add_argument("--copy-bandwidth", type=float, help="bytes/s (default: measured here)")
     parser.add_argument("--matmul-flops", type=float, help="FLOP/s (default: measured here)")
-    parser.add_argument("--steps", type=int, default=20, help="steps profiled per step kind")
+    parser.add_argument("--steps", type=int, help="steps profiled per step kind (20), or in the --trace (1)")
     args = parser.parse_args()
+    args.steps = args.steps if args.steps is not None else 1 if args.trace else 20
+    if args.steps < 1:
+        parser.error(f"--steps: at least 1 step, got {args.steps}")
+    if args.trace:
+        if args.layers is None:
+            parser.error("--trace needs --layers (GEMMs are attributed to projections by position)")
+        print(json.dumps(summarize_trace(args.trace, args.layers, args.steps), indent=2))
+        return 0
+    if args.model is None:
+        parser.error("--model or --trace is required")
+    if args.device is None:
+        import torch
+
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.copy_bandwidth and args.matmul_flops:
         ceilings = {"copy_bandwidth_Bps": args.copy_bandwidth, "matmul_flops": args.matmul_flops}
     else:

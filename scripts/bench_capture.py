@@ -1,27 +1,31 @@
 """Prefill graphs captured while decode streams run, forced through the daemon: ITL of a
-batch-1 stream during those captures against steady state (scripts/bench.py's
-`capture_evict` part).
+batch-1 stream during those captures against steady state (the bench's `capture_evict`
+part).
 
-The daemon is started with prefill buckets 16 < X < Y and a graph memory budget that
-holds the decode graphs, the 16-token graph and one of X, Y but not both: at ready the
-graph generator captures 16 and X and finds Y blocked by the budget. While one client
-streams tokens without pause (its prompts fall in bucket 16), another sends prompts of
-the bucket that is not captured until its demand exceeds the captured one's (by the
-daemon's statistics, plus the prompts sent since; each prompt is a decode prompt short of
-its bucket, so that a step that also takes the decode stream's next prompt still counts
-for that bucket), so the background thread evicts the captured graph and captures the
-demanded one at once, during decode. The
-capture window of a cycle is [the last trigger prompt sent, its first token + the
-capture's own duration + 50 ms]; a cycle counts only when the daemon's statistics
-(reported once a second) show the bucket's capture count up within CAPTURE_WAIT_S. Inter-token gaps inside a counted window are "during"; gaps outside every
-window are "steady"; gaps that overlap a trigger prompt's own prefill (sent to first
-token) or a window that did not count are left out of both.
+The daemon runs with prefill buckets 16 < X < Y and a graph memory budget that holds the
+decode graphs, 16 and one of X, Y but not both. While one client streams tokens without
+pause, another sends prompts of the bucket not captured (each a decode prompt short of
+it) until its demand exceeds the captured one's, so the background thread evicts the
+captured graph and captures the demanded one during decode. A cycle counts when the
+daemon's statistics show the capture within CAPTURE_WAIT_S; its window runs from the
+last trigger sent to its first token + the capture's duration + 50 ms. Gaps inside a
+counted window are "during", gaps outside every window "steady"; gaps overlapping a
+trigger's own prefill or an uncounted window are left out.
+
+    python -m scripts.bench_capture --replan < at_ready.json
+
+prints the budget the phase restarts the daemon with for a status taken at ready
+(`{"status": ..., "x_bucket": ..., "need_y_bytes": ..., "budget_mb": ...}`),
+or null where the budget in force stands.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import math
 import random
+import sys
 import threading
 import time
 from pathlib import Path
@@ -232,3 +236,22 @@ def measure_capture_under_eviction(client_factory, model: Path, cuda: bool, voca
         result["note"] = (f"{len(windows)} captures during decode gave {len(during)} decode gaps inside their "
                           f"windows: too few for a p99")
     return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--replan", action="store_true", required=True,
+                        help="read the figures at ready as JSON on stdin, print the budget (MiB) or null")
+    parser.parse_args()
+    try:
+        at_ready = json.load(sys.stdin)
+        budget = replanned_budget_mb(at_ready["status"], at_ready["x_bucket"], at_ready["need_y_bytes"],
+                                     at_ready["budget_mb"])
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        parser.error(f"stdin: a JSON object with status, x_bucket, need_y_bytes and budget_mb ({exc!r})")
+    print(json.dumps(budget))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,18 +1,28 @@
-"""scripts/bench_capture.py's budget for the forced-capture phase: after the captures at
-ready, the budget must let Y in once X is evicted, and never hold X and Y together."""
+"""The forced-capture phase's budget (`python -m scripts.bench_capture --replan`, the
+figures at ready as JSON on stdin): after the captures at ready, the budget must let Y
+in once X is evicted, and never hold X and Y together."""
 
 from __future__ import annotations
 
+import json
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-try:
-    from bench_capture import MiB, replanned_budget_mb
-finally:
-    sys.path.pop(0)
+ROOT = Path(__file__).resolve().parent.parent
+MiB = 1 << 20
+
+
+def replanned_budget_mb(status: dict, x_bucket: dict, need_y: int, budget_mb: int) -> int | None:
+    """The budget the tool prints for these figures at ready (None: the budget in force stands)."""
+    at_ready = {"status": status, "x_bucket": x_bucket, "need_y_bytes": need_y, "budget_mb": budget_mb}
+    done = subprocess.run([sys.executable, "-m", "scripts.bench_capture", "--replan"], input=json.dumps(at_ready),
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
 
 DECODE, SMALL, X, NEED_Y = 8 * MiB, 73_400_320, 90_177_536, 128_425_984  # as measured on an H200 (Llama-2-7B)
 
@@ -51,3 +61,10 @@ def test_a_looser_budget_is_tightened_so_that_x_and_y_never_fit_together():
     assert budget == -(-(decode + NEED_Y) // MiB)
     assert decode + NEED_Y <= budget * MiB  # Y fits by its estimate once X is evicted
     assert decode + x_real + y_real > budget * MiB  # and X never fits beside the real Y
+
+
+def test_figures_that_are_not_the_phases_are_refused_by_name():
+    done = subprocess.run([sys.executable, "-m", "scripts.bench_capture", "--replan"], input='{"status": {}}',
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "a JSON object with status, x_bucket, need_y_bytes and budget_mb" in done.stderr, done.stderr

@@ -1,10 +1,12 @@
 """The layer contracts of pyproject.toml ([tool.importlinter]) hold for the code as the
 wheel installs it: ipc/, protocol/ and workers/ inside the one `hybridd` package, with
 tests/ and scripts/ beside it (the package imports neither, the tests never import the
-tools, the tools never import the tests, no circles)."""
+tools, the tools never import the tests, no circles); and no test reaches a tool's module
+by a way import-linter cannot see (a sys.path edit, a file loader)."""
 
 from __future__ import annotations
 
+import ast
 import os
 import shutil
 import subprocess
@@ -73,3 +75,83 @@ def test_a_wrong_import_breaks_a_contract(tree, module, line, contract):
     result = lint_imports(tree)
     assert result.returncode != 0
     assert contract in result.stdout, result.stdout
+
+
+SCRIPT_MODULES = frozenset(path.stem for path in (ROOT / "scripts").glob("*.py")) - {"__init__"}
+LOADERS = frozenset({"spec_from_file_location", "SourceFileLoader", "run_path", "import_module", "__import__",
+                     "run_module", "syspath_prepend"})
+
+
+def _names_a_script(name: str) -> bool:
+    top = name.split(".")[0]
+    return top == "scripts" or top in SCRIPT_MODULES
+
+
+def _mentions_scripts(node: ast.AST) -> bool:
+    return any(isinstance(n, ast.Constant) and isinstance(n.value, str)
+               and (n.value == "scripts" or "scripts/" in n.value or _names_a_script(n.value))
+               for n in ast.walk(node))
+
+
+def _is_sys_path(node: ast.AST) -> bool:
+    return isinstance(node, ast.Attribute) and node.attr == "path" and isinstance(node.value, ast.Name) \
+        and node.value.id == "sys"
+
+
+def reaches_scripts(source: str) -> list[str]:
+    """Where test code reaches a module of scripts/ other than by running it: an import of
+    `scripts` or of a module by a scripts file's name, any edit of sys.path, a module
+    loaded from a path or name that names scripts. (Running a tool in a subprocess is fine.)"""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [f"line {node.lineno}: import {a.name}" for a in node.names if _names_a_script(a.name)]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and _names_a_script(node.module):
+            found.append(f"line {node.lineno}: from {node.module} import ...")
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and _is_sys_path(node.func.value):
+            found.append(f"line {node.lineno}: sys.path.{node.func.attr}(...)")
+        elif isinstance(node, (ast.Assign, ast.AugAssign)) and any(
+                _is_sys_path(t) or isinstance(t, ast.Subscript) and _is_sys_path(t.value)
+                for t in (node.targets if isinstance(node, ast.Assign) else [node.target])):
+            found.append(f"line {node.lineno}: sys.path assigned")
+        elif isinstance(node, ast.Call) and _mentions_scripts(node):
+            func = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+            if func in LOADERS:
+                found.append(f"line {node.lineno}: {func}(...) of a scripts module")
+    return found
+
+
+def test_no_test_reaches_a_script_but_by_running_it():
+    """Tests run the tools as users do (`python -m scripts.NAME` in a subprocess) and share
+    with them only what the package holds: import-linter sees `import scripts...`, this
+    sees the other ways in (a bare `import bench` after a sys.path edit, a file loader)."""
+    found = {str(path.relative_to(ROOT)): hits for path in sorted((ROOT / "tests").rglob("*.py"))
+             if (hits := reaches_scripts(path.read_text()))}
+    assert found == {}
+
+
+@pytest.mark.parametrize("line", [
+    "import bench_breakdown as bb",
+    "from bench_capture import replanned_budget_mb",
+    "import scripts.timing",
+    "from scripts import daemon",
+    "sys.path.insert(0, str(ROOT / 'scripts'))",
+    "sys.path.append('/anywhere')",
+    "sys.path[:0] = [str(ROOT)]",
+    "spec = importlib.util.spec_from_file_location('bench', ROOT / 'scripts' / 'bench.py')",
+    "module = importlib.import_module('scripts.bench')",
+    "runpy.run_path('scripts/fuzz_wire.py')",
+    "monkeypatch.syspath_prepend(str(ROOT / 'scripts'))",
+])
+def test_each_way_to_a_script_is_seen(line):
+    assert reaches_scripts(line), line
+
+
+@pytest.mark.parametrize("line", [
+    "subprocess.run([sys.executable, '-m', 'scripts.bench', '--quick'])",
+    "from tests.daemon import running",
+    "spec = importlib.util.spec_from_file_location('plot', ROOT / 'docs' / 'lab' / 'benchmarks_plot.py')",
+    "text = '''sys.path.insert(0, sys.argv[1])'''",
+])
+def test_running_a_tool_or_loading_other_files_is_not_flagged(line):
+    assert reaches_scripts(line) == []
