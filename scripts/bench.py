@@ -5,92 +5,21 @@
     python -m scripts.bench --out $OUT --model /path/to/hf   # any local Hugging Face directory
     python -m scripts.bench --out /tmp/b --device cpu --preset tiny --quick   # CI smoke, seconds
 
-Parts, in this order (each is skipped, with the reason recorded, when the time budget
-`--budget-s` would be exceeded by its estimate; each failure is recorded and the run
-goes on; the JSON is rewritten after every part, so a killed run still leaves results):
-
-1. `ceilings`: device-to-device copy bandwidth and bf16 matmul rate (the functions of
-   scripts/bench_graphs.py on CUDA); decode floor = weight bytes / bandwidth, prefill
-   floor(n) = max(weight bytes / bandwidth, 2 * params * n / matmul rate).
-2. `checkpoint`: random weights of the preset's shape (scripts/make_random_checkpoint.py;
-   reused when already on disk) unless `--model` is given.
-3. `breakdown`: where the decode step at batch 1 and 32 (context 512) and the 16- and
-   128-token prefill steps go, kernel by kernel under the PyTorch profiler over graph replays, by
-   category (GEMM per projection, attention, norm, RoPE/KV write, other, gaps), each
-   against its own floor (scripts/bench_breakdown.py, in its own process). Run first:
-   it also warms the on-disk Triton/Inductor caches.
-4. `hybridd_eager`: both worker processes with `use_cuda_graphs=False`: TTFT and batch-1 ITL
-   through the SDK (the other clients of `hybridd` below are measured with graphs on only).
-5. `hybridd`: both worker processes, graphs on (the daemon's defaults): time to ready
-   (split into interpreter start, weight load and capture from the workers' lifecycle
-   phases, which the bench receives by binding the supervisor socket itself), by default
-   on compile caches of its own, empty, as a first start on a host finds them
-   (`--no-first-start`: on those the parts before it filled); ITL while
-   the background thread is still capturing prefill graphs against steady state; TTFT at
-   10/32/128/256/500 prompt tokens; ITL p50/p99 over 256 tokens after a 128-token prompt
-   (through the SDK as a user gets it: its replies read from the reply ring, the stream's
-   thread polling for the first chunk and around the time each other chunk is due,
-   asleep until the daemon wakes it otherwise),
-   then again through the raw protocol client
-   asleep until each reply and polling its socket (`itl_raw_client`,
-   `itl_polling_client`: the tail left without the SDK's thread hand-over and without
-   the client's own wake-ups); then TTFT and ITL through four SDK clients taking turns:
-   the reply ring polled for 0.25 s before the thread sleeps (`ttft_ring_s`,
-   `itl_ring`), asleep until woken (`ring_pace_s=0, ring_first_poll_s=0`: `ttft_ring_sleep_s`,
-   `itl_ring_sleep`), paced as by default (`ttft_ring_paced_s`, `itl_ring_paced`), and
-   without a ring, replies by the socket alone
-   (`reply_ring=False`: `ttft_beside_ring_s`, `itl_beside_ring`);
-   aggregate tokens/s and ITL at 1/4/16/32 concurrent streams; graph memory per bucket;
-   what the HTTP gateway adds: TTFT and ITL p50 streamed through `/v1/completions` vs
-   through the SDK, interleaved (scripts/bench_gateway.py; `--skip gateway` leaves it out).
-   Every hybridd figure is taken at the client, through a `HybriddClient` adapter:
-   `hybridd.Client.stream()` (and `AsyncClient` for concurrent streams) when the SDK
-   works, else the raw protocol client of tests/engine_pair.py (`--client`).
-6. `hybridd_no_mps`: the same daemon with its workers time-slicing the GPU in two CUDA
-   contexts (`cuda_mps = "off"`; the default starts a private MPS daemon where one is
-   installed, hybridd/cuda_mps.py): TTFT at 10 and 128 tokens and batch-1 ITL, each
-   divided by the `hybridd` part's figure (CUDA only).
-7. `hybridd_no_pdl`: the same daemon without programmatic dependent launch between its
-   fused kernels (`pdl = false`, hybridd/kernels/pdl.py), the same figures divided by
-   the `hybridd` part's (CUDA only). `hybridd_unfused` likewise, with no
-   neighbour fused into the skinny projections (`gemm_fusions = "none"`,
-   hybridd/kernels/gemm_fusions.py): each norm, RoPE with the KV write and SiLU·mul its own
-   kernel (CUDA only).
-8. `capture_evict`: prefill graphs captured while a decode stream runs, forced through
-   the daemon by a small graph memory budget and prompts for the evicted bucket: ITL
-   p99 during those captures / steady (scripts/bench_capture.py).
-9. `in_process`: the same decode graphs replayed in one process (scripts/bench_pipeline.py),
-   for the two-process overhead target (CUDA only).
-10. `hf_eager`: transformers `generate()` with DynamicCache on the same weights and prompts;
-   per-token timestamps from a streamer (TTFT, ITL p50/p99).
-11. `hf_static`: transformers `generate()` with `cache_implementation="static"` and its
-   own `torch.compile` of the decode step (CompileConfig(fullgraph=True,
-   mode="reduce-overhead")); `--hf-static-compile forward` instead compiles
-   `model.forward` by hand (prefill too: one compile per prompt length, much slower to
-   warm up). Warm-up time reported. CUDA only.
-12. `hybridd_poll`: the daemon with both workers polling their sockets instead of
-   sleeping while they have work and for 50 ms after (`busy_poll_s = 0.05`; off by
-   default, it costs a core per worker): TTFT at 10 and 128 tokens and batch-1 ITL,
-   each divided by the `hybridd` part's figure. Each request follows the last one's end
-   at once, within the 50 ms, so this is the figure of a client that keeps the daemon
-   busy (CUDA only: on the CPU the polling workers would take the cores the forward
-   runs on). Last, so that it runs only where the budget leaves time for it.
-13. `hybridd_no_wake`: the daemon whose graph generator sleeps until each step's message
-   wakes it (`step_wake_poll_s = 0`; by default a request arriving while no step is in
-   flight is announced, and the graph generator polls until its step comes): TTFT at 10
-   and 128 tokens and batch-1 ITL, each divided by the `hybridd` part's figure (CUDA only).
-
-`--preset llama3-8b` (grouped-query attention with 8 KV heads, a 128256-token
-vocabulary) skips hybridd_eager, hybridd_no_mps, hybridd_no_pdl, hybridd_unfused, in_process,
-hybridd_poll, hybridd_no_wake and the gateway by default (`--skip` replaces that list), so that each shape's command fits 10 minutes
-on an H200; give each shape its own `--out` and plot them together.
-
-Prints one table (each figure, its ratio to the floor and to each peer, the breakdown,
-each target met or not) and writes `bench.json` and `bench_table.txt` under `--out`.
-Plot with `python docs/lab/benchmarks_plot.py OUT/llama2-7b/bench.json OUT/llama3-8b/bench.json`.
-
-Each daemon is the real one, `hybridd start` in a subprocess (scripts/daemon.py); the
-parts' own modules are scripts/bench_*.py, their shared timing scripts/timing.py.
+Parts, in order: `ceilings` (copy bandwidth, matmul rate: the decode and prefill
+floors), `checkpoint` (random weights of the preset's shape unless `--model`),
+`breakdown` (each step's kernels by category, scripts/bench_breakdown.py), then the
+real daemon (`hybridd start`, scripts/daemon.py) measured at the client through the SDK:
+`hybridd_eager` (graphs off), `hybridd` (start split into its phases on empty compile
+caches, ITL during background capture, TTFT at 10-500 tokens, batch-1 ITL, 1-32
+concurrent streams, graph memory, what the HTTP gateway adds: scripts/bench_gateway.py),
+the daemon with one setting changed against `hybridd` (VARIANTS), `capture_evict` (ITL
+while prefill graphs are captured during decode, scripts/bench_capture.py), `in_process`
+(the same graphs in one process, scripts/bench_pipeline.py), and the peers on the same
+weights: `hf_eager`, `hf_static`
+(transformers `generate()`, static cache and torch.compile). A part is skipped, with
+the reason recorded, when `--budget-s` would be exceeded; a failure is recorded and the
+run goes on; bench.json is rewritten after every part. docs/lab/benchmarks.md reads
+the figures; plot with `python docs/lab/benchmarks_plot.py OUT/*/bench.json`.
 """
 
 from __future__ import annotations
@@ -106,10 +35,8 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import traceback
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -127,152 +54,62 @@ SLOWEST_GAPS = 6
 CONCURRENCY = (1, 4, 16, 32)
 GiB = 1 << 30
 
+# The daemon with one setting changed, each timed against the `hybridd` part (the
+# default): (its settings, what it changes, why it is skipped on the CPU).
+VARIANTS = {
+    "hybridd_no_mps": ({"cuda_mps": "off"}, "Without MPS", "MPS is a CUDA feature"),
+    "hybridd_no_pdl": ({"pdl": False}, "Without PDL", "programmatic dependent launch is a CUDA feature"),
+    "hybridd_unfused": ({"gemm_fusions": "none"}, "No fused neighbours", "the fusions are in the Triton projection"),
+    # Polling keeps a core per worker busy: off by default, measured for a client that keeps the daemon busy.
+    "hybridd_poll": ({"busy_poll_s": 0.05}, "Polling workers", "polling workers on the CPU take the forward's cores"),
+    "hybridd_no_wake": ({"step_wake_poll_s": 0}, "No step wake-up", "the wake-up it leaves out is a fraction of a CPU step"),
+}
+# Run after the peers: they fit only where the budget leaves time.
+LATE_VARIANTS = ("hybridd_poll", "hybridd_no_wake")
+
 # Estimated seconds per part on an H200 with the Llama-2-7B / Llama-3-8B shape (the budget check uses them).
 ESTIMATE_S_7B = {"ceilings": 8, "checkpoint": 60, "breakdown": 45, "hybridd_eager": 50, "hybridd": 110,
-                 "hybridd_no_mps": 60, "hybridd_no_pdl": 60, "hybridd_unfused": 60, "capture_evict": 60, "in_process": 35,
-                 "hf_eager": 45, "hf_static": 60, "hybridd_poll": 60, "hybridd_no_wake": 60}
+                 "capture_evict": 60, "in_process": 35, "hf_eager": 45, "hf_static": 60} | dict.fromkeys(VARIANTS, 60)
 ESTIMATE_S_SMALL = {"ceilings": 3, "checkpoint": 5, "breakdown": 10, "hybridd_eager": 12, "hybridd": 20,
-                    "hybridd_no_mps": 20, "hybridd_no_pdl": 20, "hybridd_unfused": 20, "capture_evict": 20, "in_process": 10,
-                    "hf_eager": 8, "hf_static": 60, "hybridd_poll": 20, "hybridd_no_wake": 20}
+                    "capture_evict": 20, "in_process": 10, "hf_eager": 8, "hf_static": 60} | dict.fromkeys(VARIANTS, 20)
 # What --skip may name: the parts, and the HTTP gateway's figures inside the hybridd part.
 SKIPPABLE = frozenset(ESTIMATE_S_7B) | {"gateway"}
 LARGE_PRESETS = ("llama2-7b", "llama3-8b")
 # What a preset measures unless --skip says otherwise: the second shape runs the parts that
 # show its kernels and latency (breakdown, TTFT, ITL, streams, forced capture, peers), so that
 # it fits 10 minutes.
-PRESET_SKIP = {"llama3-8b": ("hybridd_eager", "hybridd_no_mps", "hybridd_no_pdl", "hybridd_unfused", "in_process",
-                             "gateway", "hybridd_poll", "hybridd_no_wake")}
+PRESET_SKIP = {"llama3-8b": ("hybridd_eager", *VARIANTS, "in_process", "gateway")}
 
 
 # ----------------------------------------------------------------------------- clients
 
 
-class HybriddClient:
-    """What the bench needs from a hybridd client; measurements are taken at the caller."""
-
-    kind = "abstract"
-    first_record: StreamRecord | None = None  # the first request this client made, if any
-
-    def stream(self, prompt: list[int], max_tokens: int, timeout: float = 300.0) -> StreamRecord:
-        raise NotImplementedError
-
-    def streams(self, prompts: list[list[int]], max_tokens: int, timeout: float = 300.0) -> list[StreamRecord]:
-        raise NotImplementedError
-
-    def status(self) -> dict:
-        raise NotImplementedError
-
-    def close(self) -> None:
-        pass
-
-
 SAMPLING = {"temperature": 0.0, "ignore_eos": True}
 
 
-class RawClient(HybriddClient):
-    """The raw protocol client (scripts/raw_client.py): one DEALER, msgpack frames."""
+class SdkClient:
+    """The SDK as a user gets it: `hybridd.Client.stream()` for one stream (its default
+    reply path), `hybridd.AsyncClient` (one event loop, no threads) for concurrent streams.
+    Every hybridd figure is taken at this client."""
 
-    kind = "raw (scripts/raw_client.RawClient, protocol/SPEC.md)"
+    first_record: StreamRecord | None = None  # the first request it made, if any
 
     def __init__(self, endpoint: str):
-        import zmq
-
-        from scripts.raw_client import RawClient as Client
-
-        self._zmq = zmq.Context()
-        self._client = Client(self._zmq, endpoint)
-        # Poll the socket without sleeping while a reply is awaited: a reply is then taken
-        # when it arrives, not when the OS next runs this thread.
-        self.spin = False
-
-    def stream(self, prompt, max_tokens, timeout=300.0):
-        return self.streams([prompt], max_tokens, timeout)[0]
-
-    def streams(self, prompts, max_tokens, timeout=300.0):
-        records: dict[str, StreamRecord] = {}
-        for ids in prompts:
-            sent = time.perf_counter()
-            rid = self._client.send({"type": "generate", "prompt_token_ids": ids,
-                                     "sampling": {"max_tokens": max_tokens, **SAMPLING}})
-            records[rid] = StreamRecord(sent)
-        pending = set(records)
-        deadline = time.monotonic() + timeout
-        while pending:
-            reply = self._client.recv(max(0.0, deadline - time.monotonic()), spin=self.spin)
-            now = time.perf_counter()
-            if reply is None:
-                raise TimeoutError(f"no reply from hybridd for {len(pending)} streams")
-            record = records.get(reply.get("id"))
-            if record is None:
-                continue
-            if reply["type"] == "chunk":
-                record.times.append(now)
-                record.tokens += len(reply["token_ids"])
-            elif reply["type"] == "final":
-                record.final = reply
-                pending.discard(reply["id"])
-            else:
-                raise RuntimeError(f"hybridd error: {reply}")
-        return list(records.values())
-
-    def status(self):
-        reply = self._client.request({"type": "status"}, timeout=10)
-        if reply is None or reply.get("type") != "status_reply":
-            raise RuntimeError(f"status failed: {reply}")
-        return reply["status"]
-
-    def close(self):
-        self._client.close()
-        self._zmq.term()
-
-
-class SdkClient(HybriddClient):
-    """The SDK: `hybridd.Client.stream()` for one stream, `hybridd.AsyncClient` (one event
-    loop, no threads) for concurrent streams. `reply_ring`, `ring_spin_s` and
-    `ring_pace_s` are the client's own options (default: a reply ring where the daemon
-    attaches one, the stream's thread asleep on it but polling for the first chunk and
-    around the time each other chunk is due)."""
-
-    def __init__(self, endpoint: str, reply_ring: bool | str = "auto", ring_spin_s: float | None = None,
-                 ring_pace_s: float | None = None, ring_first_poll_s: float | None = None):
         from hybridd.client import Client
 
         self.endpoint = endpoint
-        spin = {key: value for key, value in (("ring_spin_s", ring_spin_s), ("ring_pace_s", ring_pace_s),
-                                              ("ring_first_poll_s", ring_first_poll_s)) if value is not None}
-        self._client = Client(endpoint, timeout=60.0, reply_ring=reply_ring, **spin)
+        self._client = Client(endpoint, timeout=60.0)
         self._client.health()  # a ring is attached on connecting; its answer comes first
-        attached = self._client._session.ring_attached
-        if reply_ring is True and not attached:
-            raise RuntimeError("the daemon did not attach the reply ring (see the client's log)")
-        options = ", ".join(f"{k}={v!r}" for k, v in (("reply_ring", reply_ring), *spin.items()) if v != "auto")
-        if not attached:
-            path = "replies by its socket alone"
-        elif self._client.ring_spin_s:
-            path = f"replies by the reply ring, polled for {self._client.ring_spin_s} s, then asleep"
-        elif self._client.ring_pace_s or self._client.ring_first_poll_s:
-            c = self._client
-            path = (f"replies by the reply ring, the stream's thread polling for its first chunk for up to "
-                    f"{c.ring_first_poll_s * 1e3:g} ms, then from {c.ring_pace_s * 1e3:g} ms before to "
-                    f"{c.ring_pace_s * 1e3:g} ms after each chunk is due, asleep until the daemon wakes it otherwise")
-        else:
-            path = "replies by the reply ring, the stream's thread asleep until the daemon wakes it"
-        self.kind = f"sdk (hybridd.Client({options}).stream: {path}; AsyncClient.stream for concurrent streams)"
-        self.caught = 0  # chunks its streams found while polling around the time they were due
-        # CPU time of the thread that iterated its streams, and those streams' wall time.
-        self.thread_cpu_s = self.stream_s = 0.0
+        path = "replies by the reply ring" if self._client._session.ring_attached else "replies by its socket alone"
+        self.kind = f"sdk (hybridd.Client.stream: {path}; AsyncClient.stream for concurrent streams)"
 
     def stream(self, prompt, max_tokens, timeout=300.0):
-        cpu = time.thread_time()
         record = StreamRecord(time.perf_counter())
         stream = self._client.stream(prompt, max_tokens=max_tokens, timeout=timeout, **SAMPLING)
         for chunk in stream:
             record.times.append(time.perf_counter())
             record.tokens += len(chunk.token_ids)
         record.final = {"finish_reason": stream.result.finish_reason, "usage": vars_of(stream.result.usage)}
-        self.caught += stream.pacer.caught
-        self.thread_cpu_s += time.thread_time() - cpu
-        self.stream_s += time.perf_counter() - record.sent
         return record
 
     def streams(self, prompts, max_tokens, timeout=300.0):
@@ -312,24 +149,15 @@ def vars_of(obj: Any) -> Any:
     return {k: getattr(obj, k) for k in fields} if fields else str(obj)
 
 
-def open_client(kind: str, endpoint: str, notes: list[str]) -> HybriddClient:
-    """The SDK when it works (checked with a 2-token stream, kept as `first_record`), else raw."""
-    if kind in ("auto", "sdk"):
-        client = None
-        try:
-            client = SdkClient(endpoint)
-            probe = client.stream([5, 6, 7], 2, timeout=120)
-            if probe.tokens != 2:
-                raise RuntimeError(f"SDK probe streamed {probe.tokens} tokens, expected 2")
-            client.first_record = probe
-            return client
-        except Exception as exc:  # the SDK is being written alongside this script
-            if client is not None:
-                client.close()
-            if kind == "sdk":
-                raise
-            notes.append(f"hybridd.Client unusable ({type(exc).__name__}: {exc}); raw protocol client used")
-    return RawClient(endpoint)
+def open_client(endpoint: str) -> SdkClient:
+    """The SDK, its first request (a 2-token stream) kept as `first_record`."""
+    client = SdkClient(endpoint)
+    try:
+        client.first_record = client.stream([5, 6, 7], 2, timeout=120)
+    except BaseException:
+        client.close()
+        raise
+    return client
 
 
 # ----------------------------------------------------------------------------- hybridd server
@@ -449,80 +277,7 @@ def measure_itl(stream_fn, prompt_len: int, tokens: int, runs: int, vocab: int, 
     return {**itl_summary(gaps), "prompt_tokens": prompt_len, "tokens": tokens, "runs": per_run}
 
 
-def measure_itl_raw_clients(endpoint: str, args, vocab: int, deadline: float) -> dict:
-    """Batch-1 ITL again through the raw protocol client (one thread, no event loop), as
-    it waits for each reply asleep and as it polls without sleeping: what is left of the
-    tail with the polling client is the daemon's and the transport's, not the client's
-    wake-ups. Its prompts come from a generator of its own: how many runs fit the budget
-    does not change the prompts of the parts after it."""
-    rng = random.Random(6)
-    raw = RawClient(endpoint)
-    out = {}
-    try:
-        _, gaps_fn = hybridd_stream_fns(raw)
-        for key, spin in (("itl_raw_client", False), ("itl_polling_client", True)):
-            raw.spin = spin
-            out[key] = measure_itl(gaps_fn, ITL_PROMPT, args.itl_tokens, args.itl_runs, vocab, rng, deadline + 30)
-    finally:
-        raw.close()
-    return out
-
-
-def measure_ring_client(endpoint: str, args, vocab: int, deadline: float) -> dict:
-    """TTFT and batch-1 ITL through the SDK with the reply ring, its thread polling
-    ("ring"), asleep until the daemon wakes it ("ring_sleep") or paced as by default
-    (asleep, and polling around the time each chunk is due: "ring_paced"), and through
-    the SDK's socket alone, interleaved (the clients take turns, request by request for TTFT and
-    stream by stream for ITL, so that a disturbance of the host meets each), with
-    prompts of a generator of its own."""
-    rng = random.Random(8)
-    plain = SdkClient(endpoint, reply_ring=False)
-    ringed = SdkClient(endpoint, reply_ring=True, ring_spin_s=0.25)
-    sleeping = SdkClient(endpoint, reply_ring=True, ring_spin_s=0, ring_pace_s=0, ring_first_poll_s=0)
-    paced = SdkClient(endpoint, reply_ring=True)
-    try:
-        fns = {"sdk": hybridd_stream_fns(plain), "ring": hybridd_stream_fns(ringed),
-               "ring_sleep": hybridd_stream_fns(sleeping), "ring_paced": hybridd_stream_fns(paced)}
-        order = ("sdk", "ring", "ring_sleep", "ring_paced")
-        ttft = {key: {} for key in order}
-        for n in TTFT_LENGTHS:
-            samples = {key: [] for key in order}
-            for key in order:
-                fns[key][0](random_prompt(rng, n, vocab), 1)  # warm-up
-            for i in range(args.ttft_reps):
-                if i >= 2 and time.perf_counter() > deadline + 30:
-                    break
-                for key in order if i % 2 == 0 else order[::-1]:
-                    samples[key].append(fns[key][0](random_prompt(rng, n, vocab), 1))
-            for key in order:
-                ttft[key][str(n)] = ttft_summary(samples[key])
-        gaps = {key: [] for key in order}
-        for key in order:
-            fns[key][1](random_prompt(rng, ITL_PROMPT, vocab), min(args.itl_tokens, 32))  # warm-up
-        for i in range(2 * args.itl_runs):
-            if i >= 2 and time.perf_counter() > deadline + 30:
-                break
-            for key in order if i % 2 == 0 else order[::-1]:
-                gaps[key].extend(fns[key][1](random_prompt(rng, ITL_PROMPT, vocab), args.itl_tokens))
-        ring, asleep, pacing = (c._client._session._ring for c in (ringed, sleeping, paced))
-        itl = {key: {**itl_summary(gaps[key]), "prompt_tokens": ITL_PROMPT, "tokens": args.itl_tokens} for key in order}
-        return {"ttft_ring_s": ttft["ring"], "ttft_ring_sleep_s": ttft["ring_sleep"], "ttft_beside_ring_s": ttft["sdk"],
-                "ttft_ring_paced_s": ttft["ring_paced"], "itl_ring": itl["ring"], "itl_ring_sleep": itl["ring_sleep"],
-                "itl_ring_paced": itl["ring_paced"], "itl_beside_ring": itl["sdk"],
-                "ring_paced_replies": {"by_ring": pacing.by_ring, "delivered": pacing.delivered,
-                                       "caught_polling": paced.caught},
-                "client_thread_cpu_share": {key: c.thread_cpu_s / c.stream_s if c.stream_s else None
-                                            for key, c in zip(order, (plain, ringed, sleeping, paced))},
-                "ring_replies": {"by_ring": ring.by_ring, "delivered": ring.delivered},
-                "ring_sleep_replies": {"by_ring": asleep.by_ring, "delivered": asleep.delivered}}
-    finally:
-        paced.close()
-        sleeping.close()
-        ringed.close()
-        plain.close()
-
-
-def hybridd_stream_fns(client: HybriddClient):
+def hybridd_stream_fns(client: SdkClient):
     def ttft(ids: list[int], max_tokens: int) -> float:
         record = client.stream(ids, max_tokens)
         if record.ttft is None:
@@ -538,7 +293,7 @@ def hybridd_stream_fns(client: HybriddClient):
     return ttft, gaps
 
 
-def measure_concurrency(client: HybriddClient, levels, prompt_len: int, tokens: int, vocab: int,
+def measure_concurrency(client: SdkClient, levels, prompt_len: int, tokens: int, vocab: int,
                         rng: random.Random) -> dict:
     client.streams([random_prompt(rng, prompt_len, vocab) for _ in range(max(levels))], min(tokens, 8))  # warm-up
     out = {}
@@ -567,7 +322,7 @@ def prefill_capture_state(status: dict) -> tuple[int, int, float]:
     return done, len(prefill), sum(b.get("capture_s") or 0.0 for b in prefill if b.get("captured"))
 
 
-def measure_during_capture(client: HybriddClient, server: HybriddServer, vocab: int, rng: random.Random,
+def measure_during_capture(client: SdkClient, server: HybriddServer, vocab: int, rng: random.Random,
                            tokens: int, max_s: float, early_s: float = 2.0) -> dict:
     """Batch-1 streams back to back from the moment the daemon is ready, while the graph
     generator's background thread captures prefill buckets, then in steady state.
@@ -652,80 +407,27 @@ def server_overrides(args, graphs: bool = True) -> dict[str, Any]:
 
 # The lengths a variant of the daemon measured beside the `hybridd` part is timed at.
 BESIDE_TTFT_LENGTHS = (10, 128)
-
-
-def run_hybridd_beside(args, model: Path, vocab: int, deadline: float, notes: list[str], result: dict,
-                       base: dict, worker_env: dict[str, str], overrides: dict) -> None:
-    """The graphs-on daemon again with `worker_env` in its workers' environment and
-    `overrides` in its config: TTFT and batch-1 ITL at the client, divided by the same
-    figures of this run's `hybridd` part. The workers inherit the environment at spawn;
-    the bench's own process gets it back as it was once they are started."""
-    saved = {k: os.environ.get(k) for k in worker_env}
+def run_variant(args, model: Path, vocab: int, deadline: float, result: dict, base: dict, overrides: dict) -> None:
+    """The graphs-on daemon again with `overrides` in its config: TTFT and batch-1 ITL
+    at the client, divided by the same figures of this run's `hybridd` part."""
     server = client = None
     try:
-        os.environ.update(worker_env)
         overrides = {**server_overrides(args), **overrides}
         result["config"] = {k: v for k, v in overrides.items() if k != "log_level"}
-        result["worker_env"] = dict(worker_env)
         server = HybriddServer(model, args.device, 600, **overrides)
-        _restore_env(saved)
         result["startup"] = server.startup()
-        client = open_client(args.client, server.endpoint, notes)
+        client = open_client(server.endpoint)
         result["client"] = client.kind
         rng = random.Random(4)
         ttft_fn, gaps_fn = hybridd_stream_fns(client)
         result["ttft_s"] = measure_ttft(ttft_fn, BESIDE_TTFT_LENGTHS, args.ttft_reps, vocab, rng, deadline)
         result["itl"] = measure_itl(gaps_fn, ITL_PROMPT, args.itl_tokens, args.itl_runs, vocab, rng, deadline)
     finally:
-        _restore_env(saved)
         if client is not None:
             client.close()
         if server is not None:
             server.close()
     result["vs_off"] = beside_comparison(result, base)
-
-
-def _restore_env(saved: dict[str, str | None]) -> None:
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
-
-
-def run_hybridd_no_mps(args, model: Path, vocab: int, deadline: float, notes: list[str], result: dict,
-                       base: dict) -> None:
-    """Both workers in CUDA contexts of their own (`cuda_mps = "off"`), against the
-    `hybridd` part (the default, MPS where installed)."""
-    run_hybridd_beside(args, model, vocab, deadline, notes, result, base, {}, {"cuda_mps": "off"})
-
-
-def run_hybridd_no_pdl(args, model: Path, vocab: int, deadline: float, notes: list[str], result: dict,
-                       base: dict) -> None:
-    """The fused kernels without programmatic dependent launch (`pdl = false`,
-    hybridd/kernels/pdl.py) against the `hybridd` part (with it, the default)."""
-    run_hybridd_beside(args, model, vocab, deadline, notes, result, base, {}, {"pdl": False})
-
-
-def run_hybridd_unfused(args, model: Path, vocab: int, deadline: float, notes: list[str], result: dict,
-                        base: dict) -> None:
-    """No neighbours fused into the skinny projections (`gemm_fusions = "none"`) against
-    the `hybridd` part (the default fusions)."""
-    run_hybridd_beside(args, model, vocab, deadline, notes, result, base, {}, {"gemm_fusions": "none"})
-
-
-def run_hybridd_poll(args, model: Path, vocab: int, deadline: float, notes: list[str], result: dict,
-                     base: dict) -> None:
-    """Both workers polling their sockets while busy and 50 ms after (`busy_poll_s`)
-    against the `hybridd` part (asleep in the poller until a message comes, the default)."""
-    run_hybridd_beside(args, model, vocab, deadline, notes, result, base, {}, {"busy_poll_s": 0.05})
-
-
-def run_hybridd_no_wake(args, model: Path, vocab: int, deadline: float, notes: list[str], result: dict,
-                        base: dict) -> None:
-    """The graph generator asleep until each step's message wakes it (`step_wake_poll_s =
-    0`) against the `hybridd` part (polling for an announced step, the default)."""
-    run_hybridd_beside(args, model, vocab, deadline, notes, result, base, {}, {"step_wake_poll_s": 0})
 
 
 def beside_comparison(on: dict, off: dict) -> dict:
@@ -749,12 +451,11 @@ def run_capture_evict(args, model: Path, vocab: int, notes: list[str]) -> dict:
         return HybriddServer(model, args.device, 600 if args.device == "cuda" else 120,
                              **{**server_overrides(args), **overrides})
 
-    return measure_capture_under_eviction(lambda endpoint: open_client(args.client, endpoint, notes), model,
+    return measure_capture_under_eviction(open_client, model,
                                           args.device == "cuda", vocab, args.quick, server_factory, notes)
 
 
-def run_hybridd(args, model: Path, vocab: int, graphs: bool, deadline: float, notes: list[str],
-                result: dict) -> None:
+def run_hybridd(args, model: Path, vocab: int, graphs: bool, deadline: float, result: dict) -> None:
     """Fills `result` as it goes, so that a failure keeps what was measured before it."""
     overrides = server_overrides(args, graphs)
     rng = random.Random(1 if graphs else 2)
@@ -763,9 +464,7 @@ def run_hybridd(args, model: Path, vocab: int, graphs: bool, deadline: float, no
     client = None
     try:
         result["startup"] = server.startup()
-        client_notes: list[str] = []
-        client = open_client(args.client, server.endpoint, client_notes)
-        notes.extend(client_notes)
+        client = open_client(server.endpoint)
         result["client"] = client.kind
         if graphs:
             result["background_capture"] = measure_during_capture(
@@ -774,10 +473,6 @@ def run_hybridd(args, model: Path, vocab: int, graphs: bool, deadline: float, no
         result["ttft_s"] = measure_ttft(ttft_fn, TTFT_LENGTHS, args.ttft_reps, vocab, rng, deadline)
         result["itl"] = measure_itl(gaps_fn, ITL_PROMPT, args.itl_tokens, args.itl_runs, vocab, rng, deadline)
         if graphs:
-            # The clients' own paths, a fraction of a millisecond: measured where the step
-            # is short enough for them to show, not beside the graphs-off daemon's.
-            result.update(measure_itl_raw_clients(server.endpoint, args, vocab, deadline))
-            result.update(measure_ring_client(server.endpoint, args, vocab, deadline))
             result["concurrency"] = measure_concurrency(client, CONCURRENCY, ITL_PROMPT, args.concurrency_tokens,
                                                         vocab, rng)
             status = client.status()
@@ -888,8 +583,6 @@ def hf_stream_fns(hf, config):
 
 def run_hf(args, model: Path, vocab: int, variant: str, deadline: float, shared: dict, result: dict) -> None:
     """variant: "eager" (DynamicCache) or "static" (StaticCache + torch.compile); fills `result`."""
-    import torch
-
     hf = shared.get("hf")
     result["transformers"] = __import__("transformers").__version__
     if hf is None:
@@ -899,29 +592,17 @@ def run_hf(args, model: Path, vocab: int, variant: str, deadline: float, shared:
     rng = random.Random(3)
     if variant == "static":
         config.cache_implementation = "static"
-        longest = max(TTFT_LENGTHS) + args.itl_tokens  # the first warm-up call, the longest
-        if hasattr(config, "max_cache_len"):
-            config.max_cache_len = longest  # one cache size for every call: no recompile
-        if args.hf_static_compile == "forward":
-            hf.forward = torch.compile(hf.forward, mode="reduce-overhead", fullgraph=True)
-            if hasattr(config, "disable_compile"):
-                config.disable_compile = True
-            result["compile"] = 'model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)'
-        else:
-            from transformers import CompileConfig
+        if hasattr(config, "max_cache_len"):  # one cache size for every call (the first, longest): no recompile
+            config.max_cache_len = max(TTFT_LENGTHS) + args.itl_tokens
+        from transformers import CompileConfig
 
-            config.compile_config = CompileConfig(fullgraph=True, mode="reduce-overhead")
-            result["compile"] = ('generate()\'s own compile of the decode step, '
-                                 'CompileConfig(fullgraph=True, mode="reduce-overhead")')
+        config.compile_config = CompileConfig(fullgraph=True, mode="reduce-overhead")
+        result["compile"] = 'generate()\'s own compile of the decode step, CompileConfig(fullgraph=True, mode="reduce-overhead")'
         # Warm-up: the longest call first (it sizes the static cache), then the measured shapes.
         t0 = time.perf_counter()
         hf_timed_generate(hf, random_prompt(rng, max(TTFT_LENGTHS), vocab), args.itl_tokens, config)
         for _ in range(2):
             hf_timed_generate(hf, random_prompt(rng, ITL_PROMPT, vocab), args.itl_tokens, config)
-        if args.hf_static_compile == "forward":
-            for n in TTFT_LENGTHS:
-                for _ in range(2):
-                    hf_timed_generate(hf, random_prompt(rng, n, vocab), 1, config)
         result["warmup_s"] = time.perf_counter() - t0
     ttft_fn, gaps_fn = hf_stream_fns(hf, config)
     result["ttft_s"] = measure_ttft(ttft_fn, TTFT_LENGTHS, args.ttft_reps, vocab, rng, deadline)
@@ -1007,16 +688,6 @@ def build_report(results: dict) -> tuple[list[dict], list[dict]]:
     row("ITL p50 (b=1)", "s", lambda r: g(r, "itl", "p50_s"), fl.get("decode_floor_s"))
     row("ITL p99 (b=1)", "s", lambda r: g(r, "itl", "p99_s"), fl.get("decode_floor_s"))
     row("ITL p99/p50", "", lambda r: g(r, "itl", "p99_over_p50"))
-    for key, label in (("itl_raw_client", "raw client"), ("itl_polling_client", "raw client polling"),
-                       ("itl_beside_ring", "SDK socket alone, in turns"), ("itl_ring", "SDK reply ring, polled"),
-                       ("itl_ring_sleep", "SDK reply ring, asleep"), ("itl_ring_paced", "SDK reply ring, paced")):
-        row(f"ITL p50, {label}", "s", lambda r, key=key: g(r, key, "p50_s"), fl.get("decode_floor_s"))
-        row(f"ITL p99/p50, {label}", "", lambda r, key=key: g(r, key, "p99_over_p50"))
-    for key, label in (("ttft_beside_ring_s", "SDK socket alone, in turns"), ("ttft_ring_s", "SDK reply ring, polled"),
-                       ("ttft_ring_sleep_s", "SDK reply ring, asleep"), ("ttft_ring_paced_s", "SDK reply ring, paced")):
-        for n in TTFT_LENGTHS:
-            row(f"TTFT {n} tok, {label}", "s", lambda r, n=n, key=key: g(r, key, str(n), "median_s"),
-                g(fl, "prefill_floor_s", str(n)))
 
     targets = []
 
@@ -1032,14 +703,6 @@ def build_report(results: dict) -> tuple[list[dict], list[dict]]:
     target("decode ITL p50, batch 1", "<= 1.20 x floor", ratio(p50, decode_floor), 1.20)
     target("decode ITL p50, batch 1 (stretch)", "<= 1.15 x floor", ratio(p50, decode_floor), 1.15)
     target("decode ITL p99/p50, batch 1", "<= 1.05", g(hy, "itl", "p99_over_p50"), 1.05)
-    target("decode ITL p99/p50, batch 1 (raw client polling its socket)", "<= 1.05",
-           g(hy, "itl_polling_client", "p99_over_p50"), 1.05)
-    target("decode ITL p99/p50, batch 1 (SDK with the reply ring, polled)", "<= 1.05",
-           g(hy, "itl_ring", "p99_over_p50"), 1.05)
-    target("decode ITL p99/p50, batch 1 (SDK with the reply ring, asleep until woken)", "<= 1.05",
-           g(hy, "itl_ring_sleep", "p99_over_p50"), 1.05)
-    target("decode ITL p99/p50, batch 1 (SDK with the reply ring, paced as by default, in turns)", "<= 1.05",
-           g(hy, "itl_ring_paced", "p99_over_p50"), 1.05)
 
     def worst_ttft(key: str) -> float | None:
         worst = [ratio(g(hy, key, str(n), "median_s"), g(fl, "prefill_floor_s", str(n))) for n in TTFT_LENGTHS]
@@ -1048,10 +711,6 @@ def build_report(results: dict) -> tuple[list[dict], list[dict]]:
     target("TTFT at the client 10-500 tokens (worst length)", "<= 1.5 x prefill floor", worst_ttft("ttft_s"), 1.5)
     target("TTFT at the client 10-500 tokens (worst length, stretch)", "<= 1.3 x prefill floor",
            worst_ttft("ttft_s"), 1.3)
-    target("TTFT at the client 10-500 tokens (worst length, SDK with the reply ring, polled)",
-           "<= 1.5 x prefill floor", worst_ttft("ttft_ring_s"), 1.5)
-    target("TTFT at the client 10-500 tokens (worst length, SDK over its socket alone)", "<= 1.5 x prefill floor",
-           worst_ttft("ttft_beside_ring_s"), 1.5)
     b32 = bd.get("decode_b32") or {}
     tput = g(hy, "concurrency", "32", "decode_tokens_per_s")
     target(f"decode GPU step, batch 32, context 512, steps back to back (x (weights + KV) floor; 32 streams: "
@@ -1140,8 +799,7 @@ def render_table(results: dict) -> str:
                      f"{fmt(bc.get('first_token_after_capture_start_s'))} s after capture began")
         if bc.get("note"):
             lines.append(f"  note: {bc['note']}")
-    for name in ("hybridd", "hybridd_eager", "hybridd_no_mps", "hybridd_no_pdl", "hybridd_unfused", "hybridd_poll",
-                 "hybridd_no_wake"):
+    for name in ("hybridd", "hybridd_eager", *VARIANTS):
         st = g(results, name, "startup")
         if st:
             lines.append(f"{name} start: spawn->ready {fmt(st['spawn_to_ready_s'])} s (imports "
@@ -1151,11 +809,6 @@ def render_table(results: dict) -> str:
             ahead = next((p["detail"] for p in st.get("phases", []) if p["detail"].startswith("compiled ")), None)
             if ahead:
                 lines.append(f"  kernels compiled ahead: {ahead}")
-    share = hy.get("client_thread_cpu_share")
-    if share:
-        names = {"sdk": "socket alone", "ring": "ring polled", "ring_sleep": "ring asleep", "ring_paced": "ring paced"}
-        lines.append("SDK clients in turns, share of a core their streaming thread used: "
-                     + ", ".join(f"{names.get(k, k)} {fmt(v, 1, 2)}" for k, v in share.items()))
     gm = hy.get("graph_memory")
     if gm:
         per = ", ".join(f"{b['kind'][0]}{b['size']}:{fmt(b['bytes'], 2**-20, 0)}" for b in gm["buckets"] if b["captured"])
@@ -1168,9 +821,7 @@ def render_table(results: dict) -> str:
         lines += ["", f"where the step goes ({g(bd, 'decode_b1', 'source') or '-'}; each category against its own "
                       f"floor: bytes / copy bandwidth or FLOPs / matmul rate)"]
         lines += render_breakdown(bd)
-    for name, what in (("hybridd_no_mps", "Without MPS"), ("hybridd_no_pdl", "Without PDL"),
-                       ("hybridd_unfused", "No fused neighbours"), ("hybridd_poll", "Polling workers"),
-                       ("hybridd_no_wake", "No step wake-up")):
+    for name, (_, what, _) in VARIANTS.items():
         vs = g(results, name, "vs_off")
         if vs:
             lines.append(f"{what} vs the default (client, batch 1): ITL p50 {fmt(vs['itl_p50_on_s'], 1e3, 3)} vs "
@@ -1197,8 +848,7 @@ def render_table(results: dict) -> str:
         lines.append(f"HTTP gateway vs SDK over its socket: TTFT p50 {fmt(g(gw, 'http', 'ttft_p50_s'), 1e3, 3)} vs "
                      f"{fmt(g(gw, 'sdk', 'ttft_p50_s'), 1e3, 3)} ms (+{fmt(gw.get('added_ttft_p50_s'), 1e3, 3)}), "
                      f"ITL p50 {fmt(g(gw, 'http', 'itl_p50_s'), 1e3, 3)} vs {fmt(g(gw, 'sdk', 'itl_p50_s'), 1e3, 3)} "
-                     f"ms (+{fmt(gw.get('added_itl_p50_s'), 1e3, 3)}); TTFT through httpx +"
-                     f"{fmt(g(gw, 'httpx', 'added_ttft_p50_s'), 1e3, 3)} ms")
+                     f"ms (+{fmt(gw.get('added_itl_p50_s'), 1e3, 3)})")
     ip = results.get("in_process")
     if ip:
         lines.append(f"same graphs in one process: ITL p50/p99 {fmt(ip.get('in_process_itl_p50_s'), 1e3)}/"
@@ -1239,13 +889,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", choices=("cuda", "cpu"), default=None)
     p.add_argument("--quick", action="store_true", help="fewer repetitions and tokens")
     p.add_argument("--budget-s", type=float, default=540.0, help="skip parts that would end later than this")
-    p.add_argument("--client", choices=("auto", "sdk", "raw"), default="auto")
     p.add_argument("--checkpoint-dir", type=Path, help="where random checkpoints are written (default: tmp)")
     p.add_argument("--parts", default=None, help="comma-separated parts to run, the others skipped (instead of "
                    "--skip; the parts run in the order of the list above)")
     p.add_argument("--skip", default=None, help="comma-separated parts to skip (and `gateway`: the gateway "
                    "figures of the hybridd part); default: none, or the preset's list")
-    p.add_argument("--hf-static-compile", choices=("generate", "forward"), default="generate")
     p.add_argument("--hf-static-on-cpu", action="store_true", help="try HF static+compile on the CPU too")
     p.add_argument("--verbose", action="store_true", help="the workers' info logs")
     p.add_argument("--first-start", action=argparse.BooleanOptionalAction, default=True,
@@ -1306,11 +954,7 @@ def main(argv: list[str] | None = None) -> int:
     skip = args.skip_set
     meta["shape"] = model_shape_name(args)
     cuda_only = {"in_process": "CUDA only", "hf_static": "CUDA only (reduce-overhead compiles to CUDA graphs)",
-                 "hybridd_no_mps": "CUDA only (MPS is a CUDA feature)",
-                 "hybridd_no_pdl": "CUDA only (programmatic dependent launch is a CUDA feature)",
-                 "hybridd_unfused": "CUDA only (the fusions are in the Triton projection)",
-                 "hybridd_poll": "CUDA only (polling workers on the CPU take the forward's cores)",
-                 "hybridd_no_wake": "CUDA only (the wake-up it leaves out is a fraction of a CPU step)"}
+                 **{name: f"CUDA only ({why})" for name, (_, _, why) in VARIANTS.items()}}
     if args.hf_static_on_cpu:
         cuda_only.pop("hf_static")
     shared: dict[str, Any] = {}
@@ -1389,40 +1033,37 @@ def main(argv: list[str] | None = None) -> int:
         vocab = lambda: state["vocab"]  # noqa: E731
         part("breakdown", lambda out: run_breakdown_subprocess(args, state["model"], state["ceilings"], deadline),
              needs=("model", "ceilings"))
-        part("hybridd_eager", lambda out: run_hybridd(args, state["model"], vocab(), False, deadline, meta["notes"], out),
+        part("hybridd_eager", lambda out: run_hybridd(args, state["model"], vocab(), False, deadline, out),
              needs=("model", "vocab"))
         def do_hybridd(out):
-            run = lambda: run_hybridd(args, state["model"], vocab(), True, deadline, meta["notes"], out)  # noqa: E731
+            run = lambda: run_hybridd(args, state["model"], vocab(), True, deadline, out)  # noqa: E731
             return on_empty_compile_caches(run) if args.first_start else run()
 
         part("hybridd", do_hybridd, needs=("model", "vocab"))
         meta["client"] = g(results, "hybridd", "client") or g(results, "hybridd_eager", "client")
-        part("hybridd_no_mps", lambda out: run_hybridd_no_mps(args, state["model"], vocab(), deadline, meta["notes"],
-                                                              out, results.get("hybridd", {})), needs=("model", "vocab"))
-        part("hybridd_no_pdl", lambda out: run_hybridd_no_pdl(args, state["model"], vocab(), deadline, meta["notes"],
-                                                              out, results.get("hybridd", {})), needs=("model", "vocab"))
-        part("hybridd_unfused", lambda out: run_hybridd_unfused(args, state["model"], vocab(), deadline, meta["notes"],
-                                                                out, results.get("hybridd", {})),
-             needs=("model", "vocab"))
+
+        def variant(name: str) -> None:
+            part(name, lambda out: run_variant(args, state["model"], vocab(), deadline, out, results.get("hybridd", {}),
+                                               VARIANTS[name][0]), needs=("model", "vocab"))
+
+        for name in VARIANTS:
+            if name not in LATE_VARIANTS:
+                variant(name)
         part("capture_evict", lambda out: run_capture_evict(args, state["model"], vocab(), meta["notes"]),
              needs=("model", "vocab"))
 
         def do_in_process(_):
             from scripts.bench_pipeline import in_process
 
-            one = in_process(state["model"], [1], ITL_PROMPT, args.itl_tokens)[1]
-            return one
+            return in_process(state["model"], [1], ITL_PROMPT, args.itl_tokens)[1]
 
         part("in_process", do_in_process, needs=("model",))
         part("hf_eager", lambda out: run_hf(args, state["model"], vocab(), "eager", deadline, shared, out),
              needs=("model", "vocab"))
         part("hf_static", lambda out: run_hf(args, state["model"], vocab(), "static", deadline, shared, out),
              needs=("model", "vocab"))
-        part("hybridd_poll", lambda out: run_hybridd_poll(args, state["model"], vocab(), deadline, meta["notes"],
-                                                          out, results.get("hybridd", {})), needs=("model", "vocab"))
-        part("hybridd_no_wake", lambda out: run_hybridd_no_wake(args, state["model"], vocab(), deadline,
-                                                                meta["notes"], out, results.get("hybridd", {})),
-             needs=("model", "vocab"))
+        for name in LATE_VARIANTS:
+            variant(name)
     finally:  # also on SIGTERM (a run past the device's limit): keep what was measured
         if state.get("running"):
             meta["errors"][state["running"]] = "interrupted (SIGTERM or KeyboardInterrupt); partial results kept"

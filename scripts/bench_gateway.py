@@ -1,35 +1,28 @@
-"""What the HTTP gateway adds at the client: TTFT and ITL p50 of the same greedy
-requests streamed through the OpenAI-compatible gateway (`/v1/completions`, SSE) and
-through the SDK (`hybridd.Client.stream`), interleaved in one run against one daemon.
-The SDK side takes its replies by its socket alone (`reply_ring=False`), as the
+"""What the HTTP gateway adds at the client (the bench's `hybridd` part): TTFT and ITL
+p50 of the same greedy requests streamed through the OpenAI-compatible gateway
+(`/v1/completions`, SSE) and through the SDK, interleaved in one run against one
+daemon. The SDK side takes its replies by its socket alone (`reply_ring=False`), as the
 gateway's own client of the daemon does: the difference is the HTTP layer's.
 
-    python scripts/bench_gateway.py --endpoint ipc:///run/hybridd/hybridd.sock --model /path/to/model
-
-scripts/bench.py runs `measure_gateway` inside its `hybridd` part. The gateway runs as
-its own process (`python -m hybridd.gateway.process`), as under the supervisor. Both
-sides count the same events: the first reply of a request for TTFT, and replies that
-carry text for ITL (the gateway sends no event for a chunk whose text is still held
-back, so the SDK side skips those too).
-
-The HTTP side is timed with a lean client (h11 over one kept-alive TCP socket): the
-request leaves in one write, and an event's time is that of the `recv` that brought its
-last byte, so the figure is what the gateway adds, not what a client library spends.
-The same requests through httpx (the `openai` package's HTTP client) are timed too and
-reported apart: the difference is the Python HTTP client's own cost.
+The gateway runs as its own process (`python -m hybridd.gateway.process`), as under the
+supervisor. Both sides count the same events: the first reply of a request for TTFT,
+and replies that carry text for ITL (the gateway sends no event for a chunk whose text
+is still held back, so the SDK side skips those too). The HTTP side is timed with a
+lean client (h11 over one kept-alive TCP socket): the request leaves in one write, and
+an event's time is that of the `recv` that brought its last byte, so the figure is what
+the gateway adds, not what a client library spends.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import logging
 import random
 import socket
 import statistics
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -117,32 +110,30 @@ class Gateway:
     """The gateway process on a free loopback port, against `endpoint`."""
 
     def __init__(self, endpoint: str, model: str) -> None:
-        import httpx
-
-        # httpx logs every request at INFO; rendering it would sit inside the httpx timings.
-        logging.getLogger("httpx").setLevel(logging.WARNING)
         self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         self.process = subprocess.Popen([
             sys.executable, "-m", "hybridd.gateway.process", "--endpoint", endpoint,
             "--http-endpoint", f"127.0.0.1:{self.port}", "--model", model, "--log-level", "warning",
         ])
         self.model = Path(model).name
-        self.http = httpx.Client(base_url=self.url, timeout=300.0)
         deadline = time.monotonic() + READY_TIMEOUT_S
-        while True:
+        while not self._healthy():
             if self.process.poll() is not None:
                 raise RuntimeError(f"the gateway exited with {self.process.returncode}")
-            try:
-                if self.http.get("/health").status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
             if time.monotonic() > deadline:
                 self.close()
                 raise TimeoutError(f"the gateway was not healthy within {READY_TIMEOUT_S} s")
             time.sleep(0.1)
         self.sse = SSEConnection("127.0.0.1", self.port)
+
+    def _healthy(self) -> bool:
+        try:
+            # No proxy: the environment's would be asked for a loopback address.
+            opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+            with opener.open(f"http://127.0.0.1:{self.port}/health", timeout=1) as response:
+                return response.status == 200
+        except OSError:
+            return False
 
     def _body(self, ids: list[int], max_tokens: int) -> dict[str, Any]:
         return {"model": self.model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0, "stream": True,
@@ -161,23 +152,9 @@ class Gateway:
             raise RuntimeError("the gateway streamed no event")
         return first - sent, times
 
-    def stream_httpx(self, ids: list[int], max_tokens: int) -> float:
-        """TTFT of one streamed completion read with httpx (`iter_lines`), as the `openai` package reads it."""
-        sent = time.perf_counter()
-        first = None
-        with self.http.stream("POST", "/v1/completions", json=self._body(ids, max_tokens)) as response:
-            response.raise_for_status()
-            for line in response.iter_lines():
-                if line.startswith("data: {"):
-                    first = first or time.perf_counter()
-        if first is None:
-            raise RuntimeError("the gateway streamed no event")
-        return first - sent
-
     def close(self) -> None:
         if hasattr(self, "sse"):
             self.sse.close()
-        self.http.close()
         if self.process.poll() is None:
             self.process.terminate()
             try:
@@ -206,15 +183,14 @@ def _gaps(times: list[float]) -> list[float]:
 def measure_gateway(endpoint: str, model: str, *, prompt_len: int, ttft_reps: int, itl_tokens: int, itl_runs: int,
                     vocab: int, rng: random.Random) -> dict[str, Any]:
     """TTFT and ITL p50 through HTTP and through the SDK, interleaved (the order
-    alternating), and what HTTP adds; TTFT through httpx beside them."""
+    alternating), and what HTTP adds."""
     from hybridd.client import Client
 
     gateway = Gateway(endpoint, model)
     try:
         with Client(endpoint, timeout=300.0, reply_ring=False) as sdk:
             prompt = lambda: [rng.randrange(3, vocab) for _ in range(prompt_len)]  # noqa: E731
-            ttft_fns = {"sdk": lambda ids: _sdk_stream(sdk, ids, 1)[0], "http": lambda ids: gateway.stream(ids, 1)[0],
-                        "httpx": lambda ids: gateway.stream_httpx(ids, 1)}
+            ttft_fns = {"sdk": lambda ids: _sdk_stream(sdk, ids, 1)[0], "http": lambda ids: gateway.stream(ids, 1)[0]}
             itl_fns = {"sdk": lambda ids: _sdk_stream(sdk, ids, itl_tokens)[1],
                        "http": lambda ids: gateway.stream(ids, itl_tokens)[1]}
             for fn in ttft_fns.values():  # warm-up
@@ -243,26 +219,4 @@ def measure_gateway(endpoint: str, model: str, *, prompt_len: int, ttft_reps: in
     # The median of the per-prompt differences (the two sides ran back to back on the same
     # prompt): steadier than the difference of the medians where TTFT itself varies.
     out["added_ttft_paired_p50_s"] = _p50([h - s for h, s in zip(ttft["http"], ttft["sdk"], strict=True)])
-    httpx_p50 = _p50(ttft["httpx"])
-    out["httpx"] = {"ttft_p50_s": httpx_p50, "ttft_n": len(ttft["httpx"]),
-                    "added_ttft_p50_s": None if httpx_p50 is None else httpx_p50 - out["sdk"]["ttft_p50_s"]}
     return out
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--endpoint", required=True, help="the running daemon's endpoint")
-    parser.add_argument("--model", required=True, help="the daemon's model directory (its name is the model id)")
-    parser.add_argument("--vocab", type=int, default=32000)
-    parser.add_argument("--prompt-len", type=int, default=128)
-    parser.add_argument("--reps", type=int, default=20)
-    parser.add_argument("--tokens", type=int, default=256)
-    parser.add_argument("--runs", type=int, default=2)
-    args = parser.parse_args()
-    result = measure_gateway(args.endpoint, args.model, prompt_len=args.prompt_len, ttft_reps=args.reps,
-                             itl_tokens=args.tokens, itl_runs=args.runs, vocab=args.vocab, rng=random.Random(0))
-    print(json.dumps(result, indent=2))
-
-
-if __name__ == "__main__":
-    main()

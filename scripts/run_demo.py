@@ -1,7 +1,7 @@
 """The README's main job: start the daemon on the embedded default model, stream an
 answer to a prompt through the client SDK, then stop the daemon (drain).
 
-    python scripts/run_demo.py ["PROMPT"]
+    python -m scripts.run_demo ["PROMPT"]
 """
 
 from __future__ import annotations

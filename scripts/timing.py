@@ -1,6 +1,6 @@
 """The benchmark's one timing library: what a stream looks like at the client and its
-summaries, the device's ceilings (copy bandwidth, matmul rate), GPU time by CUDA events
-and CUDA-graph replays, and a graph runner built as the graph generator builds one.
+summaries, the device's ceilings (copy bandwidth, matmul rate), GPU time by CUDA events,
+and a graph runner built as the graph generator builds one.
 
 torch is imported inside the functions that need it: the bench's top level stays light.
 """
@@ -133,34 +133,6 @@ def median_gpu_time(fn, iters: int, stream=None, per_round: int = 1) -> float:
         e.synchronize()
         times.append(s.elapsed_time(e) / 1e3 / per_round)
     return statistics.median(times)
-
-
-def time_calls_in_graph(calls: list, min_calls: int = 24) -> float:
-    """Median GPU seconds per call of `calls` (functions that launch kernels), captured in
-    turn, at least `min_calls` of them, in one CUDA graph and replayed: the calls run back
-    to back as a step's kernels do."""
-    import torch
-
-    reps = max(1, -(-min_calls // len(calls)))
-    for call in calls:
-        call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        # capture_begin/end directly: torch.cuda.graph() would run gc and empty the cache each time.
-        graph.capture_begin()
-        for _ in range(reps):
-            for call in calls:
-                call()
-        graph.capture_end()
-    torch.cuda.current_stream().wait_stream(side)
-    graph.replay()
-    torch.cuda.synchronize()
-    seconds = median_gpu_time(graph.replay, 5)
-    del graph
-    return seconds / (reps * len(calls))
 
 
 # ----------------------------------------------------------------------------- a graph runner

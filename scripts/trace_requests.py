@@ -4,18 +4,15 @@ workers and print, per milestone, when each request reached it after the client 
     python -m scripts.trace_requests --out $OUT                 # random Llama-2-7B shape, CUDA
     python -m scripts.trace_requests --out $OUT --kernels       # and the profiler's kernel traces
 
-Starts the two workers (graphs on), sends `--requests` sequential requests of
-`--prompt-len` tokens and `--max-tokens` tokens after a warm-up, and records the
-workers' host marks (`marks-*.json`, see hybridd/runtime/step_trace.py) over those
-requests, plus `timeline.json`: per request, the client's send time and the arrival of
-each chunk. Marks and client times share one clock (CLOCK_MONOTONIC), so each mark is
-placed in the request whose send precedes it; `milestones.json` and the printed table
-give each milestone's median offset from the send, and the inter-token gaps are given
-twice: at the client and as the context generator sent the chunks. `--client-spin`
-has the client poll its socket without sleeping (`alternate`: every other request, each
-half reported on its own, as `milestones-spin.json` for the spinning half). With `--kernels` the workers'
-profiler traces (`trace-context-*.json`, `trace-graph-*.json`) are written too; the
-profiler slows the host path (graph launches most), so the marks are then not the
+Starts the daemon, sends `--requests` sequential requests after a warm-up through a raw
+protocol client, and records the workers' host marks (`marks-*.json`,
+hybridd/runtime/step_trace.py) and `timeline.json` (each request's send and chunks),
+all on one clock (CLOCK_MONOTONIC). `milestones.json` and the printed table give each
+milestone's median offset from the send; the inter-token gaps are given at the client
+and as the context generator sent the chunks. `--client-spin` has the client poll its
+socket (`alternate`: every other request, reported apart as `milestones-spin.json`).
+`--kernels` writes the profiler's traces too (`python -m scripts.bench_breakdown
+--trace` reads them); the profiler slows the host path, so the marks are then not the
 untraced timings.
 """
 
@@ -27,13 +24,39 @@ import os
 import statistics
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import zmq
 
+from hybridd.protocol import codec
 from scripts.daemon import Daemon
 from scripts.make_random_checkpoint import make_checkpoint
-from scripts.raw_client import RawClient
+
+
+class RawClient:
+    """One DEALER and the daemon's own codec (protocol/SPEC.md): no SDK between the
+    client's clock and the socket."""
+
+    def __init__(self, context: zmq.Context, endpoint: str):
+        self.socket = context.socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.connect(endpoint)
+
+    def send(self, message: dict) -> None:
+        self.socket.send(codec.encode({"v": 1, "id": uuid.uuid4().hex, **message}))
+
+    def recv(self, timeout: float, spin: bool) -> dict | None:
+        """The next reply, or None after `timeout` s; `spin`: poll without sleeping, so a
+        reply is taken when it arrives, not when the OS wakes this thread."""
+        deadline = time.monotonic() + timeout
+        while not self.socket.poll(0 if spin else int(timeout * 1000)):
+            if not spin or time.monotonic() > deadline:
+                return None
+        return codec.decode(self.socket.recv())
+
+    def close(self) -> None:
+        self.socket.close(0)
 
 
 def milestones(timeline: list[dict], marks: list[tuple[str, str, int]]) -> list[tuple[str, float, float, int]]:

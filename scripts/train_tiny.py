@@ -16,12 +16,12 @@ This script owns the whole recipe of the tiny Shakespeare model that a fresh
 
 Reproduce the shipped model with::
 
-    python scripts/train_tiny.py prepare --data out/shakespeare-data
-    python scripts/train_tiny.py --data out/shakespeare-data --out hybridd/assets/tiny-shakespeare
+    python -m scripts.train_tiny prepare --data out/shakespeare-data
+    python -m scripts.train_tiny --data out/shakespeare-data --out hybridd/assets/tiny-shakespeare
 
 CPU smoke run (seconds)::
 
-    python scripts/train_tiny.py --data out/shakespeare-data --out /tmp/tiny \\
+    python -m scripts.train_tiny --data out/shakespeare-data --out /tmp/tiny \\
         --max-steps 30 --hidden 64 --layers 2 --heads 2 --kv-heads 1 --intermediate 176 \\
         --seq-len 128 --batch-size 8 --vocab-size 1024 --val-windows 32
 
@@ -31,8 +31,6 @@ the same plays in old spelling, so keeping them would both mix spellings and
 leak every validation passage into the training split. The validation split is
 the last 5% (by characters, cut at the next blank line, i.e. a speech boundary)
 of every document, so that every play and poem is represented in both splits.
-
-This is a script: it prints progress to stdout.
 """
 
 from __future__ import annotations
@@ -395,7 +393,7 @@ def cmd_train(args: argparse.Namespace) -> None:
     data, out = Path(args.data), Path(args.out)
     for name in ("train.txt", "validation.txt"):
         if not (data / name).is_file():
-            sys.exit(f"{data / name} missing: run `python scripts/train_tiny.py prepare --data {data}` first")
+            sys.exit(f"{data / name} missing: run `python -m scripts.train_tiny prepare --data {data}` first")
     corpus_sha = {p.name: sha256_file(p) for p in sorted(data.iterdir())
                   if p.name in ("train.txt", "validation.txt", "manifest.json")}
     manifest = json.loads((data / "manifest.json").read_text()) if (data / "manifest.json").is_file() else None
