@@ -2,8 +2,9 @@
 
 Counters (tokens, finished requests by reason) and latency histograms (time to first
 token, inter-token latency, end-to-end latency, queue time) are kept where the
-request is served, so that the figures `/metrics` shows are the same ones `status`
-reports. They travel in the `status` reply under `metrics` (see protocol/SPEC.md) and
+request is served, each latency recorded once, so that the figures `/metrics` shows
+are the ones `status` reports (its percentiles are read from the same histograms).
+They travel in the `status` reply under `metrics` (see protocol/SPEC.md) and
 are turned into Prometheus families by `hybridd.metrics`; they count from the start
 of the worker pair (a restart resets them, which Prometheus reads as a counter reset).
 """
@@ -15,11 +16,12 @@ from collections import Counter
 from typing import Any
 
 # Bucket upper bounds in seconds. hybridd's latencies go far below vLLM's first
-# buckets (a decode step is about a millisecond), so each list starts finer and then
-# follows vLLM's.
-TTFT_BOUNDS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+# buckets (a decode step takes a few milliseconds), so each list is fine from 1 to
+# 10 ms, where a decode step's time lies, and then follows vLLM's.
+_MS = (0.001, 0.002, 0.003, 0.004, 0.005, 0.006, 0.008, 0.010, 0.015, 0.020, 0.030, 0.050)
+TTFT_BOUNDS_S = (0.0005, *_MS, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                  7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-ITL_BOUNDS_S = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+ITL_BOUNDS_S = (0.0002, 0.0005, *_MS, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
                 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 REQUEST_BOUNDS_S = (0.001, 0.005, 0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
                     40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
@@ -50,6 +52,23 @@ class Histogram:
     def to_status(self) -> dict[str, Any]:
         return {"bounds": list(self.bounds), "counts": list(self.counts), "sum": self.sum, "count": sum(self.counts)}
 
+    def quantile(self, q: float) -> float | None:
+        """The `q`-quantile (0..1), interpolated linearly inside its bucket (as Prometheus'
+        histogram_quantile does); None when nothing was observed."""
+        total = sum(self.counts)
+        if not total:
+            return None
+        rank = q * total
+        seen = 0
+        for i, count in enumerate(self.counts):
+            if count and seen + count >= rank:
+                low = self.bounds[i - 1] if i else 0.0
+                if i == len(self.bounds):  # the +Inf bucket: its lower bound is all that is known
+                    return low
+                return low + (self.bounds[i] - low) * (rank - seen) / count
+            seen += count
+        return self.bounds[-1]
+
 
 class ServingMetrics:
     """The context generator's request counters and latency histograms."""
@@ -76,6 +95,13 @@ class ServingMetrics:
         self.prompt_tokens += prompt_tokens
         self.generation_tokens += generation_tokens
         self.histograms["e2e_request_latency_seconds"].observe(e2e_s)
+
+    def latency(self) -> dict[str, Any]:
+        """`status`'s latency map: percentiles of time to first token and inter-token latency."""
+        ttft = self.histograms["time_to_first_token_seconds"]
+        itl = self.histograms["inter_token_latency_seconds"]
+        return {"ttft_p50_s": ttft.quantile(0.5), "ttft_p99_s": ttft.quantile(0.99),
+                "itl_p50_s": itl.quantile(0.5), "itl_p99_s": itl.quantile(0.99), "window": sum(itl.counts)}
 
     def to_status(self) -> dict[str, Any]:
         return {

@@ -1,10 +1,11 @@
-"""The context-generator process: the dynamic domain and the client-facing socket.
+"""The context-generator process: a shell around the engine core.
 
-It binds the client ROUTER socket, tokenizes and validates requests, admits them to
-the continuous-batching scheduler, drives the overlapped step pipeline (one step
-ahead of the host), samples, detokenizes and streams, checks stop criteria one step
-late, handles cancel, timeouts, status and drain. The graph generator is its peer
-over a PAIR control channel and the shared arenas.
+The core (`hybridd.engine.core.EngineCore`) schedules, runs the overlapped step
+pipeline to the graph generator (its peer over a PAIR control channel and the shared
+arenas), samples, detokenizes and checks stop criteria. This shell owns what faces the
+clients and the supervisor: the client ROUTER sockets and their sessions, the intake
+(decoding, validating and tokenizing requests), replies (chunks, finals, errors, reply
+rings), cancel, timeouts, drain and status.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -23,19 +23,17 @@ import zmq
 from hybridd.version import __version__
 from hybridd.config import Config, resolve_device, resolve_dtype
 from hybridd.engine.block_manager import BlockManager
-from hybridd.engine.prompt import PromptError, prompt_token_ids
-from hybridd.engine.sampler import Logprobs, Sampler
+from hybridd.engine.core import EngineCore, EngineOutputs, EngineRequest
+from hybridd.engine.prompt import PromptError, prompt_length_refusal, prompt_token_ids
+from hybridd.engine.sampler import Sampler
 from hybridd.engine.scheduler import AdmissionError, Scheduler
-from hybridd.engine.sequence import Sequence
-from hybridd.engine.step_pipeline import InflightStep, StepPipeline
-from hybridd.engine.throughput import Throughput
+from hybridd.engine.step_pipeline import StepPipeline
 from hybridd.errors import EngineDeadError
 from hybridd.log import configure, get_logger
 from hybridd.model import ModelConfig, load_tokenizer
 from hybridd.runtime import gc_pauses
 from hybridd.runtime.step_buffers import StepBuffers, geometry
 from hybridd.serving_metrics import ServingMetrics
-from hybridd.stats import percentiles
 from hybridd.runtime.step_trace import StepTracer, mark
 from hybridd.ipc.channel import CLIENT_SOCKET_MODE, Channel, PeerProtocolError, bind_ipc_endpoint
 from hybridd.ipc.posix_shm import pid_alive
@@ -60,8 +58,6 @@ from hybridd.protocol.messages import (
     StatusReply,
     StatusRequest,
     Timings,
-    TokenLogprob,
-    TopLogprob,
     Usage,
 )
 from hybridd.workers.client_sessions import ClientSessions, client_chosen, socket_options
@@ -69,11 +65,10 @@ from hybridd.workers.intake import Intake
 from hybridd.workers.reply_rings import ReplyRings
 from hybridd.workers.supervisor_link import SupervisorLink
 
-PIPELINE_DEPTH = 2
+PIPELINE_DEPTH = 2  # steps in flight: the host schedules one step ahead of the GPU
 # Frames larger than this are screened by their byte counts before they are decoded
 # (decoding a 4 MiB frame of non-ASCII text takes milliseconds of the loop's time).
 SCREEN_FRAMES_OVER_BYTES = 64 * 1024
-LATENCY_WINDOW = 2048
 READY_TIMEOUT_S = 3600.0
 # How soon the loop comes back to a session's outbox while nothing else is due.
 OUTBOX_RETRY_MS = 5
@@ -82,26 +77,16 @@ TCP_PREFIX = b"tcp:"
 
 @dataclass
 class ClientRequest:
-    """A client's generate request while it runs: where its replies go and how. Its
-    output, text and timings live in its sequences (`seqs`, by index), each a
-    `Sequence`; the request's own timings are those of sequence 0, the one queued,
-    which the others are forked from at its prefill."""
+    """A client's generate request while the core runs it: where its replies go and
+    how. Its output, text and timings live in the core's request (`engine.seqs`); the
+    request's own timings are those of sequence 0."""
 
     identity: bytes
     id: str
     stream: bool
-    seqs: list[Sequence]
-    deadline: float | None
+    engine: EngineRequest
     v: int  # the protocol version of the request, and so of its replies
     chunks: int = 0  # chunks sent, numbered on the wire in version 1
-
-    @property
-    def arrival(self) -> float:
-        return self.seqs[0].arrival_time
-
-    @property
-    def completion_tokens(self) -> int:
-        return sum(seq.num_output_tokens for seq in self.seqs)
 
 
 @dataclass
@@ -154,11 +139,8 @@ class ContextGenerator:
         self.ctl.bind(ctl_endpoint)
         self.device = resolve_device(config)
         self.tracer = StepTracer("context")
-        self.requests: dict[str, ClientRequest] = {}
+        self.requests: dict[str, ClientRequest] = {}  # by the core's request id (`_key`)
         self.encoding: dict[str, PendingPrompt] = {}  # prompts on the intake's thread
-        self.owners: dict[str, ClientRequest] = {}  # a sequence's id -> its request
-        self._token_texts: dict[int, str] = {}
-        self.inflight: deque[InflightStep] = deque()
         # The end of the graph generator's poll window after the last `Expect` (0: none open).
         self._expect_until = 0.0
         self.state = "loading"
@@ -168,9 +150,6 @@ class ContextGenerator:
         self.graph_stats: dict[str, Any] = {}
         self.served = 0
         self.failed = 0
-        self.ttft = deque(maxlen=LATENCY_WINDOW)
-        self.itl = deque(maxlen=LATENCY_WINDOW)
-        self.throughput = Throughput()
         self.metrics = ServingMetrics()
         self.rings = ReplyRings(config.max_reply_rings)
         self.stop = False
@@ -186,8 +165,6 @@ class ContextGenerator:
             torch.empty(1, device=self.device)
         self.link.phase("loading", "loading tokenizer")
         self.tokenizer = load_tokenizer(config.model)
-        # A tokenizer of its own: the intake's thread never shares one with the loop.
-        intake_tokenizer = load_tokenizer(config.model)
         # The fused sampling kernels run on the GPU only; the CPU samples eagerly. Their
         # compilation runs while the graph generator loads its weights and captures its
         # graphs: it needs only the vocabulary's size, and the graph generator's Ready
@@ -209,7 +186,7 @@ class ContextGenerator:
         self.buffers = StepBuffers(dict(self.step_arena.tensors), max_tokens, blocks_per_seq)
         self.block_manager = BlockManager(ready.num_kv_blocks, ready.block_size,
                                           enable_prefix_caching=config.enable_prefix_caching)
-        self.intake = Intake(intake_tokenizer, ready.max_model_len)
+        self.intake = Intake(self.tokenizer, ready.max_model_len)
         self.scheduler = Scheduler(
             self.block_manager,
             max_batch=ready.max_batch,
@@ -223,9 +200,11 @@ class ContextGenerator:
         self.pipeline = StepPipeline(
             ready, self.buffers, self.ctl, sampler, self.device,
             on_control=self._on_control, peer_alive=self._graph_alive,
-            kv_cache=self.kv_arena.tensors["kv_cache"], while_launching=self._retire_landed,
+            kv_cache=self.kv_arena.tensors["kv_cache"], while_launching=self._while_launching,
             while_waiting=self.link.heartbeat,
         )
+        self.core = EngineCore(self.scheduler, self.pipeline, self.tokenizer, PIPELINE_DEPTH,
+                               on_launch=self._launched)
         # Sessions are tracked from before each bind: a client already waiting connects
         # the moment the socket exists.
         self.sessions: dict[bytes, ClientSessions] = {}
@@ -312,7 +291,7 @@ class ContextGenerator:
         poll_until = 0.0  # busy_poll_s after the last piece of work
         while not self.stop:
             self.link.heartbeat()
-            busy = self.scheduler.has_work or self.inflight
+            busy = self.core.has_work
             if busy:
                 poll_until = time.monotonic() + self.config.busy_poll_s
             elif poll_until and time.monotonic() < poll_until:
@@ -327,7 +306,7 @@ class ContextGenerator:
             if self.intake.fileno() in events:
                 self._encoded_prompts()
             self._serve_sessions()
-            if self.ctl.socket in events and not self.inflight:
+            if self.ctl.socket in events and not self.core.inflight:
                 while (message := self.ctl.recv(timeout_ms=0)) is not None:
                     self._on_control(message)
             now = time.monotonic()
@@ -336,96 +315,51 @@ class ContextGenerator:
                 if not self._graph_alive():
                     raise EngineDeadError("graph generator died")
                 self._expire_timeouts(now)
-            self._advance()
+            self._deliver(self.core.step())
             if self.state == "draining":
                 self._check_drain()
             self.rings.end_batch()
 
-    def _advance(self) -> None:
-        """Launch the next step while fewer than PIPELINE_DEPTH are in flight (the steps
-        that have landed by then are retired during the launch); retire the oldest when
-        the pipeline is full or nothing new can start."""
-        scheduler = self.scheduler
-        if len(self.inflight) < PIPELINE_DEPTH:
-            batch = scheduler.schedule()
-            if batch is not None:
-                mark("scheduled")
-                now = time.monotonic()
-                for seq in batch.seqs:
-                    if seq.scheduled_time is None:
-                        seq.scheduled_time = now
-                        if seq.index == 0 and seq.request_id in self.owners:
-                            self.metrics.scheduled(now - seq.arrival_time)
-                self.inflight.append(self.pipeline.launch(batch))
-                self._expect_until = 0.0  # a step ends the graph generator's poll window
-                self.tracer.step()
-                self.link.steps += 1
-                if len(self.inflight) < PIPELINE_DEPTH:
-                    return
-            elif self.inflight and not self.pipeline.landed(self.inflight[0]):
-                # Nothing to launch: go back to the sockets until the step lands, so that
-                # a request arriving meanwhile starts now, not after the wait.
-                return
-        if self.inflight:
-            self._retire(self.inflight.popleft())
+    def _launched(self) -> None:
+        self._expect_until = 0.0  # a step ends the graph generator's poll window
+        self.tracer.step()
+        self.link.steps += 1
 
-    def _retire_landed(self) -> None:
-        """Retire the steps in flight whose tokens are on the host already (called while
-        the next step is being launched: a first token goes out then, not after)."""
-        while self.inflight and self.pipeline.landed(self.inflight[0]):
-            self._retire(self.inflight.popleft())
+    def _while_launching(self) -> None:
+        """While the graph generator launches a step: the steps that have landed are
+        retired and their tokens sent now, not after the launch."""
+        self.core.retire_landed()
+        self._deliver(self.core.take_outputs())
 
-    def _retire(self, step: InflightStep) -> None:
-        tokens = self.pipeline.collect(step)
-        mark("tokens_on_host")
-        seqs = step.batch.sampled_seqs
-        before = [(seq.num_output_tokens, seq.last_token_time) for seq in seqs]
-        finished = self.scheduler.postprocess(step.batch, tokens)
-        self.throughput.add(sum(seq.num_output_tokens > count for seq, (count, _) in zip(seqs, before)))
-        for row, (seq, token, (count, previous)) in enumerate(zip(seqs, tokens, before, strict=True)):
-            request = self.owners.get(seq.request_id)
-            # A sequence that finished a step earlier had one more token sampled; it is dropped.
-            if request is None or seq.num_output_tokens == count:
+    def _deliver(self, outputs: EngineOutputs) -> None:
+        """Send what the core produced: each streamed token as a chunk, each ended
+        request's final; record its latencies once (status and /metrics read them)."""
+        if not outputs:
+            return
+        metrics = self.metrics
+        for seconds in outputs.queued_s:
+            metrics.scheduled(seconds)
+        for seconds in outputs.first_token_s:
+            metrics.first_token(seconds)
+        for seconds in outputs.inter_token_s:
+            metrics.inter_token(seconds)
+        for out in outputs.tokens:
+            request = self.requests.get(out.request.id)
+            if request is None or not request.stream:
                 continue
-            if count == 0 and seq.index == 0:  # the request's first token
-                self.ttft.append(seq.first_token_time - seq.arrival_time)
-                self.metrics.first_token(seq.first_token_time - seq.arrival_time)
-            if previous is not None:
-                self.itl.append(seq.last_token_time - previous)
-                self.metrics.inter_token(seq.last_token_time - previous)
-            logprob = None
-            if seq.logprobs is not None:
-                logprob = self._token_logprob(step.host_logprobs, row, token, seq.params.top_logprobs)
-                seq.logprobs.append(logprob)
-            if request.stream and self._backlog(request.identity) >= SESSION_BACKLOG_LIMIT:
+            if self._backlog(request.identity) >= SESSION_BACKLOG_LIMIT:
                 self._too_slow(request.identity)
-            elif request.stream:
-                mark("chunk_send")
-                self._send(request.identity, ChunkReply(
-                    id=request.id, index=seq.index, number=request.chunks, text=seq.new_text, token_ids=[token],
-                    logprobs=None if logprob is None else [logprob], v=request.v))
-                request.chunks += 1
-        for seq in finished:
-            self._finish_sequence(seq)
+                continue
+            mark("chunk_send")
+            self._send(request.identity, ChunkReply(
+                id=request.id, index=out.seq.index, number=request.chunks, text=out.text, token_ids=[out.token],
+                logprobs=None if out.logprob is None else [out.logprob], v=request.v))
+            request.chunks += 1
+        for engine_request in outputs.finished:
+            request = self.requests.pop(engine_request.id, None)
+            if request is not None:
+                self._finish(request)
         self.rings.end_batch()
-
-    def _token_logprob(self, logprobs: Logprobs, row: int, token: int, top: int) -> TokenLogprob:
-        """The host's view of one row's logprobs: the sampled token's and its top
-        alternatives (those the sampled distribution gives any mass), with their texts."""
-        alternatives = []
-        if top:
-            values = logprobs.top_values[row, :top].tolist()
-            ids = logprobs.top_ids[row, :top].tolist()
-            alternatives = [TopLogprob(token_id=i, text=self._token_text(i), logprob=v)
-                            for i, v in zip(ids, values, strict=True) if v != float("-inf")]
-        return TokenLogprob(token_id=token, text=self._token_text(token),
-                            logprob=float(logprobs.sampled[row]), top_logprobs=alternatives)
-
-    def _token_text(self, token: int) -> str:
-        text = self._token_texts.get(token)
-        if text is None:
-            text = self._token_texts[token] = self.tokenizer.decode([token])
-        return text
 
     # ---------------------------------------------------------------- clients
     def _route(self, identity: bytes) -> tuple[ClientSessions, bytes]:
@@ -463,9 +397,7 @@ class ContextGenerator:
         request = self.requests.pop(key, None)
         if request is None:
             return None
-        for seq in request.seqs:
-            self.owners.pop(seq.request_id, None)
-            self.scheduler.abort(seq.request_id)
+        self.core.abort(key)
         return request
 
     def _end_session(self, identity: bytes) -> None:
@@ -476,9 +408,9 @@ class ContextGenerator:
         ended = [key for key, request in self.requests.items() if request.identity == identity]
         now = time.monotonic()
         for key in ended:
-            request = self._drop(key)
-            self.metrics.finished_request("cancelled", prompt_tokens=request.seqs[0].num_prompt_tokens,
-                                          generation_tokens=request.completion_tokens, e2e_s=now - request.arrival)
+            engine = self._drop(key).engine
+            self.metrics.finished_request("cancelled", prompt_tokens=engine.seqs[0].num_prompt_tokens,
+                                          generation_tokens=engine.completion_tokens, e2e_s=now - engine.arrival)
         if ended:
             self.log.info("session ended; its requests are cancelled", requests=len(ended))
 
@@ -488,7 +420,7 @@ class ContextGenerator:
         backlog = self._backlog(identity)
         for key in [key for key, request in self.requests.items() if request.identity == identity]:
             request = self._drop(key)
-            tokens = request.completion_tokens
+            tokens = request.engine.completion_tokens
             self._error(identity, request.id, ErrorCode.OVERLOADED,
                         f"client too slow: {backlog} replies unread beyond the transport's queue "
                         f"(limit {SESSION_BACKLOG_LIMIT}); the request was ended after {tokens} tokens", v=request.v)
@@ -610,10 +542,9 @@ class ContextGenerator:
         self._expect_step()
         deadline = received + req.timeout_s if req.timeout_s else None
         if req.prompt_token_ids is not None:
-            if len(req.prompt_token_ids) >= self.ready.max_model_len:  # before looking at every id
-                refuse(ErrorCode.INVALID_REQUEST,
-                       f"prompt_token_ids: {len(req.prompt_token_ids)} tokens; max_model_len is "
-                       f"{self.ready.max_model_len} and at least one token must be generated", "prompt_token_ids")
+            refusal = prompt_length_refusal(len(req.prompt_token_ids), self.ready.max_model_len)
+            if refusal is not None:  # before looking at every id
+                refuse(ErrorCode.INVALID_REQUEST, f"prompt_token_ids: {refusal}", "prompt_token_ids")
                 return
             try:
                 ids = prompt_token_ids(self.tokenizer, token_ids=req.prompt_token_ids, vocab_size=vocab)
@@ -643,7 +574,7 @@ class ContextGenerator:
             encoding = self.intake.submit(self._prompt_ids, req.prompt)
         else:
             messages = [m.as_dict() for m in req.messages or []]
-            encoding = self.intake.submit(prompt_token_ids, self.intake.tokenizer, messages=messages, vocab_size=vocab)
+            encoding = self.intake.submit(self._chat_ids, messages)
         self.encoding[key] = PendingPrompt(identity, req, received, deadline, encoding)
 
     def _expect_step(self) -> None:
@@ -651,7 +582,7 @@ class ContextGenerator:
         for the step instead of sleeping, and the wake-up of its threads overlaps this
         request's admission instead of following it (at most once per poll window)."""
         window = self.config.step_wake_poll_s
-        if not window or self.inflight:
+        if not window or self.core.inflight:
             return
         now = time.monotonic()
         if now >= self._expect_until:
@@ -663,13 +594,16 @@ class ContextGenerator:
         """On the intake's thread: the prompt's ids (the first max_model_len at most)."""
         return self._checked_prompt_ids(self.intake.prompt_ids(prompt))
 
-    def _checked_prompt_ids(self, ids: list[int]) -> list[int]:
+    def _chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        """On the intake's thread: a chat's ids (the first max_model_len at most)."""
+        return self._checked_prompt_ids(self.intake.chat_ids(messages), "messages")
+
+    def _checked_prompt_ids(self, ids: list[int], field: str = "prompt") -> list[int]:
         """A prompt's ids as encoded (the first max_model_len at most), if they can run."""
         if not ids:
-            raise PromptError("is empty once tokenized", "prompt")
-        if len(ids) >= self.ready.max_model_len:
-            raise PromptError(f"has at least {len(ids)} tokens; max_model_len is {self.ready.max_model_len} and at "
-                              f"least one token must be generated", "prompt")
+            raise PromptError("is empty once tokenized", field)
+        if (refusal := prompt_length_refusal(len(ids), self.ready.max_model_len, at_least=True)) is not None:
+            raise PromptError(refusal, field)
         return ids
 
     def _encoded_prompts(self) -> None:
@@ -688,22 +622,15 @@ class ContextGenerator:
             self._admit(key, pending, ids)
 
     def _admit(self, key: str, pending: PendingPrompt, ids: list[int]) -> None:
-        """Hand a request with its prompt's token ids to the scheduler, or refuse it."""
+        """Hand a request with its prompt's token ids to the engine core, or refuse it."""
         req = pending.request
-        params = req.sampling
-        seqs = [Sequence(key if i == 0 else f"{key}#{i}", ids, params, pending.received, index=i,
-                         cache_salt=req.cache_salt) for i in range(params.n)]
-        seqs[0].forks = seqs[1:]
         try:
-            self.scheduler.add(seqs[0])
+            engine = self.core.add(key, ids, req.sampling, pending.received, pending.deadline, req.cache_salt)
         except AdmissionError as exc:
             self._error(pending.identity, req.id, ErrorCode.INVALID_REQUEST, _field_first(exc.field, str(exc)),
                         exc.field, v=req.v)
             return
-        request = ClientRequest(pending.identity, req.id, req.stream, seqs, pending.deadline, req.v)
-        self.requests[key] = request
-        for seq in seqs:
-            self.owners[seq.request_id] = request
+        self.requests[key] = ClientRequest(pending.identity, req.id, req.stream, engine, req.v)
         mark("admitted")
 
     def _end_pending(self, key: str, reason: str) -> None:
@@ -725,50 +652,41 @@ class ContextGenerator:
         self._end(self._key(identity, target), "cancelled")
 
     def _expire_timeouts(self, now: float) -> None:
-        for key, request in list(self.requests.items()) + list(self.encoding.items()):
-            if request.deadline is not None and now > request.deadline:
-                self._end(key, "timeout")
+        for key, pending in list(self.encoding.items()):
+            if pending.deadline is not None and now > pending.deadline:
+                self._end_pending(key, "timeout")
+        self.core.expire(now)
+        self._deliver(self.core.take_outputs())
 
     def _end(self, key: str, reason: str) -> None:
-        """Stop every unfinished sequence of a request (cancel, timeout, drain)."""
+        """Stop every unfinished sequence of a request (cancel, drain); its final goes out now."""
         if key in self.encoding:
             self._end_pending(key, reason)
             return
-        request = self.requests.get(key)
-        if request is None:
-            return
-        for seq in request.seqs:
-            if self.scheduler.abort(seq.request_id, reason) is not None:
-                self._finish_sequence(seq)
-
-    def _finish_sequence(self, seq: Sequence) -> None:
-        """One sequence ended; the request's final goes out when its last one has."""
-        request = self.owners.get(seq.request_id)
-        if request is not None and all(member.is_finished for member in request.seqs):
-            self._finish(request)
+        if self.core.abort(key, reason) is not None:
+            self._deliver(self.core.take_outputs())
 
     def _finish(self, request: ClientRequest) -> None:
-        self.requests.pop(self._key(request.identity, request.id), None)
-        for seq in request.seqs:
-            self.owners.pop(seq.request_id, None)
+        """Every sequence of the request has ended: its final reply."""
+        engine = request.engine
         now = time.monotonic()
-        reasons = [seq.finish_reason for seq in request.seqs]
+        reasons = [seq.finish_reason for seq in engine.seqs]
         if all(reason in ("stop", "length") for reason in reasons):
             self.served += 1
         # The request's reason: the first sequence's, unless one ended otherwise than by stop or length.
         reason = next((r for r in reasons if r not in ("stop", "length")), reasons[0])
-        self.metrics.finished_request(reason, prompt_tokens=request.seqs[0].num_prompt_tokens,
-                                      generation_tokens=request.completion_tokens, e2e_s=now - request.arrival)
-        first = request.seqs[0]
+        self.metrics.finished_request(reason, prompt_tokens=engine.seqs[0].num_prompt_tokens,
+                                      generation_tokens=engine.completion_tokens, e2e_s=now - engine.arrival)
+        first = engine.seqs[0]
         self._send(request.identity, FinalReply(
             id=request.id,
             choices=[Choice(index=seq.index, text=seq.output_text, token_ids=list(seq.output_token_ids),
                             finish_reason=seq.finish_reason,
                             # a stream's chunks carried them already
                             logprobs=None if request.stream else seq.logprobs)
-                     for seq in request.seqs],
-            usage=Usage(prompt_tokens=first.num_prompt_tokens, completion_tokens=request.completion_tokens,
-                        cached_tokens=first.num_cached_tokens),
+                     for seq in engine.seqs],
+            usage=Usage(prompt_tokens=first.num_prompt_tokens, completion_tokens=engine.completion_tokens,
+                        cached_tokens=engine.cached_tokens),
             timings=Timings(
                 ttft_s=None if first.first_token_time is None else first.first_token_time - first.arrival_time,
                 total_s=now - first.arrival_time,
@@ -810,8 +728,7 @@ class ContextGenerator:
             return
         for key in list(self.requests) + list(self.encoding):
             self._end(key, "cancelled")
-        while self.inflight:
-            self.pipeline.collect(self.inflight.popleft())
+        self.core.drain()
         self.stop = True
 
     # ----------------------------------------------------------------- status
@@ -824,8 +741,6 @@ class ContextGenerator:
         graph = self.graph_stats
         bm = self.block_manager
         info = self.supervisor_info
-        ttft_p50, ttft_p99 = percentiles(self.ttft, 50, 99)
-        itl_p50, itl_p99 = percentiles(self.itl, 50, 99)
         return {
             "state": self._lifecycle_state(),
             "uptime_s": info.get("uptime_s", time.time() - self.started),
@@ -846,7 +761,7 @@ class ContextGenerator:
             "max_prompt_chars": self.intake.max_prompt_chars,
             "vocab_size": self.ready.vocab_size,
             "rejected": self._rejected(),
-            "tokens_per_s": self.throughput.per_second(),
+            "tokens_per_s": self.core.throughput.per_second(),
             "endpoints": {"ipc": self.config.client_endpoint, "tcp": self.config.tcp_endpoint or None},
             "restarts": info.get("workers", {}).get("context", {}).get("restarts", 0),
             "last_restart_reason": info.get("last_failure") or None,
@@ -858,8 +773,7 @@ class ContextGenerator:
             # In prompt tokens, as vLLM's prefix_cache_queries / prefix_cache_hits.
             "prefix_cache": {"enabled": bm.enable_prefix_caching, "queries": bm.prefix_cache_queries,
                              "hits": bm.prefix_cache_hits, "cached_blocks": bm.num_cached_blocks},
-            "latency": {"ttft_p50_s": ttft_p50, "ttft_p99_s": ttft_p99, "itl_p50_s": itl_p50, "itl_p99_s": itl_p99,
-                        "window": len(self.itl)},
+            "latency": self.metrics.latency(),
             "metrics": self.metrics.to_status(),
             "reply_rings": {"attached": len(self.rings), "written": self.rings.written,
                             "left_out": self.rings.left_out, "wakes": self.rings.wakes},

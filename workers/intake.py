@@ -34,6 +34,7 @@ from typing import Any, Callable, Protocol
 
 import msgspec
 
+from hybridd.engine.prompt import chat_text, prompt_length_refusal
 from hybridd.protocol.errors import ErrorCode, ProtocolError
 from hybridd.protocol.envelope import SUPPORTED_VERSIONS
 from hybridd.protocol.limits import MAX_REQUEST_ID_CHARS
@@ -127,16 +128,18 @@ def longest_token_chars(tokenizer: Encoder) -> int:
 
 class Intake:
     def __init__(self, tokenizer: Encoder, max_model_len: int):
-        self.tokenizer = tokenizer  # used by the intake's thread only
-        self._backend = None  # a private copy of the Rust tokenizer that truncates
-        self._loop_backend = None  # another, for `encode_now` (a tokenizer is used by one thread)
+        # The process's one tokenizer: the loop detokenizes with it; the intake's thread
+        # only renders chat templates with it (Python, no state of the Rust backend).
+        self.tokenizer = tokenizer
+        # Its fast path: a copy of the Rust backend that truncates, used to encode on both
+        # threads (encoding borrows it immutably, so the two never wait on each other).
+        self._backend = None
         backend = getattr(tokenizer, "backend_tokenizer", None)
         if backend is not None:
             from tokenizers import Tokenizer
 
             self._backend = Tokenizer.from_str(backend.to_str())
             self._backend.enable_truncation(max_length=max_model_len)
-            self._loop_backend = Tokenizer.from_str(self._backend.to_str())
         self._inline_chars_left = INLINE_TURN_CHARS
         self.longest_token_chars = longest_token_chars(tokenizer)
         self.max_prompt_chars = max(max_model_len - 1, 1) * self.longest_token_chars
@@ -188,11 +191,10 @@ class Intake:
                 request_id=request_id,
             ), version
         items = _array_items(outline.prompt_token_ids)
-        if items is not None and items >= self.max_model_len:
+        if items is not None and (refusal := prompt_length_refusal(items, self.max_model_len)) is not None:
             return ProtocolError(
                 ErrorCode.TOO_LARGE,
-                f"prompt_token_ids: {items} tokens; max_model_len is {self.max_model_len} "
-                f"and at least one token must be generated",
+                f"prompt_token_ids: {refusal}",
                 field="prompt_token_ids",
                 request_id=request_id,
             ), version
@@ -206,6 +208,14 @@ class Intake:
             return self.tokenizer.encode(prompt)
         return self._backend.encode_batch([prompt], add_special_tokens=True)[0].ids
 
+    def chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        """A chat's token ids as the model's chat template renders it (the first
+        max_model_len at most); runs on the intake's thread. Raises PromptError."""
+        text = chat_text(self.tokenizer, messages)
+        if self._backend is None:
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        return self._backend.encode_batch([text], add_special_tokens=False)[0].ids
+
     def new_turn(self) -> None:
         """The loop starts a turn: `encode_now` has its whole budget again."""
         self._inline_chars_left = INLINE_TURN_CHARS
@@ -216,10 +226,10 @@ class Intake:
         `INLINE_PROMPT_CHARS`, the turn's budget is spent, or no Rust tokenizer is at
         hand: it then goes to the intake's thread (`submit`)."""
         chars = len(prompt)
-        if self._loop_backend is None or chars > INLINE_PROMPT_CHARS or chars > self._inline_chars_left:
+        if self._backend is None or chars > INLINE_PROMPT_CHARS or chars > self._inline_chars_left:
             return None
         self._inline_chars_left -= chars
-        return self._loop_backend.encode_batch([prompt], add_special_tokens=True)[0].ids
+        return self._backend.encode_batch([prompt], add_special_tokens=True)[0].ids
 
     def submit(self, job: Callable[..., Any], *args: Any, **kwargs: Any) -> Future:
         """Run `job(*args, **kwargs)` on the intake's thread (tokenizing: give it this

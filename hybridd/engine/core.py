@@ -31,6 +31,7 @@ from hybridd.engine.sequence import Sequence
 from hybridd.engine.step_pipeline import InflightStep
 from hybridd.engine.throughput import Throughput
 from hybridd.protocol.messages import SamplingParams, TokenLogprob, TopLogprob
+from hybridd.runtime.step_trace import mark
 
 
 class StepRunner(Protocol):
@@ -188,6 +189,7 @@ class EngineCore:
             self.runner.collect(self.inflight.popleft())
 
     def _launch(self, batch: ScheduledBatch) -> None:
+        mark("scheduled")
         now = time.monotonic()
         for seq in batch.seqs:
             if seq.scheduled_time is None:
@@ -202,6 +204,10 @@ class EngineCore:
     def _retire(self, step: InflightStep) -> None:
         tokens = self.runner.collect(step)
         seqs = step.batch.sampled_seqs
+        if any(seq.request_id in self._owners for seq in seqs):
+            # A step launched before its sequences finished lands after their final reply:
+            # its tokens are dropped, and its mark would fall in the next request's path.
+            mark("tokens_on_host")
         before = [(seq.num_output_tokens, seq.last_token_time) for seq in seqs]
         finished = self.scheduler.postprocess(step.batch, tokens)
         outputs = self._outputs

@@ -11,6 +11,16 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 
+def prompt_length_refusal(num_tokens: int, max_model_len: int, *, at_least: bool = False) -> str | None:
+    """Why a prompt of `num_tokens` tokens (`at_least`: of that many or more, when it was
+    cut short while being counted) can never run, or None when it fits: the one rule
+    every path that sees a prompt's length applies."""
+    if num_tokens < max_model_len:
+        return None
+    count = f"has at least {num_tokens}" if at_least else f"{num_tokens}"
+    return f"{count} tokens; max_model_len is {max_model_len} and at least one token must be generated"
+
+
 class PromptError(ValueError):
     """The prompt cannot be turned into tokens; `field` names the request field at fault."""
 
@@ -47,6 +57,12 @@ def prompt_token_ids(
 
 def chat_token_ids(tokenizer, messages: Sequence[Mapping[str, str]]) -> list[int]:
     """The chat rendered by the tokenizer's chat template, ready for the assistant's turn."""
+    return tokenizer.encode(chat_text(tokenizer, messages), add_special_tokens=False)
+
+
+def chat_text(tokenizer, messages: Sequence[Mapping[str, str]]) -> str:
+    """The chat as the tokenizer's chat template renders it, ending with the assistant's
+    turn; its special tokens are in the text (encode it without adding them again)."""
     if not getattr(tokenizer, "chat_template", None):
         raise PromptError(
             "the model has no chat template (`chat_template` in its tokenizer_config.json or a "
@@ -55,4 +71,4 @@ def chat_token_ids(tokenizer, messages: Sequence[Mapping[str, str]]) -> list[int
         text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
     except Exception as exc:  # noqa: BLE001  a template raises what it likes (raise_exception, TemplateError)
         raise PromptError(f"the model's chat template refused them: {exc}", "messages") from None
-    return tokenizer.encode(text, add_special_tokens=False)
+    return text

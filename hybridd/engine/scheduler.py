@@ -36,6 +36,7 @@ import torch
 
 from hybridd.engine.block_manager import BlockManager
 from hybridd.engine.detokenizer import IncrementalDetokenizer, Tokenizer
+from hybridd.engine.prompt import prompt_length_refusal
 from hybridd.engine.sequence import Sequence, SequenceStatus
 from hybridd.engine.stop_criteria import StopCriteria
 from hybridd.log import get_logger
@@ -206,11 +207,8 @@ class Scheduler:
         """Queue a new request; raise AdmissionError when it can never run."""
         if seq.request_id in self.requests:
             raise ValueError(f"request_id {seq.request_id!r} is already scheduled")
-        if len(seq) >= self.max_model_len:
-            raise AdmissionError(
-                f"{len(seq)} tokens; max_model_len is {self.max_model_len} and at least one token must be generated",
-                "prompt",
-            )
+        if (refusal := prompt_length_refusal(len(seq), self.max_model_len)) is not None:
+            raise AdmissionError(refusal, "prompt")
         # A request must fit the KV cache alone even at its longest, or preemption
         # could never make room for it.
         longest = min(len(seq) + seq.params.max_tokens, self.max_model_len)
