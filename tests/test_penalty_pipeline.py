@@ -4,7 +4,7 @@ device (`SamplingTensors.record`), and the tokens equal a plain host-side refere
 the steps that have landed are retired while the next one launches.
 
 The graph generator is a real worker process; the context generator runs in this
-process, driven step by step through its own loop body (`_advance`)."""
+process, driven step by step through its engine core (`core.step()`)."""
 
 from __future__ import annotations
 
@@ -55,9 +55,9 @@ def reference(model, prompt: list[int], params: SamplingParams) -> list[int]:
 def run_until_idle(worker, most_steps: int) -> None:
     """Drive the context generator's loop step by step until nothing is queued or in flight."""
     for _ in range(most_steps):
-        if not (worker.scheduler.has_work or worker.inflight):
+        if not worker.core.has_work:
             return
-        worker._advance()
+        worker.core.step()
 
 
 @pytest.fixture
@@ -90,7 +90,7 @@ def test_penalty_batches_pipeline_and_match_the_host_reference(context_generator
     launch = worker.pipeline.launch
 
     def launch_and_count(batch):
-        behind.append(len(worker.inflight))
+        behind.append(len(worker.core.inflight))
         return launch(batch)
 
     worker.pipeline.launch = launch_and_count

@@ -253,9 +253,10 @@ def test_context_generator_death_is_a_disconnect_every_client_sees_at_once(daemo
 def context_main_that_fails_while_serving(config: dict, ctl_endpoint: str, supervised: bool) -> None:
     """The context generator with a fault injected into its serving loop: an
     unexpected exception once a few steps have been retired."""
+    from hybridd.engine.core import EngineCore
     from hybridd.workers import context_generator
 
-    retire = context_generator.ContextGenerator._retire
+    retire = EngineCore._retire
     retired = [0]
 
     def failing_retire(self, step):
@@ -264,7 +265,7 @@ def context_main_that_fails_while_serving(config: dict, ctl_endpoint: str, super
             raise RuntimeError("injected fault in the serving loop")
         return retire(self, step)
 
-    context_generator.ContextGenerator._retire = failing_retire
+    EngineCore._retire = failing_retire
     context_generator.main(config, ctl_endpoint, supervised)
 
 
