@@ -59,7 +59,7 @@ def test_padded_graph_steps_equal_plain_forward(model):
     ref_kv = KVCache.allocate(model.config, 64, BLOCK, torch.float32, "cpu")
 
     shape = run_step(runner, StepInputs.prefill(prompts, tables, BLOCK))
-    assert (shape.graph, shape.tokens, shape.seqs) == (True, 32, 4)  # 31 tokens pad to 32, 3 seqs to 4
+    assert (shape.graph, shape.tokens, shape.seqs) == (True, 32, 8)  # 31 tokens pad to 32, 3 seqs to max_rows
     ref = model.forward_logits(StepInputs.prefill(prompts, tables, BLOCK), ref_kv)
     assert torch.allclose(runner.buffers.logits[:3], ref, rtol=1e-5, atol=1e-5)
     assert torch.allclose(runner.kv_cache.arena[:, :, :9], ref_kv.arena[:, :, :9], atol=1e-6)
@@ -77,6 +77,47 @@ def test_padded_graph_steps_equal_plain_forward(model):
     assert torch.allclose(runner.kv_cache.arena[:, :, :9], ref_kv.arena[:, :, :9], atol=1e-6)
     decode4 = runner.stats[("decode", 4)]
     assert decode4.replays == 6 and decode4.eager_runs == 0
+
+
+@torch.inference_mode()
+def test_mixed_steps_of_a_full_batch_and_prompt_chunks_replay_prefill_graphs(model):
+    """A chunked-prefill step carries a decode row for every running stream before its
+    prompt chunk: with a full batch (max_batch rows, more than max_prefill_seqs) it replays
+    a captured prefill bucket. Its decode rows give the logits of a decode step, the
+    prompt's final chunk those of the whole prompt prefilled at once, and the chunks write
+    the KV the whole prompt writes."""
+    runner = make_runner(model)
+    for size in runner.plan.prefill:
+        assert runner._capture(True, size)
+    plan = runner.plan
+    streams = plan.max_batch - 1
+    assert streams + 1 > plan.max_prefill_seqs
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 300, (5 + i,), generator=g).tolist() for i in range(streams)]
+    long_prompt = torch.randint(3, 300, (40,), generator=g).tolist()
+    tables = [[3 * i, 3 * i + 1, 3 * i + 2] for i in range(streams)]
+    long_table = list(range(3 * streams, 3 * streams + 6))
+    ref_kv = KVCache.allocate(model.config, 64, BLOCK, torch.float32, "cpu")
+
+    shape = run_step(runner, StepInputs.prefill(prompts, tables, BLOCK))
+    assert (shape.graph, shape.seqs) == (True, plan.max_rows)
+    ref = model.forward_logits(StepInputs.prefill(prompts, tables, BLOCK), ref_kv)
+    assert torch.allclose(runner.buffers.logits[:streams], ref, rtol=1e-5, atol=1e-5)
+    tokens, positions = ref.argmax(-1).tolist(), [len(p) for p in prompts]
+
+    for lo, hi in ((0, 20), (20, 40)):
+        step = StepInputs.prefill([[t] for t in tokens] + [long_prompt[lo:hi]], tables + [long_table], BLOCK,
+                                  start_positions=positions + [lo])
+        shape = run_step(runner, step)
+        assert (shape.graph, shape.tokens, shape.seqs) == (True, 32, plan.max_rows), shape
+        ref = model.forward_logits(StepInputs.decode(tokens, positions, tables, BLOCK), ref_kv)
+        assert torch.allclose(runner.buffers.logits[:streams], ref, rtol=1e-4, atol=1e-4)
+        tokens, positions = ref.argmax(-1).tolist(), [p + 1 for p in positions]
+    whole = model.forward_logits(StepInputs.prefill([long_prompt], [long_table], BLOCK), ref_kv)
+    assert torch.allclose(runner.buffers.logits[streams], whole[0], rtol=1e-4, atol=1e-4)
+    used = 3 * streams + 5  # the long prompt's 40 tokens fill 5 blocks
+    assert torch.allclose(runner.kv_cache.arena[:, :, :used], ref_kv.arena[:, :, :used], atol=1e-5)
+    assert runner.stats[("prefill", 32)].replays == 2 and runner.stats[("prefill", 32)].eager_runs == 0
 
 
 def test_written_steps_are_padded_past_their_rows():
@@ -109,9 +150,11 @@ def test_uncaptured_buckets_run_eagerly_and_count(model):
     # Over the largest bucket: eager at the exact size.
     assert not runner.plan_step(False, 9, 9).graph
     assert not runner.plan_step(True, 65, 1).graph
-    # More sequences than a prefill graph holds: eager.
+    # A prefill graph holds as many rows as a step can have (max_rows), past max_prefill_seqs.
     runner._capture(True, 64)
-    assert not runner.plan_step(True, 20, 5).graph
+    assert runner.plan.max_prefill_seqs < 5 < runner.plan.max_rows
+    assert runner.plan_step(True, 20, 5) == StepShape(True, 64, runner.plan.max_rows, True, 64)
+    assert not runner.plan_step(True, 20, runner.plan.max_rows + 1).graph
 
 
 def test_prefill_pads_into_larger_bucket_only_when_cheap(model):
@@ -173,11 +216,19 @@ def test_memory_budget_evicts_least_recently_used(model):
     assert runner.graph_bytes() <= budget
 
 
-def test_failed_capture_disables_bucket_and_keeps_serving(model, capfd):
-    runner = make_runner(model, decode=(1,), prefill=(16, 1 << 18))
-    # A 256k-token prefill needs a 64 GiB attention mask: the warm-up fails.
-    assert not runner._capture(True, 1 << 18)
-    stats = runner.stats[("prefill", 1 << 18)]
+def test_failed_capture_disables_bucket_and_keeps_serving(model, capfd, monkeypatch):
+    runner = make_runner(model, decode=(1,), prefill=(16, 1024))
+    forward = model.forward
+
+    def out_of_memory_past_512_tokens(step, kv_cache):
+        # The device's memory running out, as a capture of a large bucket can meet it.
+        if step.num_tokens > 512:
+            raise torch.OutOfMemoryError(f"cannot allocate the activations of {step.num_tokens} tokens")
+        return forward(step, kv_cache)
+
+    monkeypatch.setattr(model, "forward", out_of_memory_past_512_tokens)
+    assert not runner._capture(True, 1024)
+    stats = runner.stats[("prefill", 1024)]
     assert not stats.captured and "capture failed" in stats.disabled
     err = capfd.readouterr().err
     assert "graph_capture_failed" in err and "1. lower graph_memory_budget_mb" in err and "4. set use_cuda_graphs" in err

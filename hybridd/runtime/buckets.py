@@ -51,5 +51,7 @@ class BucketPlan:
 
     @property
     def max_rows(self) -> int:
-        """Rows of the logits buffer: the most sequences one step can produce logits for."""
+        """Rows of the logits buffer and of every prefill graph: the most sequences one
+        step can have. A chunked-prefill step carries every running stream's decode row
+        beside its prompt chunks, so it can have max_batch rows, more than max_prefill_seqs."""
         return max(self.max_batch, self.max_prefill_seqs)

@@ -1,7 +1,10 @@
 """The graph runner: the static domain's forward, replayed from CUDA Graphs per bucket.
 
 Decode graphs (one per batch-size bucket) are captured before the daemon is ready,
-largest first. Prefill graphs (one per token-count bucket) are captured afterwards
+largest first. Prefill graphs (one per token-count bucket, each holding as many rows as
+any step can have, `BucketPlan.max_rows`: a chunked-prefill step is a prefill step
+whose first rows are every running stream's decode, so a prompt chunk beside a full
+batch of streams replays a graph too) are captured afterwards
 by a background thread, most-demanded first, into a rolling set bounded by a memory
 budget with least-recently-used eviction; until a bucket exists its steps run eagerly
 or pad into a larger captured bucket. All graphs share one memory pool, and each is
@@ -128,7 +131,7 @@ class GraphRunner:
         self.serving = ServingStream(self.stream)
         if self.cuda:
             self._open_pool()
-        if plan.max_batch > buffers.max_seqs or plan.max_prefill_seqs > buffers.max_seqs:
+        if plan.max_rows > buffers.max_seqs:
             raise ValueError("step buffers hold fewer sequences than the bucket plan needs")
         if max(plan.max_batch, plan.max_prefill_tokens) > buffers.max_tokens:
             raise ValueError("step buffers hold fewer tokens than the largest bucket")
@@ -163,7 +166,7 @@ class GraphRunner:
             return StepShape(False, bucket, bucket, True, bucket)
 
         exact = bucket_rules.pick(self.plan.prefill, num_tokens)
-        if exact is None or num_seqs > self.plan.max_prefill_seqs:
+        if exact is None or num_seqs > self.plan.max_rows:
             return eager
         with self._lock:
             self.stats[("prefill", exact)].demand += 1
@@ -178,7 +181,7 @@ class GraphRunner:
                 self.stats[("prefill", exact)].eager_runs += 1
         if chosen is None:
             return eager
-        return StepShape(True, chosen, self.plan.max_prefill_seqs, True, chosen)
+        return StepShape(True, chosen, self.plan.max_rows, True, chosen)
 
     # --------------------------------------------------------------- execution
     def run(self, is_prefill: bool, num_tokens: int, num_seqs: int) -> StepShape:
@@ -263,7 +266,7 @@ class GraphRunner:
             self.plan.prefill, self.model.kernels.skinny_rows)
         try:
             for size in sizes:
-                self._warm_up(True, size, self.plan.max_prefill_seqs)
+                self._warm_up(True, size, self.plan.max_rows)
             torch.cuda.synchronize(self.device)
         except Exception as exc:  # the start goes on; the first prefills compile while serving
             log.warning("prefill_warm_up_failed", error=f"{type(exc).__name__}: {str(exc)[:200]}",
@@ -271,7 +274,11 @@ class GraphRunner:
             torch.cuda.empty_cache()
 
     def _shape_of(self, is_prefill: bool, size: int) -> tuple[int, int]:
-        return (size, self.plan.max_prefill_seqs) if is_prefill else (size, size)
+        """(tokens, rows) of a bucket's graph. Every prefill bucket holds `max_rows` rows,
+        even those with fewer tokens: the prefill kernels are compiled per padded row count
+        (`_warm_up`), so one count for all of them means one warm-up compiles them all and
+        no capture compiles inside itself; the padded rows cost a few rows of LM head."""
+        return (size, self.plan.max_rows) if is_prefill else (size, size)
 
     def _dummy_inputs(self, is_prefill: bool, tokens: int, seqs: int) -> StepInputs:
         """A bucket-shaped step on private buffers of the live ones' layout: the same
@@ -386,7 +393,7 @@ class GraphRunner:
         """The steps a CUDA warm-up runs (`_warm_up`), on the capture stream, waited for."""
         sizes, seqs = [tokens], tokens
         if is_prefill:
-            seqs = self.plan.max_prefill_seqs
+            seqs = self.plan.max_rows
             sizes = prefill_warm_up_sizes(self.plan.prefill, self.model.kernels.skinny_rows)
         scratch_logits = self._scratch_logits(seqs)
         with torch.cuda.stream(self.capture_stream):
