@@ -25,9 +25,11 @@ from hybridd.model.step_inputs import HostStepInputs, StepInputs
 def geometry(max_prefill_tokens: int, max_batch: int, max_model_len: int, block_size: int) -> tuple[int, int]:
     """(max_tokens, max_blocks_per_seq) of the step buffers, as both processes derive them.
 
-    A prompt longer than the prefill token budget still runs (alone, eagerly), and so does
-    the recompute of a preempted sequence: the buffers hold a whole max_model_len."""
-    return max(max_prefill_tokens, max_batch, max_model_len), blocks_for(max_model_len, block_size)
+    A step carries at most `max_prefill_tokens` tokens (decode rows and prompt chunks
+    together; a longer prompt, or the recompute of a preempted sequence, is prefilled in
+    chunks over several steps), or one token for each of up to `max_batch` streams; only
+    the block tables span a whole `max_model_len`."""
+    return max(max_prefill_tokens, max_batch), blocks_for(max_model_len, block_size)
 
 
 def input_fields(max_tokens: int, max_seqs: int, max_blocks_per_seq: int) -> dict[str, tuple[int, ...]]:
