@@ -4,4 +4,4 @@ Torch-free on purpose: the supervisor checks a model directory against it before
 spawns a worker (`hybridd.preflight`), and `hybridd.model.config` refuses the rest.
 """
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")

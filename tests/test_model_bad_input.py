@@ -120,7 +120,7 @@ def test_dtype_override(model_dir):
         ({"num_key_value_heads": 3}, "field 'num_key_value_heads'"),
         ({"hidden_act": "gelu"}, "field 'hidden_act'"),
         ({"mlp_bias": True}, "field 'mlp_bias'"),
-        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "field 'rope_scaling.rope_type': unsupported 'yarn'"),
+        ({"rope_parameters": {"rope_type": "longrope", "factor": 4.0}}, "field 'rope_scaling.rope_type': unsupported 'longrope'"),
         ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0}}, "field 'rope_scaling.low_freq_factor'"),
         ({"dtype": "int8"}, "field 'dtype'"),
     ],

@@ -6,11 +6,17 @@ from pathlib import Path
 
 import torch
 
-ARCHITECTURES = ("llama", "llama3", "mistral", "qwen2")
+# llama3: Llama 3.1's RoPE scaling; llama3_2: Llama 3.2's (tied embeddings, factor 32);
+# qwen3: Qwen3 dense (q/k norms, a head_dim of its own); qwen2_yarn: Qwen2.5's long-context YaRN.
+ARCHITECTURES = ("llama", "llama3", "llama3_2", "mistral", "qwen2", "qwen2_yarn", "qwen3")
+
+# A long-context YaRN scaling over a short pre-training length, so that the tiny models'
+# positions reach past it.
+YARN = {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 32}
 
 
 def tiny_config(arch: str, **overrides):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     common = dict(
         vocab_size=320,
@@ -39,10 +45,27 @@ def tiny_config(arch: str, **overrides):
             rope_theta=500000.0,
             **common,
         )
+    if arch == "llama3_2":
+        return LlamaConfig(
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 32.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+            rope_theta=500000.0,
+            tie_word_embeddings=True,
+            **common,
+        )
     if arch == "mistral":
         return MistralConfig(**({"sliding_window": None} | common))
     if arch == "qwen2":
         return Qwen2Config(tie_word_embeddings=True, **common)
+    if arch == "qwen2_yarn":
+        return Qwen2Config(rope_scaling=dict(YARN), rope_theta=1000000.0, **common)
+    if arch == "qwen3":
+        return Qwen3Config(**({"head_dim": 32, "tie_word_embeddings": True} | common))
     raise ValueError(arch)
 
 
@@ -58,11 +81,11 @@ def build_tiny_model(arch: str, path: Path, seed: int = 0, **overrides):
         for p in model.parameters():
             if p.dim() >= 2:
                 p.normal_(0.0, 0.08)
-            elif "bias" in str(p):
-                pass
     for name, p in model.named_parameters():
-        if name.endswith("bias"):
-            with torch.no_grad():
+        with torch.no_grad():
+            if name.endswith("bias"):
                 p.normal_(0.0, 0.05)
+            elif name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.normal_(1.0, 0.2)  # unit weights would leave the heads' norm weights untested
     model.save_pretrained(path)
     return model

@@ -92,10 +92,14 @@ class ComposedSteps:
         bias: torch.Tensor | None, rotary: RotaryArgs,
     ):
         """The attention's input: (q [T, H, d] and k [T, KVH, d] rotated, v [T, KVH, d], the
-        stream's value), the fused qkv projection of the normalised stream, with k and v
-        stored in the KV caches at their slots."""
+        stream's value), the fused qkv projection of the normalised stream (each head of q
+        and k normalised where the model has a qk norm), with k and v stored in the KV
+        caches at their slots."""
         x, base = self.stream_norm(stream, norm_weight, eps)
         q, k, v = rotary.split_qkv(self.linear(x, weight, bias))
+        if rotary.qk_norm is not None:
+            q_weight, k_weight, qk_eps = rotary.qk_norm
+            q, k = self.rms_norm(q, q_weight, qk_eps), self.rms_norm(k, k_weight, qk_eps)
         q, k = self.rotary_write_kv(
             rotary.positions, q, k, v, rotary.k_cache, rotary.v_cache, rotary.slot_mapping, rotary.cos, rotary.sin
         )

@@ -13,7 +13,9 @@ class RotaryArgs:
     (W [q_size + 2 kv_size, K], heads of `head_dim` rows stacked q, k, v): each token row
     m is rotated at `positions[m]` with the float32 `cos`/`sin` tables [max_positions,
     head_dim], and its rotated k and its v go to the paged caches at `slot_mapping[m]`
-    (-1: nowhere), laid out as `triton_ops.rotary_write_kv` stores them."""
+    (-1: nowhere), laid out as `triton_ops.rotary_write_kv` stores them. `qk_norm`, where
+    the model has one (Qwen3), is (q's weight [d], k's weight [d], eps): an RMSNorm over each
+    head of q and of k before the rotation."""
 
     num_heads: int
     num_kv_heads: int
@@ -24,6 +26,7 @@ class RotaryArgs:
     v_cache: torch.Tensor
     cos: torch.Tensor
     sin: torch.Tensor
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None
 
     def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [T, H, d], k and v [T, KVH, d]: views of a fused qkv projection's output [T, q + 2 kv]."""

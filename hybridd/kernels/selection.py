@@ -83,6 +83,9 @@ class TritonKernels(ComposedSteps):
                 and self._gemm.config_of(stream.base.shape[0], weight) is None)
 
     def norm_qkv(self, stream, norm_weight, eps, weight, bias, rotary: RotaryArgs):
+        if rotary.qk_norm is not None:
+            # The heads' norm sits between the projection and RoPE: no epilogue fuses it.
+            return super().norm_qkv(stream, norm_weight, eps, weight, bias, rotary)
         if self._scaled_after(stream, weight, bias):
             q, k, v = rotary.split_qkv(self.linear(stream.base, weight))
             q, k, v = self.norm_rotary_write_kv(stream.base, eps, q, k, v, rotary)

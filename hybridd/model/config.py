@@ -1,6 +1,6 @@
 """The model configuration: what hybridd reads from a Hugging Face `config.json`.
 
-Only the Llama family is supported (Llama 2/3, Mistral, Qwen2); every field that
+Only the Llama family is supported (Llama 2/3, Mistral, Qwen2, Qwen3 dense); every field that
 changes the computation is either understood here or rejected with an error that
 names it, so a checkpoint never runs with silently wrong semantics.
 """
@@ -18,7 +18,7 @@ import torch
 from hybridd.architectures import SUPPORTED_ARCHITECTURES
 from hybridd.model.errors import ModelLoadError
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 _DTYPES = {
     "float32": torch.float32,
@@ -46,6 +46,12 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # YaRN: the ramp between interpolated and extrapolated frequencies, and the factor
+    # that scales cos and sin (transformers' `attention_factor`, from mscale when absent).
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -68,6 +74,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     sliding_window: int | None = None
     o_bias: bool = False  # Llama's attention_bias biases the output projection too
+    qk_norm: bool = False  # Qwen3: an RMSNorm over each head of q and k before RoPE
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -88,6 +95,7 @@ class ModelConfig:
     def weight_bytes(self) -> int:
         h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
         per_layer = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 3 * h * i + 2 * h
+        per_layer += 2 * self.head_dim if self.qk_norm else 0
         total = self.num_layers * per_layer + v * h + h + (0 if self.tie_word_embeddings else v * h)
         return total * torch.finfo(self.dtype).bits // 8
 
@@ -129,7 +137,12 @@ class ModelConfig:
             raise ModelLoadError(f"{source}: field 'pretraining_tp' must be 1, got {cfg['pretraining_tp']!r}")
 
         o_bias = False
-        if arch == "Qwen2ForCausalLM":
+        if arch == "Qwen3ForCausalLM":
+            qkv_bias = o_bias = bool(cfg.get("attention_bias", False))
+            if cfg.get("use_sliding_window"):
+                raise ModelLoadError(f"{source}: field 'use_sliding_window': sliding-window attention is not supported")
+            sliding_window = None
+        elif arch == "Qwen2ForCausalLM":
             qkv_bias = True
             if cfg.get("use_sliding_window"):
                 raise ModelLoadError(f"{source}: field 'use_sliding_window': sliding-window attention is not supported")
@@ -153,9 +166,10 @@ class ModelConfig:
             head_dim=head_dim,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=need("max_position_embeddings"),
-            rope=_parse_rope(cfg, source),
+            rope=_parse_rope(cfg, source, need("max_position_embeddings")),
             qkv_bias=qkv_bias,
             o_bias=o_bias,
+            qk_norm=arch == "Qwen3ForCausalLM",
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             dtype=parse_dtype(dtype_name, f"{source}: field 'dtype'"),
             bos_token_id=cfg.get("bos_token_id"),
@@ -206,7 +220,7 @@ def _generation_config(path: Path) -> dict[str, Any]:
     return data
 
 
-def _parse_rope(cfg: dict[str, Any], source: str) -> RopeConfig:
+def _parse_rope(cfg: dict[str, Any], source: str, max_position_embeddings: int) -> RopeConfig:
     # transformers >= 5 writes `rope_parameters` (theta inside); older checkpoints have
     # top-level `rope_theta` and an optional `rope_scaling`.
     params = cfg.get("rope_parameters")
@@ -221,6 +235,9 @@ def _parse_rope(cfg: dict[str, Any], source: str) -> RopeConfig:
             f"{source}: field 'rope_scaling.rope_type': unsupported {rope_type!r}; "
             f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
         )
+    partial = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    if partial not in (1, 1.0, None):
+        raise ModelLoadError(f"{source}: field 'partial_rotary_factor': only 1.0 (RoPE over the whole head), got {partial!r}")
     rope = RopeConfig(theta=float(params.get("rope_theta", cfg.get("rope_theta", 10000.0))), rope_type=rope_type)
 
     def positive(name: str, kind: type = float) -> Any:
@@ -242,4 +259,49 @@ def _parse_rope(cfg: dict[str, Any], source: str) -> RopeConfig:
             high_freq_factor=positive("high_freq_factor"),
             original_max_position_embeddings=positive("original_max_position_embeddings", int),
         )
+    if rope_type == "yarn":
+        return _yarn(cfg, params, rope.theta, max_position_embeddings, positive, source)
     return rope
+
+
+def _yarn(cfg: dict[str, Any], params: dict[str, Any], theta: float, max_position_embeddings: int,
+          positive: Any, source: str) -> RopeConfig:
+    """YaRN's parameters with transformers' defaults: the pre-training length from the
+    top-level field, else the scaling's, else max_position_embeddings; the factor, when
+    absent, the ratio of the two lengths; the attention factor, when absent, from mscale."""
+    if cfg.get("original_max_position_embeddings") is not None:
+        original = cfg["original_max_position_embeddings"]
+        if isinstance(original, bool) or not isinstance(original, int) or original <= 0:
+            raise ModelLoadError(
+                f"{source}: field 'original_max_position_embeddings' must be a positive integer, got {original!r}")
+    elif params.get("original_max_position_embeddings") is not None:
+        original = positive("original_max_position_embeddings", int)
+    else:
+        original = max_position_embeddings
+    factor = positive("factor") if params.get("factor") is not None else max_position_embeddings / original
+
+    def optional(name: str) -> float | None:
+        return positive(name) if params.get(name) is not None else None
+
+    attention_factor = optional("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = optional("mscale"), optional("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = _yarn_mscale(factor)
+    truncate = params.get("truncate", True)
+    if not isinstance(truncate, bool):
+        raise ModelLoadError(f"{source}: field 'rope_scaling.truncate' must be true or false, got {truncate!r}")
+    beta_fast, beta_slow = optional("beta_fast") or 32.0, optional("beta_slow") or 1.0
+    if beta_fast < beta_slow:
+        raise ModelLoadError(
+            f"{source}: field 'rope_scaling.beta_fast' ({beta_fast}) must not be below beta_slow ({beta_slow})")
+    return RopeConfig(theta=theta, rope_type="yarn", factor=float(factor), original_max_position_embeddings=original,
+                      beta_fast=beta_fast, beta_slow=beta_slow, truncate=truncate,
+                      attention_factor=float(attention_factor))
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention scale for a context `factor` times longer (its paper's Eq. 21)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0

@@ -1,4 +1,4 @@
-"""The Llama-family Transformer (Llama 2/3, Mistral, Qwen2) with fused projections,
+"""The Llama-family Transformer (Llama 2/3, Mistral, Qwen2, Qwen3 dense) with fused projections,
 written for graph capture: no host syncs, no data-dependent shapes inside `forward`.
 
 The model builds what it needs from its config and its device: the kernels (fused
@@ -46,6 +46,9 @@ class DecoderLayer(nn.Module):
         self.qkv_proj = nn.Linear(config.hidden_size, config.q_size + 2 * config.kv_size, bias=config.qkv_bias)
         self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=config.o_bias)
         self.post_attention_layernorm = RMSNormWeight(config.hidden_size, config.rms_norm_eps)
+        if config.qk_norm:
+            self.q_norm = RMSNormWeight(config.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNormWeight(config.head_dim, config.rms_norm_eps)
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
@@ -59,8 +62,9 @@ class DecoderLayer(nn.Module):
     ) -> ResidualStream:
         t = stream.base.shape[0]
         k_cache, v_cache = kv_cache.layer(self.index)
+        qk_norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if hasattr(self, "q_norm") else None
         rotary = RotaryArgs(self.num_heads, self.num_kv_heads, self.head_dim, step.positions, step.slot_mapping,
-                            k_cache, v_cache, *rope)
+                            k_cache, v_cache, *rope, qk_norm)
         norm = self.input_layernorm
         q, k, v, base = ops.norm_qkv(stream, norm.weight, norm.eps, self.qkv_proj.weight, self.qkv_proj.bias, rotary)
         if step.is_prefill:

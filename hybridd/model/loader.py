@@ -89,6 +89,9 @@ def _target(model: LlamaModel, config: ModelConfig, name: str) -> tuple[torch.Te
         "input_layernorm.weight": layer.input_layernorm.weight,
         "post_attention_layernorm.weight": layer.post_attention_layernorm.weight,
     }
+    if config.qk_norm:
+        plain["self_attn.q_norm.weight"] = layer.q_norm.weight
+        plain["self_attn.k_norm.weight"] = layer.k_norm.weight
     if plain.get(rest) is not None:
         return plain[rest], None
     module_name, _, kind = rest.rpartition(".")
@@ -185,4 +188,6 @@ def expected_tensor_names(config: ModelConfig) -> set[str]:
                 names.add(f"{prefix}self_attn.{proj}.bias")
         if config.o_bias:
             names.add(f"{prefix}self_attn.o_proj.bias")
+        if config.qk_norm:
+            names.update(f"{prefix}self_attn.{norm}.weight" for norm in ("q_norm", "k_norm"))
     return names
