@@ -32,6 +32,7 @@ from scripts import daemon
 ERROR_CODES = {"malformed", "too_large", "unsupported_version", "invalid_request", "overloaded", "draining",
                "engine_dead", "timeout", "cancelled", "not_found", "internal"}
 # Codes a request can earn by being what it is; the others mean the daemon failed.
+VERSIONS = (1, 2, 3)  # the versions SPEC.md §7 says the daemon speaks
 REQUEST_CODES = {"malformed", "too_large", "unsupported_version", "invalid_request", "overloaded"}
 # SPEC §2 forbids ext types without naming the code.
 EXT_CODES = {"malformed", "too_large", "invalid_request"}
@@ -146,7 +147,7 @@ def broken_request(rng: random.Random) -> Case:
             message["id"] = bad
         return Case([pack(message)], f"{kind}.id", "refused", None, codes={"invalid_request", "too_large"})
     if choice == 1:  # the version
-        bad = rng.choice([0, 3, 99, -1, 2**40])
+        bad = rng.choice([0, max(VERSIONS) + 1, 99, -1, 2**40])
         message["v"] = bad
         return Case([pack(message)], f"{kind}.v={bad}", "refused", rid, codes={"unsupported_version"})
     if choice == 2:
@@ -297,7 +298,7 @@ def check_reply(reply: Any) -> str | None:
         return f"{kind} has fields {sorted(reply)}"
     # Replies use the request's version; an error for a message whose version cannot be
     # used, the newest (SPEC §7).
-    if reply["v"] not in (1, 2) or not isinstance(reply["id"], str) or len(reply["id"]) > MAX_ID:
+    if reply["v"] not in VERSIONS or not isinstance(reply["id"], str) or len(reply["id"]) > MAX_ID:
         return f"bad envelope {reply['v']!r} {reply['id']!r}"
     ints = lambda xs: isinstance(xs, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in xs)  # noqa: E731
     if kind == "chunk":
