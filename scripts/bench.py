@@ -14,7 +14,9 @@ caches, ITL during background capture, TTFT at 10-500 tokens, batch-1 ITL, 1-32
 concurrent streams, graph memory, what the HTTP gateway adds: scripts/bench_gateway.py),
 the daemon with one setting changed against `hybridd` (VARIANTS), `capture_evict` (ITL
 while prefill graphs are captured during decode, scripts/bench_capture.py), `in_process`
-(the same graphs in one process, scripts/bench_pipeline.py), and the peers on the same
+(the same graphs in one process, scripts/bench_pipeline.py), `mixed_load` and
+`prefix_reuse` (a stream's ITL while another client sends long prompts; TTFT with a
+cached prefix and over a chat's turns: scripts/bench_mixed.py), and the peers on the same
 weights: `hf_eager`, `hf_static`
 (transformers `generate()`, static cache and torch.compile). A part is skipped, with
 the reason recorded, when `--budget-s` would be exceeded; a failure is recorded and the
@@ -69,9 +71,11 @@ LATE_VARIANTS = ("hybridd_poll", "hybridd_no_wake")
 
 # Estimated seconds per part on an H200 with the Llama-2-7B / Llama-3-8B shape (the budget check uses them).
 ESTIMATE_S_7B = {"ceilings": 8, "checkpoint": 60, "breakdown": 45, "hybridd_eager": 50, "hybridd": 110,
-                 "capture_evict": 60, "in_process": 35, "hf_eager": 45, "hf_static": 60} | dict.fromkeys(VARIANTS, 60)
+                 "capture_evict": 60, "in_process": 35, "hf_eager": 45, "hf_static": 60, "mixed_load": 60,
+                 "prefix_reuse": 45} | dict.fromkeys(VARIANTS, 60)
 ESTIMATE_S_SMALL = {"ceilings": 3, "checkpoint": 5, "breakdown": 10, "hybridd_eager": 12, "hybridd": 20,
-                    "capture_evict": 20, "in_process": 10, "hf_eager": 8, "hf_static": 60} | dict.fromkeys(VARIANTS, 20)
+                    "capture_evict": 20, "in_process": 10, "hf_eager": 8, "hf_static": 60, "mixed_load": 30,
+                    "prefix_reuse": 30} | dict.fromkeys(VARIANTS, 20)
 # What --skip may name: the parts, and the HTTP gateway's figures inside the hybridd part.
 SKIPPABLE = frozenset(ESTIMATE_S_7B) | {"gateway"}
 LARGE_PRESETS = ("llama2-7b", "llama3-8b")
@@ -894,6 +898,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "--skip; the parts run in the order of the list above)")
     p.add_argument("--skip", default=None, help="comma-separated parts to skip (and `gateway`: the gateway "
                    "figures of the hybridd part); default: none, or the preset's list")
+    p.add_argument("--long-prompt", type=int, default=2000, help="tokens of mixed_load's and prefix_reuse's "
+                   "long prompts")
+    p.add_argument("--turn-tokens", type=int, default=200, help="tokens prefix_reuse's chat adds a turn")
     p.add_argument("--hf-static-on-cpu", action="store_true", help="try HF static+compile on the CPU too")
     p.add_argument("--verbose", action="store_true", help="the workers' info logs")
     p.add_argument("--first-start", action=argparse.BooleanOptionalAction, default=True,
@@ -1058,6 +1065,24 @@ def main(argv: list[str] | None = None) -> int:
             return in_process(state["model"], [1], ITL_PROMPT, args.itl_tokens)[1]
 
         part("in_process", do_in_process, needs=("model",))
+
+        def do_mixed(name: str, measure) -> None:
+            def run(_):
+                server = HybriddServer(state["model"], args.device, 600 if args.device == "cuda" else 120,
+                                       **server_overrides(args))
+                try:
+                    return measure(server.endpoint)
+                finally:
+                    server.close()
+
+            part(name, run, needs=("model", "vocab"))
+
+        from scripts.bench_mixed import measure_mixed_load, measure_prefix_reuse
+
+        do_mixed("mixed_load", lambda endpoint: measure_mixed_load(
+            endpoint, vocab(), args.long_prompt, args.itl_tokens, args.ttft_reps))
+        do_mixed("prefix_reuse", lambda endpoint: measure_prefix_reuse(
+            endpoint, vocab(), args.long_prompt, args.turn_tokens, 8, args.ttft_reps))
         part("hf_eager", lambda out: run_hf(args, state["model"], vocab(), "eager", deadline, shared, out),
              needs=("model", "vocab"))
         part("hf_static", lambda out: run_hf(args, state["model"], vocab(), "static", deadline, shared, out),

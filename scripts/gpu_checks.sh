@@ -23,4 +23,10 @@ HYBRIDD_TEST_DEVICE=cuda timeout 200 python3 -m pytest -q -p no:cacheprovider te
     2>&1 | tee "$OUT/gpu_e2e.log" || status=1
 timeout 300 python3 -m scripts.bench --out "$OUT/bench" --parts ceilings,checkpoint,breakdown,in_process \
     --budget-s 280 2>&1 | tee "$OUT/bench.log" || status=1
+# 4. chunked prefill and the prefix cache on the 7B and 8B shapes (scripts/bench_mixed.py):
+#    a stream's ITL while another client sends 2,000-token prompts, and cached-prefix TTFTs.
+for preset in llama2-7b llama3-8b; do
+    timeout 280 python3 -m scripts.bench --out "$OUT/mixed-$preset" --preset "$preset" \
+        --parts checkpoint,mixed_load,prefix_reuse --budget-s 260 2>&1 | tee "$OUT/mixed-$preset.log" || status=1
+done
 exit $status

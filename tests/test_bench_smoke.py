@@ -31,7 +31,8 @@ def bench_out(tmp_path_factory):
         env[name] = str(cache)
     proc = subprocess.run(
         [sys.executable, "-m", "scripts.bench", "--out", str(out / "out"), "--device", "cpu",
-         "--preset", "tiny", "--quick", "--checkpoint-dir", str(out / "ckpt"), "--budget-s",
+         "--preset", "tiny", "--quick", "--checkpoint-dir", str(out / "ckpt"), "--skip", "mixed_load,prefix_reuse",
+         "--budget-s",
          str(int(on_this_host(200)))],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=on_this_host(300),
     )
@@ -46,7 +47,7 @@ def test_json_has_every_figure(bench_out):
     assert r["meta"]["errors"] == {}, r["meta"]["errors"]
     cuda_only = {"in_process", "hf_static", "hybridd_no_mps", "hybridd_no_pdl", "hybridd_unfused", "hybridd_poll",
                  "hybridd_no_wake"}
-    assert set(r["meta"]["skipped"]) == cuda_only
+    assert set(r["meta"]["skipped"]) == cuda_only | {"mixed_load", "prefix_reuse"}  # their own run below
     assert r["meta"]["shape"] == "tiny shape, random float32 weights"
     assert r["device"]["copy_bandwidth_Bps"] > 0 and r["device"]["matmul_flops"] > 0
     floors = r["floors"]
@@ -157,3 +158,26 @@ def test_an_unknown_part_to_run_is_named():
                             capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert result.returncode == 2, result.stderr
     assert "--parts: unknown part(s) bench_gemm; the parts are" in result.stderr
+
+
+def test_mixed_load_and_prefix_reuse_parts(tmp_path):
+    """The chunked-prefill and prefix-cache parts, small: a stream beside another client's
+    long prompts, and TTFT with a cached prefix and over a chat's turns."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run(
+        [sys.executable, "-m", "scripts.bench", "--out", str(tmp_path / "out"), "--device", "cpu", "--preset", "tiny",
+         "--quick", "--checkpoint-dir", str(tmp_path / "ckpt"), "--parts", "ceilings,checkpoint,mixed_load,prefix_reuse",
+         "--long-prompt", "300", "--turn-tokens", "40", "--budget-s", str(int(on_this_host(200)))],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=on_this_host(300),
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    r = json.loads((tmp_path / "out" / "bench.json").read_text())
+    assert r["meta"]["errors"] == {}, r["meta"]["errors"]
+    mixed, reuse = r["mixed_load"], r["prefix_reuse"]
+    assert mixed["itl_alone"]["n"] == mixed["itl_during"]["n"] == 31
+    assert mixed["ttft_during"]["n"] >= 1 and mixed["itl_p50_ratio"] > 0 and mixed["ttft_ratio"] > 0
+    assert set(mixed["targets_met"]) == {"itl_p50 <= 1.5x", "itl_p99 <= 2.5x", "ttft <= 1.3x"}
+    assert reuse["ttft_cold"]["n"] == reuse["ttft_repeated"]["n"] == reuse["ttft_shared_prefix"]["n"] == 3
+    assert len(reuse["chat_ttft_s"]) == 8 and reuse["chat_history_tokens"] == 8 * (40 + 8)
+    # A repeated prompt finds its blocks cached: far less to prefill than cold, even on a busy host.
+    assert reuse["repeated_ratio"] < 0.8
