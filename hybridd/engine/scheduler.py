@@ -2,8 +2,9 @@
 
 Decode first, prompts in chunks (vLLM V1's unified step): every step carries a token
 for each running sequence past its prompt, and fills the rest of a token budget
-(`max_prefill_tokens`) with chunks of prompts, shared out evenly among them, so a long
-prompt is prefilled over several steps while the streams keep ticking, and a short one
+(`chunk_tokens`; `max_prefill_tokens` in a step where nothing decodes, so a prompt
+that finds no stream running is prefilled whole) with chunks of prompts, shared out
+evenly among them, so a long prompt is prefilled over several steps while the streams keep ticking, and a short one
 behind it waits a chunk per step. Prompts are admitted first come, first served when
 their KV blocks fit above the block manager's watermark, with blocks for the whole
 prompt; a chunk's rows start where the prompt's KV written so far ends. A step with
@@ -174,12 +175,15 @@ class Scheduler:
         max_prefill_seqs: int | None = None,
         eos_token_ids: Collection[int] = (),
         tokenizer: Tokenizer | None = None,
+        chunk_tokens: int | None = None,
     ) -> None:
         self.block_manager = block_manager
         self.max_batch = max_batch
         self.max_prefill_tokens = max_prefill_tokens
+        # The budget of a step beside running streams (None: the same as without).
+        self.chunk_tokens = min(chunk_tokens or max_prefill_tokens, max_prefill_tokens)
         self.max_model_len = max_model_len
-        # Prefill steps with more rows than the graph runner's prefill graphs hold run eagerly.
+        # The most prompts one step carries chunks of.
         self.max_prefill_seqs = min(max_batch, max_prefill_seqs or max_batch)
         min_width = block_manager.blocks_for(max_model_len)
         self.block_table_width = block_table_width if block_table_width is not None else min_width
@@ -257,13 +261,15 @@ class Scheduler:
         (a preempted sequence waits for its in-flight token) or no work is left.
 
         Decode first: every running sequence past its prompt gets its next token. The
-        rest of the step's token budget (`max_prefill_tokens` less those rows) goes to
+        rest of the step's token budget (`chunk_tokens` less those rows; with none,
+        `max_prefill_tokens`) goes to
         prompt chunks, shared out among the prompts being prefilled and those admitted
         now (`fair_shares`), so a short prompt behind long ones waits a chunk per step,
         not their whole prefills. A step with chunks is a prefill step whose first rows
         are the decode rows (one token each); a step without is a decode step."""
         decodes = self._decode_rows()
-        chunks = self._prefill_chunks(self.max_prefill_tokens - len(decodes))
+        budget = self.chunk_tokens if decodes else self.max_prefill_tokens
+        chunks = self._prefill_chunks(budget - len(decodes))
         if not decodes and not chunks:
             return None
         step_id = self._take_step_id()
