@@ -4,8 +4,8 @@ Decode first, prompts in chunks (vLLM V1's unified step): every step carries a t
 for each running sequence past its prompt, and fills the rest of a token budget
 (`chunk_tokens`; `max_prefill_tokens` in a step where nothing decodes, so a prompt
 that finds no stream running is prefilled whole) with chunks of prompts, shared out
-evenly among them, so a long prompt is prefilled over several steps while the streams keep ticking, and a short one
-behind it waits a chunk per step. Prompts are admitted first come, first served when
+evenly among them, so a long prompt is prefilled over several steps while the streams
+keep ticking, and a short one behind it waits a chunk per step. Prompts are admitted first come, first served when
 their KV blocks fit above the block manager's watermark, with blocks for the whole
 prompt; a chunk's rows start where the prompt's KV written so far ends. A step with
 chunks is a prefill step whose first rows are the decode rows; one without is a
