@@ -62,7 +62,7 @@ class _SettingOption(click.Option):
         self.section = section
 
 
-_METAVARS = {"int": "INTEGER", "float": "NUMBER", "str": "TEXT", "list[int]": "N,N,..."}
+_METAVARS = {"int": "INTEGER", "float": "NUMBER", "str": "TEXT", "list[int]": "N,N,...", "list[str]": "NAME,..."}
 
 
 def _setting_help(f: dataclasses.Field) -> tuple[str, str]:
@@ -272,8 +272,9 @@ def _client(config_path: str | None, runtime_dir: str | None, endpoint: str | No
     return Client(endpoint, timeout=timeout, reply_ring=reply_ring, **keys), endpoint
 
 
-def _fail_for(error: Exception, what: str) -> None:
-    """One line and the exit code for a client command that failed (see README, Troubleshooting)."""
+def _failure(error: Exception, what: str) -> tuple[str, str, int]:
+    """A client command's failure: the state it shows, its one line and its exit code
+    (see README, Troubleshooting)."""
     from hybridd.errors import (
         DaemonUnreachableError,
         DrainingError,
@@ -283,14 +284,20 @@ def _fail_for(error: Exception, what: str) -> None:
     )
 
     if isinstance(error, HandshakeRefusedError):
-        _fail(f"hybridd: {error.message}", EXIT_REFUSED)
+        return "refused", f"hybridd: {error.message}", EXIT_REFUSED
     if isinstance(error, DaemonUnreachableError):
-        _fail(f"hybridd is not running: {error.message}", EXIT_NOT_RUNNING)
+        return "not running", f"hybridd is not running: {error.message}", EXIT_NOT_RUNNING
     if isinstance(error, UnavailableError | DrainingError):
-        _fail(f"hybridd: {what}: {error}", EXIT_UNAVAILABLE)
+        return "unavailable", f"hybridd: {what}: {error}", EXIT_UNAVAILABLE
     if isinstance(error, RequestTimeoutError) and what == "status":
-        _fail(f"hybridd: status: {error.message}", EXIT_UNAVAILABLE)
-    _fail(f"hybridd: {error}" if what == "generate" else f"hybridd: {what} failed: {error}")
+        return "unavailable", f"hybridd: status: {error.message}", EXIT_UNAVAILABLE
+    return "error", f"hybridd: {error}" if what == "generate" else f"hybridd: {what} failed: {error}", EXIT_ERROR
+
+
+def _fail_for(error: Exception, what: str) -> None:
+    """One line and the exit code for a client command that failed."""
+    _, message, code = _failure(error, what)
+    _fail(message, code)
 
 
 def _ms(seconds: Any) -> str:
@@ -401,7 +408,13 @@ def status(config_path, runtime_dir, endpoint, server_key, client_key, as_json: 
         try:
             result = client.status()
         except HybriddError as error:
-            _fail_for(error, "status")
+            if not as_json:
+                _fail_for(error, "status")
+            # --json always prints JSON: what a script reads, the line on stderr for a person.
+            state, message, code = _failure(error, "status")
+            click.echo(json.dumps({"state": state, "endpoint": endpoint, "error": message, "exit_code": code},
+                                  indent=2, sort_keys=True))
+            _fail(message, code)
     click.echo(json.dumps(result, indent=2, sort_keys=True) if as_json else format_status(result))
 
 
@@ -457,8 +470,8 @@ def generate(prompt: str, config_path, runtime_dir, endpoint, server_key, client
         except KeyboardInterrupt:
             if stream is not None:
                 stream.close()
-            click.echo(err=True)
-            sys.exit(EXIT_INTERRUPTED)
+                click.echo()  # the streamed text's line ends
+            _fail("hybridd: interrupted", EXIT_INTERRUPTED)
         except HybriddError as error:
             click.echo(err=True) if stream is not None else None
             _fail_for(error, "generate")

@@ -4,11 +4,13 @@ The configuration's values are checked by `Config.validate`; here, what they poi
 the runtime directory (creatable, socket paths short enough), the model directory (it
 exists, is a directory, `config.json` parses and names a supported architecture,
 weights and a tokenizer are there), the CURVE key files (readable, a secret key where
-one is needed) and the HTTP API key file (readable, not empty). Each error names the
-path at fault;
-`hybridd start` prints it on one line and exits with `exit_codes.USAGE` in well under a
-second (nothing here imports torch). What only loading can find (a truncated weight
-file, memory too small for the KV cache) is the workers' to report.
+one is needed) and the HTTP API key file (readable, not empty); a CUDA device that is
+not there (no usable GPU, an index out of range); settings that cannot serve together
+(a KV cache that cannot hold one max_model_len sequence, a max_batch its KV blocks can
+never run). Each error names the path or setting at fault; `hybridd start` prints it on
+one line and exits with `exit_codes.USAGE` in well under a second (nothing here imports
+torch, but for a configured CUDA device). What only loading can find (a truncated
+weight file, memory too small for the KV cache) is the workers' to report.
 """
 
 from __future__ import annotations
@@ -30,14 +32,60 @@ class PreflightError(ValueError):
 
 def check(config: Config) -> None:
     check_runtime_dir(config)
-    check_model_dir(Path(config.model))
+    model_config = check_model_dir(Path(config.model))
+    check_kv_cache(config, model_config)
     if config.curve_secret_key_file:
         check_curve_secret_key(Path(config.curve_secret_key_file))
     if config.curve_client_keys_dir:
         check_client_keys_dir(Path(config.curve_client_keys_dir))
     if config.http_api_key_file:
         check_api_key_file(Path(config.http_api_key_file))
+    check_device(config.device)
 
+
+def check_device(device: str) -> None:
+    """A configured CUDA device must be there: without this, the workers would crash and
+    be restarted until max_restarts ran out."""
+    if not device.startswith("cuda"):
+        return  # auto falls back to the CPU; cpu is always there
+    import torch
+
+    if not torch.cuda.is_available():
+        raise PreflightError(f"device {device}: no usable CUDA device on this host (torch {torch.__version__}, "
+                             f"built for CUDA {torch.version.cuda or 'none'}); use --device cpu or auto")
+    index = int(device.partition(":")[2] or 0)
+    count = torch.cuda.device_count()
+    if index >= count:
+        raise PreflightError(f"device {device}: this host has {count} CUDA device(s), cuda:0 to cuda:{count - 1}")
+
+
+def model_max_len(model_config: dict) -> int | None:
+    """The longest sequence the model's config.json allows (its positions, its sliding
+    window), as the model loader reads it; None when it names neither."""
+    limits = [v for k in ("max_position_embeddings", "sliding_window")
+              if isinstance(v := model_config.get(k), int) and not isinstance(v, bool) and v > 0]
+    return min(limits) if limits else None
+
+
+def check_kv_cache(config: Config, model_config: dict) -> None:
+    """With num_kv_blocks given, the KV cache must hold one sequence of max_model_len, and
+    max_batch sequences (each holds at least one block) must fit in it."""
+    blocks = config.num_kv_blocks
+    if not blocks:
+        return  # sized by the graph generator from the memory it finds
+    limit = model_max_len(model_config)
+    max_model_len = config.max_model_len or limit or 0
+    if limit:
+        max_model_len = min(max_model_len, limit)  # a larger setting is cut to the model's own limit
+    tokens = blocks * config.block_size
+    if max_model_len and tokens < max_model_len:
+        needed = -(-max_model_len // config.block_size)
+        raise PreflightError(f"num_kv_blocks {blocks} x block_size {config.block_size} = {tokens} tokens cannot hold "
+                             f"one sequence of max_model_len {max_model_len}: give num_kv_blocks >= {needed}, or a "
+                             f"smaller max_model_len")
+    if config.max_batch > blocks:
+        raise PreflightError(f"max_batch {config.max_batch} can never run: each sequence holds at least one KV block "
+                             f"and num_kv_blocks is {blocks}: give max_batch <= {blocks}, or more num_kv_blocks")
 
 def check_runtime_dir(config: Config) -> None:
     from hybridd.ipc.channel import MAX_IPC_PATH_BYTES
@@ -59,7 +107,8 @@ def check_runtime_dir(config: Config) -> None:
         raise PreflightError(f"runtime_dir {runtime_dir}: {existing} is not writable by this user")
 
 
-def check_model_dir(model: Path) -> None:
+def check_model_dir(model: Path) -> dict:
+    """Check the model directory; its config.json's values."""
     if not model.exists():
         raise PreflightError(f"model {model}: no such directory")
     if not model.is_dir():
@@ -100,6 +149,7 @@ def check_model_dir(model: Path) -> None:
             raise PreflightError(f"{weights}: not readable")
     if not any((model / name).is_file() for name in TOKENIZER_FILES):
         raise PreflightError(f"model {model}: no tokenizer ({', '.join(TOKENIZER_FILES)})")
+    return values
 
 
 def check_curve_secret_key(path: Path) -> None:
