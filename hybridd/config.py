@@ -109,6 +109,11 @@ class Config:
     device: str = setting("auto", section="model", allowed="auto, cpu, cuda or cuda:N",
                           meaning="Where the model runs; auto is the first CUDA device when there is one, else "
                                   "the CPU.")
+    quantization: str = setting("none", section="model", choices=("none", "fp8"),
+                                meaning="fp8: the decoder's linear projections become FP8 E4M3 as the weights "
+                                        "load, with one scale per output channel (half the bytes of bfloat16); "
+                                        "embeddings, norms and the LM head stay in dtype. An FP8 checkpoint "
+                                        "(compressed-tensors) is FP8 whatever this says.")
     # ---- endpoints
     runtime_dir: str = setting(section="endpoints", factory=default_runtime_dir, allowed="a directory",
                                default_text="$RUNTIME_DIRECTORY, else $XDG_RUNTIME_DIR/hybridd, else "

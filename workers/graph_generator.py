@@ -96,7 +96,7 @@ class GraphGenerator:
         max_model_len = min(config.max_model_len or model_config.max_model_len, model_config.max_model_len)
         choices = KernelChoices.from_settings("auto", config.gemm_fusions, config.pdl)
         model = load_model(config.model, dtype=dtype, device=self.device, max_positions=max_model_len,
-                           kernels=choices)
+                           kernels=choices, quantization=config.quantization)
         mc = model.config
         self.model = model
         self.max_model_len = max_model_len

@@ -11,7 +11,7 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-from hybridd.kernels import attention
+from hybridd.kernels import attention, fp8
 from hybridd.kernels.residual_stream import ResidualStream
 from hybridd.kernels.rotary import RotaryArgs
 
@@ -66,7 +66,10 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor | fp8.Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ W.T (+ bias); an FP8 weight (`fp8.Fp8Weight`) with its numerics emulated in float32."""
+    if isinstance(weight, fp8.Fp8Weight):
+        return fp8.linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
 

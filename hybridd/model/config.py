@@ -17,6 +17,8 @@ import torch
 
 from hybridd.architectures import SUPPORTED_ARCHITECTURES
 from hybridd.model.errors import ModelLoadError
+from hybridd.model.quantization import Quantization
+from hybridd.model.quantization import from_config as quantization_from_config
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -75,6 +77,7 @@ class ModelConfig:
     sliding_window: int | None = None
     o_bias: bool = False  # Llama's attention_bias biases the output projection too
     qk_norm: bool = False  # Qwen3: an RMSNorm over each head of q and k before RoPE
+    quantization: Quantization | None = None  # what the checkpoint's quantization_config states
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -175,6 +178,7 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_token_ids(cfg.get("eos_token_id"), source),
             sliding_window=sliding_window,
+            quantization=quantization_from_config(cfg, source),
             raw=cfg,
         )
 

@@ -13,6 +13,8 @@ import torch
 from torch import nn
 
 from hybridd.model.config import ModelConfig
+from hybridd.model.projections import projection
+from hybridd.model.quantization import Quantization
 from hybridd.model.errors import ModelLoadError, SequenceTooLongError
 from hybridd.kernels.selection import Kernels, select_kernels
 from hybridd.model.kv_cache import KVCache
@@ -32,7 +34,8 @@ class RMSNormWeight(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, index: int, sliding_window: int | None = None):
+    def __init__(self, config: ModelConfig, index: int, sliding_window: int | None = None,
+                 quantization: Quantization | None = None):
         super().__init__()
         self.index = index
         # Attention over the last `sliding_window` positions only (None: simply causal).
@@ -43,14 +46,16 @@ class DecoderLayer(nn.Module):
         self.q_size = config.q_size
         self.scale = config.head_dim**-0.5
         self.input_layernorm = RMSNormWeight(config.hidden_size, config.rms_norm_eps)
-        self.qkv_proj = nn.Linear(config.hidden_size, config.q_size + 2 * config.kv_size, bias=config.qkv_bias)
-        self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=config.o_bias)
+        fp8 = None if quantization is None else quantization.activations
+        h, i = config.hidden_size, config.intermediate_size
+        self.qkv_proj = projection(h, config.q_size + 2 * config.kv_size, config.qkv_bias, fp8, parts=3)
+        self.o_proj = projection(config.q_size, h, config.o_bias, fp8)
         self.post_attention_layernorm = RMSNormWeight(config.hidden_size, config.rms_norm_eps)
         if config.qk_norm:
             self.q_norm = RMSNormWeight(config.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNormWeight(config.head_dim, config.rms_norm_eps)
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = projection(h, 2 * i, False, fp8, parts=2)
+        self.down_proj = projection(i, h, False, fp8)
 
     def forward(
         self,
@@ -66,14 +71,14 @@ class DecoderLayer(nn.Module):
         rotary = RotaryArgs(self.num_heads, self.num_kv_heads, self.head_dim, step.positions, step.slot_mapping,
                             k_cache, v_cache, *rope, qk_norm)
         norm = self.input_layernorm
-        q, k, v, base = ops.norm_qkv(stream, norm.weight, norm.eps, self.qkv_proj.weight, self.qkv_proj.bias, rotary)
+        q, k, v, base = ops.norm_qkv(stream, norm.weight, norm.eps, self.qkv_proj.operand, self.qkv_proj.bias, rotary)
         if step.is_prefill:
             o = ops.prefill_attention(q, k_cache, v_cache, step, self.scale, **self.window)
         else:
             o = ops.decode_attention(q, k_cache, v_cache, step.block_tables, step.seq_lens, self.scale, **self.window)
-        stream = ops.linear_add(o.reshape(t, self.q_size), self.o_proj.weight, self.o_proj.bias, base)
+        stream = ops.linear_add(o.reshape(t, self.q_size), self.o_proj.operand, self.o_proj.bias, base)
         norm = self.post_attention_layernorm
-        return ops.mlp(stream, norm.weight, norm.eps, self.gate_up_proj.weight, self.down_proj.weight)
+        return ops.mlp(stream, norm.weight, norm.eps, self.gate_up_proj.operand, self.down_proj.operand)
 
 
 class LlamaModel(nn.Module):
@@ -85,21 +90,30 @@ class LlamaModel(nn.Module):
         device: torch.device | str = "cpu",
         max_positions: int | None = None,
         kernels: str = "auto",
+        quantization: Quantization | None = None,
     ):
         """The weights are created on the current default device (meta, when loading);
         the kernels and the RoPE tables are for `device`. `max_positions` (default: the
         config's own limit) bounds the positions the tables cover; `kernels` is "auto"
-        (Triton on CUDA), "triton" or "torch"."""
+        (Triton on CUDA), "triton" or "torch"; `quantization` (default: the checkpoint's)
+        makes the decoder's projections FP8."""
         super().__init__()
         self.config = config
+        self.quantization = quantization if quantization is not None else config.quantization
         self.max_positions = max_positions or config.max_model_len
         window = config.sliding_window
         # The attention window, when sequences can outgrow it (else attention is simply causal).
         self.sliding_window = window if window is not None and self.max_positions > window else None
         self.kernels: Kernels = select_kernels(device, kernels)
+        if self.quantization is not None and self.kernels.name != "torch":
+            raise ModelLoadError(
+                f"quantization {self.quantization.method!r}: the {self.kernels.name} kernels have no FP8 projections "
+                f"yet; load the model with the torch kernels (kernels='torch'), which emulate FP8 in float32"
+            )
         self.rope = cos_sin_table(config.rope, config.head_dim, self.max_positions, torch.device(device))
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, self.sliding_window) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i, self.sliding_window, self.quantization)
+                                    for i in range(config.num_layers))
         self.norm = RMSNormWeight(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
@@ -109,6 +123,8 @@ class LlamaModel(nn.Module):
         and make the norm's weight ones: the same function, rounded differently, whose norms
         are one scale per row, which the Triton kernels apply inside the projections (the
         `norm` fusion). Done once, after the weights are loaded; the final norm stays."""
+        if self.quantization is not None:
+            raise ModelLoadError("norms cannot be folded into FP8 projections (their scales are per output row)")
         for layer in self.layers:
             for norm, proj in ((layer.input_layernorm, layer.qkv_proj),
                                (layer.post_attention_layernorm, layer.gate_up_proj)):

@@ -11,15 +11,19 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from safetensors import SafetensorError, safe_open
+from torch import nn
 
 from hybridd.kernels.choices import KernelChoices
+from hybridd.kernels.fp8 import FP8_DTYPE, quantize_rows
 from hybridd.log import get_logger
 from hybridd.model.config import ModelConfig, parse_dtype
 from hybridd.model.errors import ModelLoadError
 from hybridd.model.llama import LlamaModel
+from hybridd.model.quantization import resolve as resolve_quantization
 
 log = get_logger("loader")
 
@@ -59,14 +63,25 @@ def _open(path: Path, device: str = "cpu"):
         raise ModelLoadError(f"{path}: cannot read safetensors file ({exc})") from exc
 
 
-def _target(model: LlamaModel, config: ModelConfig, name: str) -> tuple[torch.Tensor, slice | None] | None:
-    """Where a checkpoint tensor goes: (parameter, row slice for fused projections)."""
+class _Target(NamedTuple):
+    """Where a checkpoint tensor goes: `param`'s rows `rows` (all: None), a projection's
+    tensor of kind `kind` ("weight", "bias", "weight_scale", "input_scale") for the `part`-th
+    projection fused into `module`, or a plain parameter (`module` None)."""
+
+    param: torch.Tensor | None
+    rows: slice | None = None
+    module: nn.Module | None = None
+    kind: str = ""
+    part: int = 0
+
+
+def _target(model: LlamaModel, config: ModelConfig, name: str) -> _Target | None:
     if name == "model.embed_tokens.weight":
-        return model.embed_tokens.weight, None
+        return _Target(model.embed_tokens.weight)
     if name == "model.norm.weight":
-        return model.norm.weight, None
+        return _Target(model.norm.weight)
     if name == "lm_head.weight":
-        return (None, None) if config.tie_word_embeddings else (model.lm_head.weight, None)
+        return _Target(None if config.tie_word_embeddings else model.lm_head.weight)
     m = _LAYER.match(name)
     if not m:
         return None
@@ -75,33 +90,60 @@ def _target(model: LlamaModel, config: ModelConfig, name: str) -> tuple[torch.Te
         return None
     layer = model.layers[index]
     q, kv, inter = config.q_size, config.kv_size, config.intermediate_size
-    fused = {
-        "self_attn.q_proj": (layer.qkv_proj, slice(0, q)),
-        "self_attn.k_proj": (layer.qkv_proj, slice(q, q + kv)),
-        "self_attn.v_proj": (layer.qkv_proj, slice(q + kv, q + 2 * kv)),
-        "mlp.gate_proj": (layer.gate_up_proj, slice(0, inter)),
-        "mlp.up_proj": (layer.gate_up_proj, slice(inter, 2 * inter)),
+    projections = {  # checkpoint module → (fused module, its rows, which part of it)
+        "self_attn.q_proj": (layer.qkv_proj, slice(0, q), 0),
+        "self_attn.k_proj": (layer.qkv_proj, slice(q, q + kv), 1),
+        "self_attn.v_proj": (layer.qkv_proj, slice(q + kv, q + 2 * kv), 2),
+        "self_attn.o_proj": (layer.o_proj, None, 0),
+        "mlp.gate_proj": (layer.gate_up_proj, slice(0, inter), 0),
+        "mlp.up_proj": (layer.gate_up_proj, slice(inter, 2 * inter), 1),
+        "mlp.down_proj": (layer.down_proj, None, 0),
     }
-    plain = {
-        "self_attn.o_proj.weight": layer.o_proj.weight,
-        "self_attn.o_proj.bias": layer.o_proj.bias,
-        "mlp.down_proj.weight": layer.down_proj.weight,
-        "input_layernorm.weight": layer.input_layernorm.weight,
-        "post_attention_layernorm.weight": layer.post_attention_layernorm.weight,
-    }
+    norms = {"input_layernorm.weight": layer.input_layernorm, "post_attention_layernorm.weight":
+             layer.post_attention_layernorm}
     if config.qk_norm:
-        plain["self_attn.q_norm.weight"] = layer.q_norm.weight
-        plain["self_attn.k_norm.weight"] = layer.k_norm.weight
-    if plain.get(rest) is not None:
-        return plain[rest], None
+        norms |= {"self_attn.q_norm.weight": layer.q_norm, "self_attn.k_norm.weight": layer.k_norm}
+    if rest in norms:
+        return _Target(norms[rest].weight)
     module_name, _, kind = rest.rpartition(".")
-    if module_name in fused:
-        module, rows = fused[module_name]
+    if module_name in projections:
+        module, rows, part = projections[module_name]
         param = getattr(module, kind, None)
-        if param is None:
+        if not isinstance(param, torch.Tensor):
             return None
-        return param, rows
+        return _Target(param, rows, module, kind, part)
     return None
+
+
+def _store(target: _Target, tensor: torch.Tensor, where: str, quantize: bool) -> None:
+    """Copy a checkpoint tensor into its place: an FP8 projection's weight as it is (an FP8
+    checkpoint) or, where `quantize`, quantized per row here; scales per tensor broadcast
+    to the rows."""
+    dest = target.param if target.rows is None else target.param[target.rows]
+    if target.kind == "input_scale":
+        if tensor.numel() != 1:
+            raise ModelLoadError(f"{where} must hold one static scale, has shape {tuple(tensor.shape)}")
+        target.param[target.part] = tensor.reshape(()).float()
+        return
+    if target.kind == "weight_scale":
+        if tensor.numel() not in (1, dest.numel()):
+            raise ModelLoadError(f"{where} has shape {tuple(tensor.shape)}: expected one scale per tensor or "
+                                 f"one per output channel ({dest.numel()})")
+        dest.copy_(tensor.float().reshape(-1).expand(dest.numel()))
+        return
+    if tuple(tensor.shape) != tuple(dest.shape):
+        raise ModelLoadError(f"{where} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
+    if target.kind == "weight" and dest.dtype == FP8_DTYPE and tensor.dtype != FP8_DTYPE:
+        if quantize:
+            weight, scale = quantize_rows(tensor.to(dest.device))
+            dest.copy_(weight)
+            scales = target.module.weight_scale
+            (scales if target.rows is None else scales[target.rows]).copy_(scale)
+            return
+        raise ModelLoadError(f"{where} is {tensor.dtype}, expected float8_e4m3fn as quantization_config states")
+    if target.kind == "weight" and tensor.dtype == FP8_DTYPE and dest.dtype != FP8_DTYPE:
+        raise ModelLoadError(f"{where} is float8_e4m3fn but config.json states no quantization_config for it")
+    dest.copy_(tensor)
 
 
 def load_model(
@@ -110,9 +152,11 @@ def load_model(
     device: torch.device | str = "cpu",
     max_positions: int | None = None,
     kernels: KernelChoices | str = "auto",
+    quantization: str | None = None,
 ) -> LlamaModel:
     """The model of `model_dir` on `device`; `max_positions` and `kernels` as `LlamaModel`
-    takes them. Where the kernels fuse the norm into the projections (`gemm_fusions`'
+    takes them; `quantization` "fp8" (the setting) quantizes a checkpoint's projections to
+    FP8 as they load, and an FP8 checkpoint is FP8 whatever it says. Where the kernels fuse the norm into the projections (`gemm_fusions`'
     `norm`), the norms' weights are folded into them here."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
@@ -121,11 +165,12 @@ def load_model(
     dtype = parse_dtype(dtype) if dtype is not None else config.dtype
     device = torch.device(device)
 
+    scheme = resolve_quantization(quantization, config.quantization)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device("meta"):
-            model = LlamaModel(config, device, max_positions, kernels)
+            model = LlamaModel(config, device, max_positions, kernels, scheme)
     finally:
         torch.set_default_dtype(previous)
     model.to_empty(device=device)
@@ -138,6 +183,7 @@ def load_model(
     for name, path in files.items():
         by_file.setdefault(path, []).append(name)
     read_device = str(device) if device.type == "cuda" else "cpu"
+    quantize = scheme is not None and scheme.source == "load"
     with torch.no_grad():
         for path, names in by_file.items():
             handle = _open(path, read_device)
@@ -147,19 +193,13 @@ def load_model(
                 target = _target(model, config, name)
                 if target is None:
                     raise ModelLoadError(f"{path}: unexpected tensor {name!r} for {config.architecture}")
-                param, rows = target
-                if param is None:
+                if target.param is None:
                     continue  # tied lm_head stored anyway
-                dest = param if rows is None else param[rows]
                 try:
                     tensor = handle.get_tensor(name)
                 except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
                     raise ModelLoadError(f"{path}: cannot read tensor {name!r} ({exc})") from exc
-                if tuple(tensor.shape) != tuple(dest.shape):
-                    raise ModelLoadError(
-                        f"{path}: tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}"
-                    )
-                dest.copy_(tensor)
+                _store(target, tensor, f"{path}: tensor {name!r}", quantize)
                 expected.discard(name)
     if expected:
         missing = sorted(expected)
@@ -167,7 +207,8 @@ def load_model(
     model.eval()
     if "norm" in model.kernels.fusions:
         model.fold_norms()
-    log.info("model_loaded", path=str(model_dir), arch=config.architecture, dtype=str(dtype), device=str(device))
+    log.info("model_loaded", path=str(model_dir), arch=config.architecture, dtype=str(dtype), device=str(device),
+             quantization=scheme.describe() if scheme is not None else "none")
     return model
 
 
@@ -188,6 +229,13 @@ def expected_tensor_names(config: ModelConfig) -> set[str]:
                 names.add(f"{prefix}self_attn.{proj}.bias")
         if config.o_bias:
             names.add(f"{prefix}self_attn.o_proj.bias")
+        if config.quantization is not None:
+            static = config.quantization.activations == "static"
+            for proj in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                         "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):
+                names.add(f"{prefix}{proj}.weight_scale")
+                if static:
+                    names.add(f"{prefix}{proj}.input_scale")
         if config.qk_norm:
             names.update(f"{prefix}self_attn.{norm}.weight" for norm in ("q_norm", "k_norm"))
     return names
