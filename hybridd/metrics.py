@@ -6,15 +6,19 @@ requests (`hybridd.serving_metrics`), whose graph figures come from the graph
 generator and whose restart counts come from the supervisor. `/metrics` therefore
 always agrees with `hybridd status`. Names follow vLLM's where the meaning is the
 same, with the prefix `hybridd:`; every family carries vLLM's `model_name` label.
+Beside them: prometheus_client's process metrics (`process_*`) of the process that
+serves /metrics, and the same figures for each of the daemon's processes
+(`hybridd:process_*`, labelled by `worker`), read from /proc by their pids.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import PROCESS_COLLECTOR, CollectorRegistry, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
@@ -26,6 +30,12 @@ HISTOGRAM_HELP = {
     "inter_token_latency_seconds": "Time between two consecutive generated tokens of a request.",
     "e2e_request_latency_seconds": "Time from a request's arrival to its final reply.",
     "request_queue_time_seconds": "Time from a request's arrival to its first scheduled step.",
+    "prefill_step_seconds": "Time of an engine step that carried prompt tokens, from its start on the device "
+                            "to its tokens on the host.",
+    "decode_step_seconds": "Time of an engine step that carried decode tokens only, from its start on the device "
+                           "to its tokens on the host.",
+    "request_prompt_tokens": "Prompt tokens of each finished request.",
+    "request_generation_tokens": "Tokens generated for each finished request.",
 }
 
 
@@ -88,6 +98,25 @@ def status_families(status: dict[str, Any], model_name: str) -> Iterator[Metric]
     for worker, info in sorted((status.get("workers") or {}).items()):
         restarts.add_metric([*model, worker], info.get("restarts", 0))
     yield restarts
+    yield from _process_families(status, base, model)
+
+
+def _process_families(status: dict[str, Any], base: list[str], model: list[str]) -> Iterator[Metric]:
+    """prometheus_client's process figures of each of the daemon's processes, by worker."""
+    pids = {name: info.get("pid") for name, info in (status.get("workers") or {}).items()}
+    pids.setdefault("gateway", os.getpid())
+    families: dict[str, Metric] = {}
+    for worker, pid in sorted(pids.items()):
+        if not isinstance(pid, int) or pid <= 0:
+            continue
+        for family in ProcessCollector(namespace="", pid=lambda pid=pid: pid, registry=None).collect():
+            kind = CounterMetricFamily if family.type == "counter" else GaugeMetricFamily
+            name = PREFIX + family.name
+            if name not in families:
+                families[name] = kind(name, family.documentation, labels=[*base, "worker"])
+            for sample in family.samples:
+                families[name].add_metric([*model, worker], sample.value)
+    yield from families.values()
 
 
 def _graph_families(status: dict[str, Any], base: list[str], model: list[str]) -> Iterator[Metric]:
@@ -128,4 +157,5 @@ def render(status: dict[str, Any], model_name: str) -> bytes:
     """The Prometheus text exposition of one `status` map."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_StatusCollector(status, model_name))
+    registry.register(PROCESS_COLLECTOR)
     return generate_latest(registry)

@@ -1,8 +1,9 @@
 """What the context generator counts about the requests it serves, for Prometheus.
 
-Counters (tokens, finished requests by reason) and latency histograms (time to first
-token, inter-token latency, end-to-end latency, queue time) are kept where the
-request is served, each latency recorded once, so that the figures `/metrics` shows
+Counters (tokens, finished requests by reason), latency histograms (time to first
+token, inter-token latency, end-to-end latency, queue time, prefill and decode step
+time) and size histograms (a finished request's prompt and generated tokens) are kept
+where the request is served, each figure recorded once, so that the figures `/metrics` shows
 are the ones `status` reports (its percentiles are read from the same histograms).
 They travel in the `status` reply under `metrics` (see protocol/SPEC.md) and
 are turned into Prometheus families by `hybridd.metrics`; they count from the start
@@ -26,11 +27,19 @@ ITL_BOUNDS_S = (0.0002, 0.0005, *_MS, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75
 REQUEST_BOUNDS_S = (0.001, 0.005, 0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
                     40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
+STEP_BOUNDS_S = (0.0005, *_MS, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
+# Tokens per request, as vLLM's request_prompt_tokens / request_generation_tokens: 1, 2, 5 per decade.
+TOKEN_BOUNDS = tuple(float(m * 10 ** e) for e in range(6) for m in (1, 2, 5))
+
 HISTOGRAMS = {
     "time_to_first_token_seconds": TTFT_BOUNDS_S,
     "inter_token_latency_seconds": ITL_BOUNDS_S,
     "e2e_request_latency_seconds": REQUEST_BOUNDS_S,
     "request_queue_time_seconds": REQUEST_BOUNDS_S,
+    "prefill_step_seconds": STEP_BOUNDS_S,
+    "decode_step_seconds": STEP_BOUNDS_S,
+    "request_prompt_tokens": TOKEN_BOUNDS,
+    "request_generation_tokens": TOKEN_BOUNDS,
 }
 FINISH_REASONS = ("stop", "length", "cancelled", "timeout", "error")
 
@@ -85,6 +94,10 @@ class ServingMetrics:
     def inter_token(self, seconds: float) -> None:
         self.histograms["inter_token_latency_seconds"].observe(seconds)
 
+    def step(self, seconds: float, *, prefill: bool) -> None:
+        """A step's time on the device (see hybridd.engine.core.EngineOutputs)."""
+        self.histograms["prefill_step_seconds" if prefill else "decode_step_seconds"].observe(seconds)
+
     def scheduled(self, queued_s: float) -> None:
         """A request's first step was scheduled `queued_s` after it arrived."""
         self.histograms["request_queue_time_seconds"].observe(queued_s)
@@ -95,6 +108,8 @@ class ServingMetrics:
         self.prompt_tokens += prompt_tokens
         self.generation_tokens += generation_tokens
         self.histograms["e2e_request_latency_seconds"].observe(e2e_s)
+        self.histograms["request_prompt_tokens"].observe(prompt_tokens)
+        self.histograms["request_generation_tokens"].observe(generation_tokens)
 
     def latency(self) -> dict[str, Any]:
         """`status`'s latency map: percentiles of time to first token and inter-token latency."""

@@ -191,6 +191,7 @@ class ContextGenerator:
             self.block_manager,
             max_batch=ready.max_batch,
             max_prefill_tokens=config.max_prefill_tokens,
+            chunk_tokens=config.chunk_tokens,
             max_model_len=ready.max_model_len,
             block_table_width=self.buffers.max_blocks_per_seq,
             max_prefill_seqs=ready.max_prefill_seqs,
@@ -343,6 +344,10 @@ class ContextGenerator:
             metrics.first_token(seconds)
         for seconds in outputs.inter_token_s:
             metrics.inter_token(seconds)
+        for seconds in outputs.prefill_step_s:
+            metrics.step(seconds, prefill=True)
+        for seconds in outputs.decode_step_s:
+            metrics.step(seconds, prefill=False)
         for out in outputs.tokens:
             request = self.requests.get(out.request.id)
             if request is None or not request.stream:

@@ -85,16 +85,21 @@ class TokenOutput:
 @dataclass
 class EngineOutputs:
     """What happened since the outputs were last taken: new tokens in order, requests
-    whose every sequence ended (each once), and the latencies to record (seconds)."""
+    whose every sequence ended (each once), and the latencies to record (seconds): a
+    step's time is from its launch, or the landing of the step before it when that came
+    later, to the landing of its tokens."""
 
     tokens: list[TokenOutput] = field(default_factory=list)
     finished: list[EngineRequest] = field(default_factory=list)
     first_token_s: list[float] = field(default_factory=list)
     inter_token_s: list[float] = field(default_factory=list)
     queued_s: list[float] = field(default_factory=list)
+    prefill_step_s: list[float] = field(default_factory=list)  # steps that carried prompt tokens
+    decode_step_s: list[float] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.tokens or self.finished or self.first_token_s or self.queued_s)
+        return bool(self.tokens or self.finished or self.first_token_s or self.queued_s or self.prefill_step_s
+                    or self.decode_step_s)
 
 
 class EngineCore:
@@ -109,6 +114,8 @@ class EngineCore:
         self.on_launch = on_launch  # called after each launch (the shell counts steps, ends poll windows)
         self.requests: dict[str, EngineRequest] = {}
         self.inflight: deque[InflightStep] = deque()
+        self._launched_at: deque[float] = deque()  # each step in flight's launch time
+        self._landed_at = 0.0  # when the last retired step's tokens were taken
         self.throughput = Throughput()
         self.steps = 0
         self._owners: dict[str, EngineRequest] = {}  # a sequence's id -> its request
@@ -187,6 +194,7 @@ class EngineCore:
         """Wait for every step in flight and drop its tokens (shutting down)."""
         while self.inflight:
             self.runner.collect(self.inflight.popleft())
+            self._launched_at.popleft()
 
     def _launch(self, batch: ScheduledBatch) -> None:
         mark("scheduled")
@@ -197,12 +205,20 @@ class EngineCore:
                 if seq.index == 0 and seq.request_id in self._owners:
                     self._outputs.queued_s.append(now - seq.arrival_time)
         self.inflight.append(self.runner.launch(batch))
+        self._launched_at.append(now)
         self.steps += 1
         if self.on_launch is not None:
             self.on_launch()
 
     def _retire(self, step: InflightStep) -> None:
         tokens = self.runner.collect(step)
+        landed = time.monotonic()
+        started = max(self._launched_at.popleft(), self._landed_at)
+        self._landed_at = landed
+        if step.batch.is_prefill:
+            self._outputs.prefill_step_s.append(landed - started)
+        else:
+            self._outputs.decode_step_s.append(landed - started)
         seqs = step.batch.sampled_seqs
         if any(seq.request_id in self._owners for seq in seqs):
             # A step launched before its sequences finished lands after their final reply:
