@@ -1,9 +1,11 @@
 """Errors in OpenAI's format, and which HTTP status each daemon error code gets.
 
-The body is `{"error": {"message", "type", "param", "code"}}`, as OpenAI sends it;
-the `openai` client libraries turn the status into their exception classes
-(400 BadRequestError, 401 AuthenticationError, 404 NotFoundError, 429
-RateLimitError, 5xx InternalServerError).
+The body is `{"error": {"message", "type", "param", "code"}}`, as OpenAI sends it,
+on every route (unknown routes too); `code` is always a stable string that a client
+can branch on. The `openai` client libraries turn the status into their exception
+classes (400 BadRequestError, 401 AuthenticationError, 404 NotFoundError, 413, 429
+RateLimitError, 5xx InternalServerError); 429 and 503 say when to retry
+(`Retry-After`).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from hybridd.protocol.errors import ErrorCode
 # (HTTP status, OpenAI error type) per daemon error code.
 STATUS_BY_CODE: dict[ErrorCode, tuple[int, str]] = {
     ErrorCode.MALFORMED: (400, "invalid_request_error"),
-    ErrorCode.TOO_LARGE: (400, "invalid_request_error"),
+    ErrorCode.TOO_LARGE: (413, "invalid_request_error"),
     ErrorCode.UNSUPPORTED_VERSION: (400, "invalid_request_error"),
     ErrorCode.INVALID_REQUEST: (400, "invalid_request_error"),
     ErrorCode.NOT_FOUND: (404, "not_found_error"),
@@ -31,6 +33,16 @@ STATUS_BY_CODE: dict[ErrorCode, tuple[int, str]] = {
     ErrorCode.INTERNAL: (500, "internal_error"),
 }
 
+# The error code of an error the gateway finds itself, by HTTP status, where the error
+# names none more precise.
+CODE_BY_STATUS: dict[int, str] = {
+    400: "invalid_request", 401: "invalid_api_key", 404: "not_found", 405: "method_not_allowed",
+    413: "request_too_large", 429: "overloaded", 500: "internal", 503: "unavailable", 504: "timeout",
+}
+# Seconds a client should wait before it tries again: an overloaded queue drains within
+# steps; a daemon that is starting or restarting takes longer.
+RETRY_AFTER_S = {429: 1, 503: 5}
+
 
 class GatewayError(Exception):
     """A request the gateway answers with an error; `status` is the HTTP status."""
@@ -42,7 +54,7 @@ class GatewayError(Exception):
         self.message = message
         self.type = type
         self.param = param
-        self.code = code
+        self.code = code or CODE_BY_STATUS.get(status, "error")
         self.state = state
 
     def body(self) -> dict[str, Any]:
@@ -53,15 +65,19 @@ class GatewayError(Exception):
 
     def headers(self) -> tuple[tuple[bytes, bytes], ...]:
         """The response's own headers (raw ASGI)."""
-        return ((b"www-authenticate", b"Bearer"),) if self.status == 401 else ()
+        if self.status == 401:
+            return ((b"www-authenticate", b"Bearer"),)
+        if (retry := RETRY_AFTER_S.get(self.status)) is not None:
+            return ((b"retry-after", b"%d" % retry),)
+        return ()
 
     def response(self) -> JSONResponse:
         headers = {k.decode(): v.decode() for k, v in self.headers()}
         return JSONResponse(self.body(), status_code=self.status, headers=headers or None)
 
 
-def bad_request(message: str, param: str | None = None) -> GatewayError:
-    return GatewayError(400, message, param=param)
+def bad_request(message: str, param: str | None = None, code: str = "invalid_request") -> GatewayError:
+    return GatewayError(400, message, param=param, code=code)
 
 
 def not_ready(state: str) -> GatewayError:
@@ -77,3 +93,12 @@ def from_daemon(error: HybriddError) -> GatewayError:
         param = "prompt"
     message = error.message.removeprefix("sampling.")
     return GatewayError(status, message, type=kind, param=param, code=error.code.value)
+
+
+def from_http(status: int, detail: str, path: str) -> GatewayError:
+    """The error for what the router answers itself (no such route, a method not allowed)."""
+    if status == 404:
+        return GatewayError(404, f"no route {path}", type="not_found_error", code="not_found")
+    if status == 405:
+        return GatewayError(405, f"{detail} on {path}", code="method_not_allowed")
+    return GatewayError(status, detail)

@@ -1,6 +1,7 @@
 """One HTTP exchange of the generation routes, spoken in raw ASGI: the request's
 headers and body, a JSON answer or a stream of server-sent events, and the client's
-disconnect cancelling the work.
+disconnect cancelling the work; what the access log reports of it (its id, status,
+daemon requests and error code).
 
 The generation routes (`/v1/completions`, `/v1/chat/completions`) are every first
 token's path, so they skip the framework's routing, middleware, request and response
@@ -29,7 +30,8 @@ class ClientDisconnected(Exception):
 class Exchange:
     """The request's side (`scope`, `receive`) and the response's (`send`) of one exchange."""
 
-    __slots__ = ("scope", "receive", "send", "started", "finished")
+    __slots__ = ("scope", "receive", "send", "started", "finished", "request_id", "headers", "status", "jobs",
+                 "error")
 
     def __init__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         self.scope = scope
@@ -37,6 +39,18 @@ class Exchange:
         self.send = send
         self.started = False  # the status line has been sent: an error can no longer be an HTTP error
         self.finished = False  # the last byte of the answer has been sent
+        self.request_id = ""
+        self.headers: list[tuple[bytes, bytes]] = []  # every response of the exchange carries these
+        self.status = 0
+        self.jobs: list[Any] = []  # its daemon requests (openai_output.Job), for the access log
+        self.error = ""  # the error code it was answered with
+
+    async def send_with_headers(self, message: dict[str, Any]) -> None:
+        """`send` for another ASGI app answering this exchange: its head gets the exchange's headers."""
+        if message["type"] == "http.response.start":
+            self.status = message["status"]
+            message["headers"] = [*message.get("headers", ()), *self.headers]
+        await self.send(message)
 
     def header(self, name: bytes) -> str:
         for key, value in self.scope["headers"]:
@@ -61,14 +75,16 @@ class Exchange:
                 message = await self.receive()
             body = bytes(parts)
         if len(body) > limit:
-            raise GatewayError(413, f"the request body exceeds {limit} bytes")
+            raise GatewayError(413, f"the request body exceeds {limit} bytes", code="request_too_large")
         return body
 
     async def json(self, status: int, payload: Any, headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
         content = msgspec.json.encode(payload)
         self.started = True
+        self.status = status
         await self.send({"type": "http.response.start", "status": status,
-                         "headers": [*JSON_HEADERS, (b"content-length", b"%d" % len(content)), *headers]})
+                         "headers": [*JSON_HEADERS, (b"content-length", b"%d" % len(content)), *headers,
+                                     *self.headers]})
         self.finished = True
         await self.send({"type": "http.response.body", "body": content})
 
@@ -76,9 +92,10 @@ class Exchange:
         """A 200 of server-sent events; `last` (compared by identity) ends the response
         in the same write."""
         self.started = True
+        self.status = 200
         send = self.send
         try:
-            await send({"type": "http.response.start", "status": 200, "headers": EVENT_HEADERS})
+            await send({"type": "http.response.start", "status": 200, "headers": [*EVENT_HEADERS, *self.headers]})
             async for event in events:
                 if event is last:
                     self.finished = True
