@@ -33,6 +33,11 @@ def write_kv(
 _ROWS_PER_GATHER = 64
 
 
+def _blocks_reached(positions: torch.Tensor, block_size: int) -> int:
+    """Blocks a table must list to reach the furthest of `positions` (host-side: CPU only)."""
+    return int(positions.max()) // block_size + 1 if positions.numel() else 1
+
+
 def sequence_of_rows(query_start_loc: torch.Tensor, num_tokens: int) -> torch.Tensor:
     """[T] the sequence each row of a packed step belongs to; rows past the last
     sequence's end (bucket padding) get the number of sequences, one past the last."""
@@ -52,15 +57,22 @@ def prefill_attention(
     [blocks, page, KVH, d] -> [T, H, d]. Padding rows (past the last sequence) give 0."""
     t, h, d = q.shape
     kvh = k_cache.shape[2]
-    width = step.block_tables.shape[1] * k_cache.shape[1]
-    num_seqs = step.block_tables.shape[0]
+    block_tables = step.block_tables
+    rows_to_run = t
+    if q.device.type == "cpu":
+        # No graph is captured on the CPU, so the host may read the step's bounds: only
+        # the real rows, over the blocks their positions reach.
+        rows_to_run = int(step.query_start_loc[-1])
+        block_tables = block_tables[:, :_blocks_reached(step.positions[:rows_to_run], k_cache.shape[1])]
+    width = block_tables.shape[1] * k_cache.shape[1]
+    num_seqs = block_tables.shape[0]
     seq = sequence_of_rows(step.query_start_loc, t)
     real = seq < num_seqs
-    tables = step.block_tables[seq.clamp(max=max(num_seqs - 1, 0))] if num_seqs else None
+    tables = block_tables[seq.clamp(max=max(num_seqs - 1, 0))] if num_seqs else None
     key_index = torch.arange(width, device=q.device)
     out = torch.zeros_like(q)
-    for lo in range(0, t if num_seqs else 0, _ROWS_PER_GATHER):
-        rows = slice(lo, min(lo + _ROWS_PER_GATHER, t))
+    for lo in range(0, rows_to_run if num_seqs else 0, _ROWS_PER_GATHER):
+        rows = slice(lo, min(lo + _ROWS_PER_GATHER, rows_to_run))
         n = rows.stop - lo
         keys = k_cache[tables[rows]].reshape(n, width, kvh, d)
         values = v_cache[tables[rows]].reshape(n, width, kvh, d)
@@ -92,6 +104,8 @@ def decode_attention(
     b, h, d = q.shape
     kvh = k_cache.shape[2]
     block_size = k_cache.shape[1]
+    if q.device.type == "cpu":  # no graphs on the CPU: only the blocks the lengths reach
+        block_tables = block_tables[:, :_blocks_reached(seq_lens - 1, block_size)]
     width = block_tables.shape[1] * block_size
     keys = k_cache[block_tables].reshape(b, width, kvh, d)
     values = v_cache[block_tables].reshape(b, width, kvh, d)
