@@ -143,6 +143,11 @@ class Config:
     http_api_key_file: str = setting("", section="http", allowed="a file", default_text="none (no key needed)",
                                      meaning="A file of API keys, one per line (# starts a comment); clients send "
                                              "Authorization: Bearer KEY. Needs http_endpoint.")
+    http_cache_salt_by_api_key: bool = setting(False, section="http",
+                                               meaning="Salt every request's prefix cache with (a digest of) its "
+                                                       "API key, so that tenants never share KV blocks, nor the "
+                                                       "timing that reveals them; a request's own cache_salt "
+                                                       "then divides its tenant's share. Needs http_api_key_file.")
     metrics_endpoint: str = setting("", section="http", allowed=_HOST_PORT, default_text="off",
                                     meaning="HOST:PORT serving the Prometheus /metrics alone (the gateway serves "
                                             "it too), e.g. 127.0.0.1:9400; not the gateway's address.")
@@ -326,6 +331,9 @@ class Config:
             raise ConfigError("metrics_endpoint must differ from http_endpoint (the gateway serves /metrics too)")
         if self.http_api_key_file and not self.http_endpoint:
             raise ConfigError("http_api_key_file is set but http_endpoint is not")
+        if self.http_cache_salt_by_api_key and not self.http_api_key_file:
+            raise ConfigError("http_cache_salt_by_api_key is set but http_api_key_file is not: without keys "
+                              "there is nothing to salt by")
         if self.endpoint and not self.endpoint.startswith("ipc://"):
             raise ConfigError(f"endpoint must be an ipc:// endpoint (use tcp_endpoint for TCP), got {self.endpoint!r}")
         return self

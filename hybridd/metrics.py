@@ -81,6 +81,16 @@ def status_families(status: dict[str, Any], model_name: str) -> Iterator[Metric]
                   prefix_cache.get("queries", 0))
     yield counter("prefix_cache_hits", "Of those prompt tokens, the ones whose KV the prefix cache held.",
                   prefix_cache.get("hits", 0))
+    steps = status.get("steps") or {}
+    yield counter("steps", "Engine steps scheduled (each a decode, a prefill or both).", steps.get("total", 0))
+    yield counter("step_tokens", "Tokens the scheduled steps carried (over steps: tokens per step).",
+                  steps.get("tokens", 0))
+    yield counter("prefill_steps", "Steps that carried prompt tokens.", steps.get("prefill", 0))
+    yield counter("chunked_prefill_steps", "Steps that carried part of a prompt: a chunk that does not end it, "
+                  "or that starts after its first token (behind an earlier chunk or a cached prefix).",
+                  steps.get("chunked_prefill", 0))
+    yield counter("mixed_steps", "Steps that carried prompt tokens and running streams' decode tokens together.",
+                  steps.get("mixed", 0))
     for name, doc in HISTOGRAM_HELP.items():
         histogram = (metrics.get("histograms") or {}).get(name)
         if histogram is None:

@@ -56,11 +56,12 @@ class GatewayDaemon(RunningDaemon):
 
 
 @contextlib.contextmanager
-def run_daemon_with_gateway(*flags: str) -> Iterator[GatewayDaemon]:
-    """`hybridd start --http-endpoint 127.0.0.1:PORT` with an API key file, until /health is 200."""
+def run_daemon_with_gateway(*flags: str, keys: tuple[str, ...] = (API_KEY,)) -> Iterator[GatewayDaemon]:
+    """`hybridd start --http-endpoint 127.0.0.1:PORT` with an API key file of `keys`, until
+    /health is 200."""
     base = Path(tempfile.mkdtemp(prefix="hg-"))
     key_file = base / "api_keys"
-    key_file.write_text(f"# test keys\n{API_KEY}\n")
+    key_file.write_text("# test keys\n" + "".join(f"{key}\n" for key in keys))
     port = free_port()
     log_level = {"HYBRIDD_LOG_LEVEL": os.environ.get("HYBRIDD_TEST_LOG_LEVEL", "warning")}
     with daemon_process("--no-compile-sampler", "--heartbeat-interval-s", "3", "--http-endpoint", f"127.0.0.1:{port}",

@@ -778,11 +778,20 @@ class ContextGenerator:
             # In prompt tokens, as vLLM's prefix_cache_queries / prefix_cache_hits.
             "prefix_cache": {"enabled": bm.enable_prefix_caching, "queries": bm.prefix_cache_queries,
                              "hits": bm.prefix_cache_hits, "cached_blocks": bm.num_cached_blocks},
+            "steps": self._steps(),
             "latency": self.metrics.latency(),
             "metrics": self.metrics.to_status(),
             "reply_rings": {"attached": len(self.rings), "written": self.rings.written,
                             "left_out": self.rings.left_out, "wakes": self.rings.wakes},
         }
+
+    def _steps(self) -> dict[str, Any]:
+        """What the scheduled steps carried since the worker started (chunked prefill's
+        counters)."""
+        stats = self.scheduler.stats
+        return {"total": stats.steps, "tokens": stats.tokens, "tokens_per_step": stats.tokens_per_step,
+                "prefill": stats.prefill_steps, "chunked_prefill": stats.chunked_prefill_steps,
+                "mixed": stats.mixed_steps}
 
     def _rejected(self) -> dict[str, int]:
         """Messages refused while being read (SPEC §6) since the worker started, by code."""

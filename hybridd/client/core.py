@@ -198,9 +198,10 @@ def generated(call: Call) -> GenerateResult:
 
 def build_generate(prompt: str | list[int] | None, messages: Messages | None, sampling: Sampling,
                    options: dict[str, Any], *, request_id: str | None, stream: bool,
-                   timeout: float | None) -> GenerateRequest:
+                   timeout: float | None, cache_salt: str | None = None) -> GenerateRequest:
     """A generate request, checked by the daemon's own decoder, so that a bad one fails
-    here, naming its field."""
+    here, naming its field. `cache_salt`: requests share prefix-cache blocks only under
+    the same salt (None: the unsalted share)."""
     if isinstance(sampling, SamplingParams):
         if options:
             raise TypeError("give sampling options either as `sampling` or as keywords, not both")
@@ -215,7 +216,7 @@ def build_generate(prompt: str | list[int] | None, messages: Messages | None, sa
     wire = {
         "v": PROTOCOL_VERSION, "type": "generate", "id": request_id, "prompt": text, "prompt_token_ids": ids,
         "messages": None if messages is None else list(messages), "sampling": fields, "stream": stream,
-        "timeout_s": None if timeout is None else min(timeout, MAX_TIMEOUT_S),
+        "timeout_s": None if timeout is None else min(timeout, MAX_TIMEOUT_S), "cache_salt": cache_salt,
     }
     try:
         request = codec.REQUESTS.decode(encode(wire))
@@ -265,10 +266,10 @@ class ClientCore:
 
     def _generate_call(self, prompt: str | list[int] | None, messages: Messages | None, sampling: Sampling,
                        options: dict[str, Any], request_id: str | None, timeout: Timeout,
-                       connect_timeout: float | None, *, stream: bool) -> Call:
+                       connect_timeout: float | None, *, stream: bool, cache_salt: str | None) -> Call:
         timeout = self._timeout(timeout)
         request = build_generate(prompt, messages, sampling, options, request_id=request_id, stream=stream,
-                                 timeout=timeout)
+                                 timeout=timeout, cache_salt=cache_salt)
         return Call(request, timeout, self._connect_timeout(connect_timeout))
 
     def _status_call(self, timeout: Timeout, connect_timeout: float | None) -> Call:

@@ -230,31 +230,36 @@ class Client(ClientCore):
         return call
 
     def generate(self, prompt: str | list[int], sampling: Sampling = None, *, request_id: str | None = None,
-                 timeout: Timeout = ..., connect_timeout: float | None = None,
+                 timeout: Timeout = ..., connect_timeout: float | None = None, cache_salt: str | None = None,
                  **sampling_options: Any) -> GenerateResult:
-        """Run one completion and return it whole. Sampling options as keywords or `sampling`."""
+        """Run one completion and return it whole. Sampling options as keywords or `sampling`;
+        `cache_salt`: requests share prefix-cache blocks only under the same salt."""
         return generated(self._complete(self._generate_call(
-            prompt, None, sampling, sampling_options, request_id, timeout, connect_timeout, stream=False)))
+            prompt, None, sampling, sampling_options, request_id, timeout, connect_timeout, stream=False,
+            cache_salt=cache_salt)))
 
     def stream(self, prompt: str | list[int], sampling: Sampling = None, *, request_id: str | None = None,
-               timeout: Timeout = ..., connect_timeout: float | None = None, **sampling_options: Any) -> Stream:
+               timeout: Timeout = ..., connect_timeout: float | None = None, cache_salt: str | None = None,
+               **sampling_options: Any) -> Stream:
         """Start one completion; iterate the returned `Stream` for its chunks."""
         return Stream(self, self._generate_call(prompt, None, sampling, sampling_options, request_id, timeout,
-                                                connect_timeout, stream=True))
+                                                connect_timeout, stream=True, cache_salt=cache_salt))
 
     def chat(self, messages: Messages, sampling: Sampling = None, *, request_id: str | None = None,
-             timeout: Timeout = ..., connect_timeout: float | None = None, **sampling_options: Any) -> GenerateResult:
+             timeout: Timeout = ..., connect_timeout: float | None = None, cache_salt: str | None = None,
+             **sampling_options: Any) -> GenerateResult:
         """The model's answer to a chat (`[{"role": "user", "content": "..."}]`), rendered by
         its chat template in the daemon, returned whole."""
         return generated(self._complete(self._generate_call(
-            None, messages, sampling, sampling_options, request_id, timeout, connect_timeout, stream=False)))
+            None, messages, sampling, sampling_options, request_id, timeout, connect_timeout, stream=False,
+            cache_salt=cache_salt)))
 
     def chat_stream(self, messages: Messages, sampling: Sampling = None, *, request_id: str | None = None,
-                    timeout: Timeout = ..., connect_timeout: float | None = None,
+                    timeout: Timeout = ..., connect_timeout: float | None = None, cache_salt: str | None = None,
                     **sampling_options: Any) -> Stream:
         """Start the model's answer to a chat; iterate the returned `Stream` for its chunks."""
         return Stream(self, self._generate_call(None, messages, sampling, sampling_options, request_id, timeout,
-                                                connect_timeout, stream=True))
+                                                connect_timeout, stream=True, cache_salt=cache_salt))
 
     def cancel(self, request_id: str) -> None:
         """Cancel a request of this client; idempotent, no-op for an unknown or finished id."""

@@ -30,6 +30,7 @@ from hybridd.errors import HybriddError
 from hybridd.protocol.errors import ErrorCode
 from hybridd.protocol.messages import HealthReply
 from hybridd.gateway.api_keys import key_matches
+from hybridd.gateway.cache_salt import request_salt
 from hybridd.gateway.errors import GatewayError, from_daemon, not_ready
 from hybridd.gateway.exchange import ClientDisconnected, Exchange
 from hybridd.gateway.openai_output import DONE_EVENT, Job, Reply, event
@@ -53,11 +54,15 @@ def model_id(model_path: str) -> str:
 
 
 class Gateway:
-    """The routes' state: the daemon client, the served model's name, the API keys."""
+    """The routes' state: the daemon client, the served model's name, the API keys and
+    whether each key salts its requests' prefix cache (`salt_by_api_key`)."""
 
     def __init__(self, client: AsyncClient, model_path: str, api_keys: frozenset[str] | None = None,
-                 fallback: AsyncClient | None = None) -> None:
+                 fallback: AsyncClient | None = None, *, salt_by_api_key: bool = False) -> None:
+        if salt_by_api_key and not api_keys:
+            raise ValueError("salt_by_api_key needs API keys: without them there is nothing to salt by")
         self.client = client
+        self.salt_by_api_key = salt_by_api_key
         self.fallback = fallback
         self.model_path = model_path
         self.model = model_id(model_path)
@@ -67,16 +72,18 @@ class Gateway:
 
     # ------------------------------------------------------------ checks
 
-    def authorize(self, authorization: str) -> None:
-        """Check the `Authorization` header's value against the API keys (if any)."""
+    def authorize(self, authorization: str) -> str | None:
+        """Check the `Authorization` header's value against the API keys (if any); the
+        key that matched (None without keys)."""
         if not self.api_keys:
-            return
+            return None
         scheme, _, token = authorization.partition(" ")
         if scheme.lower() != "bearer" or not token:
             raise GatewayError(401, "missing API key: send `Authorization: Bearer <key>`",
                                type="authentication_error", code="invalid_api_key")
         if not key_matches(token, self.api_keys):
             raise GatewayError(401, "incorrect API key", type="authentication_error", code="invalid_api_key")
+        return token.strip()
 
     def check_model(self, name: str) -> None:
         if name not in (self.model, self.model_path):
@@ -145,30 +152,33 @@ class Gateway:
              "root": self.model_path},
         ]})
 
-    async def completions(self, exchange: Exchange) -> None:
+    async def completions(self, exchange: Exchange, tenant: str | None) -> None:
         body: CompletionRequest = parse_body(CompletionRequest, await exchange.body(MAX_BODY_BYTES))
         self.check_model(body.model)
         prompts = body.prompts()
         sampling = body.sampling()
+        salt = request_salt(tenant, body.cache_salt)
         jobs = [Job(base=i * body.n, prompt=prompt, sampling=sampling,
-                    echo=prompt if body.echo and isinstance(prompt, str) else "")
+                    echo=prompt if body.echo and isinstance(prompt, str) else "", cache_salt=salt)
                 for i, prompt in enumerate(prompts)]
         await self.generate(exchange, jobs, body.model, chat=False, stream=body.stream,
                             include_usage=body.include_usage)
 
-    async def chat_completions(self, exchange: Exchange) -> None:
+    async def chat_completions(self, exchange: Exchange, tenant: str | None) -> None:
         body: ChatCompletionRequest = parse_body(ChatCompletionRequest, await exchange.body(MAX_BODY_BYTES))
         self.check_model(body.model)
-        jobs = [Job(base=0, prompt=None, messages=body.chat_messages(), sampling=body.sampling())]
+        jobs = [Job(base=0, prompt=None, messages=body.chat_messages(), sampling=body.sampling(),
+                    cache_salt=request_salt(tenant, body.cache_salt))]
         await self.generate(exchange, jobs, body.model, chat=True, stream=body.stream,
                             include_usage=body.include_usage)
 
-    async def serve_generation(self, route: Callable[[Exchange], Any], exchange: Exchange) -> None:
-        """Run a generation route; an error before the answer began is an HTTP error in
-        OpenAI's format (after it began, a daemon error is the stream's last event)."""
+    async def serve_generation(self, route: Callable[[Exchange, str | None], Any], exchange: Exchange) -> None:
+        """Run a generation route, with the API key that salts its prefix cache (None when
+        the gateway does not salt by key); an error before the answer began is an HTTP
+        error in OpenAI's format (after it began, a daemon error is the stream's last event)."""
         try:
-            self.authorize(exchange.header(b"authorization"))
-            await route(exchange)
+            key = self.authorize(exchange.header(b"authorization"))
+            await route(exchange, key if self.salt_by_api_key else None)
             return
         except ClientDisconnected:
             return  # nobody reads an answer
@@ -190,8 +200,8 @@ class Gateway:
 
     def _stream(self, job: Job) -> AsyncStream:
         if job.messages is not None:
-            return self.client.chat_stream(job.messages, **job.sampling)
-        return self.client.stream(job.prompt, **job.sampling)
+            return self.client.chat_stream(job.messages, cache_salt=job.cache_salt, **job.sampling)
+        return self.client.stream(job.prompt, cache_salt=job.cache_salt, **job.sampling)
 
     async def generate(self, exchange: Exchange, jobs: list[Job], model: str, *, chat: bool, stream: bool,
                        include_usage: bool) -> None:
@@ -226,8 +236,8 @@ class Gateway:
     async def _run_whole(self, jobs: list[Job]) -> None:
         async def one(job: Job) -> GenerateResult:
             if job.messages is not None:
-                return await self.client.chat(job.messages, **job.sampling)
-            return await self.client.generate(job.prompt, **job.sampling)
+                return await self.client.chat(job.messages, cache_salt=job.cache_salt, **job.sampling)
+            return await self.client.generate(job.prompt, cache_salt=job.cache_salt, **job.sampling)
 
         tasks = [asyncio.ensure_future(one(job)) for job in jobs]
         try:

@@ -33,14 +33,15 @@ def event(payload: dict[str, Any]) -> bytes:
 
 @dataclass
 class Job:
-    """One daemon request: its prompt or chat, its sampling (with `n`), and where its
-    choices go in the response."""
+    """One daemon request: its prompt or chat, its sampling (with `n`), its prefix-cache
+    salt, and where its choices go in the response."""
 
     base: int  # the index of its first choice
     prompt: str | list[int] | None
     sampling: dict[str, Any]
     messages: list[dict[str, str]] | None = None
     echo: str = ""
+    cache_salt: str | None = None  # the salt sent (the request's, or its tenant's)
     result: GenerateResult | None = None
     offsets: dict[int, int] = field(default_factory=dict)  # completions' text_offset, per sequence
 

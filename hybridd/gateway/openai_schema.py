@@ -16,7 +16,7 @@ from typing import Annotated, Any, ClassVar, Literal
 import msgspec
 
 from hybridd.gateway.errors import GatewayError, bad_request
-from hybridd.protocol.limits import MAX_N, MAX_TOKENS_CAP, MAX_TOP_LOGPROBS
+from hybridd.protocol.limits import MAX_CACHE_SALT_CHARS, MAX_N, MAX_TOKENS_CAP, MAX_TOP_LOGPROBS
 
 # Accepted and ignored: they only label the request on OpenAI's side.
 NO_OP_FIELDS = frozenset({"user"})
@@ -24,6 +24,7 @@ MAX_PROMPTS = 64
 
 Positive = Annotated[int, msgspec.Meta(ge=1)]
 TopLogprobs = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOP_LOGPROBS)]
+CacheSalt = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_CACHE_SALT_CHARS)]
 
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
@@ -54,6 +55,8 @@ class _Body(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # Requests share prefix-cache blocks only under the same salt (vLLM's field).
+    cache_salt: CacheSalt | None = None
 
     def check_supported(self) -> None:
         if self.stream_options is not None and not self.stream:

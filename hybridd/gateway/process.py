@@ -58,7 +58,7 @@ def build_gateway(config: Config, client: AsyncClient) -> Gateway:
     supervisor = fallback_endpoint(client.endpoint)
     # The supervisor answers health alone: no reply ring for it.
     fallback = AsyncClient(supervisor, reply_ring=False) if supervisor else None
-    return Gateway(client, config.model, keys, fallback=fallback)
+    return Gateway(client, config.model, keys, fallback=fallback, salt_by_api_key=config.http_cache_salt_by_api_key)
 
 
 async def serve(config: Config, *, endpoint: str | None = None,
@@ -83,7 +83,8 @@ async def serve(config: Config, *, endpoint: str | None = None,
     for signum in stop_signals:
         loop.add_signal_handler(signum, stop)
     log.info("gateway serving", http_endpoint=config.http_endpoint or None,
-             metrics_endpoint=config.metrics_endpoint or None, daemon=client.endpoint, api_keys=bool(gateway.api_keys))
+             metrics_endpoint=config.metrics_endpoint or None, daemon=client.endpoint, api_keys=bool(gateway.api_keys),
+             cache_salt_by_api_key=gateway.salt_by_api_key)
     try:
         await asyncio.gather(*(server.serve() for server in servers))
     finally:
@@ -122,6 +123,8 @@ def run_standalone(argv: list[str] | None = None) -> None:
     parser.add_argument("--endpoint", help="the daemon's endpoint (default: from the configuration)")
     for name in ("http_endpoint", "metrics_endpoint", "http_api_key_file", "model", "log_level"):
         parser.add_argument("--" + name.replace("_", "-"), dest=name)
+    parser.add_argument("--http-cache-salt-by-api-key", dest="http_cache_salt_by_api_key", action="store_true",
+                        default=None)
     args = vars(parser.parse_args(argv))
     endpoint = args.pop("endpoint")
     config = load_config(overrides=args)
