@@ -148,6 +148,19 @@ class Config:
                                                        "API key, so that tenants never share KV blocks, nor the "
                                                        "timing that reveals them; a request's own cache_salt "
                                                        "then divides its tenant's share. Needs http_api_key_file.")
+    served_model_name: list[str] = setting(section="http", factory=list, allowed="a comma list of names",
+                                           default_text="the model directory's name (a hub id as given)",
+                                           meaning="The names the gateway serves the model under: the first is "
+                                                   "the one /v1/models lists and responses carry, each is accepted "
+                                                   "as a request's model.")
+    strict_openai: bool = setting(False, section="http",
+                                  meaning="Refuse a request body's fields the gateway does not use (400 naming "
+                                          "them) instead of ignoring them with a log line and the "
+                                          "X-Hybridd-Ignored-Fields response header.")
+    http_cors_origins: list[str] = setting(section="http", factory=list, allowed="a comma list of origins, or *",
+                                           default_text="off (no CORS headers)",
+                                           meaning="The browser origins allowed to call the gateway (CORS), e.g. "
+                                                   "http://localhost:3000; * allows any.")
     metrics_endpoint: str = setting("", section="http", allowed=_HOST_PORT, default_text="off",
                                     meaning="HOST:PORT serving the Prometheus /metrics alone (the gateway serves "
                                             "it too), e.g. 127.0.0.1:9400; not the gateway's address.")
@@ -175,16 +188,19 @@ class Config:
                                          meaning="Token counts captured as prefill graphs in the background after "
                                                  "ready, most demanded first; until one exists, its prefills run "
                                                  "eagerly. Sizes above max_prefill_tokens are dropped.")
-    max_prefill_tokens: int = setting(256, section="batching", unit="tokens", above=0,
-                                      meaning="The token budget of one step: a decode row for every running "
-                                              "stream, then prompt chunks up to this many tokens in all; a longer "
-                                              "prompt is prefilled in chunks over several steps. Such a step costs "
-                                              "about max(weight bytes / memory bandwidth, 2 x parameters x tokens / "
-                                              "matmul rate); the default keeps it within about 1.4x a decode step "
-                                              "for 7B-8B models on an H100 (1.4 x weight bytes / bandwidth x matmul "
-                                              "rate / (2 x parameters), about 256). More shortens long prompts' "
-                                              "time to first token and lengthens running streams' inter-token "
-                                              "latency.")
+    max_prefill_tokens: int = setting(2048, section="batching", unit="tokens", above=0,
+                                      meaning="The token budget of a step in which no stream decodes: prompts "
+                                              "are prefilled whole up to this many tokens in all, and a longer "
+                                              "one in chunks of this size.")
+    chunk_tokens: int = setting(256, section="batching", unit="tokens", above=0,
+                                meaning="The token budget of a step in which streams decode: a decode row for "
+                                        "every running stream, then prompt chunks up to this many tokens in all, "
+                                        "so that no prompt stalls a stream. Such a step costs about max(weight "
+                                        "bytes / memory bandwidth, 2 x parameters x tokens / matmul rate); the "
+                                        "default keeps it within about 1.4x a decode step for 7B-8B models on an "
+                                        "H100. More shortens prompts' time to first token beside running "
+                                        "streams and lengthens those streams' inter-token latency. Above "
+                                        "max_prefill_tokens, max_prefill_tokens is used.")
     max_prefill_seqs: int = setting(8, section="batching", unit="sequences", above=0,
                                     meaning="The most prompts prefilled in one step.")
     enable_prefix_caching: bool = setting(True, section="batching",
@@ -310,6 +326,7 @@ class Config:
         if not self.prefill_buckets:
             raise ConfigError(f"prefill_buckets: every bucket exceeds max_prefill_tokens {self.max_prefill_tokens}; "
                               f"give at least one of at most that many tokens")
+
         try:
             gemm_fusions.parse(self.gemm_fusions)
         except ValueError as exc:
@@ -375,7 +392,7 @@ def env_name(name: str) -> str:
 def kind_of(f: dataclasses.Field) -> str:
     """The value a setting takes, in words."""
     return {"bool": "true or false", "int": "integer", "float": "number", "str": "text",
-            "list[int]": "comma list of integers"}[_field_type(f)]
+            "list[int]": "comma list of integers", "list[str]": "comma list of names"}[_field_type(f)]
 
 
 def describe_default(f: dataclasses.Field) -> str:
@@ -446,6 +463,12 @@ def _coerce(name: str, f: dataclasses.Field, value: Any, source: str) -> Any:
             if isinstance(value, str):
                 value = [v for v in value.replace(" ", "").split(",") if v]
             return [int(v) for v in value]
+        if kind == "list[str]":
+            if isinstance(value, str):
+                value = [v.strip() for v in value.split(",") if v.strip()]
+            if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+                raise ValueError(value)
+            return list(value)
         if kind == "str":
             if not isinstance(value, str):
                 raise ValueError(value)

@@ -13,8 +13,6 @@ from __future__ import annotations
 import os
 import signal
 import time
-from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -23,7 +21,7 @@ import zmq
 from hybridd.version import __version__
 from hybridd.config import Config, resolve_device, resolve_dtype
 from hybridd.engine.block_manager import BlockManager
-from hybridd.engine.core import EngineCore, EngineOutputs, EngineRequest
+from hybridd.engine.core import EngineCore, EngineOutputs
 from hybridd.engine.prompt import PromptError, prompt_length_refusal, prompt_token_ids
 from hybridd.engine.sampler import Sampler
 from hybridd.engine.scheduler import AdmissionError, Scheduler
@@ -46,10 +44,8 @@ from hybridd.protocol.supervisor import Drain, SupervisorInfo
 from hybridd.protocol.messages import (
     AttachRingRequest,
     CancelRequest,
-    Choice,
     ChunkReply,
     ErrorReply,
-    FinalReply,
     GenerateRequest,
     HealthReply,
     HealthRequest,
@@ -57,8 +53,9 @@ from hybridd.protocol.messages import (
     RingAttachedReply,
     StatusReply,
     StatusRequest,
-    Timings,
-    Usage,
+)
+from hybridd.workers.client_requests import (
+    ClientRequest, PendingPrompt, attribution, decode_request, encoding_failure, field_first,
 )
 from hybridd.workers.client_sessions import ClientSessions, client_chosen, socket_options
 from hybridd.workers.intake import Intake
@@ -73,60 +70,6 @@ READY_TIMEOUT_S = 3600.0
 # How soon the loop comes back to a session's outbox while nothing else is due.
 OUTBOX_RETRY_MS = 5
 TCP_PREFIX = b"tcp:"
-
-
-@dataclass
-class ClientRequest:
-    """A client's generate request while the core runs it: where its replies go and
-    how. Its output, text and timings live in the core's request (`engine.seqs`); the
-    request's own timings are those of sequence 0."""
-
-    identity: bytes
-    id: str
-    stream: bool
-    engine: EngineRequest
-    v: int  # the protocol version of the request, and so of its replies
-    chunks: int = 0  # chunks sent, numbered on the wire in version 1
-
-
-@dataclass
-class PendingPrompt:
-    """A generate whose prompt the intake's thread is tokenizing; admitted when done."""
-
-    identity: bytes
-    request: GenerateRequest
-    received: float
-    deadline: float | None
-    encoding: Future | None
-
-
-def _field_first(field: str, message: str) -> str:
-    """SPEC: an error's message names the field first."""
-    return message if message.startswith(f"{field}:") else f"{field}: {message}"
-
-
-def _encoding_failure(exc: Exception) -> tuple[ErrorCode, str, str | None]:
-    """The error that answers a prompt whose encoding failed: a prompt that cannot run
-    is the client's (invalid_request, its field named), a tokenizer that raised is ours."""
-    if isinstance(exc, PromptError):
-        return ErrorCode.INVALID_REQUEST, _field_first(exc.field, str(exc)), exc.field
-    return ErrorCode.INTERNAL, f"prompt: the tokenizer failed: {type(exc).__name__}: {exc}", "prompt"
-
-
-def _decode_request(frame: bytes | memoryview) -> Request | ProtocolError:
-    try:
-        return codec.REQUESTS.decode(frame)
-    except ProtocolError as error:
-        return error
-
-
-def _attribution(request: Request | ProtocolError | None) -> tuple[str, int]:
-    """The id (when valid) and version an error about this message is answered with."""
-    if request is None:  # not decoded yet
-        return "", PROTOCOL_VERSION
-    if isinstance(request, ProtocolError):
-        return request.request_id or "", request.version or PROTOCOL_VERSION
-    return request.id, request.v
 
 
 class ContextGenerator:
@@ -453,9 +396,9 @@ class ContextGenerator:
             routing_id, frame = received
             identity = prefix + routing_id
             now = time.monotonic()
-            request = _decode_request(frame) if len(frame) <= SCREEN_FRAMES_OVER_BYTES else None
+            request = decode_request(frame) if len(frame) <= SCREEN_FRAMES_OVER_BYTES else None
             if client_chosen(routing_id):
-                rid, version = _attribution(request)
+                rid, version = attribution(request)
                 self._error(identity, rid, ErrorCode.INVALID_REQUEST,
                             "ZMQ_ROUTING_ID: this connection chose its own routing id; the daemon names "
                             "sessions itself, so leave ZMQ_ROUTING_ID unset (the message was not executed)",
@@ -466,7 +409,7 @@ class ContextGenerator:
                 # unroutable), or a new connection that set an ended session's id.
                 self._error(identity, "", ErrorCode.INVALID_REQUEST,
                             "ZMQ_ROUTING_ID: this routing id belongs to a session that has ended; "
-                            "leave ZMQ_ROUTING_ID unset (the message was not executed)", v=_attribution(request)[1])
+                            "leave ZMQ_ROUTING_ID unset (the message was not executed)", v=attribution(request)[1])
                 continue
             if request is None:  # a large frame: its prompt may be refused from its byte counts
                 screened = self.intake.screen(frame)
@@ -475,7 +418,7 @@ class ContextGenerator:
                     error.version = version
                     request = error
                 else:
-                    request = _decode_request(frame)
+                    request = decode_request(frame)
             self._on_request(channel, identity, request, now)
 
     def _on_request(self, channel: Channel, identity: bytes, request: Request | ProtocolError,
@@ -554,7 +497,7 @@ class ContextGenerator:
             try:
                 ids = prompt_token_ids(self.tokenizer, token_ids=req.prompt_token_ids, vocab_size=vocab)
             except PromptError as exc:
-                refuse(ErrorCode.INVALID_REQUEST, _field_first(exc.field, str(exc)), exc.field)
+                refuse(ErrorCode.INVALID_REQUEST, field_first(exc.field, str(exc)), exc.field)
                 return
             self._admit(key, PendingPrompt(identity, req, received, deadline, None), ids)
             return
@@ -570,7 +513,7 @@ class ContextGenerator:
                 if ids is not None:
                     ids = self._checked_prompt_ids(ids)
             except Exception as exc:  # the tokenizer's failure is this request's alone
-                refuse(*_encoding_failure(exc))
+                refuse(*encoding_failure(exc))
                 return
         if ids is not None:
             self._admit(key, PendingPrompt(identity, req, received, deadline, None), ids)
@@ -622,7 +565,7 @@ class ContextGenerator:
             try:
                 ids = pending.encoding.result()
             except Exception as exc:  # the tokenizer's failure is this request's alone
-                self._error(pending.identity, req.id, *_encoding_failure(exc), v=req.v)
+                self._error(pending.identity, req.id, *encoding_failure(exc), v=req.v)
                 continue
             self._admit(key, pending, ids)
 
@@ -632,26 +575,16 @@ class ContextGenerator:
         try:
             engine = self.core.add(key, ids, req.sampling, pending.received, pending.deadline, req.cache_salt)
         except AdmissionError as exc:
-            self._error(pending.identity, req.id, ErrorCode.INVALID_REQUEST, _field_first(exc.field, str(exc)),
+            self._error(pending.identity, req.id, ErrorCode.INVALID_REQUEST, field_first(exc.field, str(exc)),
                         exc.field, v=req.v)
             return
         self.requests[key] = ClientRequest(pending.identity, req.id, req.stream, engine, req.v)
         mark("admitted")
 
     def _end_pending(self, key: str, reason: str) -> None:
-        """A request ended (cancel, timeout, drain) while its prompt was being tokenized:
-        its final has no output; the thread's result is dropped when it comes."""
+        """A request ended (cancel, timeout, drain) while its prompt was being tokenized."""
         pending = self.encoding.pop(key)
-        req = pending.request
-        now = time.monotonic()
-        self._send(pending.identity, FinalReply(
-            id=req.id,
-            choices=[Choice(index=i, text="", token_ids=[], finish_reason=reason, logprobs=None)
-                     for i in range(req.sampling.n)],
-            usage=Usage(prompt_tokens=0, completion_tokens=0),
-            timings=Timings(ttft_s=None, total_s=now - pending.received, queue_s=now - pending.received),
-            v=req.v,
-        ))
+        self._send(pending.identity, pending.final(reason))
 
     def _cancel(self, identity: bytes, target: str) -> None:
         self._end(self._key(identity, target), "cancelled")
@@ -682,23 +615,7 @@ class ContextGenerator:
         reason = next((r for r in reasons if r not in ("stop", "length")), reasons[0])
         self.metrics.finished_request(reason, prompt_tokens=engine.seqs[0].num_prompt_tokens,
                                       generation_tokens=engine.completion_tokens, e2e_s=now - engine.arrival)
-        first = engine.seqs[0]
-        self._send(request.identity, FinalReply(
-            id=request.id,
-            choices=[Choice(index=seq.index, text=seq.output_text, token_ids=list(seq.output_token_ids),
-                            finish_reason=seq.finish_reason,
-                            # a stream's chunks carried them already
-                            logprobs=None if request.stream else seq.logprobs)
-                     for seq in engine.seqs],
-            usage=Usage(prompt_tokens=first.num_prompt_tokens, completion_tokens=engine.completion_tokens,
-                        cached_tokens=engine.cached_tokens),
-            timings=Timings(
-                ttft_s=None if first.first_token_time is None else first.first_token_time - first.arrival_time,
-                total_s=now - first.arrival_time,
-                queue_s=(first.scheduled_time or now) - first.arrival_time,
-            ),
-            v=request.v,
-        ))
+        self._send(request.identity, request.final(now))
 
     def fail_all(self, code: ErrorCode, message: str) -> None:
         """A terminal error for every request still in flight (engine death, shutdown)."""

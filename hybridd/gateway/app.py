@@ -3,6 +3,13 @@
 served in raw ASGI (`exchange.Exchange`: they are every first token's path), the
 others by Starlette.
 
+Every request carries an id: its `X-Request-Id` header when it gives a usable one, else
+a fresh one; the response returns it in the same header, its daemon requests carry it
+on the wire (so the daemon's log lines for them name it), and the gateway writes one
+access-log line per request with it (status, tokens, time to first token, duration,
+finish reasons). Body fields the gateway does not use are ignored and named in the
+`X-Hybridd-Ignored-Fields` header (`strict_openai` refuses them instead).
+
 Every generation is one daemon request per prompt (its `n` choices share the prompt's
 prefill in the engine); a response streams as server-sent events (`data: {...}`, then
 `data: [DONE]`). The daemon's first reply is awaited before the HTTP status is chosen,
@@ -14,6 +21,7 @@ streaming or not.
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -21,6 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -31,10 +41,11 @@ from hybridd.protocol.errors import ErrorCode
 from hybridd.protocol.messages import HealthReply
 from hybridd.gateway.api_keys import key_matches
 from hybridd.gateway.cache_salt import request_salt
-from hybridd.gateway.errors import GatewayError, from_daemon, not_ready
+from hybridd.gateway.errors import GatewayError, bad_request, from_daemon, from_http, not_ready
 from hybridd.gateway.exchange import ClientDisconnected, Exchange
 from hybridd.gateway.openai_output import DONE_EVENT, Job, Reply, event
 from hybridd.gateway.openai_schema import ChatCompletionRequest, CompletionRequest, parse_body
+from hybridd.gateway.tokenize import Tokenize
 from hybridd.log import get_logger
 from hybridd.metrics import CONTENT_TYPE, render
 
@@ -46,6 +57,16 @@ STATUS_TIMEOUT_S = 5.0
 MAX_BODY_BYTES = 8 * 1024 * 1024
 # Errors that say the daemon does not serve now (rather than that a request was bad).
 UNSERVED_CODES = frozenset({ErrorCode.DRAINING, ErrorCode.UNAVAILABLE, ErrorCode.ENGINE_DEAD})
+# A client's X-Request-Id is taken when it is this (room is left on the wire for the
+# per-prompt suffix); anything else gets a fresh id.
+USABLE_REQUEST_ID = re.compile(r"[A-Za-z0-9._:@/+=-]{1,100}")
+IGNORED_FIELDS_HEADER = b"x-hybridd-ignored-fields"
+PROBES = frozenset({"/health", "/metrics"})  # polled: their access lines are debug's
+
+
+def request_id_of(given: str) -> str:
+    """The request's id: the client's X-Request-Id when usable, else a fresh one."""
+    return given if USABLE_REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
 
 
 def model_id(model_path: str) -> str:
@@ -58,14 +79,18 @@ class Gateway:
     whether each key salts its requests' prefix cache (`salt_by_api_key`)."""
 
     def __init__(self, client: AsyncClient, model_path: str, api_keys: frozenset[str] | None = None,
-                 fallback: AsyncClient | None = None, *, salt_by_api_key: bool = False) -> None:
+                 fallback: AsyncClient | None = None, *, salt_by_api_key: bool = False,
+                 served_names: list[str] | tuple[str, ...] = (), strict_openai: bool = False) -> None:
         if salt_by_api_key and not api_keys:
             raise ValueError("salt_by_api_key needs API keys: without them there is nothing to salt by")
         self.client = client
         self.salt_by_api_key = salt_by_api_key
         self.fallback = fallback
         self.model_path = model_path
-        self.model = model_id(model_path)
+        self.served_names = list(dict.fromkeys(served_names)) or [model_id(model_path)]
+        self.model = self.served_names[0]
+        self.strict_openai = strict_openai
+        self.tokenize_routes = Tokenize(model_path, self)
         self.api_keys = api_keys
         self.created = int(time.time())
         self.serving = False  # the daemon answered the last request (or health check) as serving
@@ -86,7 +111,7 @@ class Gateway:
         return token.strip()
 
     def check_model(self, name: str) -> None:
-        if name not in (self.model, self.model_path):
+        if name not in self.served_names and name != self.model_path:
             raise GatewayError(404, f"the model `{name}` does not exist; this server serves `{self.model}`",
                                type="not_found_error", param="model", code="model_not_found")
 
@@ -145,30 +170,51 @@ class Gateway:
             return Response(f"# the daemon did not answer: {error}\n", status_code=503, media_type="text/plain")
         return Response(render(status, self.model), media_type=CONTENT_TYPE)
 
+    def model_card(self, name: str) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": self.created, "owned_by": "hybridd",
+                "root": self.model_path}
+
     async def models(self, request: Request) -> Response:
         self.authorize(request.headers.get("authorization", ""))
-        return JSONResponse({"object": "list", "data": [
-            {"id": self.model, "object": "model", "created": self.created, "owned_by": "hybridd",
-             "root": self.model_path},
-        ]})
+        return JSONResponse({"object": "list", "data": [self.model_card(name) for name in self.served_names]})
+
+    async def retrieve_model(self, request: Request) -> Response:
+        """`GET /v1/models/{id}` (the openai client's `models.retrieve`)."""
+        self.authorize(request.headers.get("authorization", ""))
+        name = request.path_params["model"]
+        self.check_model(name)
+        return JSONResponse(self.model_card(name))
+
+    def parse(self, exchange: Exchange, model: type, raw: bytes) -> Any:
+        """The body, its ignored fields logged once and named in the response's header."""
+        body, ignored = parse_body(model, raw, strict=self.strict_openai)
+        if ignored:
+            names = ",".join(ignored)
+            log.info("fields ignored", request_id=exchange.request_id, path=exchange.scope["path"], fields=names)
+            exchange.headers.append((IGNORED_FIELDS_HEADER, names.encode("latin-1", "replace")))
+        return body
 
     async def completions(self, exchange: Exchange, tenant: str | None) -> None:
-        body: CompletionRequest = parse_body(CompletionRequest, await exchange.body(MAX_BODY_BYTES))
+        body: CompletionRequest = self.parse(exchange, CompletionRequest, await exchange.body(MAX_BODY_BYTES))
         self.check_model(body.model)
         prompts = body.prompts()
         sampling = body.sampling()
         salt = request_salt(tenant, body.cache_salt)
         jobs = [Job(base=i * body.n, prompt=prompt, sampling=sampling,
-                    echo=prompt if body.echo and isinstance(prompt, str) else "", cache_salt=salt)
+                    echo=prompt if body.echo and isinstance(prompt, str) else "", cache_salt=salt,
+                    request_id=exchange.request_id if len(prompts) == 1 else f"{exchange.request_id}-{i}")
                 for i, prompt in enumerate(prompts)]
+        exchange.jobs = jobs
         await self.generate(exchange, jobs, body.model, chat=False, stream=body.stream,
                             include_usage=body.include_usage)
 
     async def chat_completions(self, exchange: Exchange, tenant: str | None) -> None:
-        body: ChatCompletionRequest = parse_body(ChatCompletionRequest, await exchange.body(MAX_BODY_BYTES))
+        body: ChatCompletionRequest = self.parse(exchange, ChatCompletionRequest,
+                                                 await exchange.body(MAX_BODY_BYTES))
         self.check_model(body.model)
         jobs = [Job(base=0, prompt=None, messages=body.chat_messages(), sampling=body.sampling(),
-                    cache_salt=request_salt(tenant, body.cache_salt))]
+                    cache_salt=request_salt(tenant, body.cache_salt), request_id=exchange.request_id)]
+        exchange.jobs = jobs
         await self.generate(exchange, jobs, body.model, chat=True, stream=body.stream,
                             include_usage=body.include_usage)
 
@@ -181,6 +227,7 @@ class Gateway:
             await route(exchange, key if self.salt_by_api_key else None)
             return
         except ClientDisconnected:
+            exchange.status = 499  # nginx's "client closed request", for the access log
             return  # nobody reads an answer
         except GatewayError as error:
             failure = error
@@ -194,14 +241,16 @@ class Gateway:
             failure = GatewayError(500, f"internal error: {type(error).__name__}", type="internal_error")
         if exchange.started:
             raise RuntimeError("an HTTP error after the answer began") from failure
+        exchange.error = failure.code
         await exchange.json(failure.status, failure.body(), failure.headers())
 
     # ------------------------------------------------------------ generation
 
     def _stream(self, job: Job) -> AsyncStream:
         if job.messages is not None:
-            return self.client.chat_stream(job.messages, cache_salt=job.cache_salt, **job.sampling)
-        return self.client.stream(job.prompt, cache_salt=job.cache_salt, **job.sampling)
+            return self.client.chat_stream(job.messages, cache_salt=job.cache_salt, request_id=job.request_id,
+                                           **job.sampling)
+        return self.client.stream(job.prompt, cache_salt=job.cache_salt, request_id=job.request_id, **job.sampling)
 
     async def generate(self, exchange: Exchange, jobs: list[Job], model: str, *, chat: bool, stream: bool,
                        include_usage: bool) -> None:
@@ -211,12 +260,12 @@ class Gateway:
         if not stream and not jobs[0].sampling.get("logprobs"):
             with exchange.watch():
                 await self._run_whole(jobs)
-            await exchange.json(200, _reply(model, chat).whole(jobs))
+            await exchange.json(200, _reply(exchange.request_id, model, chat).whole(jobs))
             return
         # Logprobs travel in the daemon's chunks (a final reply holds only so many), so a
         # whole answer with logprobs is streamed from the daemon and gathered here.
         streams = [self._stream(job) for job in jobs]
-        reply = _reply(model, chat)
+        reply = _reply(exchange.request_id, model, chat)
         try:
             # The first reply is awaited in this task, and the events are written from it
             # too: the first token goes out without waiting for another task's turn.
@@ -236,8 +285,10 @@ class Gateway:
     async def _run_whole(self, jobs: list[Job]) -> None:
         async def one(job: Job) -> GenerateResult:
             if job.messages is not None:
-                return await self.client.chat(job.messages, cache_salt=job.cache_salt, **job.sampling)
-            return await self.client.generate(job.prompt, cache_salt=job.cache_salt, **job.sampling)
+                return await self.client.chat(job.messages, cache_salt=job.cache_salt, request_id=job.request_id,
+                                              **job.sampling)
+            return await self.client.generate(job.prompt, cache_salt=job.cache_salt, request_id=job.request_id,
+                                              **job.sampling)
 
         tasks = [asyncio.ensure_future(one(job)) for job in jobs]
         try:
@@ -251,8 +302,8 @@ class Gateway:
             job.result = result
 
 
-def _reply(model: str, chat: bool) -> Reply:
-    return Reply(id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", model=model, chat=chat)
+def _reply(request_id: str, model: str, chat: bool) -> Reply:
+    return Reply(id=f"{'chatcmpl' if chat else 'cmpl'}-{request_id}", model=model, chat=chat)
 
 
 async def _drain(jobs: list[Job], streams: list[AsyncStream], firsts: list[Any]) -> None:
@@ -369,7 +420,8 @@ def _merged(jobs: list[Job], streams: list[AsyncStream], firsts: list[Any]) -> C
 
 class GatewayApp:
     """The OpenAI-compatible application over `gateway` (an ASGI callable): the generation
-    routes served on their own fast path (`Exchange`), everything else by Starlette."""
+    routes served on their own fast path (`Exchange`), everything else by Starlette;
+    every HTTP request gets its id and its access-log line here."""
 
     def __init__(self, gateway: Gateway) -> None:
         self.gateway = gateway
@@ -379,6 +431,10 @@ class GatewayApp:
             assert isinstance(error, GatewayError)
             return error.response()
 
+        async def http_error(request: Request, error: Exception) -> Response:
+            assert isinstance(error, HTTPException)
+            return from_http(error.status_code, error.detail, request.url.path).response()
+
         async def internal(request: Request, error: Exception) -> Response:
             log.error("internal error", path=request.url.path, error=repr(error))
             return GatewayError(500, f"internal error: {type(error).__name__}", type="internal_error").response()
@@ -387,23 +443,62 @@ class GatewayApp:
             Route("/health", gateway.health, methods=["GET"]),
             Route("/metrics", gateway.metrics, methods=["GET"]),
             Route("/v1/models", gateway.models, methods=["GET"]),
-        ], exception_handlers={GatewayError: gateway_error, Exception: internal})
+            Route("/v1/models/{model:path}", gateway.retrieve_model, methods=["GET"]),
+            Route("/tokenize", gateway.tokenize_routes.tokenize, methods=["POST"]),
+            Route("/detokenize", gateway.tokenize_routes.detokenize, methods=["POST"]),
+        ], exception_handlers={GatewayError: gateway_error, HTTPException: http_error, Exception: internal})
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and (route := self.generation.get(scope["path"])) is not None:
-            exchange = Exchange(scope, receive, send)
-            if scope["method"] != "POST":
-                error = GatewayError(405, f"{scope['method']} is not allowed on {scope['path']}: use POST")
-                await exchange.json(405, error.body(), ((b"allow", b"POST"),))
-                return
-            await self.gateway.serve_generation(route, exchange)
+        if scope["type"] != "http":
+            await self.rest(scope, receive, send)
             return
-        await self.rest(scope, receive, send)
+        started = time.monotonic()
+        exchange = Exchange(scope, receive, send)
+        exchange.request_id = request_id_of(exchange.header(b"x-request-id"))
+        exchange.headers.append((b"x-request-id", exchange.request_id.encode()))
+        try:
+            if (route := self.generation.get(scope["path"])) is not None:
+                if scope["method"] != "POST":
+                    error = GatewayError(405, f"{scope['method']} is not allowed on {scope['path']}: use POST")
+                    exchange.error = error.code
+                    await exchange.json(405, error.body(), ((b"allow", b"POST"),))
+                    return
+                await self.gateway.serve_generation(route, exchange)
+                return
+            scope.setdefault("state", {})["request_id"] = exchange.request_id
+            await self.rest(scope, receive, exchange.send_with_headers)
+        finally:
+            access_log(exchange, time.monotonic() - started)
 
 
-def create_app(gateway: Gateway) -> GatewayApp:
-    """The OpenAI-compatible application over `gateway`."""
-    return GatewayApp(gateway)
+def access_log(exchange: Exchange, duration_s: float) -> None:
+    """One line per request: what it asked, how it ended, and what it cost."""
+    fields: dict[str, Any] = {"request_id": exchange.request_id, "method": exchange.scope["method"],
+                              "path": exchange.scope["path"], "status": exchange.status,
+                              "duration_s": round(duration_s, 6)}
+    results = [job.result for job in exchange.jobs if job.result is not None]
+    if results:
+        fields["prompt_tokens"] = sum(r.usage.prompt_tokens for r in results)
+        fields["generated_tokens"] = sum(r.usage.completion_tokens for r in results)
+        ttfts = [r.timings.ttft_s for r in results if r.timings.ttft_s is not None]
+        fields["ttft_s"] = round(min(ttfts), 6) if ttfts else None
+        fields["finish_reason"] = ",".join(sorted({c.finish_reason for r in results for c in r.choices}))
+    if exchange.error:
+        fields["error"] = exchange.error
+    if exchange.scope["path"] in PROBES:
+        log.debug("request", **fields)
+    else:
+        log.info("request", **fields)
+
+
+def create_app(gateway: Gateway, cors_origins: list[str] | tuple[str, ...] = ()) -> Any:
+    """The OpenAI-compatible application over `gateway`; with `cors_origins`, browsers
+    on those origins may call it (CORS)."""
+    app: Any = GatewayApp(gateway)
+    if cors_origins:
+        app = CORSMiddleware(app, allow_origins=list(cors_origins), allow_methods=["*"], allow_headers=["*"],
+                             expose_headers=["X-Request-Id", "X-Hybridd-Ignored-Fields"])
+    return app
 
 
 def create_metrics_app(gateway: Gateway) -> Starlette:

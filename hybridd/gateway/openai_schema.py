@@ -1,9 +1,11 @@
 """The OpenAI request bodies the gateway accepts, and how they become daemon requests.
 
 Each body is a msgspec struct, decoded and checked in one pass of compiled code (it
-is on every first token's path). A field the gateway does not implement is refused
-with a 400 that names it — never silently ignored — except the documented no-ops in
-`NO_OP_FIELDS` (a JSON `null` counts as absent). The value ranges of the sampling
+is on every first token's path). A field the gateway does not use is ignored, as
+vLLM ignores it, and named (a log line, the `X-Hybridd-Ignored-Fields` header) — unless
+its value asks for something hybridd cannot do (`REFUSED_UNLESS`: tools, a JSON
+response format, …), which is a 400 naming it. With `strict_openai` every field the
+gateway does not use is refused (a JSON `null` counts as absent). The value ranges of the sampling
 fields are the daemon's own (`hybridd.protocol`): the SDK checks them before sending
 and its error names the field, which becomes OpenAI's `param`.
 """
@@ -11,6 +13,7 @@ and its error names the field, which becomes OpenAI's `param`.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
@@ -18,7 +21,27 @@ import msgspec
 from hybridd.gateway.errors import GatewayError, bad_request
 from hybridd.protocol.limits import MAX_CACHE_SALT_CHARS, MAX_N, MAX_TOKENS_CAP, MAX_TOP_LOGPROBS
 
-# Accepted and ignored: they only label the request on OpenAI's side.
+# Fields the gateway does not use, each with the test that its value asks for nothing
+# (then it is ignored); any other value asks for what hybridd cannot do yet: a 400.
+REFUSED_UNLESS: dict[str, Callable[[Any], bool]] = {
+    "tools": lambda v: v == [],
+    "tool_choice": lambda v: v in ("none", "auto"),
+    "functions": lambda v: v == [],
+    "function_call": lambda v: v in ("none", "auto"),
+    "response_format": lambda v: isinstance(v, dict) and v.get("type") == "text",
+    "logit_bias": lambda v: v == {},
+    "best_of": lambda v: v == 1,
+    "suffix": lambda v: v == "",
+    "prompt_logprobs": lambda v: v == 0 or v is False,
+    "guided_json": lambda v: False,
+    "guided_regex": lambda v: False,
+    "guided_choice": lambda v: False,
+    "guided_grammar": lambda v: False,
+    "structured_outputs": lambda v: False,
+    "modalities": lambda v: v == ["text"],
+    "audio": lambda v: False,
+}
+# Accepted and ignored even by strict_openai: they only label the request on OpenAI's side.
 NO_OP_FIELDS = frozenset({"user"})
 MAX_PROMPTS = 64
 
@@ -176,34 +199,36 @@ _WHERE = re.compile(r" - at `\$\.?([A-Za-z_][A-Za-z0-9_]*)?[^`]*`$")
 _MISSING = re.compile(r"^Object missing required field `([^`]+)`")
 
 
-def parse_body(model: type[_Body], raw: bytes | bytearray) -> Any:
-    """Decode and check a JSON body; a failure is a 400 naming the first offending field,
-    and every unsupported field at once."""
+def parse_body(model: type[_Body], raw: bytes | bytearray, *, strict: bool = False) -> tuple[Any, list[str]]:
+    """Decode and check a JSON body: the request and the names of the fields ignored. A
+    failure is a 400 naming the first offending field, and every unsupported field at once."""
     try:
-        request = _DECODERS[model].decode(raw)
+        request, ignored = _DECODERS[model].decode(raw), []
     except msgspec.MsgspecError:
-        request = _diagnose(model, raw)
+        request, ignored = _diagnose(model, raw, strict)
     request.check_supported()
-    return request
+    return request, ignored
 
 
-def _diagnose(model: type[_Body], raw: bytes | bytearray) -> Any:
-    """The slow path: the body as a map, its unsupported fields (a JSON `null` counts as
-    absent), then its values; returns the request when only absent fields were unknown."""
+def _diagnose(model: type[_Body], raw: bytes | bytearray, strict: bool) -> tuple[Any, list[str]]:
+    """The slow path: the body as a map, its fields the gateway does not use (a JSON `null`
+    counts as absent), then its values; returns the request and the fields ignored."""
     try:
         body = msgspec.json.decode(raw)
     except msgspec.DecodeError as error:
-        raise GatewayError(400, f"the request body is not valid JSON: {error}") from None
+        raise GatewayError(400, f"the request body is not valid JSON: {error}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
-    unsupported = sorted(k for k in body.keys() - model.FIELDS if body[k] is not None and k not in NO_OP_FIELDS)
-    if unsupported:
-        names = ", ".join(unsupported)
-        raise bad_request(f"unsupported field(s): {names}; hybridd does not implement them", unsupported[0])
+    unused = sorted(k for k in body.keys() - model.FIELDS if body[k] is not None and k not in NO_OP_FIELDS)
+    refused = [k for k in unused if strict or not REFUSED_UNLESS.get(k, lambda v: True)(body[k])]
+    if refused:
+        names = ", ".join(refused)
+        raise bad_request(f"unsupported field(s): {names}; hybridd does not implement them", refused[0],
+                          code="unsupported_field")
     for unknown in body.keys() - model.FIELDS:
         del body[unknown]
     try:
-        return msgspec.convert(body, model)
+        return msgspec.convert(body, model), unused
     except msgspec.ValidationError as error:
         raise _invalid(str(error)) from None
 

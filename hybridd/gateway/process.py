@@ -58,7 +58,8 @@ def build_gateway(config: Config, client: AsyncClient) -> Gateway:
     supervisor = fallback_endpoint(client.endpoint)
     # The supervisor answers health alone: no reply ring for it.
     fallback = AsyncClient(supervisor, reply_ring=False) if supervisor else None
-    return Gateway(client, config.model, keys, fallback=fallback, salt_by_api_key=config.http_cache_salt_by_api_key)
+    return Gateway(client, config.model, keys, fallback=fallback, salt_by_api_key=config.http_cache_salt_by_api_key,
+                   served_names=config.served_model_name, strict_openai=config.strict_openai)
 
 
 async def serve(config: Config, *, endpoint: str | None = None,
@@ -68,7 +69,7 @@ async def serve(config: Config, *, endpoint: str | None = None,
     gateway = build_gateway(config, client)
     servers: list[_Server] = []
     if config.http_endpoint:
-        servers.append(_server(create_app(gateway), config.http_endpoint, "http_endpoint"))
+        servers.append(_server(create_app(gateway, config.http_cors_origins), config.http_endpoint, "http_endpoint"))
     if config.metrics_endpoint:
         servers.append(_server(create_metrics_app(gateway), config.metrics_endpoint, "metrics_endpoint"))
     if not servers:
@@ -125,6 +126,9 @@ def run_standalone(argv: list[str] | None = None) -> None:
         parser.add_argument("--" + name.replace("_", "-"), dest=name)
     parser.add_argument("--http-cache-salt-by-api-key", dest="http_cache_salt_by_api_key", action="store_true",
                         default=None)
+    for name in ("served_model_name", "http_cors_origins"):
+        parser.add_argument("--" + name.replace("_", "-"), dest=name)
+    parser.add_argument("--strict-openai", dest="strict_openai", action="store_true", default=None)
     args = vars(parser.parse_args(argv))
     endpoint = args.pop("endpoint")
     config = load_config(overrides=args)
