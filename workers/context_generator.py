@@ -670,6 +670,7 @@ class ContextGenerator:
             "model": self.config.model,
             "dtype": str(resolve_dtype(self.config, self.device)).removeprefix("torch."),
             "device": str(self.device),
+            "quantization": self.ready.quantization or None,
             "workers": info.get("workers", {"context": {"pid": os.getpid(), "restarts": 0},
                                             "graph": {"pid": self.ready.pid, "restarts": 0}}),
             "buckets": graph.get("buckets", []),

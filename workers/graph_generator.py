@@ -135,6 +135,8 @@ class GraphGenerator:
         )
         self.link.phase("capturing", "compiling the prefill kernels")
         self.runner.warm_up_prefill()
+        scheme = model.quantization
+        quantization = {} if scheme is None else scheme.facts() | {"description": scheme.describe()}
         self.ctl.send(control.Ready(
             arenas={"kv": self.kv_arena.manifest(), "step": self.step_arena.manifest()},
             events={"inputs_ready": self.inputs_ready.ipc_handle(), "logits_ready": self.logits_ready.ipc_handle()},
@@ -148,9 +150,11 @@ class GraphGenerator:
             decode_buckets=list(self.plan.decode),
             prefill_buckets=list(self.plan.prefill),
             max_prefill_seqs=self.plan.max_prefill_seqs,
+            quantization=quantization,
             pid=os.getpid(),
         ))
-        self.log.info("ready_sent", kv_blocks=num_blocks, block_size=block_size, max_model_len=max_model_len)
+        self.log.info("ready_sent", kv_blocks=num_blocks, block_size=block_size, max_model_len=max_model_len,
+                      quantization=quantization.get("description", "none"))
 
     def _num_kv_blocks(self, model, block_size: int) -> int:
         config = self.config

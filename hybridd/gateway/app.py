@@ -94,6 +94,7 @@ class Gateway:
         self.api_keys = api_keys
         self.created = int(time.time())
         self.serving = False  # the daemon answered the last request (or health check) as serving
+        self.quantization: str | None = None  # the weights' ("none", "fp8"), once the daemon said
 
     # ------------------------------------------------------------ checks
 
@@ -171,11 +172,25 @@ class Gateway:
         return Response(render(status, self.model), media_type=CONTENT_TYPE)
 
     def model_card(self, name: str) -> dict[str, Any]:
-        return {"id": name, "object": "model", "created": self.created, "owned_by": "hybridd",
+        card = {"id": name, "object": "model", "created": self.created, "owned_by": "hybridd",
                 "root": self.model_path}
+        return card if self.quantization is None else card | {"quantization": self.quantization}
+
+    async def _learn_quantization(self) -> None:
+        """The weights' quantization, from the daemon's status the first time it answers (a
+        card without it until then)."""
+        if self.quantization is not None:
+            return
+        try:
+            status = await self.client.status(timeout=STATUS_TIMEOUT_S)
+        except HybriddError:
+            return
+        if status.get("state") == "ready":
+            self.quantization = (status.get("quantization") or {}).get("method", "none")
 
     async def models(self, request: Request) -> Response:
         self.authorize(request.headers.get("authorization", ""))
+        await self._learn_quantization()
         return JSONResponse({"object": "list", "data": [self.model_card(name) for name in self.served_names]})
 
     async def retrieve_model(self, request: Request) -> Response:
@@ -183,6 +198,7 @@ class Gateway:
         self.authorize(request.headers.get("authorization", ""))
         name = request.path_params["model"]
         self.check_model(name)
+        await self._learn_quantization()
         return JSONResponse(self.model_card(name))
 
     def parse(self, exchange: Exchange, model: type, raw: bytes) -> Any:
