@@ -13,9 +13,8 @@ real daemon (`hybridd start`, scripts/daemon.py) measured at the client through 
 caches, ITL during background capture, TTFT at 10-500 tokens, batch-1 ITL, 1-32
 concurrent streams, graph memory, what the HTTP gateway adds: scripts/bench_gateway.py),
 the daemon with one setting changed against `hybridd` (VARIANTS), `capture_evict` (ITL
-while prefill graphs are captured during decode, scripts/bench_capture.py), `in_process`
-(the same graphs in one process, scripts/bench_pipeline.py), `mixed_load` and
-`prefix_reuse` (a stream's ITL while another client sends long prompts; TTFT with a
+while prefill graphs are captured during decode, scripts/bench_capture.py), `mixed_load`
+and `prefix_reuse` (a stream's ITL while another client sends long prompts; TTFT with a
 cached prefix and over a chat's turns: scripts/bench_mixed.py), and the peers on the same
 weights: `hf_eager`, `hf_static`
 (transformers `generate()`, static cache and torch.compile). A part is skipped, with
@@ -44,7 +43,8 @@ from typing import Any
 
 from hybridd.stats import percentile, slowest
 from scripts.daemon import Daemon
-from scripts.timing import StreamRecord, device_ceilings, itl_summary, random_prompt, ratio, ttft_summary
+from scripts.timing import (SAMPLING, StreamRecord, device_ceilings, itl_summary, random_prompt, ratio, timed_stream,
+                            ttft_summary)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -71,10 +71,10 @@ LATE_VARIANTS = ("hybridd_poll", "hybridd_no_wake")
 
 # Estimated seconds per part on an H200 with the Llama-2-7B / Llama-3-8B shape (the budget check uses them).
 ESTIMATE_S_7B = {"ceilings": 8, "checkpoint": 60, "breakdown": 45, "hybridd_eager": 50, "hybridd": 110,
-                 "capture_evict": 60, "in_process": 35, "hf_eager": 45, "hf_static": 60, "mixed_load": 60,
+                 "capture_evict": 60, "hf_eager": 45, "hf_static": 60, "mixed_load": 60,
                  "prefix_reuse": 45} | dict.fromkeys(VARIANTS, 60)
 ESTIMATE_S_SMALL = {"ceilings": 3, "checkpoint": 5, "breakdown": 10, "hybridd_eager": 12, "hybridd": 20,
-                    "capture_evict": 20, "in_process": 10, "hf_eager": 8, "hf_static": 60, "mixed_load": 30,
+                    "capture_evict": 20, "hf_eager": 8, "hf_static": 60, "mixed_load": 30,
                     "prefix_reuse": 30} | dict.fromkeys(VARIANTS, 20)
 # What --skip may name: the parts, and the HTTP gateway's figures inside the hybridd part.
 SKIPPABLE = frozenset(ESTIMATE_S_7B) | {"gateway"}
@@ -82,13 +82,10 @@ LARGE_PRESETS = ("llama2-7b", "llama3-8b")
 # What a preset measures unless --skip says otherwise: the second shape runs the parts that
 # show its kernels and latency (breakdown, TTFT, ITL, streams, forced capture, peers), so that
 # it fits 10 minutes.
-PRESET_SKIP = {"llama3-8b": ("hybridd_eager", *VARIANTS, "in_process", "gateway")}
+PRESET_SKIP = {"llama3-8b": ("hybridd_eager", *VARIANTS, "gateway")}
 
 
 # ----------------------------------------------------------------------------- clients
-
-
-SAMPLING = {"temperature": 0.0, "ignore_eos": True}
 
 
 class SdkClient:
@@ -107,14 +104,8 @@ class SdkClient:
         path = "replies by the reply ring" if self._client._session.ring_attached else "replies by its socket alone"
         self.kind = f"sdk (hybridd.Client.stream: {path}; AsyncClient.stream for concurrent streams)"
 
-    def stream(self, prompt, max_tokens, timeout=300.0):
-        record = StreamRecord(time.perf_counter())
-        stream = self._client.stream(prompt, max_tokens=max_tokens, timeout=timeout, **SAMPLING)
-        for chunk in stream:
-            record.times.append(time.perf_counter())
-            record.tokens += len(chunk.token_ids)
-        record.final = {"finish_reason": stream.result.finish_reason, "usage": vars_of(stream.result.usage)}
-        return record
+    def stream(self, prompt, max_tokens, timeout=300.0) -> StreamRecord:
+        return timed_stream(self._client, prompt, max_tokens, timeout)[0]
 
     def streams(self, prompts, max_tokens, timeout=300.0):
         import asyncio
@@ -126,11 +117,9 @@ class SdkClient:
 
             async def one(ids: list[int]) -> StreamRecord:
                 record = StreamRecord(time.perf_counter())
-                stream = client.stream(ids, max_tokens=max_tokens, timeout=timeout, **SAMPLING)
-                async for chunk in stream:
+                async for chunk in client.stream(ids, max_tokens=max_tokens, timeout=timeout, **SAMPLING):
                     record.times.append(time.perf_counter())
                     record.tokens += len(chunk.token_ids)
-                record.final = {"finish_reason": stream.result.finish_reason}
                 return record
 
             try:
@@ -145,12 +134,6 @@ class SdkClient:
 
     def close(self):
         self._client.close()
-
-
-def vars_of(obj: Any) -> Any:
-    """A result's fields as a dict: msgspec structs (the SDK's results) or dataclasses."""
-    fields = getattr(obj, "__struct_fields__", None) or getattr(obj, "__dataclass_fields__", None)
-    return {k: getattr(obj, k) for k in fields} if fields else str(obj)
 
 
 def open_client(endpoint: str) -> SdkClient:
@@ -401,7 +384,7 @@ def graph_memory(status: dict) -> dict:
 
 def server_overrides(args, graphs: bool = True) -> dict[str, Any]:
     """The daemon's settings for every hybridd part: its defaults, less KV cache on CUDA
-    (the peers and the in-process parts share the device)."""
+    (the peers share the device)."""
     cuda = args.device == "cuda"
     overrides: dict[str, Any] = {"use_cuda_graphs": graphs, "compile_sampler": cuda, "log_level": "warning"}
     if cuda:
@@ -720,8 +703,6 @@ def build_report(results: dict) -> tuple[list[dict], list[dict]]:
     target(f"decode GPU step, batch 32, context 512, steps back to back (x (weights + KV) floor; 32 streams: "
            f"{fmt(tput, 1, 0)} decode tokens/s)", "<= 1.20 x floor", ratio(b32.get("step_s"), b32.get("weights_kv_floor_s")),
            1.20)
-    in_proc = g(results, "in_process", "in_process_itl_p50_s")
-    target("two-process overhead (ITL p50 / same graphs in one process)", "<= 1.03", ratio(p50, in_proc), 1.03)
     ce = results.get("capture_evict") or {}
     if ce.get("p99_ratio") is not None:
         target(f"ITL p99 during forced prefill capture / steady ({ce.get('captures_during_decode')} captures "
@@ -853,15 +834,6 @@ def render_table(results: dict) -> str:
                      f"{fmt(g(gw, 'sdk', 'ttft_p50_s'), 1e3, 3)} ms (+{fmt(gw.get('added_ttft_p50_s'), 1e3, 3)}), "
                      f"ITL p50 {fmt(g(gw, 'http', 'itl_p50_s'), 1e3, 3)} vs {fmt(g(gw, 'sdk', 'itl_p50_s'), 1e3, 3)} "
                      f"ms (+{fmt(gw.get('added_itl_p50_s'), 1e3, 3)})")
-    ip = results.get("in_process")
-    if ip:
-        lines.append(f"same graphs in one process: ITL p50/p99 {fmt(ip.get('in_process_itl_p50_s'), 1e3)}/"
-                     f"{fmt(ip.get('in_process_itl_p99_s'), 1e3)} ms, GPU step {fmt(ip.get('gpu_step_s'), 1e3)} ms "
-                     f"(each step synced: p50/p99 {fmt(ip.get('synced_gpu_step_p50_s'), 1e3)}/"
-                     f"{fmt(ip.get('synced_gpu_step_p99_s'), 1e3)} ms); {g(ip, 'gc_pauses', 'n')} collections "
-                     f"took {fmt(g(ip, 'gc_pauses', 'total_s'), 1e3)} ms (longest "
-                     f"{fmt(g(ip, 'gc_pauses', 'max_s'), 1e3, 3)}); collector off: ITL p50/p99 "
-                     f"{fmt(ip.get('no_gc_itl_p50_s'), 1e3)}/{fmt(ip.get('no_gc_itl_p99_s'), 1e3)} ms")
     hs = results.get("hf_static", {})
     if hs.get("warmup_s") is not None:
         lines.append(f"HF static warm-up (compile) {fmt(hs['warmup_s'], 1, 1)} s: {hs.get('compile')}")
@@ -901,7 +873,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--long-prompt", type=int, default=2000, help="tokens of mixed_load's and prefix_reuse's "
                    "long prompts")
     p.add_argument("--turn-tokens", type=int, default=200, help="tokens prefix_reuse's chat adds a turn")
-    p.add_argument("--hf-static-on-cpu", action="store_true", help="try HF static+compile on the CPU too")
     p.add_argument("--verbose", action="store_true", help="the workers' info logs")
     p.add_argument("--first-start", action=argparse.BooleanOptionalAction, default=True,
                    help="start the `hybridd` part on compile caches of its own, empty (a first start on the host: "
@@ -960,10 +931,8 @@ def main(argv: list[str] | None = None) -> int:
     estimates = ESTIMATE_S_7B if args.preset in LARGE_PRESETS and args.device == "cuda" else ESTIMATE_S_SMALL
     skip = args.skip_set
     meta["shape"] = model_shape_name(args)
-    cuda_only = {"in_process": "CUDA only", "hf_static": "CUDA only (reduce-overhead compiles to CUDA graphs)",
+    cuda_only = {"hf_static": "CUDA only (reduce-overhead compiles to CUDA graphs)",
                  **{name: f"CUDA only ({why})" for name, (_, _, why) in VARIANTS.items()}}
-    if args.hf_static_on_cpu:
-        cuda_only.pop("hf_static")
     shared: dict[str, Any] = {}
     state: dict[str, Any] = {"model": args.model}
 
@@ -1058,13 +1027,6 @@ def main(argv: list[str] | None = None) -> int:
                 variant(name)
         part("capture_evict", lambda out: run_capture_evict(args, state["model"], vocab(), meta["notes"]),
              needs=("model", "vocab"))
-
-        def do_in_process(_):
-            from scripts.bench_pipeline import in_process
-
-            return in_process(state["model"], [1], ITL_PROMPT, args.itl_tokens)[1]
-
-        part("in_process", do_in_process, needs=("model",))
 
         def do_mixed(name: str, measure) -> None:
             def run(_):

@@ -115,7 +115,8 @@ def measure_capture_under_eviction(client_factory, model: Path, cuda: bool, voca
     defaults = Config()
     plan = plan_budget(model, cuda, defaults.max_prefill_seqs, defaults.max_prefill_tokens)
     x, y = plan["x"], plan["y"]
-    overrides = {"decode_buckets": DECODE_BUCKETS, "max_batch": max(DECODE_BUCKETS),
+    # A step beside the decode stream takes a trigger whole (not in chunks): its demand is its bucket's.
+    overrides = {"decode_buckets": DECODE_BUCKETS, "max_batch": max(DECODE_BUCKETS), "chunk_tokens": y,
                  "prefill_buckets": [SMALL, x, y], "graph_memory_budget_mb": plan["budget_mb"]}
     result: dict[str, Any] = {"plan": plan, "config": overrides}
     server = ctl = decoder = None

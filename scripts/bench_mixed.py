@@ -13,24 +13,10 @@ from __future__ import annotations
 import random
 import statistics
 import threading
-import time
 
-from scripts.timing import StreamRecord, itl_summary, random_prompt, ratio, ttft_summary
+from scripts.timing import itl_summary, random_prompt, ratio, timed_stream, ttft_summary
 
-SAMPLING = {"temperature": 0.0, "ignore_eos": True}
 SHARED_TAIL = 64  # tokens a "shared prefix" prompt differs in, at its end
-
-
-def timed_stream(client, ids: list[int], max_tokens: int) -> tuple[StreamRecord, list[int]]:
-    """One streamed generation through `hybridd.Client.stream`: its timings and its tokens."""
-    record, out = StreamRecord(time.perf_counter()), []
-    stream = client.stream(ids, max_tokens=max_tokens, timeout=600.0, **SAMPLING)
-    for chunk in stream:
-        record.times.append(time.perf_counter())
-        record.tokens += len(chunk.token_ids)
-        out.extend(chunk.token_ids)
-    record.final = {"finish_reason": stream.result.finish_reason}
-    return record, out
 
 
 def measure_mixed_load(endpoint: str, vocab: int, long_prompt: int, stream_tokens: int, reps: int) -> dict:

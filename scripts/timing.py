@@ -29,7 +29,6 @@ class StreamRecord:
     sent: float
     times: list[float] = field(default_factory=list)
     tokens: int = 0
-    final: dict | None = None
 
     @property
     def ttft(self) -> float | None:
@@ -38,6 +37,19 @@ class StreamRecord:
     @property
     def gaps(self) -> list[float]:
         return [b - a for a, b in zip(self.times, self.times[1:])]
+
+
+SAMPLING = {"temperature": 0.0, "ignore_eos": True}  # greedy, always max_tokens tokens
+
+
+def timed_stream(client, ids: list[int], max_tokens: int, timeout: float = 600.0) -> tuple[StreamRecord, list[int]]:
+    """One generation streamed through `hybridd.Client.stream`: its timings and its tokens."""
+    record, out = StreamRecord(time.perf_counter()), []
+    for chunk in client.stream(ids, max_tokens=max_tokens, timeout=timeout, **SAMPLING):
+        record.times.append(time.perf_counter())
+        record.tokens += len(chunk.token_ids)
+        out.extend(chunk.token_ids)
+    return record, out
 
 
 def itl_summary(gaps: list[float]) -> dict[str, Any]:

@@ -45,8 +45,7 @@ def test_json_has_every_figure(bench_out):
     assert sorted(p.name for p in out.iterdir()) == ["bench.json", "bench_table.txt"]
     r = json.loads((out / "bench.json").read_text())
     assert r["meta"]["errors"] == {}, r["meta"]["errors"]
-    cuda_only = {"in_process", "hf_static", "hybridd_no_mps", "hybridd_no_pdl", "hybridd_unfused", "hybridd_poll",
-                 "hybridd_no_wake"}
+    cuda_only = {"hf_static", "hybridd_no_mps", "hybridd_no_pdl", "hybridd_unfused", "hybridd_poll", "hybridd_no_wake"}
     assert set(r["meta"]["skipped"]) == cuda_only | {"mixed_load", "prefix_reuse"}  # their own run below
     assert r["meta"]["shape"] == "tiny shape, random float32 weights"
     assert r["device"]["copy_bandwidth_Bps"] > 0 and r["device"]["matmul_flops"] > 0
@@ -80,8 +79,11 @@ def test_json_has_every_figure(bench_out):
                          "decode ITL p50, batch 1",
                          "decode ITL p50, batch 1 (stretch)", "decode ITL p99/p50, batch 1",
                          "TTFT at the client 10-500 tokens (worst length)"]
-    assert len(names) == 13 and all(t["value"] is not None for t in r["targets"] if "one process" not in t["target"])
-    assert names[8].startswith("ITL p99 during forced prefill capture / steady")
+    assert len(names) == 12 and all(t["value"] is not None for t in r["targets"]), r["targets"]
+    # The forced captures' figure where they gave gaps enough for a p99 (a busy host may
+    # not), else the background capture's.
+    forced = r["capture_evict"]["p99_ratio"] is not None
+    assert names[7].startswith(f"ITL p99 during {'forced prefill' if forced else 'background'} capture / steady")
     gateway = hy["gateway"]
     for side in ("sdk", "http"):
         # An HTTP event's time is its last byte's recv: on a busy host several events can
