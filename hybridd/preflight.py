@@ -2,7 +2,8 @@
 
 The configuration's values are checked by `Config.validate`; here, what they point to:
 the runtime directory (creatable, socket paths short enough), the model directory (it
-exists, is a directory, `config.json` parses and names a supported architecture,
+exists, is a directory, `config.json` parses and names a supported architecture and
+no quantization but FP8's,
 weights and a tokenizer are there), the CURVE key files (readable, a secret key where
 one is needed) and the HTTP API key file (readable, not empty); a CUDA device that is
 not there (no usable GPU, an index out of range); settings that cannot serve together
@@ -19,6 +20,7 @@ import json
 import os
 from pathlib import Path
 
+from hybridd import quantization
 from hybridd.architectures import SUPPORTED_ARCHITECTURES
 from hybridd.config import Config
 
@@ -133,6 +135,10 @@ def check_model_dir(model: Path) -> dict:
     if architectures[0] not in SUPPORTED_ARCHITECTURES:
         raise PreflightError(f"{config_file}: unsupported architecture {architectures[0]!r}; "
                              f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    try:
+        quantization.from_config(values, str(config_file))
+    except quantization.QuantizationError as error:
+        raise PreflightError(str(error)) from None
     index = model / WEIGHTS_INDEX
     if index.is_file():
         try:

@@ -43,7 +43,7 @@ class Ready(Message, tag="ready", kw_only=True):
     decode_buckets: Annotated[list[Positive], Meta(min_length=1)]
     prefill_buckets: list[Positive]
     max_prefill_seqs: Positive = 1
-    # How the weights are quantized (`hybridd.model.quantization.Quantization.facts()` and
+    # How the weights are quantized (`hybridd.quantization.Quantization.facts()` and
     # its `description`); empty where they are not.
     quantization: dict[str, str] = {}
     pid: Count = 0  # the graph generator's pid, so the peer can notice its death

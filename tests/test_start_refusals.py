@@ -51,6 +51,12 @@ def _unsupported_config(model: Path) -> None:
     (model / "config.json").write_text(json.dumps(config | {"architectures": ["GPT2LMHeadModel"]}))
 
 
+def _gptq_config(model: Path) -> None:
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps(config | {"quantization_config": {"quant_method": "gptq",
+                                                                                     "bits": 4}}))
+
+
 def _no_weights(model: Path) -> None:
     (model / "model.safetensors").unlink()
 
@@ -94,6 +100,7 @@ def test_bad_settings_are_refused_before_anything_starts(tmp_path, flags, messag
     (_no_config, "config.json: missing"),
     (_broken_config, "config.json: not valid JSON"),
     (_unsupported_config, "config.json: unsupported architecture 'GPT2LMHeadModel'"),
+    (_gptq_config, "config.json: field 'quantization_config': quant_method 'gptq' is not supported"),
     (_no_weights, "no weights (*.safetensors or model.safetensors.index.json)"),
     (_no_tokenizer, "no tokenizer (tokenizer.json, tokenizer.model, vocab.json)"),
 ], ids=lambda v: getattr(v, "__name__", None))

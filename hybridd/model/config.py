@@ -17,8 +17,8 @@ import torch
 
 from hybridd.architectures import SUPPORTED_ARCHITECTURES
 from hybridd.model.errors import ModelLoadError
-from hybridd.model.quantization import Quantization
-from hybridd.model.quantization import from_config as quantization_from_config
+from hybridd.quantization import Quantization, QuantizationError
+from hybridd.quantization import from_config as quantization_from_config
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -178,7 +178,7 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_token_ids(cfg.get("eos_token_id"), source),
             sliding_window=sliding_window,
-            quantization=quantization_from_config(cfg, source),
+            quantization=_quantization(cfg, source),
             raw=cfg,
         )
 
@@ -200,6 +200,13 @@ class ModelConfig:
             eos = eos_token_ids(generation["eos_token_id"], str(Path(model_dir) / "generation_config.json"))
             config = replace(config, eos_token_ids=eos)
         return config
+
+
+def _quantization(cfg: dict[str, Any], source: str) -> Quantization | None:
+    try:
+        return quantization_from_config(cfg, source)
+    except QuantizationError as exc:
+        raise ModelLoadError(str(exc)) from None
 
 
 def eos_token_ids(value: Any, source: str) -> tuple[int, ...]:

@@ -14,7 +14,7 @@ from torch import nn
 
 from hybridd.model.config import ModelConfig
 from hybridd.model.projections import projection
-from hybridd.model.quantization import Quantization
+from hybridd.quantization import Quantization
 from hybridd.model.errors import ModelLoadError, SequenceTooLongError
 from hybridd.kernels.selection import Kernels, select_kernels
 from hybridd.model.kv_cache import KVCache

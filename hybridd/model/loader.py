@@ -23,7 +23,8 @@ from hybridd.log import get_logger
 from hybridd.model.config import ModelConfig, parse_dtype
 from hybridd.model.errors import ModelLoadError
 from hybridd.model.llama import LlamaModel
-from hybridd.model.quantization import resolve as resolve_quantization
+from hybridd.quantization import QuantizationError
+from hybridd.quantization import resolve as resolve_quantization
 
 log = get_logger("loader")
 
@@ -165,7 +166,10 @@ def load_model(
     dtype = parse_dtype(dtype) if dtype is not None else config.dtype
     device = torch.device(device)
 
-    scheme = resolve_quantization(quantization, config.quantization)
+    try:
+        scheme = resolve_quantization(quantization, config.quantization)
+    except QuantizationError as exc:
+        raise ModelLoadError(str(exc)) from None
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:

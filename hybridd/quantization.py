@@ -6,6 +6,9 @@ misread.
 
 What is quantized is always the decoder's linear projections (q, k, v, o, gate, up, down);
 the embeddings, the norms and the LM head stay in the model's dtype.
+
+Torch-free on purpose, as `hybridd.architectures`: the supervisor's preflight refuses a
+checkpoint's quantization before it spawns a worker, and `hybridd.model.config` again.
 """
 
 from __future__ import annotations
@@ -13,10 +16,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from hybridd.model.errors import ModelLoadError
 
 METHODS = ("none", "fp8")  # the values of the `quantization` setting
 _FORMAT = "compressed-tensors float-quantized (FP8 E4M3 weights per channel or per tensor)"
+
+
+class QuantizationError(ValueError):
+    """A quantization that cannot be served; the message names the field or setting."""
 
 
 @dataclass(frozen=True)
@@ -45,32 +51,32 @@ class Quantization:
 
 def from_config(cfg: dict[str, Any], source: str) -> Quantization | None:
     """The quantization `config.json` states (None where it states none); anything but
-    the compressed-tensors FP8 format raises ModelLoadError naming the field."""
+    the compressed-tensors FP8 format raises QuantizationError naming the field."""
     qc = cfg.get("quantization_config")
     if qc is None:
         return None
     where = f"{source}: field 'quantization_config'"
     if not isinstance(qc, dict):
-        raise ModelLoadError(f"{where} must be an object")
+        raise QuantizationError(f"{where} must be an object")
     method = qc.get("quant_method")
     if method != "compressed-tensors":
-        raise ModelLoadError(f"{where}: quant_method {method!r} is not supported; supported: {_FORMAT}")
+        raise QuantizationError(f"{where}: quant_method {method!r} is not supported; supported: {_FORMAT}")
     fmt = qc.get("format")
     if fmt != "float-quantized":
-        raise ModelLoadError(f"{where}.format: {fmt!r} is not supported; supported: {_FORMAT}")
+        raise QuantizationError(f"{where}.format: {fmt!r} is not supported; supported: {_FORMAT}")
     ignore = qc.get("ignore") or []
     if ignore != ["lm_head"]:
-        raise ModelLoadError(f"{where}.ignore must be [\"lm_head\"] (every decoder projection FP8, the LM head "
+        raise QuantizationError(f"{where}.ignore must be [\"lm_head\"] (every decoder projection FP8, the LM head "
                              f"in the model dtype), got {ignore!r}")
     groups = qc.get("config_groups")
     if not isinstance(groups, dict) or len(groups) != 1:
-        raise ModelLoadError(f"{where}.config_groups must hold exactly one group, got {groups!r}")
+        raise QuantizationError(f"{where}.config_groups must hold exactly one group, got {groups!r}")
     (name, group), = groups.items()
     where = f"{where}.config_groups.{name}"
     if not isinstance(group, dict):
-        raise ModelLoadError(f"{where} must be an object")
+        raise QuantizationError(f"{where} must be an object")
     if group.get("targets") != ["Linear"]:
-        raise ModelLoadError(f"{where}.targets must be [\"Linear\"], got {group.get('targets')!r}")
+        raise QuantizationError(f"{where}.targets must be [\"Linear\"], got {group.get('targets')!r}")
     weights = _float8(group.get("weights"), f"{where}.weights", strategies=("channel", "tensor"), dynamic=False)
     activations = "none"
     acts = group.get("input_activations")
@@ -78,10 +84,10 @@ def from_config(cfg: dict[str, Any], source: str) -> Quantization | None:
         strategy = _float8(acts, f"{where}.input_activations", strategies=("token", "tensor"), dynamic=None)
         activations = "dynamic" if strategy == "token" else "static"
         if (activations == "dynamic") != bool(acts.get("dynamic")):
-            raise ModelLoadError(f"{where}.input_activations: strategy {strategy!r} must be "
+            raise QuantizationError(f"{where}.input_activations: strategy {strategy!r} must be "
                                  f"{'dynamic' if strategy == 'token' else 'static'}")
     if group.get("output_activations") is not None:
-        raise ModelLoadError(f"{where}.output_activations: quantized outputs are not supported")
+        raise QuantizationError(f"{where}.output_activations: quantized outputs are not supported")
     return Quantization(source="checkpoint", weights=weights, activations=activations)
 
 
@@ -89,17 +95,17 @@ def _float8(spec: Any, where: str, strategies: tuple[str, ...], dynamic: bool | 
     """The strategy of an 8-bit symmetric float quantization `spec` (whose `dynamic` must
     be `dynamic`, unless None)."""
     if not isinstance(spec, dict):
-        raise ModelLoadError(f"{where} must be an object")
+        raise QuantizationError(f"{where} must be an object")
     if spec.get("num_bits") != 8 or spec.get("type") != "float":
-        raise ModelLoadError(f"{where}: only 8-bit float (FP8 E4M3) is supported, got num_bits "
+        raise QuantizationError(f"{where}: only 8-bit float (FP8 E4M3) is supported, got num_bits "
                              f"{spec.get('num_bits')!r}, type {spec.get('type')!r}")
     if spec.get("symmetric") is False:
-        raise ModelLoadError(f"{where}.symmetric: asymmetric FP8 is not supported")
+        raise QuantizationError(f"{where}.symmetric: asymmetric FP8 is not supported")
     if spec.get("strategy") not in strategies:
-        raise ModelLoadError(f"{where}.strategy: {spec.get('strategy')!r} is not supported; "
+        raise QuantizationError(f"{where}.strategy: {spec.get('strategy')!r} is not supported; "
                              f"supported: {', '.join(strategies)}")
     if dynamic is not None and bool(spec.get("dynamic", False)) != dynamic:
-        raise ModelLoadError(f"{where}.dynamic: {spec.get('dynamic')!r} does not fit strategy {spec['strategy']!r}")
+        raise QuantizationError(f"{where}.dynamic: {spec.get('dynamic')!r} does not fit strategy {spec['strategy']!r}")
     return spec["strategy"]
 
 
@@ -108,7 +114,7 @@ def resolve(setting: str | None, checkpoint: Quantization | None) -> Quantizatio
     checkpoint is FP8 whatever the setting), else the `quantization` setting's."""
     setting = setting or "none"
     if setting not in METHODS:
-        raise ModelLoadError(f"quantization must be one of {', '.join(METHODS)}, got {setting!r}")
+        raise QuantizationError(f"quantization must be one of {', '.join(METHODS)}, got {setting!r}")
     if checkpoint is not None:
         return checkpoint
     return Quantization() if setting == "fp8" else None
