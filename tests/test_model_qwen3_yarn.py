@@ -139,3 +139,21 @@ def test_daemon_serves_a_qwen3_with_yarn_as_transformers_decodes(tmp_path):
         client.close()
     finally:
         engine.close()
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("fusions", ["none", "norm,rotary"])
+def test_qwen3_through_the_triton_kernels_equals_the_torch_path(tmp_path, fusions):
+    """Triton's kernels (in its interpreter here, as conftest sets it without CUDA) run the
+    heads' norm between the qkv projection and RoPE, never in the projection's epilogue:
+    prefill and decode logits are the torch path's."""
+    from hybridd.kernels.choices import KernelChoices
+
+    build_tiny_model("qwen3", tmp_path, rope_scaling=dict(YARN))
+    reference = load_model(tmp_path, dtype=torch.float32, kernels="torch")
+    ours = load_model(tmp_path, dtype=torch.float32, kernels=KernelChoices.from_settings("triton", fusions, False))
+    prompt = prompts(1, seed=3, lo=20, hi=21)[0]
+    caches = [KVCache.allocate(reference.config, 4, 16, torch.float32, "cpu") for _ in range(2)]
+    for step in (StepInputs.prefill([prompt], [[2, 0]], 16), StepInputs.decode([5], [20], [[2, 0]], 16)):
+        expected, got = (model.forward_logits(step, kv) for model, kv in zip((reference, ours), caches, strict=True))
+        assert rel_err(got, expected) <= REL_TOL
