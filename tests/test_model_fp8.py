@@ -128,9 +128,11 @@ def test_projections_are_stored_in_fp8_and_the_rest_in_the_model_dtype(quantized
             torch.testing.assert_close(proj.weight_scale, reference.weight.abs().amax(1) / 448, rtol=0, atol=0)
         assert layer.input_layernorm.weight.dtype == torch.float32
     assert ours.embed_tokens.weight.dtype == ours.lm_head.weight.dtype == ours.norm.weight.dtype == torch.float32
-    fp8_bytes = sum(p.numel() * p.element_size() for n, p in ours.layers.named_parameters() if n.endswith("_proj.weight"))
-    plain_bytes = sum(p.numel() * p.element_size() for n, p in plain.layers.named_parameters() if n.endswith("_proj.weight"))
-    assert fp8_bytes * 4 == plain_bytes  # float32 here; a bfloat16 model's halve
+    def projection_bytes(model) -> int:
+        return sum(p.numel() * p.element_size() for n, p in model.layers.named_parameters()
+                   if n.endswith("_proj.weight"))
+
+    assert projection_bytes(ours) * 4 == projection_bytes(plain)  # float32 here; a bfloat16 model's halve
 
 
 def test_fp8_model_matches_transformers_with_the_same_weights_rounded(quantized):
@@ -237,7 +239,8 @@ def test_compressed_tensors_fp8_checkpoint_loads_and_matches_its_dequantized_ref
 @pytest.mark.parametrize(("quantization_config", "message"), [
     ({"quant_method": "gptq", "bits": 4, "group_size": 128}, "field 'quantization_config': quant_method 'gptq'"),
     ({"quant_method": "awq", "bits": 4}, "field 'quantization_config': quant_method 'awq'"),
-    ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "field 'quantization_config': quant_method 'bitsandbytes'"),
+    ({"quant_method": "bitsandbytes", "load_in_4bit": True},
+     "field 'quantization_config': quant_method 'bitsandbytes'"),
     ({"quant_method": "fp8", "weight_block_size": [128, 128]}, "field 'quantization_config': quant_method 'fp8'"),
     ({"quant_method": "compressed-tensors", "format": "pack-quantized"}, r"quantization_config'\.format: 'pack"),
     ({"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"], "config_groups": {
@@ -266,5 +269,6 @@ def test_fp8_tensors_without_a_quantization_config_are_refused(tmp_path):
     config = json.loads((tmp_path / "config.json").read_text())
     del config["quantization_config"]
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ModelLoadError, match="float8_e4m3fn but config.json states no quantization_config|unexpected tensor .*weight_scale"):
+    refusal = "float8_e4m3fn but config.json states no quantization_config|unexpected tensor .*weight_scale"
+    with pytest.raises(ModelLoadError, match=refusal):
         load_model(tmp_path)

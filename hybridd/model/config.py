@@ -248,7 +248,8 @@ def _parse_rope(cfg: dict[str, Any], source: str, max_position_embeddings: int) 
         )
     partial = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
     if partial not in (1, 1.0, None):
-        raise ModelLoadError(f"{source}: field 'partial_rotary_factor': only 1.0 (RoPE over the whole head), got {partial!r}")
+        raise ModelLoadError(
+            f"{source}: field 'partial_rotary_factor': only 1.0 (RoPE over the whole head), got {partial!r}")
     rope = RopeConfig(theta=float(params.get("rope_theta", cfg.get("rope_theta", 10000.0))), rope_type=rope_type)
 
     def positive(name: str, kind: type = float) -> Any:

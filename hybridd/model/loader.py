@@ -157,8 +157,9 @@ def load_model(
 ) -> LlamaModel:
     """The model of `model_dir` on `device`; `max_positions` and `kernels` as `LlamaModel`
     takes them; `quantization` "fp8" (the setting) quantizes a checkpoint's projections to
-    FP8 as they load, and an FP8 checkpoint is FP8 whatever it says. Where the kernels fuse the norm into the projections (`gemm_fusions`'
-    `norm`), the norms' weights are folded into them here."""
+    FP8 as they load, and an FP8 checkpoint is FP8 whatever it says. Where the kernels fuse
+    the norm into the projections (`gemm_fusions`' `norm`), the norms' weights are folded
+    into them here."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise ModelLoadError(f"{model_dir}: model directory does not exist")
