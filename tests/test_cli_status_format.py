@@ -36,7 +36,7 @@ def test_status_while_serving_names_what_the_latency_window_counts():
         "requests": {"running": 1, "queued": 0, "served": 9, "failed": 0},
         "reply_rings": {"attached": 2, "written": 40, "left_out": 3, "wakes": 12},
     })
-    assert "(last 2048 inter-token samples)" in text
+    assert "(2048 inter-token samples)" in text
     assert ("rings      2 reply rings attached; 40 replies written to rings, 3 left to the socket (no room); "
             "sleeping readers woken 12 times") in text
     quiet = format_status({"state": "ready", "reply_rings": {"attached": 0, "written": 0, "left_out": 0}})

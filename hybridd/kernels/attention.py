@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 
 if TYPE_CHECKING:  # the step's tensors are read by attribute; the model owns their type
     from hybridd.model.step_inputs import StepInputs
@@ -55,15 +56,21 @@ def prefill_attention(
     already (written by slot mapping), so a sequence's rows may start at any position: a
     chunk of a prompt after earlier chunks, or one decode row. q [T, H, d], caches
     [blocks, page, KVH, d] -> [T, H, d]. Padding rows (past the last sequence) give 0."""
+    if q.device.type == "cpu":
+        return _prefill_attention_by_sequence(q, k_cache, v_cache, step, scale, sliding_window)
+    return prefill_attention_graph_safe(q, k_cache, v_cache, step, scale, sliding_window)
+
+
+def prefill_attention_graph_safe(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, step: StepInputs, scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """`prefill_attention` with every bound read on the device (a captured graph's torch
+    path): each row gathers its sequence's whole table width, `_ROWS_PER_GATHER` rows at
+    a time."""
     t, h, d = q.shape
     kvh = k_cache.shape[2]
     block_tables = step.block_tables
-    rows_to_run = t
-    if q.device.type == "cpu":
-        # No graph is captured on the CPU, so the host may read the step's bounds: only
-        # the real rows, over the blocks their positions reach.
-        rows_to_run = int(step.query_start_loc[-1])
-        block_tables = block_tables[:, :_blocks_reached(step.positions[:rows_to_run], k_cache.shape[1])]
     width = block_tables.shape[1] * k_cache.shape[1]
     num_seqs = block_tables.shape[0]
     seq = sequence_of_rows(step.query_start_loc, t)
@@ -71,8 +78,8 @@ def prefill_attention(
     tables = block_tables[seq.clamp(max=max(num_seqs - 1, 0))] if num_seqs else None
     key_index = torch.arange(width, device=q.device)
     out = torch.zeros_like(q)
-    for lo in range(0, rows_to_run if num_seqs else 0, _ROWS_PER_GATHER):
-        rows = slice(lo, min(lo + _ROWS_PER_GATHER, rows_to_run))
+    for lo in range(0, t if num_seqs else 0, _ROWS_PER_GATHER):
+        rows = slice(lo, min(lo + _ROWS_PER_GATHER, t))
         n = rows.stop - lo
         keys = k_cache[tables[rows]].reshape(n, width, kvh, d)
         values = v_cache[tables[rows]].reshape(n, width, kvh, d)
@@ -87,6 +94,42 @@ def prefill_attention(
         probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
         o = torch.einsum("rkgs,rskd->rkgd", probs, values.float())
         out[rows] = o.reshape(n, h, d).to(q.dtype)
+    return out
+
+
+def _prefill_attention_by_sequence(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, step: StepInputs, scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """`prefill_attention` on the CPU, where no graph is captured and the host may read the
+    step's bounds: each sequence's keys are gathered once, up to its last row's position,
+    and its rows attend to them in one fused product (per-row gathers cost each row the
+    whole context again)."""
+    t, h, d = q.shape
+    kvh, block_size = k_cache.shape[2], k_cache.shape[1]
+    out = torch.zeros_like(q)
+    bounds = step.query_start_loc.tolist()
+    for i, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
+        if hi <= lo:
+            continue
+        positions = step.positions[lo:hi]
+        last = int(positions.max())
+        blocks = step.block_tables[i, : last // block_size + 1]
+        keys = k_cache[blocks].reshape(-1, kvh, d)[: last + 1]
+        values = v_cache[blocks].reshape(-1, kvh, d)[: last + 1]
+        key_index = torch.arange(last + 1)
+        visible = key_index[None, :] <= positions[:, None]
+        if sliding_window is not None:
+            visible &= positions[:, None] - key_index[None, :] < sliding_window
+        o = F.scaled_dot_product_attention(
+            q[lo:hi].float().transpose(0, 1).unsqueeze(0),
+            keys.float().transpose(0, 1).unsqueeze(0),
+            values.float().transpose(0, 1).unsqueeze(0),
+            attn_mask=visible,
+            scale=scale,
+            enable_gqa=True,
+        )
+        out[lo:hi] = o.squeeze(0).transpose(0, 1).to(q.dtype)
     return out
 
 
