@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hybridd.model import KVCache, StepInputs, load_model
-from hybridd.model.generate import greedy_generate
+from hybridd.engine.generate import greedy_generate
 
 REL_TOL = 1e-4
 
