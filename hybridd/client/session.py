@@ -96,6 +96,9 @@ class Session:
         self._ring_taking = False  # the loop is asked to take the ring's replies (`_take_ring`)
         self._lock = threading.RLock()  # the pending sinks and the ring, between the loop and pollers
         self._context = zmq.asyncio.Context()
+        # Every socket of it (the monitor's too) drops unsent frames at close: a session
+        # that is garbage-collected unclosed must never block in the context's term.
+        self._context.setsockopt(zmq.LINGER, 0)
         # A plain socket read from the loop's reader callback (`_readable`); its monitor is
         # an asyncio socket of the same context.
         self._socket = zmq.Socket(self._context, zmq.DEALER)
