@@ -25,6 +25,7 @@ import collections
 import contextlib
 import os
 import threading
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -78,6 +79,14 @@ def seconds(value: float) -> str:
     return f"{value:.2f}".rstrip("0").rstrip(".")
 
 
+def _release(context: zmq.Context, *sockets: zmq.Socket) -> None:
+    """Close a session's sockets and end its context (see `Session.__init__`)."""
+    for sock in sockets:
+        if not sock.closed:
+            sock.close(linger=0)
+    context.term()
+
+
 class Session:
     """One DEALER connection and the requests in flight on it; used from its loop,
     except `poll_ring`, which any thread may call (the lock guards what it touches).
@@ -87,6 +96,12 @@ class Session:
     def __init__(self, endpoint: str, *, server_public_key: bytes | None, public_key: bytes | None,
                  secret_key: bytes | None, reply_ring: int | None = None, ring_optional: bool = False,
                  wake_loop: bool = False) -> None:
+        self._curve = endpoint.startswith("tcp://")
+        if self._curve and not (server_public_key and public_key and secret_key):
+            # Before any socket exists: a session that fails half-built must leave none
+            # open (a context collected with an unclosed socket blocks in its term).
+            raise ValueError("a tcp:// endpoint is served only with CURVE: give server_public_key, "
+                             "public_key and secret_key (see `hybridd keygen`)")
         self.endpoint = endpoint
         self._ring_bytes = reply_ring  # attach a ring of this many bytes on each connection
         # A ring asked for by default, not by the caller: going without one is no warning.
@@ -96,34 +111,38 @@ class Session:
         self._ring_taking = False  # the loop is asked to take the ring's replies (`_take_ring`)
         self._lock = threading.RLock()  # the pending sinks and the ring, between the loop and pollers
         self._context = zmq.asyncio.Context()
-        # Every socket of it (the monitor's too) drops unsent frames at close: a session
-        # that is garbage-collected unclosed must never block in the context's term.
+        # Every socket of it (the monitor's too) drops unsent frames at close.
         self._context.setsockopt(zmq.LINGER, 0)
         # A plain socket read from the loop's reader callback (`_readable`); its monitor is
         # an asyncio socket of the same context.
         self._socket = zmq.Socket(self._context, zmq.DEALER)
-        for option, value in (
-            (zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES),
-            (zmq.LINGER, 0),
-            (zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS),
-            (zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS),
-            (zmq.RECONNECT_IVL, RECONNECT_IVL_MS),
-            (zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS),
-        ):
-            self._socket.setsockopt(option, value)
-        self._curve = endpoint.startswith("tcp://")
-        if self._curve:
-            if not (server_public_key and public_key and secret_key):
-                raise ValueError("a tcp:// endpoint is served only with CURVE: give server_public_key, "
-                                 "public_key and secret_key (see `hybridd keygen`)")
-            self._socket.setsockopt(zmq.CURVE_SERVERKEY, server_public_key)
-            self._socket.setsockopt(zmq.CURVE_PUBLICKEY, public_key)
-            self._socket.setsockopt(zmq.CURVE_SECRETKEY, secret_key)
-        self._monitor = self._socket.get_monitor_socket(
-            zmq.EVENT_CONNECTED | zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
-            | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-            | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-        )
+        try:
+            for option, value in (
+                (zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES),
+                (zmq.LINGER, 0),
+                (zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS),
+                (zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS),
+                (zmq.RECONNECT_IVL, RECONNECT_IVL_MS),
+                (zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS),
+            ):
+                self._socket.setsockopt(option, value)
+            if self._curve:
+                self._socket.setsockopt(zmq.CURVE_SERVERKEY, server_public_key)
+                self._socket.setsockopt(zmq.CURVE_PUBLICKEY, public_key)
+                self._socket.setsockopt(zmq.CURVE_SECRETKEY, secret_key)
+            self._monitor = self._socket.get_monitor_socket(
+                zmq.EVENT_CONNECTED | zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_HANDSHAKE_SUCCEEDED
+                | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+                | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+            )
+        except BaseException:
+            _release(self._context, self._socket)
+            raise
+        # The sockets are closed and the context ended by `close()`, or by this finalizer
+        # when the session is dropped unclosed (its client never closed, or a failure later
+        # in this constructor): a context collected with a socket still open would block in
+        # its term for ever, in whichever thread the collector happened to run.
+        self._release = weakref.finalize(self, _release, self._context, self._monitor, self._socket)
         self._socket.connect(endpoint)
         self.connected = False
         self._transport: str | None = None  # what the last connection attempt found: "refused", "accepted"
@@ -377,7 +396,5 @@ class Session:
         self._drop_ring()
         self._loop.remove_reader(self._fd)
         self._socket.disable_monitor()
-        self._monitor.close(linger=0)
-        self._socket.close(linger=0)
-        self._context.term()
+        self._release()
 
