@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hybridd import Client
+from hybridd import Client, exit_codes
 from hybridd.config import Config, ConfigError
 from hybridd.cuda_mps import CONTROL_BINARY, MpsDaemon, MpsError, start_for
 from tests.daemon import wait_until_ok
@@ -73,12 +73,19 @@ def test_missing_control_binary_is_named(tmp_path):
 
 @pytest.mark.skipif(shutil.which(CONTROL_BINARY) is not None, reason="the control binary is installed here")
 def test_start_refuses_cleanly_without_mps(tmp_path):
+    """On a CUDA host without the MPS control binary, `cuda_mps = "on"` is refused by name;
+    on a host without a usable CUDA device the device preflight refuses first (exit 2)."""
     runtime_dir = tmp_path / "run"
     with open(tmp_path / "log", "wb") as log:
         process = _start(runtime_dir, "--device", "cuda", "--cuda-mps", "on", log=log)
-        assert process.wait(120) == 1
+        code = process.wait(120)
     output = (tmp_path / "log").read_text()
-    assert f"hybridd: cannot start: cuda_mps = \"on\" needs {CONTROL_BINARY}" in output
+    if torch.cuda.is_available():
+        assert code == 1, output
+        assert f"hybridd: cannot start: cuda_mps = \"on\" needs {CONTROL_BINARY}" in output
+    else:
+        assert code == exit_codes.USAGE, output
+        assert "device cuda: no usable CUDA device on this host" in output
     assert not (runtime_dir / "hybridd.pid").exists()
 
 
