@@ -313,6 +313,17 @@ def test_folding_the_norms_keeps_the_function(tiny_model_dir):
     assert torch.equal(model.norm.weight, final)
 
 
+def _skip_qk_norm(model_dir) -> None:
+    """The fused-neighbour counts below are those of a qkv projection that takes the
+    norm and RoPE; a q/k-norm model (Qwen3) runs its head norm and RoPE in their own
+    kernel after the projection (its Triton path is checked against the torch path in
+    tests/test_model_qwen3_yarn.py)."""
+    from hybridd.model import ModelConfig
+
+    if ModelConfig.from_dir(model_dir).qk_norm:
+        pytest.skip("q/k-norm model: its qkv projection fuses no neighbour")
+
+
 @torch.inference_mode()
 @pytest.mark.parametrize("enabled", ["norm", "rotary", "norm,rotary"])
 def test_fused_neighbours_match_the_torch_path(tiny_model_dir, enabled, monkeypatch):
@@ -321,6 +332,7 @@ def test_fused_neighbours_match_the_torch_path(tiny_model_dir, enabled, monkeypa
     logits of a 29-token prefill and three decode steps, and the KV caches they wrote,
     equal the torch path's (float32 on the CPU; bf16 within a rounding step on the GPU).
     The fused launches are counted, so a fallback to the separate kernels cannot pass."""
+    _skip_qk_norm(tiny_model_dir)
     kinds, layers = _fused_against_torch(tiny_model_dir, enabled, monkeypatch,
                                          ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))
     steps = 4
@@ -336,6 +348,7 @@ def test_fused_steps_fall_back_where_the_kernel_cannot_run(tiny_model_dir, monke
     40-token prefill (more rows than the kernel takes): the steps that cannot fuse run
     the separate kernels on the folded weights (unit-weight norms, the add where the
     stream still carries it), and the logits and caches still equal the torch path's."""
+    _skip_qk_norm(tiny_model_dir)
     prompts = [[5, 9, 3, 17, 2, 8, 11], [4, 30, 99] * 10, [7, 8]]
     kinds, layers = _fused_against_torch(tiny_model_dir, "norm,rotary", monkeypatch,
                                          ("qkv_proj", "o_proj", "down_proj"), prompts)
@@ -353,6 +366,7 @@ def test_a_prefill_past_the_skinny_rows_runs_no_norm_kernel(tiny_model_dir, monk
     its own; logits and caches still equal the torch path's. The three decode steps after
     it (skinny projections) normalise the embedding and the last stream as before. A qkv
     projection with a bias (Qwen2) cannot be scaled after it: its norm stays a kernel."""
+    _skip_qk_norm(tiny_model_dir)
     from hybridd.kernels import triton_ops as ops_module
     from hybridd.model.config import ModelConfig
 
