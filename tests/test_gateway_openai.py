@@ -628,6 +628,15 @@ def test_status_lists_the_gateway_and_a_killed_gateway_is_restarted(daemon, sdk,
     assert sdk.status()["workers"]["graph"]["restarts"] == 0  # the engine was not touched
 
 
+def test_a_repeated_prompt_reports_cached_tokens(oai):
+    prompt = "ROMEO: " + "But soft, what light through yonder window breaks? " * 4
+    first = oai.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    again = oai.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    assert first.usage.prompt_tokens == again.usage.prompt_tokens > 16
+    assert again.usage.prompt_tokens_details.cached_tokens >= 16  # at least one full block of 16
+    assert again.choices[0].text == first.choices[0].text
+
+
 def test_draining_daemon_answers_503_then_exits(daemon, sdk, oai):
     stream = sdk.stream("ROMEO:", **LONG)
     next(stream)
@@ -645,12 +654,3 @@ def test_draining_daemon_answers_503_then_exits(daemon, sdk, oai):
     assert health.status_code == 503 and health.json()["error"]["state"] == "draining"
     stream.close()  # the last request ends; the drain completes
     assert daemon.process.wait(60) == 0
-
-
-def test_a_repeated_prompt_reports_cached_tokens(oai):
-    prompt = "ROMEO: " + "But soft, what light through yonder window breaks? " * 4
-    first = oai.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
-    again = oai.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
-    assert first.usage.prompt_tokens == again.usage.prompt_tokens > 16
-    assert again.usage.prompt_tokens_details.cached_tokens >= 16  # at least one full block of 16
-    assert again.choices[0].text == first.choices[0].text
