@@ -76,8 +76,11 @@ def daemon() -> Iterator[RunningDaemon]:
 
 
 def test_ctrl_c_in_generate_exits_130_with_one_line(daemon):
+    # As from a terminal: Ctrl-C's default disposition (a test before may have left this
+    # process ignoring SIGINT, which a child would inherit).
     process = subprocess.Popen([HYBRIDD, "generate", "ROMEO:", "--endpoint", daemon.endpoint, "--max-tokens", "4000",
-                                "--ignore-eos"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=clean_env())
+                                "--ignore-eos"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=clean_env(),
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         # The first streamed text is the sign that it is inside the stream.
         ready, _, _ = select.select([process.stdout], [], [], on_this_host(120))

@@ -40,8 +40,11 @@ def daemon() -> Iterator[RunningDaemon]:
 
 
 def interrupted(daemon: RunningDaemon, attempt: int) -> subprocess.CompletedProcess:
+    # As from a terminal: Ctrl-C's default disposition (a test before may have left this
+    # process ignoring SIGINT, which a child would inherit).
     program = subprocess.Popen([sys.executable, "-c", PROGRAM, daemon.endpoint], env=clean_env(),
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         line = program.stdout.readline()  # the program is inside its loop, by the ring
         assert line == "streaming\n", f"attempt {attempt}: {line!r}\n{program.stderr.read() if program.poll() else ''}"
