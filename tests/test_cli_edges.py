@@ -18,6 +18,7 @@ import pytest
 from hybridd import exit_codes
 from tests.daemon import HYBRIDD, RunningDaemon, clean_env, run_daemon
 from tests.host_load import on_this_host
+from tests.processes import as_from_a_terminal
 
 # A refusal takes about a second on an idle host (a CUDA device's check imports torch).
 REFUSAL_BOUND_S = 10.0
@@ -76,11 +77,9 @@ def daemon() -> Iterator[RunningDaemon]:
 
 
 def test_ctrl_c_in_generate_exits_130_with_one_line(daemon):
-    # As from a terminal: Ctrl-C's default disposition (a test before may have left this
-    # process ignoring SIGINT, which a child would inherit).
     process = subprocess.Popen([HYBRIDD, "generate", "ROMEO:", "--endpoint", daemon.endpoint, "--max-tokens", "4000",
                                 "--ignore-eos"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=clean_env(),
-                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                               preexec_fn=as_from_a_terminal)
     try:
         # The first streamed text is the sign that it is inside the stream.
         ready, _, _ = select.select([process.stdout], [], [], on_this_host(120))

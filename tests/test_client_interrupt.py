@@ -16,6 +16,7 @@ import pytest
 from hybridd.ipc import reply_ring
 from tests.daemon import RunningDaemon, clean_env, run_daemon
 from tests.host_load import on_this_host
+from tests.processes import as_from_a_terminal
 
 # Streams until interrupted; says so once its replies come by the reply ring.
 PROGRAM = textwrap.dedent("""
@@ -40,11 +41,9 @@ def daemon() -> Iterator[RunningDaemon]:
 
 
 def interrupted(daemon: RunningDaemon, attempt: int) -> subprocess.CompletedProcess:
-    # As from a terminal: Ctrl-C's default disposition (a test before may have left this
-    # process ignoring SIGINT, which a child would inherit).
     program = subprocess.Popen([sys.executable, "-c", PROGRAM, daemon.endpoint], env=clean_env(),
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                               preexec_fn=as_from_a_terminal)
     try:
         line = program.stdout.readline()  # the program is inside its loop, by the ring
         assert line == "streaming\n", f"attempt {attempt}: {line!r}\n{program.stderr.read() if program.poll() else ''}"

@@ -12,7 +12,7 @@ from hybridd.engine.core import EngineCore
 from hybridd.engine.in_process_runner import InProcessRunner
 from hybridd.engine.scheduler import Scheduler
 from hybridd.engine.sequence import Sequence
-from hybridd.model.kv_cache import KVCache
+from hybridd.model.kv_cache import KVCache, blocks_for
 from hybridd.model.llama import LlamaModel
 from hybridd.protocol.messages import SamplingParams
 
@@ -29,7 +29,7 @@ def generate(
     sequences, one list per prompt (`params.n` sequences each)."""
     lengths = [len(p) + params.max_tokens for p in prompts]
     model.check_sequence_length(max(lengths, default=0))
-    manager_blocks = sum(params.n * -(-n // block_size) for n in lengths)
+    manager_blocks = sum(params.n * blocks_for(n, block_size) for n in lengths)
     if kv_cache is None:
         kv_cache = KVCache.allocate(model.config, manager_blocks + 1, block_size, model.dtype, model.device)
     blocks = BlockManager(kv_cache.num_blocks, block_size, watermark=0.0)

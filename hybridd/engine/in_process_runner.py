@@ -13,7 +13,7 @@ import torch
 from hybridd.engine.sampler import Logprobs, Sampler, SamplingTensors
 from hybridd.engine.scheduler import ScheduledBatch
 from hybridd.engine.step_pipeline import InflightStep
-from hybridd.model.kv_cache import KVCache
+from hybridd.model.kv_cache import KVCache, copy_blocks
 from hybridd.model.llama import LlamaModel
 
 
@@ -31,10 +31,7 @@ class InProcessRunner:
                                "(drive its core with pipeline_depth=1)")
         logits = self.model.forward_logits(batch.inputs.on(self.device), self.kv_cache)
         if batch.kv_copies:  # forks' copies of the prompt's last block, once this step wrote it
-            src = torch.tensor([c[0] for c in batch.kv_copies], dtype=torch.int64, device=self.device)
-            dst = torch.tensor([c[1] for c in batch.kv_copies], dtype=torch.int64, device=self.device)
-            arena = self.kv_cache.arena
-            arena.index_copy_(2, dst, arena.index_select(2, src))
+            copy_blocks(self.kv_cache.arena, batch.kv_copies)
         if batch.selects_rows:
             logits = logits.index_select(0, torch.tensor(batch.sample_rows, dtype=torch.int64, device=self.device))
         seqs = batch.sampled_seqs

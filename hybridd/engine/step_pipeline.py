@@ -31,6 +31,7 @@ import torch
 from hybridd.engine.sampler import Logprobs, Sampler, SamplingTensors
 from hybridd.errors import EngineDeadError
 from hybridd.engine.scheduler import ScheduledBatch
+from hybridd.model.kv_cache import copy_blocks
 from hybridd.runtime.serving_stream import ServingStream
 from hybridd.runtime.step_buffers import StepBuffers
 from hybridd.runtime.step_trace import mark
@@ -161,9 +162,7 @@ class StepPipeline:
         """Fill forked sequences' blocks from the prompt's, in every layer (one copy each way)."""
         if self.kv_cache is None:
             raise RuntimeError("forking sequences needs the KV arena")
-        src = self._to_device(torch.tensor([c[0] for c in copies], dtype=torch.int64))
-        dst = self._to_device(torch.tensor([c[1] for c in copies], dtype=torch.int64))
-        self.kv_cache.index_copy_(2, dst, self.kv_cache.index_select(2, src))
+        copy_blocks(self.kv_cache, copies)
 
     def _gather_inputs(self, batch: ScheduledBatch, n_tokens: int) -> None:
         """Input tokens still on the device come from the ring of sampled tokens."""

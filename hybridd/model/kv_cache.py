@@ -30,6 +30,16 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+def copy_blocks(arena: torch.Tensor, copies: list[tuple[int, int]]) -> None:
+    """Copy whole blocks (source, destination) of the KV arena, in every layer, keys and
+    values (forked sequences' copies of a prompt's partly filled last block)."""
+    indices = torch.tensor(copies, dtype=torch.int64).T.contiguous()
+    if arena.is_cuda:  # a pageable host-to-device copy would synchronize the stream
+        indices = indices.pin_memory().to(arena.device, non_blocking=True)
+    src, dst = indices
+    arena.index_copy_(2, dst, arena.index_select(2, src))
+
+
 def kv_arena_shape(config: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
     return (config.num_layers, 2, num_blocks + 1, block_size, config.num_kv_heads, config.head_dim)
 
