@@ -374,11 +374,12 @@ def format_status(status: dict[str, Any]) -> str:
     lines.append(f"graphs     {_bytes(get('graph_bytes'))} captured, pool {_bytes(get('graph_pool_bytes'))}, "
                  f"budget {_bytes(get('graph_memory_budget_bytes'))}")
     buckets = get("buckets") or []
-    for kind in ("decode", "prefill"):
+    for kind, heading in (("decode", "decode buckets"), ("prefill", "prefill buckets"),
+                          ("mixed", "mixed buckets (prompt chunks beside running streams)")):
         rows = [b for b in buckets if b.get("kind") == kind]
         if not rows:
             continue
-        lines.append(f"{kind} buckets")
+        lines.append(heading)
         lines.append(f"  {'size':>6}  {'state':<9} {'bytes':>10} {'capture':>9} {'replays':>9} {'eager':>7} "
                      f"{'demand':>7} {'evicted':>7}")
         for b in sorted(rows, key=lambda b: b.get("size", 0)):

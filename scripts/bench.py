@@ -303,8 +303,8 @@ def measure_concurrency(client: SdkClient, levels, prompt_len: int, tokens: int,
 
 
 def prefill_capture_state(status: dict) -> tuple[int, int, float]:
-    """(prefill buckets captured or disabled, prefill buckets, sum of their capture seconds)."""
-    prefill = [b for b in status.get("buckets", []) if b.get("kind") == "prefill"]
+    """(prefill and mixed buckets captured or disabled, those buckets, the sum of their capture seconds)."""
+    prefill = [b for b in status.get("buckets", []) if b.get("kind") in ("prefill", "mixed")]
     done = sum(1 for b in prefill if b.get("captured") or b.get("disabled"))
     return done, len(prefill), sum(b.get("capture_s") or 0.0 for b in prefill if b.get("captured"))
 

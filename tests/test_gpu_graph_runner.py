@@ -116,7 +116,7 @@ def test_precompiled_kernels_are_loaded_by_the_warm_ups_not_compiled(model, tmp_
         graphs.capture_decode_graphs()
         graphs.warm_up_prefill()
         for size in PREFILL:
-            assert graphs._capture(True, size)
+            assert graphs._capture("prefill", size)
     finally:
         knobs.compilation.listener = None
     assert compiled, "the warm-ups loaded no kernel: the dry runs compiled or launched them"
@@ -134,7 +134,7 @@ def test_every_bucket_graph_equals_eager_bitwise(model):
     eager = make_runner(model, False)
     graphs.capture_decode_graphs()
     for size in PREFILL:
-        assert graphs._capture(True, size)
+        assert graphs._capture("prefill", size)
     not_uploaded = [key for key, stats in graphs.stats.items() if stats.captured and not stats.uploaded]
     assert not not_uploaded, f"graphs not uploaded before their first replay: {not_uploaded}"
     seqs = Seqs(32, seed=1)
@@ -231,7 +231,7 @@ def test_captures_that_evict_never_stall_the_decode_thread(model):
     graphs = make_runner(model, True, prefill=(16, 256, 512))  # no other bucket competes for the budget
     eager = make_runner(model, False, prefill=(16, 256, 512))
     graphs.capture_decode_graphs()
-    assert graphs._capture(True, 16)
+    assert graphs._capture("prefill", 16)
 
     def hold_only(target, other):
         """The budget: the graphs held now, less `other`, and `target`'s need; with `other`
@@ -239,9 +239,9 @@ def test_captures_that_evict_never_stall_the_decode_thread(model):
         held = sum(st.bytes for key, st in graphs.stats.items() if st.captured and key[1] != other)
         charged = graphs.stats[("prefill", other)].bytes
         assert charged > 0, f"bucket {other} is charged nothing: evicting it would not make room"
-        graphs.memory_budget_bytes = held + graphs._estimate_bytes(True, target) + charged - 1
+        graphs.memory_budget_bytes = held + graphs._estimate_bytes("prefill", target) + charged - 1
 
-    assert graphs._capture(True, 256)
+    assert graphs._capture("prefill", 256)
     destroyed = []
     destroy = graphs._destroy
     # (what, start, end) of each capture and destruction, for a long gap's message.
@@ -368,7 +368,7 @@ def test_capture_out_of_memory_disables_bucket(model):
     torch.cuda.empty_cache()
     hog = hold_all_but(4 << 20)
     try:
-        captured = runner._capture(True, 512)
+        captured = runner._capture("prefill", 512)
     finally:
         del hog
         torch.cuda.empty_cache()  # the hog's memory back to the device, not kept cached
@@ -377,8 +377,8 @@ def test_capture_out_of_memory_disables_bucket(model):
     assert not captured, f"the 512-token capture fitted in the {4 << 20} bytes left beside the hog"
     reason = runner.stats[("prefill", 512)].disabled
     assert any(word in reason for word in ("OutOfMemory", "memory", "ALLOC_FAILED")), reason
-    assert runner._capture(True, 16), runner.stats[("prefill", 16)].disabled
-    assert runner._capture(False, 1), runner.stats[("decode", 1)].disabled
+    assert runner._capture("prefill", 16), runner.stats[("prefill", 16)].disabled
+    assert runner._capture("decode", 1), runner.stats[("decode", 1)].disabled
 
 
 def test_an_invalidated_capture_disables_only_its_bucket(model, monkeypatch):
@@ -394,11 +394,11 @@ def test_an_invalidated_capture_disables_only_its_bucket(model, monkeypatch):
             torch.cuda.synchronize()
 
     monkeypatch.setattr(runner, "_step_body", synchronizing_body)
-    assert not runner._capture(True, 64)
+    assert not runner._capture("prefill", 64)
     assert "capture failed" in runner.stats[("prefill", 64)].disabled
     monkeypatch.setattr(runner, "_step_body", body)
-    assert runner._capture(True, 128), runner.stats[("prefill", 128)].disabled
-    assert runner._capture(True, 16), runner.stats[("prefill", 16)].disabled
+    assert runner._capture("prefill", 128), runner.stats[("prefill", 128)].disabled
+    assert runner._capture("prefill", 16), runner.stats[("prefill", 16)].disabled
 
 
 PREFILL_BEFORE_READY = r"""
@@ -462,7 +462,7 @@ def test_a_capture_is_not_charged_for_what_serving_allocates_meanwhile(model):
     quiet = {}
     for size in (16, 64):
         free_before = torch.cuda.mem_get_info()[0]
-        assert graphs._capture(True, size)
+        assert graphs._capture("prefill", size)
         quiet[size] = (free_before - torch.cuda.mem_get_info()[0], graphs.stats[("prefill", size)].bytes)
     print("prefill bucket: (free-memory drop, pool growth) in bytes, nothing else running:", quiet)
     for drop, charged in quiet.values():
@@ -480,7 +480,7 @@ def test_a_capture_is_not_charged_for_what_serving_allocates_meanwhile(model):
     torch.cuda.empty_cache()  # no cached block can serve the 256 MiB: the device gives them
     free_before = torch.cuda.mem_get_info()[0]
     try:
-        assert graphs._capture(True, 32)
+        assert graphs._capture("prefill", 32)
     finally:
         graphs._step_body = body
     assert len(held) == 1 and free_before - torch.cuda.mem_get_info()[0] >= 256 << 20

@@ -13,13 +13,13 @@ pytestmark = pytest.mark.gpu
 
 
 @torch.inference_mode()
-def test_full_batch_mixed_steps_replay_prefill_graphs(model):  # noqa: F811
+def test_full_batch_mixed_steps_replay_mixed_graphs(model):  # noqa: F811
     from hybridd.model import StepInputs
 
     graphs, eager = make_runner(model, True), make_runner(model, False)
     graphs.capture_decode_graphs()
-    for size in PREFILL:
-        assert graphs._capture(True, size)
+    for kind, size in [("prefill", s) for s in PREFILL] + [("mixed", s) for s in graphs.plan.mixed]:
+        assert graphs._capture(kind, size)
     streams = max(DECODE) - 1
     seqs = Seqs(streams + 1, seed=3)
     for i in range(streams):  # each prompt alone: at most 300 tokens, within the step buffers

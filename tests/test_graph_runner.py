@@ -46,6 +46,19 @@ def test_pick_smallest_bucket_that_fits():
         BucketPlan.create([0, 4], [16])
 
 
+def test_a_prompt_alone_replays_a_graph_of_max_prefill_seqs_rows_and_a_mixed_step_one_of_max_rows():
+    """Padding rows cost a graph (the prefill attention's programs, the LM head): a step of
+    prompts alone takes a prefill graph of max_prefill_seqs rows; only a step with more
+    rows, decode rows beside prompt chunks, takes a mixed graph of max_rows, and only
+    token counts up to the chunk budget get one."""
+    plan = BucketPlan.create([1, 8, 32], [16, 64, 256, 1024], max_prefill_seqs=8, mixed_tokens=200)
+    assert plan.mixed == (16, 64, 256)
+    assert (plan.rows("prefill"), plan.rows("mixed"), plan.max_rows) == (8, 32, 32)
+    assert [plan.step_kind(n) for n in (1, 8, 9, 32)] == ["prefill", "prefill", "mixed", "mixed"]
+    alone = BucketPlan.create([1, 4], [16, 64], max_prefill_seqs=8)
+    assert alone.mixed == () and alone.step_kind(8) == "prefill" and alone.rows("prefill") == alone.max_rows
+
+
 @torch.inference_mode()
 def test_padded_graph_steps_equal_plain_forward(model):
     """Prefill and decode through padded buckets give the logits of the unpadded forward,
@@ -53,13 +66,14 @@ def test_padded_graph_steps_equal_plain_forward(model):
     runner = make_runner(model)
     runner.capture_decode_graphs()
     for size in runner.plan.prefill:
-        assert runner._capture(True, size)
+        assert runner._capture("prefill", size)
     prompts = [[5, 9, 11, 3, 7], list(range(3, 20)), [42] * 9]
     tables = [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
     ref_kv = KVCache.allocate(model.config, 64, BLOCK, torch.float32, "cpu")
 
     shape = run_step(runner, StepInputs.prefill(prompts, tables, BLOCK))
-    assert (shape.graph, shape.tokens, shape.seqs) == (True, 32, 8)  # 31 tokens pad to 32, 3 seqs to max_rows
+    # 31 tokens pad to 32, 3 seqs to max_prefill_seqs (a prompt alone never pays for a mixed step's rows)
+    assert (shape.graph, shape.tokens, shape.seqs) == (True, 32, runner.plan.max_prefill_seqs)
     ref = model.forward_logits(StepInputs.prefill(prompts, tables, BLOCK), ref_kv)
     assert torch.allclose(runner.buffers.logits[:3], ref, rtol=1e-5, atol=1e-5)
     assert torch.allclose(runner.kv_cache.arena[:, :, :9], ref_kv.arena[:, :, :9], atol=1e-6)
@@ -80,15 +94,15 @@ def test_padded_graph_steps_equal_plain_forward(model):
 
 
 @torch.inference_mode()
-def test_mixed_steps_of_a_full_batch_and_prompt_chunks_replay_prefill_graphs(model):
+def test_mixed_steps_of_a_full_batch_and_prompt_chunks_replay_mixed_graphs(model):
     """A chunked-prefill step carries a decode row for every running stream before its
     prompt chunk: with a full batch (max_batch rows, more than max_prefill_seqs) it replays
     a captured prefill bucket. Its decode rows give the logits of a decode step, the
     prompt's final chunk those of the whole prompt prefilled at once, and the chunks write
     the KV the whole prompt writes."""
     runner = make_runner(model)
-    for size in runner.plan.prefill:
-        assert runner._capture(True, size)
+    for kind, size in [("prefill", s) for s in runner.plan.prefill] + [("mixed", s) for s in runner.plan.mixed]:
+        assert runner._capture(kind, size)
     plan = runner.plan
     streams = plan.max_batch - 1
     assert streams + 1 > plan.max_prefill_seqs
@@ -117,7 +131,7 @@ def test_mixed_steps_of_a_full_batch_and_prompt_chunks_replay_prefill_graphs(mod
     assert torch.allclose(runner.buffers.logits[streams], whole[0], rtol=1e-4, atol=1e-4)
     used = 3 * streams + 5  # the long prompt's 40 tokens fill 5 blocks
     assert torch.allclose(runner.kv_cache.arena[:, :, :used], ref_kv.arena[:, :, :used], atol=1e-5)
-    assert runner.stats[("prefill", 32)].replays == 2 and runner.stats[("prefill", 32)].eager_runs == 0
+    assert runner.stats[("mixed", 32)].replays == 2 and runner.stats[("mixed", 32)].eager_runs == 0
 
 
 def test_written_steps_are_padded_past_their_rows():
@@ -150,16 +164,21 @@ def test_uncaptured_buckets_run_eagerly_and_count(model):
     # Over the largest bucket: eager at the exact size.
     assert not runner.plan_step(False, 9, 9).graph
     assert not runner.plan_step(True, 65, 1).graph
-    # A prefill graph holds as many rows as a step can have (max_rows), past max_prefill_seqs.
-    runner._capture(True, 64)
-    assert runner.plan.max_prefill_seqs < 5 < runner.plan.max_rows
-    assert runner.plan_step(True, 20, 5) == StepShape(True, 64, runner.plan.max_rows, True, 64)
-    assert not runner.plan_step(True, 20, runner.plan.max_rows + 1).graph
+    # A prefill graph holds max_prefill_seqs rows; a mixed graph as many as a step can have
+    # (max_rows), past max_prefill_seqs.
+    plan = runner.plan
+    assert not runner.plan_step(True, 20, 5).graph
+    runner._capture("prefill", 64)
+    runner._capture("mixed", 64)
+    assert plan.max_prefill_seqs < 5 < plan.max_rows
+    assert runner.plan_step(True, 20, 3) == StepShape(True, 64, plan.max_prefill_seqs, True, 64)
+    assert runner.plan_step(True, 20, 5) == StepShape(True, 64, plan.max_rows, True, 64)
+    assert not runner.plan_step(True, 20, plan.max_rows + 1).graph
 
 
 def test_prefill_pads_into_larger_bucket_only_when_cheap(model):
     runner = make_runner(model, prefill=(16, 32, 64), pad_factor=2.0)
-    runner._capture(True, 64)
+    runner._capture("prefill", 64)
     assert runner.plan_step(True, 20, 1).bucket == 64  # 32 missing, 64 <= 2 x 32
     assert not runner.plan_step(True, 10, 1).graph  # 64 > 2 x 16: eager is cheaper
     assert runner.stats[("prefill", 16)].eager_runs == 1
@@ -167,16 +186,16 @@ def test_prefill_pads_into_larger_bucket_only_when_cheap(model):
 
 
 def test_background_capture_most_demanded_first(model):
-    runner = make_runner(model, prefill=(16, 32, 64))
+    runner = make_runner(model, decode=(1, 2, 4), prefill=(16, 32, 64))  # no mixed graphs
     for _ in range(3):
         runner.plan_step(True, 50, 1)  # demand for 64
     runner.plan_step(True, 20, 1)  # demand for 32
     order = []
     original = runner._capture
 
-    def recording(is_prefill, size):
+    def recording(kind, size):
         order.append(size)
-        return original(is_prefill, size)
+        return original(kind, size)
 
     runner._capture = recording
     runner.start_background_capture()
@@ -189,17 +208,17 @@ def test_background_capture_most_demanded_first(model):
 
 
 def test_memory_budget_evicts_least_recently_used(model):
-    probe = make_runner(model, prefill=(16, 32, 64))
-    cost = {s: probe._estimate_bytes(True, s) for s in (16, 32, 64)}
+    probe = make_runner(model, decode=(1, 2, 4), prefill=(16, 32, 64))  # no mixed graphs
+    cost = {s: probe._estimate_bytes("prefill", s) for s in (16, 32, 64)}
     # Room for the decode graphs plus the two smaller prefill graphs, not all three.
-    decode_cost = sum(probe._estimate_bytes(False, s) for s in probe.plan.decode)
+    decode_cost = sum(probe._estimate_bytes("decode", s) for s in probe.plan.decode)
     budget = decode_cost + cost[16] + cost[32] + cost[64] // 2
-    runner = make_runner(model, prefill=(16, 32, 64), budget=budget)
+    runner = make_runner(model, decode=(1, 2, 4), prefill=(16, 32, 64), budget=budget)
     runner.capture_decode_graphs()
     runner.plan_step(True, 10, 1)
     runner.plan_step(True, 20, 1)
-    runner._capture(True, 16)
-    runner._capture(True, 32)
+    runner._capture("prefill", 16)
+    runner._capture("prefill", 32)
     assert runner.graph_bytes() <= budget
     # 64 is as little wanted as the others: capturing it would evict them, so it waits.
     assert runner._next_prefill_bucket() is None
@@ -207,11 +226,11 @@ def test_memory_budget_evicts_least_recently_used(model):
         runner.plan_step(True, 60, 1)
     runner.plan_step(True, 10, 1)  # 16 was used more recently than 32
     runner.run(True, 10, 1)
-    assert runner._next_prefill_bucket() == 64
+    assert runner._next_prefill_bucket() == ("prefill", 64)
     with runner._lock:
         runner._evict_for(cost[64], runner.stats[("prefill", 64)].demand)
     assert not runner.stats[("prefill", 32)].captured and runner.stats[("prefill", 32)].evictions == 1
-    runner._capture(True, 64)
+    runner._capture("prefill", 64)
     assert runner.stats[("prefill", 64)].captured and runner.stats[("prefill", 16)].captured
     assert runner.graph_bytes() <= budget
 
@@ -227,12 +246,12 @@ def test_failed_capture_disables_bucket_and_keeps_serving(model, capfd, monkeypa
         return forward(step, kv_cache)
 
     monkeypatch.setattr(model, "forward", out_of_memory_past_512_tokens)
-    assert not runner._capture(True, 1024)
+    assert not runner._capture("prefill", 1024)
     stats = runner.stats[("prefill", 1024)]
     assert not stats.captured and "capture failed" in stats.disabled
     err = capfd.readouterr().err
     assert "graph_capture_failed" in err and "1. lower graph_memory_budget_mb" in err and "4. set use_cuda_graphs" in err
-    assert runner._capture(True, 16)
+    assert runner._capture("prefill", 16)
     run_step(runner, StepInputs.prefill([[4, 5, 6]], [[0]], BLOCK))
     assert runner.buffers.logits[0].abs().sum() > 0
 
@@ -258,7 +277,7 @@ class CountingCondition(type(threading.Condition())):
 
 def test_only_demand_for_an_uncaptured_bucket_wakes_the_capture_thread(model):
     runner = make_runner(model, prefill=(16, 32, 64))
-    assert runner._capture(True, 16)
+    assert runner._capture("prefill", 16)
     runner._demand_changed = CountingCondition(runner._lock)
     for _ in range(5):
         assert runner.plan_step(True, 10, 1).bucket == 16  # its graph serves it: nothing to capture

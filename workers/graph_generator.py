@@ -100,7 +100,8 @@ class GraphGenerator:
         mc = model.config
         self.model = model
         self.max_model_len = max_model_len
-        self.plan = BucketPlan.create(config.decode_buckets, config.prefill_buckets, config.max_prefill_seqs)
+        self.plan = BucketPlan.create(config.decode_buckets, config.prefill_buckets, config.max_prefill_seqs,
+                                      mixed_tokens=min(config.chunk_tokens, config.max_prefill_tokens))
         block_size = config.block_size
         max_tokens, blocks_per_seq = geometry(config.max_prefill_tokens, self.plan.max_batch, max_model_len, block_size)
         step_layout = buffer_layout(max_tokens, self.plan.max_rows, blocks_per_seq, mc.vocab_size)

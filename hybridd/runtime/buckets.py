@@ -29,17 +29,34 @@ def pick(buckets: tuple[int, ...], n: int) -> int | None:
 
 @dataclass(frozen=True)
 class BucketPlan:
+    """The buckets that get a graph. A prefill bucket's graph holds `max_prefill_seqs`
+    rows, as many sequences as a step without running streams has; a step that carries
+    running streams' decode rows beside prompt chunks (chunked prefill) can have up to
+    `max_rows`, and the `mixed` buckets (token counts up to such a step's budget) get a
+    second graph of that many rows. Rows cost a graph even when they are padding (the
+    prefill attention's programs, the LM head), so a prompt alone never pays for them."""
+
     decode: tuple[int, ...] = DEFAULT_DECODE_BUCKETS
     prefill: tuple[int, ...] = DEFAULT_PREFILL_BUCKETS
     max_prefill_seqs: int = 8
+    mixed: tuple[int, ...] = ()
 
     @classmethod
     def create(
-        cls, decode: list[int] | tuple[int, ...], prefill: list[int] | tuple[int, ...], max_prefill_seqs: int = 8
+        cls, decode: list[int] | tuple[int, ...], prefill: list[int] | tuple[int, ...], max_prefill_seqs: int = 8,
+        mixed_tokens: int | None = None,
     ) -> BucketPlan:
+        """`mixed_tokens`: the most tokens of a step beside running streams (the chunk
+        budget); every prefill bucket up to the one that holds it gets a mixed graph
+        (None: every prefill bucket)."""
         if max_prefill_seqs <= 0:
             raise ValueError("max_prefill_seqs must be positive")
-        return cls(normalize(decode, "decode_buckets"), normalize(prefill, "prefill_buckets"), max_prefill_seqs)
+        decode, prefill = normalize(decode, "decode_buckets"), normalize(prefill, "prefill_buckets")
+        mixed: tuple[int, ...] = ()
+        if decode[-1] > max_prefill_seqs:
+            limit = prefill[-1] if mixed_tokens is None else (pick(prefill, mixed_tokens) or prefill[-1])
+            mixed = tuple(b for b in prefill if b <= limit)
+        return cls(decode, prefill, max_prefill_seqs, mixed)
 
     @property
     def max_batch(self) -> int:
@@ -55,3 +72,11 @@ class BucketPlan:
         step can have. A chunked-prefill step carries every running stream's decode row
         beside its prompt chunks, so it can have max_batch rows, more than max_prefill_seqs."""
         return max(self.max_batch, self.max_prefill_seqs)
+
+    def rows(self, kind: str) -> int:
+        """Rows of a graph of `kind`: "prefill" or "mixed" (a decode graph's are its size)."""
+        return self.max_rows if kind == "mixed" else self.max_prefill_seqs
+
+    def step_kind(self, num_seqs: int) -> str:
+        """The graph kind of a prefill step of `num_seqs` rows."""
+        return "prefill" if num_seqs <= self.max_prefill_seqs or not self.mixed else "mixed"

@@ -1,10 +1,10 @@
 """The graph runner: the static domain's forward, replayed from CUDA Graphs per bucket.
 
 Decode graphs (one per batch-size bucket) are captured before the daemon is ready,
-largest first. Prefill graphs (one per token-count bucket, each holding as many rows as
-any step can have, `BucketPlan.max_rows`: a chunked-prefill step is a prefill step
-whose first rows are every running stream's decode, so a prompt chunk beside a full
-batch of streams replays a graph too) are captured afterwards
+largest first. Prefill graphs (one per token-count bucket, holding `max_prefill_seqs`
+rows) and mixed graphs (the token counts of a chunked-prefill step, a prefill step whose
+first rows are every running stream's decode, holding `BucketPlan.max_rows` rows, so a
+prompt chunk beside a full batch of streams replays a graph too) are captured afterwards
 by a background thread, most-demanded first, into a rolling set bounded by a memory
 budget with least-recently-used eviction; until a bucket exists its steps run eagerly
 or pad into a larger captured bucket. All graphs share one memory pool, and each is
@@ -140,8 +140,11 @@ class GraphRunner:
             self.stats[("decode", size)] = BucketStats("decode", size)
         for size in plan.prefill:
             self.stats[("prefill", size)] = BucketStats("prefill", size)
+        for size in plan.mixed:
+            self.stats[("mixed", size)] = BucketStats("mixed", size)
         self._decode_graphs: dict[int, object] = {}
-        self._prefill_graphs: OrderedDict[int, object] = OrderedDict()  # LRU order, oldest first
+        # Prefill and mixed graphs by (kind, size), in LRU order, oldest first.
+        self._prefill_graphs: OrderedDict[tuple[str, int], object] = OrderedDict()
         self._lock = threading.Lock()
         self._demand_changed = threading.Condition(self._lock)
         self._stop = threading.Event()
@@ -165,23 +168,25 @@ class GraphRunner:
                 return eager
             return StepShape(False, bucket, bucket, True, bucket)
 
-        exact = bucket_rules.pick(self.plan.prefill, num_tokens)
-        if exact is None or num_seqs > self.plan.max_rows:
+        kind = self.plan.step_kind(num_seqs)
+        sizes = self.plan.mixed if kind == "mixed" else self.plan.prefill
+        exact = bucket_rules.pick(sizes, num_tokens)
+        if exact is None or num_seqs > self.plan.rows(kind):
             return eager
         with self._lock:
-            self.stats[("prefill", exact)].demand += 1
-            if exact not in self._prefill_graphs:
+            self.stats[(kind, exact)].demand += 1
+            if (kind, exact) not in self._prefill_graphs:
                 # Only demand for a bucket without a graph can start a capture. Waking the
                 # capture thread for the others would have it contend for this lock and
                 # the GIL while this step is being launched.
                 self._demand_changed.notify_all()
-            candidates = [b for b in self.plan.prefill if b >= exact and b in self._prefill_graphs]
+            candidates = [b for b in sizes if b >= exact and (kind, b) in self._prefill_graphs]
             chosen = candidates[0] if candidates and candidates[0] <= exact * self.pad_factor else None
             if chosen is None:
-                self.stats[("prefill", exact)].eager_runs += 1
+                self.stats[(kind, exact)].eager_runs += 1
         if chosen is None:
             return eager
-        return StepShape(True, chosen, self.plan.max_rows, True, chosen)
+        return StepShape(True, chosen, self.plan.rows(kind), True, chosen)
 
     # --------------------------------------------------------------- execution
     def run(self, is_prefill: bool, num_tokens: int, num_seqs: int) -> StepShape:
@@ -199,18 +204,25 @@ class GraphRunner:
 
     def _execute(self, shape: StepShape) -> None:
         if shape.graph:
-            key = ("prefill" if shape.is_prefill else "decode", shape.bucket)
+            key = (self._kind_of(shape), shape.bucket)
             with self._lock:
-                graphs = self._prefill_graphs if shape.is_prefill else self._decode_graphs
-                graph = graphs.get(shape.bucket)
+                if shape.is_prefill:
+                    graph = self._prefill_graphs.get(key)
+                    if graph is not None:
+                        self._prefill_graphs.move_to_end(key)
+                else:
+                    graph = self._decode_graphs.get(shape.bucket)
                 if graph is not None:
-                    if shape.is_prefill:
-                        graphs.move_to_end(shape.bucket)
                     self.stats[key].replays += 1
                     graph.replay()
                     return
             # Evicted between planning and execution: the padded inputs serve the eager run.
         self._step_body(self.buffers.view(shape.is_prefill, shape.tokens, shape.seqs), self.buffers.logits)
+
+    def _kind_of(self, shape: StepShape) -> str:
+        if not shape.is_prefill:
+            return "decode"
+        return "mixed" if shape.seqs > self.plan.max_prefill_seqs else "prefill"
 
     @torch.inference_mode()
     def _step_body(self, view: StepInputs, logits_out: torch.Tensor) -> None:
@@ -229,8 +241,9 @@ class GraphRunner:
 
         def dry_runs() -> None:  # the warm-ups of every decode bucket and of prefill
             for size in sorted(self.plan.decode):
-                self._warm_up_steps(False, size)
-            self._warm_up_steps(True, min(self.plan.prefill))
+                self._warm_up_steps("decode", size)
+            for kind in self._prefill_kinds():
+                self._warm_up_steps(kind, min(self.plan.prefill))
 
         try:
             return precompile(dry_runs, pool)
@@ -245,7 +258,7 @@ class GraphRunner:
             return
         sizes = sorted(self.plan.decode, reverse=True)
         for done, size in enumerate(sizes, 1):
-            self._capture(False, size)
+            self._capture("decode", size)
             if progress is not None:
                 progress(done, len(sizes))
 
@@ -265,20 +278,24 @@ class GraphRunner:
         sizes = [min(self.plan.prefill)] if self.cuda else prefill_warm_up_sizes(
             self.plan.prefill, self.model.kernels.skinny_rows)
         try:
-            for size in sizes:
-                self._warm_up(True, size, self.plan.max_rows)
+            for kind in self._prefill_kinds():
+                for size in sizes:
+                    self._warm_up(kind, size)
             torch.cuda.synchronize(self.device)
         except Exception as exc:  # the start goes on; the first prefills compile while serving
             log.warning("prefill_warm_up_failed", error=f"{type(exc).__name__}: {str(exc)[:200]}",
                         consequence="the first prefills compile their kernels while serving")
             torch.cuda.empty_cache()
 
-    def _shape_of(self, is_prefill: bool, size: int) -> tuple[int, int]:
-        """(tokens, rows) of a bucket's graph. Every prefill bucket holds `max_rows` rows,
-        even those with fewer tokens: the prefill kernels are compiled per padded row count
-        (`_warm_up`), so one count for all of them means one warm-up compiles them all and
-        no capture compiles inside itself; the padded rows cost a few rows of LM head."""
-        return (size, self.plan.max_rows) if is_prefill else (size, size)
+    def _prefill_kinds(self) -> tuple[str, ...]:
+        return ("prefill", "mixed") if self.plan.mixed else ("prefill",)
+
+    def _shape_of(self, kind: str, size: int) -> tuple[int, int]:
+        """(tokens, rows) of a bucket's graph. Every prefill bucket of a kind holds that
+        kind's rows (`BucketPlan.rows`), even those with fewer tokens: the prefill kernels
+        are compiled per padded row count (`_warm_up`), so one count per kind means one
+        warm-up compiles them all and no capture compiles inside itself."""
+        return (size, size) if kind == "decode" else (size, self.plan.rows(kind))
 
     def _dummy_inputs(self, is_prefill: bool, tokens: int, seqs: int) -> StepInputs:
         """A bucket-shaped step on private buffers of the live ones' layout: the same
@@ -298,24 +315,25 @@ class GraphRunner:
         view.query_start_loc.copy_(torch.tensor(starts, dtype=view.query_start_loc.dtype))
         return view
 
-    def _estimate_bytes(self, is_prefill: bool, size: int) -> int:
-        stats = self.stats[("prefill" if is_prefill else "decode", size)]
+    def _estimate_bytes(self, kind: str, size: int) -> int:
+        stats = self.stats[(kind, size)]
         if stats.bytes:
             return stats.bytes
-        tokens, seqs = self._shape_of(is_prefill, size)
+        tokens, seqs = self._shape_of(kind, size)
         elem = torch.finfo(self.model.dtype).bits // 8
         return activation_bytes(self.model.config, tokens, seqs, elem)
 
-    def _capture(self, is_prefill: bool, size: int) -> bool:
-        key = ("prefill" if is_prefill else "decode", size)
+    def _capture(self, kind: str, size: int) -> bool:
+        key = (kind, size)
+        is_prefill = kind != "decode"
         stats = self.stats[key]
-        tokens, seqs = self._shape_of(is_prefill, size)
+        tokens, seqs = self._shape_of(kind, size)
         started = time.perf_counter()
         pool = self.pool
-        need = self._estimate_bytes(is_prefill, size)
+        need = self._estimate_bytes(kind, size)
         uploaded = False
         try:
-            self._warm_up(is_prefill, tokens, seqs)
+            self._warm_up(kind, tokens)
             view = self.buffers.view(is_prefill, tokens, seqs)
             if self.cuda:
                 graph = torch.cuda.CUDAGraph()
@@ -348,7 +366,7 @@ class GraphRunner:
             pool_after = pool_bytes(pool)
             grown = max(0, pool_after - self._pool_bytes.get(pool, 0))
         else:
-            pool_after, grown = 0, self._estimate_bytes(is_prefill, size)
+            pool_after, grown = 0, self._estimate_bytes(kind, size)
         with self._lock:
             used = grown
             if self.cuda:
@@ -358,7 +376,10 @@ class GraphRunner:
                 self._unowned_bytes[pool] = unowned - taken
                 used += taken
                 self._graph_pools[key] = pool
-            (self._prefill_graphs if is_prefill else self._decode_graphs)[size] = graph
+            if is_prefill:
+                self._prefill_graphs[key] = graph
+            else:
+                self._decode_graphs[size] = graph
             stats.captured = True
             stats.captures += 1
             stats.uploaded = uploaded
@@ -367,7 +388,7 @@ class GraphRunner:
         log.info("graph_captured", kind=key[0], size=size, bytes=used, seconds=round(stats.capture_s, 4))
         return True
 
-    def _warm_up(self, is_prefill: bool, tokens: int, seqs: int) -> None:
+    def _warm_up(self, kind: str, tokens: int) -> None:
         """One eager run on private inputs (slots all -1): lazy init and kernel compilation
         happen here, not during capture, and live buffers are left alone.
 
@@ -379,21 +400,23 @@ class GraphRunner:
         before serving, so each is warmed up at its own size: a kernel specialised on a row
         count then compiles here, never inside the capture (which it would invalidate)."""
         if not self.cuda:
-            self._step_body(self._dummy_inputs(is_prefill, tokens, seqs), self._scratch_logits(seqs))
+            _, seqs = self._shape_of(kind, tokens)
+            self._step_body(self._dummy_inputs(kind != "decode", tokens, seqs), self._scratch_logits(seqs))
             return
-        key = (threading.get_ident(), is_prefill, None if is_prefill else tokens)
+        key = (threading.get_ident(), kind, tokens if kind == "decode" else None)
         if key in self._warm_threads:
             return
-        self._warm_up_steps(is_prefill, tokens)
+        self._warm_up_steps(kind, tokens)
         # Only a warm-up that ran counts: one that failed (out of memory) is redone
         # before the next capture, or that capture would compile inside itself.
         self._warm_threads.add(key)
 
-    def _warm_up_steps(self, is_prefill: bool, tokens: int) -> None:
+    def _warm_up_steps(self, kind: str, tokens: int) -> None:
         """The steps a CUDA warm-up runs (`_warm_up`), on the capture stream, waited for."""
+        is_prefill = kind != "decode"
         sizes, seqs = [tokens], tokens
         if is_prefill:
-            seqs = self.plan.max_rows
+            seqs = self.plan.rows(kind)
             sizes = prefill_warm_up_sizes(self.plan.prefill, self.model.kernels.skinny_rows)
         scratch_logits = self._scratch_logits(seqs)
         with torch.cuda.stream(self.capture_stream):
@@ -493,37 +516,37 @@ class GraphRunner:
             self._thread = None
             sys.setswitchinterval(self._switch_interval)
 
-    def _next_prefill_bucket(self) -> int | None:
+    def _next_prefill_bucket(self) -> tuple[str, int] | None:
+        """The next (kind, size) to capture: the most demanded, then prefill before mixed
+        (a prompt alone is the first thing a client waits for), then the smallest."""
+        keys = [("prefill", s) for s in self.plan.prefill] + [("mixed", s) for s in self.plan.mixed]
         pending = [
-            s for s in self.plan.prefill
-            if s not in self._prefill_graphs and self.stats[("prefill", s)].disabled is None
-            and not self._blocked_by_budget(s)
+            key for key in keys
+            if key not in self._prefill_graphs and self.stats[key].disabled is None and not self._blocked_by_budget(key)
         ]
         if not pending:
             return None
-        return min(pending, key=lambda s: (-self.stats[("prefill", s)].demand, s))
+        return min(pending, key=lambda key: (-self.stats[key].demand, key[0] == "mixed", key[1]))
 
-    def _blocked_by_budget(self, size: int) -> bool:
-        """True when capturing `size` would need evicting graphs at least as wanted as it."""
-        need = self._estimate_bytes(True, size)
+    def _blocked_by_budget(self, key: tuple[str, int]) -> bool:
+        """True when capturing `key` would need evicting graphs at least as wanted as it."""
+        need = self._estimate_bytes(*key)
         free = self.memory_budget_bytes - self.graph_bytes()
         if need <= free:
             return False
-        demand = self.stats[("prefill", size)].demand
-        reclaimable = sum(
-            self.stats[("prefill", s)].bytes for s in self._prefill_graphs if self.stats[("prefill", s)].demand < demand
-        )
+        demand = self.stats[key].demand
+        reclaimable = sum(self.stats[k].bytes for k in self._prefill_graphs if self.stats[k].demand < demand)
         return need > free + reclaimable
 
     def _capture_loop(self) -> None:
         while not self._stop.is_set():
             with self._lock:
-                size = self._next_prefill_bucket()
-                if size is None:
+                key = self._next_prefill_bucket()
+                if key is None:
                     self._demand_changed.wait(timeout=1.0)
                     continue
-                need = self._estimate_bytes(True, size)
-                self._evict_for(need, self.stats[("prefill", size)].demand)
+                need = self._estimate_bytes(*key)
+                self._evict_for(need, self.stats[key].demand)
                 finished, waiting = [], []
                 for graph, done in self._retired:
                     if done.query():
@@ -532,7 +555,7 @@ class GraphRunner:
                         waiting.append((graph, done))
                 self._retired = waiting
             self._destroy(finished)
-            self._capture(True, size)
+            self._capture(*key)
 
     @staticmethod
     def _destroy(graphs: list[torch.cuda.CUDAGraph]) -> None:
@@ -544,11 +567,12 @@ class GraphRunner:
             graph.reset()
 
     def _evict_for(self, need: int, demand: int) -> None:
-        """Evict least-recently-used, less-demanded prefill graphs until `need` fits (lock held)."""
+        """Evict least-recently-used, less-demanded prefill and mixed graphs until `need`
+        fits (lock held)."""
         for victim in list(self._prefill_graphs):
             if self.memory_budget_bytes - self.graph_bytes() >= need:
                 return
-            stats = self.stats[("prefill", victim)]
+            stats = self.stats[victim]
             if stats.demand >= demand:
                 continue
             graph = self._prefill_graphs.pop(victim)
@@ -559,10 +583,10 @@ class GraphRunner:
                 self._retired.append((graph, done))
             stats.captured = False
             stats.evictions += 1
-            pool = self._graph_pools.pop(("prefill", victim), None)
+            pool = self._graph_pools.pop(victim, None)
             if pool is not None:  # its memory stays in the pool, for the next capture into it
                 self._unowned_bytes[pool] = self._unowned_bytes.get(pool, 0) + stats.bytes
-            log.info("graph_evicted", kind="prefill", size=victim, bytes=stats.bytes)
+            log.info("graph_evicted", kind=victim[0], size=victim[1], bytes=stats.bytes)
 
     # ------------------------------------------------------------------- stats
     def graph_bytes(self) -> int:

@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass
 
 @dataclass
 class BucketStats:
-    kind: str  # "decode" | "prefill"
+    kind: str  # "decode" | "prefill" | "mixed" (a prefill graph with a row for every running stream)
     size: int  # batch size (decode) or token count (prefill)
     captured: bool = False
     bytes: int = 0
