@@ -38,13 +38,13 @@ def load_model_for_runner():
     return m
 
 
-def make_runner(model, use_graphs: bool, budget: int = 4 << 30, prefill=PREFILL):
+def make_runner(model, use_graphs: bool, budget: int = 4 << 30, prefill=PREFILL, mixed_tokens: int | None = None):
     from hybridd.model import KVCache
     from hybridd.runtime.buckets import BucketPlan
     from hybridd.runtime.graph_runner import GraphRunner
     from hybridd.runtime.step_buffers import StepBuffers
 
-    plan = BucketPlan.create(list(DECODE), list(prefill), max_prefill_seqs=4)
+    plan = BucketPlan.create(list(DECODE), list(prefill), max_prefill_seqs=4, mixed_tokens=mixed_tokens)
     kv = KVCache.allocate(model.config, 40 * 64, BLOCK, torch.bfloat16, "cuda")
     buffers = StepBuffers.allocate(plan.max_prefill_tokens, plan.max_rows, 64, model.config.vocab_size, "cuda")
     return GraphRunner(model, kv, buffers, plan, use_graphs=use_graphs, memory_budget_bytes=budget)
@@ -228,8 +228,9 @@ def test_captures_that_evict_never_stall_the_decode_thread(model):
     from hybridd.runtime import gc_pauses
     from hybridd.stats import slowest
 
-    graphs = make_runner(model, True, prefill=(16, 256, 512))  # no other bucket competes for the budget
-    eager = make_runner(model, False, prefill=(16, 256, 512))
+    # No other bucket competes for the budget (no mixed graphs either).
+    graphs = make_runner(model, True, prefill=(16, 256, 512), mixed_tokens=0)
+    eager = make_runner(model, False, prefill=(16, 256, 512), mixed_tokens=0)
     graphs.capture_decode_graphs()
     assert graphs._capture("prefill", 16)
 

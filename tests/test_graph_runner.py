@@ -57,6 +57,7 @@ def test_a_prompt_alone_replays_a_graph_of_max_prefill_seqs_rows_and_a_mixed_ste
     assert [plan.step_kind(n) for n in (1, 8, 9, 32)] == ["prefill", "prefill", "mixed", "mixed"]
     alone = BucketPlan.create([1, 4], [16, 64], max_prefill_seqs=8)
     assert alone.mixed == () and alone.step_kind(8) == "prefill" and alone.rows("prefill") == alone.max_rows
+    assert BucketPlan.create([1, 32], [16, 64], max_prefill_seqs=8, mixed_tokens=0).mixed == ()
 
 
 @torch.inference_mode()

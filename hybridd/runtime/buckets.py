@@ -48,12 +48,12 @@ class BucketPlan:
     ) -> BucketPlan:
         """`mixed_tokens`: the most tokens of a step beside running streams (the chunk
         budget); every prefill bucket up to the one that holds it gets a mixed graph
-        (None: every prefill bucket)."""
+        (None: every prefill bucket; 0: none, such steps run eagerly)."""
         if max_prefill_seqs <= 0:
             raise ValueError("max_prefill_seqs must be positive")
         decode, prefill = normalize(decode, "decode_buckets"), normalize(prefill, "prefill_buckets")
         mixed: tuple[int, ...] = ()
-        if decode[-1] > max_prefill_seqs:
+        if decode[-1] > max_prefill_seqs and mixed_tokens != 0:
             limit = prefill[-1] if mixed_tokens is None else (pick(prefill, mixed_tokens) or prefill[-1])
             mixed = tuple(b for b in prefill if b <= limit)
         return cls(decode, prefill, max_prefill_seqs, mixed)
