@@ -26,12 +26,12 @@ import triton
 import triton.language as tl
 
 from hybridd.kernels import pdl, triton_gemm
+from hybridd.kernels.choices import FP8_PREFILL as PREFILL
 from hybridd.kernels.fp8 import FP8_DTYPE, FP8_MAX, Fp8Weight
 from hybridd.kernels.launch_variants import first_eager_call
 from hybridd.kernels.pdl import wait_for_predecessor
 from hybridd.kernels.triton_gemm import GemmConfig
 
-PREFILL = ("scaled_mm", "dequant")
 # The `dequant` prefill GEMM's columns per step: each stage of a 128 x 128 tile holds
 # 16 KiB of FP8 weight and 32 KiB of bf16 activations, three stages deep.
 _PREFILL_BLOCK_K = 128
@@ -181,5 +181,7 @@ def linear(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = None,
            prefill: str = "scaled_mm") -> torch.Tensor:
     """x [M, K] @ W.T (+ bias) for an FP8 weight: the skinny kernel up to MAX_ROWS rows,
     else the `prefill` candidate (one of PREFILL)."""
+    if prefill not in PREFILL:
+        raise ValueError(f"prefill must be one of {', '.join(PREFILL)}, got {prefill!r}")
     y = triton_gemm.skinny(x, weight, bias)
     return _PREFILL[prefill](x, weight, bias) if y is None else y
