@@ -67,7 +67,8 @@ def _quantize_tokens_kernel(x_ptr, q_ptr, scale_ptr, static_ptr, n_cols, n_stati
         scale = tl.max(tl.load(static_ptr + j, mask=j < n_static, other=0.0), axis=0)
     else:
         amax = tl.max(tl.abs(x), axis=0)
-        scale = tl.where(amax > 0, amax / FP8_MAX, 1.0)
+        # IEEE division, as torch divides (Triton's `/` is the fast approximate one on the GPU).
+        scale = tl.where(amax > 0, tl.math.div_rn(amax, FP8_MAX), 1.0)
     q = _round_to_e4m3(tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX, FP8_MAX))
     tl.store(q_ptr + row * n_cols + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(scale_ptr + row, scale)
