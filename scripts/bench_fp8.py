@@ -6,8 +6,8 @@
 - `decode`: the skinny GEMM at 1-32 rows on each projection of the Llama-2-7B and
   Llama-3-8B shapes: GB/s on the FP8 bytes it must read (weight, scales), as a fraction
   of the copy bandwidth (the target: >= 0.85), beside the bf16 weight's skinny GEMM on
-  the bf16 bytes; and, for one shape (`--sweep`), the configs around `config_for`'s FP8
-  rule, so that a better one shows.
+  the bf16 bytes; and, for one shape at 1 row (`--sweep`), the configs around
+  `config_for`'s FP8 rule, so that a better one shows.
 - `prefill`: each projection at 128-4096 rows through both prefill candidates
   (`scaled_mm`: per-token quantization + torch._scaled_mm; `dequant`: the Triton GEMM
   converting the weight in registers) and cuBLAS bf16: TFLOP/s, and per row count the
@@ -111,7 +111,7 @@ def bench_decode(shapes: dict, copy_bw: float, iters: int, sweep: str | None) ->
                        "fp8_s": t8, "fp8_GBps": fp8_bytes / t8 / 1e9, "fp8_x_copy_bw": fp8_bytes / t8 / copy_bw,
                        "bf16_s": t16, "bf16_GBps": 2 * n * k / t16 / 1e9, "bf16_x_copy_bw": 2 * n * k / t16 / copy_bw,
                        "fp8_over_bf16_time": t8 / t16}
-                if shape_name == sweep and m in (1, 32):
+                if shape_name == sweep and m == 1:
                     base = triton_gemm.config_of(m, f8[0])
                     tried = []
                     for config in sweep_configs(base):
@@ -200,8 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shapes", default="llama2-7b,llama3-8b", help="comma list of " + ", ".join(SHAPES))
     parser.add_argument("--quick", action="store_true", help="fewer iterations and row counts, no config sweep")
     parser.add_argument("--parts", default="decode,prefill", help="comma list of decode, prefill")
-    parser.add_argument("--sweep", default="llama3-8b", help="the shape whose decode configs are swept at 1 and 32 "
-                        "rows (each config compiles: about a second each)")
+    parser.add_argument("--sweep", default="llama3-8b", help="the shape whose decode configs are swept at 1 row "
+                        "(each config compiles: about a second each); none: no sweep")
     args = parser.parse_args(argv)
     import torch
 

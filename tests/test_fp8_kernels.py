@@ -226,7 +226,7 @@ def test_fp8_model_on_the_triton_kernels_equals_the_torch_kernels(fp8_model_dir,
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shapes", [LLAMA2_7B, LLAMA3_8B], ids=["llama2-7b", "llama3-8b"])
-@pytest.mark.parametrize("m", [1, 7, 16, 17, 32])
+@pytest.mark.parametrize("m", [1, 16, 17, 32])  # both row tiles, each at its fullest and emptiest
 def test_skinny_fp8_model_shapes(shapes, m):
     """Every projection of the two shapes at decode's row counts, with `config_of`'s own
     config (FP8's), against the emulated product, with a residual, a norm on the
@@ -245,8 +245,10 @@ def test_skinny_fp8_model_shapes(shapes, m):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shapes", [LLAMA2_7B, LLAMA3_8B], ids=["llama2-7b", "llama3-8b"])
-@pytest.mark.parametrize("m", [33, 128, 500, 2048])
+@pytest.mark.parametrize("m", [33, 500, 2048])
 def test_prefill_candidates_model_shapes(shapes, m):
+    """Both prefill candidates on every projection of the two shapes, from just past the
+    skinny kernel's rows to a long prompt, against their emulated numerics."""
     for name, (n, k) in shapes.items():
         x, w, b = fp8_operands(m, n, k, False, seed=m + n)
         assert rel(triton_fp8.prefill_dequant(x, w, b), fp8.linear(x, w, b)) < TOL, name
