@@ -465,8 +465,9 @@ def run_fp8(args, model: Path, vocab: int, deadline: float, result: dict) -> Non
     bf16, fp8 = result["bf16"], result["fp8"]
     over = {"itl_p50": ratio(g(fp8, "itl", "p50_s"), g(bf16, "itl", "p50_s")),
             "itl_p99": ratio(g(fp8, "itl", "p99_s"), g(bf16, "itl", "p99_s")),
-            f"decode_tokens_per_s_{FP8_STREAMS}": ratio(g(fp8, "concurrency", str(FP8_STREAMS), "decode_tokens_per_s"),
-                                                        g(bf16, "concurrency", str(FP8_STREAMS), "decode_tokens_per_s")),
+            f"decode_tokens_per_s_{FP8_STREAMS}": ratio(
+                g(fp8, "concurrency", str(FP8_STREAMS), "decode_tokens_per_s"),
+                g(bf16, "concurrency", str(FP8_STREAMS), "decode_tokens_per_s")),
             "after_weights_to_ready": ratio(g(fp8, "startup", "after_weights_to_ready_s"),
                                             g(bf16, "startup", "after_weights_to_ready_s"))}
     for n in lengths:
