@@ -253,3 +253,99 @@ def test_prefill_candidates_model_shapes(shapes, m):
         x, w, b = fp8_operands(m, n, k, False, seed=m + n)
         assert rel(triton_fp8.prefill_dequant(x, w, b), fp8.linear(x, w, b)) < TOL, name
         assert rel(triton_fp8.prefill_scaled_mm(x, w, b), fp8.linear(x, triton_fp8.dynamic(w), b)) < TOL, name
+
+
+# ---------------------------------------------------------------- compiled for Hopper, on any host
+
+_COMPILE_FOR_HOPPER = """
+import json, re, subprocess, tempfile
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, make_backend
+from hybridd.kernels import triton_fp8, triton_gemm
+
+target = GPUTarget("cuda", 90, 32)
+backend = make_backend(target)
+# As a launch on the 7B shapes specializes them: pointers and every size but M divisible by 16.
+UNALIGNED = ("M", "split_k", "n_stats", "n_static")
+
+
+def compile_(kernel, types, constants, warps, stages):
+    signature, consts, attrs = {}, {}, {}
+    for i, p in enumerate(kernel.params):
+        if p.name in types:
+            signature[p.name] = types[p.name]
+            if types[p.name][0] == "*" or (types[p.name] == "i32" and p.name not in UNALIGNED):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            signature[p.name] = "constexpr"
+            consts[(i,)] = constants.get(p.name, p.default)
+    options = backend.parse_options({"num_warps": warps, "num_stages": stages})
+    k = triton.compile(ASTSource(kernel, signature, consts, attrs), target=target, options=options.__dict__)
+    ptx = k.asm["ptx"]
+    # The stack ptxas gave each thread (spilled registers), from the cubin's resource usage.
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(k.asm["cubin"])
+        cubin.flush()
+        usage = subprocess.run([triton.knobs.nvidia.cuobjdump.path, "--dump-resource-usage", cubin.name],
+                               capture_output=True, text=True, check=True).stdout
+    return {"shared": k.metadata.shared, "cp_async": "cp.async" in ptx,
+            "e4m3": bool(re.search(r"cvt\\.[a-z0-9.]*e4m3", ptx)), "wgmma": "wgmma" in ptx,
+            "stack": int(re.search(r"STACK:(\\d+)", usage).group(1))}
+
+
+gemm = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "b_ptr": "*bf16", "y_ptr": "*bf16", "ws_ptr": "*fp32",
+        "count_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "k_per_split": "i32", "split_k": "i32",
+        "stride_xm": "i32", "stride_ym": "i32", "w_scale_ptr": "*fp32"}
+out = {}
+for m in (1, 32):
+    c = triton_gemm.config_for(m, 4096, 4096, 132, weight_bytes=1)
+    flags = dict(HAS_BIAS=False, SPLIT=False, EVEN_K=True, BLOCK_M=16 if m <= 16 else 32, BLOCK_N=c.block_n,
+                 BLOCK_K=c.block_k, INTERPRET=False, PDL=False, W_SCALE=True)
+    out[f"decode_m{m}"] = compile_(triton_gemm._skinny_gemm_kernel, gemm, flags, c.num_warps, c.num_stages)
+    norm = {**gemm, "stats_ptr": "*fp32", "n_stats": "i32", "eps": "fp32", "g_ptr": "*bf16"}
+    out[f"decode_norm_m{m}"] = compile_(triton_gemm._skinny_gemm_kernel, norm,
+                                        {**flags, "NORM": True, "STATS_PAD": 32, "NORM_WEIGHT": True},
+                                        c.num_warps, c.num_stages)
+for c in triton_fp8.prefill_configs():
+    flags = dict(HAS_BIAS=False, SPLIT=False, EVEN_K=True, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
+                 INTERPRET=False, PDL=False, W_SCALE=True)
+    out[f"prefill_{c.block_m}x{c.block_n}"] = compile_(triton_gemm._skinny_gemm_kernel, gemm, flags, c.num_warps,
+                                                       c.num_stages)
+quant = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "static_ptr": "*fp32", "n_cols": "i32",
+         "n_static": "i32", "stride_x": "i32"}
+out["quantize"] = compile_(triton_fp8._quantize_tokens_kernel, quant,
+                           dict(STATIC=False, BLOCK=16384, STATIC_PAD=1, FP8_MAX=448.0, PDL=False), 8, 1)
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_fp8_kernels_compile_for_hopper(tmp_path):
+    """The FP8 GEMM (decode at both row tiles, with the norm on the activation side;
+    every prefill config) and the quantization kernel compile for sm_90 with no GPU here,
+    as the launches on the 7B shapes specialize them: the weight streamed into shared
+    memory by the software pipeline (cp.async), converted from E4M3 in registers, on the
+    wgmma tensor cores, within an H100's shared memory, no register spilled (ptxas's
+    stack, from the cubin)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.host_load import on_this_host
+
+    root = Path(__file__).resolve().parent.parent
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compiled kernels, as in the daemon
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-c", _COMPILE_FOR_HOPPER], env=env, cwd=root, capture_output=True,
+                          text=True, timeout=on_this_host(300))
+    assert done.returncode == 0, done.stderr[-4000:]
+    kernels = json.loads(done.stdout.strip().splitlines()[-1])
+    for name, k in kernels.items():
+        assert k["shared"] <= 227 * 1024 and k["stack"] == 0, (name, k)
+        assert k["e4m3"], (name, k)
+        if name != "quantize":
+            assert k["cp_async"] and k["wgmma"], (name, k)
