@@ -80,12 +80,13 @@ def count_for(nbytes: int) -> int:
 
 def sweep_configs(base):
     """`config_for`'s FP8 config and its neighbours: block_k halved and doubled, a stage
-    more and less, 32-row tiles of N."""
+    more and less, 32-row and twice as tall tiles of N, eight warps."""
     from dataclasses import replace
 
     out = [base]
     for change in ({"block_k": base.block_k // 2}, {"block_k": base.block_k * 2}, {"num_stages": base.num_stages + 1},
-                   {"num_stages": base.num_stages - 1}, {"block_n": 32}, {"num_warps": 8}):
+                   {"num_stages": base.num_stages - 1}, {"block_n": 32}, {"block_n": base.block_n * 2},
+                   {"num_warps": 8}):
         c = replace(base, **change)
         if c not in out and c.block_k >= 64 and c.num_stages >= 2:
             out.append(c)
@@ -134,7 +135,7 @@ def bench_prefill(shapes: dict, iters: int, rows: tuple[int, ...]) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from hybridd.kernels import triton_fp8
+    from hybridd.kernels import triton_fp8, triton_gemm
 
     out, totals = {}, {}
     for shape_name, projections in shapes.items():
@@ -155,7 +156,8 @@ def bench_prefill(shapes: dict, iters: int, rows: tuple[int, ...]) -> dict:
                     lambda w: torch._scaled_mm(q, w.weight.t(), scale_a=s[:, None], scale_b=w.scale[None, :],
                                                out_dtype=torch.bfloat16), f8, iters)
                 times["quantize_tokens"] = rotated_time(lambda w: triton_fp8.quantize_tokens(x, w), [w0] * 4, iters)
-                row = {"n": n, "k": k, "rows": m, "dequant_config": repr(triton_fp8.prefill_config(m, n, 132)),
+                mps = triton_gemm._multiprocessors(x.device)
+                row = {"n": n, "k": k, "rows": m, "dequant_config": repr(triton_fp8.prefill_config(m, n, mps)),
                        **{f"{key}_s": t for key, t in times.items()},
                        **{f"{key}_TFLOPs": flop / t / 1e12 for key, t in times.items() if key != "quantize_tokens"}}
                 out[f"{shape_name}.{name}.m{m}"] = row

@@ -15,8 +15,9 @@ the per-token quantization of activations that the FP8 × FP8 product needs.
     decode tiling the rows too (`GemmConfig.tile_m`): the numerics of decode and of
     the torch reference.
 
-Shapes `torch._scaled_mm` does not take (N or K not multiples of 16) run the `scaled_mm`
-numerics on the Triton kernel: quantized activations, FP8 products, the same scales.
+Products `torch._scaled_mm` does not take (N or K not multiples of 16, an fp16 output on
+CUDA) run the `scaled_mm` numerics on the Triton kernel: quantized activations, FP8
+products, the same scales.
 """
 
 from __future__ import annotations
@@ -158,8 +159,10 @@ def _compile_prefill_variants(x: torch.Tensor, weight: Fp8Weight, bias: torch.Te
 
 
 def _scaled_mm_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether torch._scaled_mm takes the product with rowwise scales: N and K multiples
+    of 16, W row-major, and (on CUDA) a bf16 output, the only one it has for rowwise."""
     n, k = w.shape
-    return k % 16 == 0 and n % 16 == 0 and w.stride() == (k, 1)
+    return k % 16 == 0 and n % 16 == 0 and w.stride() == (k, 1) and (x.dtype == torch.bfloat16 or not x.is_cuda)
 
 
 def prefill_scaled_mm(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
