@@ -135,7 +135,7 @@ def bench_prefill(shapes: dict, iters: int, rows: tuple[int, ...]) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from hybridd.kernels import triton_fp8, triton_gemm
+    from hybridd.kernels import triton_fp8, triton_gemm, triton_quantize
 
     out, totals = {}, {}
     for shape_name, projections in shapes.items():
@@ -150,12 +150,13 @@ def bench_prefill(shapes: dict, iters: int, rows: tuple[int, ...]) -> dict:
                     "dequant": rotated_time(lambda w: triton_fp8.prefill_dequant(x, w), f8, iters),
                     "bf16_cublas": rotated_time(lambda w: F.linear(x, w), b16, iters),
                 }
-                q, s = triton_fp8.quantize_tokens(x, triton_fp8.dynamic(f8[0]))
+                q, s = triton_quantize.quantize_tokens(x, triton_fp8.dynamic(f8[0]))
                 w0 = f8[0]
                 times["scaled_mm_without_quantize"] = rotated_time(
                     lambda w: torch._scaled_mm(q, w.weight.t(), scale_a=s[:, None], scale_b=w.scale[None, :],
                                                out_dtype=torch.bfloat16), f8, iters)
-                times["quantize_tokens"] = rotated_time(lambda w: triton_fp8.quantize_tokens(x, w), [w0] * 4, iters)
+                times["quantize_tokens"] = rotated_time(lambda w: triton_quantize.quantize_tokens(x, w), [w0] * 4,
+                                                        iters)
                 mps = triton_gemm._multiprocessors(x.device)
                 row = {"n": n, "k": k, "rows": m, "dequant_config": repr(triton_fp8.prefill_config(m, n, mps)),
                        **{f"{key}_s": t for key, t in times.items()},

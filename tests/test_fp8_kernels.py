@@ -15,7 +15,7 @@ from tests.triton_target import CUDA, DEVICE, DTYPE, rel, require_triton
 
 require_triton()
 
-from hybridd.kernels import triton_fp8, triton_gemm  # noqa: E402
+from hybridd.kernels import triton_fp8, triton_gemm, triton_quantize  # noqa: E402
 from hybridd.kernels.choices import KernelChoices  # noqa: E402
 from hybridd.kernels.triton_gemm import FoldedNorm, GemmConfig  # noqa: E402
 
@@ -91,7 +91,7 @@ def test_quantize_tokens_rounds_as_torch_converts():
     for activations, scales in (("dynamic", None), ("static", torch.tensor([0.02, 0.05], device=DEVICE))):
         weight = fp8.Fp8Weight(torch.zeros(8, 75, dtype=fp8.FP8_DTYPE, device=DEVICE),
                                torch.ones(8, device=DEVICE), activations, scales)
-        q, s = triton_fp8.quantize_tokens(x, weight)
+        q, s = triton_quantize.quantize_tokens(x, weight)
         assert q.dtype == fp8.FP8_DTYPE and s.dtype == torch.float32 and s.shape == (6,)
         assert torch.equal(q.float() * s[:, None], fp8.quantize_activations(x, weight))
         assert float(s[5]) == (1.0 if activations == "dynamic" else float(scales[1]))
@@ -125,6 +125,20 @@ def test_fp8_operands_are_checked():
         KernelChoices(fp8_prefill="cublas")
     with pytest.raises(ValueError, match="a config that tiles the rows needs its block_m and no split of K"):
         GemmConfig(16, 32, split_k=2, block_m=16, tile_m=True)
+
+
+def test_the_description_says_where_prefill_quantizes_activations():
+    """The `scaled_mm` prefill rounds activations to FP8 per token where the scheme keeps
+    them in the model dtype: the status line says so; `dequant` and a checkpoint's own
+    activation scheme need no such note."""
+    from hybridd.kernels.selection import select_kernels
+    from hybridd.quantization import Quantization
+
+    assert select_kernels("cpu", KernelChoices("triton")).fp8_prefill_per_token
+    assert not select_kernels("cpu", KernelChoices("triton", fp8_prefill="dequant")).fp8_prefill_per_token
+    assert "activations in the model dtype (FP8 per token in prefill)" in Quantization().describe(True)
+    assert "activations in the model dtype;" in Quantization().describe(False)
+    assert "activations FP8 per token;" in Quantization(activations="dynamic").describe(True)
 
 
 def test_fp8_weights_stream_as_many_bytes_a_stage_as_bf16():
@@ -262,7 +276,7 @@ import json, re, subprocess, tempfile
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
-from hybridd.kernels import triton_fp8, triton_gemm
+from hybridd.kernels import triton_fp8, triton_gemm, triton_quantize
 
 target = GPUTarget("cuda", 90, 32)
 backend = make_backend(target)
@@ -314,7 +328,7 @@ for c in triton_fp8.prefill_configs():
                                                        c.num_stages)
 quant = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "static_ptr": "*fp32", "n_cols": "i32",
          "n_static": "i32", "stride_x": "i32"}
-out["quantize"] = compile_(triton_fp8._quantize_tokens_kernel, quant,
+out["quantize"] = compile_(triton_quantize._quantize_tokens_kernel, quant,
                            dict(STATIC=False, BLOCK=16384, STATIC_PAD=1, FP8_MAX=448.0, PDL=False), 8, 1)
 print(json.dumps(out))
 """

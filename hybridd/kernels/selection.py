@@ -55,6 +55,12 @@ class TritonKernels(ComposedSteps):
         # theirs being folded into those projections, so the projections may apply them.
         self.norms_folded = False
 
+    @property
+    def fp8_prefill_per_token(self) -> bool:
+        """Whether FP8 projections of more rows than decode's quantize their activations
+        to FP8 per token (the `scaled_mm` prefill), whatever the model's scheme says."""
+        return self.choices.fp8_prefill == "scaled_mm"
+
     def launches(self, num_tokens: int) -> contextlib.AbstractContextManager:
         """The launch settings of a step of `num_tokens` rows: without programmatic
         dependent launch where the choices turn it off or the step's projections run on

@@ -1,5 +1,5 @@
 """FP8-weight projections on the GPU: which kernel takes a product of how many rows, and
-the per-token quantization of activations that the FP8 × FP8 product needs.
+the two prefill candidates.
 
 - Up to `triton_gemm.MAX_ROWS` rows (decode): the skinny GEMM with the FP8 weight
   converted to the activation dtype in registers and the scales in its epilogue
@@ -8,9 +8,9 @@ the per-token quantization of activations that the FP8 × FP8 product needs.
   (`PREFILL`), to be settled by measurement (scripts/bench_fp8.py) and the loser deleted:
   - `scaled_mm`: FP8 × FP8 on the tensor cores, `torch._scaled_mm` with rowwise scales:
     each token's activations are quantized to FP8 with a scale of their own
-    (`quantize_tokens`), each output channel has the weight's. The activations are
-    rounded to FP8 here even where the checkpoint leaves them in the model dtype (the
-    numerics of `fp8.linear` with `activations="dynamic"`);
+    (`triton_quantize.quantize_tokens`), each output channel has the weight's. The
+    activations are rounded to FP8 here even where the checkpoint leaves them in the
+    model dtype (the numerics of `fp8.linear` with `activations="dynamic"`);
   - `dequant`: FP8 weights × activations in the model dtype, the same Triton kernel as
     decode tiling the rows too (`GemmConfig.tile_m`): the numerics of decode and of
     the torch reference.
@@ -24,76 +24,17 @@ from __future__ import annotations
 
 import torch
 import triton
-import triton.language as tl
 
 from hybridd.kernels import pdl, triton_gemm
 from hybridd.kernels.choices import FP8_PREFILL as PREFILL
-from hybridd.kernels.fp8 import FP8_DTYPE, FP8_MAX, Fp8Weight
+from hybridd.kernels.fp8 import Fp8Weight
 from hybridd.kernels.launch_variants import first_eager_call
-from hybridd.kernels.pdl import wait_for_predecessor
 from hybridd.kernels.triton_gemm import GemmConfig
+from hybridd.kernels.triton_quantize import quantize_tokens
 
 # The `dequant` prefill GEMM's columns per step: each stage of a 128 x 128 tile holds
 # 16 KiB of FP8 weight and 32 KiB of bf16 activations, three stages deep.
 _PREFILL_BLOCK_K = 128
-
-
-@triton.jit
-def _round_to_e4m3(v):
-    """v (float32, |v| <= 448) rounded to the nearest FP8 E4M3 value, ties to even, still in
-    float32: the conversion after it is then exact. Done by hand because Triton's CPU
-    interpreter rounds wrongly where the mantissa carries into the exponent (124.3 to 64);
-    the GPU's conversion rounds as this does. E4M3 keeps 3 mantissa bits, and below its
-    smallest normal exponent (-6) steps of 2^-9."""
-    exponent = tl.maximum(((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6) - 3
-    step = ((exponent + 127) << 23).to(tl.float32, bitcast=True)
-    per_step = ((127 - exponent) << 23).to(tl.float32, bitcast=True)
-    # Adding and taking away 1.5 * 2^23 rounds a float32 below 2^22 to an integer, ties to even.
-    return ((v * per_step + 12582912.0) - 12582912.0) * step
-
-
-@triton.jit
-def _quantize_tokens_kernel(x_ptr, q_ptr, scale_ptr, static_ptr, n_cols, n_static, stride_x,
-                            STATIC: tl.constexpr, BLOCK: tl.constexpr, STATIC_PAD: tl.constexpr,
-                            FP8_MAX: tl.constexpr, PDL: tl.constexpr):
-    """One row: scale = amax(|row|) / FP8_MAX (1 for an all-zero row), or the largest of
-    the static scales; the row divided by it, clamped and rounded to nearest FP8."""
-    wait_for_predecessor(PDL)
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK)
-    mask = offs < n_cols
-    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-    if STATIC:
-        j = tl.arange(0, STATIC_PAD)
-        scale = tl.max(tl.load(static_ptr + j, mask=j < n_static, other=0.0), axis=0)
-    else:
-        amax = tl.max(tl.abs(x), axis=0)
-        # IEEE division, as torch divides (Triton's `/` is the fast approximate one on the GPU).
-        scale = tl.where(amax > 0, tl.math.div_rn(amax, FP8_MAX), 1.0)
-    q = _round_to_e4m3(tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX, FP8_MAX))
-    tl.store(q_ptr + row * n_cols + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(scale_ptr + row, scale)
-
-
-def quantize_tokens(x: torch.Tensor, weight: Fp8Weight) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x [M, K] in FP8, float32 scales [M]) as `fp8.quantize_activations` rounds them:
-    per token, or with the weight's static scale where its activations are "static"."""
-    m, k = x.shape
-    q = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
-    scales = torch.empty(m, dtype=torch.float32, device=x.device)
-    static = weight.activations == "static"
-    if static and weight.input_scale is None:
-        raise ValueError("an FP8 weight with static activation scales needs its input_scale")
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    if m:
-        parts = weight.input_scale if static else scales
-        _quantize_tokens_kernel[(m,)](
-            x, q, scales, parts, k, parts.numel(), x.stride(0), STATIC=static, BLOCK=triton.next_power_of_2(k),
-            STATIC_PAD=triton.next_power_of_2(max(parts.numel(), 1)), FP8_MAX=FP8_MAX,
-            num_warps=8 if k >= 4096 else 4, **pdl.launch_args(x.device),
-        )
-    return q, scales
 
 
 def dynamic(weight: Fp8Weight) -> Fp8Weight:

@@ -46,6 +46,7 @@ from hybridd.kernels.fp8 import FP8_DTYPE, Fp8Weight
 from hybridd.kernels.launch_variants import first_eager_call
 from hybridd.kernels.pdl import wait_for_predecessor
 from hybridd.kernels.rotary import RotaryArgs
+from hybridd.kernels.triton_quantize import quantize_tokens
 
 MAX_ROWS = 32
 _INTERPRET = environment.flag("TRITON_INTERPRET")
@@ -340,7 +341,7 @@ def launch(
     falls back to cuBLAS): too many rows, a weight not stored row-major as `nn.Linear`
     keeps it, or split-K scratch missing during capture. `weight` in x's dtype, or FP8
     with its scales (`Fp8Weight`; where it quantizes its input, x is quantized to FP8 per
-    row here first, `triton_fp8.quantize_tokens`). `rotary`: W is a fused qkv projection
+    row here first, `triton_quantize.quantize_tokens`). `rotary`: W is a fused qkv projection
     and the result [M, q_size + 2 kv_size] holds q and k rotated and v, which also go to
     the KV caches (see `RotaryArgs`); None where BLOCK_N / 2 does not divide head_dim / 2.
     `norm`: x's rows are RMS-normalised, the product of each row scaled by its 1 / rms,
@@ -396,9 +397,7 @@ def launch(
     if fp8 is not None:
         fused |= dict(w_scale_ptr=fp8.scale, W_SCALE=True)
         if fp8.activations != "none":
-            from hybridd.kernels import triton_fp8
-
-            x, x_scale = triton_fp8.quantize_tokens(x, fp8)
+            x, x_scale = quantize_tokens(x, fp8)
             fused |= dict(x_scale_ptr=x_scale, X_SCALE=True)
     y = torch.empty((m, n), dtype=out_dtype, device=x.device)
     if norm is not None:
