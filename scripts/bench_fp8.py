@@ -80,13 +80,15 @@ def count_for(nbytes: int) -> int:
 
 def sweep_configs(base):
     """`config_for`'s FP8 config and its neighbours: block_k halved and doubled, a stage
-    more and less, 32-row and twice as tall tiles of N, eight warps."""
+    more and less, 32-row and twice as tall tiles of N, eight warps, K split in twice as
+    many parts (half the weight bytes a program: more programs where N's tiles leave
+    multiprocessors idle, o and down)."""
     from dataclasses import replace
 
     out = [base]
     for change in ({"block_k": base.block_k // 2}, {"block_k": base.block_k * 2}, {"num_stages": base.num_stages + 1},
                    {"num_stages": base.num_stages - 1}, {"block_n": 32}, {"block_n": base.block_n * 2},
-                   {"num_warps": 8}):
+                   {"num_warps": 8}, {"split_k": 2 * base.split_k}):
         c = replace(base, **change)
         if c not in out and c.block_k >= 64 and c.num_stages >= 2:
             out.append(c)
