@@ -27,11 +27,11 @@ if [ "${1:-}" = fp8 ]; then
     #    floors, and bf16 against FP8 daemons on the same weights (TTFT 128-2000 tokens, ITL
     #    at batch 1, 32 streams, start after the weights) (fp8-PRESET/bench.json, bench_table.txt).
     preset=${HYBRIDD_FP8_PRESET:-llama2-7b}
-    timeout 130 python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/test_fp8_kernels.py \
+    timeout 110 python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/test_fp8_kernels.py \
         tests/test_gpu_fp8_model.py 2>&1 | tee "$OUT/fp8_tests.log" || status=1
-    timeout 90 python3 -m scripts.bench_fp8 --out "$OUT/fp8_gemm.json" 2>&1 | tee "$OUT/fp8_gemm.log" || status=1
-    timeout 260 python3 -m scripts.bench --out "$OUT/fp8-$preset" --preset "$preset" \
-        --parts ceilings,checkpoint,breakdown_fp8,fp8 --budget-s 250 2>&1 | tee "$OUT/fp8_bench.log" || status=1
+    timeout 110 python3 -m scripts.bench_fp8 --out "$OUT/fp8_gemm.json" 2>&1 | tee "$OUT/fp8_gemm.log" || status=1
+    timeout 250 python3 -m scripts.bench --out "$OUT/fp8-$preset" --preset "$preset" \
+        --parts ceilings,checkpoint,breakdown_fp8,fp8 --budget-s 240 2>&1 | tee "$OUT/fp8_bench.log" || status=1
     exit $status
 fi
 timeout 400 python3 -m pytest -q -m gpu -p no:cacheprovider tests --ignore tests/test_gpu_model.py \
