@@ -15,8 +15,11 @@ concurrent streams, graph memory, what the HTTP gateway adds: scripts/bench_gate
 the daemon with one setting changed against `hybridd` (VARIANTS), `capture_evict` (ITL
 while prefill graphs are captured during decode, scripts/bench_capture.py), `mixed_load`
 and `prefix_reuse` (a stream's ITL while another client sends long prompts; TTFT with a
-cached prefix and over a chat's turns: scripts/bench_mixed.py), and the peers on the same
-weights: `hf_eager`, `hf_static`
+cached prefix and over a chat's turns: scripts/bench_mixed.py), `breakdown_fp8` (the
+breakdown of the model quantized to FP8 at load: its decode steps against the FP8 floor)
+and `fp8` (a bf16 and an FP8 daemon on the same weights, one after the other: start,
+TTFT at 128 tokens to `--long-prompt`, batch-1 ITL and 32 streams, FP8 over bf16), and
+the peers on the same weights: `hf_eager`, `hf_static`
 (transformers `generate()`, static cache and torch.compile). A part is skipped, with
 the reason recorded, when `--budget-s` would be exceeded; a failure is recorded and the
 run goes on; bench.json is rewritten after every part. docs/lab/benchmarks.md reads
@@ -72,10 +75,10 @@ LATE_VARIANTS = ("hybridd_poll", "hybridd_no_wake")
 # Estimated seconds per part on an H200 with the Llama-2-7B / Llama-3-8B shape (the budget check uses them).
 ESTIMATE_S_7B = {"ceilings": 8, "checkpoint": 60, "breakdown": 45, "hybridd_eager": 50, "hybridd": 110,
                  "capture_evict": 60, "hf_eager": 45, "hf_static": 60, "mixed_load": 60,
-                 "prefix_reuse": 45} | dict.fromkeys(VARIANTS, 60)
+                 "prefix_reuse": 45, "breakdown_fp8": 45, "fp8": 120} | dict.fromkeys(VARIANTS, 60)
 ESTIMATE_S_SMALL = {"ceilings": 3, "checkpoint": 5, "breakdown": 10, "hybridd_eager": 12, "hybridd": 20,
                     "capture_evict": 20, "hf_eager": 8, "hf_static": 60, "mixed_load": 30,
-                    "prefix_reuse": 30} | dict.fromkeys(VARIANTS, 20)
+                    "prefix_reuse": 30, "breakdown_fp8": 10, "fp8": 30} | dict.fromkeys(VARIANTS, 20)
 # What --skip may name: the parts, and the HTTP gateway's figures inside the hybridd part.
 SKIPPABLE = frozenset(ESTIMATE_S_7B) | {"gateway"}
 LARGE_PRESETS = ("llama2-7b", "llama3-8b")
@@ -429,6 +432,50 @@ def beside_comparison(on: dict, off: dict) -> dict:
     return out
 
 
+# TTFT lengths of the `fp8` part, below `--long-prompt`, which is the last.
+FP8_TTFT_LENGTHS = (128, 500)
+FP8_STREAMS = 32
+
+
+def run_fp8(args, model: Path, vocab: int, deadline: float, result: dict) -> None:
+    """The graphs-on daemon in the model's dtype (`bf16`), then with `quantization = "fp8"`
+    (`fp8`), on the same weights and prompts: start (after the weights), TTFT at
+    FP8_TTFT_LENGTHS and `--long-prompt` tokens, batch-1 ITL and FP8_STREAMS streams;
+    `fp8_over_bf16` divides each figure of `fp8` by `bf16`'s."""
+    lengths = (*[n for n in FP8_TTFT_LENGTHS if n < args.long_prompt], args.long_prompt)
+    for name, overrides in (("bf16", {}), ("fp8", {"quantization": "fp8"})):
+        part = result[name] = {}
+        rng = random.Random(11)  # the same prompts for both
+        server = HybriddServer(model, args.device, 600 if args.device == "cuda" else 120,
+                               **server_overrides(args), **overrides)
+        client = None
+        try:
+            part["startup"] = server.startup()
+            client = open_client(server.endpoint)
+            ttft_fn, gaps_fn = hybridd_stream_fns(client)
+            part["ttft_s"] = measure_ttft(ttft_fn, lengths, args.ttft_reps, vocab, rng, deadline)
+            part["itl"] = measure_itl(gaps_fn, ITL_PROMPT, args.itl_tokens, args.itl_runs, vocab, rng, deadline)
+            part["concurrency"] = measure_concurrency(client, (FP8_STREAMS,), ITL_PROMPT, args.concurrency_tokens,
+                                                      vocab, rng)
+            part["quantization"] = client.status().get("quantization")
+        finally:
+            if client is not None:
+                client.close()
+            server.close()
+    bf16, fp8 = result["bf16"], result["fp8"]
+    over = {"itl_p50": ratio(g(fp8, "itl", "p50_s"), g(bf16, "itl", "p50_s")),
+            "itl_p99": ratio(g(fp8, "itl", "p99_s"), g(bf16, "itl", "p99_s")),
+            f"decode_tokens_per_s_{FP8_STREAMS}": ratio(
+                g(fp8, "concurrency", str(FP8_STREAMS), "decode_tokens_per_s"),
+                g(bf16, "concurrency", str(FP8_STREAMS), "decode_tokens_per_s")),
+            "after_weights_to_ready": ratio(g(fp8, "startup", "after_weights_to_ready_s"),
+                                            g(bf16, "startup", "after_weights_to_ready_s"))}
+    for n in lengths:
+        over[f"ttft_{n}"] = ratio(g(fp8, "ttft_s", str(n), "median_s"), g(bf16, "ttft_s", str(n), "median_s"))
+    result["ttft_lengths"] = list(lengths)
+    result["fp8_over_bf16"] = over
+
+
 def run_capture_evict(args, model: Path, vocab: int, notes: list[str]) -> dict:
     """Prefill graphs captured while a decode stream runs, forced by a small graph budget
     and demand for the evicted bucket (scripts/bench_capture.py)."""
@@ -715,6 +762,23 @@ def build_report(results: dict) -> tuple[list[dict], list[dict]]:
     target("all graphs' memory (GiB, larger of measured and pool)", "<= 1 GiB", max(mem) / GiB if mem else None, 1.0)
     target(f"start to ready after weights are loaded (s; {cache_state(hy.get('startup') or {})})", "<= 20 s",
            g(hy, "startup", "after_weights_to_ready_s"), 20.0)
+    bd8 = results.get("breakdown_fp8") or {}
+    if bd8:
+        fp8_floor = ratio(bd8.get("weight_bytes"), g(results, "device", "copy_bandwidth_Bps"))
+        target("FP8 decode GPU step, batch 1, context 512 (x FP8 weights floor: FP8 projections, bf16 embedding and "
+               "LM head)", "<= 1.15 x floor", ratio(g(bd8, "decode_b1", "step_s"), fp8_floor), 1.15)
+        target("FP8 decode GPU step, batch 32, context 512 (x (FP8 weights + KV) floor)", "<= 1.20 x floor",
+               ratio(g(bd8, "decode_b32", "step_s"), g(bd8, "decode_b32", "weights_kv_floor_s")), 1.20)
+    f8 = results.get("fp8") or {}
+    if f8.get("fp8_over_bf16"):
+        over = f8["fp8_over_bf16"]
+        target("FP8 / bf16 ITL p50, batch 1", "<= 0.62", over.get("itl_p50"), 0.62)
+        ttfts = [over.get(f"ttft_{n}") for n in f8.get("ttft_lengths", [])]
+        worst = max(ttfts) if ttfts and None not in ttfts else None
+        target(f"FP8 / bf16 TTFT at {'-'.join(str(n) for n in f8.get('ttft_lengths', []))} tokens (worst length)",
+               "<= 0.75", worst, 0.75)
+        target(f"FP8 start to ready after weights are loaded (s; {cache_state(g(f8, 'fp8', 'startup') or {})})",
+               "<= 20 s", g(f8, "fp8", "startup", "after_weights_to_ready_s"), 20.0)
     if hy.get("gateway"):
         added = g(hy, "gateway", "added_ttft_p50_s")
         target("HTTP gateway: TTFT p50 added vs the SDK over its socket (ms)", "<= 0.3 ms",
@@ -806,6 +870,27 @@ def render_table(results: dict) -> str:
         lines += ["", f"where the step goes ({g(bd, 'decode_b1', 'source') or '-'}; each category against its own "
                       f"floor: bytes / copy bandwidth or FLOPs / matmul rate)"]
         lines += render_breakdown(bd)
+    bd8 = results.get("breakdown_fp8")
+    if bd8:
+        from scripts.bench_breakdown import render as render_breakdown
+
+        lines += ["", f"where the FP8 model's step goes (weights {fmt(bd8.get('weight_bytes'), 1e-9)} GB; GEMM floors "
+                      f"on the FP8 bytes)"]
+        lines += render_breakdown(bd8)
+    f8 = results.get("fp8") or {}
+    if f8.get("fp8_over_bf16"):
+        lines += ["", f"{'FP8 against bf16 (ms)':26s} | {'bf16':>8s} | {'fp8':>8s} | {'fp8/bf16':>8s}"]
+        figures = [(f"TTFT {n} tok", ("ttft_s", str(n), "median_s"), f"ttft_{n}") for n in f8.get("ttft_lengths", [])]
+        figures += [("ITL p50 (b=1)", ("itl", "p50_s"), "itl_p50"), ("ITL p99 (b=1)", ("itl", "p99_s"), "itl_p99"),
+                    ("after weights to ready", ("startup", "after_weights_to_ready_s"), "after_weights_to_ready")]
+        for label, keys, over in figures:
+            lines.append(f"{label:26s} | {fmt(g(f8, 'bf16', *keys), 1e3):>8s} | {fmt(g(f8, 'fp8', *keys), 1e3):>8s} | "
+                         f"{fmt(f8['fp8_over_bf16'].get(over)):>8s}")
+        key = f"decode_tokens_per_s_{FP8_STREAMS}"
+        lines.append(f"{f'{FP8_STREAMS} streams (decode tok/s)':26s} | "
+                     f"{fmt(g(f8, 'bf16', 'concurrency', str(FP8_STREAMS), 'decode_tokens_per_s'), 1, 0):>8s} | "
+                     f"{fmt(g(f8, 'fp8', 'concurrency', str(FP8_STREAMS), 'decode_tokens_per_s'), 1, 0):>8s} | "
+                     f"{fmt(f8['fp8_over_bf16'].get(key)):>8s}")
     for name, (_, what, _) in VARIANTS.items():
         vs = g(results, name, "vs_off")
         if vs:
@@ -1049,6 +1134,9 @@ def main(argv: list[str] | None = None) -> int:
              needs=("model", "vocab"))
         part("hf_static", lambda out: run_hf(args, state["model"], vocab(), "static", deadline, shared, out),
              needs=("model", "vocab"))
+        part("breakdown_fp8", lambda out: run_breakdown_subprocess(args, state["model"], state["ceilings"], deadline,
+                                                                    "fp8"), needs=("model", "ceilings"))
+        part("fp8", lambda out: run_fp8(args, state["model"], vocab(), deadline, out), needs=("model", "vocab"))
         for name in LATE_VARIANTS:
             variant(name)
     finally:  # also on SIGTERM (a run past the device's limit): keep what was measured
@@ -1072,14 +1160,16 @@ def model_shape_name(args) -> str:
     return f"{SHAPE_NAMES.get(args.preset, args.preset)} shape, random {dtype} weights"
 
 
-def run_breakdown_subprocess(args, model: Path, ceilings: dict, deadline: float) -> dict:
-    """scripts/bench_breakdown.py in its own process: the model it loads and the graphs
-    it captures are gone, whatever happens, before the daemons start."""
+def run_breakdown_subprocess(args, model: Path, ceilings: dict, deadline: float, quantization: str = "none") -> dict:
+    """scripts/bench_breakdown.py in its own process (the model quantized as
+    `quantization` says): the model it loads and the graphs it captures are gone,
+    whatever happens, before the daemons start."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "breakdown.json"
         cmd = [sys.executable, "-m", "scripts.bench_breakdown", "--model", str(model), "--device",
                args.device, "--out", str(out), "--copy-bandwidth", repr(ceilings["copy_bandwidth_Bps"]),
-               "--matmul-flops", repr(ceilings["matmul_flops"]), "--steps", "2" if args.device == "cpu" else "20"]
+               "--matmul-flops", repr(ceilings["matmul_flops"]), "--steps", "2" if args.device == "cpu" else "20",
+               "--quantization", quantization]
         # Past the budget's end the part is cut short (recorded as failed) and the run goes on.
         timeout = max(60.0, deadline - time.perf_counter())
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)

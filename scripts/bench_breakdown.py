@@ -45,7 +45,7 @@ CATEGORY_RULES: tuple[tuple[str, str], ...] = (
     ("rope_kv", r"rotary|rope|write_kv|kv_write|reshape_and_cache|store_kv|cache_write"),
     ("norm", r"rms_?norm|layer_?norm|_norm_kernel"),
     ("gemm", r"gemm|gemv|matmul|nvjet|cutlass|cublas|xmma|skinny|_linear|^aten::(linear|mm|addmm)$"),
-    ("other", r"silu|swiglu|act_and_mul|gelu|embedding|index_select|indexselect|gather|memcpy|memset|fill"
+    ("other", r"quantize|silu|swiglu|act_and_mul|gelu|embedding|index_select|indexselect|gather|memcpy|memset|fill"
               r"|elementwise|copy|cast|argmax|arange|^aten::(mul|add|cat|to|_to_copy|copy_|index_select|view"
               r"|reshape|split|empty|zeros|float|select|slice|t|transpose|contiguous)$"),
 )
@@ -91,8 +91,11 @@ def attribute(names: list[str], num_layers: int) -> tuple[list[str], str | None]
 
 
 def step_floors(config, tokens: int, seqs: int, context: int, prefill: bool, elem: int, bw: float,
-                flops: float) -> dict[str, dict]:
-    """Bytes each category must move (read + written) and its floor in seconds."""
+                flops: float, weight_elem: int | None = None) -> dict[str, dict]:
+    """Bytes each category must move (read + written) and its floor in seconds; the
+    decoder's projection weights at `weight_elem` bytes an element (FP8: 1; default
+    `elem`), the activations, the LM head and the caches at `elem`."""
+    weight_elem = elem if weight_elem is None else weight_elem
     h, q, kv, inter, vocab, layers = (config.hidden_size, config.q_size, config.kv_size, config.intermediate_size,
                                       config.vocab_size, config.num_layers)
 
@@ -101,7 +104,8 @@ def step_floors(config, tokens: int, seqs: int, context: int, prefill: bool, ele
 
     out = {}
     for name, (k, n) in zip(PROJECTIONS, ((h, q + 2 * kv), (q, h), (h, 2 * inter), (inter, h))):
-        out[f"gemm.{name}"] = entry(layers * (k * n + tokens * (k + n)) * elem, layers * 2.0 * tokens * k * n)
+        out[f"gemm.{name}"] = entry(layers * (k * n * weight_elem + tokens * (k + n) * elem),
+                                    layers * 2.0 * tokens * k * n)
     out["gemm.lm_head"] = entry(h * vocab * elem + seqs * h * elem + seqs * vocab * elem, 2.0 * seqs * h * vocab)
     if prefill:  # each token attends to the step's own tokens (causal): K/V of the step, read once
         attn_bytes = layers * tokens * (2 * q + 2 * kv) * elem
@@ -264,9 +268,10 @@ def median_step_s(runner, run, iters: int, cuda: bool, per_round: int = 1) -> fl
     return statistics.median(times)
 
 
-def run_breakdown(model_dir: Path, device: str, ceilings: dict, steps: int = 20) -> dict:
+def run_breakdown(model_dir: Path, device: str, ceilings: dict, steps: int = 20, quantization: str = "none") -> dict:
     """Capture the graphs, then profile decode batch 1 and 32 (context 512) and the
-    16- and 128-token prefills; one summary per step kind."""
+    16- and 128-token prefills; one summary per step kind. `quantization` "fp8": the
+    model quantized at load, its floors on the FP8 bytes."""
     import torch
 
     from hybridd.model import load_model
@@ -275,9 +280,10 @@ def run_breakdown(model_dir: Path, device: str, ceilings: dict, steps: int = 20)
     cuda = device == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
     max_positions = 1024
-    model = load_model(model_dir, dtype=dtype, device=device, max_positions=max_positions)
+    model = load_model(model_dir, dtype=dtype, device=device, max_positions=max_positions, quantization=quantization)
     config = model.config
     elem = torch.finfo(dtype).bits // 8
+    weight_elem = 1 if model.quantization is not None else elem
     width = max_positions // BLOCK
     batch = max(DECODE_BATCHES)
     runner = captured_runner(model, DECODE_BATCHES, PREFILL_SIZES, width)
@@ -292,7 +298,8 @@ def run_breakdown(model_dir: Path, device: str, ceilings: dict, steps: int = 20)
 
     # Kernel times are charged exclusively (`exclusive_times`), so that PDL's overlap is
     # not counted twice; earlier outputs without "attribution" summed whole durations.
-    out: dict = {"device": device, "dtype": str(dtype).removeprefix("torch."), "block_size": BLOCK,
+    out: dict = {"device": device, "dtype": str(dtype).removeprefix("torch."), "quantization": quantization,
+                 "block_size": BLOCK,
                  "weight_bytes": weight_bytes, "rules": [list(r) for r in CATEGORY_RULES],
                  "pdl": pdl.enabled(torch.device(device)), "attribution": "exclusive"}
     for key, step, tokens, seqs, context, prefill in cases:
@@ -310,7 +317,7 @@ def run_breakdown(model_dir: Path, device: str, ceilings: dict, steps: int = 20)
             eager = GraphRunner(model, kv, buffers, plan, use_graphs=False, stream=runner.stream)
             kernels = profile_steps(stepper(eager, step), sync, steps, cuda)
             source = "eager replays of the same step (graph kernels not visible to the profiler)"
-        floors = step_floors(config, tokens, seqs, context, prefill, elem, bw, flops)
+        floors = step_floors(config, tokens, seqs, context, prefill, elem, bw, flops, weight_elem)
         if kernels:
             summary = summarize(kernels, config.num_layers, step_s, floors, num_steps=steps)
         else:
@@ -385,6 +392,8 @@ def main() -> int:
     parser.add_argument("--copy-bandwidth", type=float, help="bytes/s (default: measured here)")
     parser.add_argument("--matmul-flops", type=float, help="FLOP/s (default: measured here)")
     parser.add_argument("--steps", type=int, help="steps profiled per step kind (20), or in the --trace (1)")
+    parser.add_argument("--quantization", choices=("none", "fp8"), default="none",
+                        help="fp8: the model's projections quantized to FP8 as it loads")
     args = parser.parse_args()
     args.steps = args.steps if args.steps is not None else 1 if args.trace else 20
     if args.steps < 1:
@@ -408,7 +417,7 @@ def main() -> int:
         import os
 
         os.environ.setdefault("TRITON_INTERPRET", "1")
-    result = run_breakdown(args.model, args.device, ceilings, steps=args.steps)
+    result = run_breakdown(args.model, args.device, ceilings, steps=args.steps, quantization=args.quantization)
     args.out.write_text(json.dumps(result, indent=2))
     print("\n".join(render(result)))
     return 0

@@ -49,6 +49,7 @@ CATEGORIES = {
     "_write_kv_kernel": "rope_kv",
     "_rms_norm_kernel": "norm",
     "_silu_and_mul_kernel": "other",
+    "_quantize_tokens_kernel": "other",  # FP8 activations per token, before an FP8 x FP8 prefill GEMM
     "void at::native::vectorized_elementwise_kernel<4, at::native::bfloat16_copy_kernel_cuda>": "other",
     "Memcpy DtoD (Device -> Device)": "other",
     "a_kernel_nobody_named": None,

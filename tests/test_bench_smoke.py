@@ -31,8 +31,8 @@ def bench_out(tmp_path_factory):
         env[name] = str(cache)
     proc = subprocess.run(
         [sys.executable, "-m", "scripts.bench", "--out", str(out / "out"), "--device", "cpu",
-         "--preset", "tiny", "--quick", "--checkpoint-dir", str(out / "ckpt"), "--skip", "mixed_load,prefix_reuse",
-         "--budget-s",
+         "--preset", "tiny", "--quick", "--checkpoint-dir", str(out / "ckpt"), "--skip",
+         "mixed_load,prefix_reuse,breakdown_fp8,fp8", "--budget-s",
          str(int(on_this_host(200)))],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=on_this_host(300),
     )
@@ -46,7 +46,8 @@ def test_json_has_every_figure(bench_out):
     r = json.loads((out / "bench.json").read_text())
     assert r["meta"]["errors"] == {}, r["meta"]["errors"]
     cuda_only = {"hf_static", "hybridd_no_mps", "hybridd_no_pdl", "hybridd_unfused", "hybridd_poll", "hybridd_no_wake"}
-    assert set(r["meta"]["skipped"]) == cuda_only | {"mixed_load", "prefix_reuse"}  # their own run below
+    # Their own runs below.
+    assert set(r["meta"]["skipped"]) == cuda_only | {"mixed_load", "prefix_reuse", "breakdown_fp8", "fp8"}
     assert r["meta"]["shape"] == "tiny shape, random float32 weights"
     assert r["device"]["copy_bandwidth_Bps"] > 0 and r["device"]["matmul_flops"] > 0
     floors = r["floors"]
@@ -185,3 +186,33 @@ def test_mixed_load_and_prefix_reuse_parts(tmp_path):
     # tests' to say (tests/test_runtime_prefix_cache.py, by the tokens the daemon reports),
     # not a timing on a shared host.
     assert reuse["repeated_ratio"] > 0 and reuse["shared_prefix_ratio"] > 0
+
+
+def test_fp8_parts(tmp_path):
+    """The FP8 parts, small: the breakdown of the model quantized at load (its GEMM floors
+    on the FP8 bytes), and a bf16 (here float32) and an FP8 daemon on the same weights,
+    each figure of the FP8 one over the other's, and the targets they feed."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run(
+        [sys.executable, "-m", "scripts.bench", "--out", str(tmp_path / "out"), "--device", "cpu", "--preset", "tiny",
+         "--quick", "--checkpoint-dir", str(tmp_path / "ckpt"), "--parts", "ceilings,checkpoint,breakdown_fp8,fp8",
+         "--long-prompt", "300", "--budget-s", str(int(on_this_host(200)))],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=on_this_host(300),
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    r = json.loads((tmp_path / "out" / "bench.json").read_text())
+    assert r["meta"]["errors"] == {}, r["meta"]["errors"]
+    bd = r["breakdown_fp8"]
+    assert bd["quantization"] == "fp8" and bd["decode_b1"]["step_s"] > 0
+    assert bd["weight_bytes"] < r["floors"]["weight_bytes"]  # FP8 projections: fewer bytes than the float32 model's
+    f8 = r["fp8"]
+    assert f8["ttft_lengths"] == [128, 300]
+    assert f8["bf16"]["quantization"] is None and f8["fp8"]["quantization"]["method"] == "fp8"
+    for name in ("bf16", "fp8"):
+        assert set(f8[name]["ttft_s"]) == {"128", "300"} and f8[name]["itl"]["n"] == 31
+        assert f8[name]["concurrency"]["32"]["decode_tokens_per_s"] > 0
+    assert all(v > 0 for v in f8["fp8_over_bf16"].values()), f8["fp8_over_bf16"]
+    names = {t["target"].split(" (")[0] for t in r["targets"]}
+    assert {"FP8 decode GPU step, batch 1, context 512", "FP8 / bf16 ITL p50, batch 1",
+            "FP8 start to ready after weights are loaded"} <= names
+    assert "FP8 against bf16" in (tmp_path / "out" / "bench_table.txt").read_text()

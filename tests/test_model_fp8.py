@@ -162,12 +162,10 @@ def test_bfloat16_fp8_model_rounds_the_products_to_bfloat16(tmp_path):
     assert 1e-4 < rel_err(got, expected) < 0.05  # bfloat16 activations: close, not equal
 
 
-def test_unknown_quantization_and_kernels_without_fp8_are_refused(tmp_path):
+def test_unknown_quantization_is_refused(tmp_path):
     build_tiny_model("llama", tmp_path)
     with pytest.raises(ModelLoadError, match="quantization must be one of none, fp8, got 'int4'"):
         load_model(tmp_path, quantization="int4")
-    with pytest.raises(ModelLoadError, match="quantization 'fp8': the triton kernels have no FP8"):
-        load_model(tmp_path, quantization="fp8", kernels="triton")
 
 
 # ---------------------------------------------------------------- FP8 checkpoints (compressed-tensors)

@@ -446,7 +446,7 @@ def test_rotary_dispatch_takes_the_rule_config(monkeypatch):
     assert triton_gemm.config_of(7, w).block_n == 64
     assert rotary_skinny(x, w, b, r) is None
     assert bool((r.k_cache == SENTINEL).all())
-    monkeypatch.setattr(triton_gemm, "config_for", lambda m, n, k, multiprocessors: GemmConfig(16, 32, split_k=2)
+    monkeypatch.setattr(triton_gemm, "config_for", lambda m, n, k, multiprocessors, weight_bytes=2: GemmConfig(16, 32, split_k=2)
                         if m <= triton_gemm.MAX_ROWS else None)
     q, k_rot, v = rotary_skinny(x, w, b, r)
     assert q.shape == (7, heads, d) and k_rot.shape == (7, kv_heads, d) and v.shape == (7, kv_heads, d)

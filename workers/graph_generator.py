@@ -137,7 +137,8 @@ class GraphGenerator:
         self.link.phase("capturing", "compiling the prefill kernels")
         self.runner.warm_up_prefill()
         scheme = model.quantization
-        quantization = {} if scheme is None else scheme.facts() | {"description": scheme.describe()}
+        per_token = getattr(model.kernels, "fp8_prefill_per_token", False)
+        quantization = {} if scheme is None else scheme.facts() | {"description": scheme.describe(per_token)}
         self.ctl.send(control.Ready(
             arenas={"kv": self.kv_arena.manifest(), "step": self.step_arena.manifest()},
             events={"inputs_ready": self.inputs_ready.ipc_handle(), "logits_ready": self.logits_ready.ipc_handle()},

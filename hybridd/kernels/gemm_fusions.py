@@ -5,7 +5,9 @@ epilogue (`hybridd/kernels/triton_gemm.py`): the daemon's `gemm_fusions` setting
 - `norm`: the residual add and the RMSNorm: o_proj and down_proj add their output to the
   residual stream and leave each row's sum of squares in parts, and the next projection
   (qkv, gate/up), which holds the norm's weight (`LlamaModel.fold_norms`, done at load),
-  scales each row of its product by the row's 1 / rms. Where cuBLAS takes a step's
+  scales each row of its product by the row's 1 / rms. An FP8 projection cannot hold the
+  norm's weight (its scales are per output row): it applies the whole norm, weight
+  included, to the activations as it loads them. Where cuBLAS takes a step's
   projections (more rows than the skinny kernel takes), cuBLAS adds o_proj's and
   down_proj's products to the stream and the kernels after qkv and gate/up (RoPE with
   the KV write, SiLU·mul) apply the row scales;

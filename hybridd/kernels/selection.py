@@ -7,6 +7,7 @@ import contextlib
 import torch
 
 from hybridd.kernels.choices import KernelChoices
+from hybridd.kernels.fp8 import Fp8Weight
 from hybridd.kernels.ops import ComposedSteps, TorchKernels
 from hybridd.kernels.residual_stream import ResidualStream
 from hybridd.kernels.rotary import RotaryArgs
@@ -19,12 +20,20 @@ class TritonKernels(ComposedSteps):
     on the skinny kernel, its neighbours named in `choices.fusions` run inside it: the
     residual add and the norm, RoPE with the KV write. Where it runs on cuBLAS with the
     norms folded, cuBLAS adds o's and down's products to the stream, and RoPE and SiLU·mul
-    apply the norm's row scales."""
+    apply the norm's row scales.
+
+    FP8 weights (`Fp8Weight`) run on `triton_fp8`: the skinny GEMM for decode, with the
+    same fusions, except that the norm's weight stays out of the FP8 weight (which has
+    scales per output row) and the kernel applies the whole norm to the activations it
+    loads (`FoldedNorm.weight`; not where the checkpoint quantizes the activations: their
+    scale is taken from the normalised row, so the norm runs first). More rows go to the
+    prefill candidate `choices.fp8_prefill` with the norm and the residual add as separate
+    kernels: no product of more rows adds into the stream or applies row scales after."""
 
     name = "triton"
 
     def __init__(self, choices: KernelChoices = KernelChoices()) -> None:
-        from hybridd.kernels import pdl, triton_attention, triton_gemm, triton_ops
+        from hybridd.kernels import pdl, triton_attention, triton_fp8, triton_gemm, triton_ops
 
         self.choices = choices
         self.fusions = choices.fusions
@@ -37,14 +46,20 @@ class TritonKernels(ComposedSteps):
         self.norm_rotary_write_kv = triton_ops.norm_rotary_write_kv
         self.silu_and_mul = triton_ops.silu_and_mul
         self.norm_silu_and_mul = triton_ops.norm_silu_and_mul
-        self.linear_silu_and_mul = triton_gemm.linear_silu_and_mul
         self.prefill_attention = triton_attention.prefill_attention
         self.decode_attention = triton_attention.decode_attention
         self._gemm = triton_gemm
+        self._fp8 = triton_fp8
         self._pdl = pdl
         # Set by `LlamaModel.fold_norms`: the norms before qkv and gate/up have unit weights,
         # theirs being folded into those projections, so the projections may apply them.
         self.norms_folded = False
+
+    @property
+    def fp8_prefill_per_token(self) -> bool:
+        """Whether FP8 projections of more rows than decode's quantize their activations
+        to FP8 per token (the `scaled_mm` prefill), whatever the model's scheme says."""
+        return self.choices.fp8_prefill == "scaled_mm"
 
     def launches(self, num_tokens: int) -> contextlib.AbstractContextManager:
         """The launch settings of a step of `num_tokens` rows: without programmatic
@@ -58,14 +73,23 @@ class TritonKernels(ComposedSteps):
         """`triton_gemm.linear` under this kernel set's launch settings for x's rows (it is
         also called outside a step's `launches`: the LM head)."""
         with self.launches(x.shape[0]):
+            if isinstance(weight, Fp8Weight):
+                return self._fp8.linear(x, weight, bias, self.choices.fp8_prefill)
             return self._gemm.linear(x, weight, bias)
 
-    def _input(self, stream: ResidualStream, weight: torch.Tensor, eps: float):
-        """(the rows a projection reads, the stream's value, the folded norm it applies
-        itself, or None where those rows are normalised already)."""
+    def linear_silu_and_mul(self, x: torch.Tensor, weight: torch.Tensor | Fp8Weight) -> torch.Tensor:
+        """silu(x @ W_gate.T) * (x @ W_up.T) of a fused gate_up weight: `linear`, then SiLU·mul."""
+        return self.silu_and_mul(self.linear(x, weight))
+
+    def _input(self, stream: ResidualStream, norm_weight: torch.Tensor, eps: float, weight):
+        """(the rows a projection of `weight` reads, the stream's value, the folded norm it
+        applies itself, or None where those rows are normalised already)."""
         if self.norms_folded and stream.update is None and stream.sum_squares is not None:
-            return stream.base, stream.base, self._gemm.FoldedNorm(eps, stream.sum_squares)
-        x, base = self.stream_norm(stream, weight, eps)
+            if not isinstance(weight, Fp8Weight):
+                return stream.base, stream.base, self._gemm.FoldedNorm(eps, stream.sum_squares)
+            if weight.activations == "none":
+                return stream.base, stream.base, self._gemm.FoldedNorm(eps, stream.sum_squares, norm_weight)
+        x, base = self.stream_norm(stream, norm_weight, eps)
         return x, base, None
 
     def _normalised(self, x: torch.Tensor, norm, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -78,9 +102,10 @@ class TritonKernels(ComposedSteps):
         each row of the product by the row's 1 / rms: there is no norm kernel. So where the
         norm's weight is folded into the projection's, the stream is one tensor without its
         sums of squares (an embedding, or a sum cuBLAS formed, see `linear_add`), there is
-        no bias (a sum with it would not scale), and the skinny kernel takes no such product."""
+        no bias (a sum with it would not scale), the weight is not FP8 (the norm's weight is
+        not in it) and the skinny kernel takes no such product."""
         return (self.norms_folded and bias is None and stream.update is None and stream.sum_squares is None
-                and self._gemm.config_of(stream.base.shape[0], weight) is None)
+                and not isinstance(weight, Fp8Weight) and self._gemm.config_of(stream.base.shape[0], weight) is None)
 
     def norm_qkv(self, stream, norm_weight, eps, weight, bias, rotary: RotaryArgs):
         if rotary.qk_norm is not None:
@@ -90,7 +115,7 @@ class TritonKernels(ComposedSteps):
             q, k, v = rotary.split_qkv(self.linear(stream.base, weight))
             q, k, v = self.norm_rotary_write_kv(stream.base, eps, q, k, v, rotary)
             return q, k, v, stream.base
-        x, base, norm = self._input(stream, norm_weight, eps)
+        x, base, norm = self._input(stream, norm_weight, eps, weight)
         fuse_rotary = "rotary" in self.fusions
         qkv = self._gemm.skinny(x, weight, bias, norm=norm, rotary=rotary if fuse_rotary else None)
         if qkv is None:
@@ -105,7 +130,7 @@ class TritonKernels(ComposedSteps):
     def norm_gate_up(self, stream, norm_weight, eps, weight):
         if self._scaled_after(stream, weight, None):
             return self.norm_silu_and_mul(stream.base, eps, self.linear(stream.base, weight)), stream.base
-        x, base, norm = self._input(stream, norm_weight, eps)
+        x, base, norm = self._input(stream, norm_weight, eps, weight)
         y = self._gemm.skinny(x, weight, None, norm=norm)
         if y is None:
             return self.linear_silu_and_mul(self._normalised(x, norm, norm_weight, eps), weight), base
@@ -117,7 +142,7 @@ class TritonKernels(ComposedSteps):
             if out is not None:
                 summed, sum_squares = out
                 return ResidualStream(summed, None, sum_squares)
-            if bias is None and base.is_contiguous():
+            if bias is None and base.is_contiguous() and not isinstance(weight, Fp8Weight):
                 # cuBLAS adds the product to the stream in its epilogue (beta = 1), in place
                 # (out of place, torch would first copy the stream in a kernel of its own),
                 # so the next projection can read the sum as it is (`_scaled_after`).

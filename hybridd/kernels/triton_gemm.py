@@ -17,12 +17,23 @@ A launch's config (`config_for`) follows from the product's shape, its row count
 device's multiprocessor count alone, so every GPU and every Llama-family shape gets one;
 the rule reproduces the configs that sweeps of the Llama-2-7B and Llama-3-8B shapes on an
 H200 chose (docs/lab/kernels.md, "Kernels alone").
+
+FP8 weights (`hybridd.kernels.fp8.Fp8Weight`): the kernel loads the FP8 tile, converts it
+to the activation dtype in registers (exact: E4M3 fits in bf16) and multiplies as above;
+the per-output-channel scale (and, where the checkpoint quantizes the activations too,
+each row's activation scale) multiplies the float32 sum in the epilogue. A folded norm
+cannot live in an FP8 weight (its scales are per output row, the norm's weight per input
+column), so for FP8 the kernel applies the norm on the activation side instead: each
+activation tile is normalised and multiplied by the norm's weight as it is loaded,
+rounded where the separate norm rounds (`FoldedNorm.weight`). With `GemmConfig.tile_m`
+the same kernel tiles the rows too: the FP8-weight × bf16 prefill GEMM
+(`hybridd.kernels.triton_fp8`).
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -31,9 +42,11 @@ import triton.language as tl
 
 from hybridd import environment
 from hybridd.kernels import pdl, split_scratch
+from hybridd.kernels.fp8 import FP8_DTYPE, Fp8Weight
 from hybridd.kernels.launch_variants import first_eager_call
 from hybridd.kernels.pdl import wait_for_predecessor
 from hybridd.kernels.rotary import RotaryArgs
+from hybridd.kernels.triton_quantize import quantize_tokens
 
 MAX_ROWS = 32
 _INTERPRET = environment.flag("TRITON_INTERPRET")
@@ -50,28 +63,44 @@ class GemmConfig:
     num_warps: int = 4
     num_stages: int = 4
     block_m: int = 0  # rows per tile, a power of two >= 16; 0: 16 or 32 by the row count
+    # Tile the rows as well (one program per row tile and N tile, no split): any row count.
+    # Without it a launch takes at most one tile of rows.
+    tile_m: bool = False
 
     def __post_init__(self) -> None:
         if self.block_m and (self.block_m < 16 or self.block_m & (self.block_m - 1)):
             raise ValueError(f"block_m must be 0 (16 or 32 by the row count) or a power of two >= 16, "
                              f"got {self.block_m}")
+        if self.tile_m and (not self.block_m or self.split_k != 1):
+            raise ValueError("a config that tiles the rows needs its block_m and no split of K")
 
 
 @triton.jit
-def _multiply_add(acc, w_rows, x_ptr, offs_m, k_idx, mask_m, mask_n, stride_xm, K, EVEN_K: tl.constexpr):
-    """acc [BLOCK_N, BLOCK_M] += W[n, k_idx] @ x[m, k_idx].T; the weight is read once, so it
-    is evicted first."""
+def _multiply_add(acc, w_rows, x_ptr, offs_m, k_idx, mask_m, mask_n, stride_xm, K, EVEN_K: tl.constexpr,
+                  dt: tl.constexpr, g_ptr, inv_rms, NORM_WEIGHT: tl.constexpr):
+    """acc [BLOCK_N, BLOCK_M] += W[n, k_idx] @ x[m, k_idx].T, both converted to `dt` (the
+    activation dtype) in registers: an FP8 weight or FP8 activations exactly. With
+    NORM_WEIGHT, x's rows are RMS-normalised here: x * inv_rms rounded to `dt`, times the
+    norm's weight g[k_idx] rounded again, as the separate norm rounds. The weight is read
+    once, so it is evicted first."""
     a_ptrs = x_ptr + offs_m[:, None] * stride_xm + k_idx[None, :]
     if EVEN_K:
         w = tl.load(w_rows + k_idx[None, :], mask=mask_n[:, None], other=0.0, eviction_policy="evict_first")
         a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
+        if NORM_WEIGHT:
+            g = tl.load(g_ptr + k_idx)
     else:
         mask_k = k_idx < K
         w = tl.load(
             w_rows + k_idx[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0, eviction_policy="evict_first"
         )
         a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-    return tl.dot(w, tl.trans(a), acc)
+        if NORM_WEIGHT:
+            g = tl.load(g_ptr + k_idx, mask=mask_k, other=0.0)
+    if NORM_WEIGHT:
+        a = (a.to(tl.float32) * inv_rms[:, None]).to(dt)
+        a = (a.to(tl.float32) * g.to(tl.float32)[None, :]).to(dt)
+    return tl.dot(w.to(dt), tl.trans(a.to(dt)), acc)
 
 
 @triton.jit
@@ -186,12 +215,15 @@ def _skinny_gemm_kernel(
     ROTARY: tl.constexpr = False, HEADS: tl.constexpr = 1, KV_HEADS: tl.constexpr = 1, HALF: tl.constexpr = 1,
     stats_ptr=None, n_stats=1, eps=0.0, res_ptr=None, stats_out_ptr=None,
     NORM: tl.constexpr = False, STATS_PAD: tl.constexpr = 1, RESIDUAL: tl.constexpr = False,
+    w_scale_ptr=None, W_SCALE: tl.constexpr = False, x_scale_ptr=None, X_SCALE: tl.constexpr = False,
+    g_ptr=None, NORM_WEIGHT: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    offs_m = tl.arange(0, BLOCK_M)
+    offs_m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
     mask_m = offs_m < M
+    dt = y_ptr.dtype.element_ty
     if ROTARY:
         # Rows alternate between dim i and dim i + HALF of one head (q heads, then k, then
         # v, as the fused weight stacks them): HALF // (BLOCK_N/2) tiles per head.
@@ -206,6 +238,7 @@ def _skinny_gemm_kernel(
     k_start = pid_k * k_per_split
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * K
     wait_for_predecessor(PDL)
+    inv_rms = None
     if NORM:
         # 1 / rms of each x row from the partial sums of squares its producer stored.
         j = tl.arange(0, STATS_PAD)
@@ -213,8 +246,7 @@ def _skinny_gemm_kernel(
                         mask=mask_m[:, None] & (j < n_stats)[None, :], other=0.0)
         inv_rms = 1.0 / tl.sqrt(tl.sum(parts, axis=1) / K + eps)
     if ROTARY:
-        rope = _rope_factors(pos_ptr, cos_ptr, sin_ptr, offs_m, mask_m, pid_n, y_ptr.dtype.element_ty, HALF,
-                             BLOCK_N // 2)
+        rope = _rope_factors(pos_ptr, cos_ptr, sin_ptr, offs_m, mask_m, pid_n, dt, HALF, BLOCK_N // 2)
     else:
         rope = None
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -224,15 +256,23 @@ def _skinny_gemm_kernel(
         # loop is not software-pipelined when compiled, so it serves the interpreter only.
         k = 0
         while k < k_per_split:
-            acc = _multiply_add(acc, w_rows, x_ptr, offs_m, k_start + k + offs_k, mask_m, mask_n, stride_xm, K, EVEN_K)
+            acc = _multiply_add(acc, w_rows, x_ptr, offs_m, k_start + k + offs_k, mask_m, mask_n, stride_xm, K, EVEN_K,
+                                dt, g_ptr, inv_rms, NORM_WEIGHT)
             k += BLOCK_K
     else:
         for k in range(0, k_per_split, BLOCK_K):
-            acc = _multiply_add(acc, w_rows, x_ptr, offs_m, k_start + k + offs_k, mask_m, mask_n, stride_xm, K, EVEN_K)
-    if NORM:
+            acc = _multiply_add(acc, w_rows, x_ptr, offs_m, k_start + k + offs_k, mask_m, mask_n, stride_xm, K, EVEN_K,
+                                dt, g_ptr, inv_rms, NORM_WEIGHT)
+    if NORM and not NORM_WEIGHT:
         # The norm's weight is folded into W (`LlamaModel.fold_norms`): what is left of it
         # is one scale per row, which commutes with the product and with the split sum.
         acc = acc * inv_rms[None, :]
+    if W_SCALE:
+        # FP8 weight: its scale per output channel, which commutes with the split sum too.
+        acc = acc * tl.load(w_scale_ptr + offs_n, mask=mask_n, other=0.0)[:, None]
+    if X_SCALE:
+        # FP8 activations: each row's scale.
+        acc = acc * tl.load(x_scale_ptr + offs_m, mask=mask_m, other=0.0)[None, :]
     if SPLIT:
         # Every split stores its partial; the last to arrive for this N tile sums them all,
         # writes y and re-arms the counter for the next launch.
@@ -285,35 +325,52 @@ class FoldedNorm:
     """The RMSNorm of a product's input rows, whose weight is folded into the product's W
     (W diag(g)): what is left is each row's 1 / rms, from `eps` and the rows' sums of
     squares as their producer left them, in parts (`sum_squares` [M, parts] float32, see
-    `launch`'s `residual`)."""
+    `launch`'s `residual`). With `weight` (the norm's g [K], for an FP8 W, which cannot
+    hold it) the norm is applied whole to the activations as the kernel loads them."""
 
     eps: float
     sum_squares: torch.Tensor
+    weight: torch.Tensor | None = None
 
 
 def launch(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: GemmConfig,
+    x: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torch.Tensor | None, config: GemmConfig,
     rotary: RotaryArgs | None = None, norm: FoldedNorm | None = None, residual: torch.Tensor | None = None,
 ):
     """The skinny product with an explicit config; None where it cannot run (the caller
     falls back to cuBLAS): too many rows, a weight not stored row-major as `nn.Linear`
-    keeps it, or split-K scratch missing during capture. `rotary`: W is a fused qkv
-    projection and the result [M, q_size + 2 kv_size] holds q and k rotated and v, which
-    also go to the KV caches (see `RotaryArgs`); None where BLOCK_N / 2 does not divide
-    head_dim / 2. `norm`: x's rows are RMS-normalised, the product of each row scaled by
-    its 1 / rms, for a W that holds the norm's weight. `residual` [M, N]: the result is
-    (residual + x @ W.T, its rows' sums of squares in parts [M, N tiles]), the parts a
-    `FoldedNorm` takes."""
+    keeps it, or split-K scratch missing during capture. `weight` in x's dtype, or FP8
+    with its scales (`Fp8Weight`; where it quantizes its input, x is quantized to FP8 per
+    row here first, `triton_quantize.quantize_tokens`). `rotary`: W is a fused qkv projection
+    and the result [M, q_size + 2 kv_size] holds q and k rotated and v, which also go to
+    the KV caches (see `RotaryArgs`); None where BLOCK_N / 2 does not divide head_dim / 2.
+    `norm`: x's rows are RMS-normalised, the product of each row scaled by its 1 / rms,
+    for a W that holds the norm's weight (or with `norm.weight`, normalised whole as
+    loaded). `residual` [M, N]: the result is (residual + x @ W.T, its rows' sums of
+    squares in parts [M, N tiles]), the parts a `FoldedNorm` takes."""
     m = x.shape[0]
+    out_dtype = x.dtype
+    fp8 = weight if isinstance(weight, Fp8Weight) else None
+    if fp8 is not None:
+        weight = fp8.weight
+        if fp8.scale.dtype != torch.float32 or fp8.scale.shape != (weight.shape[0],):
+            raise ValueError(f"an FP8 weight of {weight.shape[0]} rows needs float32 scales [{weight.shape[0]}]")
+        if fp8.activations != "none" and norm is not None:
+            raise ValueError("a folded norm cannot feed a product whose input is quantized to FP8 (the scale of a "
+                             "row is taken from the normalised row): normalise the rows first")
+    elif weight.dtype == FP8_DTYPE:
+        raise ValueError("an FP8 weight comes with its scales: pass an Fp8Weight")
     n, k = weight.shape
     if rotary is not None and residual is not None:
         raise ValueError("a product's epilogue is one of rotary or residual")
     if norm is not None and (norm.sum_squares.shape[0] < m or not norm.sum_squares.is_contiguous()):
         raise ValueError(f"a folded norm of {m} rows needs their sums of squares, contiguous [{m}, parts]")
+    if norm is not None and norm.weight is not None and norm.weight.shape != (k,):
+        raise ValueError(f"the norm weight of a product over {k} columns must be [{k}], got {tuple(norm.weight.shape)}")
     if residual is not None and (residual.shape != (m, n) or not residual.is_contiguous()):
         raise ValueError(f"the residual of a [{m}, {n}] product must be a contiguous [{m}, {n}] tensor")
     block_m = config.block_m or (16 if m <= 16 else 32)
-    if m == 0 or m > block_m or x.shape[1] != k or weight.stride() != (k, 1):
+    if m == 0 or (m > block_m and not config.tile_m) or x.shape[1] != k or weight.stride() != (k, 1):
         return None
     rotary_args = {} if rotary is None else _rotary_operands(rotary, m, n, config.block_n)
     if rotary_args is None:
@@ -323,6 +380,7 @@ def launch(
     if x.stride(-1) != 1:
         x = x.contiguous()
     tiles_n = triton.cdiv(n, config.block_n)
+    tiles_m = triton.cdiv(m, block_m) if config.tile_m else 1
     split = max(1, min(config.split_k, triton.cdiv(k, config.block_k)))
     k_per_split = triton.cdiv(triton.cdiv(k, split), config.block_k) * config.block_k
     split = triton.cdiv(k, k_per_split)
@@ -335,16 +393,23 @@ def launch(
             return None
     else:
         ws, counts = x, x
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     fused = {}
+    if fp8 is not None:
+        fused |= dict(w_scale_ptr=fp8.scale, W_SCALE=True)
+        if fp8.activations != "none":
+            x, x_scale = quantize_tokens(x, fp8)
+            fused |= dict(x_scale_ptr=x_scale, X_SCALE=True)
+    y = torch.empty((m, n), dtype=out_dtype, device=x.device)
     if norm is not None:
         parts = norm.sum_squares
         fused |= dict(stats_ptr=parts, n_stats=parts.shape[1], eps=norm.eps, NORM=True,
                       STATS_PAD=triton.next_power_of_2(parts.shape[1]))
+        if norm.weight is not None:
+            fused |= dict(g_ptr=norm.weight.contiguous(), NORM_WEIGHT=True)
     if residual is not None:
         sum_squares = torch.empty((m, tiles_n), dtype=torch.float32, device=x.device)
         fused |= dict(res_ptr=residual, stats_out_ptr=sum_squares, RESIDUAL=True)
-    _skinny_gemm_kernel[(tiles_n, split)](
+    _skinny_gemm_kernel[(tiles_n, split, tiles_m)](
         x, weight, bias if bias is not None else weight, y, ws, counts,
         m, n, k, k_per_split, split, x.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, SPLIT=split > 1, EVEN_K=k % k_per_split == 0,
@@ -361,9 +426,11 @@ _INTERPRETER_MULTIPROCESSORS = 132
 _SPLIT_MIN_COLUMNS = 6144
 
 
-def config_for(m: int, n: int, k: int, multiprocessors: int) -> GemmConfig | None:
+def config_for(m: int, n: int, k: int, multiprocessors: int, weight_bytes: int = 2) -> GemmConfig | None:
     """The config of an [m, k] @ [n, k].T product on a GPU of `multiprocessors`
-    multiprocessors; None above MAX_ROWS rows (cuBLAS takes those).
+    multiprocessors, for a weight of `weight_bytes` bytes an element (2: the model's
+    dtype; 1: FP8); None above MAX_ROWS rows (cuBLAS, or for FP8 the prefill GEMM, takes
+    those).
 
     The product is bound by its weight read, so the config keeps every multiprocessor
     streaming weight rows with as much of them in flight as fits:
@@ -376,22 +443,31 @@ def config_for(m: int, n: int, k: int, multiprocessors: int) -> GemmConfig | Non
       and at 17-32 rows, whose 32-row activation tile takes the shared memory of the
       deep pipeline, 256-column steps four deep, with K split in two where each half
       still streams at least `_SPLIT_MIN_COLUMNS` columns (Llama-3-8B's down, not
-      Llama-2-7B's).
+      Llama-2-7B's);
+    - an FP8 weight streams 256-column steps where the rule gives 128: each stage then
+      moves the weight bytes of the tuned bf16 config (the 17-32-row steps of 256 columns
+      stay, their activation tile filling the shared memory).
 
     What each choice measured against its alternatives is in docs/lab/kernels.md."""
     if not 1 <= m <= MAX_ROWS:
         return None
     tall = m > 16
     if n >= 128 * multiprocessors * (7 / 4 if tall else 4):
-        return GemmConfig(128, 128, 1, 4, 4)
-    tiles = triton.cdiv(n, 64)
-    if 2 * tiles <= multiprocessors:
-        if not tall:
-            return GemmConfig(64, 128, 1, 4, 7)
-        return GemmConfig(64, 256, 2 if k >= 2 * _SPLIT_MIN_COLUMNS else 1, 4, 4)
-    if tiles <= multiprocessors:
-        return GemmConfig(64, 128, 1, 4, 6)
-    return GemmConfig(64, 128, 1, 4, 4)
+        config = GemmConfig(128, 128, 1, 4, 4)
+    else:
+        tiles = triton.cdiv(n, 64)
+        if 2 * tiles <= multiprocessors:
+            if not tall:
+                config = GemmConfig(64, 128, 1, 4, 7)
+            else:
+                config = GemmConfig(64, 256, 2 if k >= 2 * _SPLIT_MIN_COLUMNS else 1, 4, 4)
+        elif tiles <= multiprocessors:
+            config = GemmConfig(64, 128, 1, 4, 6)
+        else:
+            config = GemmConfig(64, 128, 1, 4, 4)
+    if weight_bytes == 1 and config.block_k == 128:
+        config = replace(config, block_k=256)
+    return config
 
 
 @functools.cache
@@ -402,12 +478,13 @@ def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def config_of(m: int, weight: torch.Tensor) -> GemmConfig | None:
+def config_of(m: int, weight: torch.Tensor | Fp8Weight) -> GemmConfig | None:
     """`config_for` an [m, K] input to `weight` [N, K] on the weight's device."""
-    return config_for(m, *weight.shape, _multiprocessors(weight.device))
+    w = weight.weight if isinstance(weight, Fp8Weight) else weight
+    return config_for(m, *w.shape, _multiprocessors(w.device), w.element_size())
 
 
-def _compile_every_bucket(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+def _compile_every_bucket(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torch.Tensor | None,
                           rotary: RotaryArgs | None = None, norm: FoldedNorm | None = None,
                           residual: torch.Tensor | None = None) -> None:
     """Launch each kernel variant this shape's row counts can pick (each config at BLOCK_M
@@ -415,12 +492,15 @@ def _compile_every_bucket(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     then finds its kernel compiled and loaded instead of compiling inside the capture. The
     launches run on zero rows; a rotary variant's slots are all -1, so it writes nothing
     to the caches."""
-    key = ("gemm", tuple(weight.shape), weight.dtype, x.device, bias is not None, residual is not None,
+    w = weight.weight if isinstance(weight, Fp8Weight) else weight
+    key = ("gemm", tuple(w.shape), w.dtype, x.device, bias is not None, residual is not None,
            pdl.enabled(x.device))
+    if isinstance(weight, Fp8Weight):
+        key += (weight.activations,)
     if rotary is not None:
         key += (rotary.num_heads, rotary.num_kv_heads, rotary.head_dim, rotary.k_cache.dtype)
     if norm is not None:
-        key += (triton.next_power_of_2(norm.sum_squares.shape[1]),)
+        key += (triton.next_power_of_2(norm.sum_squares.shape[1]), norm.weight is not None)
     if not first_eager_call(key, x.device):
         return
     if rotary is not None:
@@ -432,9 +512,9 @@ def _compile_every_bucket(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
         )
     if norm is not None:
         parts = torch.zeros((MAX_ROWS, norm.sum_squares.shape[1]), dtype=torch.float32, device=x.device)
-        norm = FoldedNorm(norm.eps, parts)
-    rows = torch.zeros((MAX_ROWS, weight.shape[1]), dtype=x.dtype, device=x.device)
-    sums = None if residual is None else torch.zeros((MAX_ROWS, weight.shape[0]), dtype=x.dtype, device=x.device)
+        norm = FoldedNorm(norm.eps, parts, norm.weight)
+    rows = torch.zeros((MAX_ROWS, w.shape[1]), dtype=x.dtype, device=x.device)
+    sums = None if residual is None else torch.zeros((MAX_ROWS, w.shape[0]), dtype=x.dtype, device=x.device)
     seen = set()
     for m in range(1, MAX_ROWS + 1):
         config = config_of(m, weight)
@@ -443,10 +523,10 @@ def _compile_every_bucket(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
             launch(rows[:m], weight, bias, config, rotary, norm, None if sums is None else sums[:m])
 
 
-def skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, **fused):
+def skinny(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torch.Tensor | None = None, **fused):
     """`launch` with `config_of` x's row count (the keywords: its `rotary`, `norm` or
-    `residual`); None where there is none or the kernel cannot run (also for CPU tensors
-    outside Triton's interpreter)."""
+    `residual`; `weight` in x's dtype or FP8); None where there is none or the kernel
+    cannot run (also for CPU tensors outside Triton's interpreter)."""
     if x.dim() != 2 or not (x.is_cuda or _INTERPRET):
         return None
     config = config_of(x.shape[0], weight)

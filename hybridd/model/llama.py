@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from hybridd.model.config import ModelConfig
+from hybridd.kernels.fp8 import FP8_DTYPE
 from hybridd.model.projections import projection
 from hybridd.quantization import Quantization
 from hybridd.model.errors import ModelLoadError, SequenceTooLongError
@@ -105,11 +106,6 @@ class LlamaModel(nn.Module):
         # The attention window, when sequences can outgrow it (else attention is simply causal).
         self.sliding_window = window if window is not None and self.max_positions > window else None
         self.kernels: Kernels = select_kernels(device, kernels)
-        if self.quantization is not None and self.kernels.name != "torch":
-            raise ModelLoadError(
-                f"quantization {self.quantization.method!r}: the {self.kernels.name} kernels have no FP8 projections "
-                f"yet; load the model with the torch kernels (kernels='torch'), which emulate FP8 in float32"
-            )
         self.rope = cos_sin_table(config.rope, config.head_dim, self.max_positions, torch.device(device))
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i, self.sliding_window, self.quantization)
@@ -122,12 +118,17 @@ class LlamaModel(nn.Module):
         """Fold each layer's norm weights into the projection that reads the norm (W diag(g))
         and make the norm's weight ones: the same function, rounded differently, whose norms
         are one scale per row, which the Triton kernels apply inside the projections (the
-        `norm` fusion). Done once, after the weights are loaded; the final norm stays."""
-        if self.quantization is not None:
-            raise ModelLoadError("norms cannot be folded into FP8 projections (their scales are per output row)")
+        `norm` fusion). Done once, after the weights are loaded; the final norm stays.
+
+        FP8 projections keep their weights and their norms theirs: an FP8 weight's scales
+        are per output row, the norm's weight per input column, so W diag(g) would have to
+        be quantized again (other numbers than the checkpoint's). The kernels apply such a
+        norm whole, on the activation side, inside the projection (`FoldedNorm.weight`)."""
         for layer in self.layers:
             for norm, proj in ((layer.input_layernorm, layer.qkv_proj),
                                (layer.post_attention_layernorm, layer.gate_up_proj)):
+                if proj.weight.dtype == FP8_DTYPE:
+                    continue
                 proj.weight.mul_(norm.weight.to(proj.weight.dtype)[None, :])
                 norm.weight.fill_(1.0)
         if hasattr(self.kernels, "norms_folded"):

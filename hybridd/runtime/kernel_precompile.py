@@ -153,7 +153,8 @@ def start_worker(parent_pid: int) -> None:
 
 
 # The modules whose kernels the graphs launch, imported by each worker as it starts.
-KERNEL_MODULES = ("hybridd.kernels.triton_gemm", "hybridd.kernels.triton_attention", "hybridd.kernels.triton_ops")
+KERNEL_MODULES = ("hybridd.kernels.triton_gemm", "hybridd.kernels.triton_attention", "hybridd.kernels.triton_ops",
+                  "hybridd.kernels.triton_fp8", "hybridd.kernels.triton_quantize")
 
 
 def import_kernel_modules() -> None:
