@@ -190,6 +190,15 @@ class ToolSpec(Fields):
     description: Annotated[str, Meta(max_length=MAX_STRUCTURED_CHARS)] | None = None
     parameters: StructuredText | None = None
 
+    def as_dict(self) -> dict[str, Any]:
+        """The tool as chat templates read it: OpenAI's `{"type": "function", "function": ...}`."""
+        function: dict[str, Any] = {"name": self.name}
+        if self.description is not None:
+            function["description"] = self.description
+        if self.parameters is not None:
+            function["parameters"] = _json_or_text(self.parameters)
+        return {"type": "function", "function": function}
+
 
 class ChatMessage(ChatMessageV3):
     """One message of a chat: who speaks (`role`, optionally a `name`) and what; from
