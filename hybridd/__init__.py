@@ -24,7 +24,7 @@ if not (Path(__file__).parent / "protocol").is_dir():
 
 _CLIENT_EXPORTS = frozenset({
     "AsyncClient", "AsyncStream", "ChatMessage", "Choice", "Chunk", "Client", "GenerateResult", "Health",
-    "SamplingParams", "Stream", "TokenLogprob", "TopLogprob",
+    "SamplingParams", "Stream", "StructuredOutput", "TokenLogprob", "ToolCall", "ToolSpec", "TopLogprob",
 })
 _ERROR_EXPORTS = frozenset({
     "DaemonUnreachableError", "DrainingError", "EngineDeadError", "HandshakeRefusedError", "HybriddError",
@@ -45,7 +45,10 @@ if TYPE_CHECKING:
         Health,
         SamplingParams,
         Stream,
+        StructuredOutput,
         TokenLogprob,
+        ToolCall,
+        ToolSpec,
         TopLogprob,
     )
     from hybridd.errors import (

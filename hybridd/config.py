@@ -80,6 +80,8 @@ SECTIONS: dict[str, tuple[str, str]] = {
              "the workers, shown by `hybridd status`), a client of the endpoint above. It binds only where told: "
              "keep it on loopback and put TLS in front with a reverse proxy (README, \"HTTP gateway\")."),
     "batching": ("KV cache and batching", ""),
+    "structured": ("Structured output and tools", "Outputs constrained to a JSON schema, a regex, a grammar or a "
+                   "choice, and the chat's tool calls (README, \"Structured output and tools\")."),
     "kernels": ("CUDA graphs and kernels", ""),
     "wakeups": ("Wake-ups and reply rings", ""),
     "lifecycle": ("Lifecycle", "Every deadline the supervisor applies (README, \"Troubleshooting\")."),
@@ -164,6 +166,20 @@ class Config:
     metrics_endpoint: str = setting("", section="http", allowed=_HOST_PORT, default_text="off",
                                     meaning="HOST:PORT serving the Prometheus /metrics alone (the gateway serves "
                                             "it too), e.g. 127.0.0.1:9400; not the gateway's address.")
+    tool_call_parser: str = setting("auto", section="structured",
+                                    choices=("auto", "llama3_json", "hermes", "mistral"),
+                                    meaning="How the gateway reads a chat's tool calls out of the model's text: "
+                                            "llama3_json (Llama 3.1's {\"name\": ..., \"parameters\": ...}), "
+                                            "hermes (Qwen2.5, Qwen3, Hermes: <tool_call>...</tool_call>), mistral "
+                                            "([TOOL_CALLS] [...]); auto tells them from the model's chat template "
+                                            "(llama3_json when it names none).")
+    structured_compile_timeout_s: float = setting(10.0, section="structured", unit="s", above=0, at_most=600.0,
+                                                  meaning="The longest a request's JSON schema, regex or grammar "
+                                                          "may take to compile; a request whose constraint takes "
+                                                          "longer is refused as invalid, naming it.")
+    structured_cache_size: int = setting(256, section="structured", unit="grammars", above=0,
+                                         meaning="Compiled constraints kept for reuse (by their text), least "
+                                                 "recently used dropped first.")
     # ---- KV cache and batching
     block_size: int = setting(16, section="batching", unit="tokens", above=0,
                               meaning="Tokens per block of the paged KV cache.")

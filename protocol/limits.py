@@ -11,7 +11,7 @@ from typing import Final
 # The major version carried in every message's `v` field: the newest is written by
 # default, and every version from the oldest up is still accepted. Messages with any
 # other value are rejected with `unsupported_version`.
-PROTOCOL_VERSION: Final = 3
+PROTOCOL_VERSION: Final = 4
 OLDEST_PROTOCOL_VERSION: Final = 1
 
 # One encoded message (one ZeroMQ frame). Enforced twice: by ZeroMQ's MAXMSGSIZE on
@@ -46,6 +46,18 @@ MAX_TOP_LOGPROBS: Final = 20
 # (n x max_tokens x (1 + top_logprobs)) are bounded so that it fits one message.
 # Streaming requests carry them in their chunks and have no such bound.
 MAX_FINAL_LOGPROB_ENTRIES: Final = 32_768
+# Structured output (version 4): a JSON schema, a regex or a grammar is at most this many
+# characters (a tool's parameters too); a choice holds at most MAX_CHOICES strings of at
+# most MAX_CHOICE_CHARS each.
+MAX_STRUCTURED_CHARS: Final = 262_144
+MAX_CHOICES: Final = 256
+MAX_CHOICE_CHARS: Final = 1024
+# Tools (version 4): per request, the tools offered; per message, the calls it made; a
+# function's name (OpenAI's bound) and a call's id.
+MAX_TOOLS: Final = 128
+MAX_TOOL_CALLS: Final = 128
+MAX_TOOL_NAME_CHARS: Final = 64
+MAX_TOOL_CALL_ID_CHARS: Final = 128
 
 # msgpack unpacker limits: a backstop against absurd values, set above the field
 # limits so that a value just over a field limit is still reported with its field

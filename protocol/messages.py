@@ -7,9 +7,11 @@ other languages. `SamplingParams` is also what the engine samples and stops with
 the wire rules are the only rules.
 
 Version 2 added chat `messages`, `n` sequences and logprobs; version 3 a request's
-`cache_salt` and the final's `usage.cached_tokens`. A message keeps its version in `v`
-and is written in that version's shape (`wire_form`); the older shapes are the `_V1`
-and `_V2` structs, read back into the current classes (`current`).
+`cache_salt` and the final's `usage.cached_tokens`; version 4 structured output
+(`sampling.structured`) and tools (a chat's `tools`, a message's `tool_calls` and
+`tool_call_id`). A message keeps its version in `v` and is written in that version's
+shape (`wire_form`); the older shapes are the `_V1`, `_V2` and `_V3` structs, read back
+into the current classes (`current`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from hybridd.protocol.limits import (
     MAX_CACHE_SALT_CHARS,
     MAX_CHAT_MESSAGES,
     MAX_CHAT_ROLE_CHARS,
+    MAX_CHOICE_CHARS,
+    MAX_CHOICES,
     MAX_ERROR_MESSAGE_CHARS,
     MAX_FINAL_LOGPROB_ENTRIES,
     MAX_N,
@@ -36,9 +40,14 @@ from hybridd.protocol.limits import (
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
+    MAX_STRUCTURED_CHARS,
     MAX_TIMEOUT_S,
     MAX_TOKEN_ID,
     MAX_TOKENS_CAP,
+    MAX_TOOL_CALL_ID_CHARS,
+    MAX_TOOL_CALLS,
+    MAX_TOOL_NAME_CHARS,
+    MAX_TOOLS,
     MAX_TOP_LOGPROBS,
     MIN_REPLY_RING_BYTES,
     PROTOCOL_VERSION,
@@ -83,9 +92,8 @@ class SamplingParamsV1(Fields):
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
-class SamplingParams(SamplingParamsV1):
-    """How to pick tokens, how many sequences, and when to stop. Every field is optional
-    on the wire; `n`, `logprobs` and `top_logprobs` exist from version 2 on."""
+class SamplingParamsV3(SamplingParamsV1):
+    """The sampling fields of versions 2 and 3 (see `SamplingParams`)."""
 
     n: Annotated[int, Meta(ge=1, le=MAX_N)] = 1  # sequences generated from the one prompt
     logprobs: bool = False  # the logprob of each sampled token
@@ -105,8 +113,50 @@ class SamplingParams(SamplingParamsV1):
         return SamplingParamsV1(**{name: getattr(self, name) for name in SamplingParamsV1.__struct_fields__})
 
 
-class ChatMessage(Fields):
-    """One message of a chat: who speaks (`role`, optionally a `name`) and what."""
+StructuredText = Annotated[str, Meta(min_length=1, max_length=MAX_STRUCTURED_CHARS)]
+
+
+class StructuredOutput(Fields):
+    """Version 4: what the output must be, exactly one of: a JSON document valid against
+    the JSON Schema `json` (JSON text), any JSON object (`json_object`), a match of the
+    regular expression `regex`, a sentence of the Lark grammar `grammar`, or one of the
+    strings `choice`."""
+
+    json: StructuredText | None = None
+    json_object: bool = False
+    regex: StructuredText | None = None
+    grammar: StructuredText | None = None
+    choice: Annotated[list[Annotated[str, Meta(min_length=1, max_length=MAX_CHOICE_CHARS)]],
+                      Meta(min_length=1, max_length=MAX_CHOICES)] | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "grammar", "choice") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ValueError("exactly one of json, json_object, regex, grammar and choice must be given"
+                             + (f" (got {', '.join(given)})" if given else ""))
+
+    @property
+    def kind(self) -> str:
+        return "json_object" if self.json_object else next(
+            name for name in ("json", "regex", "grammar", "choice") if getattr(self, name) is not None)
+
+
+class SamplingParams(SamplingParamsV3):
+    """How to pick tokens, how many sequences, and when to stop. Every field is optional
+    on the wire; `n`, `logprobs` and `top_logprobs` exist from version 2 on, `structured`
+    from version 4."""
+
+    structured: StructuredOutput | None = None  # version 4: constrain the output
+
+    def v3(self) -> SamplingParamsV3:
+        if self.structured is not None:
+            raise ValueError("sampling.structured needs protocol version 4")
+        return SamplingParamsV3(**{name: getattr(self, name) for name in SamplingParamsV3.__struct_fields__})
+
+
+class ChatMessageV3(Fields):
+    """A chat message of versions 2 and 3 (see `ChatMessage`)."""
 
     role: Annotated[str, Meta(min_length=1, max_length=MAX_CHAT_ROLE_CHARS)]  # system, user, ...
     content: Annotated[str, Meta(max_length=MAX_PROMPT_CHARS)]
@@ -118,6 +168,69 @@ class ChatMessage(Fields):
         if self.name is not None:
             message["name"] = self.name
         return message
+
+
+ToolName = Annotated[str, Meta(min_length=1, max_length=MAX_TOOL_NAME_CHARS, pattern="^[A-Za-z0-9_.-]+$")]
+
+
+class ToolCall(Fields):
+    """Version 4: a function call an assistant's message made: its id, the function's
+    name and its arguments (JSON text, as the model wrote them)."""
+
+    id: Annotated[str, Meta(min_length=1, max_length=MAX_TOOL_CALL_ID_CHARS)]
+    name: ToolName
+    arguments: Annotated[str, Meta(max_length=MAX_STRUCTURED_CHARS)]
+
+
+class ToolSpec(Fields):
+    """Version 4: a function the model may call: its name, what it does, and the JSON
+    Schema of its parameters (JSON text; nil: none)."""
+
+    name: ToolName
+    description: Annotated[str, Meta(max_length=MAX_STRUCTURED_CHARS)] | None = None
+    parameters: StructuredText | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        """The tool as chat templates read it: OpenAI's `{"type": "function", "function": ...}`."""
+        function: dict[str, Any] = {"name": self.name}
+        if self.description is not None:
+            function["description"] = self.description
+        if self.parameters is not None:
+            function["parameters"] = _json_or_text(self.parameters)
+        return {"type": "function", "function": function}
+
+
+class ChatMessage(ChatMessageV3):
+    """One message of a chat: who speaks (`role`, optionally a `name`) and what; from
+    version 4, the tool calls an assistant's message made, and the call a `tool`
+    message answers (`tool_call_id`)."""
+
+    tool_calls: Annotated[list[ToolCall], Meta(max_length=MAX_TOOL_CALLS)] | None = None
+    tool_call_id: Annotated[str, Meta(min_length=1, max_length=MAX_TOOL_CALL_ID_CHARS)] | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        """The message as chat templates read it: OpenAI's shape, a call's arguments a
+        map when they are a JSON object (templates write them with `tojson`)."""
+        message: dict[str, Any] = super().as_dict()
+        if self.tool_calls:
+            message["tool_calls"] = [{"id": call.id, "type": "function", "function": {
+                "name": call.name, "arguments": _json_or_text(call.arguments)}} for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+    def v3(self) -> ChatMessageV3:
+        if self.tool_calls is not None or self.tool_call_id is not None:
+            raise ValueError("a message's tool_calls and tool_call_id need protocol version 4")
+        return ChatMessageV3(role=self.role, content=self.content, name=self.name)
+
+
+def _json_or_text(text: str) -> Any:
+    try:
+        value = msgspec.json.decode(text)
+    except msgspec.DecodeError:
+        return text
+    return value if isinstance(value, dict) else text
 
 
 Prompt = Annotated[str, Meta(min_length=1, max_length=MAX_PROMPT_CHARS)]
@@ -135,6 +248,8 @@ class GenerateRequest(Message, tag="generate"):
     timeout_s: Annotated[float, Meta(gt=0.0, le=MAX_TIMEOUT_S)] | None = None
     # Version 3: requests share cached KV blocks only under the same salt (nil: the unsalted share).
     cache_salt: CacheSalt | None = None
+    # Version 4: the functions a chat's model may call, written into its prompt by its chat template.
+    tools: Annotated[list[ToolSpec], Meta(max_length=MAX_TOOLS)] | None = None
 
     def __post_init__(self) -> None:
         if self.sampling is None:
@@ -154,6 +269,8 @@ class GenerateRequest(Message, tag="generate"):
             if total > MAX_PROMPT_CHARS:
                 raise ProtocolError(ErrorCode.TOO_LARGE, f"messages: {total} characters of content exceed the "
                                     f"limit of {MAX_PROMPT_CHARS}", field="messages")
+        if self.tools is not None and self.messages is None:
+            raise _invalid("tools", "tools are offered to a chat: give messages")
         if not self.stream and self.sampling.logprob_entries > MAX_FINAL_LOGPROB_ENTRIES:
             raise _invalid("sampling.top_logprobs",
                            f"n x max_tokens x (1 + top_logprobs) = {self.sampling.logprob_entries} logprob entries "
@@ -161,31 +278,63 @@ class GenerateRequest(Message, tag="generate"):
                            f"(its chunks carry the logprobs) or ask for fewer")
 
     def wire_form(self) -> Message:
-        if self.v >= 3:
+        if self.v >= 4:
             return self
+        if self.tools is not None:
+            raise ValueError(f"tools need protocol version 4, this request is version {self.v}")
+        sampling = self.sampling.v3()
+        messages = None if self.messages is None else [m.v3() for m in self.messages]
+        if self.v == 3:
+            return _GenerateRequestV3(id=self.id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
+                                      messages=messages, sampling=sampling, stream=self.stream,
+                                      timeout_s=self.timeout_s, cache_salt=self.cache_salt, v=self.v)
         if self.cache_salt is not None:
             raise ValueError(f"cache_salt needs protocol version 3, this request is version {self.v}")
         if self.v == 2:
             return _GenerateRequestV2(id=self.id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
-                                      messages=self.messages, sampling=self.sampling, stream=self.stream,
+                                      messages=messages, sampling=sampling, stream=self.stream,
                                       timeout_s=self.timeout_s, v=self.v)
         return _GenerateRequestV1(id=self.id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
                                   sampling=self.sampling.v1(), stream=self.stream, timeout_s=self.timeout_s, v=self.v)
+
+
+def _current_sampling(sampling: SamplingParamsV3 | None) -> SamplingParams | None:
+    return None if sampling is None else SamplingParams(**msgspec.structs.asdict(sampling))
+
+
+def _current_messages(messages: list[ChatMessageV3] | None) -> list[ChatMessage] | None:
+    return None if messages is None else [ChatMessage(**msgspec.structs.asdict(m)) for m in messages]
+
+
+class _GenerateRequestV3(Message, tag="generate"):
+    id: RequestId
+    prompt: Prompt | None = None
+    prompt_token_ids: PromptTokenIds | None = None
+    messages: Annotated[list[ChatMessageV3], Meta(max_length=MAX_CHAT_MESSAGES)] | None = None
+    sampling: SamplingParamsV3 | None = None
+    stream: bool | None = True
+    timeout_s: Annotated[float, Meta(gt=0.0, le=MAX_TIMEOUT_S)] | None = None
+    cache_salt: CacheSalt | None = None
+
+    def current(self) -> GenerateRequest:
+        return GenerateRequest(id=self.id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
+                               messages=_current_messages(self.messages), sampling=_current_sampling(self.sampling),
+                               stream=self.stream, timeout_s=self.timeout_s, cache_salt=self.cache_salt, v=self.v)
 
 
 class _GenerateRequestV2(Message, tag="generate"):
     id: RequestId
     prompt: Prompt | None = None
     prompt_token_ids: PromptTokenIds | None = None
-    messages: Annotated[list[ChatMessage], Meta(max_length=MAX_CHAT_MESSAGES)] | None = None
-    sampling: SamplingParams | None = None
+    messages: Annotated[list[ChatMessageV3], Meta(max_length=MAX_CHAT_MESSAGES)] | None = None
+    sampling: SamplingParamsV3 | None = None
     stream: bool | None = True
     timeout_s: Annotated[float, Meta(gt=0.0, le=MAX_TIMEOUT_S)] | None = None
 
     def current(self) -> GenerateRequest:
         return GenerateRequest(id=self.id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
-                               messages=self.messages, sampling=self.sampling, stream=self.stream,
-                               timeout_s=self.timeout_s, v=self.v)
+                               messages=_current_messages(self.messages), sampling=_current_sampling(self.sampling),
+                               stream=self.stream, timeout_s=self.timeout_s, v=self.v)
 
 
 class _GenerateRequestV1(Message, tag="generate"):
@@ -226,7 +375,8 @@ class AttachRingRequest(Message, tag="attach_ring"):
 
 Request = GenerateRequest | CancelRequest | StatusRequest | HealthRequest | AttachRingRequest
 REQUEST_FORMS = {
-    3: Request,
+    4: Request,
+    3: _GenerateRequestV3 | CancelRequest | StatusRequest | HealthRequest | AttachRingRequest,
     2: _GenerateRequestV2 | CancelRequest | StatusRequest | HealthRequest | AttachRingRequest,
     1: _GenerateRequestV1 | CancelRequest | StatusRequest | HealthRequest,
 }
@@ -443,6 +593,7 @@ class RingAttachedReply(Message, tag="ring_attached"):
 
 Reply = ChunkReply | FinalReply | ErrorReply | StatusReply | HealthReply | RingAttachedReply
 REPLY_FORMS = {
+    4: _Chunk | FinalReply | ErrorReply | StatusReply | HealthReply | RingAttachedReply,
     3: _Chunk | FinalReply | ErrorReply | StatusReply | HealthReply | RingAttachedReply,
     2: _Chunk | _FinalV2 | ErrorReply | StatusReply | HealthReply | RingAttachedReply,
     1: _ChunkV1 | _FinalV1 | ErrorReply | StatusReply | HealthReply,

@@ -15,11 +15,12 @@ concurrent streams, graph memory, what the HTTP gateway adds: scripts/bench_gate
 the daemon with one setting changed against `hybridd` (VARIANTS), `capture_evict` (ITL
 while prefill graphs are captured during decode, scripts/bench_capture.py), `mixed_load`
 and `prefix_reuse` (a stream's ITL while another client sends long prompts; TTFT with a
-cached prefix and over a chat's turns: scripts/bench_mixed.py), `breakdown_fp8` (the
-breakdown of the model quantized to FP8 at load: its decode steps against the FP8 floor)
-and `fp8` (a bf16 and an FP8 daemon on the same weights, one after the other: start,
-TTFT at 128 tokens to `--long-prompt`, batch-1 ITL and 32 streams, FP8 over bf16), and
-the peers on the same weights: `hf_eager`, `hf_static`
+ cached prefix and over a chat's turns: scripts/bench_mixed.py), `structured` (ITL under a
+ JSON schema ÷ unconstrained at batch 1 and 32 streams, schema compile time:
+ scripts/bench_structured.py), `breakdown_fp8` (the breakdown of the model quantized to
+ FP8 at load: its decode steps against the FP8 floor) and `fp8` (a bf16 and an FP8 daemon
+ on the same weights, one after the other: start, TTFT at 128 tokens to `--long-prompt`,
+ batch-1 ITL and 32 streams, FP8 over bf16), and the peers on the same weights: `hf_eager`, `hf_static`
 (transformers `generate()`, static cache and torch.compile). A part is skipped, with
 the reason recorded, when `--budget-s` would be exceeded; a failure is recorded and the
 run goes on; bench.json is rewritten after every part. docs/lab/benchmarks.md reads
@@ -75,10 +76,12 @@ LATE_VARIANTS = ("hybridd_poll", "hybridd_no_wake")
 # Estimated seconds per part on an H200 with the Llama-2-7B / Llama-3-8B shape (the budget check uses them).
 ESTIMATE_S_7B = {"ceilings": 8, "checkpoint": 60, "breakdown": 45, "hybridd_eager": 50, "hybridd": 110,
                  "capture_evict": 60, "hf_eager": 45, "hf_static": 60, "mixed_load": 60,
-                 "prefix_reuse": 45, "breakdown_fp8": 45, "fp8": 120} | dict.fromkeys(VARIANTS, 60)
+                 "prefix_reuse": 45, "structured": 150, "breakdown_fp8": 45,
+                 "fp8": 120} | dict.fromkeys(VARIANTS, 60)
 ESTIMATE_S_SMALL = {"ceilings": 3, "checkpoint": 5, "breakdown": 10, "hybridd_eager": 12, "hybridd": 20,
                     "capture_evict": 20, "hf_eager": 8, "hf_static": 60, "mixed_load": 30,
-                    "prefix_reuse": 30, "breakdown_fp8": 10, "fp8": 30} | dict.fromkeys(VARIANTS, 20)
+                    "prefix_reuse": 30, "structured": 60, "breakdown_fp8": 10,
+                    "fp8": 30} | dict.fromkeys(VARIANTS, 20)
 # What --skip may name: the parts, and the HTTP gateway's figures inside the hybridd part.
 SKIPPABLE = frozenset(ESTIMATE_S_7B) | {"gateway"}
 LARGE_PRESETS = ("llama2-7b", "llama3-8b")
@@ -1130,6 +1133,19 @@ def main(argv: list[str] | None = None) -> int:
             endpoint, vocab(), args.long_prompt, args.itl_tokens, args.ttft_reps))
         do_mixed("prefix_reuse", lambda endpoint: measure_prefix_reuse(
             endpoint, vocab(), args.long_prompt, args.turn_tokens, 8, args.ttft_reps))
+
+        def structured(_):
+            from scripts.bench_structured import measure_structured, structured_checkpoint
+
+            model = structured_checkpoint(state["model"], Path(str(state["model"]) + "-bpe"))
+            server = HybriddServer(model, args.device, 600 if args.device == "cuda" else 120,
+                                   **server_overrides(args))
+            try:
+                return measure_structured(server.endpoint, model, args.itl_tokens, args.ttft_reps)
+            finally:
+                server.close()
+
+        part("structured", structured, needs=("model", "vocab"))
         part("hf_eager", lambda out: run_hf(args, state["model"], vocab(), "eager", deadline, shared, out),
              needs=("model", "vocab"))
         part("hf_static", lambda out: run_hf(args, state["model"], vocab(), "static", deadline, shared, out),

@@ -32,7 +32,7 @@ from scripts import daemon
 ERROR_CODES = {"malformed", "too_large", "unsupported_version", "invalid_request", "overloaded", "draining",
                "engine_dead", "timeout", "cancelled", "not_found", "internal"}
 # Codes a request can earn by being what it is; the others mean the daemon failed.
-VERSIONS = (1, 2, 3)  # the versions SPEC.md §7 says the daemon speaks
+VERSIONS = (1, 2, 3, 4)  # the versions SPEC.md §7 says the daemon speaks
 REQUEST_CODES = {"malformed", "too_large", "unsupported_version", "invalid_request", "overloaded"}
 # SPEC §2 forbids ext types without naming the code.
 EXT_CODES = {"malformed", "too_large", "invalid_request"}

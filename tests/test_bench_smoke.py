@@ -32,7 +32,7 @@ def bench_out(tmp_path_factory):
     proc = subprocess.run(
         [sys.executable, "-m", "scripts.bench", "--out", str(out / "out"), "--device", "cpu",
          "--preset", "tiny", "--quick", "--checkpoint-dir", str(out / "ckpt"), "--skip",
-         "mixed_load,prefix_reuse,breakdown_fp8,fp8", "--budget-s",
+         "mixed_load,prefix_reuse,structured,breakdown_fp8,fp8", "--budget-s",
          str(int(on_this_host(200)))],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=on_this_host(300),
     )
@@ -47,7 +47,7 @@ def test_json_has_every_figure(bench_out):
     assert r["meta"]["errors"] == {}, r["meta"]["errors"]
     cuda_only = {"hf_static", "hybridd_no_mps", "hybridd_no_pdl", "hybridd_unfused", "hybridd_poll", "hybridd_no_wake"}
     # Their own runs below.
-    assert set(r["meta"]["skipped"]) == cuda_only | {"mixed_load", "prefix_reuse", "breakdown_fp8", "fp8"}
+    assert set(r["meta"]["skipped"]) == cuda_only | {"mixed_load", "prefix_reuse", "structured", "breakdown_fp8", "fp8"}
     assert r["meta"]["shape"] == "tiny shape, random float32 weights"
     assert r["device"]["copy_bandwidth_Bps"] > 0 and r["device"]["matmul_flops"] > 0
     floors = r["floors"]
@@ -163,13 +163,15 @@ def test_an_unknown_part_to_run_is_named():
     assert "--parts: unknown part(s) bench_gemm; the parts are" in result.stderr
 
 
-def test_mixed_load_and_prefix_reuse_parts(tmp_path):
-    """The chunked-prefill and prefix-cache parts, small: a stream beside another client's
-    long prompts, and TTFT with a cached prefix and over a chat's turns."""
+def test_mixed_load_prefix_reuse_and_structured_parts(tmp_path):
+    """The chunked-prefill, prefix-cache and structured-output parts, small: a stream beside
+    another client's long prompts, TTFT with a cached prefix and over a chat's turns, and
+    ITL under a JSON schema against unconstrained at batch 1 and 32 streams."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.run(
         [sys.executable, "-m", "scripts.bench", "--out", str(tmp_path / "out"), "--device", "cpu", "--preset", "tiny",
-         "--quick", "--checkpoint-dir", str(tmp_path / "ckpt"), "--parts", "ceilings,checkpoint,mixed_load,prefix_reuse",
+         "--quick", "--checkpoint-dir", str(tmp_path / "ckpt"), "--parts",
+         "ceilings,checkpoint,mixed_load,prefix_reuse,structured",
          "--long-prompt", "300", "--turn-tokens", "40", "--budget-s", str(int(on_this_host(200)))],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=on_this_host(300),
     )
@@ -186,6 +188,12 @@ def test_mixed_load_and_prefix_reuse_parts(tmp_path):
     # tests' to say (tests/test_runtime_prefix_cache.py, by the tokens the daemon reports),
     # not a timing on a shared host.
     assert reuse["repeated_ratio"] > 0 and reuse["shared_prefix_ratio"] > 0
+    structured = r["structured"]
+    assert structured["batch_1"]["itl_schema"]["n"] == 2 * 3 * 31  # two passes of 3 prompts, 32 tokens each
+    assert structured["streams_32"]["itl_schema"]["n"] == 2 * 32 * 31
+    assert structured["batch_1"]["itl_p50_ratio"] > 0 and structured["streams_32"]["itl_p50_ratio"] > 0
+    assert structured["compile"]["compile_p50_s"] > 0 and structured["ttft_new_schema"]["n"] == 3
+    assert set(structured["targets_met"]) == {"batch 1 itl <= 1.10x", "32 streams itl <= 1.20x"}
 
 
 def test_fp8_parts(tmp_path):

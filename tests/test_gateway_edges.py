@@ -63,23 +63,19 @@ def _wait_for_log(daemon: GatewayDaemon, pattern: str) -> str:
 def test_no_op_and_unknown_fields_are_ignored_and_named(oai):
     raw = oai.chat.completions.with_raw_response.create(
         model=MODEL, messages=[{"role": "user", "content": "Speak."}], max_tokens=4, temperature=0,
-        tools=[], response_format={"type": "text"}, store=False, metadata={"team": "a"}, user="u1",
-        parallel_tool_calls=True, extra_body={"frobnicate": 3})
+        store=False, metadata={"team": "a"}, user="u1", extra_body={"frobnicate": 3})
     completion = raw.parse()
     assert completion.choices[0].message.content is not None
-    assert raw.headers["x-hybridd-ignored-fields"] == \
-        "frobnicate,metadata,parallel_tool_calls,response_format,store,tools"
+    assert raw.headers["x-hybridd-ignored-fields"] == "frobnicate,metadata,store"
 
 
 @pytest.mark.parametrize(("path", "extra", "param"), [
-    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
-     "tools"),
-    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/chat/completions", {"functions": [{"name": "f", "parameters": {}}]}, "functions"),
     ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
      "response_format"),
     ("/v1/completions", {"echo": True, "logprobs": 1}, "echo"),
-], ids=["tools", "json_object", "json_schema", "echo-logprobs"])
-def test_what_hybridd_cannot_do_yet_stays_refused(daemon, path, extra, param):
+], ids=["functions", "json_schema-without-schema", "echo-logprobs"])
+def test_what_hybridd_cannot_do_stays_refused(daemon, path, extra, param):
     body = {"model": MODEL, "max_tokens": 2} | (
         {"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"prompt": "ROMEO:"})
     response = _post(daemon, path, body | extra)

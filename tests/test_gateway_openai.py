@@ -185,8 +185,8 @@ def test_the_response_head_leaves_with_the_first_body_bytes(daemon, stream):
 def test_chat_refuses_what_it_does_not_implement(oai):
     with pytest.raises(openai.BadRequestError) as caught:
         oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
-                                    tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
-    assert caught.value.param == "tools"
+                                    functions=[{"name": "f", "parameters": {}}])
+    assert caught.value.param == "functions"
     with pytest.raises(openai.BadRequestError) as caught:
         oai.chat.completions.create(model=MODEL, messages=[])
     assert caught.value.param == "messages"

@@ -23,9 +23,9 @@ def _final(v: int) -> FinalReply:
                       timings=Timings(ttft_s=0.1, total_s=0.2, queue_s=0.0), v=v)
 
 
-def test_a_version_3_request_carries_its_salt():
-    request = GenerateRequest(id="r", prompt="Hello", cache_salt="tenant-a")
-    assert request.v == limits.PROTOCOL_VERSION == 3
+@pytest.mark.parametrize("version", [3, limits.PROTOCOL_VERSION])
+def test_a_version_3_request_carries_its_salt(version):
+    request = GenerateRequest(id="r", prompt="Hello", cache_salt="tenant-a", v=version)
     assert request.to_wire()["cache_salt"] == "tenant-a"
     assert codec.REQUESTS.decode(codec.encode(request)).cache_salt == "tenant-a"
     assert codec.REQUESTS.decode(codec.encode(GenerateRequest(id="r", prompt="Hello"))).cache_salt is None

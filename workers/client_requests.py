@@ -9,6 +9,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from hybridd.engine.core import EngineRequest
+from hybridd.engine.grammar import StructuredOutputError
 from hybridd.engine.prompt import PromptError
 from hybridd.protocol import codec
 from hybridd.protocol.errors import ErrorCode, ProtocolError
@@ -84,7 +85,7 @@ def field_first(field: str, message: str) -> str:
 def encoding_failure(exc: Exception) -> tuple[ErrorCode, str, str | None]:
     """The error that answers a prompt whose encoding failed: a prompt that cannot run
     is the client's (invalid_request, its field named), a tokenizer that raised is ours."""
-    if isinstance(exc, PromptError):
+    if isinstance(exc, (PromptError, StructuredOutputError)):
         return ErrorCode.INVALID_REQUEST, field_first(exc.field, str(exc)), exc.field
     return ErrorCode.INTERNAL, f"prompt: the tokenizer failed: {type(exc).__name__}: {exc}", "prompt"
 

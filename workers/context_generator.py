@@ -22,6 +22,7 @@ from hybridd.version import __version__
 from hybridd.config import Config, resolve_device, resolve_dtype
 from hybridd.engine.block_manager import BlockManager
 from hybridd.engine.core import EngineCore, EngineOutputs
+from hybridd.engine.grammar import CompiledGrammar, GrammarCompiler
 from hybridd.engine.prompt import PromptError, prompt_length_refusal, prompt_token_ids
 from hybridd.engine.sampler import Sampler
 from hybridd.engine.scheduler import AdmissionError, Scheduler
@@ -51,6 +52,7 @@ from hybridd.protocol.messages import (
     HealthRequest,
     Request,
     RingAttachedReply,
+    SamplingParams,
     StatusReply,
     StatusRequest,
 )
@@ -145,8 +147,11 @@ class ContextGenerator:
             ready, self.buffers, self.ctl, sampler, self.device,
             on_control=self._on_control, peer_alive=self._graph_alive,
             kv_cache=self.kv_arena.tensors["kv_cache"], while_launching=self._while_launching,
-            while_waiting=self.link.heartbeat,
+            while_waiting=self.link.heartbeat, settle=self._settle,
         )
+        self.grammars = GrammarCompiler(self.tokenizer, vocab_size, ready.eos_token_ids,
+                                        timeout_s=config.structured_compile_timeout_s,
+                                        cache_size=config.structured_cache_size)
         self.core = EngineCore(self.scheduler, self.pipeline, self.tokenizer, PIPELINE_DEPTH,
                                on_launch=self._launched)
         # Sessions are tracked from before each bind: a client already waiting connects
@@ -273,6 +278,12 @@ class ContextGenerator:
         """While the graph generator launches a step: the steps that have landed are
         retired and their tokens sent now, not after the launch."""
         self.core.retire_landed()
+        self._deliver(self.core.take_outputs())
+
+    def _settle(self) -> None:
+        """A constrained batch's forward runs: every step before it is retired (its tokens
+        advance the grammars its masks are filled from) and its tokens sent."""
+        self.core.retire_all()
         self._deliver(self.core.take_outputs())
 
     def _deliver(self, outputs: EngineOutputs) -> None:
@@ -499,13 +510,17 @@ class ContextGenerator:
             except PromptError as exc:
                 refuse(ErrorCode.INVALID_REQUEST, field_first(exc.field, str(exc)), exc.field)
                 return
-            self._admit(key, PendingPrompt(identity, req, received, deadline, None), ids)
+            if params.structured is None:
+                self._admit(key, PendingPrompt(identity, req, received, deadline, None), ids)
+            else:  # its constraint compiles on the intake's thread
+                encoding = self.intake.submit(self._with_grammar, ids, params)
+                self.encoding[key] = PendingPrompt(identity, req, received, deadline, encoding)
             return
         if req.prompt is not None and (refusal := self.intake.refusal(req.prompt)) is not None:
             refuse(ErrorCode.INVALID_REQUEST, refusal, "prompt")
             return
         ids = None
-        if req.prompt is not None and not self.encoding:
+        if req.prompt is not None and not self.encoding and params.structured is None:
             # A short prompt, and none before it still on the intake's thread (admission
             # keeps the order of arrival): encoded here and admitted at once.
             try:
@@ -519,10 +534,11 @@ class ContextGenerator:
             self._admit(key, PendingPrompt(identity, req, received, deadline, None), ids)
             return
         if req.prompt is not None:
-            encoding = self.intake.submit(self._prompt_ids, req.prompt)
+            encoding = self.intake.submit(self._prompt_ids, req.prompt, params)
         else:
             messages = [m.as_dict() for m in req.messages or []]
-            encoding = self.intake.submit(self._chat_ids, messages)
+            tools = None if req.tools is None else [tool.as_dict() for tool in req.tools]
+            encoding = self.intake.submit(self._chat_ids, messages, tools, params)
         self.encoding[key] = PendingPrompt(identity, req, received, deadline, encoding)
 
     def _expect_step(self) -> None:
@@ -538,13 +554,21 @@ class ContextGenerator:
             mark("expect_send")
             self.ctl.send(control.Expect())
 
-    def _prompt_ids(self, prompt: str) -> list[int]:
-        """On the intake's thread: the prompt's ids (the first max_model_len at most)."""
-        return self._checked_prompt_ids(self.intake.prompt_ids(prompt))
+    def _prompt_ids(self, prompt: str, params: SamplingParams) -> tuple[list[int], CompiledGrammar | None]:
+        """On the intake's thread: the prompt's ids (the first max_model_len at most), and
+        its structured output compiled."""
+        return self._with_grammar(self._checked_prompt_ids(self.intake.prompt_ids(prompt)), params)
 
-    def _chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
-        """On the intake's thread: a chat's ids (the first max_model_len at most)."""
-        return self._checked_prompt_ids(self.intake.chat_ids(messages), "messages")
+    def _chat_ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                  params: SamplingParams) -> tuple[list[int], CompiledGrammar | None]:
+        """On the intake's thread: a chat's ids (the first max_model_len at most), with its
+        tools, and its structured output compiled."""
+        return self._with_grammar(self._checked_prompt_ids(self.intake.chat_ids(messages, tools), "messages"),
+                                  params)
+
+    def _with_grammar(self, ids: list[int], params: SamplingParams) -> tuple[list[int], CompiledGrammar | None]:
+        """On the intake's thread: the ids, and the request's constraint compiled (cached)."""
+        return ids, None if params.structured is None else self.grammars.compile(params.structured)
 
     def _checked_prompt_ids(self, ids: list[int], field: str = "prompt") -> list[int]:
         """A prompt's ids as encoded (the first max_model_len at most), if they can run."""
@@ -563,17 +587,19 @@ class ContextGenerator:
             del self.encoding[key]
             req = pending.request
             try:
-                ids = pending.encoding.result()
-            except Exception as exc:  # the tokenizer's failure is this request's alone
+                ids, grammar = pending.encoding.result()
+            except Exception as exc:  # the tokenizer's (or a constraint's) failure is this request's alone
                 self._error(pending.identity, req.id, *encoding_failure(exc), v=req.v)
                 continue
-            self._admit(key, pending, ids)
+            self._admit(key, pending, ids, grammar)
 
-    def _admit(self, key: str, pending: PendingPrompt, ids: list[int]) -> None:
-        """Hand a request with its prompt's token ids to the engine core, or refuse it."""
+    def _admit(self, key: str, pending: PendingPrompt, ids: list[int], grammar: CompiledGrammar | None = None) -> None:
+        """Hand a request with its prompt's token ids (and its compiled constraint) to the
+        engine core, or refuse it."""
         req = pending.request
         try:
-            engine = self.core.add(key, ids, req.sampling, pending.received, pending.deadline, req.cache_salt)
+            engine = self.core.add(key, ids, req.sampling, pending.received, pending.deadline, req.cache_salt,
+                                   grammar)
         except AdmissionError as exc:
             self._error(pending.identity, req.id, ErrorCode.INVALID_REQUEST, field_first(exc.field, str(exc)),
                         exc.field, v=req.v)
@@ -725,7 +751,7 @@ class ContextGenerator:
             self.ctl.send(control.Shutdown())
         except Exception:  # the peer may be gone already
             pass
-        for name in ("kv_arena", "step_arena", "intake"):
+        for name in ("kv_arena", "step_arena", "intake", "grammars"):
             if hasattr(self, name):
                 getattr(self, name).close()
         self.link.phase("stopped")

@@ -208,10 +208,10 @@ class Intake:
             return self.tokenizer.encode(prompt)
         return self._backend.encode_batch([prompt], add_special_tokens=True)[0].ids
 
-    def chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
-        """A chat's token ids as the model's chat template renders it (the first
-        max_model_len at most); runs on the intake's thread. Raises PromptError."""
-        text = chat_text(self.tokenizer, messages)
+    def chat_ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """A chat's token ids as the model's chat template renders it with its tools (the
+        first max_model_len at most); runs on the intake's thread. Raises PromptError."""
+        text = chat_text(self.tokenizer, messages, tools)
         if self._backend is None:
             return self.tokenizer.encode(text, add_special_tokens=False)
         return self._backend.encode_batch([text], add_special_tokens=False)[0].ids

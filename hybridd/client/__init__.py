@@ -27,7 +27,9 @@ from hybridd.errors import (
     DaemonUnreachableError, DrainingError, EngineDeadError, HandshakeRefusedError, HybriddError, InternalError,
     InvalidRequestError, NotFoundError, OverloadedError, RequestCancelledError, RequestTimeoutError, UnavailableError,
 )
-from hybridd.protocol.messages import ChatMessage, Choice, SamplingParams, TokenLogprob, TopLogprob
+from hybridd.protocol.messages import (
+    ChatMessage, Choice, SamplingParams, StructuredOutput, TokenLogprob, ToolCall, ToolSpec, TopLogprob,
+)
 from hybridd.results import Chunk, GenerateResult, Health
 
 __all__ = [
@@ -53,7 +55,10 @@ __all__ = [
     "RequestTimeoutError",
     "SamplingParams",
     "Stream",
+    "StructuredOutput",
     "TokenLogprob",
+    "ToolCall",
+    "ToolSpec",
     "TopLogprob",
     "UnavailableError",
     "load_curve_keys",

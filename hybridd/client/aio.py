@@ -14,7 +14,7 @@ import contextlib
 from typing import Any
 
 from hybridd.client.core import (
-    Call, ClientCore, Messages, Sampling, Timeout, generated, health_of, reach, remaining,
+    Call, ClientCore, Messages, Sampling, Timeout, Tools, generated, health_of, reach, remaining,
     status_of,
 )
 from hybridd.client.session import Session
@@ -159,18 +159,19 @@ class AsyncClient(ClientCore):
 
     async def chat(self, messages: Messages, sampling: Sampling = None, *, request_id: str | None = None,
                    timeout: Timeout = ..., connect_timeout: float | None = None, cache_salt: str | None = None,
-                   **sampling_options: Any) -> GenerateResult:
+                   tools: Tools | None = None, **sampling_options: Any) -> GenerateResult:
         """The model's answer to a chat, whole (see `Client.chat`); `chat_stream` streams it."""
         return generated(await self._complete(self._generate_call(
             None, messages, sampling, sampling_options, request_id, timeout, connect_timeout, stream=False,
-            cache_salt=cache_salt)))
+            cache_salt=cache_salt, tools=tools)))
 
     def chat_stream(self, messages: Messages, sampling: Sampling = None, *, request_id: str | None = None,
                     timeout: Timeout = ..., connect_timeout: float | None = None, cache_salt: str | None = None,
-                    **sampling_options: Any) -> AsyncStream:
+                    tools: Tools | None = None, **sampling_options: Any) -> AsyncStream:
         """Start the model's answer to a chat (call inside the loop); `async for` over it."""
         return AsyncStream(self, self._generate_call(None, messages, sampling, sampling_options, request_id, timeout,
-                                                     connect_timeout, stream=True, cache_salt=cache_salt))
+                                                     connect_timeout, stream=True, cache_salt=cache_salt,
+                                                     tools=tools))
 
     async def cancel(self, request_id: str) -> None:
         self._session_now().cancel(request_id)

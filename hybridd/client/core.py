@@ -41,6 +41,7 @@ from hybridd.protocol.messages import (
     StatusReply,
     StatusRequest,
     TokenLogprob,
+    ToolSpec,
 )
 from hybridd.results import Chunk, GenerateResult, Health
 
@@ -48,7 +49,8 @@ from hybridd.results import Chunk, GenerateResult, Health
 # unless the client or the call sets `connect_timeout`.
 CONNECT_TIMEOUT_S = 10.0
 SAMPLING_FIELDS = frozenset(SamplingParams.__struct_fields__)
-Messages = list[ChatMessage | dict[str, str]]
+Messages = list[ChatMessage | dict[str, Any]]
+Tools = list[ToolSpec | dict[str, Any]]
 Sampling = SamplingParams | dict[str, Any] | None
 Timeout = float | None | EllipsisType
 
@@ -198,7 +200,8 @@ def generated(call: Call) -> GenerateResult:
 
 def build_generate(prompt: str | list[int] | None, messages: Messages | None, sampling: Sampling,
                    options: dict[str, Any], *, request_id: str | None, stream: bool,
-                   timeout: float | None, cache_salt: str | None = None) -> GenerateRequest:
+                   timeout: float | None, cache_salt: str | None = None, tools: Tools | None = None,
+                   ) -> GenerateRequest:
     """A generate request, checked by the daemon's own decoder, so that a bad one fails
     here, naming its field. `cache_salt`: requests share prefix-cache blocks only under
     the same salt (None: the unsalted share)."""
@@ -217,6 +220,7 @@ def build_generate(prompt: str | list[int] | None, messages: Messages | None, sa
         "v": PROTOCOL_VERSION, "type": "generate", "id": request_id, "prompt": text, "prompt_token_ids": ids,
         "messages": None if messages is None else list(messages), "sampling": fields, "stream": stream,
         "timeout_s": None if timeout is None else min(timeout, MAX_TIMEOUT_S), "cache_salt": cache_salt,
+        "tools": None if tools is None else list(tools),
     }
     try:
         request = codec.REQUESTS.decode(encode(wire))
@@ -266,10 +270,11 @@ class ClientCore:
 
     def _generate_call(self, prompt: str | list[int] | None, messages: Messages | None, sampling: Sampling,
                        options: dict[str, Any], request_id: str | None, timeout: Timeout,
-                       connect_timeout: float | None, *, stream: bool, cache_salt: str | None) -> Call:
+                       connect_timeout: float | None, *, stream: bool, cache_salt: str | None,
+                       tools: Tools | None = None) -> Call:
         timeout = self._timeout(timeout)
         request = build_generate(prompt, messages, sampling, options, request_id=request_id, stream=stream,
-                                 timeout=timeout, cache_salt=cache_salt)
+                                 timeout=timeout, cache_salt=cache_salt, tools=tools)
         return Call(request, timeout, self._connect_timeout(connect_timeout))
 
     def _status_call(self, timeout: Timeout, connect_timeout: float | None) -> Call:

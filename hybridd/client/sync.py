@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from hybridd.client.core import (
-    Call, ClientCore, Messages, Sampling, Timeout, generated, health_of, reach, remaining,
+    Call, ClientCore, Messages, Sampling, Timeout, Tools, generated, health_of, reach, remaining,
     status_of,
 )
 from hybridd.client.session import Session, seconds
@@ -247,19 +247,22 @@ class Client(ClientCore):
 
     def chat(self, messages: Messages, sampling: Sampling = None, *, request_id: str | None = None,
              timeout: Timeout = ..., connect_timeout: float | None = None, cache_salt: str | None = None,
-             **sampling_options: Any) -> GenerateResult:
+             tools: Tools | None = None, **sampling_options: Any) -> GenerateResult:
         """The model's answer to a chat (`[{"role": "user", "content": "..."}]`), rendered by
-        its chat template in the daemon, returned whole."""
+        its chat template in the daemon, returned whole. `tools`: the functions the model
+        may call (`ToolSpec`s or maps of their fields), written into the prompt by the
+        template; structured output is a sampling option (`structured=StructuredOutput(...)`)."""
         return generated(self._complete(self._generate_call(
             None, messages, sampling, sampling_options, request_id, timeout, connect_timeout, stream=False,
-            cache_salt=cache_salt)))
+            cache_salt=cache_salt, tools=tools)))
 
     def chat_stream(self, messages: Messages, sampling: Sampling = None, *, request_id: str | None = None,
                     timeout: Timeout = ..., connect_timeout: float | None = None, cache_salt: str | None = None,
-                    **sampling_options: Any) -> Stream:
+                    tools: Tools | None = None, **sampling_options: Any) -> Stream:
         """Start the model's answer to a chat; iterate the returned `Stream` for its chunks."""
         return Stream(self, self._generate_call(None, messages, sampling, sampling_options, request_id, timeout,
-                                                connect_timeout, stream=True, cache_salt=cache_salt))
+                                                connect_timeout, stream=True, cache_salt=cache_salt,
+                                                tools=tools))
 
     def cancel(self, request_id: str) -> None:
         """Cancel a request of this client; idempotent, no-op for an unknown or finished id."""

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from hybridd.engine.grammar import CompiledGrammar
 from hybridd.engine.sampler import Logprobs
 from hybridd.engine.scheduler import ScheduledBatch, Scheduler
 from hybridd.engine.sequence import Sequence
@@ -124,15 +125,22 @@ class EngineCore:
 
     # ---------------------------------------------------------------- requests
     def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams, arrival: float | None = None,
-            deadline: float | None = None, cache_salt: str | None = None) -> EngineRequest:
+            deadline: float | None = None, cache_salt: str | None = None,
+            grammar: CompiledGrammar | None = None) -> EngineRequest:
         """Queue a request of `params.n` sequences (sharing prefix-cache blocks only with
-        requests of the same `cache_salt`); raises `AdmissionError` (naming the field) when
-        it can never run, and ValueError when the id is already running."""
+        requests of the same `cache_salt`; each following a copy of `grammar`, its
+        structured output compiled); raises `AdmissionError` (naming the field) when it can
+        never run, and ValueError when the id is already running."""
         if request_id in self.requests:
             raise ValueError(f"request {request_id!r} is already running")
+        if (grammar is None) != (params.structured is None):
+            raise ValueError("a request with structured output needs its compiled grammar, and only it")
         arrival = time.monotonic() if arrival is None else arrival
         seqs = [Sequence(request_id if i == 0 else f"{request_id}#{i}", prompt_ids, params, arrival, index=i,
                          cache_salt=cache_salt) for i in range(params.n)]
+        if grammar is not None:
+            for seq in seqs:
+                seq.grammar = grammar.new_matcher()
         seqs[0].forks = seqs[1:]
         self.scheduler.add(seqs[0])
         request = EngineRequest(request_id, seqs, deadline)
@@ -179,6 +187,12 @@ class EngineCore:
         if self.inflight:
             self._retire(self.inflight.popleft())
         return self.take_outputs()
+
+    def retire_all(self) -> None:
+        """Retire every step in flight, waiting for its tokens (a constrained batch's masks
+        need its sequences' last tokens: the runner calls this once its forward runs)."""
+        while self.inflight:
+            self._retire(self.inflight.popleft())
 
     def retire_landed(self) -> None:
         """Retire the steps in flight whose tokens are on the host already (the runner

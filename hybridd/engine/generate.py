@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from hybridd.engine.block_manager import BlockManager
 from hybridd.engine.core import EngineCore
+from hybridd.engine.grammar import CompiledGrammar
 from hybridd.engine.in_process_runner import InProcessRunner
 from hybridd.engine.scheduler import Scheduler
 from hybridd.engine.sequence import Sequence
@@ -24,9 +25,11 @@ def generate(
     block_size: int = 16,
     kv_cache: KVCache | None = None,
     tokenizer=None,
+    grammar: CompiledGrammar | None = None,
 ) -> list[list[Sequence]]:
-    """Run every prompt with `params` to its end; returns the finished requests'
-    sequences, one list per prompt (`params.n` sequences each)."""
+    """Run every prompt with `params` to its end (under `grammar`, the compiled
+    `params.structured`, when given); returns the finished requests' sequences, one list
+    per prompt (`params.n` sequences each)."""
     lengths = [len(p) + params.max_tokens for p in prompts]
     model.check_sequence_length(max(lengths, default=0))
     manager_blocks = sum(params.n * blocks_for(n, block_size) for n in lengths)
@@ -38,7 +41,7 @@ def generate(
         max_model_len=model.max_positions, eos_token_ids=model.config.eos_token_ids, tokenizer=tokenizer,
     )
     core = EngineCore(scheduler, InProcessRunner(model, kv_cache), tokenizer, pipeline_depth=1)
-    requests = [core.add(str(i), prompt, params) for i, prompt in enumerate(prompts)]
+    requests = [core.add(str(i), prompt, params, grammar=grammar) for i, prompt in enumerate(prompts)]
     while core.has_work:
         core.step()
     return [request.seqs for request in requests]

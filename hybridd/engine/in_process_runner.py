@@ -1,8 +1,8 @@
 """The engine core's runner over a model in the same process: no graph generator, no
 arenas. It runs each scheduled batch's forward eagerly on the model's own KV cache and
-samples its tokens with the daemon's sampler, so the in-process path
-(`hybridd.engine.generate`) schedules, forks, preempts and samples exactly as the
-daemon does. Its steps land at once: the core drives it one step deep, so every
+samples its tokens with the daemon's sampler (under the same allowed-token masks for
+structured output), so the in-process path (`hybridd.engine.generate`) schedules,
+forks, preempts and samples exactly as the daemon does. Its steps land at once: the core drives it one step deep, so every
 input token is on the host when its step is scheduled.
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from hybridd.engine.grammar import TokenMasks
 from hybridd.engine.sampler import Logprobs, Sampler, SamplingTensors
 from hybridd.engine.scheduler import ScheduledBatch
 from hybridd.engine.step_pipeline import InflightStep
@@ -23,6 +24,7 @@ class InProcessRunner:
         self.kv_cache = kv_cache
         self.sampler = sampler or Sampler(compile=False)
         self.device = model.device
+        self.token_masks: TokenMasks | None = None  # made for the first constrained batch
 
     @torch.inference_mode()
     def launch(self, batch: ScheduledBatch) -> InflightStep:
@@ -36,7 +38,13 @@ class InProcessRunner:
             logits = logits.index_select(0, torch.tensor(batch.sample_rows, dtype=torch.int64, device=self.device))
         seqs = batch.sampled_seqs
         tensors = SamplingTensors.from_sequences(seqs, logits.shape[-1], self.device)
-        tokens, logprobs = self.sampler.sample(logits, tensors, with_logprobs=any(s.params.logprobs for s in seqs))
+        allowed = None
+        if any(seq.grammar is not None for seq in seqs):
+            if self.token_masks is None or self.token_masks.max_rows < len(seqs):
+                self.token_masks = TokenMasks(logits.shape[-1], max(len(seqs), 64))
+            allowed = self.token_masks.fill(seqs).to(self.device)
+        tokens, logprobs = self.sampler.sample(logits, tensors, with_logprobs=any(s.params.logprobs for s in seqs),
+                                               allowed=allowed)
         host_logprobs = None
         if logprobs is not None:
             host_logprobs = logprobs.to(Logprobs.empty_like(logprobs, pin_memory=False))

@@ -9,6 +9,7 @@ model answers as the assistant). The rendered text carries its own special token
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 
 def prompt_length_refusal(num_tokens: int, max_model_len: int, *, at_least: bool = False) -> str | None:
@@ -55,20 +56,23 @@ def prompt_token_ids(
     return ids
 
 
-def chat_token_ids(tokenizer, messages: Sequence[Mapping[str, str]]) -> list[int]:
+def chat_token_ids(tokenizer, messages: Sequence[Mapping[str, Any]], tools: list[dict[str, Any]] | None = None,
+                   ) -> list[int]:
     """The chat rendered by the tokenizer's chat template, ready for the assistant's turn."""
-    return tokenizer.encode(chat_text(tokenizer, messages), add_special_tokens=False)
+    return tokenizer.encode(chat_text(tokenizer, messages, tools), add_special_tokens=False)
 
 
-def chat_text(tokenizer, messages: Sequence[Mapping[str, str]]) -> str:
+def chat_text(tokenizer, messages: Sequence[Mapping[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
     """The chat as the tokenizer's chat template renders it, ending with the assistant's
-    turn; its special tokens are in the text (encode it without adding them again)."""
+    turn; its special tokens are in the text (encode it without adding them again).
+    `tools` (OpenAI's function objects) are given to the template, which writes them in
+    the model's own way; a message's `content` of None (a call's) is given as it is."""
     if not getattr(tokenizer, "chat_template", None):
         raise PromptError(
             "the model has no chat template (`chat_template` in its tokenizer_config.json or a "
             "chat_template.jinja file); send a prompt instead", "messages")
     try:
-        text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template(list(messages), tools=tools, add_generation_prompt=True, tokenize=False)
     except Exception as exc:  # noqa: BLE001  a template raises what it likes (raise_exception, TemplateError)
         raise PromptError(f"the model's chat template refused them: {exc}", "messages") from None
     return text

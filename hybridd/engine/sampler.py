@@ -24,6 +24,10 @@ too) and applied by multiplication with host-computed reciprocals, never by devi
 division (approximate on the GPU); logits are shifted by their row maximum before
 scaling, so a tiny temperature saturates to -inf instead of overflowing to +inf.
 
+A row may be constrained by an allowed-token bitmask (structured output): the tokens it
+does not allow are -inf before the pipeline starts, so every step below sees only the
+allowed ones.
+
 Logprobs, for the batches that ask for them, come from that same distribution: the
 log-softmax of the processed logits (penalised; sampled rows also scaled by their
 temperature and cut by top-k/top-p, greedy rows unscaled), as OpenAI defines them.
@@ -44,6 +48,7 @@ import torch
 from hybridd import environment
 from hybridd.protocol.messages import SamplingParams
 from hybridd.engine.sequence import Sequence
+from hybridd.engine.token_bitmask import apply_token_bitmask
 from hybridd.log import get_logger
 from hybridd.protocol.limits import MAX_TOP_LOGPROBS
 
@@ -254,10 +259,14 @@ class Sampler:
 
     def sample(
         self, logits: torch.Tensor, t: SamplingTensors, out: torch.Tensor | None = None, with_logprobs: bool = False,
+        allowed: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, Logprobs | None]:
         """Next token per row, int64 [B] (written into `out` as well when given), and, when
         asked, their logprobs (see `logprobs`); on the fused path both come from the same
-        row maxima and top-k/top-p cut."""
+        row maxima and top-k/top-p cut. `allowed`: an allowed-token bitmask [B, words] on
+        the logits' device (`token_bitmask`), applied before anything else."""
+        if allowed is not None:
+            logits = apply_token_bitmask(logits, allowed)
         if self._runs_fused(logits):
             fused = self._fused(logits, t)
             tokens, processed = fused.tokens(out), fused.processed

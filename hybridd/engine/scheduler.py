@@ -293,6 +293,9 @@ class Scheduler:
             if result.finish_reason is not None:
                 self._finish(seq, result.finish_reason, result.stop_reason)
                 finished.append(seq)
+            elif seq.grammar_ended:  # its structured output is complete (an ignored EOS included)
+                self._finish(seq, "stop", token_id)
+                finished.append(seq)
         return finished
 
     def _ends_when_landed(self, seq: Sequence) -> bool:

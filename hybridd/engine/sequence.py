@@ -12,6 +12,9 @@ The first one is queued and carries the others in `forks` until its prefill, whi
 they share: they are forked from it there (same prompt KV, their own first token).
 Sequence i of a seeded request samples with a seed derived from (seed, i), so the n
 outputs are distinct and each reproducible; sequence 0 uses the seed itself.
+
+A request with structured output gives each of its sequences a grammar matcher of its
+own (`grammar`, see `hybridd.engine.grammar`), which every appended token advances.
 """
 
 from __future__ import annotations
@@ -99,6 +102,8 @@ class Sequence:
         self.new_text = ""  # what the last postprocess added to output_text
         # One per output token when the request asked for logprobs, else None.
         self.logprobs: list[TokenLogprob] | None = [] if self.params.logprobs else None
+        # Structured output: what the output may be next (an llguidance matcher), else None.
+        self.grammar = None
 
     def __len__(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
@@ -139,6 +144,13 @@ class Sequence:
         if self.first_token_time is None:
             self.first_token_time = self.last_token_time
         self.output_token_ids.append(token_id)
+        if self.grammar is not None:
+            self.grammar.consume_token(token_id)
+
+    @property
+    def grammar_ended(self) -> bool:
+        """The structured output is complete (its end of sequence accepted): nothing may follow."""
+        return self.grammar is not None and (self.grammar.is_stopped() or self.grammar.is_error())
 
     def finish(self, reason: str, stop_reason: str | int | None = None) -> None:
         self.status = SequenceStatus.FINISHED

@@ -12,6 +12,13 @@ pinned host buffer, and returns at once. The host learns the tokens later, in
 processes is carried by the interprocess events alone; the only host waits are on
 this process's own tokens.
 
+A batch with a constrained row (structured output) samples under an allowed-token
+bitmask that depends on the token each of its sequences sampled in the step before,
+which may still be on its way: once `Launched` is in (the GPU runs the forward), the
+pipeline `settle`s (the caller retires every step in flight, which advances each
+sequence's grammar), fills the rows' masks on the host while the forward runs, copies
+them to the device and only then enqueues the sampling. Batches without one never wait.
+
 A prefill that forks sequences (a request's `n`) samples each fork from its row's
 logits and copies the prompt's partly filled KV blocks for the forks on the same
 stream, after the forward and before the next step's inputs are marked ready. Batches
@@ -28,6 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hybridd.engine.grammar import TokenMasks
 from hybridd.engine.sampler import Logprobs, Sampler, SamplingTensors
 from hybridd.errors import EngineDeadError
 from hybridd.engine.scheduler import ScheduledBatch
@@ -66,6 +74,7 @@ class StepPipeline:
         kv_cache: torch.Tensor | None = None,
         while_launching: Callable[[], None] | None = None,
         while_waiting: Callable[[], None] | None = None,
+        settle: Callable[[], None] | None = None,
     ):
         self.buffers = buffers
         self.kv_cache = kv_cache  # the KV arena [layers, 2, blocks + 1, ...], for copying forked blocks
@@ -83,6 +92,8 @@ class StepPipeline:
         # Called every 100 ms while a launch is awaited (the context generator's heartbeat:
         # waiting on its peer, however long the step, is not being hung).
         self.while_waiting = while_waiting
+        # Retires every step in flight: a constrained batch's masks need its sequences' last tokens.
+        self.settle = settle
         self.cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
@@ -91,6 +102,7 @@ class StepPipeline:
         self.logits_ready = InterprocessEvent.from_handle(ready.events.get("logits_ready", b""), device)
         self.ring = torch.zeros((RING_STEPS, buffers.max_seqs), dtype=torch.int64, device=device)
         self._greedy_tensors: dict[int, SamplingTensors] = {}
+        self.token_masks = TokenMasks(self.vocab_size, buffers.max_seqs, pin_memory=self.cuda)
 
     def serve_from_this_thread(self) -> None:
         """Launch this thread's steps on the step stream without a switch each (`ServingStream`)."""
@@ -135,7 +147,8 @@ class StepPipeline:
         n_rows = logits.shape[0]
         out = self.ring[batch.step_id % RING_STEPS, :n_rows]
         _, logprobs = self.sampler.sample(logits, tensors, out,
-                                          with_logprobs=any(seq.params.logprobs for seq in batch.sampled_seqs))
+                                          with_logprobs=any(seq.params.logprobs for seq in batch.sampled_seqs),
+                                          allowed=self._allowed(batch))
         host = torch.empty(n_rows, dtype=torch.int64, pin_memory=self.cuda)
         host_logprobs = None if logprobs is None else Logprobs.empty_like(logprobs, pin_memory=self.cuda)
         done = None
@@ -157,6 +170,18 @@ class StepPipeline:
                 logprobs.to(host_logprobs)
         mark("sampling_enqueued")
         return InflightStep(batch, host, done, host_logprobs)
+
+    def _allowed(self, batch: ScheduledBatch) -> torch.Tensor | None:
+        """The rows' allowed-token bitmask on the device, when a row is constrained."""
+        seqs = batch.sampled_seqs
+        if not any(seq.grammar is not None for seq in seqs):
+            return None
+        if self.settle is not None:
+            self.settle()
+        mark("masks_begin")
+        mask = self.token_masks.fill(seqs)
+        mark("masks_filled")
+        return None if mask is None else self._to_device(mask)
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Fill forked sequences' blocks from the prompt's, in every layer (one copy each way)."""

@@ -21,6 +21,7 @@ streaming or not.
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import time
 import uuid
@@ -43,9 +44,10 @@ from hybridd.gateway.api_keys import key_matches
 from hybridd.gateway.cache_salt import request_salt
 from hybridd.gateway.errors import GatewayError, bad_request, from_daemon, from_http, not_ready
 from hybridd.gateway.exchange import ClientDisconnected, Exchange
-from hybridd.gateway.openai_output import DONE_EVENT, Job, Reply, event
+from hybridd.gateway.openai_output import DONE_EVENT, Job, Reply, event, tool_calls_reason
 from hybridd.gateway.openai_schema import ChatCompletionRequest, CompletionRequest, parse_body
 from hybridd.gateway.tokenize import Tokenize
+from hybridd.gateway.tool_calls import StreamedCalls, ToolPlan, plan, template_format
 from hybridd.log import get_logger
 from hybridd.metrics import CONTENT_TYPE, render
 
@@ -80,7 +82,8 @@ class Gateway:
 
     def __init__(self, client: AsyncClient, model_path: str, api_keys: frozenset[str] | None = None,
                  fallback: AsyncClient | None = None, *, salt_by_api_key: bool = False,
-                 served_names: list[str] | tuple[str, ...] = (), strict_openai: bool = False) -> None:
+                 served_names: list[str] | tuple[str, ...] = (), strict_openai: bool = False,
+                 tool_call_parser: str = "auto") -> None:
         if salt_by_api_key and not api_keys:
             raise ValueError("salt_by_api_key needs API keys: without them there is nothing to salt by")
         self.client = client
@@ -90,6 +93,8 @@ class Gateway:
         self.served_names = list(dict.fromkeys(served_names)) or [model_id(model_path)]
         self.model = self.served_names[0]
         self.strict_openai = strict_openai
+        # How tool calls are read out of the model's text: its chat template's family unless set.
+        self.tool_format = template_format(model_path) if tool_call_parser == "auto" else tool_call_parser
         self.tokenize_routes = Tokenize(model_path, self)
         self.api_keys = api_keys
         self.created = int(time.time())
@@ -216,7 +221,9 @@ class Gateway:
         prompts = body.prompts()
         sampling = body.sampling()
         salt = request_salt(tenant, body.cache_salt)
+        structured = body.structured()
         jobs = [Job(base=i * body.n, prompt=prompt, sampling=sampling,
+                    structured_param=None if structured is None else structured[1],
                     echo=prompt if body.echo and isinstance(prompt, str) else "", cache_salt=salt,
                     request_id=exchange.request_id if len(prompts) == 1 else f"{exchange.request_id}-{i}")
                 for i, prompt in enumerate(prompts)]
@@ -228,8 +235,21 @@ class Gateway:
         body: ChatCompletionRequest = self.parse(exchange, ChatCompletionRequest,
                                                  await exchange.body(MAX_BODY_BYTES))
         self.check_model(body.model)
-        jobs = [Job(base=0, prompt=None, messages=body.chat_messages(), sampling=body.sampling(),
-                    cache_salt=request_salt(tenant, body.cache_salt), request_id=exchange.request_id)]
+        sampling = body.sampling()
+        tools = body.tool_list()
+        tool_plan: ToolPlan | None = None
+        structured = body.structured()
+        structured_param = structured[1] if structured is not None else None
+        if tools is not None:
+            tool_plan = plan([{"name": t["name"], "parameters": f.function.parameters} for t, f in
+                              zip(tools, body.tools or (), strict=True)], body.tool_choice_value(),
+                             body.parallel_tool_calls is not False, self.tool_format)
+            if tool_plan.schema is not None:
+                sampling["structured"] = {"json": json.dumps(tool_plan.schema)}
+                structured_param = "tools"
+        jobs = [Job(base=0, prompt=None, messages=body.chat_messages(), sampling=sampling,
+                    cache_salt=request_salt(tenant, body.cache_salt), request_id=exchange.request_id, tools=tools,
+                    tool_plan=tool_plan, structured_param=structured_param)]
         exchange.jobs = jobs
         await self.generate(exchange, jobs, body.model, chat=True, stream=body.stream,
                             include_usage=body.include_usage)
@@ -249,7 +269,7 @@ class Gateway:
             failure = error
         except HybriddError as error:
             self.daemon_failed(error)
-            failure = from_daemon(error)
+            failure = from_daemon(error, exchange.jobs[0].structured_param if exchange.jobs else None)
         except Exception as error:
             log.error("internal error", path=exchange.scope["path"], error=repr(error))
             if exchange.started:
@@ -265,7 +285,7 @@ class Gateway:
     def _stream(self, job: Job) -> AsyncStream:
         if job.messages is not None:
             return self.client.chat_stream(job.messages, cache_salt=job.cache_salt, request_id=job.request_id,
-                                           **job.sampling)
+                                           tools=job.tools, **job.sampling)
         return self.client.stream(job.prompt, cache_salt=job.cache_salt, request_id=job.request_id, **job.sampling)
 
     async def generate(self, exchange: Exchange, jobs: list[Job], model: str, *, chat: bool, stream: bool,
@@ -302,7 +322,7 @@ class Gateway:
         async def one(job: Job) -> GenerateResult:
             if job.messages is not None:
                 return await self.client.chat(job.messages, cache_salt=job.cache_salt, request_id=job.request_id,
-                                              **job.sampling)
+                                              tools=job.tools, **job.sampling)
             return await self.client.generate(job.prompt, cache_salt=job.cache_salt, request_id=job.request_id,
                                               **job.sampling)
 
@@ -383,10 +403,16 @@ async def _events(reply: Reply, jobs: list[Job], streams: list[AsyncStream], fir
 
 
 def _one(job: Job, stream: AsyncStream, first: Any) -> Callable[[Reply], AsyncIterator[bytes]]:
+    tool_plan = job.tool_plan if job.tool_plan is not None and job.tool_plan.reads_calls else None
+    calls: dict[int, StreamedCalls] = {}  # per sequence, when its text may hold tool calls
+
     def delta(reply: Reply, chunk: Chunk) -> bytes | None:
-        if not chunk.text and chunk.logprobs is None:
-            return None  # text held back (a partial character, a possible stop string)
-        return reply.delta(job.base + chunk.index, chunk.text, reply.logprobs(job, chunk.index, chunk.logprobs))
+        text = chunk.text
+        if tool_plan is not None:
+            text = calls.setdefault(chunk.index, StreamedCalls(tool_plan)).feed(text)
+        if not text and chunk.logprobs is None:
+            return None  # text held back (a partial character, a possible stop string, a possible call)
+        return reply.delta(job.base + chunk.index, text, reply.logprobs(job, chunk.index, chunk.logprobs))
 
     async def events(reply: Reply) -> AsyncIterator[bytes]:
         if first is not _END:
@@ -398,7 +424,15 @@ def _one(job: Job, stream: AsyncStream, first: Any) -> Callable[[Reply], AsyncIt
         job.result = stream.result
         assert job.result is not None
         for choice in job.result.choices:
-            yield reply.finish(job.base + choice.index, choice.finish_reason)
+            reason = choice.finish_reason
+            if (streamed := calls.get(choice.index)) is not None:
+                content, found = streamed.finish()
+                if content:
+                    yield reply.delta(job.base + choice.index, content)
+                if found:
+                    yield reply.tool_calls_delta(job.base + choice.index, found)
+                    reason = tool_calls_reason(reason)
+            yield reply.finish(job.base + choice.index, reason)
 
     return events
 

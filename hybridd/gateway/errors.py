@@ -85,13 +85,17 @@ def not_ready(state: str) -> GatewayError:
                         code=state, state=state)
 
 
-def from_daemon(error: HybriddError) -> GatewayError:
-    """The HTTP error for an SDK exception; the daemon's field path becomes OpenAI's `param`."""
+def from_daemon(error: HybriddError, structured_param: str | None = None) -> GatewayError:
+    """The HTTP error for an SDK exception; the daemon's field path becomes OpenAI's `param`
+    (a structured output's, the body field that asked for it: `structured_param`)."""
     status, kind = STATUS_BY_CODE.get(error.code, (500, "internal_error"))
     param = error.field.removeprefix("sampling.") if error.field else None
     if param == "prompt_token_ids":
         param = "prompt"
     message = error.message.removeprefix("sampling.")
+    if param is not None and param.startswith("structured") and structured_param is not None:
+        message = f"{structured_param}: {message.partition(': ')[2] or message}"
+        param = structured_param
     return GatewayError(status, message, type=kind, param=param, code=error.code.value)
 
 

@@ -21,6 +21,7 @@ from typing import Any
 import msgspec
 
 from hybridd.client import GenerateResult, TokenLogprob
+from hybridd.gateway.tool_calls import ToolCall, ToolPlan, parse
 
 _encode = msgspec.json.encode
 
@@ -39,12 +40,15 @@ class Job:
     base: int  # the index of its first choice
     prompt: str | list[int] | None
     sampling: dict[str, Any]
-    messages: list[dict[str, str]] | None = None
+    messages: list[dict[str, Any]] | None = None
     echo: str = ""
     cache_salt: str | None = None  # the salt sent (the request's, or its tenant's)
     request_id: str | None = None  # its id on the wire: the HTTP request's id (and its prompt's index)
     result: GenerateResult | None = None
     offsets: dict[int, int] = field(default_factory=dict)  # completions' text_offset, per sequence
+    tools: list[dict[str, Any]] | None = None  # a chat's tools, as the wire's ToolSpecs
+    tool_plan: ToolPlan | None = None  # what its tool_choice asks, and how calls are read
+    structured_param: str | None = None  # the body field that asked for its structured output
 
 
 @dataclass
@@ -106,6 +110,12 @@ class Reply:
             choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": None}
         return event(self._object(".chunk", [choice], None))
 
+    def tool_calls_delta(self, index: int, calls: list[ToolCall]) -> bytes:
+        """A chat choice's calls, each whole in one delta entry."""
+        delta = {"tool_calls": [call.openai(i) for i, call in enumerate(calls)]}
+        return event(self._object(".chunk", [{"index": index, "delta": delta, "logprobs": None,
+                                              "finish_reason": None}], None))
+
     def finish(self, index: int, reason: str) -> bytes:
         if self.chat:
             choice = {"index": index, "delta": {}, "logprobs": None, "finish_reason": reason}
@@ -126,12 +136,25 @@ class Reply:
                 logprobs = self.logprobs(job, choice.index, choice.logprobs)
                 text = job.echo + choice.text
                 if self.chat:
-                    choices.append({"index": job.base + choice.index, "message": {"role": "assistant", "content": text},
-                                    "logprobs": logprobs, "finish_reason": choice.finish_reason})
+                    message: dict[str, Any] = {"role": "assistant", "content": text}
+                    reason = choice.finish_reason
+                    if job.tool_plan is not None and job.tool_plan.reads_calls:
+                        content, calls = parse(text, job.tool_plan)
+                        if calls:
+                            message = {"role": "assistant", "content": content or None,
+                                       "tool_calls": [call.openai() for call in calls]}
+                            reason = tool_calls_reason(reason)
+                    choices.append({"index": job.base + choice.index, "message": message, "logprobs": logprobs,
+                                    "finish_reason": reason})
                 else:
                     choices.append({"index": job.base + choice.index, "text": text, "logprobs": logprobs,
                                     "finish_reason": choice.finish_reason})
         return self._object("", choices, usage(jobs))
+
+
+def tool_calls_reason(reason: str) -> str:
+    """A choice that called tools ends with `tool_calls` (when it ended by itself)."""
+    return "tool_calls" if reason == "stop" else reason
 
 
 def usage(jobs: list[Job]) -> dict[str, Any]:

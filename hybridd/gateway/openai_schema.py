@@ -3,8 +3,8 @@
 Each body is a msgspec struct, decoded and checked in one pass of compiled code (it
 is on every first token's path). A field the gateway does not use is ignored, as
 vLLM ignores it, and named (a log line, the `X-Hybridd-Ignored-Fields` header) — unless
-its value asks for something hybridd cannot do (`REFUSED_UNLESS`: tools, a JSON
-response format, …), which is a 400 naming it. With `strict_openai` every field the
+its value asks for something hybridd cannot do (`REFUSED_UNLESS`: the legacy `functions`,
+`logit_bias`, …), which is a 400 naming it. With `strict_openai` every field the
 gateway does not use is refused (a JSON `null` counts as absent). The value ranges of the sampling
 fields are the daemon's own (`hybridd.protocol`): the SDK checks them before sending
 and its error names the field, which becomes OpenAI's `param`.
@@ -24,20 +24,12 @@ from hybridd.protocol.limits import MAX_CACHE_SALT_CHARS, MAX_N, MAX_TOKENS_CAP,
 # Fields the gateway does not use, each with the test that its value asks for nothing
 # (then it is ignored); any other value asks for what hybridd cannot do yet: a 400.
 REFUSED_UNLESS: dict[str, Callable[[Any], bool]] = {
-    "tools": lambda v: v == [],
-    "tool_choice": lambda v: v in ("none", "auto"),
     "functions": lambda v: v == [],
     "function_call": lambda v: v in ("none", "auto"),
-    "response_format": lambda v: isinstance(v, dict) and v.get("type") == "text",
     "logit_bias": lambda v: v == {},
     "best_of": lambda v: v == 1,
     "suffix": lambda v: v == "",
     "prompt_logprobs": lambda v: v == 0 or v is False,
-    "guided_json": lambda v: False,
-    "guided_regex": lambda v: False,
-    "guided_choice": lambda v: False,
-    "guided_grammar": lambda v: False,
-    "structured_outputs": lambda v: False,
     "modalities": lambda v: v == ["text"],
     "audio": lambda v: False,
 }
@@ -52,6 +44,28 @@ CacheSalt = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_CACHE_SALT_
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(msgspec.Struct, forbid_unknown_fields=True):
+    name: str = "response"
+    schema: dict[str, Any] | None = None
+    description: str | None = None
+    strict: bool | None = None  # the output always follows the schema, strict or not
+
+
+class ResponseFormat(msgspec.Struct, forbid_unknown_fields=True):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(msgspec.Struct, forbid_unknown_fields=True):
+    """vLLM's `structured_outputs`: one constraint."""
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    grammar: str | None = None
+    choice: list[str] | None = None
+    json_object: bool | None = None
 
 
 class _Body(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -80,10 +94,51 @@ class _Body(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     user: str | None = None
     # Requests share prefix-cache blocks only under the same salt (vLLM's field).
     cache_salt: CacheSalt | None = None
+    # Structured output: OpenAI's response_format, vLLM's structured_outputs and guided_* fields.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_grammar: str | None = None
+    guided_choice: list[str] | None = None
 
     def check_supported(self) -> None:
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed with stream: true", "stream_options")
+        self.structured()
+
+    def structured(self) -> tuple[dict[str, Any], str] | None:
+        """The constraint asked for (`sampling.structured` on the wire) and the body field that
+        asked, or None; two fields that ask are a 400."""
+        asked: list[tuple[dict[str, Any], str]] = []
+        if self.response_format is not None and self.response_format.type != "text":
+            form = self.response_format
+            if form.type == "json_object":
+                asked.append(({"json_object": True}, "response_format"))
+            else:
+                if form.json_schema is None or form.json_schema.schema is None:
+                    raise bad_request("response_format.json_schema.schema: a json_schema response format needs "
+                                      "its schema", "response_format")
+                asked.append(({"json": _json_text(form.json_schema.schema)}, "response_format"))
+        if (given := self.structured_outputs) is not None:
+            kinds = [({"json": _json_text(given.json)}, "json") if given.json is not None else None,
+                     ({"regex": given.regex}, "regex") if given.regex is not None else None,
+                     ({"grammar": given.grammar}, "grammar") if given.grammar is not None else None,
+                     ({"choice": given.choice}, "choice") if given.choice is not None else None,
+                     ({"json_object": True}, "json_object") if given.json_object else None]
+            kinds = [kind for kind in kinds if kind is not None]
+            if len(kinds) != 1:
+                raise bad_request("structured_outputs: give exactly one of json, regex, grammar, choice and "
+                                  "json_object", "structured_outputs")
+            asked.append((kinds[0][0], "structured_outputs"))
+        for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_grammar", "grammar"),
+                          ("guided_choice", "choice")):
+            if (value := getattr(self, name)) is not None:
+                asked.append(({key: _json_text(value) if key == "json" else value}, name))
+        if len(asked) > 1:
+            names = ", ".join(name for _, name in asked)
+            raise bad_request(f"{asked[1][1]}: give one structured output, not several ({names})", asked[1][1])
+        return asked[0] if asked else None
 
     @property
     def include_usage(self) -> bool:
@@ -97,6 +152,8 @@ class _Body(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             options["stop"] = [self.stop] if isinstance(self.stop, str) else list(self.stop)
         if self.n > 1:
             options["n"] = self.n
+        if (structured := self.structured()) is not None:
+            options["structured"] = structured[0]
         return options
 
 
@@ -146,10 +203,23 @@ class ContentPart(msgspec.Struct, forbid_unknown_fields=True):
     text: str
 
 
+class FunctionCall(msgspec.Struct, forbid_unknown_fields=True):
+    name: str
+    arguments: str
+
+
+class MessageToolCall(msgspec.Struct, forbid_unknown_fields=True):
+    id: str
+    function: FunctionCall
+    type: Literal["function"] = "function"
+
+
 class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's
+    tool_call_id: str | None = None  # the call a tool message answers
 
     def text(self) -> str:
         if self.content is None:
@@ -159,10 +229,34 @@ class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
         return "".join(part.text for part in self.content)
 
 
+class FunctionDef(msgspec.Struct, forbid_unknown_fields=True):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # calls always follow the parameters under tool_choice required or named
+
+
+class ToolDef(msgspec.Struct, forbid_unknown_fields=True):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(msgspec.Struct, forbid_unknown_fields=True):
+    name: str
+
+
+class NamedToolChoice(msgspec.Struct, forbid_unknown_fields=True):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_Body, kw_only=True):
     """`POST /v1/chat/completions`."""
 
     messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1)]
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     max_completion_tokens: Positive | None = None
     logprobs: bool = False
     top_logprobs: TopLogprobs | None = None
@@ -175,6 +269,14 @@ class ChatCompletionRequest(_Body, kw_only=True):
             raise bad_request("top_logprobs requires logprobs: true", "top_logprobs")
         if self.max_tokens is not None and self.max_completion_tokens is not None:
             raise bad_request("give max_tokens or max_completion_tokens, not both", "max_completion_tokens")
+        choice = self.tool_choice
+        if choice not in (None, "none", "auto") and not self.tools:
+            raise bad_request("tool_choice: a tool choice other than none or auto needs tools", "tool_choice")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in {t.function.name for t in self.tools or ()}:
+            raise bad_request(f"tool_choice: no tool is named {choice.function.name!r}", "tool_choice")
+        if choice not in (None, "none", "auto") and self.structured() is not None:
+            raise bad_request(f"tool_choice: {'a named function' if isinstance(choice, NamedToolChoice) else choice} "
+                              "is enforced with structured output; give no other", "tool_choice")
 
     def sampling(self, default_max_tokens: int | None = None) -> dict[str, Any]:
         options = super().sampling(self.DEFAULT_MAX_TOKENS if default_max_tokens is None else default_max_tokens)
@@ -184,8 +286,35 @@ class ChatCompletionRequest(_Body, kw_only=True):
             options |= {"logprobs": True, "top_logprobs": self.top_logprobs or 0}
         return options
 
-    def chat_messages(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text()} | ({"name": m.name} if m.name else {}) for m in self.messages]
+    def chat_messages(self) -> list[dict[str, Any]]:
+        messages = []
+        for m in self.messages:
+            message: dict[str, Any] = {"role": m.role, "content": m.text()}
+            if m.name:
+                message["name"] = m.name
+            if m.tool_calls:
+                message["tool_calls"] = [{"id": c.id, "name": c.function.name, "arguments": c.function.arguments}
+                                         for c in m.tool_calls]
+            if m.tool_call_id is not None:
+                message["tool_call_id"] = m.tool_call_id
+            messages.append(message)
+        return messages
+
+    def tool_list(self) -> list[dict[str, Any]] | None:
+        """The tools as the wire's `ToolSpec`s (the parameters' schema as JSON text)."""
+        if not self.tools:
+            return None
+        return [{"name": t.function.name, "description": t.function.description,
+                 "parameters": None if t.function.parameters is None else _json_text(t.function.parameters)}
+                for t in self.tools]
+
+    def tool_choice_value(self) -> str | dict[str, str] | None:
+        choice = self.tool_choice
+        return {"name": choice.function.name} if isinstance(choice, NamedToolChoice) else choice
+
+
+def _json_text(value: dict[str, Any] | str | Any) -> str:
+    return value if isinstance(value, str) else msgspec.json.encode(value).decode()
 
 
 CompletionRequest.FIELDS = frozenset(CompletionRequest.__struct_fields__)

@@ -59,7 +59,8 @@ def build_gateway(config: Config, client: AsyncClient) -> Gateway:
     # The supervisor answers health alone: no reply ring for it.
     fallback = AsyncClient(supervisor, reply_ring=False) if supervisor else None
     return Gateway(client, config.model, keys, fallback=fallback, salt_by_api_key=config.http_cache_salt_by_api_key,
-                   served_names=config.served_model_name, strict_openai=config.strict_openai)
+                   served_names=config.served_model_name, strict_openai=config.strict_openai,
+                   tool_call_parser=config.tool_call_parser)
 
 
 async def serve(config: Config, *, endpoint: str | None = None,
