@@ -80,6 +80,8 @@ VARIABLES: dict[str, Variable] = _declare(
     Variable("TRITON_INTERPRET", bool, False, "Triton's own switch: run the Triton kernels in its CPU interpreter. "
              "hybridd reads it to keep the kernels' launch choices the interpreter can run; the test suite sets "
              "it.", "triton"),
+    Variable(TEST_PREFIX + "FREE_MEMORY_BYTES", int, None, "A test hook: the graph generator takes this for the "
+             "device's free memory when it fits max_batch beside the weights and the KV cache.", "tests"),
     Variable(TEST_PREFIX + "SLOW_LOAD_S", float, 0.0, "A test hook: the graph generator sleeps this many seconds "
              "before it loads the model, as a cold disk would make it wait.", "tests"),
 )
