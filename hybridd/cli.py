@@ -168,9 +168,14 @@ def _load(config_path: str | None, overrides: dict[str, Any]) -> Config:
 
 
 def _with_model_resolved(config: Config) -> Config:
-    """A hub id (ORG/NAME) as its snapshot's directory in the local Hugging Face cache."""
+    """A hub id (ORG/NAME) as its snapshot's directory in the local Hugging Face cache; the
+    gateway then serves it under the hub id (unless served_model_name names it)."""
     try:
-        return dataclasses.replace(config, model=hub_cache.resolve(config.model))
+        directory = hub_cache.resolve(config.model)
+        if directory == config.model:
+            return config
+        return dataclasses.replace(config, model=directory,
+                                   served_model_name=config.served_model_name or [config.model])
     except hub_cache.HubModelMissing as error:
         _fail(f"hybridd: cannot start: {error}", EXIT_USAGE)
         raise AssertionError("unreachable") from None

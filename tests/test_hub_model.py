@@ -37,7 +37,9 @@ def test_a_hub_id_in_the_cache_resolves_to_its_snapshot(tmp_path):
     snapshot = hub_cache(tmp_path / "hub")
     done = _start("--model", "hybridd-test/tiny-shakespeare", "--print-config", env={"HF_HUB_CACHE": str(tmp_path / "hub")})
     assert done.returncode == 0, done.stderr
-    assert json.loads(done.stdout)["model"] == str(snapshot)
+    config = json.loads(done.stdout)
+    assert config["model"] == str(snapshot)
+    assert config["served_model_name"] == ["hybridd-test/tiny-shakespeare"]  # the gateway's name for it
     # HF_HOME's hub directory when HF_HUB_CACHE is unset.
     done = _start("--model", "hybridd-test/tiny-shakespeare", "--print-config", env={"HF_HOME": str(tmp_path)})
     assert json.loads(done.stdout)["model"] == str(snapshot)
