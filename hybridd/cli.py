@@ -20,7 +20,7 @@ from typing import Any
 
 import click
 
-from hybridd import environment, exit_codes
+from hybridd import environment, exit_codes, hub_cache
 from hybridd.config import (
     SECTIONS,
     Config,
@@ -167,6 +167,20 @@ def _load(config_path: str | None, overrides: dict[str, Any]) -> Config:
         raise AssertionError("unreachable")
 
 
+def _with_model_resolved(config: Config) -> Config:
+    """A hub id (ORG/NAME) as its snapshot's directory in the local Hugging Face cache; the
+    gateway then serves it under the hub id (unless served_model_name names it)."""
+    try:
+        directory = hub_cache.resolve(config.model)
+        if directory == config.model:
+            return config
+        return dataclasses.replace(config, model=directory,
+                                   served_model_name=config.served_model_name or [config.model])
+    except hub_cache.HubModelMissing as error:
+        _fail(f"hybridd: cannot start: {error}", EXIT_USAGE)
+        raise AssertionError("unreachable") from None
+
+
 _config_option = click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
                               envvar="HYBRIDD_CONFIG", show_envvar=True, help="TOML configuration file.")
 _runtime_dir_option = click.option("--runtime-dir", default=None, help="The daemon's runtime directory.")
@@ -198,7 +212,7 @@ def start(config_path: str | None, print_config: bool, **overrides: Any) -> None
     variable, then its flag, each overriding the one before; the README's "Settings"
     section lists them with the environment variables that are not settings.
     """
-    config = _load(config_path, overrides)
+    config = _with_model_resolved(_load(config_path, overrides))
     if print_config:
         click.echo(config_to_json(config))
         return
@@ -212,7 +226,7 @@ def start(config_path: str | None, print_config: bool, **overrides: Any) -> None
     from hybridd.supervisor import AlreadyRunningError, run_supervisor
 
     try:
-        code = run_supervisor(config, reload=lambda: resolve_config(config_path, overrides))
+        code = run_supervisor(config, reload=lambda: _with_model_resolved(resolve_config(config_path, overrides)))
     except AlreadyRunningError as error:
         _fail(f"hybridd: {error}", EXIT_ALREADY_RUNNING)
     except (OSError, ValueError, MpsError) as error:

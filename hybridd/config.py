@@ -101,10 +101,11 @@ def setting(default: Any = dataclasses.MISSING, *, section: str, meaning: str,
 @dataclass
 class Config:
     # ---- model
-    model: str = setting(str(EMBEDDED_MODEL), section="model", allowed="a directory",
+    model: str = setting(str(EMBEDDED_MODEL), section="model", allowed="a directory or ORG/NAME",
                          default_text="the embedded tiny-shakespeare model",
                          meaning="The model: a local Hugging Face directory (config.json, safetensors weights, "
-                                 "tokenizer).")
+                                 "tokenizer), or a hub id (ORG/NAME) whose snapshot is in the local Hugging Face "
+                                 "cache (`hf download ORG/NAME` puts it there; hybridd never downloads).")
     dtype: str = setting("auto", section="model", choices=("auto", "float32", "bfloat16", "float16"),
                          meaning="The dtype of the weights and the activations; auto is bfloat16 on CUDA and "
                                  "float32 on the CPU.")

@@ -71,9 +71,17 @@ VARIABLES: dict[str, Variable] = _declare(
              "`runtime_dir`.", "systemd"),
     Variable("XDG_RUNTIME_DIR", str, None, "A user session's runtime directory: without `RUNTIME_DIRECTORY`, the "
              "default `runtime_dir` is its `hybridd` subdirectory (else /tmp/hybridd-UID).", "session"),
+    Variable("HF_HUB_CACHE", str, None, "The Hugging Face hub cache where a `model` given as a hub id (ORG/NAME) "
+             "is looked for (hybridd never downloads).", "hugging face"),
+    Variable("HF_HOME", str, None, "Without `HF_HUB_CACHE`, the hub cache is its `hub` subdirectory.",
+             "hugging face"),
+    Variable("XDG_CACHE_HOME", str, None, "Without `HF_HUB_CACHE` and `HF_HOME`, the hub cache is its "
+             "`huggingface/hub` (else ~/.cache/huggingface/hub).", "hugging face"),
     Variable("TRITON_INTERPRET", bool, False, "Triton's own switch: run the Triton kernels in its CPU interpreter. "
              "hybridd reads it to keep the kernels' launch choices the interpreter can run; the test suite sets "
              "it.", "triton"),
+    Variable(TEST_PREFIX + "FREE_MEMORY_BYTES", int, None, "A test hook: the graph generator takes this for the "
+             "device's free memory when it fits max_batch beside the weights and the KV cache.", "tests"),
     Variable(TEST_PREFIX + "SLOW_LOAD_S", float, 0.0, "A test hook: the graph generator sleeps this many seconds "
              "before it loads the model, as a cold disk would make it wait.", "tests"),
 )

@@ -579,6 +579,7 @@ def cmd_train(args: argparse.Namespace) -> None:
         temperature=0.8,
         top_k=50,
         max_new_tokens=256,
+        chat_stop_strings=["\n\n"],  # a speech ends with a blank line: the chat template's turn end
     )
     gen_config.save_pretrained(out)
     (out / "validation.txt").write_text((data / "validation.txt").read_text(encoding="utf-8"), encoding="utf-8")

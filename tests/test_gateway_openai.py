@@ -149,6 +149,19 @@ def test_chat_completion_matches_the_sdk_chat(oai, sdk):
     assert chunks[-1].usage.completion_tokens == direct.usage.completion_tokens
 
 
+def test_a_chat_answer_ends_with_its_speakers_turn(oai, sdk):
+    """The embedded model writes speeches as its corpus does: each ends with a blank line,
+    then the next speaker's name. Its generation_config.json declares that turn end
+    (`chat_stop_strings`), so a chat's answer is one speech, not the scene that follows."""
+    question = "What light through yonder window breaks?"
+    running_on = sdk.generate(f"ROMEO:\n{question}\n\nJULIET:\n", max_tokens=60, temperature=0)
+    speech, rest = running_on.text.split("\n\n", 1)
+    assert rest.strip()  # the plain completion runs on into further speeches
+    choice = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": question}],
+                                         max_tokens=60, temperature=0).choices[0]
+    assert (choice.message.content, choice.finish_reason) == (speech, "stop")
+
+
 def _data_segments_received(sock: socket.socket) -> int:
     """Linux's count of the TCP segments with data that arrived on `sock` (tcp_info's
     tcpi_data_segs_in, at its fixed place in the kernel's append-only struct)."""

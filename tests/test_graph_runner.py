@@ -36,7 +36,29 @@ def run_step(runner: GraphRunner, step: StepInputs) -> StepShape:
     """What the two workers do for one step: the context generator writes its rows, the
     graph generator runs it."""
     runner.buffers.write(step)
-    return runner.run(step.is_prefill, step.num_tokens, step.num_seqs)
+    return runner.run(step.is_prefill, step.num_tokens, max(step.num_seqs, step.num_logit_rows))
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("captured", [True, False], ids=["graph", "eager"])
+def test_a_prefill_step_gives_the_logits_of_every_row_its_sequences_list(model, captured):
+    """Rows per sequence as the scheduler lists them (a sequence's last k tokens): the
+    logits of each such token, in order, through a replayed prefill graph and eagerly;
+    the next step, with one row each, reads no stale row."""
+    runner = make_runner(model)
+    if captured:
+        assert runner._capture(True, 32)
+    prompts, tables = [[5, 9, 11, 3, 7], list(range(3, 20))], [[0, 1, 2], [3, 4, 5]]
+    step = StepInputs.prefill(prompts, tables, BLOCK, logit_rows=[5, 2])
+    assert step.logits_indices.tolist() == [0, 1, 2, 3, 4, 20, 21]
+    shape = run_step(runner, step)
+    assert shape.graph == captured
+    ref_kv = KVCache.allocate(model.config, 64, BLOCK, torch.float32, "cpu")
+    hidden = model(StepInputs.prefill(prompts, tables, BLOCK), ref_kv)
+    expected = model.compute_logits(hidden, torch.tensor([0, 1, 2, 3, 4, 20, 21]))
+    assert torch.allclose(runner.buffers.logits[:7], expected, rtol=1e-5, atol=1e-5)
+    run_step(runner, StepInputs.prefill([[8, 8, 8]], [[6]], BLOCK))
+    assert runner.buffers.logits_indices[:7].tolist() == [2, 0, 0, 0, 0, 0, 0]
 
 
 def test_pick_smallest_bucket_that_fits():

@@ -258,7 +258,9 @@ def test_chat_is_the_prompt_its_template_renders(v2, hf):
     chat, _ = v2.generate(messages=CHAT, sampling=sampling)
     plain, _ = v2.generate(prompt_token_ids=ids, sampling=sampling)
     assert chat["usage"]["prompt_tokens"] == len(ids)
-    assert chat["choices"][0]["token_ids"] == plain["choices"][0]["token_ids"]
+    # The chat may end sooner, at the model's turn end (its chat_stop_strings).
+    tokens = chat["choices"][0]["token_ids"]
+    assert tokens and tokens == plain["choices"][0]["token_ids"][:len(tokens)]
 
 
 def test_chat_errors_name_messages(v2):

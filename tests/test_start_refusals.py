@@ -19,7 +19,8 @@ import pytest
 
 from hybridd import exit_codes
 from hybridd.config import EMBEDDED_MODEL
-from tests.daemon import HYBRIDD, clean_env
+from hybridd import Client
+from tests.daemon import HYBRIDD, clean_env, run_daemon
 
 # Exit 2 takes about half a second on an idle host; the bound leaves room for a busy one.
 REFUSAL_BOUND_S = 10.0
@@ -157,4 +158,29 @@ def test_a_kv_cache_larger_than_memory_ends_the_daemon_once_with_one_line(tmp_pa
     errors = [line for line in done.stderr.splitlines() if "[error" in line]
     assert len(errors) == 1 and "cannot start: graph generator ran out of memory while starting" in errors[0], errors
     assert "Traceback" not in done.stderr
+    assert done.stderr.count("spawned workers") == 1
+
+
+def test_a_max_batch_that_cannot_fit_is_lowered_with_a_warning(tmp_path):
+    """--max-batch 100000 beside a device memory the test sets (a figure the graph generator
+    takes for the free memory): the daemon serves the largest decode bucket that fits and
+    says so in one warning; it never reaches ready with a batch its memory cannot run."""
+    with run_daemon("--max-batch", "100000", "--log-format", "json",
+                    env={"HYBRIDD_TEST_FREE_MEMORY_BYTES": str(256 << 20)}) as daemon:
+        with Client(daemon.endpoint) as client:
+            decode = [b["size"] for b in client.status()["buckets"] if b["kind"] == "decode"]
+            assert client.generate("ROMEO:", max_tokens=2).finish_reason == "length"
+        log = daemon.log_path.read_text()
+    assert 1 <= max(decode) < 100_000, decode
+    warnings = [json.loads(line) for line in log.splitlines() if "cannot fit" in line]
+    assert len(warnings) == 1 and warnings[0]["event"].startswith("max_batch 100000 cannot fit")
+    assert f"serving max_batch {max(decode)} instead" in warnings[0]["event"]
+
+
+def test_no_memory_for_a_batch_of_one_ends_the_daemon_once_with_one_line(tmp_path):
+    done, _ = _start("--runtime-dir", str(tmp_path / "run"), "--no-compile-sampler", timeout=300,
+                     env={"HYBRIDD_TEST_FREE_MEMORY_BYTES": "1"})
+    assert done.returncode == exit_codes.STARTUP_FAILED, done.stderr[-4000:]
+    errors = [line for line in done.stderr.splitlines() if "[error" in line]
+    assert len(errors) == 1 and "max_batch: not even a batch of 1 fits" in errors[0], errors
     assert done.stderr.count("spawned workers") == 1

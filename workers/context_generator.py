@@ -16,6 +16,7 @@ import time
 from typing import Any
 
 import torch
+import msgspec
 import zmq
 
 from hybridd.version import __version__
@@ -30,6 +31,7 @@ from hybridd.engine.step_pipeline import StepPipeline
 from hybridd.errors import EngineDeadError
 from hybridd.log import configure, get_logger
 from hybridd.model import ModelConfig, load_tokenizer
+from hybridd.model.config import chat_stop_strings
 from hybridd.runtime import gc_pauses
 from hybridd.runtime.step_buffers import StepBuffers, geometry
 from hybridd.serving_metrics import ServingMetrics
@@ -110,6 +112,7 @@ class ContextGenerator:
             torch.empty(1, device=self.device)
         self.link.phase("loading", "loading tokenizer")
         self.tokenizer = load_tokenizer(config.model)
+        self.chat_stops = chat_stop_strings(config.model)
         # The fused sampling kernels run on the GPU only; the CPU samples eagerly. Their
         # compilation runs while the graph generator loads its weights and captures its
         # graphs: it needs only the vocabulary's size, and the graph generator's Ready
@@ -498,6 +501,10 @@ class ContextGenerator:
             refuse(ErrorCode.INVALID_REQUEST,
                    f"{where}: token id {params.stop_token_ids[bad]} is outside the vocabulary of {vocab}", where)
             return
+        if req.messages is not None and self.chat_stops and not params.ignore_eos:
+            # The answer ends with the model's turn, as at EOS (the model's declared turn end).
+            req.sampling = msgspec.structs.replace(
+                params, stop=params.stop + [s for s in self.chat_stops if s not in params.stop])
         self._expect_step()
         deadline = received + req.timeout_s if req.timeout_s else None
         if req.prompt_token_ids is not None:

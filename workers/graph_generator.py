@@ -22,10 +22,11 @@ from hybridd import environment
 from hybridd.config import Config, resolve_device, resolve_dtype
 from hybridd.log import configure, get_logger
 from hybridd.kernels.choices import KernelChoices
-from hybridd.model import KVCache, ModelConfig, load_model
+from hybridd.model import KVCache, ModelConfig, ModelLoadError, load_model
 from hybridd.model.kv_cache import kv_arena_shape, kv_bytes_per_block
 from hybridd.runtime import gc_pauses
 from hybridd.runtime.buckets import BucketPlan
+from hybridd.runtime.graph_memory import batch_bytes
 from hybridd.runtime.graph_runner import GraphRunner
 from hybridd.runtime.kernel_precompile import CompilePool
 from hybridd.runtime.step_buffers import StepBuffers, buffer_layout, geometry
@@ -42,6 +43,7 @@ CPU_DEFAULT_KV_BLOCKS = 512
 # Test hook (README, Troubleshooting): seconds to stall in the weight load, in the
 # loading thread itself, to show that a slow load is not taken for a hang.
 SLOW_LOAD_HOOK = "HYBRIDD_TEST_SLOW_LOAD_S"
+FREE_MEMORY_HOOK = "HYBRIDD_TEST_FREE_MEMORY_BYTES"
 STATS_INTERVAL_S = 1.0
 
 
@@ -103,9 +105,10 @@ class GraphGenerator:
         self.plan = BucketPlan.create(config.decode_buckets, config.prefill_buckets, config.max_prefill_seqs,
                                       mixed_tokens=min(config.chunk_tokens, config.max_prefill_tokens))
         block_size = config.block_size
+        num_blocks = self._num_kv_blocks(model, block_size)
+        self.plan = self._fit_batch(model, num_blocks * kv_bytes_per_block(mc, block_size, model.dtype))
         max_tokens, blocks_per_seq = geometry(config.max_prefill_tokens, self.plan.max_batch, max_model_len, block_size)
         step_layout = buffer_layout(max_tokens, self.plan.max_rows, blocks_per_seq, mc.vocab_size)
-        num_blocks = self._num_kv_blocks(model, block_size)
         kv_shape = kv_arena_shape(mc, num_blocks, block_size)
 
         self.kv_arena = SharedArena.create(ArenaLayout({"kv_cache": (kv_shape, _dtype_name(model.dtype))}), self.device)
@@ -157,6 +160,47 @@ class GraphGenerator:
         ))
         self.log.info("ready_sent", kv_blocks=num_blocks, block_size=block_size, max_model_len=max_model_len,
                       quantization=quantization.get("description", "none"))
+
+    def _free_memory_bytes(self) -> int | None:
+        """The device's free memory now (the host's available memory on a CPU); None if unknown."""
+        hook = environment.number(FREE_MEMORY_HOOK) if environment.get(FREE_MEMORY_HOOK) else None
+        if hook is not None:
+            return int(hook)
+        if self.device.type == "cuda":
+            return torch.cuda.mem_get_info(self.device)[0]
+        try:
+            with open("/proc/meminfo") as meminfo:
+                for line in meminfo:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            pass
+        return None
+
+    def _fit_batch(self, model, kv_bytes: int) -> BucketPlan:
+        """The bucket plan whose largest batch fits the memory the weights and the KV cache
+        leave (its logits rows and its decode step's activations): a max_batch that cannot
+        fit is lowered to the largest decode bucket that does, with a warning that says
+        so; one where not even a batch of 1 fits is refused (no restart can fix it)."""
+        plan, free = self.plan, self._free_memory_bytes()
+        if free is None:
+            return plan
+        left = free - kv_bytes
+        elem = torch.finfo(model.dtype).bits // 8
+        need = {b: batch_bytes(model.config, b, plan.max_prefill_seqs, elem) for b in plan.decode}
+        fitting = [b for b in plan.decode if need[b] <= left]
+        gib = lambda n: f"{n / 2**30:.2f} GiB"  # noqa: E731
+        if not fitting:
+            raise ModelLoadError(f"max_batch: not even a batch of {plan.decode[0]} fits the {gib(max(left, 0))} "
+                                 f"left beside the weights and the KV cache (it needs {gib(need[plan.decode[0]])}); "
+                                 f"lower kv_cache_memory_fraction or num_kv_blocks")
+        if fitting[-1] < plan.max_batch:
+            self.log.warning(f"max_batch {plan.max_batch} cannot fit: its logits and decode step need "
+                             f"{gib(need[plan.max_batch])}, and {gib(max(left, 0))} is left beside the weights and "
+                             f"the KV cache; serving max_batch {fitting[-1]} instead",
+                             max_batch=fitting[-1], configured=plan.max_batch, decode_buckets=fitting)
+            return plan.within(fitting[-1])
+        return plan
 
     def _num_kv_blocks(self, model, block_size: int) -> int:
         config = self.config

@@ -80,6 +80,9 @@ class ScheduledBatch:
     partial_rows: frozenset[int] = frozenset()
     # The first rows are decode rows, one token each (all of a decode step's rows).
     num_decode_rows: int = 0
+    # Logits rows of each row's sequence: its last this-many tokens (None: one each, its
+    # last). A prefill sequence that asks for its prompt's logprobs lists its chunk's.
+    logit_rows: list[int] | None = None
 
     @property
     def is_prefill(self) -> bool:
@@ -101,15 +104,32 @@ class ScheduledBatch:
             seq for _, seq in self.forks]
 
     @property
+    def num_logit_rows(self) -> int:
+        return len(self.seqs) if self.logit_rows is None else sum(self.logit_rows)
+
+    @property
+    def num_rows(self) -> int:
+        """Rows the forward runs: its sequences, or its logits rows where there are more."""
+        return max(len(self.seqs), self.num_logit_rows)
+
+    def last_logit_row(self, row: int) -> int:
+        """The logits row of sequence row `row`'s last token."""
+        if self.logit_rows is None:
+            return row
+        return sum(self.logit_rows[:row + 1]) - 1
+
+    @property
     def sample_rows(self) -> list[int]:
         """For each sampled sequence, the row of the step's logits it samples from."""
-        return [row for row in range(len(self.seqs)) if row not in self.partial_rows] + [row for row, _ in self.forks]
+        return [self.last_logit_row(row) for row in range(len(self.seqs)) if row not in self.partial_rows] + [
+            self.last_logit_row(row) for row, _ in self.forks]
 
     @property
     def selects_rows(self) -> bool:
-        """Whether the sampled rows are other than the step's rows in order (forks, or
-        chunks that sample nothing): the logits are then gathered by `sample_rows`."""
-        return bool(self.forks or self.partial_rows)
+        """Whether the sampled rows are other than the step's logits rows in order (forks,
+        chunks that sample nothing, sequences with several rows): the logits are then
+        gathered by `sample_rows`."""
+        return bool(self.forks or self.partial_rows) or self.num_logit_rows != len(self.seqs)
 
     @property
     def inputs_on_device(self) -> bool:

@@ -113,7 +113,7 @@ class StepPipeline:
             return self._launch(batch)
 
     def _launch(self, batch: ScheduledBatch) -> InflightStep:
-        n_tokens, n_seqs = batch.num_tokens, batch.num_seqs
+        n_tokens = batch.num_tokens
         on_device = batch.inputs_on_device
         # Input ids of -1 (still on the device) are overwritten by the gather below.
         self.buffers.write(batch.inputs)
@@ -124,7 +124,7 @@ class StepPipeline:
         mark("step_send")  # before the send: the peer may take it before this process runs on
         self.ctl.send(control.Step(
             step=batch.step_id, kind="prefill" if batch.is_prefill else "decode",
-            n_real=n_seqs, n_tokens=n_tokens,
+            n_real=batch.num_rows, n_tokens=n_tokens,
         ))
         # Sampling runs after the forward on the GPU, and its tokens go straight into
         # the ring that the next step's inputs gather from.
@@ -141,7 +141,7 @@ class StepPipeline:
         self.logits_ready.wait(self.stream)
         if batch.kv_copies:
             self._copy_blocks(batch.kv_copies)
-        logits = self.buffers.logits[:n_seqs]
+        logits = self.buffers.logits[:batch.num_logit_rows]
         if batch.selects_rows:
             logits = logits.index_select(0, self._to_device(torch.tensor(batch.sample_rows, dtype=torch.int64)))
         n_rows = logits.shape[0]

@@ -219,6 +219,24 @@ def eos_token_ids(value: Any, source: str) -> tuple[int, ...]:
     return tuple(values)
 
 
+def chat_stop_strings(model_dir: str | Path) -> tuple[str, ...]:
+    """Where the model's chat turn ends: generation_config.json's `chat_stop_strings` (a
+    string or a list of them; hybridd's key, which transformers keeps as it is, unlike its
+    own `stop_strings`, which every `generate` would apply and which needs a tokenizer
+    there). A chat's answer stops there as at EOS: a model trained on text without an
+    end-of-turn token (the embedded model's speeches end with a blank line, then the next
+    speaker's name) declares its turn's end so."""
+    path = Path(model_dir) / "generation_config.json"
+    value = _generation_config(path).get("chat_stop_strings")
+    if value is None:
+        return ()
+    values = [value] if isinstance(value, str) else value
+    if not isinstance(values, list) or not all(isinstance(v, str) and v for v in values):
+        raise ModelLoadError(f"{path}: field 'chat_stop_strings' must be a non-empty string or a list of them, "
+                             f"got {value!r}")
+    return tuple(values)
+
+
 def _generation_config(path: Path) -> dict[str, Any]:
     if not path.is_file():
         return {}

@@ -32,7 +32,9 @@ class StepFields(Generic[Array]):
     - `seq_lens`: [B] context length of each sequence including this step's tokens.
     - `query_start_loc`: [B + 1] start of each sequence's tokens in the flat step
       (prefill only; decode has one token per sequence).
-    - `logits_indices`: [B] the flat index of each sequence's last token.
+    - `logits_indices`: [R] the flat index of each token whose logits the step computes:
+      each sequence's last token, and in a prefill step any earlier ones the scheduler
+      lists (a sequence's rows are its last `logit_rows[i]` tokens, in order; R >= B).
     - `is_prefill`: a Python bool, fixed per captured graph.
     """
 
@@ -53,6 +55,10 @@ class StepFields(Generic[Array]):
     def num_seqs(self) -> int:
         return self.seq_lens.shape[0]
 
+    @property
+    def num_logit_rows(self) -> int:
+        return self.logits_indices.shape[0]
+
 
 @dataclass
 class StepInputs(StepFields[torch.Tensor]):
@@ -67,9 +73,11 @@ class StepInputs(StepFields[torch.Tensor]):
         device: torch.device | str = "cpu",
         start_positions: list[int] | None = None,
         table_width: int | None = None,
+        logit_rows: list[int] | None = None,
     ) -> StepInputs:
         """A prefill step of whole prompts (or of their tails from `start_positions`)."""
-        return HostStepInputs.prefill(prompts, block_tables, block_size, start_positions, table_width).on(device)
+        return HostStepInputs.prefill(prompts, block_tables, block_size, start_positions, table_width,
+                                      logit_rows).on(device)
 
     @classmethod
     def decode(
@@ -110,8 +118,10 @@ class HostStepInputs(StepFields[np.ndarray]):
         block_size: int,
         start_positions: list[int] | None = None,
         table_width: int | None = None,
+        logit_rows: list[int] | None = None,
     ) -> HostStepInputs:
-        """A prefill step of whole prompts (or of their tails from `start_positions`).
+        """A prefill step of whole prompts (or of their tails from `start_positions`);
+        the logits of each sequence's last `logit_rows[i]` tokens (default: its last).
         A first token waits for this work, so it is a few numpy calls over all the tokens
         at once (`scripts/bench_step_inputs.py` times it), not a loop over them."""
         n = len(prompts)
@@ -145,7 +155,7 @@ class HostStepInputs(StepFields[np.ndarray]):
             block_tables=tables,
             seq_lens=np.array(ends, dtype=np.int32),
             query_start_loc=np.array(starts_in_step, dtype=np.int32),
-            logits_indices=np.array(starts_in_step[1:], dtype=np.int64) - 1,
+            logits_indices=_logits_indices(starts_in_step, logit_rows),
             is_prefill=True,
         )
 
@@ -182,6 +192,18 @@ class HostStepInputs(StepFields[np.ndarray]):
 
 
 _TENSORS = ("input_ids", "positions", "slot_mapping", "block_tables", "seq_lens", "query_start_loc", "logits_indices")
+
+
+def _logits_indices(starts_in_step: list[int], logit_rows: list[int] | None) -> np.ndarray:
+    """The flat indices of each sequence's last `logit_rows[i]` tokens (one each by default)."""
+    ends = np.array(starts_in_step[1:], dtype=np.int64)
+    if logit_rows is None or all(k == 1 for k in logit_rows):
+        return ends - 1
+    counts = np.array(logit_rows, dtype=np.int64)
+    if (counts < 1).any() or (counts > ends - np.array(starts_in_step[:-1])).any():
+        raise ValueError(f"logit_rows {logit_rows}: each sequence has 1 to its token count of rows")
+    offsets = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)  # 0.. within each seq
+    return np.repeat(ends - counts, counts) + offsets
 
 
 def _pad_tables(tables: list[list[int]], width: int | None) -> np.ndarray:

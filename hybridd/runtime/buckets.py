@@ -62,6 +62,10 @@ class BucketPlan:
     def max_batch(self) -> int:
         return self.decode[-1]
 
+    def within(self, max_batch: int) -> BucketPlan:
+        """The plan with its decode buckets up to `max_batch` (one of them) only."""
+        return BucketPlan(tuple(b for b in self.decode if b <= max_batch), self.prefill, self.max_prefill_seqs)
+
     @property
     def max_prefill_tokens(self) -> int:
         return self.prefill[-1]

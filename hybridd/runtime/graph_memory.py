@@ -24,6 +24,14 @@ def activation_bytes(config: ModelConfig, num_tokens: int, num_seqs: int, elem_b
     return num_tokens * per_token + mask + logits
 
 
+def batch_bytes(config: ModelConfig, max_batch: int, max_prefill_seqs: int, elem_bytes: int) -> int:
+    """What serving a batch of `max_batch` needs beside the weights and the KV cache: the
+    step buffers' logits (a row per sequence) and the activations of its decode step (a
+    captured graph pins them), estimated as `activation_bytes` does."""
+    rows = max(max_batch, max_prefill_seqs)
+    return rows * config.vocab_size * 4 + activation_bytes(config, max_batch, max_batch, elem_bytes)
+
+
 def pool_bytes(pool: tuple[int, int] | None) -> int:
     """Bytes of the segments that belong to a graph memory pool."""
     if pool is None or not torch.cuda.is_available():

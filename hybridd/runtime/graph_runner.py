@@ -192,7 +192,9 @@ class GraphRunner:
     def run(self, is_prefill: bool, num_tokens: int, num_seqs: int) -> StepShape:
         """Run one step written to the buffers (`StepBuffers.write`: its real rows, padding
         past them), on the serving stream: pick its bucket and replay the bucket's graph
-        (or run eagerly). The logits of its sequences land in `buffers.logits[:num_seqs]`."""
+        (or run eagerly). `num_seqs` counts the step's rows: its sequences, or its logits
+        rows where a prefill step has more (`StepFields.logits_indices`); their logits
+        land in `buffers.logits[:num_seqs]`."""
         shape = self.plan_step(is_prefill, num_tokens, num_seqs)
         with self.serving.entered():
             self._execute(shape)

@@ -119,10 +119,11 @@ class StepBuffers:
         """A host-side step's real rows (numpy arrays, or tensors on the CPU), and padding
         in every row past them, in one host-to-device copy of the packed inputs (on the
         current stream)."""
-        if step.num_tokens > self.max_tokens or step.num_seqs > self.max_seqs:
+        rows = step.logits_indices.shape[0]
+        if step.num_tokens > self.max_tokens or max(step.num_seqs, rows) > self.max_seqs:
             raise ValueError(
-                f"step of {step.num_tokens} tokens / {step.num_seqs} seqs exceeds the step buffers "
-                f"({self.max_tokens} tokens / {self.max_seqs} seqs)"
+                f"step of {step.num_tokens} tokens / {step.num_seqs} seqs / {rows} logits rows exceeds the step "
+                f"buffers ({self.max_tokens} tokens / {self.max_seqs} seqs and rows)"
             )
         width = step.block_tables.shape[1]
         if width > self.max_blocks_per_seq:
@@ -144,7 +145,7 @@ class StepBuffers:
         # Rows that this mirror's previous step filled and this one does not go back to padding.
         filled_tokens, filled_seqs = self._mirror_rows[index]
         _pad(host, step.num_tokens, filled_tokens, step.num_seqs, filled_seqs)
-        self._mirror_rows[index] = (step.num_tokens, step.num_seqs)
+        self._mirror_rows[index] = (step.num_tokens, max(step.num_seqs, rows))
         for name in ("input_ids", "positions", "slot_mapping", "seq_lens", "query_start_loc", "logits_indices"):
             values = np.asarray(getattr(step, name))
             host[name][: values.shape[0]] = values
@@ -163,7 +164,8 @@ class StepBuffers:
 def _pad(host: dict[str, np.ndarray], tokens_from: int, tokens_to: int, seqs_from: int, seqs_to: int) -> None:
     """Rows [tokens_from, tokens_to) and sequences [seqs_from, seqs_to) of a host mirror as
     padding: slot -1 (no KV write) at position 0; padded sequences have length 1 over
-    block 0 (a harmless read). Their `query_start_loc` is set by `write`, from its step."""
+    block 0 (a harmless read), padded logits rows read token 0. Their `query_start_loc`
+    is set by `write`, from its step."""
     if tokens_to > tokens_from:
         host["input_ids"][tokens_from:tokens_to] = 0
         host["positions"][tokens_from:tokens_to] = 0
