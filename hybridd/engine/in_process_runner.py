@@ -12,6 +12,7 @@ import torch
 
 from hybridd.engine.sampler import Logprobs, Sampler, SamplingTensors
 from hybridd.engine.scheduler import ScheduledBatch
+from hybridd.engine.speculation.verification import verify_sampling_tensors
 from hybridd.engine.step_pipeline import InflightStep
 from hybridd.model.kv_cache import KVCache, copy_blocks
 from hybridd.model.llama import LlamaModel
@@ -35,7 +36,10 @@ class InProcessRunner:
         if batch.selects_rows:
             logits = logits.index_select(0, torch.tensor(batch.sample_rows, dtype=torch.int64, device=self.device))
         seqs = batch.sampled_seqs
-        tensors = SamplingTensors.from_sequences(seqs, logits.shape[-1], self.device)
+        if batch.drafts is not None:  # a verify step: every row is sampled
+            tensors = verify_sampling_tensors(seqs, batch.drafts, logits.shape[-1], self.device)
+        else:
+            tensors = SamplingTensors.from_sequences(seqs, logits.shape[-1], self.device)
         tokens, logprobs = self.sampler.sample(logits, tensors, with_logprobs=any(s.params.logprobs for s in seqs))
         host_logprobs = None
         if logprobs is not None:

@@ -2,7 +2,8 @@
 
 It matches the last n tokens of a sequence (prompt and output so far) against the
 earlier ones, longest n first (from `max_n` down to `min_n`), and proposes the tokens
-that followed the latest earlier occurrence. Text that repeats or quotes its context
+that followed the latest earlier occurrence (a repeating span is continued as the loop
+it is). Text that repeats or quotes its context
 (code edits, summaries, extraction, a passage continued from the prompt) is drafted
 well; other text simply gets no draft.
 
@@ -42,7 +43,10 @@ class _Index:
                 continue
             end = self.ends[n].get(tuple(tokens[-n:]))
             if end is not None:
-                return tokens[end:end + count]
+                # What followed, copied on past the sequence's end as an overlapping copy
+                # would (LZ77): a loop of period len(tokens) - end is drafted as that loop.
+                period = len(tokens) - end
+                return [tokens[end + i % period] for i in range(count)]
         return []
 
 
