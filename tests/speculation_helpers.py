@@ -17,9 +17,10 @@ from hybridd.model.kv_cache import KVCache
 from hybridd.protocol.messages import SamplingParams
 
 
-def run_engine(model, prompts: list[list[int]], params: SamplingParams, speculator: Speculator | None = None,
-               num_blocks: int = 256, block_size: int = 8, max_batch: int = 8):
-    """Every prompt to its end through the engine core; returns (outputs per prompt, scheduler)."""
+def run_engine(model, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+               speculator: Speculator | None = None, num_blocks: int = 256, block_size: int = 8, max_batch: int = 8):
+    """Every prompt to its end through the engine core (with `params`, or `params[i]` for
+    prompt i); returns (outputs per prompt, scheduler)."""
     kv = KVCache.allocate(model.config, num_blocks + 1, block_size, model.dtype, model.device)
     blocks = BlockManager(num_blocks, block_size, watermark=0.0)
     k = speculator.max_tokens if speculator is not None else 0
@@ -27,7 +28,8 @@ def run_engine(model, prompts: list[list[int]], params: SamplingParams, speculat
                           eos_token_ids=model.config.eos_token_ids, speculator=speculator,
                           max_verify_rows=max_batch * (k + 1))
     core = EngineCore(scheduler, InProcessRunner(model, kv), pipeline_depth=1)
-    requests = [core.add(str(i), prompt, params) for i, prompt in enumerate(prompts)]
+    each = params if isinstance(params, list) else [params] * len(prompts)
+    requests = [core.add(str(i), prompt, p) for i, (prompt, p) in enumerate(zip(prompts, each, strict=True))]
     while core.has_work:
         core.step()
     return [[list(seq.output_token_ids) for seq in request.seqs] for request in requests], scheduler
