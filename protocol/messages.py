@@ -7,7 +7,7 @@ other languages. `SamplingParams` is also what the engine samples and stops with
 the wire rules are the only rules.
 
 Version 2 added chat `messages`, `n` sequences and logprobs; version 3 a request's
-`cache_salt` and the final's `usage.cached_tokens`. A message keeps its version in `v`
+`cache_salt` and the final's `usage.cached_tokens`; version 4 a request's `speculative`. A message keeps its version in `v`
 and is written in that version's shape (`wire_form`); the older shapes are the `_V1`
 and `_V2` structs, read back into the current classes (`current`).
 """
@@ -135,6 +135,8 @@ class GenerateRequest(Message, tag="generate"):
     timeout_s: Annotated[float, Meta(gt=0.0, le=MAX_TIMEOUT_S)] | None = None
     # Version 3: requests share cached KV blocks only under the same salt (nil: the unsalted share).
     cache_salt: CacheSalt | None = None
+    # Version 4: false turns speculative decoding off for this request (nil: the daemon's setting).
+    speculative: bool | None = None
 
     def __post_init__(self) -> None:
         if self.sampling is None:
@@ -161,8 +163,14 @@ class GenerateRequest(Message, tag="generate"):
                            f"(its chunks carry the logprobs) or ask for fewer")
 
     def wire_form(self) -> Message:
-        if self.v >= 3:
+        if self.v >= 4:
             return self
+        if self.speculative is not None:
+            raise ValueError(f"speculative needs protocol version 4, this request is version {self.v}")
+        if self.v == 3:
+            return _GenerateRequestV3(id=self.id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
+                                      messages=self.messages, sampling=self.sampling, stream=self.stream,
+                                      timeout_s=self.timeout_s, cache_salt=self.cache_salt, v=self.v)
         if self.cache_salt is not None:
             raise ValueError(f"cache_salt needs protocol version 3, this request is version {self.v}")
         if self.v == 2:
@@ -171,6 +179,22 @@ class GenerateRequest(Message, tag="generate"):
                                       timeout_s=self.timeout_s, v=self.v)
         return _GenerateRequestV1(id=self.id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
                                   sampling=self.sampling.v1(), stream=self.stream, timeout_s=self.timeout_s, v=self.v)
+
+
+class _GenerateRequestV3(Message, tag="generate"):
+    id: RequestId
+    prompt: Prompt | None = None
+    prompt_token_ids: PromptTokenIds | None = None
+    messages: Annotated[list[ChatMessage], Meta(max_length=MAX_CHAT_MESSAGES)] | None = None
+    sampling: SamplingParams | None = None
+    stream: bool | None = True
+    timeout_s: Annotated[float, Meta(gt=0.0, le=MAX_TIMEOUT_S)] | None = None
+    cache_salt: CacheSalt | None = None
+
+    def current(self) -> GenerateRequest:
+        return GenerateRequest(id=self.id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
+                               messages=self.messages, sampling=self.sampling, stream=self.stream,
+                               timeout_s=self.timeout_s, cache_salt=self.cache_salt, v=self.v)
 
 
 class _GenerateRequestV2(Message, tag="generate"):
@@ -226,7 +250,8 @@ class AttachRingRequest(Message, tag="attach_ring"):
 
 Request = GenerateRequest | CancelRequest | StatusRequest | HealthRequest | AttachRingRequest
 REQUEST_FORMS = {
-    3: Request,
+    4: Request,
+    3: _GenerateRequestV3 | CancelRequest | StatusRequest | HealthRequest | AttachRingRequest,
     2: _GenerateRequestV2 | CancelRequest | StatusRequest | HealthRequest | AttachRingRequest,
     1: _GenerateRequestV1 | CancelRequest | StatusRequest | HealthRequest,
 }
@@ -443,6 +468,7 @@ class RingAttachedReply(Message, tag="ring_attached"):
 
 Reply = ChunkReply | FinalReply | ErrorReply | StatusReply | HealthReply | RingAttachedReply
 REPLY_FORMS = {
+    4: _Chunk | FinalReply | ErrorReply | StatusReply | HealthReply | RingAttachedReply,
     3: _Chunk | FinalReply | ErrorReply | StatusReply | HealthReply | RingAttachedReply,
     2: _Chunk | _FinalV2 | ErrorReply | StatusReply | HealthReply | RingAttachedReply,
     1: _ChunkV1 | _FinalV1 | ErrorReply | StatusReply | HealthReply,

@@ -24,10 +24,10 @@ def _final(v: int) -> FinalReply:
 
 
 def test_a_version_3_request_carries_its_salt():
-    request = GenerateRequest(id="r", prompt="Hello", cache_salt="tenant-a")
-    assert request.v == limits.PROTOCOL_VERSION == 3
-    assert request.to_wire()["cache_salt"] == "tenant-a"
-    assert codec.REQUESTS.decode(codec.encode(request)).cache_salt == "tenant-a"
+    for version in (3, limits.PROTOCOL_VERSION):
+        request = GenerateRequest(id="r", prompt="Hello", cache_salt="tenant-a", v=version)
+        assert request.to_wire()["cache_salt"] == "tenant-a"
+        assert codec.REQUESTS.decode(codec.encode(request)).cache_salt == "tenant-a"
     assert codec.REQUESTS.decode(codec.encode(GenerateRequest(id="r", prompt="Hello"))).cache_salt is None
 
 
