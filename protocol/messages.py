@@ -8,10 +8,10 @@ the wire rules are the only rules.
 
 Version 2 added chat `messages`, `n` sequences and logprobs; version 3 a request's
 `cache_salt` and the final's `usage.cached_tokens`; version 4 structured output
-(`sampling.structured`) and tools (a chat's `tools`, a message's `tool_calls` and
-`tool_call_id`). A message keeps its version in `v` and is written in that version's
-shape (`wire_form`); the older shapes are the `_V1`, `_V2` and `_V3` structs, read back
-into the current classes (`current`).
+(`sampling.structured`), tools (a chat's `tools`, a message's `tool_calls` and
+`tool_call_id`) and a request's `speculative`. A message keeps its version in `v` and is
+written in that version's shape (`wire_form`); the older shapes are the `_V1`, `_V2` and
+`_V3` structs, read back into the current classes (`current`).
 """
 
 from __future__ import annotations
@@ -250,6 +250,8 @@ class GenerateRequest(Message, tag="generate"):
     cache_salt: CacheSalt | None = None
     # Version 4: the functions a chat's model may call, written into its prompt by its chat template.
     tools: Annotated[list[ToolSpec], Meta(max_length=MAX_TOOLS)] | None = None
+    # Version 4: false turns speculative decoding off for this request (nil: the daemon's setting).
+    speculative: bool | None = None
 
     def __post_init__(self) -> None:
         if self.sampling is None:
@@ -280,6 +282,8 @@ class GenerateRequest(Message, tag="generate"):
     def wire_form(self) -> Message:
         if self.v >= 4:
             return self
+        if self.speculative is not None:
+            raise ValueError(f"speculative needs protocol version 4, this request is version {self.v}")
         if self.tools is not None:
             raise ValueError(f"tools need protocol version 4, this request is version {self.v}")
         sampling = self.sampling.v3()

@@ -169,6 +169,26 @@ class BlockManager:
             seq.block_table.append(self._take())
         return kv_cache.slot(seq.block_table, seq.last_position, self.block_size)
 
+    def reserve(self, seq: Sequence, last_position: int) -> int:
+        """Blocks for `seq`'s positions up to `last_position` (a verify step's draft
+        tokens), as far as free blocks reach; returns how many positions past
+        `seq.last_position` its blocks then hold, at most up to `last_position`."""
+        while len(seq.block_table) * self.block_size <= last_position and self._free:
+            seq.block_table.append(self._take())
+        held = min(last_position, len(seq.block_table) * self.block_size - 1)
+        return max(0, held - seq.last_position)
+
+    def trim(self, seq: Sequence) -> None:
+        """Let go of `seq`'s blocks past its tokens: those a verify step reserved for
+        draft tokens the target rejected. They were never offered to the cache."""
+        keep = self.blocks_for(len(seq))
+        while len(seq.block_table) > keep:
+            block_id = seq.block_table.pop()
+            self._refs[block_id] -= 1
+            if not self._refs[block_id]:
+                del self._refs[block_id]
+                self._free[block_id] = None
+
     def cache_blocks(self, seq: Sequence) -> None:
         """Offer the cache `seq`'s full blocks whose KV the scheduled steps write
         (`num_computed_tokens`) and whose tokens the host knows (a token sampled on the

@@ -126,18 +126,21 @@ class EngineCore:
     # ---------------------------------------------------------------- requests
     def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams, arrival: float | None = None,
             deadline: float | None = None, cache_salt: str | None = None,
-            grammar: CompiledGrammar | None = None) -> EngineRequest:
+            grammar: CompiledGrammar | None = None, speculative: bool = True) -> EngineRequest:
         """Queue a request of `params.n` sequences (sharing prefix-cache blocks only with
         requests of the same `cache_salt`; each following a copy of `grammar`, its
-        structured output compiled); raises `AdmissionError` (naming the field) when it can
-        never run, and ValueError when the id is already running."""
+        structured output compiled; drafted for when the scheduler speculates, unless
+        `speculative` is False or the output is constrained: a draft is not checked against
+        the grammar); raises `AdmissionError` (naming the field) when it can never run, and
+        ValueError when the id is already running."""
         if request_id in self.requests:
             raise ValueError(f"request {request_id!r} is already running")
         if (grammar is None) != (params.structured is None):
             raise ValueError("a request with structured output needs its compiled grammar, and only it")
         arrival = time.monotonic() if arrival is None else arrival
         seqs = [Sequence(request_id if i == 0 else f"{request_id}#{i}", prompt_ids, params, arrival, index=i,
-                         cache_salt=cache_salt) for i in range(params.n)]
+                         cache_salt=cache_salt, speculative=speculative and grammar is None)
+                for i in range(params.n)]
         if grammar is not None:
             for seq in seqs:
                 seq.grammar = grammar.new_matcher()
@@ -239,25 +242,32 @@ class EngineCore:
             # its tokens are dropped, and its mark would fall in the next request's path.
             mark("tokens_on_host")
         before = [(seq.num_output_tokens, seq.last_token_time) for seq in seqs]
-        finished = self.scheduler.postprocess(step.batch, tokens)
+        if step.batch.is_verify:
+            finished, appended = self.scheduler.postprocess_verify(step.batch, tokens)
+        else:
+            finished = self.scheduler.postprocess(step.batch, tokens)
+            # A sequence that finished a step earlier had one more token sampled; it is dropped.
+            appended = [[(token, seq.new_text, row)] if seq.num_output_tokens > count else []
+                        for row, (seq, token, (count, _)) in enumerate(zip(seqs, tokens, before, strict=True))]
         outputs = self._outputs
         new = 0
-        for row, (seq, token, (count, previous)) in enumerate(zip(seqs, tokens, before, strict=True)):
+        for seq, entries, (count, previous) in zip(seqs, appended, before, strict=True):
             request = self._owners.get(seq.request_id)
-            # A sequence that finished a step earlier had one more token sampled; it is dropped.
-            if request is None or seq.num_output_tokens == count:
+            if request is None or not entries:
                 continue
-            new += 1
+            new += len(entries)
             if count == 0 and seq.index == 0:  # the request's first token
                 outputs.first_token_s.append(seq.first_token_time - seq.arrival_time)
             if previous is not None:
                 outputs.inter_token_s.append(seq.last_token_time - previous)
-            logprob = None
-            if seq.logprobs is not None:
-                logprob = self._token_logprob(step.host_logprobs, row, token, seq.params.top_logprobs)
-                seq.logprobs.append(logprob)
-            outputs.tokens.append(TokenOutput(request, seq, token, seq.new_text, logprob))
+            for token, text, row in entries:
+                logprob = None
+                if seq.logprobs is not None:
+                    logprob = self._token_logprob(step.host_logprobs, row, token, seq.params.top_logprobs)
+                    seq.logprobs.append(logprob)
+                outputs.tokens.append(TokenOutput(request, seq, token, text, logprob))
         self.throughput.add(new)
+        self.scheduler.observe_step(step.batch, landed - started, new)
         for seq in finished:
             request = self._owners.get(seq.request_id)
             if request is not None:

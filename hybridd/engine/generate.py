@@ -13,6 +13,7 @@ from hybridd.engine.grammar import CompiledGrammar
 from hybridd.engine.in_process_runner import InProcessRunner
 from hybridd.engine.scheduler import Scheduler
 from hybridd.engine.sequence import Sequence
+from hybridd.engine.speculation.speculator import Speculator
 from hybridd.model.kv_cache import KVCache, blocks_for
 from hybridd.model.llama import LlamaModel
 from hybridd.protocol.messages import SamplingParams
@@ -26,19 +27,25 @@ def generate(
     kv_cache: KVCache | None = None,
     tokenizer=None,
     grammar: CompiledGrammar | None = None,
+    speculator: Speculator | None = None,
+    max_batch: int | None = None,
 ) -> list[list[Sequence]]:
     """Run every prompt with `params` to its end (under `grammar`, the compiled
-    `params.structured`, when given); returns the finished requests' sequences, one list
-    per prompt (`params.n` sequences each)."""
+    `params.structured`, when given), speculating with `speculator` when given; returns
+    the finished requests' sequences, one list per prompt (`params.n` sequences each).
+    `max_batch` (default: every sequence at once) bounds the batch."""
     lengths = [len(p) + params.max_tokens for p in prompts]
     model.check_sequence_length(max(lengths, default=0))
     manager_blocks = sum(params.n * blocks_for(n, block_size) for n in lengths)
     if kv_cache is None:
         kv_cache = KVCache.allocate(model.config, manager_blocks + 1, block_size, model.dtype, model.device)
     blocks = BlockManager(kv_cache.num_blocks, block_size, watermark=0.0)
+    max_batch = max_batch or max(1, len(prompts) * params.n)
+    k = speculator.max_tokens if speculator is not None else 0
     scheduler = Scheduler(
-        blocks, max_batch=max(1, len(prompts) * params.n), max_prefill_tokens=max(sum(map(len, prompts)), 1),
+        blocks, max_batch=max_batch, max_prefill_tokens=max(sum(map(len, prompts)), 1),
         max_model_len=model.max_positions, eos_token_ids=model.config.eos_token_ids, tokenizer=tokenizer,
+        speculator=speculator, max_verify_rows=max_batch * (k + 1),
     )
     core = EngineCore(scheduler, InProcessRunner(model, kv_cache), tokenizer, pipeline_depth=1)
     requests = [core.add(str(i), prompt, params, grammar=grammar) for i, prompt in enumerate(prompts)]

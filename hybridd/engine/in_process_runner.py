@@ -13,6 +13,7 @@ import torch
 from hybridd.engine.grammar import TokenMasks
 from hybridd.engine.sampler import Logprobs, Sampler, SamplingTensors
 from hybridd.engine.scheduler import ScheduledBatch
+from hybridd.engine.speculation.verification import verify_sampling_tensors
 from hybridd.engine.step_pipeline import InflightStep
 from hybridd.model.kv_cache import KVCache, copy_blocks
 from hybridd.model.llama import LlamaModel
@@ -37,9 +38,12 @@ class InProcessRunner:
         if batch.selects_rows:
             logits = logits.index_select(0, torch.tensor(batch.sample_rows, dtype=torch.int64, device=self.device))
         seqs = batch.sampled_seqs
-        tensors = SamplingTensors.from_sequences(seqs, logits.shape[-1], self.device)
+        if batch.drafts is not None:  # a verify step: every row is sampled
+            tensors = verify_sampling_tensors(seqs, batch.drafts, logits.shape[-1], self.device)
+        else:
+            tensors = SamplingTensors.from_sequences(seqs, logits.shape[-1], self.device)
         allowed = None
-        if any(seq.grammar is not None for seq in seqs):
+        if any(seq.grammar is not None for seq in seqs):  # never a verify step: constrained rows are not drafted for
             if self.token_masks is None or self.token_masks.max_rows < len(seqs):
                 self.token_masks = TokenMasks(logits.shape[-1], max(len(seqs), 64))
             allowed = self.token_masks.fill(seqs).to(self.device)

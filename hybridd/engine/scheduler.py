@@ -39,6 +39,7 @@ from hybridd.engine.block_manager import BlockManager
 from hybridd.engine.detokenizer import IncrementalDetokenizer, Tokenizer
 from hybridd.engine.prompt import prompt_length_refusal
 from hybridd.engine.sequence import Sequence, SequenceStatus
+from hybridd.engine.speculation.speculator import Speculator
 from hybridd.engine.stop_criteria import StopCriteria
 from hybridd.log import get_logger
 from hybridd.model.step_inputs import HostStepInputs
@@ -57,6 +58,7 @@ class AdmissionError(ValueError):
 class BatchKind(enum.Enum):
     PREFILL = "prefill"
     DECODE = "decode"
+    VERIFY = "verify"  # decode rows for a sequence's last token and each of its draft tokens
 
 
 @dataclass
@@ -83,6 +85,16 @@ class ScheduledBatch:
     # Logits rows of each row's sequence: its last this-many tokens (None: one each, its
     # last). A prefill sequence that asks for its prompt's logprobs lists its chunk's.
     logit_rows: list[int] | None = None
+    # A verify step: each sequence's draft tokens (its rows are its last token and these,
+    # in order, each with logits); None for other steps.
+    drafts: list[list[int]] | None = None
+    # Scheduled while speculation was chosen for its batch size (a verify step, or a
+    # decode step of it that found no drafts): its time is measured for that choice.
+    speculating: bool = False
+
+    @property
+    def is_verify(self) -> bool:
+        return self.kind is BatchKind.VERIFY
 
     @property
     def is_prefill(self) -> bool:
@@ -105,7 +117,9 @@ class ScheduledBatch:
 
     @property
     def num_logit_rows(self) -> int:
-        return len(self.seqs) if self.logit_rows is None else sum(self.logit_rows)
+        """Rows of the step's logits: each sequence's `logit_rows`, else one per row of the
+        inputs (one per sequence; a verify step's one per token)."""
+        return self.inputs.num_seqs if self.logit_rows is None else sum(self.logit_rows)
 
     @property
     def num_rows(self) -> int:
@@ -129,6 +143,8 @@ class ScheduledBatch:
         """Whether the sampled rows are other than the step's logits rows in order (forks,
         chunks that sample nothing, sequences with several rows): the logits are then
         gathered by `sample_rows`."""
+        if self.is_verify:  # every row is sampled, in order
+            return False
         return bool(self.forks or self.partial_rows) or self.num_logit_rows != len(self.seqs)
 
     @property
@@ -196,8 +212,14 @@ class Scheduler:
         eos_token_ids: Collection[int] = (),
         tokenizer: Tokenizer | None = None,
         chunk_tokens: int | None = None,
+        speculator: Speculator | None = None,
+        max_verify_rows: int | None = None,
     ) -> None:
         self.block_manager = block_manager
+        self.speculator = speculator
+        # The most rows a verify step has (the largest decode graph's rows in the daemon).
+        self.max_verify_rows = max_verify_rows if max_verify_rows is not None else max_batch
+        self._verifying: set[str] = set()  # sequences whose verify step is in flight
         self.max_batch = max_batch
         self.max_prefill_tokens = max_prefill_tokens
         # The budget of a step beside running streams (None: the same as without).
@@ -287,13 +309,26 @@ class Scheduler:
         now (`fair_shares`), so a short prompt behind long ones waits a chunk per step,
         not their whole prefills. A step with chunks is a prefill step whose first rows
         are the decode rows (one token each); a step without is a decode step."""
+        if self._verifying:
+            return None  # a verify step's tokens decide where its sequences go on
+        speculating = self._speculates()
+        if speculating is None:
+            return None  # drafts are made from every token: the ones in flight land first
         decodes = self._decode_rows()
         budget = self.chunk_tokens if decodes else self.max_prefill_tokens
         chunks = self._prefill_chunks(budget - len(decodes))
         if not decodes and not chunks:
             return None
         step_id = self._take_step_id()
-        batch = self._decode_batch(step_id, decodes) if not chunks else self._mixed_batch(step_id, decodes, chunks)
+        if chunks:
+            batch = self._mixed_batch(step_id, decodes, chunks)
+        else:
+            drafts = self._drafts(decodes) if speculating else []
+            if any(drafts):
+                batch = self._verify_batch(step_id, decodes, drafts)
+            else:
+                batch = self._decode_batch(step_id, decodes)
+            batch.speculating = speculating
         self.stats.count(batch, chunks)
         return batch
 
@@ -305,18 +340,116 @@ class Scheduler:
             seq.new_text = ""
             if seq.is_finished:
                 continue  # sampled one step past its end, or aborted meanwhile
-            seq.append_token(token_id)
-            new_text = seq.detokenizer.add(seq.output_token_ids) if seq.detokenizer is not None else ""
-            result = seq.stop_criteria.check(token_id, new_text, seq.num_output_tokens, len(seq))
-            seq.new_text = result.text
-            seq.output_text += result.text
-            if result.finish_reason is not None:
-                self._finish(seq, result.finish_reason, result.stop_reason)
+            if self._append(seq, token_id):
                 finished.append(seq)
             elif seq.grammar_ended:  # its structured output is complete (an ignored EOS included)
                 self._finish(seq, "stop", token_id)
                 finished.append(seq)
         return finished
+
+    def postprocess_verify(self, batch: ScheduledBatch, row_tokens: list[int]) -> tuple[
+            list[Sequence], list[list[tuple[int, str, int]]]]:
+        """A verify step's draws (one per row): each sequence keeps the longest prefix of
+        its draft that the target drew, and the target's token after it (`Speculator`).
+        Returns the sequences that finished, and for each sequence the (token, text, row)
+        it appended, in order (a stop ends it early: the rest are dropped)."""
+        assert batch.drafts is not None and self.speculator is not None
+        finished, appended = [], []
+        row = 0
+        for seq, draft in zip(batch.seqs, batch.drafts, strict=True):
+            rows = row_tokens[row:row + len(draft) + 1]
+            first_row, row = row, row + len(draft) + 1
+            self._verifying.discard(seq.request_id)
+            seq.num_inflight_tokens -= 1
+            seq.new_text = ""
+            entries: list[tuple[int, str, int]] = []
+            appended.append(entries)
+            if seq.is_finished:
+                continue
+            kept = self.speculator.verified(seq, draft, rows)
+            # The KV of the kept draft tokens is written; the rows after them are not
+            # this sequence's tokens, and their slots are written over later.
+            seq.num_computed_tokens += len(kept) - 1
+            for j, token in enumerate(kept):
+                done = self._append(seq, token)
+                entries.append((token, seq.new_text, first_row + j))
+                if done:
+                    finished.append(seq)
+                    break
+            if not seq.is_finished:
+                self.block_manager.trim(seq)
+                self.block_manager.cache_blocks(seq)
+        if self.speculator is not None:
+            self.speculator.stats.verify_steps += 1
+        return finished, appended
+
+    def observe_step(self, batch: ScheduledBatch, seconds: float, tokens: int) -> None:
+        """A decode or verify step's measured time and the tokens it gave (the policy's costs)."""
+        if self.speculator is not None and not batch.is_prefill:
+            self.speculator.policy.observe_step(len(batch.seqs), batch.speculating, seconds, tokens)
+
+    def _append(self, seq: Sequence, token_id: int) -> bool:
+        """Append one token, its text and the stop criteria's verdict; True when it ended the sequence."""
+        seq.append_token(token_id)
+        new_text = seq.detokenizer.add(seq.output_token_ids) if seq.detokenizer is not None else ""
+        result = seq.stop_criteria.check(token_id, new_text, seq.num_output_tokens, len(seq))
+        seq.new_text = result.text
+        seq.output_text += result.text
+        if result.finish_reason is not None:
+            self._finish(seq, result.finish_reason, result.stop_reason)
+            return True
+        return False
+
+    # ------------------------------------------------------------ speculation
+    def _speculates(self) -> bool | None:
+        """Whether this step is scheduled speculating (the policy's choice for the
+        batch size), or None when it would, but a decoding sequence's token is still in
+        flight (a draft follows every token: the step waits for it to land)."""
+        if self.speculator is None:
+            return False
+        decoding = [seq for seq in self.running if not self._prefilling(seq)]
+        if not any(seq.speculative for seq in decoding):
+            return False
+        if not self.speculator.policy.speculates(len(decoding)):
+            return False
+        if any(seq.num_inflight_tokens for seq in decoding):
+            return None
+        return True
+
+    def _drafts(self, seqs: list[Sequence]) -> list[list[int]]:
+        """Each decode row's draft tokens: within its max_tokens and max_model_len (a kept
+        draft never passes them), the verify step's rows, and the KV blocks free now."""
+        assert self.speculator is not None
+        spare_rows = max(0, self.max_verify_rows - len(seqs))
+        per_seq = spare_rows // max(1, len(seqs))
+        room = []
+        for seq in seqs:
+            left = min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - len(seq)) - 1
+            room.append(max(0, min(left, per_seq, self.speculator.max_tokens)))
+        drafts = self.speculator.drafts(seqs, room)
+        bm = self.block_manager
+        for i, (seq, draft) in enumerate(zip(seqs, drafts, strict=True)):
+            if draft:
+                drafts[i] = draft[:bm.reserve(seq, seq.last_position + len(draft))]
+        return drafts
+
+    def _verify_batch(self, step_id: int, seqs: list[Sequence], drafts: list[list[int]]) -> ScheduledBatch:
+        """A verify step: a decode row for each sequence's last token and one for each of
+        its draft tokens, at the positions after it, each with logits. Every input is on
+        the host (speculation waits for tokens in flight)."""
+        bm = self.block_manager
+        tokens, positions, tables = [], [], []
+        for seq, draft in zip(seqs, drafts, strict=True):
+            first = seq.last_position
+            for j, token in enumerate([seq.last_token, *draft]):
+                tokens.append(token)
+                positions.append(first + j)
+                tables.append(seq.block_table)
+            self._mark_scheduled(seq, step_id, len(tokens) - 1 - len(draft), num_computed=first + 1)
+            self._verifying.add(seq.request_id)
+        inputs = HostStepInputs.decode(tokens, positions, tables, bm.block_size, table_width=self.block_table_width)
+        return ScheduledBatch(BatchKind.VERIFY, step_id, seqs, inputs, None, None,
+                              num_decode_rows=len(tokens), drafts=drafts)
 
     def _ends_when_landed(self, seq: Sequence) -> bool:
         """The token in flight takes the sequence to max_tokens or max_model_len. Stop
@@ -514,6 +647,8 @@ class Scheduler:
         self.block_manager.free(seq)
         seq.finish(reason, stop_reason)
         del self.requests[seq.request_id]
+        if self.speculator is not None:
+            self.speculator.release(seq.request_id)
 
     def _take_step_id(self) -> int:
         step_id = self._next_step_id

@@ -62,6 +62,7 @@ class Sequence:
         arrival_time: float | None = None,
         index: int = 0,
         cache_salt: str | None = None,
+        speculative: bool = True,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError("prompt_token_ids must not be empty")
@@ -84,6 +85,8 @@ class Sequence:
         self.block_hashes: list[bytes] = []
         self.num_cached_tokens = 0
         self.num_inflight_tokens = 0
+        # Whether the engine may draft tokens for it (a request can turn speculation off).
+        self.speculative = speculative
         # (step id, row) of the step that samples the in-flight token, for the
         # overlapped pipeline to gather it from that step's device output.
         self.inflight_source: tuple[int, int] | None = None

@@ -1,0 +1,12 @@
+"""Speculative decoding: a drafter proposes up to k tokens per sequence, one verify
+step of the target model scores them all (k + 1 rows per sequence, logits for every
+row), and the longest prefix the target agrees with is kept, plus one token of the
+target's own.
+
+One concept per module: `drafter` (what a drafter is, the protocol every drafter
+implements), `ngram` (prompt lookup, which needs no model), `verification` (how the
+target's rows accept a draft: exactly the target's distribution), `policy` (k per
+sequence and speculation on or off per batch size, from measured acceptance and step
+costs), `stats` (drafts proposed and accepted, per position). The scheduler builds
+verify steps; the runners sample their rows like any other.
+"""

@@ -1,0 +1,59 @@
+"""What a drafter is: the one interface the engine asks for draft tokens.
+
+A drafter looks at sequences whose every token is on the host and proposes, for
+each, up to the number of tokens it is asked for: the continuation it guesses the
+target will produce. It never changes a sequence. `Draft.probabilities` is how likely
+the drafter found each token (a draft model's distribution at each position); a
+drafter that proposes tokens deterministically (prompt lookup) leaves it None, which
+verification treats as a point mass on the proposed token. Either way verification
+keeps the target's distribution exactly (`verification`), so a drafter can be wrong
+as often as it likes and costs only speed.
+
+A drafter with state per sequence (an index of its tokens, a draft model's KV cache)
+keys it by `Sequence.request_id` and lets go of it in `release`; the scheduler calls
+`release` when a sequence finishes. Preemption keeps a sequence's tokens, so state
+derived from the tokens alone stays valid across it.
+
+Drafters are named by the `speculative_drafter` setting and made by `make_drafter`
+(`hybridd.engine.speculation.registry`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from hybridd.engine.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class Draft:
+    """Proposed tokens for one sequence, in order (empty: no proposal), and, for a
+    drafter that samples them, each one's draft distribution [len(tokens), V]."""
+
+    tokens: list[int]
+    probabilities: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+NO_DRAFT = Draft([])
+
+
+class Drafter(Protocol):
+    """Proposes draft tokens for sequences (see the module docstring)."""
+
+    name: str
+
+    def propose(self, seqs: Seq[Sequence], max_tokens: Seq[int]) -> list[Draft]:
+        """One draft per sequence, at most `max_tokens[i]` tokens for `seqs[i]` (0: none
+        wanted). Every token of each sequence is on the host (`Sequence.token_ids`)."""
+        ...
+
+    def release(self, request_id: str) -> None:
+        """Forget what the drafter keeps for a sequence that has finished."""
+        ...

@@ -1,0 +1,75 @@
+"""Helpers of the speculative decoding tests: the engine core over a model in this
+process with a chosen KV cache size (so that preemption can be forced), and a drafter
+that replays a known continuation with a set share of wrong tokens (so that a test
+sees drafts accepted, cut short and rejected, whatever the model)."""
+
+from __future__ import annotations
+
+import torch
+
+from hybridd.engine.block_manager import BlockManager
+from hybridd.engine.core import EngineCore
+from hybridd.engine.in_process_runner import InProcessRunner
+from hybridd.engine.scheduler import Scheduler
+from hybridd.engine.speculation.drafter import Draft
+from hybridd.engine.speculation.speculator import Speculator
+from hybridd.model.kv_cache import KVCache
+from hybridd.protocol.messages import SamplingParams
+
+
+def run_engine(model, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+               speculator: Speculator | None = None, num_blocks: int = 256, block_size: int = 8, max_batch: int = 8):
+    """Every prompt to its end through the engine core (with `params`, or `params[i]` for
+    prompt i); returns (outputs per prompt, scheduler)."""
+    kv = KVCache.allocate(model.config, num_blocks + 1, block_size, model.dtype, model.device)
+    blocks = BlockManager(num_blocks, block_size, watermark=0.0)
+    k = speculator.max_tokens if speculator is not None else 0
+    scheduler = Scheduler(blocks, max_batch=max_batch, max_prefill_tokens=512, max_model_len=model.max_positions,
+                          eos_token_ids=model.config.eos_token_ids, speculator=speculator,
+                          max_verify_rows=max_batch * (k + 1))
+    core = EngineCore(scheduler, InProcessRunner(model, kv), pipeline_depth=1)
+    each = params if isinstance(params, list) else [params] * len(prompts)
+    requests = [core.add(str(i), prompt, p) for i, (prompt, p) in enumerate(zip(prompts, each, strict=True))]
+    while core.has_work:
+        core.step()
+    return [[list(seq.output_token_ids) for seq in request.seqs] for request in requests], scheduler
+
+
+def repetitive_prompts(lengths: tuple[int, ...], seed: int = 1, vocab: int = 320) -> list[list[int]]:
+    """Prompts that quote themselves (a passage, part of it, the passage again), as a
+    prompt-grounded task does, so that prompt lookup finds drafts."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = []
+    for length in lengths:
+        passage = torch.randint(3, vocab, (length,), generator=g).tolist()
+        prompts.append(passage + passage[: length // 2] + passage)
+    return prompts
+
+
+class ReplayDrafter:
+    """Proposes the continuation a sequence is known to take (`continuations[i][j]` for
+    sequence j of the prompt `prompts[i]`), with every `wrong_every`-th proposed token
+    made wrong."""
+
+    name = "replay"
+
+    def __init__(self, prompts: list[list[int]], continuations: list[list[list[int]]], wrong_every: int = 3) -> None:
+        self.known = {(tuple(p), j): c for p, cs in zip(prompts, continuations, strict=True) for j, c in enumerate(cs)}
+        self.wrong_every = wrong_every
+        self.proposed = 0
+
+    def propose(self, seqs, max_tokens) -> list[Draft]:
+        drafts = []
+        for seq, count in zip(seqs, max_tokens, strict=True):
+            known = self.known.get((tuple(seq.prompt_token_ids), seq.index), [])
+            done = seq.num_output_tokens
+            tokens = list(known[done:done + count])
+            for j in range(len(tokens)):
+                self.proposed += 1
+                if self.proposed % self.wrong_every == 0:
+                    tokens[j] = (tokens[j] + 1) % 300 + 3
+            drafts.append(Draft(tokens))
+        return drafts
+
+    def release(self, request_id: str) -> None:
+        pass
