@@ -97,7 +97,7 @@ def test_fp8_every_bucket_graph_equals_eager_bitwise(fp8_model):
     eager = make_runner(fp8_model, False)
     graphs.capture_decode_graphs()
     for size in PREFILL:
-        assert graphs._capture(True, size), graphs.stats[("prefill", size)].disabled
+        assert graphs._capture("prefill", size), graphs.stats[("prefill", size)].disabled
     seqs = Seqs(14, seed=2)
     for i in range(14):  # one at a time: every prompt (5-300 tokens) fits the largest prefill bucket
         shape, got, ref = run_both(graphs, eager, seqs.prefill_step([i]))
