@@ -79,9 +79,9 @@ SECTIONS: dict[str, tuple[str, str]] = {
     "http": ("HTTP gateway and metrics", "The OpenAI-compatible gateway is a process of its own (restarted like "
              "the workers, shown by `hybridd status`), a client of the endpoint above. It binds only where told: "
              "keep it on loopback and put TLS in front with a reverse proxy (README, \"HTTP gateway\")."),
-    "batching": ("KV cache and batching", ""),
     "structured": ("Structured output and tools", "Outputs constrained to a JSON schema, a regex, a grammar or a "
                    "choice, and the chat's tool calls (README, \"Structured output and tools\")."),
+    "batching": ("KV cache and batching", ""),
     "kernels": ("CUDA graphs and kernels", ""),
     "wakeups": ("Wake-ups and reply rings", ""),
     "lifecycle": ("Lifecycle", "Every deadline the supervisor applies (README, \"Troubleshooting\")."),

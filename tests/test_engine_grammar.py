@@ -59,6 +59,19 @@ def test_each_row_draws_only_what_its_bitmask_allows_and_a_free_row_draws_as_wit
         assert int(tokens[-1]) == int(free[-1])
 
 
+@pytest.mark.gpu
+def test_the_fused_gpu_sampler_draws_only_allowed_tokens():
+    generator = torch.Generator().manual_seed(3)
+    allowed = [{5}, set(range(0, VOCAB, 3)), None]
+    sampler = Sampler(compile=True)
+    for params in (SamplingParams(temperature=0.0), SamplingParams(temperature=0.9, top_p=0.8)):
+        logits = (torch.randn(3, VOCAB, generator=generator) * 4).cuda()
+        tensors = SamplingTensors.build([params] * 3, [1] * 3, [1] * 3, VOCAB, "cuda")
+        tokens, _ = sampler.sample(logits, tensors, with_logprobs=True, allowed=_bitmask(allowed).cuda())
+        assert int(tokens[0]) == 5 and int(tokens[1]) % 3 == 0
+        assert int(tokens[2]) == int(sampler.sample(logits, tensors)[0][2])
+
+
 def test_bitmask_bits_are_tokens_in_order_and_a_row_of_minus_one_allows_all():
     mask = _bitmask([{0, 33, 319}, None])
     bits = allowed_tokens(mask, VOCAB)

@@ -117,8 +117,6 @@ class GrammarCompiler:
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: Seq[int], *, timeout_s: float = 10.0,
                  cache_size: int = 256) -> None:
         self.vocab_size = vocab_size
-        self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size,
-                                                      eos_token=list(eos_token_ids) or None)
         self.timeout_s = timeout_s
         self.cache_size = cache_size
         self._cache: OrderedDict[tuple[str, str], CompiledGrammar] = OrderedDict()
@@ -126,6 +124,14 @@ class GrammarCompiler:
         # A compile that overruns its time goes on here, unwaited for (llguidance's own
         # limits end it); two threads, so that one such compile does not hold up the next.
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar")
+        # The vocabulary's view for llguidance (about a second for 128k tokens) is built
+        # here, beside the daemon's start, not before it is ready; the first compile waits.
+        self._tokenizer = self._pool.submit(llguidance.hf.from_tokenizer, tokenizer, n_vocab=vocab_size,
+                                            eos_token=list(eos_token_ids) or None)
+
+    @property
+    def tokenizer(self) -> llguidance.LLTokenizer:
+        return self._tokenizer.result()
 
     def compile(self, structured: StructuredOutput) -> CompiledGrammar:
         key = (structured.kind, _text(structured))
@@ -185,7 +191,7 @@ class TokenMasks:
         # Host buffers in turn: a step's copy to the device may still be reading the one before.
         self._buffers = [allow_all(max_rows, vocab_size, pin_memory) for _ in range(depth)]
         self._turn = 0
-        self._executor = llguidance.LLExecutor()
+        self._executor: llguidance.LLExecutor | None = None  # its threads, at the first constrained step
 
     def fill(self, seqs: Seq[Sequence]) -> torch.Tensor | None:
         """int32 [len(seqs), words]: row i allows what sequence i's grammar allows next (every
@@ -201,5 +207,7 @@ class TokenMasks:
         mask.fill_(-1)
         live = [(matcher, row) for matcher, row in rows if not matcher.is_error()]
         if live:
+            if self._executor is None:
+                self._executor = llguidance.LLExecutor()
             llguidance.torch.fill_next_token_bitmask_par(self._executor, live, mask)
         return mask

@@ -2,8 +2,9 @@
 arenas. It runs each scheduled batch's forward eagerly on the model's own KV cache and
 samples its tokens with the daemon's sampler (under the same allowed-token masks for
 structured output), so the in-process path (`hybridd.engine.generate`) schedules,
-forks, preempts and samples exactly as the daemon does. Its steps land at once: the core drives it one step deep, so every
-input token is on the host when its step is scheduled.
+forks, preempts and samples exactly as the daemon does. Its steps land at once: the
+core drives it one step deep, so every input token is on the host when its step is
+scheduled.
 """
 
 from __future__ import annotations

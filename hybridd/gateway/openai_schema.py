@@ -272,7 +272,8 @@ class ChatCompletionRequest(_Body, kw_only=True):
         choice = self.tool_choice
         if choice not in (None, "none", "auto") and not self.tools:
             raise bad_request("tool_choice: a tool choice other than none or auto needs tools", "tool_choice")
-        if isinstance(choice, NamedToolChoice) and choice.function.name not in {t.function.name for t in self.tools or ()}:
+        names = {t.function.name for t in self.tools or ()}
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
             raise bad_request(f"tool_choice: no tool is named {choice.function.name!r}", "tool_choice")
         if choice not in (None, "none", "auto") and self.structured() is not None:
             raise bad_request(f"tool_choice: {'a named function' if isinstance(choice, NamedToolChoice) else choice} "
