@@ -1,8 +1,9 @@
-"""On the GPU: a model quantized to FP8 at load (random weights of the Llama-1B shape,
-$HYBRIDD_GPU_RUNNER_PRESET) through the Triton kernels, against the same FP8 weights
-through the torch kernels (the emulated numerics), with each prefill candidate; and
-through the graph runner, every decode and prefill graph equal to the eager path
-bitwise, as for bf16 (tests/test_gpu_graph_runner.py)."""
+"""On the GPU: a model quantized to FP8 at load through the Triton kernels, against the
+same FP8 weights through the torch kernels (the emulated numerics), with each prefill
+candidate, on random weights of the Llama-1B shape ($HYBRIDD_GPU_RUNNER_PRESET) and of
+two layers of the Llama-3-8B shape (its widths, 8 KV heads, its 128256-token vocabulary);
+and the Llama-1B one through the graph runner, every decode and prefill graph equal to
+the eager path bitwise, as for bf16 (tests/test_gpu_graph_runner.py)."""
 
 from __future__ import annotations
 
@@ -17,18 +18,58 @@ from tests.test_gpu_graph_runner import PREFILL, Seqs, make_runner, run_both
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(scope="module")
-def fp8_model():
-    from tests.random_checkpoint import make_checkpoint
-
+def _load_fp8(path: Path):
     from hybridd.model import load_model
 
-    preset = os.environ.get("HYBRIDD_GPU_RUNNER_PRESET", "llama-1b")
-    path = make_checkpoint(Path(f"/tmp/hybridd-{preset}-normal-random"), preset)
     model = load_model(path, dtype=torch.bfloat16, device="cuda", max_positions=2048, quantization="fp8")
     assert model.layers[0].qkv_proj.weight.dtype == torch.float8_e4m3fn
     assert model.layers[0].qkv_proj.weight.device.type == "cuda"
     return model
+
+
+@pytest.fixture(scope="module")
+def fp8_model():
+    from tests.random_checkpoint import make_checkpoint
+
+    preset = os.environ.get("HYBRIDD_GPU_RUNNER_PRESET", "llama-1b")
+    return _load_fp8(make_checkpoint(Path(f"/tmp/hybridd-{preset}-normal-random"), preset))
+
+
+def _llama3_8b_layers(path: Path, layers: int = 2) -> Path:
+    """Random bf16 weights (N(0, 0.02), unit norms) of the first `layers` layers of the
+    Llama-3-8B shape, with its embedding and LM head, written once per machine."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if (path / "config.json").is_file():
+        return path
+    config = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers, num_attention_heads=32,
+                         num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0,
+                         rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, dtype="bfloat16")
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    model = model.to_empty(device="cuda").to(torch.bfloat16)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                param.normal_(0.0, 0.02, generator=g)
+    model.save_pretrained(path)
+    del model
+    torch.cuda.empty_cache()
+    return path
+
+
+@pytest.fixture(scope="module", params=["runner-preset", "llama3-8b-2-layers"])
+def any_fp8_model(request, fp8_model):
+    if request.param == "runner-preset":
+        yield fp8_model
+        return
+    model = _load_fp8(_llama3_8b_layers(Path("/tmp/hybridd-llama3-8b-2-layers-random")))
+    yield model
+    del model
+    torch.cuda.empty_cache()
 
 
 def _teacher_forced(model, seqs, prompt_len: int, decode_len: int):
@@ -55,7 +96,7 @@ def _rel(a, b) -> float:
 
 @torch.inference_mode()
 @pytest.mark.parametrize("prefill", ["scaled_mm", "dequant"])
-def test_fp8_triton_model_matches_the_emulated_reference(fp8_model, prefill):
+def test_fp8_triton_model_matches_the_emulated_reference(any_fp8_model, prefill):
     """Teacher-forced: 4 x 64 prefill rows (the prefill candidate) and 16 decode steps
     of 4 rows (the skinny kernel with every fusion). Decode within bf16 rounding of the
     emulated numerics; `dequant` prefill too; `scaled_mm` prefill, which quantizes its
@@ -63,6 +104,7 @@ def test_fp8_triton_model_matches_the_emulated_reference(fp8_model, prefill):
     from hybridd.kernels.choices import KernelChoices
     from hybridd.kernels.selection import select_kernels
 
+    fp8_model = any_fp8_model
     g = torch.Generator().manual_seed(0)
     vocab = fp8_model.config.vocab_size
     seqs = [torch.randint(3, vocab, (80,), generator=g).tolist() for _ in range(4)]
