@@ -4,6 +4,7 @@
     python -m scripts.bench --out $OUT/llama3-8b --preset llama3-8b --budget-s 470   # H200: Llama-3-8B shape
     python -m scripts.bench --out $OUT --model /path/to/hf   # any local Hugging Face directory
     python -m scripts.bench --out /tmp/b --device cpu --preset tiny --quick   # CI smoke, seconds
+    python -m scripts.bench --out $OUT/fp8 --parts ceilings,checkpoint,breakdown_fp8,fp8   # FP8 against bf16
 
 Parts, in order: `ceilings` (copy bandwidth, matmul rate: the decode and prefill
 floors), `checkpoint` (random weights of the preset's shape unless `--model`),

@@ -224,3 +224,23 @@ def test_fp8_parts(tmp_path):
     assert {"FP8 decode GPU step, batch 1, context 512", "FP8 / bf16 ITL p50, batch 1",
             "FP8 start to ready after weights are loaded"} <= names
     assert "FP8 against bf16" in (tmp_path / "out" / "bench_table.txt").read_text()
+
+
+def test_fp8_gemm_bench_runs(tmp_path):
+    """scripts/bench_fp8.py end to end on the CPU (its kernels in Triton's interpreter, tiny
+    shapes): every figure the GPU run reports is there, each prefill row count names a
+    winner. The numbers are the GPU's to give."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
+    out = tmp_path / "fp8_gemm.json"
+    proc = subprocess.run([sys.executable, "-m", "scripts.bench_fp8", "--out", str(out), "--device", "cpu",
+                           "--shapes", "tiny", "--quick"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=on_this_host(300))
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    r = json.loads(out.read_text())
+    assert set(r["decode"]) == {f"tiny.{p}.m{m}" for p in ("qkv", "o", "gate_up", "down") for m in (1, 17)}
+    assert all(d["fp8_s"] > 0 and d["bf16_s"] > 0 and d["fp8_x_copy_bw"] > 0 for d in r["decode"].values())
+    prefill = r["prefill"]
+    assert set(prefill["projections"]) == {f"tiny.{p}.m40" for p in ("qkv", "o", "gate_up", "down")}
+    assert all(p["scaled_mm_s"] > 0 and p["dequant_s"] > 0 and p["bf16_cublas_s"] > 0
+               for p in prefill["projections"].values())
+    assert prefill["layer"]["tiny.m40"]["winner"] in ("scaled_mm", "dequant")

@@ -70,8 +70,9 @@ class TritonKernels(ComposedSteps):
         return contextlib.nullcontext()
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """`triton_gemm.linear` under this kernel set's launch settings for x's rows (it is
-        also called outside a step's `launches`: the LM head)."""
+        """`triton_gemm.linear` (an FP8 weight: `triton_fp8.linear` with this set's prefill
+        candidate) under this kernel set's launch settings for x's rows (it is also called
+        outside a step's `launches`: the LM head)."""
         with self.launches(x.shape[0]):
             if isinstance(weight, Fp8Weight):
                 return self._fp8.linear(x, weight, bias, self.choices.fp8_prefill)
