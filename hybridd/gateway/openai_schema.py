@@ -80,6 +80,8 @@ class _Body(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     user: str | None = None
     # Requests share prefix-cache blocks only under the same salt (vLLM's field).
     cache_salt: CacheSalt | None = None
+    # An extension: false turns speculative decoding off for this request (nil: the daemon's setting).
+    speculative: bool | None = None
 
     def check_supported(self) -> None:
         if self.stream_options is not None and not self.stream:
