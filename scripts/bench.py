@@ -15,7 +15,10 @@ concurrent streams, graph memory, what the HTTP gateway adds: scripts/bench_gate
 the daemon with one setting changed against `hybridd` (VARIANTS), `capture_evict` (ITL
 while prefill graphs are captured during decode, scripts/bench_capture.py), `mixed_load`
 and `prefix_reuse` (a stream's ITL while another client sends long prompts; TTFT with a
-cached prefix and over a chat's turns: scripts/bench_mixed.py), and the peers on the same
+cached prefix and over a chat's turns: scripts/bench_mixed.py), `speculation` and
+`speculation_steps` (tokens/s with and without speculative decoding on a prompt-grounded
+task, acceptance; verify-step times and time per token at set acceptances:
+scripts/bench_speculation.py), and the peers on the same
 weights: `hf_eager`, `hf_static`
 (transformers `generate()`, static cache and torch.compile). A part is skipped, with
 the reason recorded, when `--budget-s` would be exceeded; a failure is recorded and the
@@ -72,10 +75,10 @@ LATE_VARIANTS = ("hybridd_poll", "hybridd_no_wake")
 # Estimated seconds per part on an H200 with the Llama-2-7B / Llama-3-8B shape (the budget check uses them).
 ESTIMATE_S_7B = {"ceilings": 8, "checkpoint": 60, "breakdown": 45, "hybridd_eager": 50, "hybridd": 110,
                  "capture_evict": 60, "hf_eager": 45, "hf_static": 60, "mixed_load": 60,
-                 "prefix_reuse": 45} | dict.fromkeys(VARIANTS, 60)
+                 "prefix_reuse": 45, "speculation": 90, "speculation_steps": 90} | dict.fromkeys(VARIANTS, 60)
 ESTIMATE_S_SMALL = {"ceilings": 3, "checkpoint": 5, "breakdown": 10, "hybridd_eager": 12, "hybridd": 20,
                     "capture_evict": 20, "hf_eager": 8, "hf_static": 60, "mixed_load": 30,
-                    "prefix_reuse": 30} | dict.fromkeys(VARIANTS, 20)
+                    "prefix_reuse": 30, "speculation": 60, "speculation_steps": 60} | dict.fromkeys(VARIANTS, 20)
 # What --skip may name: the parts, and the HTTP gateway's figures inside the hybridd part.
 SKIPPABLE = frozenset(ESTIMATE_S_7B) | {"gateway"}
 LARGE_PRESETS = ("llama2-7b", "llama3-8b")
@@ -1045,6 +1048,22 @@ def main(argv: list[str] | None = None) -> int:
             endpoint, vocab(), args.long_prompt, args.itl_tokens, args.ttft_reps))
         do_mixed("prefix_reuse", lambda endpoint: measure_prefix_reuse(
             endpoint, vocab(), args.long_prompt, args.turn_tokens, 8, args.ttft_reps))
+        from scripts.bench_speculation import measure_speculation, measure_speculation_steps
+
+        def do_speculation(_):
+            server = HybriddServer(state["model"], args.device, 600 if args.device == "cuda" else 120,
+                                   **server_overrides(args), speculative_drafter="ngram")
+            try:
+                return measure_speculation(server.endpoint, state["model"], vocab(),
+                                           16 if args.quick else 64, 1 if args.quick else 3)
+            finally:
+                server.close()
+
+        part("speculation", do_speculation, needs=("model", "vocab"))
+        part("speculation_steps", lambda out: measure_speculation_steps(
+            state["model"], args.device, 16 if args.quick else 64, reps=3 if args.quick else 20,
+            quick=args.quick or args.device != "cuda"),
+            needs=("model", "vocab"))
         part("hf_eager", lambda out: run_hf(args, state["model"], vocab(), "eager", deadline, shared, out),
              needs=("model", "vocab"))
         part("hf_static", lambda out: run_hf(args, state["model"], vocab(), "static", deadline, shared, out),

@@ -17,6 +17,7 @@ against decoding without speculation.
 
     python -m scripts.bench_speculation --device cpu --out /tmp/spec             # embedded model
     python -m scripts.bench_speculation --device cuda --preset llama2-7b --out $OUT/spec
+    python -m scripts.bench --parts checkpoint,speculation,speculation_steps ...  # as parts of the bench
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import argparse
 import json
 import random
 import statistics
+import sys
 import threading
 import time
 from pathlib import Path
@@ -246,12 +248,12 @@ def time_steps(runner, buffers, rows_per_seq: int, batch: int, context: int, blo
     return statistics.median(times)
 
 
-def measure_verify_steps(runner, buffers, context: int = 512, reps: int = 20) -> dict:
+def measure_verify_steps(runner, buffers, context: int = 512, reps: int = 20, ks: tuple[int, ...] = VERIFY_KS) -> dict:
     out: dict[str, Any] = {"context_tokens": context}
     for batch in VERIFY_BATCHES:
         one_row = time_steps(runner, buffers, 1, batch, context, 16, reps)
         row: dict[str, Any] = {"decode_step_s": one_row}
-        for k in VERIFY_KS:
+        for k in ks:
             if batch * (k + 1) > buffers.max_seqs:
                 continue
             seconds = time_steps(runner, buffers, k + 1, batch, context, 16, reps)
@@ -312,6 +314,28 @@ def measure_replay(model, kv, buffers, runner, num_blocks: int, tokens: int, k: 
     return out
 
 
+def measure_speculation_steps(model: Path, device: str, tokens: int, k: int = 4, reps: int = 20,
+                              quick: bool = False) -> dict:
+    """The in-process part: verify-step times, then time per token with the replay drafter
+    (`quick`: k = 1, 2, 4, 8 at a 128-token context, for the CPU)."""
+    import gc
+
+    import torch
+
+    max_rows = max(VERIFY_BATCHES) * (max(VERIFY_KS) + 1)
+    model_obj, kv, buffers, runner, num_blocks = build_runtime(model, device, max_rows, 1024)
+    try:
+        steps = (measure_verify_steps(runner, buffers, 128, reps, (1, 2, 4, 8)) if quick
+                 else measure_verify_steps(runner, buffers, reps=reps))
+        return {"verify_steps": steps,
+                "replay": measure_replay(model_obj, kv, buffers, runner, num_blocks, tokens, k)}
+    finally:
+        del model_obj, kv, buffers, runner
+        gc.collect()
+        if device == "cuda":
+            torch.cuda.empty_cache()
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, required=True)
@@ -322,6 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--k", type=int, default=4)
+    p.add_argument("--quick", action="store_true", help="fewer verify shapes (the CPU)")
     p.add_argument("--skip", default="", help="comma list of parts to skip: speculation, speculation_steps")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -349,15 +374,13 @@ def main(argv: list[str] | None = None) -> int:
                                num_speculative_tokens=args.k)
         try:
             results["speculation"] = measure_speculation(server.endpoint, model, vocab, args.tokens, args.reps)
+            results["speculation"]["command"] = "python -m scripts.bench_speculation " + " ".join(argv or sys.argv[1:])
         finally:
             server.close()
         _write(args.out, results)
     if "speculation_steps" not in skip:
-        max_rows = max(VERIFY_BATCHES) * (max(VERIFY_KS) + 1)
-        model_obj, kv, buffers, runner, num_blocks = build_runtime(model, args.device, max_rows, 1024)
-        results["verify_steps"] = measure_verify_steps(runner, buffers)
-        _write(args.out, results)
-        results["replay"] = measure_replay(model_obj, kv, buffers, runner, num_blocks, args.tokens, args.k)
+        results["speculation_steps"] = measure_speculation_steps(model, args.device, args.tokens, args.k,
+                                                                 reps=args.reps, quick=args.quick)
         _write(args.out, results)
     print(json.dumps(results, indent=2, default=str))
     return 0

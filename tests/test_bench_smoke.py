@@ -31,7 +31,8 @@ def bench_out(tmp_path_factory):
         env[name] = str(cache)
     proc = subprocess.run(
         [sys.executable, "-m", "scripts.bench", "--out", str(out / "out"), "--device", "cpu",
-         "--preset", "tiny", "--quick", "--checkpoint-dir", str(out / "ckpt"), "--skip", "mixed_load,prefix_reuse",
+         "--preset", "tiny", "--quick", "--checkpoint-dir", str(out / "ckpt"),
+         "--skip", "mixed_load,prefix_reuse,speculation,speculation_steps",
          "--budget-s",
          str(int(on_this_host(200)))],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=on_this_host(300),

@@ -386,8 +386,8 @@ class Scheduler:
         if self.speculator is None:
             return False
         decoding = [seq for seq in self.running if not self._prefilling(seq)]
-        if not any(seq.speculative for seq in decoding):
-            return False
+        if not any(seq.speculative for seq in decoding) or 2 * len(decoding) > self.max_verify_rows:
+            return False  # nothing to draft for, or no room for a draft token per sequence
         if not self.speculator.policy.speculates(len(decoding)):
             return False
         if any(seq.num_inflight_tokens for seq in decoding):
