@@ -368,10 +368,12 @@ def main(argv: list[str] | None = None) -> int:
 
     vocab = AutoConfig.from_pretrained(str(model)).vocab_size
     if "speculation" not in skip:
-        from scripts.bench import HybriddServer, server_overrides
+        from scripts.daemon import Daemon
 
-        server = HybriddServer(model, args.device, 600, **server_overrides(args), speculative_drafter="ngram",
-                               num_speculative_tokens=args.k)
+        cuda = args.device == "cuda"
+        server = Daemon({"model": str(model), "device": args.device, "compile_sampler": cuda,
+                         "log_level": "warning", "speculative_drafter": "ngram", "num_speculative_tokens": args.k}
+                        | ({"kv_cache_memory_fraction": 0.3} if cuda else {}), ready_timeout=600)
         try:
             results["speculation"] = measure_speculation(server.endpoint, model, vocab, args.tokens, args.reps)
             results["speculation"]["command"] = "python -m scripts.bench_speculation " + " ".join(argv or sys.argv[1:])
