@@ -45,6 +45,7 @@ def test_draft_length_follows_measured_acceptance():
     assert policy.draft_length("s") == 1  # never less than one: acceptance must stay measurable
     policy.release("s")
     assert policy.acceptance("s") == 0.6
+    assert SpeculationPolicy(8, min_keep=0.0).draft_length("s") == 8  # every draft token worth scoring
 
 
 def test_speculation_is_chosen_per_batch_size_where_it_measured_cheaper_and_probed_again():

@@ -60,7 +60,7 @@ class SpeculationPolicy:
 
     def draft_length(self, request_id: str) -> int:
         a = self.acceptance(request_id)
-        if a >= 1.0:
+        if a >= 1.0 or self.min_keep <= 0.0:
             return self.max_tokens
         if a <= 0.0:
             return 1
