@@ -39,7 +39,7 @@ class _Cost:
 
 
 class SpeculationPolicy:
-    def __init__(self, max_tokens: int, smoothing: float = 0.2, min_keep: float = 0.25, probe_interval: int = 32,
+    def __init__(self, max_tokens: int, smoothing: float = 0.2, min_keep: float = 0.25, probe_interval: int = 64,
                  initial_acceptance: float = 0.6, adaptive: bool = True, probe_steps: int = 4) -> None:
         """`adaptive` False: speculate at every batch size (k per sequence still adapts)."""
         self.max_tokens = max_tokens
