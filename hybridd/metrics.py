@@ -91,6 +91,19 @@ def status_families(status: dict[str, Any], model_name: str) -> Iterator[Metric]
                   steps.get("chunked_prefill", 0))
     yield counter("mixed_steps", "Steps that carried prompt tokens and running streams' decode tokens together.",
                   steps.get("mixed", 0))
+    speculation = status.get("speculation") or {}
+    yield counter("spec_decode_num_drafts", "Drafts verified (a sequence's draft tokens in one verify step).",
+                  speculation.get("drafts", 0))
+    yield counter("spec_decode_num_draft_tokens", "Draft tokens proposed and verified.",
+                  speculation.get("draft_tokens", 0))
+    yield counter("spec_decode_num_accepted_tokens", "Draft tokens the model accepted.",
+                  speculation.get("accepted_tokens", 0))
+    per_position = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                       "Accepted draft tokens by their position in the draft (0 first).",
+                                       labels=[*base, "position"])
+    for position, count in enumerate(speculation.get("accepted_per_position") or []):
+        per_position.add_metric([*model, str(position)], count)
+    yield per_position
     for name, doc in HISTOGRAM_HELP.items():
         histogram = (metrics.get("histograms") or {}).get(name)
         if histogram is None:

@@ -18,10 +18,13 @@ while prefill graphs are captured during decode, scripts/bench_capture.py), `mix
 and `prefix_reuse` (a stream's ITL while another client sends long prompts; TTFT with a
  cached prefix and over a chat's turns: scripts/bench_mixed.py), `structured` (ITL under a
  JSON schema ÷ unconstrained at batch 1 and 32 streams, schema compile time:
- scripts/bench_structured.py), `breakdown_fp8` (the breakdown of the model quantized to
- FP8 at load: its decode steps against the FP8 floor) and `fp8` (a bf16 and an FP8 daemon
- on the same weights, one after the other: start, TTFT at 128 tokens to `--long-prompt`,
- batch-1 ITL and 32 streams, FP8 over bf16), and the peers on the same weights: `hf_eager`, `hf_static`
+ scripts/bench_structured.py), `speculation` and `speculation_steps` (tokens/s with and
+ without speculative decoding on a prompt-grounded task, acceptance; verify-step times and
+ time per token at set acceptances: scripts/bench_speculation.py), `breakdown_fp8` (the
+ breakdown of the model quantized to FP8 at load: its decode steps against the FP8 floor)
+ and `fp8` (a bf16 and an FP8 daemon on the same weights, one after the other: start, TTFT
+ at 128 tokens to `--long-prompt`, batch-1 ITL and 32 streams, FP8 over bf16), and the
+ peers on the same weights: `hf_eager`, `hf_static`
 (transformers `generate()`, static cache and torch.compile). A part is skipped, with
 the reason recorded, when `--budget-s` would be exceeded; a failure is recorded and the
 run goes on; bench.json is rewritten after every part. docs/lab/benchmarks.md reads
@@ -77,11 +80,13 @@ LATE_VARIANTS = ("hybridd_poll", "hybridd_no_wake")
 # Estimated seconds per part on an H200 with the Llama-2-7B / Llama-3-8B shape (the budget check uses them).
 ESTIMATE_S_7B = {"ceilings": 8, "checkpoint": 60, "breakdown": 45, "hybridd_eager": 50, "hybridd": 110,
                  "capture_evict": 60, "hf_eager": 45, "hf_static": 60, "mixed_load": 60,
-                 "prefix_reuse": 45, "structured": 150, "breakdown_fp8": 45,
+                 "prefix_reuse": 45, "structured": 150, "speculation": 90,
+                 "speculation_steps": 90, "breakdown_fp8": 45,
                  "fp8": 120} | dict.fromkeys(VARIANTS, 60)
 ESTIMATE_S_SMALL = {"ceilings": 3, "checkpoint": 5, "breakdown": 10, "hybridd_eager": 12, "hybridd": 20,
                     "capture_evict": 20, "hf_eager": 8, "hf_static": 60, "mixed_load": 30,
-                    "prefix_reuse": 30, "structured": 60, "breakdown_fp8": 10,
+                    "prefix_reuse": 30, "structured": 60, "speculation": 60,
+                    "speculation_steps": 60, "breakdown_fp8": 10,
                     "fp8": 30} | dict.fromkeys(VARIANTS, 20)
 # What --skip may name: the parts, and the HTTP gateway's figures inside the hybridd part.
 SKIPPABLE = frozenset(ESTIMATE_S_7B) | {"gateway"}
@@ -1147,6 +1152,23 @@ def main(argv: list[str] | None = None) -> int:
                 server.close()
 
         part("structured", structured, needs=("model", "vocab"))
+
+        from scripts.bench_speculation import measure_speculation, measure_speculation_steps
+
+        def do_speculation(_):
+            server = HybriddServer(state["model"], args.device, 600 if args.device == "cuda" else 120,
+                                   **server_overrides(args), speculative_drafter="ngram")
+            try:
+                return measure_speculation(server.endpoint, state["model"], vocab(),
+                                           16 if args.quick else 64, 1 if args.quick else 3)
+            finally:
+                server.close()
+
+        part("speculation", do_speculation, needs=("model", "vocab"))
+        part("speculation_steps", lambda out: measure_speculation_steps(
+            state["model"], args.device, 16 if args.quick else 64, reps=3 if args.quick else 20,
+            quick=args.quick or args.device != "cuda"),
+            needs=("model", "vocab"))
         part("hf_eager", lambda out: run_hf(args, state["model"], vocab(), "eager", deadline, shared, out),
              needs=("model", "vocab"))
         part("hf_static", lambda out: run_hf(args, state["model"], vocab(), "static", deadline, shared, out),

@@ -123,6 +123,18 @@ def test_every_error_has_a_code_string(daemon, path, body, headers, status, code
     assert response.json()["error"]["code"] == code
 
 
+def test_the_speculative_extension_field(daemon):
+    """`speculative: false` (an extension) turns speculative decoding off for a request;
+    the answer is the same; a value that is not a boolean is a 400 naming it."""
+    body = {"model": MODEL, "prompt": "KING:", "max_tokens": 12, "temperature": 0}
+    on, off = _post(daemon, "/v1/completions", body), _post(daemon, "/v1/completions", body | {"speculative": False})
+    assert on.status_code == off.status_code == 200, off.text
+    assert on.json()["choices"][0]["text"] == off.json()["choices"][0]["text"]
+    bad = _post(daemon, "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                                                 "speculative": "no"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "speculative", bad.text
+
+
 def test_a_body_over_the_limit_is_413(daemon):
     # Over the daemon's message limit, under the gateway's body limit: still the client's fault, in size.
     response = _post(daemon, "/v1/completions", {"model": MODEL, "prompt": "a" * (5 * 1024 * 1024), "max_tokens": 1})

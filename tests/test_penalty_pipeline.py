@@ -62,8 +62,10 @@ def run_until_idle(worker, most_steps: int) -> None:
 
 @pytest.fixture
 def context_generator(tmp_path):
+    # Without speculation: a speculating step waits for the tokens before it, and these
+    # tests are about the steps that run a step ahead of them.
     config = Config.from_dict({"runtime_dir": str(tmp_path), "compile_sampler": False, "log_level": "warning",
-                               "device": "cpu", "dtype": "float32"})
+                               "device": "cpu", "dtype": "float32", "speculative_drafter": "none"})
     ctl = f"ipc://{tmp_path}/ctl-penalty.sock"
     graph = mp.get_context("spawn").Process(target=graph_generator.main, args=(config.to_dict(), ctl), daemon=True)
     worker = ContextGenerator(config, ctl, supervised=False)

@@ -145,33 +145,36 @@ class AsyncClient(ClientCore):
 
     async def generate(self, prompt: str | list[int], sampling: Sampling = None, *, request_id: str | None = None,
                        timeout: Timeout = ..., connect_timeout: float | None = None, cache_salt: str | None = None,
-                       **sampling_options: Any) -> GenerateResult:
+                       speculative: bool | None = None, **sampling_options: Any) -> GenerateResult:
         return generated(await self._complete(self._generate_call(
             prompt, None, sampling, sampling_options, request_id, timeout, connect_timeout, stream=False,
-            cache_salt=cache_salt)))
+            cache_salt=cache_salt, speculative=speculative)))
 
     def stream(self, prompt: str | list[int], sampling: Sampling = None, *, request_id: str | None = None,
                timeout: Timeout = ..., connect_timeout: float | None = None, cache_salt: str | None = None,
-               **sampling_options: Any) -> AsyncStream:
+               speculative: bool | None = None, **sampling_options: Any) -> AsyncStream:
         """Start one completion (call inside the loop); `async for` over the returned stream."""
         return AsyncStream(self, self._generate_call(prompt, None, sampling, sampling_options, request_id, timeout,
-                                                     connect_timeout, stream=True, cache_salt=cache_salt))
+                                                     connect_timeout, stream=True, cache_salt=cache_salt,
+                                                     speculative=speculative))
 
     async def chat(self, messages: Messages, sampling: Sampling = None, *, request_id: str | None = None,
                    timeout: Timeout = ..., connect_timeout: float | None = None, cache_salt: str | None = None,
-                   tools: Tools | None = None, **sampling_options: Any) -> GenerateResult:
+                   tools: Tools | None = None,
+                   speculative: bool | None = None, **sampling_options: Any) -> GenerateResult:
         """The model's answer to a chat, whole (see `Client.chat`); `chat_stream` streams it."""
         return generated(await self._complete(self._generate_call(
             None, messages, sampling, sampling_options, request_id, timeout, connect_timeout, stream=False,
-            cache_salt=cache_salt, tools=tools)))
+            cache_salt=cache_salt, tools=tools, speculative=speculative)))
 
     def chat_stream(self, messages: Messages, sampling: Sampling = None, *, request_id: str | None = None,
                     timeout: Timeout = ..., connect_timeout: float | None = None, cache_salt: str | None = None,
-                    tools: Tools | None = None, **sampling_options: Any) -> AsyncStream:
+                    tools: Tools | None = None,
+                   speculative: bool | None = None, **sampling_options: Any) -> AsyncStream:
         """Start the model's answer to a chat (call inside the loop); `async for` over it."""
         return AsyncStream(self, self._generate_call(None, messages, sampling, sampling_options, request_id, timeout,
                                                      connect_timeout, stream=True, cache_salt=cache_salt,
-                                                     tools=tools))
+                                                     tools=tools, speculative=speculative))
 
     async def cancel(self, request_id: str) -> None:
         self._session_now().cancel(request_id)

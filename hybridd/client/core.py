@@ -201,10 +201,11 @@ def generated(call: Call) -> GenerateResult:
 def build_generate(prompt: str | list[int] | None, messages: Messages | None, sampling: Sampling,
                    options: dict[str, Any], *, request_id: str | None, stream: bool,
                    timeout: float | None, cache_salt: str | None = None, tools: Tools | None = None,
-                   ) -> GenerateRequest:
+                   speculative: bool | None = None) -> GenerateRequest:
     """A generate request, checked by the daemon's own decoder, so that a bad one fails
     here, naming its field. `cache_salt`: requests share prefix-cache blocks only under
-    the same salt (None: the unsalted share)."""
+    the same salt (None: the unsalted share). `speculative`: False turns speculative
+    decoding off for this request (None: the daemon's setting)."""
     if isinstance(sampling, SamplingParams):
         if options:
             raise TypeError("give sampling options either as `sampling` or as keywords, not both")
@@ -220,7 +221,7 @@ def build_generate(prompt: str | list[int] | None, messages: Messages | None, sa
         "v": PROTOCOL_VERSION, "type": "generate", "id": request_id, "prompt": text, "prompt_token_ids": ids,
         "messages": None if messages is None else list(messages), "sampling": fields, "stream": stream,
         "timeout_s": None if timeout is None else min(timeout, MAX_TIMEOUT_S), "cache_salt": cache_salt,
-        "tools": None if tools is None else list(tools),
+        "tools": None if tools is None else list(tools), "speculative": speculative,
     }
     try:
         request = codec.REQUESTS.decode(encode(wire))
@@ -271,10 +272,10 @@ class ClientCore:
     def _generate_call(self, prompt: str | list[int] | None, messages: Messages | None, sampling: Sampling,
                        options: dict[str, Any], request_id: str | None, timeout: Timeout,
                        connect_timeout: float | None, *, stream: bool, cache_salt: str | None,
-                       tools: Tools | None = None) -> Call:
+                       tools: Tools | None = None, speculative: bool | None = None) -> Call:
         timeout = self._timeout(timeout)
         request = build_generate(prompt, messages, sampling, options, request_id=request_id, stream=stream,
-                                 timeout=timeout, cache_salt=cache_salt, tools=tools)
+                                 timeout=timeout, cache_salt=cache_salt, tools=tools, speculative=speculative)
         return Call(request, timeout, self._connect_timeout(connect_timeout))
 
     def _status_call(self, timeout: Timeout, connect_timeout: float | None) -> Call:

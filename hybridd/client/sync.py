@@ -231,38 +231,42 @@ class Client(ClientCore):
 
     def generate(self, prompt: str | list[int], sampling: Sampling = None, *, request_id: str | None = None,
                  timeout: Timeout = ..., connect_timeout: float | None = None, cache_salt: str | None = None,
-                 **sampling_options: Any) -> GenerateResult:
+                 speculative: bool | None = None, **sampling_options: Any) -> GenerateResult:
         """Run one completion and return it whole. Sampling options as keywords or `sampling`;
-        `cache_salt`: requests share prefix-cache blocks only under the same salt."""
+        `cache_salt`: requests share prefix-cache blocks only under the same salt; `speculative`:
+        False turns speculative decoding off for this request (None: the daemon's setting)."""
         return generated(self._complete(self._generate_call(
             prompt, None, sampling, sampling_options, request_id, timeout, connect_timeout, stream=False,
-            cache_salt=cache_salt)))
+            cache_salt=cache_salt, speculative=speculative)))
 
     def stream(self, prompt: str | list[int], sampling: Sampling = None, *, request_id: str | None = None,
                timeout: Timeout = ..., connect_timeout: float | None = None, cache_salt: str | None = None,
-               **sampling_options: Any) -> Stream:
+               speculative: bool | None = None, **sampling_options: Any) -> Stream:
         """Start one completion; iterate the returned `Stream` for its chunks."""
         return Stream(self, self._generate_call(prompt, None, sampling, sampling_options, request_id, timeout,
-                                                connect_timeout, stream=True, cache_salt=cache_salt))
+                                                connect_timeout, stream=True, cache_salt=cache_salt,
+                                                speculative=speculative))
 
     def chat(self, messages: Messages, sampling: Sampling = None, *, request_id: str | None = None,
              timeout: Timeout = ..., connect_timeout: float | None = None, cache_salt: str | None = None,
-             tools: Tools | None = None, **sampling_options: Any) -> GenerateResult:
+             tools: Tools | None = None,
+                   speculative: bool | None = None, **sampling_options: Any) -> GenerateResult:
         """The model's answer to a chat (`[{"role": "user", "content": "..."}]`), rendered by
         its chat template in the daemon, returned whole. `tools`: the functions the model
         may call (`ToolSpec`s or maps of their fields), written into the prompt by the
         template; structured output is a sampling option (`structured=StructuredOutput(...)`)."""
         return generated(self._complete(self._generate_call(
             None, messages, sampling, sampling_options, request_id, timeout, connect_timeout, stream=False,
-            cache_salt=cache_salt, tools=tools)))
+            cache_salt=cache_salt, tools=tools, speculative=speculative)))
 
     def chat_stream(self, messages: Messages, sampling: Sampling = None, *, request_id: str | None = None,
                     timeout: Timeout = ..., connect_timeout: float | None = None, cache_salt: str | None = None,
-                    tools: Tools | None = None, **sampling_options: Any) -> Stream:
+                    tools: Tools | None = None,
+                   speculative: bool | None = None, **sampling_options: Any) -> Stream:
         """Start the model's answer to a chat; iterate the returned `Stream` for its chunks."""
         return Stream(self, self._generate_call(None, messages, sampling, sampling_options, request_id, timeout,
                                                 connect_timeout, stream=True, cache_salt=cache_salt,
-                                                tools=tools))
+                                                tools=tools, speculative=speculative))
 
     def cancel(self, request_id: str) -> None:
         """Cancel a request of this client; idempotent, no-op for an unknown or finished id."""

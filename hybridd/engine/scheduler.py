@@ -21,6 +21,15 @@ runs once, and the forks join the running batch at its final chunk, each samplin
 first token from the prompt's logits and sharing the prompt's KV blocks (the step
 lists the partly filled blocks to copy). After that they are ordinary sequences.
 
+With a speculator, a step of decode rows only may be a verify step: each sequence's
+last token and the tokens its drafter proposed are decode rows at consecutive
+positions, every row with logits; `postprocess_verify` keeps, per sequence, the draft's
+prefix that the target drew and the target's next token, rewinds past the rest (their
+KV slots are written over later, their reserved blocks let go) and offers the cache only
+blocks of kept tokens. A draft follows every token, so a speculating step is scheduled
+only once the tokens of the steps before it are on the host (the policy chooses
+speculation per batch size where that has measured cheaper per token).
+
 The scheduler may run one step ahead of `postprocess` (the overlapped pipeline):
 a decode row whose input token is still on the device carries the (step, row) that
 sampled it in `input_src_step` / `input_src_row` instead of a host token id.
@@ -408,8 +417,8 @@ class Scheduler:
         if self.speculator is None:
             return False
         decoding = [seq for seq in self.running if not self._prefilling(seq)]
-        if not any(seq.speculative for seq in decoding):
-            return False
+        if not any(seq.speculative for seq in decoding) or 2 * len(decoding) > self.max_verify_rows:
+            return False  # nothing to draft for, or no room for a draft token per sequence
         if not self.speculator.policy.speculates(len(decoding)):
             return False
         if any(seq.num_inflight_tokens for seq in decoding):

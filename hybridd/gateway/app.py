@@ -225,6 +225,7 @@ class Gateway:
         jobs = [Job(base=i * body.n, prompt=prompt, sampling=sampling,
                     structured_param=None if structured is None else structured[1],
                     echo=prompt if body.echo and isinstance(prompt, str) else "", cache_salt=salt,
+                    speculative=body.speculative,
                     request_id=exchange.request_id if len(prompts) == 1 else f"{exchange.request_id}-{i}")
                 for i, prompt in enumerate(prompts)]
         exchange.jobs = jobs
@@ -249,6 +250,7 @@ class Gateway:
                 structured_param = "tools"
         jobs = [Job(base=0, prompt=None, messages=body.chat_messages(), sampling=sampling,
                     cache_salt=request_salt(tenant, body.cache_salt), request_id=exchange.request_id, tools=tools,
+                    speculative=body.speculative,
                     tool_plan=tool_plan, structured_param=structured_param)]
         exchange.jobs = jobs
         await self.generate(exchange, jobs, body.model, chat=True, stream=body.stream,
@@ -284,9 +286,10 @@ class Gateway:
 
     def _stream(self, job: Job) -> AsyncStream:
         if job.messages is not None:
-            return self.client.chat_stream(job.messages, cache_salt=job.cache_salt, request_id=job.request_id,
-                                           tools=job.tools, **job.sampling)
-        return self.client.stream(job.prompt, cache_salt=job.cache_salt, request_id=job.request_id, **job.sampling)
+            return self.client.chat_stream(job.messages, cache_salt=job.cache_salt, speculative=job.speculative,
+                                           request_id=job.request_id, tools=job.tools, **job.sampling)
+        return self.client.stream(job.prompt, cache_salt=job.cache_salt, speculative=job.speculative,
+                                  request_id=job.request_id, **job.sampling)
 
     async def generate(self, exchange: Exchange, jobs: list[Job], model: str, *, chat: bool, stream: bool,
                        include_usage: bool) -> None:
@@ -321,10 +324,10 @@ class Gateway:
     async def _run_whole(self, jobs: list[Job]) -> None:
         async def one(job: Job) -> GenerateResult:
             if job.messages is not None:
-                return await self.client.chat(job.messages, cache_salt=job.cache_salt, request_id=job.request_id,
-                                              tools=job.tools, **job.sampling)
-            return await self.client.generate(job.prompt, cache_salt=job.cache_salt, request_id=job.request_id,
-                                              **job.sampling)
+                return await self.client.chat(job.messages, cache_salt=job.cache_salt, speculative=job.speculative,
+                                              request_id=job.request_id, tools=job.tools, **job.sampling)
+            return await self.client.generate(job.prompt, cache_salt=job.cache_salt, speculative=job.speculative,
+                                              request_id=job.request_id, **job.sampling)
 
         tasks = [asyncio.ensure_future(one(job)) for job in jobs]
         try:

@@ -43,6 +43,7 @@ class Job:
     messages: list[dict[str, Any]] | None = None
     echo: str = ""
     cache_salt: str | None = None  # the salt sent (the request's, or its tenant's)
+    speculative: bool | None = None  # False: no speculative decoding for it
     request_id: str | None = None  # its id on the wire: the HTTP request's id (and its prompt's index)
     result: GenerateResult | None = None
     offsets: dict[int, int] = field(default_factory=dict)  # completions' text_offset, per sequence

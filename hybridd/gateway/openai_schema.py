@@ -101,6 +101,8 @@ class _Body(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     guided_regex: str | None = None
     guided_grammar: str | None = None
     guided_choice: list[str] | None = None
+    # An extension: false turns speculative decoding off for this request (nil: the daemon's setting).
+    speculative: bool | None = None
 
     def check_supported(self) -> None:
         if self.stream_options is not None and not self.stream:

@@ -9,11 +9,13 @@ Per batch size (grouped into powers of two): the moving averages of the seconds 
 emitted token of steps scheduled speculating and of steps scheduled without. The
 policy speculates where speculating has measured cheaper per token; a mode not yet
 measured at a size is tried first, and every `probe_interval` steps at a size the
-other mode is tried again so that a change in the load (streams that stop repeating
-their prompt, more of them) is seen. Speculating costs a drained pipeline (the host
-waits for a verify step's tokens before drafting the next) and rows for the drafts;
-both are in the measured time, so a size where speculation does not pay (many
-streams, little repetition) settles on plain decoding.
+other mode is tried again for `probe_steps` steps in a row (a switch drains the
+pipeline once, which a run of steps amortizes), so that a change in the load (streams
+that stop repeating their prompt, more of them) is seen. The first step of each mode
+at each size is not counted (it may compile or warm caches). Speculating costs a
+drained pipeline (the host waits for a verify step's tokens before drafting the next)
+and rows for the drafts; both are in the measured time, so a size where speculation
+does not pay (many streams, little repetition) settles on plain decoding.
 """
 
 from __future__ import annotations
@@ -37,18 +39,20 @@ class _Cost:
 
 
 class SpeculationPolicy:
-    def __init__(self, max_tokens: int, smoothing: float = 0.2, min_keep: float = 0.25, probe_interval: int = 32,
-                 initial_acceptance: float = 0.6, adaptive: bool = True) -> None:
+    def __init__(self, max_tokens: int, smoothing: float = 0.2, min_keep: float = 0.25, probe_interval: int = 64,
+                 initial_acceptance: float = 0.6, adaptive: bool = True, probe_steps: int = 4) -> None:
         """`adaptive` False: speculate at every batch size (k per sequence still adapts)."""
         self.max_tokens = max_tokens
         self.adaptive = adaptive
         self.smoothing = smoothing
         self.min_keep = min_keep
         self.probe_interval = probe_interval
+        self.probe_steps = probe_steps
         self.initial_acceptance = initial_acceptance
         self._acceptance: dict[str, float] = {}
         self._costs: dict[tuple[int, bool], _Cost] = {}
         self._decisions: dict[int, int] = {}
+        self._seen: set[tuple[int, bool]] = set()  # (size, mode) whose first step was seen
 
     # ----------------------------------------------------------- per sequence
     def acceptance(self, request_id: str) -> float:
@@ -56,7 +60,7 @@ class SpeculationPolicy:
 
     def draft_length(self, request_id: str) -> int:
         a = self.acceptance(request_id)
-        if a >= 1.0:
+        if a >= 1.0 or self.min_keep <= 0.0:
             return self.max_tokens
         if a <= 0.0:
             return 1
@@ -84,12 +88,16 @@ class SpeculationPolicy:
         if plain is None:
             return False
         choice = spec <= plain
-        return (not choice) if count % self.probe_interval == 0 else choice
+        return (not choice) if count % self.probe_interval < self.probe_steps else choice
 
     def observe_step(self, batch_size: int, speculating: bool, seconds: float, tokens: int) -> None:
         """A decode or verify step's measured time and the tokens it gave."""
+        key = (size_class(batch_size), speculating)
+        if key not in self._seen:
+            self._seen.add(key)
+            return
         if tokens > 0 and seconds > 0:
-            cost = self._costs.setdefault((size_class(batch_size), speculating), _Cost())
+            cost = self._costs.setdefault(key, _Cost())
             cost.add(seconds / tokens, self.smoothing)
 
     def snapshot(self) -> dict:

@@ -1,0 +1,396 @@
+"""The bench's speculative decoding parts.
+
+`speculation` (the daemon, at the client through the SDK): a prompt-grounded task (a
+passage, then its beginning again, to continue) greedy, with and without speculation
+in the same daemon (`speculative=False` per request, the requests interleaved), at 1
+and 4 concurrent streams: tokens/s at the client, and the daemon's mean acceptance
+length (tokens a verified sequence gains per step) from its status counters. With the
+embedded model the passages are Shakespeare from its validation text; with random
+weights, random token ids repeated the same way.
+
+`speculation_steps` (in this process, random weights of the preset's shape, the graph
+runner's decode graphs): (a) a verify step's time for k = 1..8 draft tokens at batch
+1, 4, 16 against the one-row decode step of that batch; (b) time per output token at
+batch 1 with `ReplayDrafter`, a bench-only drafter that replays the model's recorded
+greedy continuation with each token right with a set probability (0, 50, 80, 100 %),
+against decoding without speculation.
+
+    python -m scripts.bench_speculation --device cpu --out /tmp/spec             # embedded model
+    python -m scripts.bench_speculation --device cuda --preset llama2-7b --out $OUT/spec
+    python -m scripts.bench --parts checkpoint,speculation,speculation_steps ...  # as parts of the bench
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from scripts.timing import ratio
+
+ACCEPTANCES = (0.0, 0.5, 0.8, 1.0)
+VERIFY_KS = tuple(range(1, 9))
+VERIFY_BATCHES = (1, 4, 16)
+
+
+# ----------------------------------------------------------------------------- the daemon
+
+
+def grounded_prompts(model: Path, vocab: int, count: int, seed: int = 3) -> list[str | list[int]]:
+    """Prompts that hold the text to continue: a passage, then its beginning again."""
+    validation = model / "validation.txt"
+    if validation.exists():
+        text = validation.read_text()
+        starts = random.Random(seed).sample(range(0, len(text) - 1200, 97), count)
+        return [text[s:s + 700] + "\n\n" + text[s:s + 150] for s in starts]
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(count):
+        passage = [rng.randrange(3, vocab) for _ in range(200)]
+        prompts.append(passage + passage[:40])
+    return prompts
+
+
+def speculation_counters(client) -> dict[str, Any]:
+    return client.status().get("speculation", {})
+
+
+def measure_speculation(endpoint: str, model: Path, vocab: int, tokens: int, reps: int,
+                        concurrency: tuple[int, ...] = (1, 4)) -> dict:
+    """Tokens/s at the client with and without speculation, interleaved, per concurrency."""
+    from hybridd.client import Client
+
+    prompts = grounded_prompts(model, vocab, reps * max(concurrency))
+    clients = [Client(endpoint, timeout=600.0) for _ in range(max(concurrency))]
+    out: dict[str, Any] = {"tokens_per_request": tokens, "prompts": len(prompts)}
+    try:
+        for client in clients:  # warm-ups, both ways
+            for speculative in (True, False):
+                client.generate(prompts[0], max_tokens=8, temperature=0.0, ignore_eos=True, speculative=speculative)
+        for streams in concurrency:
+            rates: dict[bool, list[float]] = {True: [], False: []}
+            accepted = []
+            for rep in range(reps):
+                for speculative in ((True, False) if rep % 2 == 0 else (False, True)):
+                    batch = prompts[rep * streams:(rep + 1) * streams]
+                    before = speculation_counters(clients[0])
+                    seconds = _run_streams(clients[:streams], batch, tokens, speculative)
+                    after = speculation_counters(clients[0])
+                    rates[speculative].append(streams * tokens / seconds)
+                    if speculative:
+                        drafts = after.get("drafts", 0) - before.get("drafts", 0)
+                        gained = after.get("accepted_tokens", 0) - before.get("accepted_tokens", 0)
+                        accepted.append((drafts, gained))
+            drafts = sum(d for d, _ in accepted)
+            on, off = statistics.median(rates[True]), statistics.median(rates[False])
+            out[f"streams_{streams}"] = {
+                "tokens_per_s_speculative": on, "tokens_per_s_plain": off, "speedup": ratio(on, off),
+                "mean_acceptance_length": 1 + sum(g for _, g in accepted) / drafts if drafts else None,
+                "verified_drafts": drafts, "samples_tokens_per_s": {"speculative": rates[True], "plain": rates[False]},
+            }
+        out["status"] = speculation_counters(clients[0])
+    finally:
+        for client in clients:
+            client.close()
+    return out
+
+
+def _run_streams(clients, prompts, tokens: int, speculative: bool) -> float:
+    """Seconds for len(clients) concurrent greedy generations of `tokens` tokens."""
+    errors: list[BaseException] = []
+
+    def one(client, prompt) -> None:
+        try:
+            client.generate(prompt, max_tokens=tokens, temperature=0.0, ignore_eos=True, speculative=speculative)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one, args=pair) for pair in zip(clients, prompts, strict=True)]
+    start = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return time.perf_counter() - start
+
+
+# ----------------------------------------------------------------------------- in this process
+
+
+class ReplayDrafter:
+    """Bench only: proposes a sequence's recorded continuation, each token right with
+    probability `acceptance` (a wrong one otherwise), from a fixed random stream."""
+
+    name = "replay"
+
+    def __init__(self, recorded: dict[tuple[int, ...], list[int]], acceptance: float, vocab: int,
+                 seed: int = 0) -> None:
+        self.recorded = recorded
+        self.acceptance = acceptance
+        self.vocab = vocab
+        self.rng = random.Random(seed)
+
+    def propose(self, seqs, max_tokens):
+        from hybridd.engine.speculation.drafter import Draft
+
+        drafts = []
+        for seq, count in zip(seqs, max_tokens, strict=True):
+            known = self.recorded.get(tuple(seq.prompt_token_ids), [])
+            done = seq.num_output_tokens
+            tokens = []
+            for token in known[done:done + count]:
+                right = self.rng.random() < self.acceptance
+                tokens.append(token if right else (token + 1 + self.rng.randrange(self.vocab - 1)) % self.vocab)
+            drafts.append(Draft(tokens))
+        return drafts
+
+    def release(self, request_id: str) -> None:
+        pass
+
+
+class GraphStepRunner:
+    """Bench only: the engine core's runner over the graph runner in this process (its
+    decode graphs replayed for decode and verify steps), sampling with the daemon's sampler."""
+
+    def __init__(self, runner, buffers, sampler, vocab: int) -> None:
+        self.runner, self.buffers, self.sampler, self.vocab = runner, buffers, sampler, vocab
+
+    def launch(self, batch):
+        import torch
+
+        from hybridd.engine.sampler import SamplingTensors
+        from hybridd.engine.speculation.verification import verify_sampling_tensors
+        from hybridd.engine.step_pipeline import InflightStep
+
+        device = self.buffers.logits.device
+        self.buffers.write(batch.inputs)
+        self.runner.run(batch.is_prefill, batch.num_tokens, batch.num_rows)
+        logits = self.buffers.logits[:batch.num_rows]
+        if batch.selects_rows:
+            logits = logits.index_select(0, torch.tensor(batch.sample_rows, device=device))
+        seqs = batch.sampled_seqs
+        if batch.drafts is not None:
+            tensors = verify_sampling_tensors(seqs, batch.drafts, self.vocab, device)
+        else:
+            tensors = SamplingTensors.from_sequences(seqs, self.vocab, device)
+        tokens, _ = self.sampler.sample(logits, tensors)
+        return InflightStep(batch, tokens.cpu(), None)
+
+    @staticmethod
+    def landed(step) -> bool:
+        return True
+
+    @staticmethod
+    def collect(step) -> list[int]:
+        return step.host_tokens.tolist()
+
+
+def build_runtime(model_dir: Path, device: str, max_rows: int, max_model_len: int, block_size: int = 16):
+    """The model, its KV cache, step buffers and a graph runner whose decode buckets go
+    up to `max_rows` rows (every verify step of the measured shapes has a graph)."""
+    import torch
+
+    from hybridd.model import KVCache, load_model
+    from hybridd.runtime.buckets import BucketPlan
+    from hybridd.runtime.graph_runner import GraphRunner
+    from hybridd.runtime.step_buffers import StepBuffers, geometry
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = load_model(model_dir, dtype=dtype, device=device)
+    decode = sorted({1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 20, 24, 28, 32, 36} | set(range(48, max_rows + 1, 16))
+                    | {max_rows})
+    plan = BucketPlan.create([b for b in decode if b <= max_rows], [16, 64, 256, 512], max_prefill_seqs=8)
+    num_blocks = 16 * (max_model_len // block_size + 1)
+    kv = KVCache.allocate(model.config, num_blocks + 1, block_size, dtype, device)
+    max_tokens, per_seq = geometry(plan.max_prefill_tokens, plan.max_batch, max_model_len, block_size)
+    buffers = StepBuffers.allocate(max_tokens, plan.max_rows, per_seq, model.config.vocab_size, device)
+    runner = GraphRunner(model, kv, buffers, plan, use_graphs=device == "cuda")
+    runner.capture_decode_graphs()
+    return model, kv, buffers, runner, num_blocks
+
+
+def time_steps(runner, buffers, rows_per_seq: int, batch: int, context: int, block_size: int, reps: int) -> float:
+    """Median seconds of one step of `batch` sequences, each `rows_per_seq` decode rows
+    at the positions after `context` tokens (a verify step when rows_per_seq > 1)."""
+    import torch
+
+    from hybridd.model.step_inputs import HostStepInputs
+
+    blocks_per_seq = (context + rows_per_seq) // block_size + 1
+    tokens, positions, tables = [], [], []
+    for s in range(batch):
+        table = list(range(s * blocks_per_seq, (s + 1) * blocks_per_seq))
+        for j in range(rows_per_seq):
+            tokens.append(5 + j)
+            positions.append(context + j)
+            tables.append(table)
+    step = HostStepInputs.decode(tokens, positions, tables, block_size, table_width=buffers.max_blocks_per_seq)
+    cuda = buffers.logits.is_cuda
+    times = []
+    for i in range(reps + 3):
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        buffers.write(step)
+        runner.run(False, len(tokens), len(tokens))
+        if cuda:
+            torch.cuda.synchronize()
+        if i >= 3:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure_verify_steps(runner, buffers, context: int = 512, reps: int = 20, ks: tuple[int, ...] = VERIFY_KS) -> dict:
+    out: dict[str, Any] = {"context_tokens": context}
+    for batch in VERIFY_BATCHES:
+        one_row = time_steps(runner, buffers, 1, batch, context, 16, reps)
+        row: dict[str, Any] = {"decode_step_s": one_row}
+        for k in ks:
+            if batch * (k + 1) > buffers.max_seqs:
+                continue
+            seconds = time_steps(runner, buffers, k + 1, batch, context, 16, reps)
+            row[f"k{k}"] = {"step_s": seconds, "over_decode": ratio(seconds, one_row)}
+        out[f"batch_{batch}"] = row
+    return out
+
+
+def measure_replay(model, kv, buffers, runner, num_blocks: int, tokens: int, k: int, batch: int = 1) -> dict:
+    """Seconds per output token at each acceptance, and without speculation."""
+    import torch
+
+    from hybridd.engine.block_manager import BlockManager
+    from hybridd.engine.core import EngineCore
+    from hybridd.engine.sampler import Sampler
+    from hybridd.engine.scheduler import Scheduler
+    from hybridd.engine.speculation.policy import SpeculationPolicy
+    from hybridd.engine.speculation.speculator import Speculator
+    from hybridd.protocol.messages import SamplingParams
+
+    vocab = model.config.vocab_size
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, vocab) for _ in range(128)] for _ in range(batch)]
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    sampler = Sampler(compile=buffers.logits.is_cuda)
+
+    def run(speculator) -> tuple[float, list[list[int]]]:
+        blocks = BlockManager(num_blocks, 16, watermark=0.0)
+        scheduler = Scheduler(blocks, max_batch=batch, max_prefill_tokens=512, max_model_len=1024,
+                              block_table_width=buffers.max_blocks_per_seq, speculator=speculator,
+                              max_verify_rows=buffers.max_seqs)
+        core = EngineCore(scheduler, GraphStepRunner(runner, buffers, sampler, vocab), pipeline_depth=1)
+        requests = [core.add(str(i), p, params) for i, p in enumerate(prompts)]
+        core.step()  # the prefill, untimed
+        if buffers.logits.is_cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        while core.has_work:
+            core.step()
+        seconds = time.perf_counter() - start
+        return seconds, [list(r.seqs[0].output_token_ids) for r in requests]
+
+    run(None)  # warm-up
+    plain_s, recorded = run(None)
+    out: dict[str, Any] = {"batch": batch, "k": k, "tokens": tokens,
+                           "plain_s_per_token": plain_s / (tokens - 1)}
+    table = {tuple(p): r for p, r in zip(prompts, recorded, strict=True)}
+    for acceptance in ACCEPTANCES:
+        speculator = Speculator(ReplayDrafter(table, acceptance, vocab), k,
+                                SpeculationPolicy(k, adaptive=False, initial_acceptance=1.0, min_keep=0.0))
+        seconds, outputs = run(speculator)
+        stats = speculator.stats
+        out[f"acceptance_{int(acceptance * 100)}"] = {
+            "s_per_token": seconds / (tokens - 1), "over_plain": ratio(seconds, plain_s),
+            "same_tokens": outputs == recorded, "mean_acceptance_length": stats.mean_acceptance_length,
+            "measured_acceptance": stats.acceptance_rate,
+        }
+    return out
+
+
+def measure_speculation_steps(model: Path, device: str, tokens: int, k: int = 4, reps: int = 20,
+                              quick: bool = False) -> dict:
+    """The in-process part: verify-step times, then time per token with the replay drafter
+    (`quick`: k = 1, 2, 4, 8 at a 128-token context, for the CPU)."""
+    import gc
+
+    import torch
+
+    max_rows = max(VERIFY_BATCHES) * (max(VERIFY_KS) + 1)
+    model_obj, kv, buffers, runner, num_blocks = build_runtime(model, device, max_rows, 1024)
+    try:
+        steps = (measure_verify_steps(runner, buffers, 128, reps, (1, 2, 4, 8)) if quick
+                 else measure_verify_steps(runner, buffers, reps=reps))
+        return {"verify_steps": steps,
+                "replay": measure_replay(model_obj, kv, buffers, runner, num_blocks, tokens, k)}
+    finally:
+        del model_obj, kv, buffers, runner
+        gc.collect()
+        if device == "cuda":
+            torch.cuda.empty_cache()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--model", type=Path, default=None, help="default: the embedded model (cpu), random weights "
+                                                            "of --preset (cuda)")
+    p.add_argument("--preset", default="tiny")
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--k", type=int, default=4)
+    p.add_argument("--quick", action="store_true", help="fewer verify shapes (the CPU)")
+    p.add_argument("--skip", default="", help="comma list of parts to skip: speculation, speculation_steps")
+    args = p.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    skip = set(filter(None, args.skip.split(",")))
+    results: dict[str, Any] = {"device": args.device}
+    model = args.model
+    if model is None:
+        if args.device == "cpu" and args.preset == "tiny":
+            from hybridd.config import EMBEDDED_MODEL
+
+            model = EMBEDDED_MODEL
+        else:
+            from scripts import make_random_checkpoint as mrc
+
+            model = mrc.make_checkpoint(Path("/tmp") / f"hybridd-{args.preset}-normal-random", args.preset, seed=0,
+                                        device=args.device)
+    results["model"] = str(model)
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(str(model)).vocab_size
+    if "speculation" not in skip:
+        from scripts.daemon import Daemon
+
+        cuda = args.device == "cuda"
+        server = Daemon({"model": str(model), "device": args.device, "compile_sampler": cuda,
+                         "log_level": "warning", "speculative_drafter": "ngram", "num_speculative_tokens": args.k}
+                        | ({"kv_cache_memory_fraction": 0.3} if cuda else {}), ready_timeout=600)
+        try:
+            results["speculation"] = measure_speculation(server.endpoint, model, vocab, args.tokens, args.reps)
+            results["speculation"]["command"] = "python -m scripts.bench_speculation " + " ".join(argv or sys.argv[1:])
+        finally:
+            server.close()
+        _write(args.out, results)
+    if "speculation_steps" not in skip:
+        results["speculation_steps"] = measure_speculation_steps(model, args.device, args.tokens, args.k,
+                                                                 reps=args.reps, quick=args.quick)
+        _write(args.out, results)
+    print(json.dumps(results, indent=2, default=str))
+    return 0
+
+
+def _write(out: Path, results: dict) -> None:
+    (out / "speculation.json").write_text(json.dumps(results, indent=2, default=str))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

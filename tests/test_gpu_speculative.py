@@ -1,0 +1,92 @@
+"""On the GPU: speculative decoding's verify steps replay the decode graphs (a verify
+step is a decode step of k + 1 rows per sequence), and each verify step's graph gives
+the logits, so the tokens, of the eager path on the same padded inputs, bitwise; in
+steady state no step runs eagerly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.speculation_helpers import repetitive_prompts
+from tests.test_gpu_graph_runner import load_model_for_runner, make_runner
+
+pytestmark = pytest.mark.gpu
+
+
+class CheckedGraphRunner:
+    """The engine core's runner over a graph runner in this process, which runs every
+    step a second time eagerly on the same padded inputs (its own runner, its own KV
+    cache kept in step) and checks that the logits are the graph's."""
+
+    def __init__(self, graphs, eager, sampler) -> None:
+        self.graphs, self.eager, self.sampler = graphs, eager, sampler
+        self.verify_steps = 0
+
+    def launch(self, batch):
+        from hybridd.engine.sampler import SamplingTensors
+        from hybridd.engine.speculation.verification import verify_sampling_tensors
+        from hybridd.engine.step_pipeline import InflightStep
+
+        rows = batch.num_rows
+        with torch.cuda.stream(self.graphs.stream):
+            self.graphs.buffers.write(batch.inputs)
+        shape = self.graphs.run(batch.is_prefill, batch.num_tokens, rows)
+        with torch.cuda.stream(self.eager.stream):
+            self.eager.buffers.write(batch.inputs)
+        assert not self.eager.run(shape.is_prefill, shape.tokens, shape.seqs).graph
+        self.graphs.stream.synchronize()
+        self.eager.stream.synchronize()
+        logits = self.graphs.buffers.logits[:rows].clone()
+        assert torch.equal(logits, self.eager.buffers.logits[:rows]), (batch.kind, rows)
+        if batch.is_verify:
+            self.verify_steps += 1
+            assert shape.graph, f"a verify step of {rows} rows ran eagerly"
+        if batch.selects_rows:
+            logits = logits.index_select(0, torch.tensor(batch.sample_rows, device=logits.device))
+        seqs = batch.sampled_seqs
+        vocab = logits.shape[-1]
+        tensors = (verify_sampling_tensors(seqs, batch.drafts, vocab, "cuda") if batch.drafts is not None
+                   else SamplingTensors.from_sequences(seqs, vocab, "cuda"))
+        tokens, _ = self.sampler.sample(logits, tensors)
+        return InflightStep(batch, tokens.cpu(), None)
+
+    @staticmethod
+    def landed(step) -> bool:
+        return True
+
+    @staticmethod
+    def collect(step) -> list[int]:
+        return step.host_tokens.tolist()
+
+
+@torch.inference_mode()
+def test_verify_steps_replay_decode_graphs_equal_to_eager():
+    from hybridd.engine.block_manager import BlockManager
+    from hybridd.engine.core import EngineCore
+    from hybridd.engine.sampler import Sampler
+    from hybridd.engine.scheduler import Scheduler
+    from hybridd.engine.speculation.ngram import NgramDrafter
+    from hybridd.engine.speculation.policy import SpeculationPolicy
+    from hybridd.engine.speculation.speculator import Speculator
+    from hybridd.protocol.messages import SamplingParams
+
+    model = load_model_for_runner()
+    graphs, eager = make_runner(model, True), make_runner(model, False)
+    graphs.capture_decode_graphs()
+    runner = CheckedGraphRunner(graphs, eager, Sampler(compile=True))
+    prompts = repetitive_prompts((40, 90, 25, 60), seed=2, vocab=32000)
+    speculator = Speculator(NgramDrafter(1, 3), 5, SpeculationPolicy(5, adaptive=False, initial_acceptance=0.9))
+    blocks = BlockManager(40 * 64, 16, watermark=0.0)
+    scheduler = Scheduler(blocks, max_batch=4, max_prefill_tokens=512, max_model_len=2048, block_table_width=64,
+                          speculator=speculator, max_verify_rows=graphs.plan.max_batch)
+    core = EngineCore(scheduler, runner, pipeline_depth=1)
+    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        core.add(str(i), prompt, params)
+    while core.has_work:
+        core.step()
+    assert runner.verify_steps > 10 and speculator.stats.draft_tokens > 0
+    decode = [s for (kind, _), s in graphs.stats.items() if kind == "decode"]
+    assert sum(s.replays for s in decode) > 0
+    assert sum(s.eager_runs for s in decode) == 0
