@@ -82,6 +82,8 @@ SECTIONS: dict[str, tuple[str, str]] = {
     "batching": ("KV cache and batching", ""),
     "structured": ("Structured output and tools", "Outputs constrained to a JSON schema, a regex, a grammar or a "
                    "choice, and the chat's tool calls (README, \"Structured output and tools\")."),
+    "speculation": ("Speculative decoding", "Draft tokens verified in one step of the model: several tokens per "
+                    "step where the drafts are right, the same output either way."),
     "kernels": ("CUDA graphs and kernels", ""),
     "wakeups": ("Wake-ups and reply rings", ""),
     "lifecycle": ("Lifecycle", "Every deadline the supervisor applies (README, \"Troubleshooting\")."),
@@ -227,6 +229,26 @@ class Config:
     max_queued_requests: int = setting(256, section="batching", unit="requests", above=0,
                                        meaning="Requests in flight (running and waiting) beyond which a new one is "
                                                "refused as overloaded.")
+    # ---- speculative decoding
+    speculative_drafter: str = setting("ngram", section="speculation", choices=("none", "ngram"),
+                                       meaning="What proposes draft tokens for speculative decoding: ngram "
+                                               "(prompt lookup: the tokens that followed the latest earlier "
+                                               "occurrence of a sequence's last n tokens in its prompt and "
+                                               "output; no model needed) or none. Drafts are verified in one "
+                                               "step of the model, and the output is the one without "
+                                               "speculation (greedy, and seeded sampling token for token). "
+                                               "Speculation is used per batch size where it has measured "
+                                               "cheaper per token than plain decoding.")
+    num_speculative_tokens: int = setting(4, section="speculation", unit="tokens", at_least=1, at_most=16,
+                                          meaning="The most draft tokens a sequence is verified with in one step; "
+                                                  "each sequence drafts fewer while its drafts are rejected. A "
+                                                  "verify step has a row per draft token beside the one per "
+                                                  "sequence, within the largest decode bucket's rows.")
+    speculative_ngram_min: int = setting(1, section="speculation", unit="tokens", at_least=1, at_most=16,
+                                         meaning="The shortest suffix of a sequence that prompt lookup matches.")
+    speculative_ngram_max: int = setting(4, section="speculation", unit="tokens", at_least=1, at_most=16,
+                                         meaning="The longest suffix of a sequence that prompt lookup matches "
+                                                 "(tried first); at least speculative_ngram_min.")
     # ---- CUDA graphs and kernels
     use_cuda_graphs: bool = setting(True, section="kernels",
                                     meaning="Replay the captured CUDA graphs; false runs every step eagerly.")
@@ -319,6 +341,9 @@ class Config:
             if declared.at_most is not None and value > declared.at_most:
                 unit = " s" if declared.unit == "s" else ""
                 raise ConfigError(f"{f.name} must be at most {declared.at_most:g}{unit}, got {value!r}")
+        if self.speculative_ngram_min > self.speculative_ngram_max:
+            raise ConfigError(f"speculative_ngram_min ({self.speculative_ngram_min}) must be at most "
+                              f"speculative_ngram_max ({self.speculative_ngram_max})")
         if self.heartbeat_timeout_s < 2 * self.heartbeat_interval_s:
             raise ConfigError(f"heartbeat_timeout_s ({self.heartbeat_timeout_s:g}) must be at least twice "
                               f"heartbeat_interval_s ({self.heartbeat_interval_s:g})")

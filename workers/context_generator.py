@@ -27,6 +27,8 @@ from hybridd.engine.grammar import CompiledGrammar, GrammarCompiler
 from hybridd.engine.prompt import PromptError, prompt_length_refusal, prompt_token_ids
 from hybridd.engine.sampler import Sampler
 from hybridd.engine.scheduler import AdmissionError, Scheduler
+from hybridd.engine.speculation.registry import make_drafter
+from hybridd.engine.speculation.speculator import Speculator
 from hybridd.engine.step_pipeline import StepPipeline
 from hybridd.errors import EngineDeadError
 from hybridd.log import configure, get_logger
@@ -135,8 +137,13 @@ class ContextGenerator:
         self.block_manager = BlockManager(ready.num_kv_blocks, ready.block_size,
                                           enable_prefix_caching=config.enable_prefix_caching)
         self.intake = Intake(self.tokenizer, ready.max_model_len)
+        drafter = make_drafter(config.speculative_drafter, config.speculative_ngram_min, config.speculative_ngram_max)
+        self.speculator = None if drafter is None else Speculator(drafter, config.num_speculative_tokens)
         self.scheduler = Scheduler(
             self.block_manager,
+            speculator=self.speculator,
+            # A verify step's rows replay the decode graphs, the largest of which has max_batch rows.
+            max_verify_rows=ready.max_batch,
             max_batch=ready.max_batch,
             max_prefill_tokens=config.max_prefill_tokens,
             chunk_tokens=config.chunk_tokens,
@@ -606,7 +613,7 @@ class ContextGenerator:
         req = pending.request
         try:
             engine = self.core.add(key, ids, req.sampling, pending.received, pending.deadline, req.cache_salt,
-                                   grammar)
+                                   grammar, speculative=req.speculative is not False)
         except AdmissionError as exc:
             self._error(pending.identity, req.id, ErrorCode.INVALID_REQUEST, field_first(exc.field, str(exc)),
                         exc.field, v=req.v)
@@ -730,6 +737,7 @@ class ContextGenerator:
             "prefix_cache": {"enabled": bm.enable_prefix_caching, "queries": bm.prefix_cache_queries,
                              "hits": bm.prefix_cache_hits, "cached_blocks": bm.num_cached_blocks},
             "steps": self._steps(),
+            "speculation": self._speculation(),
             "latency": self.metrics.latency(),
             "metrics": self.metrics.to_status(),
             "reply_rings": {"attached": len(self.rings), "written": self.rings.written,
@@ -743,6 +751,14 @@ class ContextGenerator:
         return {"total": stats.steps, "tokens": stats.tokens, "tokens_per_step": stats.tokens_per_step,
                 "prefill": stats.prefill_steps, "chunked_prefill": stats.chunked_prefill_steps,
                 "mixed": stats.mixed_steps}
+
+    def _speculation(self) -> dict[str, Any]:
+        """Speculative decoding's counters (vLLM's spec_decode_*), and the policy's measured
+        milliseconds per token by batch size, speculating and not."""
+        if self.speculator is None:
+            return {"drafter": "none"}
+        return {"drafter": self.speculator.drafter.name, "num_speculative_tokens": self.speculator.max_tokens,
+                **self.speculator.stats.to_dict(), "ms_per_token": self.speculator.policy.snapshot()}
 
     def _rejected(self) -> dict[str, int]:
         """Messages refused while being read (SPEC §6) since the worker started, by code."""
