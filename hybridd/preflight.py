@@ -9,8 +9,8 @@ one is needed) and the HTTP API key file (readable, not empty); a CUDA device th
 not there (no usable GPU, an index out of range); settings that cannot serve together
 (a KV cache that cannot hold one max_model_len sequence, a max_batch its KV blocks can
 never run); a draft model (speculative_drafter draft_model) that is no model directory or
-has another vocabulary or tokenizer than the model's. Each error names the path or setting at fault; `hybridd start` prints it on
-one line and exits with `exit_codes.USAGE` in well under a second (nothing here imports
+has another vocabulary or tokenizer than the model's. Each error names the path or setting
+at fault; `hybridd start` prints it on one line and exits with `exit_codes.USAGE` in well under a second (nothing here imports
 torch, but for a configured CUDA device). What only loading can find (a truncated
 weight file, memory too small for the KV cache) is the workers' to report.
 """
