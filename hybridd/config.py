@@ -37,6 +37,8 @@ if TYPE_CHECKING:
     import torch
 
 EMBEDDED_MODEL = Path(__file__).resolve().parent / "assets" / "tiny-shakespeare"
+# Its draft for speculative decoding (`scripts/train_tiny.py --draft`).
+EMBEDDED_DRAFT_MODEL = EMBEDDED_MODEL.parent / "tiny-shakespeare-draft"
 ENV_PREFIX = "HYBRIDD_"
 
 
@@ -230,11 +232,13 @@ class Config:
                                        meaning="Requests in flight (running and waiting) beyond which a new one is "
                                                "refused as overloaded.")
     # ---- speculative decoding
-    speculative_drafter: str = setting("ngram", section="speculation", choices=("none", "ngram"),
+    speculative_drafter: str = setting("ngram", section="speculation", choices=("none", "ngram", "draft_model"),
                                        meaning="What proposes draft tokens for speculative decoding: ngram "
                                                "(prompt lookup: the tokens that followed the latest earlier "
                                                "occurrence of a sequence's last n tokens in its prompt and "
-                                               "output; no model needed) or none. Drafts are verified in one "
+                                               "output; no model needed), draft_model (a small model with the "
+                                               "model's tokenizer decodes them: speculative_draft_model) or "
+                                               "none. Drafts are verified in one "
                                                "step of the model, and the output is the one without "
                                                "speculation (greedy, and seeded sampling token for token). "
                                                "Speculation is used per batch size where it has measured "
@@ -249,6 +253,14 @@ class Config:
     speculative_ngram_max: int = setting(4, section="speculation", unit="tokens", at_least=1, at_most=16,
                                          meaning="The longest suffix of a sequence that prompt lookup matches "
                                                  "(tried first); at least speculative_ngram_min.")
+    speculative_draft_model: str = setting("", section="speculation", allowed="a directory",
+                                           default_text="the embedded model's draft with the embedded model, "
+                                                        "else none",
+                                           meaning="The draft model of speculative_drafter draft_model: a local "
+                                                   "Hugging Face directory of a small Llama-family model with the "
+                                                   "model's tokenizer and vocabulary (refused at start otherwise). "
+                                                   "It runs in the context generator, on the CPU in float32, with "
+                                                   "a KV cache of its own.")
     # ---- CUDA graphs and kernels
     use_cuda_graphs: bool = setting(True, section="kernels",
                                     meaning="Replay the captured CUDA graphs; false runs every step eagerly.")
@@ -341,6 +353,9 @@ class Config:
             if declared.at_most is not None and value > declared.at_most:
                 unit = " s" if declared.unit == "s" else ""
                 raise ConfigError(f"{f.name} must be at most {declared.at_most:g}{unit}, got {value!r}")
+        if self.speculative_drafter == "draft_model" and not draft_model_dir(self):
+            raise ConfigError(f"speculative_drafter draft_model needs speculative_draft_model (a directory); only "
+                              f"the embedded model has a draft of its own")
         if self.speculative_ngram_min > self.speculative_ngram_max:
             raise ConfigError(f"speculative_ngram_min ({self.speculative_ngram_min}) must be at most "
                               f"speculative_ngram_max ({self.speculative_ngram_max})")
@@ -575,3 +590,13 @@ def resolve_dtype(config: Config, device: torch.device) -> torch.dtype:
     if config.dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return getattr(torch, config.dtype)
+
+
+def draft_model_dir(config: Config) -> str:
+    """The draft model's directory: speculative_draft_model, else the embedded model's
+    draft with the embedded model ("" with another model)."""
+    if config.speculative_draft_model:
+        return config.speculative_draft_model
+    if Path(config.model).resolve() == EMBEDDED_MODEL:
+        return str(EMBEDDED_DRAFT_MODEL)
+    return ""

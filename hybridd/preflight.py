@@ -8,8 +8,9 @@ weights and a tokenizer are there), the CURVE key files (readable, a secret key 
 one is needed) and the HTTP API key file (readable, not empty); a CUDA device that is
 not there (no usable GPU, an index out of range); settings that cannot serve together
 (a KV cache that cannot hold one max_model_len sequence, a max_batch its KV blocks can
-never run). Each error names the path or setting at fault; `hybridd start` prints it on
-one line and exits with `exit_codes.USAGE` in well under a second (nothing here imports
+never run); a draft model (speculative_drafter draft_model) that is no model directory or
+has another vocabulary or tokenizer than the model's. Each error names the path or setting
+at fault; `hybridd start` prints it on one line and exits with `exit_codes.USAGE` in well under a second (nothing here imports
 torch, but for a configured CUDA device). What only loading can find (a truncated
 weight file, memory too small for the KV cache) is the workers' to report.
 """
@@ -22,7 +23,7 @@ from pathlib import Path
 
 from hybridd import quantization
 from hybridd.architectures import SUPPORTED_ARCHITECTURES
-from hybridd.config import Config
+from hybridd.config import Config, draft_model_dir
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 WEIGHTS_INDEX = "model.safetensors.index.json"
@@ -36,6 +37,8 @@ def check(config: Config) -> None:
     check_runtime_dir(config)
     model_config = check_model_dir(Path(config.model))
     check_kv_cache(config, model_config)
+    if config.speculative_drafter == "draft_model":
+        check_draft_model(Path(draft_model_dir(config)), Path(config.model), model_config)
     if config.curve_secret_key_file:
         check_curve_secret_key(Path(config.curve_secret_key_file))
     if config.curve_client_keys_dir:
@@ -189,3 +192,38 @@ def check_client_keys_dir(path: Path) -> None:
         raise PreflightError(f"curve_client_keys_dir {path}: no such directory")
     if not os.access(path, os.R_OK | os.X_OK):
         raise PreflightError(f"curve_client_keys_dir {path}: not readable")
+
+
+def check_draft_model(draft: Path, model: Path, model_config: dict) -> None:
+    """A draft proposes the model's token ids: it must be a model directory with the
+    model's vocabulary size and the same tokenizer (its vocabulary and special tokens)."""
+    try:
+        draft_config = check_model_dir(draft)
+    except PreflightError as error:
+        raise PreflightError(f"speculative_draft_model: {error}") from None
+    ours, theirs = model_config.get("vocab_size"), draft_config.get("vocab_size")
+    if ours != theirs:
+        raise PreflightError(f"speculative_draft_model {draft}: vocab_size {theirs} is not the model's {ours} "
+                             f"(a draft needs the model's tokenizer)")
+    if _tokenizer_identity(draft) != _tokenizer_identity(model):
+        raise PreflightError(f"speculative_draft_model {draft}: its tokenizer is not the model's ({model}): "
+                             f"a draft needs the model's tokenizer")
+
+
+def _tokenizer_identity(model: Path) -> tuple:
+    """What makes two tokenizers give the same ids: tokenizer.json's vocabulary, merges
+    and added tokens, or else the bytes of the tokenizer file there is."""
+    path = model / "tokenizer.json"
+    if path.is_file():
+        try:
+            data = json.loads(path.read_bytes())
+            body = data.get("model") or {}
+            added = sorted((t.get("id"), t.get("content")) for t in data.get("added_tokens") or [])
+            return ("tokenizer.json", json.dumps(body.get("vocab"), sort_keys=True),
+                    json.dumps(body.get("merges")), tuple(added))
+        except (OSError, ValueError, AttributeError, TypeError) as error:
+            raise PreflightError(f"{path}: not a readable tokenizer ({error})") from None
+    for name in TOKENIZER_FILES[1:]:
+        if (model / name).is_file():
+            return (name, (model / name).read_bytes())
+    return ()

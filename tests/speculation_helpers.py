@@ -73,3 +73,25 @@ class ReplayDrafter:
 
     def release(self, request_id: str) -> None:
         pass
+
+
+def build_tiny_draft(target, path, layers: int = 1, seed: int = 7, noise: float = 0.02):
+    """A draft for the tiny transformers model `target` (built by `build_tiny_model`), made
+    with transformers' own classes the same way: the target's vocabulary, embeddings,
+    final norm and LM head and its first `layers` layers, every weight nudged by
+    `noise` so that the draft agrees with the target often but not always."""
+    import copy
+
+    torch.manual_seed(seed)
+    config = copy.deepcopy(target.config)
+    config.num_hidden_layers = layers
+    draft = type(target)(config).to(torch.float32)
+    state = {name: value for name, value in target.state_dict().items()
+             if not name.startswith("model.layers.") or int(name.split(".")[2]) < layers}
+    draft.load_state_dict(state, strict=False)
+    with torch.no_grad():
+        for p in draft.parameters():
+            if p.dim() >= 2:
+                p.add_(torch.randn_like(p) * noise)
+    draft.save_pretrained(path)
+    return draft

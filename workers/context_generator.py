@@ -20,7 +20,7 @@ import msgspec
 import zmq
 
 from hybridd.version import __version__
-from hybridd.config import Config, resolve_device, resolve_dtype
+from hybridd.config import Config, draft_model_dir, resolve_device, resolve_dtype
 from hybridd.engine.block_manager import BlockManager
 from hybridd.engine.core import EngineCore, EngineOutputs
 from hybridd.engine.grammar import CompiledGrammar, GrammarCompiler
@@ -137,7 +137,10 @@ class ContextGenerator:
         self.block_manager = BlockManager(ready.num_kv_blocks, ready.block_size,
                                           enable_prefix_caching=config.enable_prefix_caching)
         self.intake = Intake(self.tokenizer, ready.max_model_len)
-        drafter = make_drafter(config.speculative_drafter, config.speculative_ngram_min, config.speculative_ngram_max)
+        drafter = make_drafter(config.speculative_drafter, config.speculative_ngram_min, config.speculative_ngram_max,
+                               draft_model_dir(config), ready.max_model_len,
+                               # Room for a full batch of the longest sequences, within 64K tokens.
+                               min(ready.max_batch * (ready.max_model_len + config.num_speculative_tokens), 1 << 16))
         self.speculator = None if drafter is None else Speculator(drafter, config.num_speculative_tokens)
         self.scheduler = Scheduler(
             self.block_manager,

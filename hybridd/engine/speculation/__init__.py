@@ -4,7 +4,8 @@ row), and the longest prefix the target agrees with is kept, plus one token of t
 target's own.
 
 One concept per module: `drafter` (what a drafter is, the protocol every drafter
-implements), `ngram` (prompt lookup, which needs no model), `verification` (how the
+implements), `ngram` (prompt lookup, which needs no model), `draft_model` (a small model
+with the target's tokenizer decodes the drafts), `verification` (how the
 target's rows accept a draft: exactly the target's distribution), `policy` (k per
 sequence and speculation on or off per batch size, from measured acceptance and step
 costs), `stats` (drafts proposed and accepted, per position). The scheduler builds

@@ -1,0 +1,202 @@
+"""The draft-model drafter in the engine core, in this process on the CPU in float32:
+with a tiny draft of a tiny transformers target (GQA, tied embeddings), the output is
+token for token the output without speculation (greedy, and seeded sampling with
+penalties, top-k and top-p), single and batched, under preemption, with n > 1 and with a
+draft cache too small for every sequence; the draft's cache follows the accepted tokens
+and is empty once every sequence has finished. On the embedded model with its shipped
+draft: sampled tokens are distributed as without speculation, and greedy acceptance is
+above a floor. A draft with another vocabulary is refused at start."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections import Counter
+
+import pytest
+import torch
+
+from hybridd import exit_codes
+from hybridd.config import EMBEDDED_DRAFT_MODEL, EMBEDDED_MODEL
+from hybridd.engine.sequence import Sequence
+from hybridd.engine.speculation.draft_model import DraftModelDrafter, load_draft_model_drafter
+from hybridd.engine.speculation.policy import SpeculationPolicy
+from hybridd.engine.speculation.speculator import Speculator
+from hybridd.model import load_model
+from hybridd.model.tokenizer import load_tokenizer
+from hybridd.protocol.messages import SamplingParams
+from tests.speculation_helpers import build_tiny_draft, repetitive_prompts, run_engine
+from tests.test_speculative_sampling import SIGNIFICANCE, chi_square_p
+from tests.test_start_refusals import REFUSAL_BOUND_S, _start
+from tests.tiny_models import build_tiny_model
+
+GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+SAMPLED = SamplingParams(max_tokens=32, temperature=0.8, top_k=50, top_p=0.95, seed=1234, ignore_eos=True,
+                         repetition_penalty=1.05, frequency_penalty=0.1)
+# The shipped draft on the embedded model, greedy, k = 4, Shakespeare's own lines as the
+# prompt: it kept 0.31 of its draft tokens (1.5 tokens per verify step, k shrinking as
+# drafts are rejected) when this test was written.
+ACCEPTANCE_FLOOR = 0.2
+ACCEPTANCE_LENGTH_FLOOR = 1.3
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """A tiny Llama 3.2-shaped target (GQA, tied embeddings) and its one-layer draft."""
+    path = tmp_path_factory.mktemp("draft-model")
+    target = build_tiny_model("llama3_2", path / "target")
+    build_tiny_draft(target, path / "draft", layers=1, noise=0.02)
+    return load_model(path / "target", dtype=torch.float32), load_model(path / "draft", dtype=torch.float32)
+
+
+def speculating(draft, k: int = 4, num_blocks: int = 128, block_size: int = 8) -> Speculator:
+    # Always speculating: the policy's choice is tested apart, here every step verifies.
+    return Speculator(DraftModelDrafter(draft, num_blocks, block_size), k,
+                      SpeculationPolicy(k, initial_acceptance=1.0, adaptive=False))
+
+
+def test_greedy_identical_single_and_batched(models):
+    target, draft = models
+    prompts = repetitive_prompts((12, 20, 7))
+    plain, _ = run_engine(target, prompts, GREEDY)
+    for batch, expected in (([prompts[1]], [plain[1]]), (prompts, plain)):
+        speculator = speculating(draft)
+        got, _ = run_engine(target, batch, GREEDY, speculator)
+        assert got == expected
+        stats = speculator.stats
+        # Drafts kept and drafts cut short both happened: the cache was rolled back.
+        assert 0 < stats.accepted_tokens < stats.draft_tokens, stats.to_dict()
+        assert not speculator.drafter.cache.seqs  # released as each sequence finished
+
+
+def test_seeded_sampling_identical_with_penalties_top_k_top_p(models):
+    target, draft = models
+    prompts = repetitive_prompts((10, 16), seed=5)
+    plain, _ = run_engine(target, prompts, SAMPLED)
+    speculator = speculating(draft)
+    got, _ = run_engine(target, prompts, SAMPLED, speculator)
+    assert got == plain
+    assert 0 < speculator.stats.accepted_tokens < speculator.stats.draft_tokens, speculator.stats.to_dict()
+
+
+@pytest.mark.parametrize("draft_blocks", [128, 9], ids=["cache-for-all", "cache-for-few"])
+def test_identical_under_preemption_and_with_n_sequences(models, draft_blocks):
+    """Preempted sequences keep their draft cache (their tokens are kept); forks draft
+    apart; a draft cache too small for every sequence drops the least recently drafted."""
+    target, draft = models
+    prompts = repetitive_prompts((14, 22, 18, 9), seed=6)
+    params = SamplingParams(max_tokens=36, temperature=0.7, seed=99, n=2, ignore_eos=True)
+    plain, _ = run_engine(target, prompts, params)
+    speculator = speculating(draft, k=5, num_blocks=draft_blocks, block_size=4)
+    # Room for few sequences at their longest: decode preempts.
+    got, scheduler = run_engine(target, prompts, params, speculator, num_blocks=32, block_size=4)
+    assert got == plain
+    assert scheduler.num_preemptions > 0
+    assert speculator.stats.accepted_tokens > 0
+    cache = speculator.drafter.cache
+    assert not cache.seqs and len(cache._free) == draft_blocks  # every block back
+
+
+def test_draft_cache_holds_the_kept_tokens_and_distributions_for_sampled_requests(models):
+    target, draft = models
+    drafter = DraftModelDrafter(draft, 64, 4)
+    prompt = repetitive_prompts((9,), seed=2)[0]
+    greedy = Sequence("g", prompt, GREEDY)
+    sampled = Sequence("s", prompt, SAMPLED)
+    first = drafter.propose([greedy, sampled], [4, 3])
+    assert [len(d) for d in first] == [4, 3] and first[0].probabilities is None
+    probs = first[1].probabilities
+    assert probs.shape == (3, draft.config.vocab_size)
+    assert torch.allclose(probs.sum(-1), torch.ones(3))
+    assert all(float(probs[j, t]) > 0 for j, t in enumerate(first[1].tokens))
+    # The target kept the first two draft tokens and drew another: the cache keeps the
+    # prompt and the two, drops the rest, and drafts on from the new token.
+    greedy.output_token_ids = first[0].tokens[:2] + [5]
+    again = drafter.propose([greedy], [4])[0]
+    cached = drafter.cache.seqs["g"]
+    assert cached.tokens[:len(greedy)] == greedy.token_ids and len(cached.tokens) == len(greedy) + 3
+    fresh = DraftModelDrafter(draft, 64, 4).propose([greedy], [4])[0]
+    assert again.tokens == fresh.tokens  # as if the rejected tokens had never been drafted
+
+
+@pytest.fixture(scope="module")
+def embedded():
+    model = load_model(EMBEDDED_MODEL, dtype=torch.float32)
+    tokenizer = load_tokenizer(EMBEDDED_MODEL)
+    text = (EMBEDDED_MODEL / "validation.txt").read_text()
+    # A short scene whose lines repeat (as tests/test_speculative_sampling.py's): its
+    # tokens' distributions one position apart are told apart by the chi-square test.
+    line = "KING:\nFind him, and bring him hither.\n\n"
+    scene = tokenizer.encode(line * 3 + "LAFEU:\nI saw the man to-day, if man he be.\n\n" + line)
+    return model, [tokenizer.encode(text[a:a + 200]) for a in (0, 5000, 20000)], scene
+
+
+def shipped_draft(k: int = 4) -> Speculator:
+    drafter = load_draft_model_drafter(str(EMBEDDED_DRAFT_MODEL), max_positions=1024, kv_tokens=4096)
+    return Speculator(drafter, k, SpeculationPolicy(k, adaptive=False, initial_acceptance=1.0))
+
+
+def test_shipped_draft_acceptance_on_the_embedded_model(embedded):
+    model, prompts, _ = embedded
+    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    plain, _ = run_engine(model, prompts, params, num_blocks=128, block_size=16)
+    speculator = shipped_draft()
+    got, _ = run_engine(model, prompts, params, speculator, num_blocks=128, block_size=16)
+    assert got == plain
+    stats = speculator.stats
+    assert stats.acceptance_rate >= ACCEPTANCE_FLOOR, stats.to_dict()
+    assert stats.mean_acceptance_length >= ACCEPTANCE_LENGTH_FLOOR, stats.to_dict()
+
+
+def test_sampled_tokens_are_distributed_as_without_speculation(embedded):
+    """Seeds disjoint between the two runs, so that the test does not lean on the
+    draft's draws being coupled to the target's by seed."""
+    model, _, scene = embedded
+    requests, n, tokens = 4, 16, 6
+
+    def draws(first_seed: int, speculator: Speculator | None) -> list[Counter]:
+        params = [SamplingParams(max_tokens=tokens, temperature=1.0, top_p=0.98, seed=seed, n=n, ignore_eos=True)
+                  for seed in range(first_seed, first_seed + requests)]
+        outputs, _ = run_engine(model, [scene] * requests, params, speculator, num_blocks=512, block_size=16,
+                                max_batch=64)
+        by_position = [Counter() for _ in range(tokens)]
+        for request in outputs:
+            for output in request:
+                for position, token in enumerate(output):
+                    by_position[position][token] += 1
+        return by_position
+
+    speculator = shipped_draft(3)
+    with_speculation = draws(10_000, speculator)
+    without = draws(0, None)
+    assert 0 < speculator.stats.accepted_tokens < speculator.stats.draft_tokens, speculator.stats.to_dict()
+    for position in range(1, tokens):  # draws after kept drafts
+        p = chi_square_p(with_speculation[position], without[position])
+        assert p > SIGNIFICANCE, (position, p)
+    assert chi_square_p(with_speculation[1], without[2]) < SIGNIFICANCE  # the test has teeth
+
+
+def test_a_draft_with_another_vocabulary_is_refused_at_start(tmp_path):
+    draft = tmp_path / "draft"
+    shutil.copytree(EMBEDDED_DRAFT_MODEL, draft)
+    config = json.loads((draft / "config.json").read_text())
+    (draft / "config.json").write_text(json.dumps(config | {"vocab_size": 320}))
+    done, seconds = _start("--runtime-dir", str(tmp_path / "run"), "--speculative-drafter", "draft_model",
+                           "--speculative-draft-model", str(draft))
+    assert done.returncode == exit_codes.USAGE, done.stderr
+    assert done.stderr.strip() == (f"hybridd: cannot start: speculative_draft_model {draft}: vocab_size 320 is not "
+                                   f"the model's 4096 (a draft needs the model's tokenizer)")
+    assert seconds < REFUSAL_BOUND_S
+    # The same vocabulary size with another tokenizer: refused too.
+    (draft / "config.json").write_text(json.dumps(config))
+    tokenizer = json.loads((draft / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    a, b = list(vocab)[100:102]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (draft / "tokenizer.json").write_text(json.dumps(tokenizer))
+    done, _ = _start("--runtime-dir", str(tmp_path / "run"), "--speculative-drafter", "draft_model",
+                     "--speculative-draft-model", str(draft))
+    assert done.returncode == exit_codes.USAGE, done.stderr
+    assert done.stderr.strip().endswith("its tokenizer is not the model's "
+                                        f"({EMBEDDED_MODEL}): a draft needs the model's tokenizer"), done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
