@@ -169,7 +169,7 @@ def test_status_and_health(client):
     assert status["state"] == "ready"
     assert set(status["workers"]) == {"graph", "context"}
     assert all(w["pid"] > 0 for w in status["workers"].values())
-    assert {b["kind"] for b in status["buckets"]} == {"decode", "prefill"}
+    assert {b["kind"] for b in status["buckets"]} == {"decode", "prefill", "mixed"}
     assert set(status["kv_blocks"]) >= {"total", "used", "free"}
     assert set(status["requests"]) >= {"running", "queued", "served", "failed"}
     assert set(status["latency"]) >= {"ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s", "window"}
@@ -369,7 +369,7 @@ def test_worker_death_fails_in_flight_requests_and_the_client_reconnects(daemon,
             pass
     assert time.monotonic() - killed_at < on_this_host(1.0)
     assert caught.value.code == "engine_dead"
-    wait_until_ok(daemon.endpoint, 60)
+    wait_until_ok(daemon.endpoint, on_this_host(60))
     result = client.generate("ROMEO:", max_tokens=4)  # the same client, reconnected
     assert result.usage.completion_tokens == 4
     status = client.status()
@@ -382,7 +382,7 @@ def test_worker_death_fails_in_flight_requests_and_the_client_reconnects(daemon,
 def test_graph_generator_death_gets_error_replies_and_the_pair_restarts(daemon, client):
     # The context generator outlives its peer: it notices the death and answers every
     # in-flight request with a terminal engine_dead error before the pair is restarted.
-    wait_until_ok(daemon.endpoint, 60)
+    wait_until_ok(daemon.endpoint, on_this_host(60))
     before = client.status()["workers"]
     streams = [client.stream(p, **LONG) for p in ("ROMEO:", "JULIET:", "HAMLET:")]
     for stream in streams:
@@ -394,7 +394,7 @@ def test_graph_generator_death_gets_error_replies_and_the_pair_restarts(daemon, 
             for _ in stream:
                 pass
     assert time.monotonic() - killed_at < on_this_host(1.0)
-    wait_until_ok(daemon.endpoint, 60)
+    wait_until_ok(daemon.endpoint, on_this_host(60))
     assert client.generate("ROMEO:", max_tokens=4).usage.completion_tokens == 4
     after = client.status()["workers"]
     assert after["graph"]["pid"] != before["graph"]["pid"]

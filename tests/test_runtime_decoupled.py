@@ -197,7 +197,7 @@ def test_status_reports_engine(client):
     kv = status["kv_blocks"]
     assert kv["total"] > 0 and kv["used"] + kv["free"] == kv["total"]
     assert status["requests"]["served"] >= 1
-    assert {b["kind"] for b in status["buckets"]} == {"decode", "prefill"}
+    assert {b["kind"] for b in status["buckets"]} == {"decode", "prefill", "mixed"}
     assert status["latency"]["itl_p50_s"] is not None
 
 
