@@ -7,9 +7,10 @@ other languages. `SamplingParams` is also what the engine samples and stops with
 the wire rules are the only rules.
 
 Version 2 added chat `messages`, `n` sequences and logprobs; version 3 a request's
-`cache_salt` and the final's `usage.cached_tokens`; version 4 a request's `speculative`. A message keeps its version in `v`
-and is written in that version's shape (`wire_form`); the older shapes are the `_V1`
-and `_V2` structs, read back into the current classes (`current`).
+`cache_salt` and the final's `usage.cached_tokens`; version 4 a request's
+`speculative`. A message keeps its version in `v` and is written in that version's
+shape (`wire_form`); the older shapes are the `_V1`, `_V2` and `_V3` structs, read back
+into the current classes (`current`).
 """
 
 from __future__ import annotations

@@ -22,7 +22,9 @@ to that rule (to be wired with the first such drafter).
 A drafter with state per sequence (an index of its tokens, a draft model's KV cache)
 keys it by `Sequence.request_id` and lets go of it in `release`; the scheduler calls
 `release` when a sequence finishes. Preemption keeps a sequence's tokens, so state
-derived from the tokens alone stays valid across it.
+derived from the tokens alone stays valid across it; what a verify step kept, the
+drafter reads from the sequence's tokens at its next `propose` (a draft model rewinds
+its own KV to them).
 
 Drafters are named by the `speculative_drafter` setting and made by `make_drafter`
 (`hybridd.engine.speculation.registry`).
