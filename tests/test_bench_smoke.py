@@ -47,7 +47,8 @@ def test_json_has_every_figure(bench_out):
     r = json.loads((out / "bench.json").read_text())
     assert r["meta"]["errors"] == {}, r["meta"]["errors"]
     cuda_only = {"hf_static", "hybridd_no_mps", "hybridd_no_pdl", "hybridd_unfused", "hybridd_poll", "hybridd_no_wake"}
-    assert set(r["meta"]["skipped"]) == cuda_only | {"mixed_load", "prefix_reuse"}  # their own run below
+    # Their own runs below.
+    assert set(r["meta"]["skipped"]) == cuda_only | {"mixed_load", "prefix_reuse", "speculation", "speculation_steps"}
     assert r["meta"]["shape"] == "tiny shape, random float32 weights"
     assert r["device"]["copy_bandwidth_Bps"] > 0 and r["device"]["matmul_flops"] > 0
     floors = r["floors"]
@@ -186,3 +187,29 @@ def test_mixed_load_and_prefix_reuse_parts(tmp_path):
     # tests' to say (tests/test_runtime_prefix_cache.py, by the tokens the daemon reports),
     # not a timing on a shared host.
     assert reuse["repeated_ratio"] > 0 and reuse["shared_prefix_ratio"] > 0
+
+
+def test_speculation_parts(tmp_path):
+    """The speculative decoding parts, small: tokens/s with and without speculation in one
+    daemon, verify-step times and time per token at set acceptances with the replay drafter
+    (whose output must equal decoding without speculation at every acceptance)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run(
+        [sys.executable, "-m", "scripts.bench", "--out", str(tmp_path / "out"), "--device", "cpu", "--preset", "tiny",
+         "--quick", "--checkpoint-dir", str(tmp_path / "ckpt"),
+         "--parts", "ceilings,checkpoint,speculation,speculation_steps", "--budget-s", str(int(on_this_host(300)))],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=on_this_host(400),
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    r = json.loads((tmp_path / "out" / "bench.json").read_text())
+    assert r["meta"]["errors"] == {}, r["meta"]["errors"]
+    for streams in ("streams_1", "streams_4"):
+        figures = r["speculation"][streams]
+        assert figures["tokens_per_s_speculative"] > 0 and figures["tokens_per_s_plain"] > 0
+    assert r["speculation"]["status"]["drafter"] == "ngram"
+    steps = r["speculation_steps"]
+    assert set(steps["verify_steps"]) == {"context_tokens", "batch_1", "batch_4", "batch_16"}
+    assert steps["verify_steps"]["batch_1"]["k8"]["step_s"] > 0
+    replay = steps["replay"]
+    assert all(replay[f"acceptance_{a}"]["same_tokens"] for a in (0, 50, 80, 100)), replay
+    assert replay["acceptance_100"]["mean_acceptance_length"] > replay["acceptance_0"]["mean_acceptance_length"] == 1
