@@ -245,3 +245,29 @@ def test_fp8_gemm_bench_runs(tmp_path):
     assert all(p["scaled_mm_s"] > 0 and p["dequant_s"] > 0 and p["bf16_cublas_s"] > 0
                for p in prefill["projections"].values())
     assert prefill["layer"]["tiny.m40"]["winner"] in ("scaled_mm", "dequant")
+
+
+def test_speculation_parts(tmp_path):
+    """The speculative decoding parts, small: tokens/s with and without speculation in one
+    daemon, verify-step times and time per token at set acceptances with the replay drafter
+    (whose output must equal decoding without speculation at every acceptance)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run(
+        [sys.executable, "-m", "scripts.bench", "--out", str(tmp_path / "out"), "--device", "cpu", "--preset", "tiny",
+         "--quick", "--checkpoint-dir", str(tmp_path / "ckpt"),
+         "--parts", "ceilings,checkpoint,speculation,speculation_steps", "--budget-s", str(int(on_this_host(300)))],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=on_this_host(400),
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    r = json.loads((tmp_path / "out" / "bench.json").read_text())
+    assert r["meta"]["errors"] == {}, r["meta"]["errors"]
+    for streams in ("streams_1", "streams_4"):
+        figures = r["speculation"][streams]
+        assert figures["tokens_per_s_speculative"] > 0 and figures["tokens_per_s_plain"] > 0
+    assert r["speculation"]["status"]["drafter"] == "ngram"
+    steps = r["speculation_steps"]
+    assert set(steps["verify_steps"]) == {"context_tokens", "batch_1", "batch_4", "batch_16"}
+    assert steps["verify_steps"]["batch_1"]["k8"]["step_s"] > 0
+    replay = steps["replay"]
+    assert all(replay[f"acceptance_{a}"]["same_tokens"] for a in (0, 50, 80, 100)), replay
+    assert replay["acceptance_100"]["mean_acceptance_length"] > replay["acceptance_0"]["mean_acceptance_length"] == 1

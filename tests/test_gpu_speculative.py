@@ -78,7 +78,7 @@ def test_verify_steps_replay_decode_graphs_equal_to_eager():
     prompts = repetitive_prompts((40, 90, 25, 60), seed=2, vocab=32000)
     speculator = Speculator(NgramDrafter(1, 3), 5, SpeculationPolicy(5, adaptive=False, initial_acceptance=0.9))
     blocks = BlockManager(40 * 64, 16, watermark=0.0)
-    scheduler = Scheduler(blocks, max_batch=4, max_prefill_tokens=512, max_model_len=2048, block_table_width=64,
+    scheduler = Scheduler(blocks, max_batch=4, max_prefill_tokens=512, max_model_len=1024, block_table_width=64,
                           speculator=speculator, max_verify_rows=graphs.plan.max_batch)
     core = EngineCore(scheduler, runner, pipeline_depth=1)
     params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)

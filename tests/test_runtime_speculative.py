@@ -58,15 +58,20 @@ def speculation(client) -> dict:
 def test_greedy_equals_the_engine_without_speculation(client, reference):
     prompts, plain = reference
     before = speculation(client)
-    final, chunks = client.generate(prompt_token_ids=prompts[0], sampling={"max_tokens": 40, "temperature": 0.0,
-                                                                           "ignore_eos": True})
     expected = plain(prompts[0], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))[0]
-    assert final["choices"][0]["token_ids"] == expected
-    assert [t for c in chunks for t in c["token_ids"]] == expected  # one chunk per token, in order
-    assert final["usage"]["completion_tokens"] == 40
-    after = speculation(client)
-    assert after["drafter"] == "ngram" and after["drafts"] > before["drafts"]
-    assert after["accepted_tokens"] > before["accepted_tokens"]
+    # The policy speculates where it measured that cheaper, and probes it every 64 steps
+    # elsewhere: a few requests see verify steps either way.
+    for _ in range(6):
+        final, chunks = client.generate(prompt_token_ids=prompts[0], sampling={"max_tokens": 40, "temperature": 0.0,
+                                                                               "ignore_eos": True})
+        assert final["choices"][0]["token_ids"] == expected
+        assert [t for c in chunks for t in c["token_ids"]] == expected  # one chunk per token, in order
+        assert final["usage"]["completion_tokens"] == 40
+        after = speculation(client)
+        if after["accepted_tokens"] > before["accepted_tokens"]:
+            break
+    assert after["drafter"] == "ngram" and after["drafts"] > before["drafts"], after
+    assert after["accepted_tokens"] > before["accepted_tokens"], after
     assert len(after["accepted_per_position"]) == K
 
 

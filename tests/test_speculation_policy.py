@@ -50,6 +50,8 @@ def test_draft_length_follows_measured_acceptance():
 
 def test_speculation_is_chosen_per_batch_size_where_it_measured_cheaper_and_probed_again():
     policy = SpeculationPolicy(4, probe_interval=8, probe_steps=2)
+    policy.scheduled(1)
+    policy.scheduled(32)
     assert policy.speculates(1)  # not measured yet: tried first
     policy.observe_step(1, True, 5.0, 1)  # a first step (compiling) is not counted
     assert policy.speculates(1)
@@ -60,8 +62,16 @@ def test_speculation_is_chosen_per_batch_size_where_it_measured_cheaper_and_prob
                                         (32, False, 0.020, 32)):  # 0.6 ms per token plain
         policy.observe_step(size, spec, 9.0, 1)
         policy.observe_step(size, spec, seconds, tokens)
-    choices_1 = [policy.speculates(1) for _ in range(16)]
-    choices_32 = [policy.speculates(32) for _ in range(16)]
+    assert policy.speculates(1) == policy.speculates(1)  # asking again is no step
+
+    def steps(size: int) -> list[bool]:
+        choices = []
+        for _ in range(16):
+            choices.append(policy.speculates(size))
+            policy.scheduled(size)
+        return choices
+
+    choices_1, choices_32 = steps(1), steps(32)
     # Each size its cheaper mode, the other probed two steps in a row every eight.
     assert sum(choices_1) == 12 and sum(choices_32) == 4
     assert choices_32.count(True) == 4 and any(a and b for a, b in zip(choices_32, choices_32[1:]))

@@ -117,3 +117,38 @@ def test_prefix_cache_holds_only_accepted_tokens(model):
         core.step()
     assert second.cached_tokens > len(prompt)  # blocks written by verify steps were reused
     assert list(second.seqs[0].output_token_ids) == plain[0][0]
+
+
+def test_stops_logprobs_and_max_tokens_inside_a_kept_draft(model):
+    """A stop token inside a kept draft ends the sequence there (the rest is dropped),
+    each kept token's logprobs are its own row's, and no draft runs past max_tokens."""
+    prompts = repetitive_prompts((16, 24), seed=9)
+    base = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, logprobs=True, top_logprobs=2)
+    plain, _ = run_engine(model, prompts, base)
+    stop = plain[0][0][12]
+    for params in (base, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, stop_token_ids=[stop]),
+                   SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True)):
+        expected, _ = run_engine(model, prompts, params)
+        drafter = ReplayDrafter(prompts, plain, wrong_every=6)
+        speculator = Speculator(drafter, 5, SpeculationPolicy(5, initial_acceptance=1.0, adaptive=False))
+        got, scheduler = run_engine(model, prompts, params, speculator)
+        assert got == expected
+        assert speculator.stats.accepted_tokens > 0
+    assert len(expected[0][0]) == 7
+
+
+def test_logprobs_of_kept_drafts_equal_those_without_speculation(model):
+    from hybridd.engine.generate import generate
+
+    prompt = repetitive_prompts((20,), seed=10)[0]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=True, top_logprobs=3)
+    (plain,) = generate(model, [prompt], params)
+    drafter = ReplayDrafter([prompt], [[list(plain[0].output_token_ids)]], wrong_every=4)
+    speculator = Speculator(drafter, 4, SpeculationPolicy(4, initial_acceptance=1.0, adaptive=False))
+    (got,) = generate(model, [prompt], params, speculator=speculator)
+    assert got[0].output_token_ids == plain[0].output_token_ids
+    assert speculator.stats.accepted_tokens > 0
+    for mine, theirs in zip(got[0].logprobs, plain[0].logprobs, strict=True):
+        assert mine.token_id == theirs.token_id
+        assert abs(mine.logprob - theirs.logprob) < 1e-4
+        assert [t.token_id for t in mine.top_logprobs] == [t.token_id for t in theirs.top_logprobs]

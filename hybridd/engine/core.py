@@ -260,6 +260,8 @@ class EngineCore:
                 outputs.first_token_s.append(seq.first_token_time - seq.arrival_time)
             if previous is not None:
                 outputs.inter_token_s.append(seq.last_token_time - previous)
+            # A verify step's further tokens come with its first: no time between them.
+            outputs.inter_token_s.extend([0.0] * (len(entries) - 1))
             for token, text, row in entries:
                 logprob = None
                 if seq.logprobs is not None:

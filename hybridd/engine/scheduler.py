@@ -329,6 +329,8 @@ class Scheduler:
         if not decodes and not chunks:
             return None
         step_id = self._take_step_id()
+        if self.speculator is not None and decodes:
+            self.speculator.policy.scheduled(len(decodes))
         if chunks:
             batch = self._mixed_batch(step_id, decodes, chunks)
         else:

@@ -8,6 +8,7 @@ implements), `ngram` (prompt lookup, which needs no model), `draft_model` (a sma
 with the target's tokenizer decodes the drafts), `verification` (how the
 target's rows accept a draft: exactly the target's distribution), `policy` (k per
 sequence and speculation on or off per batch size, from measured acceptance and step
-costs), `stats` (drafts proposed and accepted, per position). The scheduler builds
-verify steps; the runners sample their rows like any other.
+costs), `stats` (drafts proposed and accepted, per position), `speculator` (the three
+together, as the scheduler uses them), `registry` (the drafters the settings name). The
+scheduler builds verify steps; the runners sample their rows like any other.
 """

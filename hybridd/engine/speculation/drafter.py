@@ -9,10 +9,22 @@ verification treats as a point mass on the proposed token. Either way verificati
 keeps the target's distribution exactly (`verification`), so a drafter can be wrong
 as often as it likes and costs only speed.
 
+Today every draft is verified by the coupled draw (`verification`): a draft token is
+kept while it equals the token the target itself draws there, so the output is the
+target's own, token for token, whatever the drafter. A draft model that samples its
+tokens with the sampler's noise of the same (seed, position) (`gumbel_noise`) draws the
+target's token whenever its distribution is close to the target's, which keeps its
+acceptance near that of rejection sampling; a drafter that needs the general rule
+(min(1, p/q), `verification.rejection_sample`) returns its `probabilities`, and the
+verify step then hands the rows' processed distributions (`Sampler.processed_logits`)
+to that rule (to be wired with the first such drafter).
+
 A drafter with state per sequence (an index of its tokens, a draft model's KV cache)
 keys it by `Sequence.request_id` and lets go of it in `release`; the scheduler calls
 `release` when a sequence finishes. Preemption keeps a sequence's tokens, so state
-derived from the tokens alone stays valid across it.
+derived from the tokens alone stays valid across it; what a verify step kept, the
+drafter reads from the sequence's tokens at its next `propose` (a draft model rewinds
+its own KV to them).
 
 Drafters are named by the `speculative_drafter` setting and made by `make_drafter`
 (`hybridd.engine.speculation.registry`).

@@ -76,11 +76,12 @@ class SpeculationPolicy:
 
     # ---------------------------------------------------------- per batch size
     def speculates(self, batch_size: int) -> bool:
-        """Whether a step of `batch_size` decoding sequences is scheduled speculating."""
+        """Whether a step of `batch_size` decoding sequences is scheduled speculating (the
+        same answer until `scheduled` counts a step of that size)."""
         if not self.adaptive:
             return True
         size = size_class(batch_size)
-        count = self._decisions[size] = self._decisions.get(size, 0) + 1
+        count = self._decisions.get(size, 0)
         spec = self._costs.get((size, True), _Cost()).seconds_per_token
         plain = self._costs.get((size, False), _Cost()).seconds_per_token
         if spec is None:
@@ -89,6 +90,12 @@ class SpeculationPolicy:
             return False
         choice = spec <= plain
         return (not choice) if count % self.probe_interval < self.probe_steps else choice
+
+    def scheduled(self, batch_size: int) -> None:
+        """A step of `batch_size` decoding sequences was scheduled (the probes count steps,
+        not the times a step waited for the one before it)."""
+        size = size_class(batch_size)
+        self._decisions[size] = self._decisions.get(size, 0) + 1
 
     def observe_step(self, batch_size: int, speculating: bool, seconds: float, tokens: int) -> None:
         """A decode or verify step's measured time and the tokens it gave."""
