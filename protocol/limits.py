@@ -11,7 +11,7 @@ from typing import Final
 # The major version carried in every message's `v` field: the newest is written by
 # default, and every version from the oldest up is still accepted. Messages with any
 # other value are rejected with `unsupported_version`.
-PROTOCOL_VERSION: Final = 3
+PROTOCOL_VERSION: Final = 4
 OLDEST_PROTOCOL_VERSION: Final = 1
 
 # One encoded message (one ZeroMQ frame). Enforced twice: by ZeroMQ's MAXMSGSIZE on

@@ -7,7 +7,7 @@ other languages. `SamplingParams` is also what the engine samples and stops with
 the wire rules are the only rules.
 
 Version 2 added chat `messages`, `n` sequences and logprobs; version 3 a request's
-`cache_salt` and the final's `usage.cached_tokens`. A message keeps its version in `v`
+`cache_salt` and the final's `usage.cached_tokens`; version 4 `prompt_logprobs`. A message keeps its version in `v`
 and is written in that version's shape (`wire_form`); the older shapes are the `_V1`
 and `_V2` structs, read back into the current classes (`current`).
 """
@@ -83,7 +83,7 @@ class SamplingParamsV1(Fields):
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
-class SamplingParams(SamplingParamsV1):
+class SamplingParamsV3(SamplingParamsV1):
     """How to pick tokens, how many sequences, and when to stop. Every field is optional
     on the wire; `n`, `logprobs` and `top_logprobs` exist from version 2 on."""
 
@@ -103,6 +103,19 @@ class SamplingParams(SamplingParamsV1):
 
     def v1(self) -> SamplingParamsV1:
         return SamplingParamsV1(**{name: getattr(self, name) for name in SamplingParamsV1.__struct_fields__})
+
+    def current(self) -> SamplingParams:
+        return SamplingParams(**msgspec.structs.asdict(self))
+
+
+class SamplingParams(SamplingParamsV3):
+    """Version 4: and the logprobs of the prompt's tokens (each one's, under the model's
+    distribution at the position before it, with this many most likely alternatives)."""
+
+    prompt_logprobs: Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+
+    def v3(self) -> SamplingParamsV3:
+        return SamplingParamsV3(**{name: getattr(self, name) for name in SamplingParamsV3.__struct_fields__})
 
 
 class ChatMessage(Fields):
@@ -161,16 +174,39 @@ class GenerateRequest(Message, tag="generate"):
                            f"(its chunks carry the logprobs) or ask for fewer")
 
     def wire_form(self) -> Message:
-        if self.v >= 3:
+        if self.v >= 4:
             return self
+        if self.sampling.prompt_logprobs is not None:
+            raise ValueError(f"prompt_logprobs needs protocol version 4, this request is version {self.v}")
+        if self.v == 3:
+            return _GenerateRequestV3(id=self.id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
+                                      messages=self.messages, sampling=self.sampling.v3(), stream=self.stream,
+                                      timeout_s=self.timeout_s, cache_salt=self.cache_salt, v=self.v)
         if self.cache_salt is not None:
             raise ValueError(f"cache_salt needs protocol version 3, this request is version {self.v}")
         if self.v == 2:
             return _GenerateRequestV2(id=self.id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
-                                      messages=self.messages, sampling=self.sampling, stream=self.stream,
+                                      messages=self.messages, sampling=self.sampling.v3(), stream=self.stream,
                                       timeout_s=self.timeout_s, v=self.v)
         return _GenerateRequestV1(id=self.id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
                                   sampling=self.sampling.v1(), stream=self.stream, timeout_s=self.timeout_s, v=self.v)
+
+
+class _GenerateRequestV3(Message, tag="generate"):
+    id: RequestId
+    prompt: Prompt | None = None
+    prompt_token_ids: PromptTokenIds | None = None
+    messages: Annotated[list[ChatMessage], Meta(max_length=MAX_CHAT_MESSAGES)] | None = None
+    sampling: SamplingParamsV3 | None = None
+    stream: bool | None = True
+    timeout_s: Annotated[float, Meta(gt=0.0, le=MAX_TIMEOUT_S)] | None = None
+    cache_salt: CacheSalt | None = None
+
+    def current(self) -> GenerateRequest:
+        return GenerateRequest(id=self.id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
+                               messages=self.messages, sampling=None if self.sampling is None else
+                               self.sampling.current(), stream=self.stream, timeout_s=self.timeout_s,
+                               cache_salt=self.cache_salt, v=self.v)
 
 
 class _GenerateRequestV2(Message, tag="generate"):
@@ -178,14 +214,14 @@ class _GenerateRequestV2(Message, tag="generate"):
     prompt: Prompt | None = None
     prompt_token_ids: PromptTokenIds | None = None
     messages: Annotated[list[ChatMessage], Meta(max_length=MAX_CHAT_MESSAGES)] | None = None
-    sampling: SamplingParams | None = None
+    sampling: SamplingParamsV3 | None = None
     stream: bool | None = True
     timeout_s: Annotated[float, Meta(gt=0.0, le=MAX_TIMEOUT_S)] | None = None
 
     def current(self) -> GenerateRequest:
         return GenerateRequest(id=self.id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
-                               messages=self.messages, sampling=self.sampling, stream=self.stream,
-                               timeout_s=self.timeout_s, v=self.v)
+                               messages=self.messages, sampling=None if self.sampling is None else
+                               self.sampling.current(), stream=self.stream, timeout_s=self.timeout_s, v=self.v)
 
 
 class _GenerateRequestV1(Message, tag="generate"):
@@ -226,7 +262,8 @@ class AttachRingRequest(Message, tag="attach_ring"):
 
 Request = GenerateRequest | CancelRequest | StatusRequest | HealthRequest | AttachRingRequest
 REQUEST_FORMS = {
-    3: Request,
+    4: Request,
+    3: _GenerateRequestV3 | CancelRequest | StatusRequest | HealthRequest | AttachRingRequest,
     2: _GenerateRequestV2 | CancelRequest | StatusRequest | HealthRequest | AttachRingRequest,
     1: _GenerateRequestV1 | CancelRequest | StatusRequest | HealthRequest,
 }
@@ -252,6 +289,14 @@ class TokenLogprob(Fields):
     text: str
     logprob: Logprob
     top_logprobs: Annotated[list[TopLogprob], Meta(max_length=MAX_TOP_LOGPROBS)] = []
+
+
+class PromptLogprob(TokenLogprob):
+    """Version 4: a prompt token's logprob under the model's distribution at the position
+    before it (the raw log-softmax: no sampling parameter applies to a prompt), its rank
+    there (1: the most likely), and the most likely alternatives."""
+
+    rank: Annotated[int, Meta(ge=1)] = 1
 
 
 class ChunkReply(Fields):
@@ -340,6 +385,9 @@ class FinalReply(Message, tag="final"):
     choices: Annotated[list[Choice], Meta(min_length=1, max_length=MAX_N)]
     usage: Usage
     timings: Timings
+    # Version 4: one entry per prompt token when `prompt_logprobs` was asked for (the
+    # first token's is nil: nothing precedes it), else nil.
+    prompt_logprobs: list[PromptLogprob | None] | None = None
 
     def __post_init__(self) -> None:
         if [c.index for c in self.choices] != list(range(len(self.choices))):
@@ -359,8 +407,10 @@ class FinalReply(Message, tag="final"):
         return self.choices[0].finish_reason
 
     def wire_form(self) -> Message:
-        if self.v >= 3:
+        if self.v >= 4:
             return self
+        if self.v == 3:
+            return _FinalV3(id=self.id, choices=self.choices, usage=self.usage, timings=self.timings, v=self.v)
         if self.v == 2:
             return _FinalV2(id=self.id, choices=self.choices, usage=self.usage.v2(), timings=self.timings, v=self.v)
         if len(self.choices) != 1:
@@ -368,6 +418,16 @@ class FinalReply(Message, tag="final"):
         choice = self.choices[0]
         return _FinalV1(id=self.id, text=choice.text, token_ids=choice.token_ids, finish_reason=choice.finish_reason,
                         usage=self.usage.v2(), timings=self.timings, v=self.v)
+
+
+class _FinalV3(Message, tag="final"):
+    id: ReplyId
+    choices: Annotated[list[Choice], Meta(min_length=1, max_length=MAX_N)]
+    usage: Usage
+    timings: Timings
+
+    def current(self) -> FinalReply:
+        return FinalReply(id=self.id, choices=self.choices, usage=self.usage, timings=self.timings, v=self.v)
 
 
 class _FinalV2(Message, tag="final"):
@@ -443,7 +503,8 @@ class RingAttachedReply(Message, tag="ring_attached"):
 
 Reply = ChunkReply | FinalReply | ErrorReply | StatusReply | HealthReply | RingAttachedReply
 REPLY_FORMS = {
-    3: _Chunk | FinalReply | ErrorReply | StatusReply | HealthReply | RingAttachedReply,
+    4: _Chunk | FinalReply | ErrorReply | StatusReply | HealthReply | RingAttachedReply,
+    3: _Chunk | _FinalV3 | ErrorReply | StatusReply | HealthReply | RingAttachedReply,
     2: _Chunk | _FinalV2 | ErrorReply | StatusReply | HealthReply | RingAttachedReply,
     1: _ChunkV1 | _FinalV1 | ErrorReply | StatusReply | HealthReply,
 }
