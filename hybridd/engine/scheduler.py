@@ -83,6 +83,8 @@ class ScheduledBatch:
     # Logits rows of each row's sequence: its last this-many tokens (None: one each, its
     # last). A prefill sequence that asks for its prompt's logprobs lists its chunk's.
     logit_rows: list[int] | None = None
+    # (row, first position) of the prompt chunks whose rows give their prompt's logprobs.
+    prompt_rows: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_prefill(self) -> bool:
@@ -289,7 +291,7 @@ class Scheduler:
         are the decode rows (one token each); a step without is a decode step."""
         decodes = self._decode_rows()
         budget = self.chunk_tokens if decodes else self.max_prefill_tokens
-        chunks = self._prefill_chunks(budget - len(decodes))
+        chunks = self._within_rows(self._prefill_chunks(budget - len(decodes)), len(decodes))
         if not decodes and not chunks:
             return None
         step_id = self._take_step_id()
@@ -385,6 +387,18 @@ class Scheduler:
                 chunks.append((seq, start, n))
         return chunks
 
+    def _within_rows(self, chunks: list[tuple[Sequence, int, int]], decode_rows: int) -> list[tuple[Sequence, int, int]]:
+        """The chunks, those of prompts that want their logprobs (a logits row a token)
+        shortened so that the step's logits rows fit the buffer's (max_batch of them)."""
+        left = self.max_batch - decode_rows - len(chunks)  # rows beyond one a sequence
+        fitted = []
+        for seq, start, n in chunks:
+            if seq.wants_prompt_logprobs and start + n <= seq.num_prompt_tokens:
+                n = min(n, 1 + max(left, 0))
+                left -= n - 1
+            fitted.append((seq, start, n))
+        return fitted
+
     def _decode_batch(self, step_id: int, seqs: list[Sequence]) -> ScheduledBatch:
         bm = self.block_manager
         input_ids, src_step, src_row, positions = [], [], [], []
@@ -423,8 +437,15 @@ class Scheduler:
             tokens.append(seq.token_ids[start:start + n])
             starts.append(start)
         seqs = decodes + [seq for seq, _, _ in chunks]
+        # A prompt that wants its logprobs has a logits row for every token of its chunk.
+        prompt_rows = [(row, start) for row, (seq, start, n) in enumerate(chunks, start=len(decodes))
+                       if seq.wants_prompt_logprobs and start + n <= seq.num_prompt_tokens]
+        logit_rows = [1] * len(seqs)
+        for row, _ in prompt_rows:
+            logit_rows[row] = len(tokens[row])
         inputs = HostStepInputs.prefill(tokens, [seq.block_table for seq in seqs], bm.block_size,
-                                        start_positions=starts, table_width=self.block_table_width)
+                                        start_positions=starts, table_width=self.block_table_width,
+                                        logit_rows=logit_rows if prompt_rows else None)
         partial: set[int] = set()
         forks: list[tuple[int, Sequence]] = []
         kv_copies: list[tuple[int, int]] = []
@@ -457,6 +478,7 @@ class Scheduler:
             torch.tensor(src_step + pad, dtype=torch.int64) if on_device else None,
             torch.tensor(src_row + pad, dtype=torch.int64) if on_device else None,
             forks=forks, kv_copies=kv_copies, partial_rows=frozenset(partial), num_decode_rows=len(decodes),
+            logit_rows=logit_rows if prompt_rows else None, prompt_rows=prompt_rows,
         )
 
     @staticmethod
