@@ -218,6 +218,7 @@ class Gateway:
         salt = request_salt(tenant, body.cache_salt)
         jobs = [Job(base=i * body.n, prompt=prompt, sampling=sampling,
                     echo=prompt if body.echo and isinstance(prompt, str) else "", cache_salt=salt,
+                    echo_logprobs=body.logprobs if body.echo else None, prompt_logprobs=body.prompt_logprobs,
                     request_id=exchange.request_id if len(prompts) == 1 else f"{exchange.request_id}-{i}")
                 for i, prompt in enumerate(prompts)]
         exchange.jobs = jobs
@@ -229,7 +230,8 @@ class Gateway:
                                                  await exchange.body(MAX_BODY_BYTES))
         self.check_model(body.model)
         jobs = [Job(base=0, prompt=None, messages=body.chat_messages(), sampling=body.sampling(),
-                    cache_salt=request_salt(tenant, body.cache_salt), request_id=exchange.request_id)]
+                    cache_salt=request_salt(tenant, body.cache_salt), request_id=exchange.request_id,
+                    prompt_logprobs=body.prompt_logprobs)]
         exchange.jobs = jobs
         await self.generate(exchange, jobs, body.model, chat=True, stream=body.stream,
                             include_usage=body.include_usage)
