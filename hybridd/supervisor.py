@@ -205,6 +205,8 @@ def _describe_exit(code: int | None) -> str:
     if code < 0:
         with contextlib.suppress(ValueError):
             return f"was killed by {signal.Signals(-code).name}"
+    if code == 0:
+        return "exited with code 0 without being asked to stop (its log says why it left its serving loop)"
     return f"exited with code {code}"
 
 

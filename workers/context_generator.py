@@ -56,6 +56,7 @@ from hybridd.protocol.messages import (
     StatusReply,
     StatusRequest,
 )
+from hybridd.workers.loop_exit import LoopExit, Terminated
 from hybridd.workers.client_requests import (
     ClientRequest, PendingPrompt, attribution, decode_request, encoding_failure, field_first,
 )
@@ -98,6 +99,7 @@ class ContextGenerator:
         self.metrics = ServingMetrics()
         self.rings = ReplyRings(config.max_reply_rings)
         self.stop = False
+        self.loop_exit = LoopExit(self.log)
 
     # ------------------------------------------------------------------ start
     def start(self) -> None:
@@ -658,6 +660,7 @@ class ContextGenerator:
         for key in list(self.requests) + list(self.encoding):
             self._end(key, "cancelled")
         self.core.drain()
+        self.loop_exit.commanded("drain")
         self.stop = True
 
     # ----------------------------------------------------------------- status
@@ -757,7 +760,7 @@ def main(config: dict[str, Any], ctl_endpoint: str, supervised: bool = True) -> 
     worker = ContextGenerator(cfg, ctl_endpoint, supervised)
 
     def terminate(signum, frame):
-        raise SystemExit(0)
+        raise Terminated(signum)
 
     signal.signal(signal.SIGTERM, terminate)
     try:
@@ -765,7 +768,8 @@ def main(config: dict[str, Any], ctl_endpoint: str, supervised: bool = True) -> 
             worker.start()
         frozen = gc_pauses.freeze_start_up()
         worker.log.debug("start-up objects frozen out of the cyclic collector", objects=frozen)
-        worker.serve()
+        with worker.loop_exit.watch():
+            worker.serve()
     except EngineDeadError as exc:
         worker.log.error("engine_dead", error=exc.message)
         worker.fail_all(ErrorCode.ENGINE_DEAD, f"the engine died: {exc.message}")

@@ -37,6 +37,7 @@ from hybridd.ipc.events import InterprocessEvent
 from hybridd.ipc.shared_arena import SharedArena
 from hybridd.protocol import codec, control
 from hybridd.protocol.errors import ProtocolError
+from hybridd.workers.loop_exit import LoopExit
 from hybridd.workers.supervisor_link import SupervisorLink
 
 CPU_DEFAULT_KV_BLOCKS = 512
@@ -61,6 +62,7 @@ class GraphGenerator:
         self.device = resolve_device(config)
         self.tracer = StepTracer("graph")
         self._stop = False
+        self.loop_exit = LoopExit(self.log)
 
     def start(self) -> None:
         """Load the model, compile and capture; Ready to the context generator."""
@@ -253,6 +255,7 @@ class GraphGenerator:
                 self.runner.start_background_capture()
                 self.link.phase("ready", "serving")
             elif isinstance(message, control.Shutdown):
+                self.loop_exit.commanded("shutdown (from the context generator)")
                 self._stop = True
             else:
                 self.log.warning("unexpected_control_message", type=type(message).__name__)
@@ -290,6 +293,7 @@ def main(config: dict[str, Any], ctl_endpoint: str) -> None:
             worker.start()
         frozen = gc_pauses.freeze_start_up()
         worker.log.debug("start-up objects frozen out of the cyclic collector", objects=frozen)
-        worker.serve()
+        with worker.loop_exit.watch():
+            worker.serve()
     finally:
         worker.close()
