@@ -93,7 +93,7 @@ def new_id(rng: random.Random) -> str:
 
 
 def valid_sampling(rng: random.Random) -> dict[str, Any]:
-    sampling: dict[str, Any] = {"max_tokens": rng.randint(1, 3) if rng.random() < 0.9 else
+    sampling: dict[str, Any] = {"max_tokens": rng.randint(1, 3) if rng.random() < 0.97 else
                                 rng.choice([16, 64, 300, 65_536])}
     for name, make in (
         ("temperature", lambda: rng.choice([0, 0.0, 0.5, 1, 1.7, 1e-3])),
