@@ -131,28 +131,26 @@ def test_workers_outlive_a_killed_supervisor_by_under_two_seconds_and_the_next_s
             assert client.generate("ROMEO:", max_tokens=3, temperature=0).usage.completion_tokens == 3
 
 
-def test_a_worker_that_leaves_its_loop_unasked_says_why_and_the_supervisor_names_the_exit():
-    """A signal no command stands behind (SIGTERM to the context generator): it logs why
-    it left its serving loop as an error, and the supervisor's failure names its exit
-    (code 0, unasked), restarting the pair; the graph generator's end was commanded."""
+def test_a_sigterm_from_anyone_but_the_supervisor_is_logged_with_its_sender_and_ignored():
+    """The fuzzer's restarts had this in their log (both workers stopped, no error, the
+    graph generator's exit 0, the context generator first): what a SIGTERM to the context
+    generator did. Only the supervisor stops a worker; another sender is named in an
+    error and the pair serves on, unrestarted."""
     with daemon_process("--no-compile-sampler", "--log-format", "json") as daemon:
         process, rd, log_path = daemon.process, daemon.runtime_dir, daemon.log_path
         endpoint = f"ipc://{rd}/hybridd.sock"
         wait_until_ok(endpoint, 300, process, log_path)
         with Client(endpoint, timeout=60) as client:
             first = client.status()["workers"]
-        os.kill(first["context"]["pid"], signal.SIGTERM)
-        deadline = time.monotonic() + on_this_host(120.0)
-        while '"restarting workers"' not in log_path.read_text():
-            assert time.monotonic() < deadline, log_path.read_text()[-3000:]
-            time.sleep(0.1)
-        wait_until_ok(endpoint, 300, process, log_path)
+            os.kill(first["context"]["pid"], signal.SIGTERM)
+            deadline = time.monotonic() + on_this_host(30.0)
+            while "SIGTERM ignored" not in log_path.read_text():
+                assert time.monotonic() < deadline, log_path.read_text()[-3000:]
+                time.sleep(0.05)
+            assert client.generate("ROMEO:", max_tokens=3).usage.completion_tokens == 3
+            assert client.status()["workers"] == first
     records = [json.loads(line) for line in log_path.read_text().splitlines()]
-    left = [r for r in records if r["event"] == "left the serving loop without a command"]
-    assert [(r["component"], r["level"], r["reason"]) for r in left] == [
-        ("context_generator", "error", "Terminated: received SIGTERM")]
-    ended = [r for r in records if r["event"] == "serving loop ended"]
-    assert [(r["component"], r["command"]) for r in ended][:1] == [("graph_generator",
-                                                                    "shutdown (from the context generator)")]
-    failures = [r for r in records if r["event"] == "worker failed" and r["component"] == "supervisor"]
-    assert len(failures) == 1 and "exited with code 0 without being asked to stop" in failures[0]["reason"]
+    ignored = [r for r in records if r["event"].startswith("SIGTERM ignored")]
+    assert [(r["level"], r["sender_pid"], r["pid"]) for r in ignored] == [("error", os.getpid(),
+                                                                           first["context"]["pid"])]
+    assert not [r for r in records if r["event"] == "worker failed"]

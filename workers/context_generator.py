@@ -56,7 +56,7 @@ from hybridd.protocol.messages import (
     StatusReply,
     StatusRequest,
 )
-from hybridd.workers.loop_exit import LoopExit, Terminated
+from hybridd.workers.loop_exit import LoopExit, Terminated, stop_signals_from
 from hybridd.workers.client_requests import (
     ClientRequest, PendingPrompt, attribution, decode_request, encoding_failure, field_first,
 )
@@ -757,12 +757,14 @@ def main(config: dict[str, Any], ctl_endpoint: str, supervised: bool = True) -> 
     cfg = Config.from_dict(config)
     configure(cfg.log_level, json=cfg.log_format == "json")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor drains us with a message
-    worker = ContextGenerator(cfg, ctl_endpoint, supervised)
 
     def terminate(signum, frame):
         raise Terminated(signum)
 
     signal.signal(signal.SIGTERM, terminate)
+    if supervised:
+        stop_signals_from(os.getppid(), get_logger("context_generator", pid=os.getpid()))
+    worker = ContextGenerator(cfg, ctl_endpoint, supervised)
     try:
         with worker.link.starting_up():
             worker.start()

@@ -12,8 +12,11 @@ GeneratorExit and plain returns.
 
 from __future__ import annotations
 
+import _thread
 import contextlib
+import os
 import signal
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -27,6 +30,30 @@ class Terminated(SystemExit):
 
     def __str__(self) -> str:
         return f"received {signal.Signals(self.signum).name}"
+
+
+def stop_signals_from(parent: int, log: Any) -> None:
+    """Let SIGTERM stop this worker only when `parent` (the supervisor) sends it.
+
+    The supervisor stops a worker whose partner failed with SIGTERM (time to answer its
+    clients) and decides what a signal to the whole process group means (a drain, told
+    by a message). A SIGTERM from any other process is logged as an error naming the
+    sender, and ignored. The signal must be blocked in every thread but the watcher's,
+    which takes it with its sender (`sigwaitinfo`) and raises the main thread's handler
+    for the supervisor's: a worker blocks it before any of its threads starts (each
+    inherits the mask; `hybridd.supervisor.worker_main`), and this blocks it too."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+
+    def watch() -> None:
+        while True:
+            info = signal.sigwaitinfo({signal.SIGTERM})
+            if info.si_pid == parent:
+                _thread.interrupt_main(signal.SIGTERM)
+                return
+            log.error("SIGTERM ignored: only the supervisor stops a worker", sender_pid=info.si_pid,
+                      supervisor_pid=parent, pid=os.getpid())
+
+    threading.Thread(target=watch, name="stop-signals", daemon=True).start()
 
 
 class LoopExit:
