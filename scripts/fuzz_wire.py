@@ -128,7 +128,8 @@ def valid_request(rng: random.Random, version: int = 1) -> tuple[dict[str, Any],
             message["prompt_token_ids"] = [rng.randrange(VOCAB_GUESS) for _ in range(rng.randint(1, 30))]
         message["sampling"] = valid_sampling(rng)
         if version >= 2:
-            for name, make in (("n", lambda: rng.choice([1, 2, 3, 16])), ("logprobs", lambda: rng.choice([True, False])),
+            for name, make in (("n", lambda: rng.choice([1, 2, 3, 16])),
+                               ("logprobs", lambda: rng.choice([True, False])),
                                ("top_logprobs", lambda: rng.choice([0, 1, 5]))):
                 if rng.random() < 0.3:
                     message["sampling"][name] = make()
@@ -179,8 +180,10 @@ GENERATE_FIELDS: list[tuple[tuple[str, ...], str, list[Any]]] = [
 LATER_FIELDS: list[tuple[tuple[str, ...], str, list[Any], int]] = [
     (("messages",), "list", [[], [{"role": "user"}], [{"role": "", "content": "x"}], [{"content": "x"}],
                              [{"role": "user", "content": "x", "bogus": 1}], [{"role": "user", "content": 1}],
-                             ["x"], [{"role": "u" * 65, "content": "x"}], [{"role": "user", "content": "x", "name": ""}],
-                             [{"role": "user", "content": "x" * 600_000}] * 2, [{"role": "user", "content": "x"}] * 1025],
+                             ["x"], [{"role": "u" * 65, "content": "x"}],
+                             [{"role": "user", "content": "x", "name": ""}],
+                             [{"role": "user", "content": "x" * 600_000}] * 2,
+                             [{"role": "user", "content": "x"}] * 1025],
      2),
     (("sampling", "n"), "int", [0, -1, 17, 2**40], 2),
     (("sampling", "logprobs"), "bool", [], 2),
@@ -505,7 +508,8 @@ def check_reply(reply: Any) -> str | None:
             return "bad final choices"
         for index, choice in enumerate(choices):
             if not (isinstance(choice, dict) and isinstance(choice.get("text"), str) and ints(choice.get("token_ids"))
-                    and choice.get("finish_reason") in FINISH_REASONS and (version == 1 or choice.get("index") == index)):
+                    and choice.get("finish_reason") in FINISH_REASONS
+                    and (version == 1 or choice.get("index") == index)):
                 return "bad final"
         usage_keys = {"prompt_tokens", "completion_tokens"} | ({"cached_tokens"} if version >= 3 else set())
         if not (isinstance(usage, dict) and set(usage) == usage_keys

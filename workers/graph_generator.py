@@ -186,6 +186,8 @@ class GraphGenerator:
         if free is None:
             return plan
         left = free - kv_bytes
+        if left <= 0:
+            return plan  # the KV cache cannot fit either: its allocation says so, naming it
         elem = torch.finfo(model.dtype).bits // 8
         need = {b: batch_bytes(model.config, b, plan.max_prefill_seqs, elem) for b in plan.decode}
         fitting = [b for b in plan.decode if need[b] <= left]

@@ -387,7 +387,8 @@ class Scheduler:
                 chunks.append((seq, start, n))
         return chunks
 
-    def _within_rows(self, chunks: list[tuple[Sequence, int, int]], decode_rows: int) -> list[tuple[Sequence, int, int]]:
+    def _within_rows(self, chunks: list[tuple[Sequence, int, int]],
+                     decode_rows: int) -> list[tuple[Sequence, int, int]]:
         """The chunks, those of prompts that want their logprobs (a logits row a token)
         shortened so that the step's logits rows fit the buffer's (max_batch of them)."""
         left = self.max_batch - decode_rows - len(chunks)  # rows beyond one a sequence
