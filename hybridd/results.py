@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hybridd.protocol.messages import Choice, Timings, TokenLogprob, Usage
+from hybridd.protocol.messages import Choice, PromptLogprob, Timings, TokenLogprob, Usage
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,6 +21,8 @@ class GenerateResult:
     timings: Timings
     logprobs: list[TokenLogprob] | None = None  # when asked for: one per token id
     choices: list[Choice] = field(default_factory=list)
+    # When asked for (`prompt_logprobs=k`): one per prompt token, the first None.
+    prompt_logprobs: list[PromptLogprob | None] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -157,6 +157,9 @@ def worker_main(name: str, target: WorkerTarget, config: dict[str, Any], ctl_end
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # the supervisor reloads; workers follow its messages
+    # Blocked before any thread starts (each inherits the mask), so that a worker that
+    # takes SIGTERM takes it on one thread, where its sender is known (workers/loop_exit.py).
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     configure_logging(level=config.get("log_level"), json=config.get("log_format") == "json")
     worker_log = log.bind(component=f"{name}_generator", pid=os.getpid())
     try:
@@ -205,6 +208,8 @@ def _describe_exit(code: int | None) -> str:
     if code < 0:
         with contextlib.suppress(ValueError):
             return f"was killed by {signal.Signals(-code).name}"
+    if code == 0:
+        return "exited with code 0 without being asked to stop (its log says why it left its serving loop)"
     return f"exited with code {code}"
 
 

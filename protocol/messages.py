@@ -9,9 +9,10 @@ the wire rules are the only rules.
 Version 2 added chat `messages`, `n` sequences and logprobs; version 3 a request's
 `cache_salt` and the final's `usage.cached_tokens`; version 4 structured output
 (`sampling.structured`), tools (a chat's `tools`, a message's `tool_calls` and
-`tool_call_id`) and a request's `speculative`. A message keeps its version in `v` and is
-written in that version's shape (`wire_form`); the older shapes are the `_V1`, `_V2` and
-`_V3` structs, read back into the current classes (`current`).
+`tool_call_id`), a request's `speculative` and the prompt's logprobs
+(`sampling.prompt_logprobs`, the final's `prompt_logprobs`). A message keeps its version in
+`v` and is written in that version's shape (`wire_form`); the older shapes are the `_V1`,
+`_V2` and `_V3` structs, read back into the current classes (`current`).
 """
 
 from __future__ import annotations
@@ -145,9 +146,12 @@ class StructuredOutput(Fields):
 class SamplingParams(SamplingParamsV3):
     """How to pick tokens, how many sequences, and when to stop. Every field is optional
     on the wire; `n`, `logprobs` and `top_logprobs` exist from version 2 on, `structured`
-    from version 4."""
+    and `prompt_logprobs` from version 4."""
 
     structured: StructuredOutput | None = None  # version 4: constrain the output
+    # Version 4: the logprobs of the prompt's tokens (each one's, under the model's
+    # distribution at the position before it, with this many most likely alternatives).
+    prompt_logprobs: Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
 
     def v3(self) -> SamplingParamsV3:
         if self.structured is not None:
@@ -286,6 +290,8 @@ class GenerateRequest(Message, tag="generate"):
             raise ValueError(f"speculative needs protocol version 4, this request is version {self.v}")
         if self.tools is not None:
             raise ValueError(f"tools need protocol version 4, this request is version {self.v}")
+        if self.sampling.prompt_logprobs is not None:
+            raise ValueError(f"prompt_logprobs needs protocol version 4, this request is version {self.v}")
         sampling = self.sampling.v3()
         messages = None if self.messages is None else [m.v3() for m in self.messages]
         if self.v == 3:
@@ -408,6 +414,14 @@ class TokenLogprob(Fields):
     top_logprobs: Annotated[list[TopLogprob], Meta(max_length=MAX_TOP_LOGPROBS)] = []
 
 
+class PromptLogprob(TokenLogprob):
+    """Version 4: a prompt token's logprob under the model's distribution at the position
+    before it (the raw log-softmax: no sampling parameter applies to a prompt), its rank
+    there (1: the most likely), and the most likely alternatives."""
+
+    rank: Annotated[int, Meta(ge=1)] = 1
+
+
 class ChunkReply(Fields):
     """Incremental output of one sequence of a streaming generate: its new text and new
     token ids (and their logprobs, when asked for).
@@ -494,6 +508,9 @@ class FinalReply(Message, tag="final"):
     choices: Annotated[list[Choice], Meta(min_length=1, max_length=MAX_N)]
     usage: Usage
     timings: Timings
+    # Version 4: one entry per prompt token when `prompt_logprobs` was asked for (the
+    # first token's is nil: nothing precedes it), else nil.
+    prompt_logprobs: list[PromptLogprob | None] | None = None
 
     def __post_init__(self) -> None:
         if [c.index for c in self.choices] != list(range(len(self.choices))):
@@ -513,8 +530,10 @@ class FinalReply(Message, tag="final"):
         return self.choices[0].finish_reason
 
     def wire_form(self) -> Message:
-        if self.v >= 3:
+        if self.v >= 4:
             return self
+        if self.v == 3:
+            return _FinalV3(id=self.id, choices=self.choices, usage=self.usage, timings=self.timings, v=self.v)
         if self.v == 2:
             return _FinalV2(id=self.id, choices=self.choices, usage=self.usage.v2(), timings=self.timings, v=self.v)
         if len(self.choices) != 1:
@@ -522,6 +541,16 @@ class FinalReply(Message, tag="final"):
         choice = self.choices[0]
         return _FinalV1(id=self.id, text=choice.text, token_ids=choice.token_ids, finish_reason=choice.finish_reason,
                         usage=self.usage.v2(), timings=self.timings, v=self.v)
+
+
+class _FinalV3(Message, tag="final"):
+    id: ReplyId
+    choices: Annotated[list[Choice], Meta(min_length=1, max_length=MAX_N)]
+    usage: Usage
+    timings: Timings
+
+    def current(self) -> FinalReply:
+        return FinalReply(id=self.id, choices=self.choices, usage=self.usage, timings=self.timings, v=self.v)
 
 
 class _FinalV2(Message, tag="final"):
@@ -598,7 +627,7 @@ class RingAttachedReply(Message, tag="ring_attached"):
 Reply = ChunkReply | FinalReply | ErrorReply | StatusReply | HealthReply | RingAttachedReply
 REPLY_FORMS = {
     4: _Chunk | FinalReply | ErrorReply | StatusReply | HealthReply | RingAttachedReply,
-    3: _Chunk | FinalReply | ErrorReply | StatusReply | HealthReply | RingAttachedReply,
+    3: _Chunk | _FinalV3 | ErrorReply | StatusReply | HealthReply | RingAttachedReply,
     2: _Chunk | _FinalV2 | ErrorReply | StatusReply | HealthReply | RingAttachedReply,
     1: _ChunkV1 | _FinalV1 | ErrorReply | StatusReply | HealthReply,
 }

@@ -93,7 +93,7 @@ def new_id(rng: random.Random) -> str:
 
 
 def valid_sampling(rng: random.Random) -> dict[str, Any]:
-    sampling: dict[str, Any] = {"max_tokens": rng.randint(1, 3) if rng.random() < 0.9 else
+    sampling: dict[str, Any] = {"max_tokens": rng.randint(1, 3) if rng.random() < 0.97 else
                                 rng.choice([16, 64, 300, 65_536])}
     for name, make in (
         ("temperature", lambda: rng.choice([0, 0.0, 0.5, 1, 1.7, 1e-3])),
@@ -128,12 +128,15 @@ def valid_request(rng: random.Random, version: int = 1) -> tuple[dict[str, Any],
             message["prompt_token_ids"] = [rng.randrange(VOCAB_GUESS) for _ in range(rng.randint(1, 30))]
         message["sampling"] = valid_sampling(rng)
         if version >= 2:
-            for name, make in (("n", lambda: rng.choice([1, 2, 3, 16])), ("logprobs", lambda: rng.choice([True, False])),
+            for name, make in (("n", lambda: rng.choice([1, 2, 3, 16])),
+                               ("logprobs", lambda: rng.choice([True, False])),
                                ("top_logprobs", lambda: rng.choice([0, 1, 5]))):
                 if rng.random() < 0.3:
                     message["sampling"][name] = make()
             if message["sampling"].get("top_logprobs") and not message["sampling"].get("logprobs"):
                 message["sampling"]["logprobs"] = True
+        if version >= 4 and rng.random() < 0.2:
+            message["sampling"]["prompt_logprobs"] = rng.choice([None, 0, 1, 5])
         if version >= 3 and rng.random() < 0.3:
             message["cache_salt"] = rng.choice(["tenant-a", "b", "é" * 256])
         if rng.random() < 0.3:
@@ -177,13 +180,16 @@ GENERATE_FIELDS: list[tuple[tuple[str, ...], str, list[Any]]] = [
 LATER_FIELDS: list[tuple[tuple[str, ...], str, list[Any], int]] = [
     (("messages",), "list", [[], [{"role": "user"}], [{"role": "", "content": "x"}], [{"content": "x"}],
                              [{"role": "user", "content": "x", "bogus": 1}], [{"role": "user", "content": 1}],
-                             ["x"], [{"role": "u" * 65, "content": "x"}], [{"role": "user", "content": "x", "name": ""}],
-                             [{"role": "user", "content": "x" * 600_000}] * 2, [{"role": "user", "content": "x"}] * 1025],
+                             ["x"], [{"role": "u" * 65, "content": "x"}],
+                             [{"role": "user", "content": "x", "name": ""}],
+                             [{"role": "user", "content": "x" * 600_000}] * 2,
+                             [{"role": "user", "content": "x"}] * 1025],
      2),
     (("sampling", "n"), "int", [0, -1, 17, 2**40], 2),
     (("sampling", "logprobs"), "bool", [], 2),
     (("sampling", "top_logprobs"), "int", [-1, 21, 2**40], 2),
     (("cache_salt",), "str", ["s" * 257], 3),
+    (("sampling", "prompt_logprobs"), "int", [-1, 21, 2**40], 4),
 ]
 # attach_ring's fields: (name, out-of-range values); a valid one names no memfd of ours.
 RING_FIELDS: list[tuple[str, list[Any]]] = [
@@ -205,7 +211,7 @@ def broken_request(rng: random.Random) -> Case:
         path, kind_of, ranges, since = rng.choice(LATER_FIELDS)
         if since > version:  # a later version's field in an earlier version's message is unknown there
             bad = {"messages": [{"role": "user", "content": "x"}], "n": 2, "logprobs": True, "top_logprobs": 1,
-                   "cache_salt": "s"}[path[-1]]
+                   "cache_salt": "s", "prompt_logprobs": 1}[path[-1]]
         else:
             bad = rng.choice(BAD_VALUES[kind_of] + ranges * 2)
             if bad is None and path[-1] != "messages":
@@ -268,8 +274,10 @@ def broken_request(rng: random.Random) -> Case:
         target = target.setdefault(key, {})
     if path == ("prompt_token_ids",):
         message.pop("prompt", None)
+        message.pop("messages", None)
     if path == ("prompt",):
         message.pop("prompt_token_ids", None)
+        message.pop("messages", None)
     target[path[-1]] = bad
     codes = {"invalid_request", "too_large"}
     return Case([pack(message)], ".".join(path), "refused", rid, codes=codes, version=version)
@@ -278,8 +286,9 @@ def broken_request(rng: random.Random) -> Case:
 def chosen_routing_id(rng: random.Random, version: int) -> Case:
     """A valid message from a connection that set ZMQ_ROUTING_ID: not executed (SPEC §1)."""
     message, kind = valid_request(rng, version)
-    routing_id = rng.choice([b"\x00" + rng.randbytes(4), b"abc", rng.randbytes(rng.randint(1, 255)).replace(b"\x00", b"z")
-                             or b"z", b"\x00"])
+    # Not a zero byte and 4 more: those look like the ids ZeroMQ assigns, and the daemon cannot tell them apart.
+    routing_id = rng.choice([b"abc", b"\x00" + rng.randbytes(5), b"\x00\x01",
+                             rng.randbytes(rng.randint(1, 255)).replace(b"\x00", b"z")])
     return Case([pack(message)], "chosen routing id", "routing_id", None, kind=kind, version=version,
                 routing_id=routing_id)
 
@@ -472,7 +481,8 @@ def check_reply(reply: Any) -> str | None:
     version = reply.get("v")
     shapes = {
         "chunk": base | {"index", "text", "token_ids"} | ({"logprobs"} if version != 1 else set()),
-        "final": base | ({"text", "token_ids", "finish_reason"} if version == 1 else {"choices"}) | {"usage", "timings"},
+        "final": base | ({"text", "token_ids", "finish_reason"} if version == 1 else {"choices"}) | {"usage", "timings"}
+        | ({"prompt_logprobs"} if version >= 4 else set()),
         "error": base | {"code", "message", "field"},
         "status_reply": base | {"status"},
         "health_reply": base | {"state", "ok"},
@@ -498,7 +508,8 @@ def check_reply(reply: Any) -> str | None:
             return "bad final choices"
         for index, choice in enumerate(choices):
             if not (isinstance(choice, dict) and isinstance(choice.get("text"), str) and ints(choice.get("token_ids"))
-                    and choice.get("finish_reason") in FINISH_REASONS and (version == 1 or choice.get("index") == index)):
+                    and choice.get("finish_reason") in FINISH_REASONS
+                    and (version == 1 or choice.get("index") == index)):
                 return "bad final"
         usage_keys = {"prompt_tokens", "completion_tokens"} | ({"cached_tokens"} if version >= 3 else set())
         if not (isinstance(usage, dict) and set(usage) == usage_keys
@@ -534,9 +545,13 @@ class Report:
     canaries: int = 0
     second_session_rounds: int = 0
     worker_changes: list[str] = field(default_factory=list)
+    progress: bool = False  # each violation on stderr as it is found
 
     def violation(self, case: Case, text: str) -> None:
         self.violations.append(f"{case.label}: {text}")
+        if self.progress:
+            print(json.dumps({"violation": self.violations[-1], "frames": [f[:300].hex() for f in case.frames],
+                              "at": round(time.time(), 3)}), file=sys.stderr, flush=True)
 
 
 class Tracer:
@@ -580,6 +595,7 @@ class Lane:
         self.name = name
         self.recent = recent if recent is not None else []  # ids this lane's generates used, for the second session
         self.barriers = 0
+        self.stale = False
 
     def recv(self, case: Case, deadline: float, socket: zmq.Socket | None = None) -> dict | None:
         socket = socket or self.socket
@@ -602,6 +618,7 @@ class Lane:
     def _violate(self, case: Case, text: str) -> None:
         with self.lock:
             self.report.violation(case, text)
+        self.stale = True
 
     def _send(self, case: Case, socket: zmq.Socket | None = None) -> None:
         self.tracer.sent(self.name, case.label, case.frames)
@@ -651,6 +668,10 @@ class Lane:
         self._send(case)
         self._await(case)
         self.sentinel(case)
+        if self.stale:  # replies left unread after a violation would be taken for the next case's
+            self.socket.close()
+            self.socket = dealer(self.context, self.endpoint)
+            self.stale = False
 
     def _run_alone(self, case: Case) -> None:
         """On a session of its own: send, then a sentinel; every reply before the sentinel's
@@ -852,7 +873,7 @@ def fuzz(endpoint: str, count: int, seed: int, lanes: int = 8, with_corpus: bool
     rng = random.Random(seed)
     cases = (corpus() if with_corpus else []) + [generated(rng) for _ in range(count)]
     context = zmq.Context()
-    report = Report()
+    report = Report(progress=progress)
     lock = threading.Lock()
     tracer = Tracer(trace)
     before = workers_of(context, endpoint)

@@ -75,3 +75,35 @@ def test_chunked_prefill_under_preemption(model):
     chunked, sched = run_engine(model, prompts, 12, budget=10, num_blocks=36)
     assert sched.num_preemptions > 0
     assert chunked == whole
+
+
+def test_prompt_logprobs_in_chunks_beside_decoding_streams(model, tiny_model_dir):
+    """A prompt that asks for its logprobs, in chunks of a small budget (chunk_tokens)
+    beside streams that decode: each prompt token's entry is the transformers model's
+    log-softmax at the position before it."""
+    from transformers import AutoModelForCausalLM
+
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(4, 300, (int(n),), generator=g).tolist() for n in (9, 70, 14)]
+    kv = KVCache.allocate(model.config, 40, 4, model.dtype, model.device)
+    sched = Scheduler(BlockManager(40, 4, watermark=0.0), 8, 10, model.max_positions)
+    core = EngineCore(sched, InProcessRunner(model, kv), pipeline_depth=1)
+    streams = [core.add(f"s{i}", p, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
+               for i, p in enumerate((prompts[0], prompts[2]))]
+    core.step()  # the streams are decoding when the long prompt arrives
+    asked = core.add("asked", prompts[1], SamplingParams(max_tokens=3, temperature=0.0, prompt_logprobs=2))
+    while core.has_work:
+        core.step()
+    assert sched.stats.chunked_prefill_steps > 3 and sched.stats.mixed_steps > 0
+    assert all(len(s.seqs[0].output_token_ids) == 20 for s in streams)
+    ref = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = ref(torch.tensor([prompts[1]])).logits[0].log_softmax(dim=-1)
+    entries = asked.seqs[0].prompt_logprobs
+    assert len(entries) == len(prompts[1]) and entries[0] is None
+    for pos in range(1, len(prompts[1])):
+        token = prompts[1][pos]
+        assert entries[pos].token_id == token
+        assert entries[pos].logprob == pytest.approx(float(expected[pos - 1][token]), abs=1e-4), pos
+        top = [alt.logprob for alt in entries[pos].top_logprobs]
+        assert top == pytest.approx(expected[pos - 1].topk(2).values.tolist(), abs=1e-4), pos

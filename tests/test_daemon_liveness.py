@@ -129,3 +129,28 @@ def test_workers_outlive_a_killed_supervisor_by_under_two_seconds_and_the_next_s
         wait_until_ok(endpoint, 300, process, log_path)
         with Client(endpoint, timeout=60) as client:
             assert client.generate("ROMEO:", max_tokens=3, temperature=0).usage.completion_tokens == 3
+
+
+def test_a_sigterm_from_anyone_but_the_supervisor_is_logged_with_its_sender_and_ignored():
+    """The fuzzer's restarts had this in their log (both workers stopped, no error, the
+    graph generator's exit 0, the context generator first): what a SIGTERM to the context
+    generator did. Only the supervisor stops a worker; another sender is named in an
+    error and the pair serves on, unrestarted."""
+    with daemon_process("--no-compile-sampler", "--log-format", "json") as daemon:
+        process, rd, log_path = daemon.process, daemon.runtime_dir, daemon.log_path
+        endpoint = f"ipc://{rd}/hybridd.sock"
+        wait_until_ok(endpoint, 300, process, log_path)
+        with Client(endpoint, timeout=60) as client:
+            first = client.status()["workers"]
+            os.kill(first["context"]["pid"], signal.SIGTERM)
+            deadline = time.monotonic() + on_this_host(30.0)
+            while "SIGTERM ignored" not in log_path.read_text():
+                assert time.monotonic() < deadline, log_path.read_text()[-3000:]
+                time.sleep(0.05)
+            assert client.generate("ROMEO:", max_tokens=3).usage.completion_tokens == 3
+            assert client.status()["workers"] == first
+    records = [json.loads(line) for line in log_path.read_text().splitlines()]
+    ignored = [r for r in records if r["event"].startswith("SIGTERM ignored")]
+    assert [(r["level"], r["sender_pid"], r["pid"]) for r in ignored] == [("error", os.getpid(),
+                                                                           first["context"]["pid"])]
+    assert not [r for r in records if r["event"] == "worker failed"]

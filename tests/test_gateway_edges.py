@@ -73,8 +73,8 @@ def test_no_op_and_unknown_fields_are_ignored_and_named(oai):
     ("/v1/chat/completions", {"functions": [{"name": "f", "parameters": {}}]}, "functions"),
     ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
      "response_format"),
-    ("/v1/completions", {"echo": True, "logprobs": 1}, "echo"),
-], ids=["functions", "json_schema-without-schema", "echo-logprobs"])
+    ("/v1/completions", {"echo": True, "logprobs": 1, "stream": True}, "echo"),
+], ids=["functions", "json_schema-without-schema", "echo-logprobs-streamed"])
 def test_what_hybridd_cannot_do_stays_refused(daemon, path, extra, param):
     body = {"model": MODEL, "max_tokens": 2} | (
         {"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"prompt": "ROMEO:"})

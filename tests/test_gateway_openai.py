@@ -255,6 +255,46 @@ def test_echo_prepends_the_prompt(oai):
     assert completion.choices[0].text == "ROMEO:" + plain.choices[0].text
 
 
+def test_echo_with_logprobs_leads_with_the_prompts_tokens(oai, sdk):
+    """OpenAI's echo with logprobs: the prompt's tokens first (the first without a
+    logprob), each logprob the model's log-softmax at the position before it."""
+    prompt = "ROMEO:\nBut soft, what light"
+    direct = sdk.generate(prompt, max_tokens=3, temperature=0, prompt_logprobs=2)
+    choice = oai.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0, echo=True,
+                                    logprobs=2).choices[0]
+    assert choice.text == prompt + direct.text
+    lp = choice.logprobs
+    count = len(direct.prompt_logprobs)
+    assert "".join(lp.tokens[:count]) == prompt and len(lp.tokens) == count + 3
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.text_offset[count] == len(prompt)
+    # The daemon's values are checked against the model in test_runtime_chat_logprobs_n.
+    for pos in range(1, count):
+        assert lp.token_logprobs[pos] == pytest.approx(direct.prompt_logprobs[pos].logprob, abs=1e-5)
+        assert len(lp.top_logprobs[pos]) <= 2
+
+
+def test_prompt_logprobs_of_a_completion_and_a_chat(oai, sdk):
+    """vLLM's prompt_logprobs: per prompt token, its id and the top alternatives' ids with
+    logprob, rank and text (a completion's in each choice, a chat's beside the choices)."""
+    completion = oai.completions.create(model=MODEL, prompt="ROMEO:", max_tokens=2, temperature=0,
+                                        extra_body={"prompt_logprobs": 1})
+    direct = sdk.generate("ROMEO:", max_tokens=2, temperature=0, prompt_logprobs=1).prompt_logprobs
+    entries = completion.choices[0].prompt_logprobs
+    assert entries[0] is None and len(entries) == len(direct)
+    for entry, want in zip(entries[1:], direct[1:], strict=True):
+        mine = entry[str(want.token_id)]
+        assert mine["logprob"] == pytest.approx(want.logprob, abs=1e-5) and mine["rank"] == want.rank
+        assert mine["decoded_token"] == want.text and 1 <= len(entry) <= 2
+    chat = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Speak."}], max_tokens=2,
+                                       temperature=0, extra_body={"prompt_logprobs": 0})
+    assert chat.prompt_logprobs[0] is None and all(len(e) == 1 for e in chat.prompt_logprobs[1:])
+    with pytest.raises(openai.BadRequestError) as refused:
+        oai.completions.create(model=MODEL, prompt="ROMEO:", max_tokens=2, stream=True,
+                               extra_body={"prompt_logprobs": 1})
+    assert _error(refused)["param"] == "prompt_logprobs"
+
+
 def test_stop_string_ends_the_completion_before_it(oai):
     free = oai.completions.create(model=MODEL, prompt="ROMEO:", max_tokens=30, temperature=0).choices[0].text
     words = free.split()

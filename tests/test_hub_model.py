@@ -35,7 +35,8 @@ def _start(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
 
 def test_a_hub_id_in_the_cache_resolves_to_its_snapshot(tmp_path):
     snapshot = hub_cache(tmp_path / "hub")
-    done = _start("--model", "hybridd-test/tiny-shakespeare", "--print-config", env={"HF_HUB_CACHE": str(tmp_path / "hub")})
+    done = _start("--model", "hybridd-test/tiny-shakespeare", "--print-config",
+                  env={"HF_HUB_CACHE": str(tmp_path / "hub")})
     assert done.returncode == 0, done.stderr
     config = json.loads(done.stdout)
     assert config["model"] == str(snapshot)

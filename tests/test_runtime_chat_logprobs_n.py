@@ -292,3 +292,44 @@ def test_a_model_without_a_chat_template_refuses_chats(tmp_path):
         client.close()
     finally:
         engine.close()
+
+
+# ---------------------------------------------------------------- prompt logprobs
+
+
+def assert_prompt_logprobs_match(entries: list, prompt_ids: list[int], model, top: int) -> None:
+    """Each prompt token's entry against the model's own log-softmax at the position before it."""
+    with torch.no_grad():
+        expected = model(torch.tensor([prompt_ids])).logits[0].float().log_softmax(dim=-1)
+    assert len(entries) == len(prompt_ids) and entries[0] is None
+    for pos in range(1, len(prompt_ids)):
+        entry, row, token = entries[pos], expected[pos - 1], prompt_ids[pos]
+        assert entry["token_id"] == token
+        assert entry["logprob"] == pytest.approx(float(row[token]), abs=LOGPROB_TOLERANCE), pos
+        above = lambda margin: int((row > row[token] + margin).sum())  # noqa: E731
+        assert above(LOGPROB_TOLERANCE) + 1 <= entry["rank"] <= above(-LOGPROB_TOLERANCE) + 1, pos
+        values = [alt["logprob"] for alt in entry["top_logprobs"]]
+        assert values == pytest.approx(row.topk(top).values.tolist(), abs=LOGPROB_TOLERANCE), pos
+
+
+@pytest.mark.parametrize("length", [9, 100], ids=["one-chunk", "chunks"])
+def test_prompt_logprobs_equal_the_models_log_softmax(pair, hf, length):
+    """A prompt longer than the step's logits rows (max_batch) is computed in chunks; a
+    cached prefix does not stand in for its rows (the same prompt twice); the completion
+    is the one without them."""
+    model, tokenizer = hf
+    text = (EMBEDDED_MODEL / "validation.txt").read_text(encoding="utf-8")
+    prompt_ids = tokenizer.encode(text)[:length]
+    v4 = pair.client(version=4)
+    try:
+        plain, _ = v4.generate(prompt_token_ids=prompt_ids, sampling={"max_tokens": 4, "temperature": 0.0})
+        for _ in range(2):
+            final, _ = v4.generate(prompt_token_ids=prompt_ids,
+                                   sampling={"max_tokens": 4, "temperature": 0.0, "prompt_logprobs": 3})
+            assert final["type"] == "final", final
+            assert_prompt_logprobs_match(final["prompt_logprobs"], prompt_ids, model, 3)
+            assert final["usage"]["cached_tokens"] == 0
+            assert final["choices"][0]["token_ids"] == plain["choices"][0]["token_ids"]
+        assert plain["prompt_logprobs"] is None
+    finally:
+        v4.close()

@@ -183,8 +183,9 @@ def test_a_max_batch_that_cannot_fit_is_lowered_with_a_warning(tmp_path):
 
 
 def test_no_memory_for_a_batch_of_one_ends_the_daemon_once_with_one_line(tmp_path):
-    done, _ = _start("--runtime-dir", str(tmp_path / "run"), "--no-compile-sampler", timeout=300,
-                     env={"HYBRIDD_TEST_FREE_MEMORY_BYTES": "1"})
+    # Room for the KV cache (64 blocks of the embedded model, 128 KiB each in float32) and a few bytes more.
+    done, _ = _start("--runtime-dir", str(tmp_path / "run"), "--no-compile-sampler", "--num-kv-blocks", "64",
+                     timeout=300, env={"HYBRIDD_TEST_FREE_MEMORY_BYTES": str(64 * 131072 + 1024)})
     assert done.returncode == exit_codes.STARTUP_FAILED, done.stderr[-4000:]
     errors = [line for line in done.stderr.splitlines() if "[error" in line]
     assert len(errors) == 1 and "max_batch: not even a batch of 1 fits" in errors[0], errors

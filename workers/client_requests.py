@@ -48,6 +48,7 @@ class ClientRequest:
                 total_s=now - first.arrival_time,
                 queue_s=(first.scheduled_time or now) - first.arrival_time,
             ),
+            prompt_logprobs=first.prompt_logprobs,
             v=self.v,
         )
 

@@ -60,6 +60,7 @@ from hybridd.protocol.messages import (
     StatusReply,
     StatusRequest,
 )
+from hybridd.workers.loop_exit import LoopExit, Terminated, stop_signals_from
 from hybridd.workers.client_requests import (
     ClientRequest, PendingPrompt, attribution, decode_request, encoding_failure, field_first,
 )
@@ -102,6 +103,7 @@ class ContextGenerator:
         self.metrics = ServingMetrics()
         self.rings = ReplyRings(config.max_reply_rings)
         self.stop = False
+        self.loop_exit = LoopExit(self.log)
 
     # ------------------------------------------------------------------ start
     def start(self) -> None:
@@ -694,6 +696,7 @@ class ContextGenerator:
         for key in list(self.requests) + list(self.encoding):
             self._end(key, "cancelled")
         self.core.drain()
+        self.loop_exit.commanded("drain")
         self.stop = True
 
     # ----------------------------------------------------------------- status
@@ -799,18 +802,21 @@ def main(config: dict[str, Any], ctl_endpoint: str, supervised: bool = True) -> 
     cfg = Config.from_dict(config)
     configure(cfg.log_level, json=cfg.log_format == "json")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor drains us with a message
-    worker = ContextGenerator(cfg, ctl_endpoint, supervised)
 
     def terminate(signum, frame):
-        raise SystemExit(0)
+        raise Terminated(signum)
 
     signal.signal(signal.SIGTERM, terminate)
+    if supervised:
+        stop_signals_from(os.getppid(), get_logger("context_generator", pid=os.getpid()))
+    worker = ContextGenerator(cfg, ctl_endpoint, supervised)
     try:
         with worker.link.starting_up():
             worker.start()
         frozen = gc_pauses.freeze_start_up()
         worker.log.debug("start-up objects frozen out of the cyclic collector", objects=frozen)
-        worker.serve()
+        with worker.loop_exit.watch():
+            worker.serve()
     except EngineDeadError as exc:
         worker.log.error("engine_dead", error=exc.message)
         worker.fail_all(ErrorCode.ENGINE_DEAD, f"the engine died: {exc.message}")

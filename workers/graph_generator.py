@@ -37,6 +37,7 @@ from hybridd.ipc.events import InterprocessEvent
 from hybridd.ipc.shared_arena import SharedArena
 from hybridd.protocol import codec, control
 from hybridd.protocol.errors import ProtocolError
+from hybridd.workers.loop_exit import LoopExit
 from hybridd.workers.supervisor_link import SupervisorLink
 
 CPU_DEFAULT_KV_BLOCKS = 512
@@ -61,6 +62,7 @@ class GraphGenerator:
         self.device = resolve_device(config)
         self.tracer = StepTracer("graph")
         self._stop = False
+        self.loop_exit = LoopExit(self.log)
 
     def start(self) -> None:
         """Load the model, compile and capture; Ready to the context generator."""
@@ -186,6 +188,8 @@ class GraphGenerator:
         if free is None:
             return plan
         left = free - kv_bytes
+        if left <= 0:
+            return plan  # the KV cache cannot fit either: its allocation says so, naming it
         elem = torch.finfo(model.dtype).bits // 8
         need = {b: batch_bytes(model.config, b, plan.max_prefill_seqs, elem) for b in plan.decode}
         fitting = [b for b in plan.decode if need[b] <= left]
@@ -255,6 +259,7 @@ class GraphGenerator:
                 self.runner.start_background_capture()
                 self.link.phase("ready", "serving")
             elif isinstance(message, control.Shutdown):
+                self.loop_exit.commanded("shutdown (from the context generator)")
                 self._stop = True
             else:
                 self.log.warning("unexpected_control_message", type=type(message).__name__)
@@ -292,6 +297,7 @@ def main(config: dict[str, Any], ctl_endpoint: str) -> None:
             worker.start()
         frozen = gc_pauses.freeze_start_up()
         worker.log.debug("start-up objects frozen out of the cyclic collector", objects=frozen)
-        worker.serve()
+        with worker.loop_exit.watch():
+            worker.serve()
     finally:
         worker.close()

@@ -157,7 +157,8 @@ def result_of(reply: FinalReply, streamed: dict[int, list[TokenLogprob]] | None 
         choices = [replace(c, logprobs=streamed.get(c.index, [])) if c.logprobs is None else c for c in choices]
     first = choices[0]
     return GenerateResult(id=reply.id, text=first.text, token_ids=first.token_ids, finish_reason=first.finish_reason,
-                          usage=reply.usage, timings=reply.timings, logprobs=first.logprobs, choices=list(choices))
+                          usage=reply.usage, timings=reply.timings, logprobs=first.logprobs, choices=list(choices),
+                          prompt_logprobs=reply.prompt_logprobs)
 
 
 def raise_for(reply: Reply | HybriddError) -> None:

@@ -26,12 +26,14 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from hybridd.engine.grammar import CompiledGrammar
+from hybridd.engine.prompt_logprobs import PromptLogprobRows
 from hybridd.engine.sampler import Logprobs
-from hybridd.engine.scheduler import ScheduledBatch, Scheduler
+from hybridd.engine.scheduler import AdmissionError, ScheduledBatch, Scheduler
 from hybridd.engine.sequence import Sequence
 from hybridd.engine.step_pipeline import InflightStep
 from hybridd.engine.throughput import Throughput
-from hybridd.protocol.messages import SamplingParams, TokenLogprob, TopLogprob
+from hybridd.protocol.limits import MAX_FINAL_LOGPROB_ENTRIES
+from hybridd.protocol.messages import PromptLogprob, SamplingParams, TokenLogprob, TopLogprob
 from hybridd.runtime.step_trace import mark
 
 
@@ -137,6 +139,16 @@ class EngineCore:
             raise ValueError(f"request {request_id!r} is already running")
         if (grammar is None) != (params.structured is None):
             raise ValueError("a request with structured output needs its compiled grammar, and only it")
+        top = getattr(params, "prompt_logprobs", None)
+        if top is not None:
+            entries = len(prompt_ids) * (1 + top)
+            if entries > MAX_FINAL_LOGPROB_ENTRIES:
+                raise AdmissionError(f"{len(prompt_ids)} prompt tokens x (1 + prompt_logprobs {top}) = {entries} "
+                                     f"logprob entries exceed the {MAX_FINAL_LOGPROB_ENTRIES} one final reply "
+                                     f"carries; ask for fewer alternatives or a shorter prompt",
+                                     "sampling.prompt_logprobs")
+            # Every prompt token's logits are needed: no cached prefix may stand in for them.
+            cache_salt = f"prompt logprobs of {request_id} {time.monotonic_ns()}"
         arrival = time.monotonic() if arrival is None else arrival
         seqs = [Sequence(request_id if i == 0 else f"{request_id}#{i}", prompt_ids, params, arrival, index=i,
                          cache_salt=cache_salt, speculative=speculative and grammar is None)
@@ -270,6 +282,8 @@ class EngineCore:
                 outputs.tokens.append(TokenOutput(request, seq, token, text, logprob))
         self.throughput.add(new)
         self.scheduler.observe_step(step.batch, landed - started, new)
+        for rows in step.prompt_logprobs:
+            self._record_prompt_logprobs(rows)
         for seq in finished:
             request = self._owners.get(seq.request_id)
             if request is not None:
@@ -293,6 +307,19 @@ class EngineCore:
                             for i, v in zip(ids, values, strict=True) if v != float("-inf")]
         return TokenLogprob(token_id=token, text=self._token_text(token),
                             logprob=float(logprobs.sampled[row]), top_logprobs=alternatives)
+
+    def _record_prompt_logprobs(self, rows: PromptLogprobRows) -> None:
+        """A chunk's prompt logprobs, in the sequence's order (a position once)."""
+        recorded = rows.seq.prompt_logprobs
+        if recorded is None:
+            return
+        for i, token in enumerate(rows.token_ids):
+            if rows.first_position + i != len(recorded):
+                continue
+            alternatives = [TopLogprob(token_id=t, text=self._token_text(t), logprob=v)
+                            for t, v in zip(rows.top_ids[i], rows.top_values[i], strict=True)]
+            recorded.append(PromptLogprob(token_id=token, text=self._token_text(token), logprob=rows.logprobs[i],
+                                          rank=rows.ranks[i], top_logprobs=alternatives))
 
     def _token_text(self, token: int) -> str:
         if self.tokenizer is None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from hybridd.engine.grammar import TokenMasks
+from hybridd.engine.prompt_logprobs import compute as compute_prompt_logprobs
 from hybridd.engine.sampler import Logprobs, Sampler, SamplingTensors
 from hybridd.engine.scheduler import ScheduledBatch
 from hybridd.engine.speculation.verification import verify_sampling_tensors
@@ -36,6 +37,7 @@ class InProcessRunner:
         logits = self.model.forward_logits(batch.inputs.on(self.device), self.kv_cache)
         if batch.kv_copies:  # forks' copies of the prompt's last block, once this step wrote it
             copy_blocks(self.kv_cache.arena, batch.kv_copies)
+        prompt = compute_prompt_logprobs(logits, batch) if batch.prompt_rows else []
         if batch.selects_rows:
             logits = logits.index_select(0, torch.tensor(batch.sample_rows, dtype=torch.int64, device=self.device))
         seqs = batch.sampled_seqs
@@ -53,7 +55,7 @@ class InProcessRunner:
         host_logprobs = None
         if logprobs is not None:
             host_logprobs = logprobs.to(Logprobs.empty_like(logprobs, pin_memory=False))
-        return InflightStep(batch, tokens.cpu(), None, host_logprobs)
+        return InflightStep(batch, tokens.cpu(), None, host_logprobs, prompt)
 
     @staticmethod
     def landed(step: InflightStep) -> bool:

@@ -94,6 +94,8 @@ class ScheduledBatch:
     # Logits rows of each row's sequence: its last this-many tokens (None: one each, its
     # last). A prefill sequence that asks for its prompt's logprobs lists its chunk's.
     logit_rows: list[int] | None = None
+    # (row, first position) of the prompt chunks whose rows give their prompt's logprobs.
+    prompt_rows: list[tuple[int, int]] = field(default_factory=list)
     # A verify step: each sequence's draft tokens (its rows are its last token and these,
     # in order, each with logits); None for other steps.
     drafts: list[list[int]] | None = None
@@ -325,7 +327,7 @@ class Scheduler:
             return None  # drafts are made from every token: the ones in flight land first
         decodes = self._decode_rows()
         budget = self.chunk_tokens if decodes else self.max_prefill_tokens
-        chunks = self._prefill_chunks(budget - len(decodes))
+        chunks = self._within_rows(self._prefill_chunks(budget - len(decodes)), len(decodes))
         if not decodes and not chunks:
             return None
         step_id = self._take_step_id()
@@ -532,6 +534,19 @@ class Scheduler:
                 chunks.append((seq, start, n))
         return chunks
 
+    def _within_rows(self, chunks: list[tuple[Sequence, int, int]],
+                     decode_rows: int) -> list[tuple[Sequence, int, int]]:
+        """The chunks, those of prompts that want their logprobs (a logits row a token)
+        shortened so that the step's logits rows fit the buffer's (max_batch of them)."""
+        left = self.max_batch - decode_rows - len(chunks)  # rows beyond one a sequence
+        fitted = []
+        for seq, start, n in chunks:
+            if seq.wants_prompt_logprobs and start + n <= seq.num_prompt_tokens:
+                n = min(n, 1 + max(left, 0))
+                left -= n - 1
+            fitted.append((seq, start, n))
+        return fitted
+
     def _decode_batch(self, step_id: int, seqs: list[Sequence]) -> ScheduledBatch:
         bm = self.block_manager
         input_ids, src_step, src_row, positions = [], [], [], []
@@ -570,8 +585,15 @@ class Scheduler:
             tokens.append(seq.token_ids[start:start + n])
             starts.append(start)
         seqs = decodes + [seq for seq, _, _ in chunks]
+        # A prompt that wants its logprobs has a logits row for every token of its chunk.
+        prompt_rows = [(row, start) for row, (seq, start, n) in enumerate(chunks, start=len(decodes))
+                       if seq.wants_prompt_logprobs and start + n <= seq.num_prompt_tokens]
+        logit_rows = [1] * len(seqs)
+        for row, _ in prompt_rows:
+            logit_rows[row] = len(tokens[row])
         inputs = HostStepInputs.prefill(tokens, [seq.block_table for seq in seqs], bm.block_size,
-                                        start_positions=starts, table_width=self.block_table_width)
+                                        start_positions=starts, table_width=self.block_table_width,
+                                        logit_rows=logit_rows if prompt_rows else None)
         partial: set[int] = set()
         forks: list[tuple[int, Sequence]] = []
         kv_copies: list[tuple[int, int]] = []
@@ -604,6 +626,7 @@ class Scheduler:
             torch.tensor(src_step + pad, dtype=torch.int64) if on_device else None,
             torch.tensor(src_row + pad, dtype=torch.int64) if on_device else None,
             forks=forks, kv_copies=kv_copies, partial_rows=frozenset(partial), num_decode_rows=len(decodes),
+            logit_rows=logit_rows if prompt_rows else None, prompt_rows=prompt_rows,
         )
 
     @staticmethod

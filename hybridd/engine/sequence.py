@@ -24,7 +24,7 @@ import random
 import time
 from typing import TYPE_CHECKING
 
-from hybridd.protocol.messages import SamplingParams, TokenLogprob
+from hybridd.protocol.messages import PromptLogprob, SamplingParams, TokenLogprob
 
 if TYPE_CHECKING:
     from hybridd.engine.detokenizer import IncrementalDetokenizer
@@ -107,6 +107,15 @@ class Sequence:
         self.logprobs: list[TokenLogprob] | None = [] if self.params.logprobs else None
         # Structured output: what the output may be next (an llguidance matcher), else None.
         self.grammar = None
+        # One per prompt token recorded so far when the request asked for its prompt's
+        # logprobs (the first token's is None: nothing precedes it); sequence 0 only.
+        self.prompt_logprobs: list[PromptLogprob | None] | None = (
+            [None] if getattr(self.params, "prompt_logprobs", None) is not None and index == 0 else None)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Its prompt's logprobs are asked for and not all recorded yet."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
 
     def __len__(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)

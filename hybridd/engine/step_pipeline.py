@@ -31,11 +31,13 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from hybridd.engine.grammar import TokenMasks
+from hybridd.engine.prompt_logprobs import PromptLogprobRows
+from hybridd.engine.prompt_logprobs import compute as compute_prompt_logprobs
 from hybridd.engine.sampler import Logprobs, Sampler, SamplingTensors
 from hybridd.errors import EngineDeadError
 from hybridd.engine.scheduler import ScheduledBatch
@@ -59,6 +61,7 @@ class InflightStep:
     host_tokens: torch.Tensor
     done: torch.cuda.Event | None  # the copy to the host; None on the CPU (already there)
     host_logprobs: Logprobs | None = None  # pinned host copies, when a row asked for logprobs
+    prompt_logprobs: list[PromptLogprobRows] = field(default_factory=list)  # on the host already
 
 
 class StepPipeline:
@@ -170,7 +173,10 @@ class StepPipeline:
             if logprobs is not None:
                 logprobs.to(host_logprobs)
         mark("sampling_enqueued")
-        return InflightStep(batch, host, done, host_logprobs)
+        # Rare (a request that asks for its prompt's logprobs): computed and brought to
+        # the host now, before the next step overwrites the logits.
+        prompt = compute_prompt_logprobs(self.buffers.logits[:batch.num_logit_rows], batch) if batch.prompt_rows else []
+        return InflightStep(batch, host, done, host_logprobs, prompt)
 
     def _allowed(self, batch: ScheduledBatch) -> torch.Tensor | None:
         """The rows' allowed-token bitmask on the device, when a row is constrained."""

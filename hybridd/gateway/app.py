@@ -226,6 +226,7 @@ class Gateway:
                     structured_param=None if structured is None else structured[1],
                     echo=prompt if body.echo and isinstance(prompt, str) else "", cache_salt=salt,
                     speculative=body.speculative,
+                    echo_logprobs=body.logprobs if body.echo else None, prompt_logprobs=body.prompt_logprobs,
                     request_id=exchange.request_id if len(prompts) == 1 else f"{exchange.request_id}-{i}")
                 for i, prompt in enumerate(prompts)]
         exchange.jobs = jobs
@@ -251,7 +252,8 @@ class Gateway:
         jobs = [Job(base=0, prompt=None, messages=body.chat_messages(), sampling=sampling,
                     cache_salt=request_salt(tenant, body.cache_salt), request_id=exchange.request_id, tools=tools,
                     speculative=body.speculative,
-                    tool_plan=tool_plan, structured_param=structured_param)]
+                    tool_plan=tool_plan, structured_param=structured_param,
+                    prompt_logprobs=body.prompt_logprobs)]
         exchange.jobs = jobs
         await self.generate(exchange, jobs, body.model, chat=True, stream=body.stream,
                             include_usage=body.include_usage)

@@ -22,6 +22,7 @@ import msgspec
 
 from hybridd.client import GenerateResult, TokenLogprob
 from hybridd.gateway.tool_calls import ToolCall, ToolPlan, parse
+from hybridd.protocol.messages import PromptLogprob
 
 _encode = msgspec.json.encode
 
@@ -42,6 +43,8 @@ class Job:
     sampling: dict[str, Any]
     messages: list[dict[str, Any]] | None = None
     echo: str = ""
+    echo_logprobs: int | None = None  # completions with echo: the prompt's tokens lead the logprobs, this many top
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: written beside the choices
     cache_salt: str | None = None  # the salt sent (the request's, or its tenant's)
     speculative: bool | None = None  # False: no speculative decoding for it
     request_id: str | None = None  # its id on the wire: the HTTP request's id (and its prompt's index)
@@ -92,6 +95,26 @@ class Reply:
         return {"tokens": [e.text for e in entries], "token_logprobs": [e.logprob for e in entries],
                 "top_logprobs": [{t.text: t.logprob for t in e.top_logprobs} for e in entries],
                 "text_offset": offsets}
+
+    def echo_logprobs(self, job: Job, sequence: int, logprobs: dict[str, Any] | None) -> dict[str, Any] | None:
+        """Completions with echo and logprobs: the prompt's tokens first, as OpenAI writes
+        them (the first has no logprob; its text is what the others' texts leave of the prompt)."""
+        entries = job.result.prompt_logprobs if job.result is not None else None
+        if logprobs is None or job.echo_logprobs is None or not entries:
+            return logprobs
+        rest = "".join(e.text for e in entries[1:])
+        first = job.echo[:len(job.echo) - len(rest)] if job.echo.endswith(rest) else ""
+        tokens = [first] + [e.text for e in entries[1:]]
+        offsets, offset = [], 0
+        for text in tokens:
+            offsets.append(offset)
+            offset += len(text)
+        top = job.echo_logprobs
+        return {"tokens": tokens + logprobs["tokens"],
+                "token_logprobs": [None] + [e.logprob for e in entries[1:]] + logprobs["token_logprobs"],
+                "top_logprobs": [None] + [{t.text: t.logprob for t in e.top_logprobs[:top]} for e in entries[1:]]
+                + logprobs["top_logprobs"],
+                "text_offset": offsets + logprobs["text_offset"]}
 
     # ------------------------------------------------------------ streaming
 
@@ -148,9 +171,31 @@ class Reply:
                     choices.append({"index": job.base + choice.index, "message": message, "logprobs": logprobs,
                                     "finish_reason": reason})
                 else:
-                    choices.append({"index": job.base + choice.index, "text": text, "logprobs": logprobs,
+                    choices.append({"index": job.base + choice.index, "text": text,
+                                    "logprobs": self.echo_logprobs(job, choice.index, logprobs),
                                     "finish_reason": choice.finish_reason})
-        return self._object("", choices, usage(jobs))
+                    if job.prompt_logprobs is not None:
+                        choices[-1]["prompt_logprobs"] = vllm_prompt_logprobs(job.result.prompt_logprobs,
+                                                                              job.prompt_logprobs)
+        whole = self._object("", choices, usage(jobs))
+        if self.chat and jobs[0].prompt_logprobs is not None:
+            whole["prompt_logprobs"] = vllm_prompt_logprobs(jobs[0].result.prompt_logprobs, jobs[0].prompt_logprobs)
+        return whole
+
+
+def vllm_prompt_logprobs(entries: list[PromptLogprob | None] | None, top: int) -> list[dict[str, Any] | None]:
+    """vLLM's form: per prompt token (the first None), its id and its `top` alternatives'
+    ids, each with its logprob, rank and text."""
+    out: list[dict[str, Any] | None] = []
+    for entry in entries or []:
+        if entry is None:
+            out.append(None)
+            continue
+        ranked = {str(t.token_id): {"logprob": t.logprob, "rank": rank, "decoded_token": t.text}
+                  for rank, t in enumerate(entry.top_logprobs[:top], 1)}
+        ranked[str(entry.token_id)] = {"logprob": entry.logprob, "rank": entry.rank, "decoded_token": entry.text}
+        out.append(ranked)
+    return out
 
 
 def tool_calls_reason(reason: str) -> str:

@@ -29,7 +29,6 @@ REFUSED_UNLESS: dict[str, Callable[[Any], bool]] = {
     "logit_bias": lambda v: v == {},
     "best_of": lambda v: v == 1,
     "suffix": lambda v: v == "",
-    "prompt_logprobs": lambda v: v == 0 or v is False,
     "modalities": lambda v: v == ["text"],
     "audio": lambda v: False,
 }
@@ -103,10 +102,15 @@ class _Body(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     guided_choice: list[str] | None = None
     # An extension: false turns speculative decoding off for this request (nil: the daemon's setting).
     speculative: bool | None = None
+    # vLLM's: each prompt token's logprob with this many alternatives.
+    prompt_logprobs: TopLogprobs | None = None
 
     def check_supported(self) -> None:
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed with stream: true", "stream_options")
+        if self.prompt_logprobs is not None and self.stream:
+            raise bad_request("prompt_logprobs: not supported with stream: true (they come with the whole answer)",
+                              "prompt_logprobs")
         self.structured()
 
     def structured(self) -> tuple[dict[str, Any], str] | None:
@@ -156,6 +160,8 @@ class _Body(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             options["n"] = self.n
         if (structured := self.structured()) is not None:
             options["structured"] = structured[0]
+        if self.prompt_logprobs is not None:
+            options["prompt_logprobs"] = self.prompt_logprobs
         return options
 
 
@@ -189,14 +195,17 @@ class CompletionRequest(_Body, kw_only=True):
             raise bad_request(f"prompt: at most {MAX_PROMPTS} prompts per request, got {len(prompts)}", "prompt")
         if self.echo and any(not isinstance(p, str) for p in prompts):
             raise bad_request("echo: only supported with text prompts (the gateway holds no tokenizer)", "echo")
-        if self.echo and self.logprobs is not None:
-            raise bad_request("echo: not supported with logprobs (the prompt's logprobs are not computed)", "echo")
+        if self.echo and self.logprobs is not None and self.stream:
+            raise bad_request("echo: not supported with logprobs and stream: true (the prompt's logprobs come with "
+                              "the whole answer)", "echo")
         return prompts
 
     def sampling(self, default_max_tokens: int | None = None) -> dict[str, Any]:
         options = super().sampling(self.DEFAULT_MAX_TOKENS if default_max_tokens is None else default_max_tokens)
         if self.logprobs is not None:  # the sampled token's logprob and this many alternatives
             options |= {"logprobs": True, "top_logprobs": self.logprobs}
+            if self.echo:  # the echoed prompt's tokens come with theirs
+                options["prompt_logprobs"] = max(self.logprobs, self.prompt_logprobs or 0)
         return options
 
 
