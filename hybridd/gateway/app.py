@@ -42,7 +42,7 @@ from hybridd.protocol.errors import ErrorCode
 from hybridd.protocol.messages import HealthReply
 from hybridd.gateway.api_keys import key_matches
 from hybridd.gateway.cache_salt import request_salt
-from hybridd.gateway.errors import GatewayError, bad_request, from_daemon, from_http, not_ready
+from hybridd.gateway.errors import GatewayError, from_daemon, from_http, not_ready
 from hybridd.gateway.exchange import ClientDisconnected, Exchange
 from hybridd.gateway.openai_output import DONE_EVENT, Job, Reply, event, tool_calls_reason
 from hybridd.gateway.openai_schema import ChatCompletionRequest, CompletionRequest, parse_body
