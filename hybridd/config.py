@@ -232,9 +232,9 @@ class Config:
                                        meaning="Requests in flight (running and waiting) beyond which a new one is "
                                                "refused as overloaded.")
     # ---- speculative decoding
-    # Off by default until the GPU has measured it: on the CPU, prompt lookup measured 0.94x at one
-    # stream and 1.06x at four (docs/lab/benchmarks.md), and a speculating step gives up the
-    # one-step-ahead pipeline that the decode step's distance to its floor depends on.
+    # Off by default until the GPU has measured it (the CPU showed no gain at one stream:
+    # docs/lab/benchmarks.md), since a speculating step gives up the one-step-ahead pipeline
+    # that the decode step's distance to its floor depends on.
     speculative_drafter: str = setting("none", section="speculation", choices=("none", "ngram", "draft_model"),
                                        meaning="What proposes draft tokens for speculative decoding: ngram "
                                                "(prompt lookup: the tokens that followed the latest earlier "
