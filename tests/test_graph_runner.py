@@ -46,8 +46,8 @@ def test_a_prefill_step_gives_the_logits_of_every_row_its_sequences_list(model, 
     logits of each such token, in order, through a replayed prefill graph and eagerly;
     the next step, with one row each, reads no stale row."""
     runner = make_runner(model)
-    if captured:
-        assert runner._capture("prefill", 32)
+    if captured:  # 7 logits rows: more than max_prefill_seqs, so the mixed graph of max_rows rows
+        assert runner._capture("mixed", 32)
     prompts, tables = [[5, 9, 11, 3, 7], list(range(3, 20))], [[0, 1, 2], [3, 4, 5]]
     step = StepInputs.prefill(prompts, tables, BLOCK, logit_rows=[5, 2])
     assert step.logits_indices.tolist() == [0, 1, 2, 3, 4, 20, 21]
