@@ -5,6 +5,8 @@ sees drafts accepted, cut short and rejected, whatever the model)."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 
 from hybridd.engine.block_manager import BlockManager
@@ -33,6 +35,22 @@ def run_engine(model, prompts: list[list[int]], params: SamplingParams | list[Sa
     while core.has_work:
         core.step()
     return [[list(seq.output_token_ids) for seq in request.seqs] for request in requests], scheduler
+
+
+def sampled_tokens_by_position(model, prompt: list[int], speculator: Speculator | None, first_seed: int,
+                               requests: int, n: int, tokens: int) -> list[Counter]:
+    """The tokens drawn at each output position by `requests` seeded requests (seeds from
+    `first_seed`) of `n` sequences each, `tokens` tokens long, sampled at temperature 1."""
+    params = [SamplingParams(max_tokens=tokens, temperature=1.0, top_p=0.98, seed=seed, n=n, ignore_eos=True)
+              for seed in range(first_seed, first_seed + requests)]
+    outputs, _ = run_engine(model, [prompt] * requests, params, speculator, num_blocks=512, block_size=16,
+                            max_batch=64)
+    by_position = [Counter() for _ in range(tokens)]
+    for request in outputs:
+        for output in request:
+            for position, token in enumerate(output):
+                by_position[position][token] += 1
+    return by_position
 
 
 def repetitive_prompts(lengths: tuple[int, ...], seed: int = 1, vocab: int = 320) -> list[list[int]]:

@@ -25,7 +25,7 @@ from hybridd.engine.speculation.speculator import Speculator
 from hybridd.model import load_model
 from hybridd.model.tokenizer import load_tokenizer
 from hybridd.protocol.messages import SamplingParams
-from tests.speculation_helpers import build_tiny_draft, repetitive_prompts, run_engine
+from tests.speculation_helpers import sampled_tokens_by_position, build_tiny_draft, repetitive_prompts, run_engine
 from tests.test_speculative_sampling import SIGNIFICANCE, chi_square_p
 from tests.test_start_refusals import REFUSAL_BOUND_S, _start
 from tests.tiny_models import build_tiny_model
@@ -155,16 +155,7 @@ def test_sampled_tokens_are_distributed_as_without_speculation(embedded):
     requests, n, tokens = 4, 16, 6
 
     def draws(first_seed: int, speculator: Speculator | None) -> list[Counter]:
-        params = [SamplingParams(max_tokens=tokens, temperature=1.0, top_p=0.98, seed=seed, n=n, ignore_eos=True)
-                  for seed in range(first_seed, first_seed + requests)]
-        outputs, _ = run_engine(model, [scene] * requests, params, speculator, num_blocks=512, block_size=16,
-                                max_batch=64)
-        by_position = [Counter() for _ in range(tokens)]
-        for request in outputs:
-            for output in request:
-                for position, token in enumerate(output):
-                    by_position[position][token] += 1
-        return by_position
+        return sampled_tokens_by_position(model, scene, speculator, first_seed, requests, n, tokens)
 
     speculator = shipped_draft(3)
     with_speculation = draws(10_000, speculator)

@@ -21,7 +21,7 @@ from hybridd.engine.speculation.verification import rejection_sample
 from hybridd.model import load_model
 from hybridd.model.tokenizer import load_tokenizer
 from hybridd.protocol.messages import SamplingParams
-from tests.speculation_helpers import run_engine
+from tests.speculation_helpers import sampled_tokens_by_position, run_engine
 
 SIGNIFICANCE = 1e-3
 # Greedy prompt lookup on the grounded prompt below kept 0.71 of its draft tokens (k 2 to 6)
@@ -78,16 +78,7 @@ def test_sampled_tokens_are_distributed_as_without_speculation(embedded):
     requests, n, tokens = 4, 16, 6
 
     def draws(first_seed: int, speculator: Speculator | None) -> list[Counter]:
-        params = [SamplingParams(max_tokens=tokens, temperature=1.0, top_p=0.98, seed=seed, n=n, ignore_eos=True)
-                  for seed in range(first_seed, first_seed + requests)]
-        outputs, _ = run_engine(model, [prompt] * requests, params, speculator, num_blocks=512, block_size=16,
-                                max_batch=64)
-        by_position = [Counter() for _ in range(tokens)]
-        for request in outputs:
-            for output in request:
-                for position, token in enumerate(output):
-                    by_position[position][token] += 1
-        return by_position
+        return sampled_tokens_by_position(model, prompt, speculator, first_seed, requests, n, tokens)
 
     speculator = always(4)
     with_speculation = draws(10_000, speculator)
