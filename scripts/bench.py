@@ -6,29 +6,21 @@
     python -m scripts.bench --out /tmp/b --device cpu --preset tiny --quick   # CI smoke, seconds
     python -m scripts.bench --out $OUT/fp8 --parts ceilings,checkpoint,breakdown_fp8,fp8   # FP8 against bf16
 
-Parts, in order: `ceilings` (copy bandwidth, matmul rate: the decode and prefill
-floors), `checkpoint` (random weights of the preset's shape unless `--model`),
-`breakdown` (each step's kernels by category, scripts/bench_breakdown.py), then the
-real daemon (`hybridd start`, scripts/daemon.py) measured at the client through the SDK:
-`hybridd_eager` (graphs off), `hybridd` (start split into its phases on empty compile
-caches, ITL during background capture, TTFT at 10-500 tokens, batch-1 ITL, 1-32
-concurrent streams, graph memory, what the HTTP gateway adds: scripts/bench_gateway.py),
-the daemon with one setting changed against `hybridd` (VARIANTS), `capture_evict` (ITL
-while prefill graphs are captured during decode, scripts/bench_capture.py), `mixed_load`
-and `prefix_reuse` (a stream's ITL while another client sends long prompts; TTFT with a
- cached prefix and over a chat's turns: scripts/bench_mixed.py), `structured` (ITL under a
- JSON schema ÷ unconstrained at batch 1 and 32 streams, schema compile time:
- scripts/bench_structured.py), `speculation` and `speculation_steps` (tokens/s with and
- without speculative decoding on a prompt-grounded task, acceptance; verify-step times and
- time per token at set acceptances: scripts/bench_speculation.py), `breakdown_fp8` (the
- breakdown of the model quantized to FP8 at load: its decode steps against the FP8 floor)
- and `fp8` (a bf16 and an FP8 daemon on the same weights, one after the other: start, TTFT
- at 128 tokens to `--long-prompt`, batch-1 ITL and 32 streams, FP8 over bf16), and the
- peers on the same weights: `hf_eager`, `hf_static`
-(transformers `generate()`, static cache and torch.compile). A part is skipped, with
-the reason recorded, when `--budget-s` would be exceeded; a failure is recorded and the
-run goes on; bench.json is rewritten after every part. docs/lab/benchmarks.md reads
-the figures; plot with `python docs/lab/benchmarks_plot.py OUT/*/bench.json`.
+Parts, in order: `ceilings` (copy bandwidth, matmul rate: the floors), `checkpoint`
+(random weights of the preset's shape unless `--model`), `breakdown` (each step's
+kernels by category: bench_breakdown.py); then the real daemon (`hybridd start`), measured
+at the client through the SDK: `hybridd_eager` (graphs off), `hybridd` (start phases on
+empty compile caches, ITL during background capture, TTFT at 10-500 tokens, batch-1 ITL,
+1-32 streams, graph memory, what the HTTP gateway adds: bench_gateway.py), VARIANTS (one
+setting changed), `capture_evict` (bench_capture.py), `mixed_load` and `prefix_reuse`
+(bench_mixed.py), `structured` (bench_structured.py), `speculation` and
+`speculation_steps` (bench_speculation.py), `breakdown_fp8` and `fp8` (the model
+quantized to FP8: its steps against the FP8 floor; a bf16 and an FP8 daemon on the same
+weights), and the peers on the same weights: `hf_eager`, `hf_static` (transformers
+`generate()`, static cache and torch.compile). A part is skipped, the reason recorded,
+where `--budget-s` would be exceeded; a failure is recorded and the run goes on;
+bench.json is rewritten after every part. docs/lab/benchmarks.md reads the figures;
+plot with `python docs/lab/benchmarks_plot.py OUT/*/bench.json`.
 """
 
 from __future__ import annotations
