@@ -4,8 +4,11 @@ marked `gpu` sweep the shapes of the supported models on the GPU only."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
+import torch.nn.functional as F
 
 from hybridd.kernels import attention as ref_attention
 from hybridd.kernels import ops as ref_ops
@@ -187,12 +190,70 @@ def test_prefill_attention_matches_reference_with_padding(heads, kv_heads):
     step, q, kc, vc, _ = paged_step(g, DEVICE, DTYPE, spans, heads, kv_heads, d, pad=11, padded_seqs=2)
     ref = ref_attention.prefill_attention(q, kc, vc, step, d**-0.5)
     plans = [None, triton_attention.PrefillPlan(block_m=16, block_n=16, num_warps=2, num_stages=1)]
-    if CUDA:  # every plan a bucket can pick, on one step (the interpreter would take minutes)
-        plans += sorted({triton_attention.prefill_plan(t) for t in (16, 32, 64, 128, 4096)}, key=repr)
+    if CUDA:  # every plan a bucket can pick, split or not, on one step (the interpreter would take minutes)
+        sms = triton_attention.multiprocessors(q.device)
+        plans += sorted({triton_attention.prefill_plan(t, *shape, sms=sms) for t in (16, 32, 64, 128, 4096)
+                         for shape in ((), (heads, 4096, 8))}, key=repr)
     for plan in plans:
         out = triton_attention.prefill_attention(q, kc, vc, step, d**-0.5, plan=plan)
         assert not out.isnan().any()
         assert rel(out, ref) < (2e-2 if CUDA else 1e-5), plan
+
+
+def sdpa_causal(q, spans, contexts, scale):
+    """float32 scaled-dot-product attention of each sequence's rows over its contiguous
+    context, the causal mask offset by the context cached before its first row; padding
+    rows are 0."""
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    row = 0
+    for (start, rows), (keys, values) in zip(spans, contexts, strict=True):
+        visible = torch.arange(keys.shape[0], device=q.device)[None, :] <= torch.arange(start, start + rows,
+                                                                                          device=q.device)[:, None]
+        o = F.scaled_dot_product_attention(q[row:row + rows].float().transpose(0, 1), keys.float().transpose(0, 1),
+                                           values.float().transpose(0, 1), attn_mask=visible, scale=scale,
+                                           enable_gqa=True)
+        out[row:row + rows] = o.transpose(0, 1)
+        row += rows
+    return out
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "d"), [(2, 1, 32), (2, 2, 64)])
+def test_split_prefill_attention_matches_sdpa(heads, kv_heads, d):
+    """The keys split over several programs and merged: a query tail after a long cached
+    prefix, a whole prompt, a decode row and a short chunk in one step, contexts off the
+    block boundaries, with bucket padding. Three splits (runs of 64 keys and more, the
+    short sequences in one run written directly), then twelve (runs of 32 keys: the tail's
+    ten runs merge, the other splits exit); a repeat gives the same bits (the merges left
+    every ticket at zero)."""
+    g = torch.Generator(device=DEVICE).manual_seed(heads + d)
+    spans = [(293, 24), (0, 37), (130, 1), (45, 3)]
+    step, q, kc, vc, contexts = paged_step(g, DEVICE, DTYPE, spans, heads, kv_heads, d, pad=3, padded_seqs=1)
+    ref = sdpa_causal(q, spans, contexts, d**-0.5)
+    plan = triton_attention.PrefillPlan(block_m=16, block_n=32, num_warps=4, num_stages=2, splits=3, min_split=64)
+    for plan in (plan, dataclasses.replace(plan, splits=12, min_split=32)):
+        out = triton_attention.prefill_attention(q, kc, vc, step, d**-0.5, plan=plan)
+        assert rel(out, ref) < (2e-2 if CUDA else 1e-5), plan
+        assert not out[-3:].any()  # padding rows
+    assert torch.equal(triton_attention.prefill_attention(q, kc, vc, step, d**-0.5, plan=plan), out)
+
+
+def test_prefill_plan_splits_few_query_tiles_over_long_contexts():
+    """On an H100's 132 multiprocessors, a prefill graph's buckets (8 sequences) at 32
+    heads and max_model_len 4096: a 64-token tail and a 256-token chunk split their keys, a
+    2048-token step fills the GPU without; no split grid passes SPLIT_GRID_PER_SM programs
+    a multiprocessor, and contexts within one run (max_model_len 256) never split."""
+    def plan(tokens, max_context=4096):
+        return triton_attention.prefill_plan(tokens, heads=32, max_context=max_context, seqs=8, sms=132)
+
+    assert plan(64).splits > 1 and plan(256).splits > 1
+    assert plan(2048).splits == 1
+    assert plan(64, max_context=256).splits == plan(256, max_context=256).splits == 1
+    for tokens in (16, 32, 64, 128, 256, 512, 1024, 2048):
+        p = plan(tokens)
+        grid = (-(-tokens // p.block_m) + 8 + 1) * 32 * p.splits
+        assert p.splits == 1 or grid <= triton_attention.SPLIT_GRID_PER_SM * 132, (tokens, p)
+        assert p.min_split % p.block_n == 0 and p.min_split >= triton_attention.MIN_SPLIT_KEYS
+        assert dataclasses.replace(p, splits=1, min_split=256) == triton_attention.prefill_plan(tokens)
 
 
 @torch.inference_mode()
