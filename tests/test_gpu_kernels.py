@@ -5,6 +5,9 @@ marked `gpu` sweep the shapes of the supported models on the GPU only."""
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+import os
+import statistics
 
 import pytest
 import torch
@@ -518,6 +521,127 @@ def test_prefill_attention_at_a_long_context():
     assert not out.isnan().any()
     assert rel(out, dense_causal(q, spans, contexts, d**-0.5)) < 2e-2
 
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("heads", "kv_heads", "d"), MODEL_SHAPES[:2])
+def test_split_prefill_attention_graph_replays_new_contexts(heads, kv_heads, d):
+    """A 64-token prefill graph's bucket (8 sequences, tables for 4096 tokens), captured
+    once with its split plan, serves every context written into its inputs: a tail after
+    a long cached prefix, prompts beside a decode row, a tail ending at the table's last
+    position, a cold prompt."""
+    g = torch.Generator(device=DEVICE).manual_seed(11)
+    tokens, seqs, width, page = 64, 8, 256, 16
+    kc = torch.randn(seqs * width + 1, page, kv_heads, d, dtype=DTYPE, device=DEVICE, generator=g)
+    vc = torch.randn_like(kc)
+
+    def case(spans):
+        return paged_step(g, DEVICE, DTYPE, spans, heads, kv_heads, d, page, pad=tokens - sum(r for _, r in spans),
+                          padded_seqs=seqs - len(spans), table_width=width, caches=(kc, vc))
+
+    step, q, _, _, _ = case([(0, tokens)])
+    sms = triton_attention.multiprocessors(q.device)
+    assert triton_attention.prefill_plan(tokens, heads, width * page, seqs, sms).splits > 1
+    triton_attention.prefill_attention(q, kc, vc, step, d**-0.5)  # compile outside capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = triton_attention.prefill_attention(q, kc, vc, step, d**-0.5)
+    for spans in ([(1936, 64)], [(0, 16), (500, 40), (3000, 1), (17, 7)], [(4032, 64)], [(0, 64)]):
+        new, new_q, _, _, contexts = case(spans)
+        for name in ("positions", "slot_mapping", "block_tables", "seq_lens", "query_start_loc"):
+            getattr(step, name).copy_(getattr(new, name))
+        q.copy_(new_q)
+        graph.replay()
+        assert rel(out, dense_causal(q, spans, contexts, d**-0.5)) < 2e-2, spans
+
+
+def graph_us_per_call(call, calls: int = 32, rounds: int = 20) -> float:
+    """Median µs per call of call(i) for i < `calls`, captured back to back in one graph."""
+    call(0)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            call(i)
+    graph.replay()
+    times = []
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    return statistics.median(times)
+
+
+# (step, spans, bucket): the prefix-cache tail and the chunks beside a stream of the
+# bench's prefix_reuse and mixed_load parts, a short cold prompt, and a cold bucket the
+# rule splits in two.
+SPLIT_TIMING_CASES = (
+    ("64 after 1936 cached", [(1936, 64)], 64),
+    ("256 at context 256", [(256, 256)], 256),
+    ("256 at context 1024", [(1024, 256)], 256),
+    ("256 at context 1792", [(1792, 256)], 256),
+    ("16 at context 0", [(0, 16)], 16),
+    ("1024 at context 0", [(0, 1024)], 1024),
+)
+
+
+@pytest.mark.gpu
+def test_split_prefill_attention_timings(capsys):
+    """Prints µs per prefill attention call of each split count at the Llama-2-7B (32
+    heads, 32 KV heads) and Llama-3-8B (32 / 8) shapes, d 128, in a prefill graph's
+    bucket (8 sequences, tables for 4096 tokens), each call in a graph of 32 reading its
+    own copy of the cache (as each layer does: not from L2), under the daemon's launch
+    settings for the step (dependent launch up to 32 rows). Columns: `old` (with
+    OLD_TRITON_ATTENTION naming a copy of the module before splits), 1 split, the
+    plan's rule and 2-16 splits; each output is checked against dense attention.
+
+        git show 0bdc8f1:hybridd/kernels/triton_attention.py > /tmp/old_attention.py
+        OLD_TRITON_ATTENTION=/tmp/old_attention.py python -m pytest -q -m gpu \\
+            -k split_prefill_attention_timings tests/test_gpu_kernels.py
+    """
+    from hybridd.kernels.selection import TritonKernels
+
+    old = None
+    if os.environ.get("OLD_TRITON_ATTENTION"):
+        spec = importlib.util.spec_from_file_location("old_triton_attention", os.environ["OLD_TRITON_ATTENTION"])
+        old = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(old)
+    d, page, width, seqs, copies = 128, 16, 256, 8, 8
+    sms = triton_attention.multiprocessors(torch.device(DEVICE))
+    split_counts = (2, 4, 8, 16)
+    lines = [f"prefill attention, µs per call ({torch.cuda.get_device_name()}, {sms} SMs); columns: split counts",
+             f"{'shape':10s} {'step':22s} {'old':>7s} {'1':>7s} {'rule':>12s} "
+             + " ".join(f"{s:>7d}" for s in split_counts)]
+    for shape, (heads, kv_heads) in {"llama2-7b": (32, 32), "llama3-8b": (32, 8)}.items():
+        for what, spans, bucket in SPLIT_TIMING_CASES:
+            g = torch.Generator(device=DEVICE).manual_seed(bucket)
+            step, q, kc, vc, contexts = paged_step(g, DEVICE, DTYPE, spans, heads, kv_heads, d, page,
+                                                   pad=bucket - sum(r for _, r in spans),
+                                                   padded_seqs=seqs - len(spans), table_width=width)
+            caches = [(kc, vc)] + [(kc.clone(), vc.clone()) for _ in range(copies - 1)]
+            ref = dense_causal(q, spans, contexts, d**-0.5)
+            rule = triton_attention.prefill_plan(bucket, heads, width * page, seqs, sms)
+            plans = [dataclasses.replace(rule, splits=1), rule] + [dataclasses.replace(rule, splits=s)
+                                                                   for s in split_counts]
+            times = []
+            with TritonKernels().launches(bucket):
+                if old is not None:
+                    assert rel(old.prefill_attention(q, kc, vc, step, d**-0.5), ref) < 2e-2
+                    times.append(graph_us_per_call(lambda i: old.prefill_attention(q, *caches[i % copies], step,
+                                                                                   d**-0.5)))
+                for plan in plans:
+                    assert rel(triton_attention.prefill_attention(q, kc, vc, step, d**-0.5, plan=plan), ref) < 2e-2
+                    times.append(graph_us_per_call(
+                        lambda i, plan=plan: triton_attention.prefill_attention(q, *caches[i % copies], step, d**-0.5,
+                                                                                plan=plan)))
+            cells = ([f"{times.pop(0):7.1f}"] if old is not None else [f"{'-':>7s}"]) + [f"{times[0]:7.1f}",
+                     f"{times[1]:7.1f} ({rule.splits:2d})"] + [f"{t:7.1f}" for t in times[2:]]
+            lines.append(f"{shape:10s} {what:22s} " + " ".join(cells))
+    with capsys.disabled():
+        print("\n" + "\n".join(lines))
 
 # Two layers of each supported shape: every projection then runs through the skinny
 # GEMM's table (the shapes it has configs for), so its weight prefetch is exercised.

@@ -448,65 +448,71 @@ def _prefill_kernel(
     # last sequence, which see no key and give 0. So each program finds its sequence and
     # tile from `query_start_loc` alone, and a tile never spans two sequences.
     si = tl.arange(0, SEQS_PAD)
+    # SEQS_PAD > num_seqs + 1, so starts[num_seqs + 1] is num_tokens: the padding rows' end.
     starts = tl.load(qsl_ptr + si, mask=si <= num_seqs, other=num_tokens)
     first_tile = starts // BLOCK_M + si
     seq = tl.max(tl.where((first_tile <= pid) & (si <= num_seqs), si, 0), axis=0)
     seq_start = tl.max(tl.where(si == seq, starts, 0), axis=0)
+    seq_end = tl.max(tl.where(si == seq + 1, starts, 0), axis=0)
     tile = pid - tl.max(tl.where(si == seq, first_tile, 0), axis=0)
     is_real = seq < num_seqs
-    seq_end = tl.load(qsl_ptr + seq + 1, mask=is_real, other=num_tokens)
-    rows = seq_start + tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    rvalid = rows < seq_end
-    pos_q = tl.load(pos_ptr + rows, mask=rvalid & is_real, other=-1)
-    # A row sees its sequence's keys at positions up to its own, all in the paged cache.
-    hi = tl.max(pos_q, axis=0) + 1
-    # Split `split` reads keys [split * run, (split + 1) * run): whole key tiles, at least
-    # `min_split` keys, as few runs as `num_splits` allows; splits past the last run exit.
-    split = tl.program_id(2)
-    run = hi
-    runs = 1
-    if SPLIT:
-        run = tl.maximum(tl.cdiv(tl.cdiv(hi, num_splits), BLOCK_N) * BLOCK_N, min_split)
-        runs = tl.maximum(tl.cdiv(hi, run), 1)
-    if split < runs:
-        start = split * run
-        end = tl.minimum(start + run, hi)
-        d = tl.arange(0, HEAD_DIM)
-        rows64 = rows.to(tl.int64)
-        q = tl.load(q_ptr + rows64[:, None] * stride_qt + h * stride_qh + d[None, :], mask=rvalid[:, None],
-                    other=0.0)
-        bt_row = bt_ptr + tl.where(is_real, seq, 0).to(tl.int64) * stride_bt
-        m_i, l_i, acc = _prefill_keys(
-            q, kc_ptr, vc_ptr, bt_row, kvh, start, end, pos_q, qk_scale, stride_c_blk, stride_c_tok, stride_c_head,
-            HEAD_DIM, PAGE, BLOCK_M, BLOCK_N, PRECISION, INTERPRET,
-        )
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        out_rows = out_ptr + rows64[:, None] * stride_ot + h * stride_oh + d[None, :]
-        if runs == 1:
-            tl.store(out_rows, out.to(out_ptr.dtype.element_ty), mask=rvalid[:, None])
-        else:
-            # Partials [split, token, head]: a row belongs to one tile, so rows never collide.
-            part_rows = rows64 * NUM_HEADS + h
-            part_stride = num_tokens.to(tl.int64) * NUM_HEADS
-            mine = part_rows + split * part_stride
-            lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
-            tl.store(part_o_ptr + mine[:, None] * HEAD_DIM + d[None, :], out, mask=rvalid[:, None])
-            tl.store(part_lse_ptr + mine, lse, mask=rvalid)
-            # As in decode: every thread's partial is stored before the ticket is taken; the
-            # program that takes the tile's last ticket merges and gives the ticket back.
-            tl.debug_barrier()
-            ticket = ticket_ptr + pid * NUM_HEADS + h
-            taken = tl.atomic_add(ticket, 1, sem="acq_rel")
-            if taken == runs - 1:
-                _merge_prefill_splits(out_rows, part_o_ptr, part_lse_ptr, part_rows, rvalid, runs, part_stride,
-                                      HEAD_DIM, BLOCK_M, INTERPRET)
-                tl.atomic_xchg(ticket, 0)
+    row0 = seq_start + tile * BLOCK_M
+    # Tile slots past their sequence's rows (the grid has one more per sequence) exit here,
+    # every split of them, after the one load.
+    if row0 < seq_end:
+        rows = row0 + tl.arange(0, BLOCK_M)
+        rvalid = rows < seq_end
+        pos_q = tl.load(pos_ptr + rows, mask=rvalid & is_real, other=-1)
+        # A row sees its sequence's keys at positions up to its own, all in the paged cache.
+        hi = tl.max(pos_q, axis=0) + 1
+        # Split `split` reads keys [split * run, (split + 1) * run): whole key tiles, at
+        # least `min_split` keys, as few runs as `num_splits` allows; splits past the last
+        # run exit.
+        split = tl.program_id(2)
+        run = hi
+        runs = 1
+        if SPLIT:
+            run = tl.maximum(tl.cdiv(tl.cdiv(hi, num_splits), BLOCK_N) * BLOCK_N, min_split)
+            runs = tl.maximum(tl.cdiv(hi, run), 1)
+        if split < runs:
+            start = split * run
+            end = tl.minimum(start + run, hi)
+            d = tl.arange(0, HEAD_DIM)
+            rows64 = rows.to(tl.int64)
+            q = tl.load(q_ptr + rows64[:, None] * stride_qt + h * stride_qh + d[None, :], mask=rvalid[:, None],
+                        other=0.0)
+            bt_row = bt_ptr + tl.where(is_real, seq, 0).to(tl.int64) * stride_bt
+            m_i, l_i, acc = _prefill_keys(
+                q, kc_ptr, vc_ptr, bt_row, kvh, start, end, pos_q, qk_scale, stride_c_blk, stride_c_tok,
+                stride_c_head, HEAD_DIM, PAGE, BLOCK_M, BLOCK_N, PRECISION, INTERPRET,
+            )
+            out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+            out_rows = out_ptr + rows64[:, None] * stride_ot + h * stride_oh + d[None, :]
+            if runs == 1:
+                tl.store(out_rows, out.to(out_ptr.dtype.element_ty), mask=rvalid[:, None])
+            else:
+                # Partials [split, token, head]: a row is in one tile, so tiles never collide.
+                part_rows = rows64 * NUM_HEADS + h
+                part_stride = num_tokens.to(tl.int64) * NUM_HEADS
+                mine = part_rows + split * part_stride
+                lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+                tl.store(part_o_ptr + mine[:, None] * HEAD_DIM + d[None, :], out, mask=rvalid[:, None])
+                tl.store(part_lse_ptr + mine, lse, mask=rvalid)
+                # As in decode: every thread's partial is stored before the ticket is taken;
+                # the program that takes the tile's last ticket merges and gives it back.
+                tl.debug_barrier()
+                ticket = ticket_ptr + pid * NUM_HEADS + h
+                taken = tl.atomic_add(ticket, 1, sem="acq_rel")
+                if taken == runs - 1:
+                    _merge_prefill_splits(out_rows, part_o_ptr, part_lse_ptr, part_rows, rvalid, runs, part_stride,
+                                          HEAD_DIM, BLOCK_M, INTERPRET)
+                    tl.atomic_xchg(ticket, 0)
 
 
 def _seqs_pad(seqs: int) -> int:
-    """The prefill kernel's SEQS_PAD for `seqs` sequences (and the padding rows' one past
-    them): a compile-time constant."""
-    return max(2, triton.next_power_of_2(seqs + 1))
+    """The prefill kernel's SEQS_PAD for `seqs` sequences, the padding rows' one past them
+    and the end of those rows: a compile-time constant."""
+    return triton.next_power_of_2(seqs + 2)
 
 
 def prefill_attention(
