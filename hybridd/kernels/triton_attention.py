@@ -284,13 +284,13 @@ _LONG_PREFILL_PLAN = PrefillPlan(block_m=64, block_n=64, num_warps=4, num_stages
 
 # The KV split of a step with few query tiles over a long context (a prompt's tail after a
 # cached prefix, a chunk late in a long prompt). Unmeasured first values, to be set by
-# `pytest -s -m gpu tests/test_gpu_kernels.py -k split_timings` (it times every split
-# count at the shapes that need them):
+# `pytest -m gpu tests/test_gpu_kernels.py -k split_prefill_attention_timings` (it times
+# every split count at the shapes that need them):
 # programs with keys to read the split aims for, per multiprocessor;
 SPLIT_PROGRAMS_PER_SM = 4
-# the most programs a split grid may have, per multiprocessor: a split's programs of the
-# bucket's padding tiles (and of a context too short for them) still start, read the
-# step's bounds and exit;
+# the most programs a split grid may have, per multiprocessor: every split of the
+# bucket's padding tile slots still starts and reads the step's bounds, and every split
+# of a tile whose context is too short for it its positions, before it exits;
 SPLIT_GRID_PER_SM = 16
 # keys a split reads at least (its partial output and the merge cost about as much as a
 # 64-key tile; the first value is four of them);
@@ -488,7 +488,9 @@ def _prefill_kernel(
             )
             out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
             out_rows = out_ptr + rows64[:, None] * stride_ot + h * stride_oh + d[None, :]
-            if runs == 1:
+            if not SPLIT:
+                tl.store(out_rows, out.to(out_ptr.dtype.element_ty), mask=rvalid[:, None])
+            elif runs == 1:
                 tl.store(out_rows, out.to(out_ptr.dtype.element_ty), mask=rvalid[:, None])
             else:
                 # Partials [split, token, head]: a row is in one tile, so tiles never collide.
@@ -559,7 +561,6 @@ def prefill_attention(
 # (`launch_variants`). With and without dependent launch they are different kernels
 # (`pdl`), each compiled by its first call.
 _MAX_BUCKET_BATCH = 512
-_MAX_BUCKET_TOKENS = 1 << 15
 
 
 def _compile_decode_plans(
@@ -585,22 +586,22 @@ def _aligned_as(t: torch.Tensor, n: int) -> torch.Tensor:
 def _compile_prefill_plans(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, step: StepInputs, scale: float
 ) -> None:
-    """Every plan a bucket of this geometry can pick (query tile height; split or not), for
-    every padding of the sequence count up to this step's: an eager prefill (a bucket not
-    captured yet) has its own count of sequences."""
+    """Every plan a bucket can pick (each query tile height, split and not where a context
+    can be split), for every padding of the sequence count up to this step's: an eager
+    prefill (a bucket not captured yet) has its own count of sequences."""
     seqs = step.query_start_loc.shape[0] - 1
     key = ("prefill", q.device, q.dtype, tuple(q.shape[1:]), tuple(k_cache.shape[1:]), seqs,
            step.block_tables.shape[1], pdl.enabled(q.device))
     if not first_eager_call(key, q.device):
         return
-    heads, max_context, sms = q.shape[1], step.block_tables.shape[1] * k_cache.shape[1], multiprocessors(q.device)
+    plans = list(dict.fromkeys([plan for _, plan in _PREFILL_PLANS] + [_LONG_PREFILL_PLAN]))
+    if step.block_tables.shape[1] * k_cache.shape[1] > MIN_SPLIT_KEYS:
+        # Split counts share one kernel: only whether a plan splits is compiled in.
+        plans += [dataclasses.replace(plan, splits=2) for plan in plans]
     tokens = 16  # any multiple of 16 (as every bucket is) compiles the kernel a bucket runs
     counts = {_seqs_pad(n): n for n in range(1, seqs + 1)}  # the most sequences of each padding
     for n in counts.values():
-        # Split counts share one kernel: only whether a plan splits is compiled in.
-        picked = (prefill_plan(b, heads, max_context, n, sms) for b in range(16, _MAX_BUCKET_TOKENS + 1, 16))
-        plans = {dataclasses.replace(plan, splits=min(plan.splits, 2)) for plan in picked}
-        for plan in sorted(plans, key=repr):
+        for plan in plans:
             dummy = dataclasses.replace(
                 step,
                 input_ids=step.input_ids[:0],
