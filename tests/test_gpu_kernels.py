@@ -8,6 +8,7 @@ import dataclasses
 import importlib.util
 import os
 import statistics
+import sys
 
 import pytest
 import torch
@@ -607,7 +608,7 @@ def test_split_prefill_attention_timings(capsys):
     old = None
     if os.environ.get("OLD_TRITON_ATTENTION"):
         spec = importlib.util.spec_from_file_location("old_triton_attention", os.environ["OLD_TRITON_ATTENTION"])
-        old = importlib.util.module_from_spec(spec)
+        old = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # its dataclasses look it up
         spec.loader.exec_module(old)
     d, page, width, seqs, copies = 128, 16, 256, 8, 8
     sms = triton_attention.multiprocessors(torch.device(DEVICE))
