@@ -288,9 +288,9 @@ _LONG_PREFILL_PLAN = PrefillPlan(block_m=64, block_n=64, num_warps=4, num_stages
 # every split count at the shapes that need them):
 # programs with keys to read the split aims for, per multiprocessor;
 SPLIT_PROGRAMS_PER_SM = 4
-# the most programs a split grid may have, per multiprocessor: every split of the
-# bucket's padding tile slots still starts and reads the step's bounds, and every split
-# of a tile whose context is too short for it its positions, before it exits;
+# the most programs a split grid may have, per multiprocessor: a program of a padding
+# tile slot still starts and reads the step's bounds before it exits, and one of a split
+# that a short context leaves without keys reads its tile's positions too;
 SPLIT_GRID_PER_SM = 16
 # keys a split reads at least (its partial output and the merge cost about as much as a
 # 64-key tile; the first value is four of them);
