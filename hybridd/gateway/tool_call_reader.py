@@ -12,8 +12,8 @@ for Llama's and Mistral's JSON a first `{` / `[` of the whole output) holds call
 (`{"name": ..., "arguments" | "parameters": {...}}`, several, or a list of them) and for
 Mistral's newer format `name[ARGS]{...}`. A call opens (is sent) once its name is read
 and its arguments have begun (or its object closed without them, as `{}`); from then on
-its arguments go out as they come: the model's own JSON text of them (a JSON string of
-arguments is sent decoded, whole). A region that breaks before any call opened (no JSON,
+its arguments go out as they come, in json.dumps' form whatever the model's spacing
+(`json_rewriter`; a JSON string of arguments is sent decoded, whole). A region that breaks before any call opened (no JSON,
 no name, a name not a string, no region end) is content after all, marker and all;
 after a call opened, the rest from the break on is content. A call cut short (max_tokens)
 stays as far as it came.
@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from hybridd.gateway.json_rewriter import JsonRewriter
 from hybridd.gateway.tool_calls import MARKERS, ToolCall, ToolPlan, call_id
 
 _SEPARATORS = " \t\r\n,;"
@@ -111,7 +112,8 @@ class _Call:
 
     start: int  # where its text began
     name: str | None = None
-    arguments: str = ""  # its arguments' text read so far
+    arguments: str = ""  # its arguments' text read so far (rewritten)
+    rewriter: JsonRewriter = field(default_factory=JsonRewriter)
     arguments_kind: str = ""  # "{", '"' once they began
     arguments_done: bool = False
     expect: str = "key_or_end"  # in its object: key_or_end, key, colon, value, next
@@ -352,7 +354,7 @@ class CallReader:
         end = scan.advance(self.text, self.at, self.final)
         arguments = call.expect == "value" and call.key in _ARGUMENT_KEYS and not call.arguments_done
         if arguments and call.arguments_kind == "{":
-            call.arguments += self.text[self.at:end]
+            call.arguments += call.rewriter.feed(self.text[self.at:end])
             self._send_arguments(call)
         self.at = end
         if not scan.done:
@@ -365,8 +367,9 @@ class CallReader:
         call.expect = "next"
         if arguments:
             if call.arguments_kind == '"':
-                call.arguments = str(_decoded(value, str))
-                _decoded(call.arguments, dict)
+                arguments = str(_decoded(value, str))
+                _decoded(arguments, dict)
+                call.arguments = call.rewriter.feed(arguments)
             call.arguments_done = True
             self._open(call)
         elif call.key == "name" and call.name is None:
@@ -385,6 +388,8 @@ class CallReader:
             return False
         if call.index is None:
             raise _Broken
+        call.arguments += call.rewriter.finish()
+        self._send_arguments(call)
         self._close_region()
         return True
 
