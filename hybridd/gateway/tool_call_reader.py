@@ -188,6 +188,10 @@ class CallReader:
             self.events.append(self.text[self.sent:end])
             self.sent = end
 
+    def _before_blanks(self, end: int) -> int:
+        """`end`, less the whitespace just before it (never back past what was sent)."""
+        return self.sent + len(self.text[self.sent:end].rstrip())
+
     def _text(self) -> bool:
         text = self.text
         if self.bare:
@@ -202,17 +206,16 @@ class CallReader:
         if self.marker:
             found = text.find(self.marker, self.at)
             if found >= 0:
-                self._content(max(self.sent, len(text[:found].rstrip())))
+                self._content(self._before_blanks(found))
                 self._open_region(found + len(self.marker), found + len(self.marker))
                 return True
         if self.final:
-            rest = text[self.sent:]
-            self._content(self.sent + len(rest.rstrip()) if self.calls else len(text))
+            self._content(self._before_blanks(len(text)) if self.calls else len(text))
             self.at = len(text)
             return False
         # Hold back what may begin a marker, and the whitespace before it.
         held = _marker_prefix(text, max(self.at, self.sent), self.marker)
-        self._content(max(self.sent, len(text[:len(text) - held].rstrip())))
+        self._content(self._before_blanks(len(text) - held))
         self.at = max(self.at, self.sent)
         return False
 
