@@ -13,10 +13,10 @@ for Llama's and Mistral's JSON a first `{` / `[` of the whole output) holds call
 Mistral's newer format `name[ARGS]{...}`. A call opens (is sent) once its name is read
 and its arguments have begun (or its object closed without them, as `{}`); from then on
 its arguments go out as they come, in json.dumps' form whatever the model's spacing
-(`json_rewriter`; a JSON string of arguments is sent decoded, whole). A region that breaks before any call opened (no JSON,
-no name, a name not a string, no region end) is content after all, marker and all;
-after a call opened, the rest from the break on is content. A call cut short (max_tokens)
-stays as far as it came.
+(`json_rewriter`; a JSON string of arguments is sent decoded, whole). A region that
+breaks before any call opened (no JSON, no name, a name not a string, no region end) is
+content after all, marker and all; after a call opened, the rest from the break on is
+content. A call cut short (max_tokens) stays as far as it came.
 """
 
 from __future__ import annotations
@@ -355,8 +355,8 @@ class CallReader:
         scan = call.scan
         assert scan is not None
         end = scan.advance(self.text, self.at, self.final)
-        arguments = call.expect == "value" and call.key in _ARGUMENT_KEYS and not call.arguments_done
-        if arguments and call.arguments_kind == "{":
+        in_arguments = call.expect == "value" and call.key in _ARGUMENT_KEYS and not call.arguments_done
+        if in_arguments and call.arguments_kind == "{":
             call.arguments += call.rewriter.feed(self.text[self.at:end])
             self._send_arguments(call)
         self.at = end
@@ -368,11 +368,11 @@ class CallReader:
             call.key, call.expect = str(_decoded(value, str)), "colon"
             return True
         call.expect = "next"
-        if arguments:
+        if in_arguments:
             if call.arguments_kind == '"':
-                arguments = str(_decoded(value, str))
-                _decoded(arguments, dict)
-                call.arguments = call.rewriter.feed(arguments)
+                decoded = str(_decoded(value, str))
+                _decoded(decoded, dict)
+                call.arguments = call.rewriter.feed(decoded)
             call.arguments_done = True
             self._open(call)
         elif call.key == "name" and call.name is None:
