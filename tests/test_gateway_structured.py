@@ -158,6 +158,18 @@ def test_streamed_tool_calls_add_up_to_the_whole_answers_calls(oai):
     assert streamed.usage.completion_tokens == whole.usage.completion_tokens
 
 
+def test_an_auto_answer_without_calls_streams_as_its_whole_content(oai):
+    """The embedded model writes no calls of its own: under `auto` its text, held back
+    where it might begin one, adds up to the whole answer's content."""
+    request = {"model": MODEL, "messages": ASK, "tools": [WEATHER], "max_tokens": 24, "temperature": 0}
+    whole = oai.chat.completions.create(**request)
+    streamed, chunks = _accumulated(oai.chat.completions.create(**request, stream=True))
+    assert whole.choices[0].message.content and whole.choices[0].message.tool_calls is None
+    assert streamed.choices[0].message.content == whole.choices[0].message.content
+    assert streamed.choices[0].finish_reason == whole.choices[0].finish_reason in ("stop", "length")
+    assert sum(1 for chunk in chunks if chunk.choices and chunk.choices[0].delta.content) > 3  # as it came
+
+
 def test_tool_choice_none_and_named(oai):
     plain = oai.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="none",
                                         max_tokens=8, temperature=0)
