@@ -202,7 +202,7 @@ class DraftModelDrafter:
         pending = [seq.token_ids[start:] for seq, start in zip(seqs_drafted, starts, strict=True)]
         logits = self._catch_up(pending, [c.blocks for c in cached], starts)
         for c, seq in zip(cached, seqs_drafted, strict=True):
-            c.tokens = seq.token_ids
+            c.tokens = list(seq.token_ids)  # its own list: the draft tokens are appended to it
         tokens: list[list[int]] = [[] for _ in rows]
         probabilities: list[list[torch.Tensor]] = [[] for _ in rows]
         active = list(range(len(rows)))
