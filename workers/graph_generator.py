@@ -286,6 +286,8 @@ class GraphGenerator:
 
     def serve(self) -> None:
         self.runner.serve_from_this_thread()
+        if self.draft is not None:
+            self.draft.runner.serve_from_this_thread()
         ack_seen = False
         last_stats = 0.0
         poller = zmq.Poller()
