@@ -113,7 +113,8 @@ class DraftSequence(Fields):
 
 class Draft(Message, tag="draft"):
     """Context generator → graph generator: draft tokens for `sequences`; `released`
-    sequences have finished (their draft state can go)."""
+    sequences have finished (their draft state can go). Answered with `Drafted`, unless
+    `sequences` is empty."""
 
     draft: Count
     sequences: list[DraftSequence] = []

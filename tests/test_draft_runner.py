@@ -56,7 +56,12 @@ class Served:
                                   memory_budget_bytes=1 << 30, stream=None)
         self.runner.runner.capture_decode_graphs()
         self.messages: list[control.Draft] = []
-        self.drafter = GraphDrafter(self._exchange, probabilities)
+        self.drafter = GraphDrafter(self._exchange, self._notify, probabilities)
+
+    def _notify(self, message: control.Draft) -> None:
+        received = codec.CONTROL.decode(codec.encode(message))
+        self.messages.append(received)
+        assert self.runner.draft(received) is None  # no answer
 
     def _exchange(self, message: control.Draft) -> control.Drafted:
         received = codec.CONTROL.decode(codec.encode(message))
@@ -105,6 +110,17 @@ def test_drafts_equal_the_in_process_reference_greedy_and_sampled(draft):
     served.drafter.propose([Sequence("new", [5, 6, 7], GREEDY)], [2])
     assert served.messages[-1].released == ["long"]
     assert "long" not in served.runner.sequences and "long" not in served.runner.drafter.cache.seqs
+
+
+def test_many_finished_sequences_are_let_go_without_an_answer(draft, monkeypatch):
+    monkeypatch.setattr(graph_drafter, "MAX_RELEASED", 2)
+    served = Served(draft, 96)
+    seqs = [Sequence(str(i), [5 + i, 6, 7], GREEDY) for i in range(3)]
+    served.drafter.propose(seqs, [2, 2, 2])
+    served.drafter.release("0")
+    served.drafter.release("1")  # told at once, in a message that asks for nothing
+    assert served.messages[-1].released == ["0", "1"] and not served.messages[-1].sequences
+    assert set(served.runner.sequences) == {"2"} and set(served.runner.drafter.cache.seqs) == {"2"}
 
 
 def test_tokens_past_a_message_take_several(draft, monkeypatch):

@@ -127,7 +127,7 @@ def test_draft_model_graphs_replay_equal_to_eager_with_no_eager_step_in_steady_s
 
     model = load_model(EMBEDDED_DRAFT_MODEL, dtype=torch.bfloat16, device="cuda", max_positions=1024)
     graphs, eager = _draft_runner(model, True), _draft_runner(model, False)
-    drafters = [GraphDrafter(r.draft, r.probabilities) for r in (graphs, eager)]
+    drafters = [GraphDrafter(r.draft, r.draft, r.probabilities) for r in (graphs, eager)]
     params = SamplingParams(max_tokens=512, temperature=0.0, ignore_eos=True)
     prompts = repetitive_prompts((40, 90, 25, 60), seed=2, vocab=4096)
     seqs = [[Sequence(str(i), p, params) for i, p in enumerate(prompts)] for _ in drafters]

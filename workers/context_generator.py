@@ -148,7 +148,7 @@ class ContextGenerator:
             while_waiting=self.link.heartbeat, settle=self._settle,
         )
         drafter = make_drafter(config.speculative_drafter, config.speculative_ngram_min, config.speculative_ngram_max,
-                               self.pipeline.exchange_draft,
+                               self.pipeline.exchange_draft, self.ctl.send,
                                None if self.draft_arena is None else self.draft_arena.tensors["probabilities"])
         self.speculator = None if drafter is None else Speculator(drafter, config.num_speculative_tokens)
         self.scheduler = Scheduler(

@@ -357,9 +357,12 @@ class GraphGenerator:
         """Drafts for the context generator's sequences (`DraftRunner`); none without a draft model."""
         if self.draft is None:
             self.log.error("draft_without_a_draft_model")
-            self.ctl.send(control.Drafted(draft=message.draft, failed=True))
+            if message.sequences:
+                self.ctl.send(control.Drafted(draft=message.draft, failed=True))
             return
-        self.ctl.send(self.draft.draft(message))
+        reply = self.draft.draft(message)
+        if reply is not None:
+            self.ctl.send(reply)
 
     def _stats(self) -> dict[str, Any]:
         stats = self.runner.snapshot()

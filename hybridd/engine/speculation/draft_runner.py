@@ -97,14 +97,17 @@ class DraftRunner:
         self.drafts = 0
         self.draft_tokens = 0
 
-    def draft(self, message: control.Draft) -> control.Drafted:
+    def draft(self, message: control.Draft) -> control.Drafted | None:
         """Drafts for the message's sequences (see the module docstring). A message that
         does not follow what this runner knows (a sequence's tokens from another offset),
         or whose drafting fails, gets no drafts, and its sequences are forgotten: the
-        context generator sends them whole next time."""
+        context generator sends them whole next time. A message with no sequences only
+        lets finished ones go, and gets no answer (None)."""
         for request_id in message.released:
             self.sequences.pop(request_id, None)
             self.drafter.release(request_id)
+        if not message.sequences:
+            return None
         try:
             seqs = [self._extend(entry) for entry in message.sequences]
             wanted = [entry.count for entry in message.sequences]

@@ -4,7 +4,10 @@
 
 It sends each sequence's tokens once: a sequence's tokens only grow, so a message
 carries those past what was sent before (with a new sequence's sampling parameters and
-seed), and the finished sequences since the last message. Tokens are sent at most
+seed), and the finished sequences since the last message (many of them waiting are
+told at once in a `Draft` that asks for nothing, which gets no answer: a sequence
+finishes while a step is being launched, when no other answer may be awaited). Tokens
+are sent at most
 `MAX_TOKENS_PER_MESSAGE` to a message (long prompts take several, the last one asking
 for the drafts), within the control channel's message size. The draft distributions of
 sampled requests are read from the shared `probabilities` region, where the graph
@@ -27,15 +30,17 @@ from hybridd.protocol import control
 # channel's MAX_MESSAGE_BYTES and its decoder's array length.
 MAX_TOKENS_PER_MESSAGE = 1 << 17
 # Finished sequences are told with the next draft; this many waiting are told at once.
-MAX_RELEASED = 1024
+MAX_RELEASED = 256
 
 
 class GraphDrafter:
-    def __init__(self, exchange: Callable[[control.Draft], control.Drafted], probabilities: torch.Tensor,
-                 name: str = "draft_model") -> None:
-        """`exchange` sends a `Draft` and returns its `Drafted`; `probabilities` is the
-        shared region [rows, V] of the draft distributions."""
+    def __init__(self, exchange: Callable[[control.Draft], control.Drafted], notify: Callable[[control.Draft], None],
+                 probabilities: torch.Tensor, name: str = "draft_model") -> None:
+        """`exchange` sends a `Draft` and returns its `Drafted`; `notify` sends one that
+        asks for nothing (no answer comes); `probabilities` is the shared region [rows, V]
+        of the draft distributions."""
         self.exchange = exchange
+        self.notify = notify
         self.probabilities = probabilities
         self.name = name
         self._sent: dict[str, int] = {}  # tokens of each sequence the graph generator has
@@ -113,5 +118,5 @@ class GraphDrafter:
         self._released.append(request_id)
         if len(self._released) >= MAX_RELEASED:
             self._messages += 1
-            self.exchange(control.Draft(draft=self._messages, released=self._released))
+            self.notify(control.Draft(draft=self._messages, released=self._released))
             self._released = []

@@ -17,16 +17,18 @@ DRAFTERS = ("none", "ngram", "draft_model")
 
 def make_drafter(name: str, ngram_min: int = 1, ngram_max: int = 4,
                  exchange: Callable[[control.Draft], control.Drafted] | None = None,
+                 notify: Callable[[control.Draft], None] | None = None,
                  probabilities: torch.Tensor | None = None) -> Drafter | None:
     """The drafter named `name`, or None for `none`. `draft_model` runs in the graph
-    generator (`draft_runner`): `exchange` asks it for drafts, and `probabilities` is
-    the shared region it writes the draft distributions into."""
+    generator (`draft_runner`): `exchange` asks it for drafts, `notify` tells it what
+    needs no answer, and `probabilities` is the shared region it writes the draft
+    distributions into."""
     if name == "none":
         return None
     if name == "ngram":
         return NgramDrafter(ngram_min, ngram_max)
     if name == "draft_model":
-        if exchange is None or probabilities is None:
+        if exchange is None or notify is None or probabilities is None:
             raise ValueError("speculative_drafter draft_model: the graph generator serves no draft model")
-        return GraphDrafter(exchange, probabilities)
+        return GraphDrafter(exchange, notify, probabilities)
     raise ValueError(f"speculative_drafter: unknown drafter {name!r}; known: {', '.join(DRAFTERS)}")
