@@ -246,8 +246,9 @@ class DraftModelDrafter:
                 if done[i] < len(pending[i]):
                     break
                 i += 1
-            inputs = HostStepInputs.prefill([pending[s][o:o + n] for s, o, n in parts], [tables[s] for s, _, _ in parts],
-                                            self.cache.block_size, [starts[s] + o for s, o, _ in parts])
+            inputs = HostStepInputs.prefill([pending[s][o:o + n] for s, o, n in parts],
+                                            [tables[s] for s, _, _ in parts], self.cache.block_size,
+                                            [starts[s] + o for s, o, _ in parts])
             logits = self.forward(inputs)
             if first == 0 and i == len(pending) and len(parts) == len(pending):
                 return logits  # the usual case: one forward took every sequence whole
