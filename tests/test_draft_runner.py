@@ -16,15 +16,10 @@ import torch
 from hybridd.engine.sequence import Sequence
 from hybridd.engine.speculation import graph_drafter
 from hybridd.engine.speculation.draft_model import DraftModelDrafter
-from hybridd.engine.speculation.draft_runner import DraftRunner
-from hybridd.engine.speculation.graph_drafter import GraphDrafter
 from hybridd.model import load_model
-from hybridd.model.kv_cache import KVCache, blocks_for
-from hybridd.protocol import codec, control
+from hybridd.protocol import control
 from hybridd.protocol.messages import SamplingParams
-from hybridd.runtime.buckets import BucketPlan
-from hybridd.runtime.step_buffers import StepBuffers
-from tests.speculation_helpers import build_tiny_draft, repetitive_prompts
+from tests.speculation_helpers import ServedDraftModel, build_tiny_draft, repetitive_prompts
 from tests.tiny_models import build_tiny_model
 
 GREEDY = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
@@ -42,31 +37,8 @@ def draft(tmp_path_factory):
     return load_model(path / "draft", dtype=torch.float32)
 
 
-class Served:
-    """A draft runner as the graph generator holds it, and the context generator's
-    drafter over it; every message encoded and decoded as on the control socket."""
-
-    def __init__(self, model, num_blocks: int) -> None:
-        plan = BucketPlan.create([1, 2, 4, 8], [16, 32, 64], max_prefill_seqs=2, mixed_tokens=MAX_TOKENS)
-        vocab = model.config.vocab_size
-        buffers = StepBuffers.allocate(MAX_TOKENS, plan.max_rows, blocks_for(model.max_positions, BLOCK), vocab, "cpu")
-        kv = KVCache.allocate(model.config, num_blocks, BLOCK, model.dtype, "cpu")
-        probabilities = torch.zeros(plan.max_batch, vocab)
-        self.runner = DraftRunner(model, kv, buffers, plan, probabilities, use_graphs=True,
-                                  memory_budget_bytes=1 << 30, stream=None)
-        self.runner.runner.capture_decode_graphs()
-        self.messages: list[control.Draft] = []
-        self.drafter = GraphDrafter(self._exchange, self._notify, probabilities)
-
-    def _notify(self, message: control.Draft) -> None:
-        received = codec.CONTROL.decode(codec.encode(message))
-        self.messages.append(received)
-        assert self.runner.draft(received) is None  # no answer
-
-    def _exchange(self, message: control.Draft) -> control.Drafted:
-        received = codec.CONTROL.decode(codec.encode(message))
-        self.messages.append(received)
-        return codec.CONTROL.decode(codec.encode(self.runner.draft(received)))
+def serve(model, num_blocks: int) -> ServedDraftModel:
+    return ServedDraftModel(model, num_blocks, BLOCK, MAX_TOKENS)
 
 
 def assert_same(got, expected) -> None:
@@ -77,7 +49,7 @@ def assert_same(got, expected) -> None:
             torch.testing.assert_close(g.probabilities, e.probabilities, atol=1e-5, rtol=1e-4)
 
 
-def verify_rounds(draft, served: Served, rounds: int = 5) -> None:
+def verify_rounds(draft, served: ServedDraftModel, rounds: int = 5) -> None:
     """Draft with both drafters for the same sequences; each round the target keeps a
     part of each draft (the first `round % 3` tokens) and draws a token of its own."""
     reference = DraftModelDrafter(draft, 96, BLOCK)
@@ -96,7 +68,7 @@ def verify_rounds(draft, served: Served, rounds: int = 5) -> None:
 
 
 def test_drafts_equal_the_in_process_reference_greedy_and_sampled(draft):
-    served = Served(draft, 96)
+    served = serve(draft, 96)
     verify_rounds(draft, served)
     # The long prompt's first catch-up took several forwards; decode steps replayed graphs.
     stats = served.runner.runner.stats
@@ -114,7 +86,7 @@ def test_drafts_equal_the_in_process_reference_greedy_and_sampled(draft):
 
 def test_many_finished_sequences_are_let_go_without_an_answer(draft, monkeypatch):
     monkeypatch.setattr(graph_drafter, "MAX_RELEASED", 2)
-    served = Served(draft, 96)
+    served = serve(draft, 96)
     seqs = [Sequence(str(i), [5 + i, 6, 7], GREEDY) for i in range(3)]
     served.drafter.propose(seqs, [2, 2, 2])
     served.drafter.release("0")
@@ -125,7 +97,7 @@ def test_many_finished_sequences_are_let_go_without_an_answer(draft, monkeypatch
 
 def test_tokens_past_a_message_take_several(draft, monkeypatch):
     monkeypatch.setattr(graph_drafter, "MAX_TOKENS_PER_MESSAGE", 50)
-    served = Served(draft, 96)
+    served = serve(draft, 96)
     verify_rounds(draft, served, rounds=2)
     first = served.messages[:4]
     assert all(sum(len(s.tokens) for s in m.sequences) <= 50 for m in served.messages)
@@ -134,7 +106,7 @@ def test_tokens_past_a_message_take_several(draft, monkeypatch):
 
 
 def test_a_message_out_of_step_gets_no_drafts_and_the_sequence_is_sent_whole_next(draft):
-    served = Served(draft, 96)
+    served = serve(draft, 96)
     seq = Sequence("s", repetitive_prompts((10,), seed=3)[0], GREEDY)
     assert len(served.drafter.propose([seq], [3])[0]) == 3
     stray = control.Draft(draft=99, sequences=[control.DraftSequence(request_id="s", first=3, tokens=[4], count=2)])
@@ -149,7 +121,7 @@ def test_a_message_out_of_step_gets_no_drafts_and_the_sequence_is_sent_whole_nex
 
 
 def test_a_sequence_that_does_not_fit_the_draft_cache_gets_no_draft(draft):
-    served = Served(draft, 4)  # 32 tokens of KV
+    served = serve(draft, 4)  # 32 tokens of KV
     short, long = Sequence("short", [5, 6, 7, 8], GREEDY), Sequence("long", list(range(3, 43)), GREEDY)
     drafts = served.drafter.propose([short, long], [3, 3])
     assert len(drafts[0]) == 3 and drafts[1].tokens == []

@@ -45,14 +45,10 @@ import torch
 
 from hybridd.engine.sampler import Sampler, SamplingTensors
 from hybridd.engine.speculation.drafter import NO_DRAFT, Draft
-from hybridd.log import get_logger
 from hybridd.model.kv_cache import KVCache, blocks_for
-from hybridd.model.loader import load_model
 from hybridd.model.llama import LlamaModel
 from hybridd.model.step_inputs import HostStepInputs
 from hybridd.protocol.messages import SamplingParams
-
-log = get_logger(__name__)
 
 
 class DraftedSequence(Protocol):
@@ -276,13 +272,3 @@ class DraftModelDrafter:
 
     def release(self, request_id: str) -> None:
         self.cache.release(request_id)
-
-
-def load_draft_model_drafter(path: str, max_positions: int | None = None, kv_tokens: int = 1 << 16,
-                             block_size: int = 16) -> DraftModelDrafter:
-    """The drafter over the model in directory `path`, in this process on the CPU in
-    float32 (the in-process engine's; the daemon's runs in its graph generator,
-    `draft_runner`), its KV cache holding `kv_tokens` tokens."""
-    model = load_model(path, dtype=torch.float32, device="cpu", max_positions=max_positions, kernels="torch")
-    log.info("draft_model_loaded", path=str(path), layers=model.config.num_layers, kv_tokens=kv_tokens)
-    return DraftModelDrafter(model, blocks_for(kv_tokens, block_size), block_size)
