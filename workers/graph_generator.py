@@ -29,14 +29,14 @@ from hybridd.engine.speculation.draft_runner import DraftRunner
 from hybridd.log import configure, get_logger
 from hybridd.kernels.choices import KernelChoices
 from hybridd.model import KVCache, ModelConfig, ModelLoadError, load_model
-from hybridd.model.kv_cache import kv_arena_shape, kv_bytes_per_block
+from hybridd.model.kv_cache import blocks_for, kv_arena_shape, kv_bytes_per_block
+from hybridd.model.llama import LlamaModel
 from hybridd.runtime import gc_pauses
 from hybridd.runtime.buckets import BucketPlan
 from hybridd.runtime.graph_memory import activation_bytes, batch_bytes
 from hybridd.runtime.graph_runner import GraphRunner
 from hybridd.runtime.kernel_precompile import CompilePool
 from hybridd.runtime.step_buffers import StepBuffers, buffer_layout, geometry
-from hybridd.model.llama import LlamaModel
 from hybridd.runtime.step_trace import StepTracer, mark
 from hybridd.ipc.arena_layout import ArenaLayout
 from hybridd.ipc.channel import Channel
@@ -210,7 +210,7 @@ class GraphGenerator:
         draft = load_model(path, dtype=dtype, device=self.device, max_positions=max_model_len, kernels=choices)
         block_size = config.block_size
         tokens = min(config.max_batch * (max_model_len + config.num_speculative_tokens), MAX_DRAFT_KV_TOKENS)
-        blocks = -(-tokens // block_size)
+        blocks = blocks_for(tokens, block_size)
         need = (blocks + 1) * kv_bytes_per_block(draft.config, block_size, draft.dtype)
         free = self._free_memory_bytes()
         if free is not None and need > free:
