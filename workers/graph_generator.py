@@ -25,7 +25,7 @@ import zmq
 
 from hybridd import environment
 from hybridd.config import Config, draft_model_dir, resolve_device, resolve_dtype
-from hybridd.engine.speculation.draft_runner import DraftRunner
+from hybridd.engine.speculation.draft_runner import DraftRunner, DraftServer
 from hybridd.log import configure, get_logger
 from hybridd.kernels.choices import KernelChoices
 from hybridd.model import KVCache, ModelConfig, ModelLoadError, load_model
@@ -138,7 +138,7 @@ class GraphGenerator:
             memory_budget_bytes=budget - draft_budget,
         )
         self.draft_arena: SharedArena | None = None
-        self.draft: DraftRunner | None = None
+        self.draft: DraftServer | None = None
         if draft_model is not None:
             # A row per draft token of a verify step, whose rows are at most max_batch.
             self.draft_arena = SharedArena.create(
@@ -167,10 +167,9 @@ class GraphGenerator:
         self.runner.warm_up_prefill()
         if self.draft is not None:
             self.link.phase("capturing", "capturing the draft model's decode graphs", 0, total)
-            self.draft.runner.capture_decode_graphs(
+            self.draft.capture(
                 progress=lambda done, n: self.link.phase("capturing", "capturing the draft model's decode graphs",
                                                          done, n))
-            self.draft.runner.warm_up_prefill()
         arenas = {"kv": self.kv_arena.manifest(), "step": self.step_arena.manifest()}
         if self.draft_arena is not None:
             arenas["draft"] = self.draft_arena.manifest()
@@ -287,7 +286,7 @@ class GraphGenerator:
     def serve(self) -> None:
         self.runner.serve_from_this_thread()
         if self.draft is not None:
-            self.draft.runner.serve_from_this_thread()
+            self.draft.serve_from_this_thread()
         ack_seen = False
         last_stats = 0.0
         poller = zmq.Poller()
@@ -332,7 +331,7 @@ class GraphGenerator:
                 self.runner.start_background_capture()
                 if self.draft is not None:
                     self.draft_arena.unlink_name()
-                    self.draft.runner.start_background_capture()
+                    self.draft.start_background_capture()
                 self.link.phase("ready", "serving")
             elif isinstance(message, control.Shutdown):
                 self.loop_exit.commanded("shutdown (from the context generator)")
@@ -373,7 +372,7 @@ class GraphGenerator:
     def close(self) -> None:
         self.runner.stop_background_capture() if hasattr(self, "runner") else None
         if getattr(self, "draft", None) is not None:
-            self.draft.runner.stop_background_capture()
+            self.draft.stop_background_capture()
         for arena in ("kv_arena", "step_arena", "draft_arena"):
             if getattr(self, arena, None) is not None:
                 getattr(self, arena).close()

@@ -14,14 +14,18 @@ code as the in-process reference, over `GraphForward`) and answers `control.Draf
 with the tokens; a sampled request's draft distributions go into the shared
 `probabilities` region (a row per draft token), since no tensor travels through ZeroMQ.
 
-The seam for another kind of drafter: anything that turns a `control.Draft` into a
-`control.Drafted` here can take this runner's place in the graph generator (a head that
-reads the target's hidden states would read them from the target's runner, in this
-process, and keep its KV and graphs as this one does); the context generator's side and
-the protocol stay as they are.
+The seam for another kind of drafter is `DraftServer`, what the graph generator asks of
+this runner: anything that captures its graphs, answers a `control.Draft` with a
+`control.Drafted` and reports its state can take this runner's place (a head that reads
+the target's hidden states would read them from the target's runner, in this process,
+and keep its KV and graphs as this one does); the context generator's side and the
+protocol stay as they are.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
@@ -38,6 +42,30 @@ from hybridd.runtime.graph_runner import GraphRunner
 from hybridd.runtime.step_buffers import StepBuffers
 
 log = get_logger("draft_runner")
+
+
+class DraftServer(Protocol):
+    """What the graph generator asks of the drafter it runs."""
+
+    def capture(self, progress: Callable[[int, int], None] | None = None) -> None:
+        """Capture the graphs wanted before ready (and compile what serving would)."""
+        ...
+
+    def start_background_capture(self) -> None: ...
+
+    def stop_background_capture(self) -> None: ...
+
+    def serve_from_this_thread(self) -> None:
+        """Run this thread's draft steps on the serving stream without a switch each."""
+        ...
+
+    def draft(self, message: control.Draft) -> control.Drafted | None:
+        """The answer to a `Draft` (None: it asks for nothing, and gets no answer)."""
+        ...
+
+    def snapshot(self) -> dict:
+        """Its part of the status: KV, graphs, counters."""
+        ...
 
 
 class GraphForward:
@@ -96,6 +124,21 @@ class DraftRunner:
         self.sequences: dict[str, _Tokens] = {}
         self.drafts = 0
         self.draft_tokens = 0
+
+    def capture(self, progress: Callable[[int, int], None] | None = None) -> None:
+        """The draft model's decode graphs, one per batch bucket (largest first), and its
+        prefill kernels compiled: its catch-up forwards' graphs come in the background."""
+        self.runner.capture_decode_graphs(progress=progress)
+        self.runner.warm_up_prefill()
+
+    def start_background_capture(self) -> None:
+        self.runner.start_background_capture()
+
+    def stop_background_capture(self) -> None:
+        self.runner.stop_background_capture()
+
+    def serve_from_this_thread(self) -> None:
+        self.runner.serve_from_this_thread()
 
     def draft(self, message: control.Draft) -> control.Drafted | None:
         """Drafts for the message's sequences (see the module docstring). A message that
