@@ -235,13 +235,15 @@ class Config:
     # Off by default until the GPU has measured it (the CPU showed no gain at one stream:
     # docs/lab/benchmarks.md), since a speculating step gives up the one-step-ahead pipeline
     # that the decode step's distance to its floor depends on.
-    speculative_drafter: str = setting("none", section="speculation", choices=("none", "ngram", "draft_model"),
+    speculative_drafter: str = setting("none", section="speculation", choices=("none", "ngram", "draft_model",
+                                                                                   "eagle3"),
                                        meaning="What proposes draft tokens for speculative decoding: ngram "
                                                "(prompt lookup: the tokens that followed the latest earlier "
                                                "occurrence of a sequence's last n tokens in its prompt and "
                                                "output; no model needed), draft_model (a small model with the "
-                                               "model's tokenizer decodes them: speculative_draft_model) or "
-                                               "none. Drafts are verified in one "
+                                               "model's tokenizer decodes them: speculative_draft_model), "
+                                               "eagle3 (an EAGLE-3 head reads the model's own hidden states: "
+                                               "speculative_eagle3_head) or none. Drafts are verified in one "
                                                "step of the model, and the output is the one without "
                                                "speculation (greedy, and seeded sampling token for token). "
                                                "Speculation is used per batch size where it has measured "
@@ -264,6 +266,12 @@ class Config:
                                                    "model's tokenizer and vocabulary (refused at start otherwise). "
                                                    "It runs in the context generator, on the CPU in float32, with "
                                                    "a KV cache of its own.")
+    speculative_eagle3_head: str = setting("", section="speculation", allowed="a directory", default_text="none",
+                                           meaning="The EAGLE-3 head of speculative_drafter eagle3: a local directory "
+                                                   "in the published format (config.json of LlamaForCausalLMEagle3, "
+                                                   "model.safetensors) trained for this model; a head whose sizes do "
+                                                   "not fit the model is refused at start. It runs on the CPU in "
+                                                   "float32, with a KV cache of its own.")
     # ---- CUDA graphs and kernels
     use_cuda_graphs: bool = setting(True, section="kernels",
                                     meaning="Replay the captured CUDA graphs; false runs every step eagerly.")
@@ -359,6 +367,8 @@ class Config:
         if self.speculative_drafter == "draft_model" and not draft_model_dir(self):
             raise ConfigError(f"speculative_drafter draft_model needs speculative_draft_model (a directory); only "
                               f"the embedded model has a draft of its own")
+        if self.speculative_drafter == "eagle3" and not self.speculative_eagle3_head:
+            raise ConfigError("speculative_drafter eagle3 needs speculative_eagle3_head (a directory)")
         if self.speculative_ngram_min > self.speculative_ngram_max:
             raise ConfigError(f"speculative_ngram_min ({self.speculative_ngram_min}) must be at most "
                               f"speculative_ngram_max ({self.speculative_ngram_max})")
