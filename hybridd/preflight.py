@@ -216,17 +216,13 @@ def check_draft_model(draft: Path, model: Path, model_config: dict) -> None:
 
 def check_eagle3_head(head: Path, model_config: dict) -> None:
     """An EAGLE-3 head reads the model's hidden states and proposes its token ids: its
-    sizes must fit the model's. The daemon's workers do not yet carry the model's hidden
-    states to the drafter (the in-process engine does), so a head that fits is refused too."""
+    sizes must fit the model's."""
     if not head.is_dir():
         raise PreflightError(f"speculative_eagle3_head {head}: no such directory")
     try:
         read_head(head, model_config)
     except Eagle3HeadError as error:
         raise PreflightError(f"speculative_eagle3_head: {error}") from None
-    raise PreflightError("speculative_drafter eagle3: the daemon does not serve EAGLE-3 heads yet (the graph "
-                         "generator does not hand the model's hidden states to the context generator); the "
-                         "in-process engine (hybridd.engine.generate) does")
 
 
 def _tokenizer_identity(model: Path) -> tuple:

@@ -27,6 +27,7 @@ from hybridd.engine.grammar import CompiledGrammar, GrammarCompiler
 from hybridd.engine.prompt import PromptError, prompt_length_refusal, prompt_token_ids
 from hybridd.engine.sampler import Sampler
 from hybridd.engine.scheduler import AdmissionError, Scheduler
+from hybridd.engine.speculation.drafter import HiddenStateDrafter
 from hybridd.engine.speculation.registry import make_drafter
 from hybridd.engine.speculation.speculator import Speculator
 from hybridd.engine.step_pipeline import StepPipeline
@@ -142,7 +143,8 @@ class ContextGenerator:
         drafter = make_drafter(config.speculative_drafter, config.speculative_ngram_min, config.speculative_ngram_max,
                                draft_model_dir(config), ready.max_model_len,
                                # Room for a full batch of the longest sequences, within 64K tokens.
-                               min(ready.max_batch * (ready.max_model_len + config.num_speculative_tokens), 1 << 16))
+                               min(ready.max_batch * (ready.max_model_len + config.num_speculative_tokens), 1 << 16),
+                               config.speculative_eagle3_head, config.model)
         self.speculator = None if drafter is None else Speculator(drafter, config.num_speculative_tokens)
         self.scheduler = Scheduler(
             self.block_manager,
@@ -163,6 +165,7 @@ class ContextGenerator:
             on_control=self._on_control, peer_alive=self._graph_alive,
             kv_cache=self.kv_arena.tensors["kv_cache"], while_launching=self._while_launching,
             while_waiting=self.link.heartbeat, settle=self._settle,
+            hidden_drafter=drafter if isinstance(drafter, HiddenStateDrafter) else None,
         )
         self.grammars = GrammarCompiler(self.tokenizer, vocab_size, ready.eos_token_ids,
                                         timeout_s=config.structured_compile_timeout_s,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from hybridd.engine.grammar import TokenMasks
+from hybridd.engine.hidden_states import feed
 from hybridd.engine.prompt_logprobs import compute as compute_prompt_logprobs
 from hybridd.engine.sampler import Logprobs, Sampler, SamplingTensors
 from hybridd.engine.scheduler import ScheduledBatch
@@ -44,7 +45,7 @@ class InProcessRunner:
         else:
             hidden, aux = self.model.forward_aux(inputs, self.kv_cache, self.hidden_drafter.aux_layers)
             logits = self.model.compute_logits(hidden, inputs.logits_indices)
-            self._feed(batch, aux)
+            feed(self.hidden_drafter, batch, aux)
         if batch.kv_copies:  # forks' copies of the prompt's last block, once this step wrote it
             copy_blocks(self.kv_cache.arena, batch.kv_copies)
         prompt = compute_prompt_logprobs(logits, batch) if batch.prompt_rows else []
@@ -66,23 +67,6 @@ class InProcessRunner:
         if logprobs is not None:
             host_logprobs = logprobs.to(Logprobs.empty_like(logprobs, pin_memory=False))
         return InflightStep(batch, tokens.cpu(), None, host_logprobs, prompt)
-
-    def _feed(self, batch: ScheduledBatch, aux: torch.Tensor) -> None:
-        """Each sequence's rows of the target's hidden states, to the drafter that reads them."""
-        assert self.hidden_drafter is not None
-        inputs = batch.inputs
-        if batch.drafts is not None:  # a verify step: a sequence's last token and its draft's
-            counts = [len(draft) + 1 for draft in batch.drafts]
-        else:
-            counts = (inputs.query_start_loc[1:] - inputs.query_start_loc[:-1]).tolist()
-        first = 0
-        for seq, count in zip(batch.seqs, counts, strict=True):
-            rows = slice(first, first + count)
-            self.hidden_drafter.observe(seq.request_id, int(inputs.positions[first]),
-                                        inputs.input_ids[rows].tolist(), aux[rows])
-            first += count
-        for row, fork in batch.forks:
-            self.hidden_drafter.fork(batch.seqs[row].request_id, fork.request_id)
 
     @staticmethod
     def landed(step: InflightStep) -> bool:

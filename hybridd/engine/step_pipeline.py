@@ -24,6 +24,11 @@ logits and copies the prompt's partly filled KV blocks for the forks on the same
 stream, after the forward and before the next step's inputs are marked ready. Batches
 with a row that asked for logprobs compute them right after the tokens and bring them
 to the host with the tokens; other batches do no logprob work at all.
+
+With a drafter that reads the model's hidden states (EAGLE-3), each step's rows of them
+(`StepBuffers.aux_hidden`, written by the forward) are copied to the host with the
+tokens, before the next step's forward can overwrite them, and handed to the drafter
+when the step is collected (`hidden_states.feed`), when its input tokens are known.
 """
 
 from __future__ import annotations
@@ -36,11 +41,13 @@ from dataclasses import dataclass, field
 import torch
 
 from hybridd.engine.grammar import TokenMasks
+from hybridd.engine.hidden_states import feed
 from hybridd.engine.prompt_logprobs import PromptLogprobRows
 from hybridd.engine.prompt_logprobs import compute as compute_prompt_logprobs
 from hybridd.engine.sampler import Logprobs, Sampler, SamplingTensors
 from hybridd.errors import EngineDeadError
 from hybridd.engine.scheduler import ScheduledBatch
+from hybridd.engine.speculation.drafter import HiddenStateDrafter
 from hybridd.engine.speculation.verification import verify_sampling_tensors
 from hybridd.model.kv_cache import copy_blocks
 from hybridd.runtime.serving_stream import ServingStream
@@ -62,6 +69,7 @@ class InflightStep:
     done: torch.cuda.Event | None  # the copy to the host; None on the CPU (already there)
     host_logprobs: Logprobs | None = None  # pinned host copies, when a row asked for logprobs
     prompt_logprobs: list[PromptLogprobRows] = field(default_factory=list)  # on the host already
+    aux_hidden: torch.Tensor | None = None  # the rows' hidden states for the drafter, on the host
 
 
 class StepPipeline:
@@ -79,8 +87,13 @@ class StepPipeline:
         while_launching: Callable[[], None] | None = None,
         while_waiting: Callable[[], None] | None = None,
         settle: Callable[[], None] | None = None,
+        hidden_drafter: HiddenStateDrafter | None = None,
     ):
         self.buffers = buffers
+        self.hidden_drafter = hidden_drafter
+        if hidden_drafter is not None and buffers.aux_hidden is None:
+            raise EngineDeadError("the drafter reads the model's hidden states and the graph generator's step "
+                                  "buffers hold none")
         self.kv_cache = kv_cache  # the KV arena [layers, 2, blocks + 1, ...], for copying forked blocks
         self.ctl = ctl
         self.sampler = sampler
@@ -155,6 +168,9 @@ class StepPipeline:
                                           allowed=self._allowed(batch))
         host = torch.empty(n_rows, dtype=torch.int64, pin_memory=self.cuda)
         host_logprobs = None if logprobs is None else Logprobs.empty_like(logprobs, pin_memory=self.cuda)
+        aux = None
+        if self.hidden_drafter is not None:
+            aux = torch.empty(self.buffers.aux_hidden[:n_tokens].shape, dtype=torch.float32, pin_memory=self.cuda)
         done = None
         if self.cuda:
             # The copy to the host runs on its own stream, so that the next step's
@@ -166,17 +182,21 @@ class StepPipeline:
                 host.copy_(out, non_blocking=True)
                 if logprobs is not None:
                     logprobs.to(host_logprobs)
+                if aux is not None:
+                    aux.copy_(self.buffers.aux_hidden[:n_tokens], non_blocking=True)
                 done = torch.cuda.Event()
                 done.record(self.copy_stream)
         else:
             host.copy_(out)
             if logprobs is not None:
                 logprobs.to(host_logprobs)
+            if aux is not None:
+                aux.copy_(self.buffers.aux_hidden[:n_tokens])
         mark("sampling_enqueued")
         # Rare (a request that asks for its prompt's logprobs): computed and brought to
         # the host now, before the next step overwrites the logits.
         prompt = compute_prompt_logprobs(self.buffers.logits[:batch.num_logit_rows], batch) if batch.prompt_rows else []
-        return InflightStep(batch, host, done, host_logprobs, prompt)
+        return InflightStep(batch, host, done, host_logprobs, prompt, aux)
 
     def _allowed(self, batch: ScheduledBatch) -> torch.Tensor | None:
         """The rows' allowed-token bitmask on the device, when a row is constrained."""
@@ -263,10 +283,12 @@ class StepPipeline:
         """True when the step's tokens are on the host (collect will not wait)."""
         return step.done is None or step.done.query()
 
-    @staticmethod
-    def collect(step: InflightStep) -> list[int]:
+    def collect(self, step: InflightStep) -> list[int]:
         """The step's sampled tokens on the host (waits only for this step's own copy);
-        their logprobs, when computed, are then in `step.host_logprobs`."""
+        their logprobs, when computed, are then in `step.host_logprobs`; its hidden states
+        go to the drafter that reads them."""
         if step.done is not None:
             step.done.synchronize()
+        if step.aux_hidden is not None and self.hidden_drafter is not None:
+            feed(self.hidden_drafter, step.batch, step.aux_hidden)
         return step.host_tokens.tolist()
