@@ -39,6 +39,8 @@ if TYPE_CHECKING:
 EMBEDDED_MODEL = Path(__file__).resolve().parent / "assets" / "tiny-shakespeare"
 # Its draft for speculative decoding (`scripts/train_tiny.py --draft`).
 EMBEDDED_DRAFT_MODEL = EMBEDDED_MODEL.parent / "tiny-shakespeare-draft"
+# Its EAGLE-3 head (`scripts/train_tiny_eagle3.py`).
+EMBEDDED_EAGLE3_HEAD = EMBEDDED_MODEL.parent / "tiny-shakespeare-eagle3"
 ENV_PREFIX = "HYBRIDD_"
 
 
@@ -266,7 +268,8 @@ class Config:
                                                    "model's tokenizer and vocabulary (refused at start otherwise). "
                                                    "It runs in the context generator, on the CPU in float32, with "
                                                    "a KV cache of its own.")
-    speculative_eagle3_head: str = setting("", section="speculation", allowed="a directory", default_text="none",
+    speculative_eagle3_head: str = setting("", section="speculation", allowed="a directory",
+                                           default_text="the embedded model's head with the embedded model, else none",
                                            meaning="The EAGLE-3 head of speculative_drafter eagle3: a local directory "
                                                    "in the published format (config.json of LlamaForCausalLMEagle3, "
                                                    "model.safetensors) trained for this model; a head whose sizes do "
@@ -367,8 +370,9 @@ class Config:
         if self.speculative_drafter == "draft_model" and not draft_model_dir(self):
             raise ConfigError(f"speculative_drafter draft_model needs speculative_draft_model (a directory); only "
                               f"the embedded model has a draft of its own")
-        if self.speculative_drafter == "eagle3" and not self.speculative_eagle3_head:
-            raise ConfigError("speculative_drafter eagle3 needs speculative_eagle3_head (a directory)")
+        if self.speculative_drafter == "eagle3" and not eagle3_head_dir(self):
+            raise ConfigError("speculative_drafter eagle3 needs speculative_eagle3_head (a directory); only the "
+                              "embedded model has a head of its own")
         if self.speculative_ngram_min > self.speculative_ngram_max:
             raise ConfigError(f"speculative_ngram_min ({self.speculative_ngram_min}) must be at most "
                               f"speculative_ngram_max ({self.speculative_ngram_max})")
@@ -603,6 +607,16 @@ def resolve_dtype(config: Config, device: torch.device) -> torch.dtype:
     if config.dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return getattr(torch, config.dtype)
+
+
+def eagle3_head_dir(config: Config) -> str:
+    """The EAGLE-3 head's directory: speculative_eagle3_head, else the embedded model's
+    head with the embedded model ("" with another model)."""
+    if config.speculative_eagle3_head:
+        return config.speculative_eagle3_head
+    if Path(config.model).resolve() == EMBEDDED_MODEL:
+        return str(EMBEDDED_EAGLE3_HEAD)
+    return ""
 
 
 def draft_model_dir(config: Config) -> str:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from hybridd import quantization
 from hybridd.architectures import SUPPORTED_ARCHITECTURES
-from hybridd.config import Config, draft_model_dir
+from hybridd.config import Config, draft_model_dir, eagle3_head_dir
 from hybridd.eagle3_head import Eagle3HeadError, read_head
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
@@ -42,7 +42,7 @@ def check(config: Config) -> None:
     if config.speculative_drafter == "draft_model":
         check_draft_model(Path(draft_model_dir(config)), Path(config.model), model_config)
     if config.speculative_drafter == "eagle3":
-        check_eagle3_head(Path(config.speculative_eagle3_head), model_config)
+        check_eagle3_head(Path(eagle3_head_dir(config)), model_config)
     if config.curve_secret_key_file:
         check_curve_secret_key(Path(config.curve_secret_key_file))
     if config.curve_client_keys_dir:

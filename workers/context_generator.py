@@ -20,7 +20,7 @@ import msgspec
 import zmq
 
 from hybridd.version import __version__
-from hybridd.config import Config, draft_model_dir, resolve_device, resolve_dtype
+from hybridd.config import Config, draft_model_dir, eagle3_head_dir, resolve_device, resolve_dtype
 from hybridd.engine.block_manager import BlockManager
 from hybridd.engine.core import EngineCore, EngineOutputs
 from hybridd.engine.grammar import CompiledGrammar, GrammarCompiler
@@ -144,7 +144,7 @@ class ContextGenerator:
                                draft_model_dir(config), ready.max_model_len,
                                # Room for a full batch of the longest sequences, within 64K tokens.
                                min(ready.max_batch * (ready.max_model_len + config.num_speculative_tokens), 1 << 16),
-                               config.speculative_eagle3_head, config.model)
+                               eagle3_head_dir(config), config.model)
         self.speculator = None if drafter is None else Speculator(drafter, config.num_speculative_tokens)
         self.scheduler = Scheduler(
             self.block_manager,

@@ -19,7 +19,7 @@ import torch
 import zmq
 
 from hybridd import environment
-from hybridd.config import Config, resolve_device, resolve_dtype
+from hybridd.config import Config, eagle3_head_dir, resolve_device, resolve_dtype
 from hybridd.eagle3_head import read_head
 from hybridd.log import configure, get_logger
 from hybridd.kernels.choices import KernelChoices
@@ -171,7 +171,7 @@ class GraphGenerator:
         """The layers whose hidden states the drafter reads (an EAGLE-3 head's), or none."""
         if self.config.speculative_drafter != "eagle3":
             return ()
-        return read_head(self.config.speculative_eagle3_head, model_config.raw).aux_layers
+        return read_head(eagle3_head_dir(self.config), model_config.raw).aux_layers
 
     def _free_memory_bytes(self) -> int | None:
         """The device's free memory now (the host's available memory on a CPU); None if unknown."""
