@@ -216,6 +216,22 @@ def test_seeded_sampling_identical_under_preemption_with_n_sequences(setup):
     assert not speculator.drafter.tracks and len(speculator.drafter._free) == 40
 
 
+def test_a_sequence_admitted_with_a_cached_prefix_drafts(setup):
+    """The target never runs a prefix that the prefix cache held: the head drafts from
+    the states it has, and the output is still the model's."""
+    target, prompt = setup["target"], setup["prompts"][4] * 2  # two full blocks and more
+    alone = speculating(setup)
+    plain, _ = run_engine(target, [prompt], GREEDY)
+    got, _ = run_engine(target, [prompt], GREEDY, alone)
+    assert got == plain
+    twice = speculating(setup)
+    # One at a time: the second finds the first's blocks in the prefix cache.
+    got, scheduler = run_engine(target, [prompt, prompt], GREEDY, twice, max_batch=1)
+    assert got == plain * 2
+    assert scheduler.block_manager.prefix_cache_hits > 0
+    assert twice.stats.drafts > 1.5 * alone.stats.drafts, (twice.stats.to_dict(), alone.stats.to_dict())
+
+
 def test_registry_loads_the_head_with_the_models_embedding(setup):
     drafter = make_drafter("eagle3", eagle3_head=str(setup["dirs"]["shared"]), model=str(setup["target_dir"]),
                            max_positions=256, draft_kv_tokens=512)

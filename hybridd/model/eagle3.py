@@ -103,11 +103,14 @@ class Eagle3Head(nn.Module):
         """The target's three layers' hidden states [T, 3 x target hidden] mixed into the head's [T, hidden]."""
         return ops.linear(aux_hidden.to(self.dtype), self.fc.weight)
 
-    def forward(self, step: StepInputs, kv_cache: KVCache, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, step: StepInputs, kv_cache: KVCache, hidden: torch.Tensor,
+                rope_positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """For each row: `step.input_ids` the token after the one `hidden` [T, hidden] stands
         for (combined target states, or the head's own previous output). Returns (the
         normed output the logits read, the output before the final norm: the next step's
-        `hidden`)."""
+        `hidden`). `rope_positions` (default: `step.positions`) are the rows' positions in
+        their sequences where the cache holds a sequence from a later position on
+        (`step.positions` then count from there)."""
         spec, layer = self.spec, self.midlayer
         t = hidden.shape[0]
         embeds = ops.rms_norm(self.embed_tokens(step.input_ids).to(self.dtype), layer.input_layernorm.weight,
@@ -120,7 +123,8 @@ class Eagle3Head(nn.Module):
         k = ops.linear(x, attn.k_proj.weight).view(t, spec.num_kv_heads, spec.head_dim)
         v = ops.linear(x, attn.v_proj.weight).view(t, spec.num_kv_heads, spec.head_dim)
         k_cache, v_cache = kv_cache.layer(0)
-        q, _ = ops.rotary_write_kv(step.positions, q, k, v, k_cache, v_cache, step.slot_mapping, *self.rope)
+        positions = step.positions if rope_positions is None else rope_positions
+        q, _ = ops.rotary_write_kv(positions, q, k, v, k_cache, v_cache, step.slot_mapping, *self.rope)
         if step.is_prefill:
             o = attention.prefill_attention(q, k_cache, v_cache, step, self.scale)
         else:

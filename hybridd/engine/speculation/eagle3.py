@@ -17,9 +17,11 @@ the token it drafted, one position on. Those speculative positions' KV is writte
 by the next proposal, which reruns position n - 1 onwards from the target's states; the
 states consumed are dropped. Like the draft model's cache, the record follows tokens,
 not steps: verification, preemption (the target recomputes: its new states replace the
-old) and plain decode steps need no hook beyond `observe` and `release`. A sequence
-whose states do not reach back to what the head's KV lacks (admitted with a prefix from
-the prefix cache, or its KV taken for another sequence) gets no draft.
+old) and plain decode steps need no hook beyond `observe` and `release`. Where the
+states do not reach back to what the head's KV lacks (a sequence admitted with a prefix
+from the prefix cache, whose prefix the target never ran for it, or whose head KV was
+taken for another sequence), the head starts its context over at the first state it has
+(`origin`): it attends to the pairs from there on, at their true positions.
 
 Tokens are drawn from the head's logits, scattered into the target's vocabulary, by the
 request's own sampler with the target's noise at each position (as the draft model's
@@ -57,7 +59,8 @@ class _Track:
     hidden: torch.Tensor | None = None  # target states of positions hidden_start .. len(tokens) - 1
     hidden_start: int = 0
     blocks: list[int] = field(default_factory=list)  # the head's KV
-    paired: list[int] = field(default_factory=list)  # x_0..x_c: the head's KV holds positions 0..c-1
+    paired: list[int] = field(default_factory=list)  # x_0..x_c: the head's KV holds positions origin..c-1
+    origin: int = 0  # the first position whose pair the head's KV holds (at its slot 0)
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -115,12 +118,18 @@ class Eagle3Drafter:
             if count <= 0 or n < 2 or track is None or track.hidden is None:
                 continue
             self.tracks.move_to_end(seq.request_id)
-            # The head's KV holds pairs 0..c-1; it needs the target's states for c..n-2.
-            c = min(max(_common_prefix(track.paired, tokens) - 1, 0), n - 2)
-            if c < track.hidden_start or _common_prefix(track.tokens, tokens) < n - 1:
+            # The target's states of positions hidden_start..n-2 must be of these tokens.
+            if len(track.tokens) < n - 1 or track.tokens[track.hidden_start:n - 1] != tokens[track.hidden_start:n - 1]:
                 continue
+            # The head's KV holds pairs origin..c-1; it needs the target's states for c..n-2.
+            c = min(max(_common_prefix(track.paired, tokens) - 1, track.origin), n - 2)
+            if c < track.hidden_start:  # states gone: the head's context starts over at the first one kept
+                if track.hidden_start > n - 2:
+                    continue
+                track.origin = c = track.hidden_start
+                track.paired = []
             # KV for positions up to n - 2 (the pairs) and n - 1 .. n + count - 3 (draft steps).
-            if not self._reserve(track, max(n - 1, n + count - 2), keep):
+            if not self._reserve(track, max(n - 1, n + count - 2) - track.origin, keep):
                 continue
             rows.append(i)
             counts.append(count)
@@ -133,8 +142,14 @@ class Eagle3Drafter:
         pending = [seq.token_ids[c + 1:] for seq, c in zip(drafted, starts, strict=True)]
         states = torch.cat([t.hidden[c - t.hidden_start:len(seq) - 1 - t.hidden_start]
                             for t, seq, c in zip(tracks, drafted, starts, strict=True)])
-        inputs = HostStepInputs.prefill(pending, [t.blocks for t in tracks], self.block_size, starts).on(head.device)
-        normed, hidden = head(inputs, self.kv, head.combine(states))
+        # Positions in the head's KV count from each track's origin; RoPE reads the true ones.
+        inputs = HostStepInputs.prefill(pending, [t.blocks for t in tracks], self.block_size,
+                                        [c - t.origin for c, t in zip(starts, tracks, strict=True)])
+        origins = torch.tensor([t.origin for t in tracks], dtype=torch.int64)
+        rope = torch.from_numpy(inputs.positions) + origins.repeat_interleave(
+            torch.tensor([len(p) for p in pending]))
+        inputs = inputs.on(head.device)
+        normed, hidden = head(inputs, self.kv, head.combine(states), rope.to(head.device))
         last = inputs.logits_indices
         normed, hidden = normed.index_select(0, last), hidden.index_select(0, last)
         for track, seq in zip(tracks, drafted, strict=True):
@@ -157,9 +172,10 @@ class Eagle3Drafter:
             active = [active[j] for j in still]
             hidden = hidden.index_select(0, torch.tensor(still, dtype=torch.int64, device=hidden.device))
             positions = [len(drafted[a]) - 2 + len(tokens[a]) for a in active]
-            inputs = HostStepInputs.decode([tokens[a][-1] for a in active], positions,
+            inputs = HostStepInputs.decode([tokens[a][-1] for a in active],
+                                           [p - tracks[a].origin for p, a in zip(positions, active, strict=True)],
                                            [tracks[a].blocks for a in active], self.block_size).on(head.device)
-            normed, hidden = head(inputs, self.kv, hidden)
+            normed, hidden = head(inputs, self.kv, hidden, torch.tensor(positions, device=head.device))
         for a, i in enumerate(rows):
             probs = torch.stack(probabilities[a]).cpu() if probabilities[a] else None
             drafts[i] = Draft(tokens[a], probs)
@@ -198,7 +214,7 @@ class Eagle3Drafter:
 
     def _drop_kv(self, track: _Track) -> None:
         self._free.extend(reversed(track.blocks))
-        track.blocks, track.paired = [], []
+        track.blocks, track.paired, track.origin = [], [], 0
 
     def release(self, request_id: str) -> None:
         track = self.tracks.pop(request_id, None)
