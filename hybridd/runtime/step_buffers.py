@@ -106,9 +106,10 @@ class StepBuffers:
 
     @classmethod
     def allocate(
-        cls, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, vocab_size: int, device: torch.device | str
+        cls, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, vocab_size: int, device: torch.device | str,
+        aux_hidden: tuple[int, torch.dtype] | None = None,
     ) -> StepBuffers:
-        layout = buffer_layout(max_tokens, max_seqs, max_blocks_per_seq, vocab_size)
+        layout = buffer_layout(max_tokens, max_seqs, max_blocks_per_seq, vocab_size, aux_hidden)
         tensors = {n: torch.zeros(shape, dtype=dt, device=device) for n, (shape, dt) in layout.items()}
         return cls(tensors, max_tokens, max_blocks_per_seq)
 
