@@ -266,8 +266,10 @@ class Config:
                                            meaning="The draft model of speculative_drafter draft_model: a local "
                                                    "Hugging Face directory of a small Llama-family model with the "
                                                    "model's tokenizer and vocabulary (refused at start otherwise). "
-                                                   "It runs in the context generator, on the CPU in float32, with "
-                                                   "a KV cache of its own.")
+                                                   "It runs in the graph generator beside the model (its dtype "
+                                                   "and device), with a KV cache of its own (a full batch of the "
+                                                   "longest sequences, within 64K tokens) and CUDA graphs of its "
+                                                   "own within a share of graph_memory_budget_mb.")
     speculative_eagle3_head: str = setting("", section="speculation", allowed="a directory",
                                            default_text="the embedded model's head with the embedded model, else none",
                                            meaning="The EAGLE-3 head of speculative_drafter eagle3: a local directory "

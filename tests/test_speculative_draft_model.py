@@ -4,8 +4,9 @@ token for token the output without speculation (greedy, and seeded sampling with
 penalties, top-k and top-p), single and batched, under preemption, with n > 1 and with a
 draft cache too small for every sequence; the draft's cache follows the accepted tokens
 and is empty once every sequence has finished. On the embedded model with its shipped
-draft: sampled tokens are distributed as without speculation, and greedy acceptance is
-above a floor. A draft with another vocabulary is refused at start."""
+draft, drafted as the daemon drafts (the graph generator's draft runner): sampled tokens
+are distributed as without speculation, and greedy acceptance is above a floor. A draft
+with another vocabulary is refused at start."""
 
 from __future__ import annotations
 
@@ -19,13 +20,14 @@ import torch
 from hybridd import exit_codes
 from hybridd.config import EMBEDDED_DRAFT_MODEL, EMBEDDED_MODEL
 from hybridd.engine.sequence import Sequence
-from hybridd.engine.speculation.draft_model import DraftModelDrafter, load_draft_model_drafter
+from hybridd.engine.speculation.draft_model import DraftModelDrafter
 from hybridd.engine.speculation.policy import SpeculationPolicy
 from hybridd.engine.speculation.speculator import Speculator
 from hybridd.model import load_model
 from hybridd.model.tokenizer import load_tokenizer
 from hybridd.protocol.messages import SamplingParams
-from tests.speculation_helpers import sampled_tokens_by_position, build_tiny_draft, repetitive_prompts, run_engine
+from tests.speculation_helpers import (ServedDraftModel, build_tiny_draft, repetitive_prompts, run_engine,
+                                      sampled_tokens_by_position)
 from tests.test_speculative_sampling import SIGNIFICANCE, chi_square_p
 from tests.test_start_refusals import REFUSAL_BOUND_S, _start
 from tests.tiny_models import build_tiny_model
@@ -132,8 +134,11 @@ def embedded():
 
 
 def shipped_draft(k: int = 4) -> Speculator:
-    drafter = load_draft_model_drafter(str(EMBEDDED_DRAFT_MODEL), max_positions=1024, kv_tokens=4096)
-    return Speculator(drafter, k, SpeculationPolicy(k, adaptive=False, initial_acceptance=1.0))
+    """The shipped draft as the daemon drafts with it: the graph generator's draft runner,
+    asked by the context generator's drafter (here in this process, eager)."""
+    model = load_model(EMBEDDED_DRAFT_MODEL, dtype=torch.float32, max_positions=1024)
+    served = ServedDraftModel(model, 1024, 16, max_tokens=512, max_batch=64)
+    return Speculator(served.drafter, k, SpeculationPolicy(k, adaptive=False, initial_acceptance=1.0))
 
 
 def test_shipped_draft_acceptance_on_the_embedded_model(embedded):

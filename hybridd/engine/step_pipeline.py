@@ -87,13 +87,9 @@ class StepPipeline:
         while_launching: Callable[[], None] | None = None,
         while_waiting: Callable[[], None] | None = None,
         settle: Callable[[], None] | None = None,
-        hidden_drafter: HiddenStateDrafter | None = None,
     ):
         self.buffers = buffers
-        self.hidden_drafter = hidden_drafter
-        if hidden_drafter is not None and buffers.aux_hidden is None:
-            raise EngineDeadError("the drafter reads the model's hidden states and the graph generator's step "
-                                  "buffers hold none")
+        self.hidden_drafter: HiddenStateDrafter | None = None  # see feed_hidden_states
         self.kv_cache = kv_cache  # the KV arena [layers, 2, blocks + 1, ...], for copying forked blocks
         self.ctl = ctl
         self.sampler = sampler
@@ -120,6 +116,13 @@ class StepPipeline:
         self.ring = torch.zeros((RING_STEPS, buffers.max_seqs), dtype=torch.int64, device=device)
         self._greedy_tensors: dict[int, SamplingTensors] = {}
         self.token_masks = TokenMasks(self.vocab_size, buffers.max_seqs, pin_memory=self.cuda)
+
+    def feed_hidden_states(self, drafter: HiddenStateDrafter) -> None:
+        """Hand every step's rows of the model's hidden states to `drafter` (EAGLE-3)."""
+        if self.buffers.aux_hidden is None:
+            raise EngineDeadError("the drafter reads the model's hidden states and the graph generator's step "
+                                  "buffers hold none")
+        self.hidden_drafter = drafter
 
     def serve_from_this_thread(self) -> None:
         """Launch this thread's steps on the step stream without a switch each (`ServingStream`)."""
@@ -262,19 +265,36 @@ class StepPipeline:
         }
         return dataclasses.replace(tensors, **moved)
 
+    def exchange_draft(self, message: control.Draft) -> control.Drafted:
+        """Ask the graph generator, which runs the draft model, for drafts; its answer
+        (`hybridd.engine.speculation.graph_drafter`). Every step launched before has
+        been answered, so the answer is the next message but for `Stats`."""
+        self.ctl.send(message)
+        reply = self._await(control.Drafted, message.draft, f"draft {message.draft}")
+        assert isinstance(reply, control.Drafted)
+        return reply
+
     def _await_launched(self, step_id: int) -> control.Launched:
+        reply = self._await(control.Launched, step_id, f"step {step_id}")
+        assert isinstance(reply, control.Launched)
+        return reply
+
+    def _await(self, kind: type, number: int, what: str) -> control.Launched | control.Drafted:
+        """The graph generator's answer of `kind` numbered `number` (`step` or `draft`),
+        handing other messages to `on_control` meanwhile."""
         deadline = time.monotonic() + self.launch_timeout_s
         while True:
             message = self.ctl.recv(timeout_ms=100)
             if message is None:
                 if not self.peer_alive() or time.monotonic() > deadline:
-                    raise EngineDeadError(f"graph generator did not launch step {step_id}")
+                    raise EngineDeadError(f"graph generator did not answer {what}")
                 if self.while_waiting is not None:
                     self.while_waiting()
                 continue
-            if isinstance(message, control.Launched):
-                if message.step != step_id:
-                    raise EngineDeadError(f"graph generator launched step {message.step}, expected {step_id}")
+            if isinstance(message, kind):
+                got = message.step if isinstance(message, control.Launched) else message.draft
+                if got != number:
+                    raise EngineDeadError(f"graph generator answered {got}, expected {what}")
                 return message
             self.on_control(message)
 
