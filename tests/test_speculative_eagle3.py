@@ -234,7 +234,7 @@ def test_a_sequence_admitted_with_a_cached_prefix_drafts(setup):
 
 def test_registry_loads_the_head_with_the_models_embedding(setup):
     drafter = make_drafter("eagle3", eagle3_head=str(setup["dirs"]["shared"]), model=str(setup["target_dir"]),
-                           max_positions=256, draft_kv_tokens=512)
+                           max_positions=256, head_kv_tokens=512)
     assert isinstance(drafter, Eagle3Drafter)
     torch.testing.assert_close(drafter.head.embed_tokens.weight, setup["target"].embed_tokens.weight)
 
