@@ -232,6 +232,25 @@ def test_a_sequence_admitted_with_a_cached_prefix_drafts(setup):
     assert twice.stats.drafts > 1.5 * alone.stats.drafts, (twice.stats.to_dict(), alone.stats.to_dict())
 
 
+def test_pending_states_are_bounded_and_drafts_follow_from_the_newest(setup):
+    """A prompt longer than `max_pending` keeps only the newest states: the head drafts
+    from them (and its drafts are kept), and the output is still the model's."""
+    target, prompt = setup["target"], setup["prompts"][4]
+    drafter = _drafter(setup, "trained")
+    drafter.max_pending = 8
+    speculator = Speculator(drafter, 4, SpeculationPolicy(4, initial_acceptance=1.0, adaptive=False))
+    plain, _ = run_engine(target, [prompt], GREEDY)
+    got, _ = run_engine(target, [prompt], GREEDY, speculator)
+    assert got == plain
+    assert speculator.stats.drafts > 0 and speculator.stats.accepted_tokens > 0, speculator.stats.to_dict()
+    seq = Sequence("a", prompt, GREEDY)
+    seq.output_token_ids = [7]
+    drafter.observe("a", 0, prompt, target_aux(setup["hf"], prompt))
+    track = drafter.tracks["a"]
+    assert len(track.hidden) == 8 and track.hidden_start == len(prompt) - 8
+    assert len(drafter.propose([seq], [3])[0]) == 3 and drafter.tracks["a"].origin == len(prompt) - 8
+
+
 def test_registry_loads_the_head_with_the_models_embedding(setup):
     drafter = make_drafter("eagle3", eagle3_head=str(setup["dirs"]["shared"]), model=str(setup["target_dir"]),
                            max_positions=256, head_kv_tokens=512)

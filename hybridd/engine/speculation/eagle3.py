@@ -21,7 +21,10 @@ old) and plain decode steps need no hook beyond `observe` and `release`. Where t
 states do not reach back to what the head's KV lacks (a sequence admitted with a prefix
 from the prefix cache, whose prefix the target never ran for it, or whose head KV was
 taken for another sequence), the head starts its context over at the first state it has
-(`origin`): it attends to the pairs from there on, at their true positions.
+(`origin`): it attends to the pairs from there on, at their true positions. A sequence
+keeps at most `max_pending` states not yet consumed (a long prompt, steps while the
+policy does not speculate), its oldest dropped first: each costs 3 x the model's hidden
+size in float32.
 
 Tokens are drawn from the head's logits, scattered into the target's vocabulary, by the
 request's own sampler with the target's noise at each position (as the draft model's
@@ -75,8 +78,9 @@ class Eagle3Drafter:
     name = "eagle3"
 
     def __init__(self, head: Eagle3Head, num_blocks: int, block_size: int = 16,
-                 sampler: Sampler | None = None) -> None:
+                 sampler: Sampler | None = None, max_pending: int = 256) -> None:
         self.head = head
+        self.max_pending = max_pending
         self.aux_layers: tuple[int, ...] = head.spec.aux_layers
         self.kv = head.allocate_kv(num_blocks, block_size)
         self.block_size = block_size
@@ -98,6 +102,9 @@ class Eagle3Drafter:
             track.hidden, track.hidden_start = hidden.clone(), start
         else:
             track.hidden = torch.cat([track.hidden[:start - track.hidden_start], hidden])
+        if len(track.hidden) > self.max_pending:
+            track.hidden_start += len(track.hidden) - self.max_pending
+            track.hidden = track.hidden[-self.max_pending:].clone()
 
     def fork(self, parent: str, child: str) -> None:
         track = self.tracks.get(parent)
