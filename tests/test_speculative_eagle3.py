@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from hybridd import exit_codes
-from hybridd.config import EMBEDDED_EAGLE3_HEAD, EMBEDDED_MODEL
+from hybridd.config import EMBEDDED_EAGLE3_HEAD, EMBEDDED_MODEL, Config, ConfigError, eagle3_head_dir
 from hybridd.eagle3_head import Eagle3HeadError, read_head
 from hybridd.engine.sequence import Sequence
 from hybridd.engine.speculation.eagle3 import Eagle3Drafter, load_eagle3_drafter
@@ -312,3 +312,12 @@ def test_shipped_head_acceptance_on_the_embedded_model():
     stats = speculator.stats
     assert stats.acceptance_rate >= SHIPPED_ACCEPTANCE_FLOOR, stats.to_dict()
     assert stats.mean_acceptance_length >= SHIPPED_ACCEPTANCE_LENGTH_FLOOR, stats.to_dict()
+
+
+def test_the_head_setting_defaults_to_the_embedded_models_head_only(setup):
+    assert eagle3_head_dir(Config.from_dict({"speculative_drafter": "eagle3"})) == str(EMBEDDED_EAGLE3_HEAD)
+    with pytest.raises(ConfigError, match="speculative_drafter eagle3 needs speculative_eagle3_head"):
+        Config.from_dict({"speculative_drafter": "eagle3", "model": str(setup["target_dir"])})
+    chosen = Config.from_dict({"speculative_drafter": "eagle3", "model": str(setup["target_dir"]),
+                               "speculative_eagle3_head": str(setup["dirs"]["shared"])})
+    assert eagle3_head_dir(chosen) == str(setup["dirs"]["shared"])
