@@ -171,9 +171,11 @@ class StepPipeline:
                                           allowed=self._allowed(batch))
         host = torch.empty(n_rows, dtype=torch.int64, pin_memory=self.cuda)
         host_logprobs = None if logprobs is None else Logprobs.empty_like(logprobs, pin_memory=self.cuda)
-        aux = None
-        if self.hidden_drafter is not None:
-            aux = torch.empty(self.buffers.aux_hidden[:n_tokens].shape, dtype=torch.float32, pin_memory=self.cuda)
+        # The next step's forward writes over the hidden states once this stream marks its
+        # inputs ready: their rows are copied on this stream first (on a GPU, to the device,
+        # and to the host on the copy stream).
+        rows = None if self.hidden_drafter is None else self.buffers.aux_hidden[:n_tokens].clone()
+        aux = rows
         done = None
         if self.cuda:
             # The copy to the host runs on its own stream, so that the next step's
@@ -185,16 +187,16 @@ class StepPipeline:
                 host.copy_(out, non_blocking=True)
                 if logprobs is not None:
                     logprobs.to(host_logprobs)
-                if aux is not None:
-                    aux.copy_(self.buffers.aux_hidden[:n_tokens], non_blocking=True)
+                if rows is not None:
+                    rows.record_stream(self.copy_stream)
+                    aux = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
+                    aux.copy_(rows, non_blocking=True)
                 done = torch.cuda.Event()
                 done.record(self.copy_stream)
         else:
             host.copy_(out)
             if logprobs is not None:
                 logprobs.to(host_logprobs)
-            if aux is not None:
-                aux.copy_(self.buffers.aux_hidden[:n_tokens])
         mark("sampling_enqueued")
         # Rare (a request that asks for its prompt's logprobs): computed and brought to
         # the host now, before the next step overwrites the logits.
