@@ -251,6 +251,30 @@ def test_pending_states_are_bounded_and_drafts_follow_from_the_newest(setup):
     assert len(drafter.propose([seq], [3])[0]) == 3 and drafter.tracks["a"].origin == len(prompt) - 8
 
 
+def test_a_step_hands_over_only_the_rows_kept(setup):
+    """A prefill step of two prompts, one longer than `max_pending`: the rows handed over
+    (`wanted_rows`) leave the drafter the states it keeps from all of them."""
+    from hybridd.engine.hidden_states import feed, wanted_rows
+    from hybridd.engine.scheduler import BatchKind, ScheduledBatch
+    from hybridd.model.step_inputs import HostStepInputs
+
+    prompts = [setup["prompts"][4], setup["prompts"][2]]  # 17 and 6 tokens
+    seqs = [Sequence(str(i), p, GREEDY) for i, p in enumerate(prompts)]
+    inputs = HostStepInputs.prefill(prompts, [[0, 1], [2]], 16)
+    batch = ScheduledBatch(BatchKind.PREFILL, 0, seqs, inputs, None, None)
+    states = torch.cat([target_aux(setup["hf"], p) for p in prompts])
+    wanted = wanted_rows(batch, 8)
+    assert wanted == list(range(9, 17)) + list(range(17, 23))
+    compact, whole = _drafter(setup, "trained"), _drafter(setup, "trained")
+    compact.max_pending = whole.max_pending = 8
+    feed(compact, batch, states[wanted], 8)
+    feed(whole, batch, states)
+    for rid in ("0", "1"):
+        a, b = compact.tracks[rid], whole.tracks[rid]
+        assert a.hidden_start == b.hidden_start and torch.equal(a.hidden, b.hidden)
+        assert a.tokens[a.hidden_start:] == b.tokens[b.hidden_start:] == prompts[int(rid)][a.hidden_start:]
+
+
 def test_registry_loads_the_head_with_the_models_embedding(setup):
     drafter = make_drafter("eagle3", eagle3_head=str(setup["dirs"]["shared"]), model=str(setup["target_dir"]),
                            max_positions=256, head_kv_tokens=512)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from hybridd.engine.grammar import TokenMasks
-from hybridd.engine.hidden_states import feed
+from hybridd.engine.hidden_states import feed, wanted_rows
 from hybridd.engine.prompt_logprobs import compute as compute_prompt_logprobs
 from hybridd.engine.sampler import Logprobs, Sampler, SamplingTensors
 from hybridd.engine.scheduler import ScheduledBatch
@@ -45,7 +45,10 @@ class InProcessRunner:
         else:
             hidden, aux = self.model.forward_aux(inputs, self.kv_cache, self.hidden_drafter.aux_layers)
             logits = self.model.compute_logits(hidden, inputs.logits_indices)
-            feed(self.hidden_drafter, batch, aux)
+            # As the daemon's pipeline: only the rows the drafter keeps are handed over.
+            keep = self.hidden_drafter.max_pending
+            wanted = wanted_rows(batch, keep)
+            feed(self.hidden_drafter, batch, aux if wanted is None else aux[wanted], keep)
         if batch.kv_copies:  # forks' copies of the prompt's last block, once this step wrote it
             copy_blocks(self.kv_cache.arena, batch.kv_copies)
         prompt = compute_prompt_logprobs(logits, batch) if batch.prompt_rows else []

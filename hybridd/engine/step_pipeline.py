@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hybridd.engine.grammar import TokenMasks
-from hybridd.engine.hidden_states import feed
+from hybridd.engine.hidden_states import feed, wanted_rows
 from hybridd.engine.prompt_logprobs import PromptLogprobRows
 from hybridd.engine.prompt_logprobs import compute as compute_prompt_logprobs
 from hybridd.engine.sampler import Logprobs, Sampler, SamplingTensors
@@ -70,6 +70,7 @@ class InflightStep:
     host_logprobs: Logprobs | None = None  # pinned host copies, when a row asked for logprobs
     prompt_logprobs: list[PromptLogprobRows] = field(default_factory=list)  # on the host already
     aux_hidden: torch.Tensor | None = None  # the rows' hidden states for the drafter, on the host
+    aux_keep: int | None = None  # each sequence's last this-many rows only are in aux_hidden
 
 
 class StepPipeline:
@@ -174,7 +175,12 @@ class StepPipeline:
         # The next step's forward writes over the hidden states once this stream marks its
         # inputs ready: their rows are copied on this stream first (on a GPU, to the device,
         # and to the host on the copy stream).
-        rows = None if self.hidden_drafter is None else self.buffers.aux_hidden[:n_tokens].clone()
+        rows, keep = None, None
+        if self.hidden_drafter is not None:
+            keep = self.hidden_drafter.max_pending
+            wanted = wanted_rows(batch, keep)
+            rows = (self.buffers.aux_hidden[:n_tokens].clone() if wanted is None else
+                    self.buffers.aux_hidden.index_select(0, self._to_device(torch.tensor(wanted))))
         aux = rows
         done = None
         if self.cuda:
@@ -201,7 +207,7 @@ class StepPipeline:
         # Rare (a request that asks for its prompt's logprobs): computed and brought to
         # the host now, before the next step overwrites the logits.
         prompt = compute_prompt_logprobs(self.buffers.logits[:batch.num_logit_rows], batch) if batch.prompt_rows else []
-        return InflightStep(batch, host, done, host_logprobs, prompt, aux)
+        return InflightStep(batch, host, done, host_logprobs, prompt, aux, keep)
 
     def _allowed(self, batch: ScheduledBatch) -> torch.Tensor | None:
         """The rows' allowed-token bitmask on the device, when a row is constrained."""
@@ -312,5 +318,5 @@ class StepPipeline:
         if step.done is not None:
             step.done.synchronize()
         if step.aux_hidden is not None and self.hidden_drafter is not None:
-            feed(self.hidden_drafter, step.batch, step.aux_hidden)
+            feed(self.hidden_drafter, step.batch, step.aux_hidden, step.aux_keep)
         return step.host_tokens.tolist()

@@ -83,6 +83,7 @@ class HiddenStateDrafter(Drafter, Protocol):
     """A drafter fed the target's hidden states (see the module docstring)."""
 
     aux_layers: tuple[int, ...]
+    max_pending: int  # the most states it keeps per sequence: only a sequence's last this-many rows matter
 
     def observe(self, request_id: str, start: int, tokens: list[int], hidden: torch.Tensor) -> None:
         """The target's hidden states [len(tokens), len(aux_layers) x hidden] at positions
