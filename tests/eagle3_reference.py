@@ -46,7 +46,8 @@ class ReferenceEagle3(nn.Module):
         """`embeddings`: the target's (frozen, not saved) where the head has none of its own."""
         super().__init__()
         llama = LlamaConfig(**{k: v for k, v in config.items() if k not in ("architectures", "draft_vocab_size",
-                                                                           "target_hidden_size")})
+                                                                           "target_hidden_size",
+                                                                           "norm_before_residual")})
         llama._attn_implementation = "eager"
         self.config = config
         h, head_dim = config["hidden_size"], config["hidden_size"] // config["num_attention_heads"]
@@ -76,8 +77,10 @@ class ReferenceEagle3(nn.Module):
                 position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[B, T] next tokens, [B, T, hidden] combined states: (normed output, output before the norm)."""
         layer = self.midlayer
-        residual = hidden
-        x = torch.cat([layer.input_layernorm(self.embed_tokens(input_ids)), layer.hidden_norm(hidden)], dim=-1)
+        normed = layer.hidden_norm(hidden)
+        # vLLM's norm_before_residual (heads trained so): the residual is the normed hidden.
+        residual = normed if self.config.get("norm_before_residual") else hidden
+        x = torch.cat([layer.input_layernorm(self.embed_tokens(input_ids)), normed], dim=-1)
         t = input_ids.shape[1]
         mask = torch.full((t, t), float("-inf")).triu(1)[None, None]
         attn, _ = layer.self_attn(x, self.rotary(x, position_ids), mask)

@@ -4,8 +4,9 @@ Against references that are not hybridd's: the target's hidden states in the hea
 three layers are transformers' `output_hidden_states`; the head's logits and its greedy
 draft chain are those of a head written from the published modeling code with
 transformers' Llama parts (`tests/eagle3_reference.py`), for a head that embeds with the
-target's embedding over the whole vocabulary and one with its own embedding, its own
-hidden size and a reduced vocabulary mapped by d2t. With a tiny head trained on a tiny
+target's embedding over the whole vocabulary, one with its own embedding, its own
+hidden size and a reduced vocabulary mapped by d2t, and one that adds the normed hidden
+state to its residual stream (vLLM's norm_before_residual). With a tiny head trained on a tiny
 transformers target (GQA, tied embeddings), speculative decoding's output is token for
 token the output without it, greedy single and batched, and seeded sampling under
 preemption with n > 1; drafts are kept and cut short. The head shipped for the embedded
@@ -96,6 +97,10 @@ def setup(tmp_path_factory, one_thread):
     reduced = ReferenceEagle3(head_config(hf.config, hidden=48, heads=4, kv_heads=2, draft_vocab=192), d2t=d2t)
     _randomize_norms(reduced)
     heads["reduced"] = reduced
+    norm_first = ReferenceEagle3(head_config(hf.config, hidden=48, heads=4, kv_heads=2, draft_vocab=192,
+                                             norm_before_residual=True), d2t=d2t)
+    _randomize_norms(norm_first)
+    heads["norm_first"] = norm_first
     trained = ReferenceEagle3(head_config(hf.config, hidden=48, heads=4, kv_heads=2, draft_vocab=192), d2t=d2t)
     train_head(trained, hf, sequences, steps=300)
     heads["trained"] = trained
@@ -130,7 +135,7 @@ def test_target_hidden_states_are_transformers_layer_inputs(setup):
     torch.testing.assert_close(hidden, plain)  # forward_aux is forward, plus the states
 
 
-@pytest.mark.parametrize("name", ["shared", "reduced"])
+@pytest.mark.parametrize("name", ["shared", "reduced", "norm_first"])
 def test_head_logits_and_draft_chain_match_the_published_modeling(setup, name):
     reference: ReferenceEagle3 = setup["heads"][name]
     drafter = _drafter(setup, name)
@@ -157,7 +162,7 @@ def test_head_logits_and_draft_chain_match_the_published_modeling(setup, name):
     draft = drafter.propose([seq], [5])[0]
     chain, _ = reference.draft(aux, tokens, 5)
     assert draft.tokens == chain and draft.probabilities is None
-    if name == "reduced":
+    if name != "shared":
         assert set(chain) <= set(reference.to_target(torch.arange(192)).tolist())
 
 
