@@ -15,7 +15,7 @@ from hybridd.engine.core import EngineCore
 from hybridd.engine.in_process_runner import InProcessRunner
 from hybridd.engine.scheduler import Scheduler
 from hybridd.engine.speculation.draft_runner import DraftRunner
-from hybridd.engine.speculation.drafter import Draft
+from hybridd.engine.speculation.drafter import Draft, HiddenStateDrafter
 from hybridd.engine.speculation.graph_drafter import GraphDrafter
 from hybridd.engine.speculation.speculator import Speculator
 from hybridd.model.kv_cache import KVCache, blocks_for
@@ -35,7 +35,9 @@ def run_engine(model, prompts: list[list[int]], params: SamplingParams | list[Sa
     scheduler = Scheduler(blocks, max_batch=max_batch, max_prefill_tokens=512, max_model_len=model.max_positions,
                           eos_token_ids=model.config.eos_token_ids, speculator=speculator,
                           max_verify_rows=max_batch * (k + 1))
-    core = EngineCore(scheduler, InProcessRunner(model, kv), pipeline_depth=1)
+    drafter = speculator.drafter if speculator is not None else None
+    hidden_drafter = drafter if isinstance(drafter, HiddenStateDrafter) else None
+    core = EngineCore(scheduler, InProcessRunner(model, kv, hidden_drafter=hidden_drafter), pipeline_depth=1)
     each = params if isinstance(params, list) else [params] * len(prompts)
     requests = [core.add(str(i), prompt, p) for i, (prompt, p) in enumerate(zip(prompts, each, strict=True))]
     while core.has_work:

@@ -24,7 +24,8 @@ import torch
 import zmq
 
 from hybridd import environment
-from hybridd.config import Config, draft_model_dir, resolve_device, resolve_dtype
+from hybridd.config import Config, draft_model_dir, eagle3_head_dir, resolve_device, resolve_dtype
+from hybridd.eagle3_head import read_head
 from hybridd.engine.speculation.draft_runner import DraftRunner, DraftServer
 from hybridd.log import configure, get_logger
 from hybridd.kernels.choices import KernelChoices
@@ -121,7 +122,9 @@ class GraphGenerator:
         num_blocks = self._num_kv_blocks(model, block_size)
         self.plan = self._fit_batch(model, num_blocks * kv_bytes_per_block(mc, block_size, model.dtype))
         max_tokens, blocks_per_seq = geometry(config.max_prefill_tokens, self.plan.max_batch, max_model_len, block_size)
-        step_layout = buffer_layout(max_tokens, self.plan.max_rows, blocks_per_seq, mc.vocab_size)
+        aux_layers = self._drafter_layers(mc)
+        step_layout = buffer_layout(max_tokens, self.plan.max_rows, blocks_per_seq, mc.vocab_size,
+                                    (len(aux_layers) * mc.hidden_size, model.dtype) if aux_layers else None)
         kv_shape = kv_arena_shape(mc, num_blocks, block_size)
 
         self.kv_arena = SharedArena.create(ArenaLayout({"kv_cache": (kv_shape, _dtype_name(model.dtype))}), self.device)
@@ -136,6 +139,7 @@ class GraphGenerator:
             model, self.kv_cache, self.buffers, self.plan,
             use_graphs=config.use_cuda_graphs,
             memory_budget_bytes=budget - draft_budget,
+            aux_layers=aux_layers,
         )
         self.draft_arena: SharedArena | None = None
         self.draft: DraftServer | None = None
@@ -194,6 +198,12 @@ class GraphGenerator:
         ))
         self.log.info("ready_sent", kv_blocks=num_blocks, block_size=block_size, max_model_len=max_model_len,
                       quantization=quantization.get("description", "none"))
+
+    def _drafter_layers(self, model_config: ModelConfig) -> tuple[int, ...]:
+        """The layers whose hidden states the drafter reads (an EAGLE-3 head's), or none."""
+        if self.config.speculative_drafter != "eagle3":
+            return ()
+        return read_head(eagle3_head_dir(self.config), model_config.raw).aux_layers
 
     def _load_draft(self, dtype: torch.dtype, choices: KernelChoices,
                     max_model_len: int) -> tuple[LlamaModel | None, KVCache | None]:

@@ -26,6 +26,13 @@ derived from the tokens alone stays valid across it; what a verify step kept, th
 drafter reads from the sequence's tokens at its next `propose` (a draft model rewinds
 its own KV to them).
 
+A drafter that reads the target's hidden states (EAGLE-3) is a `HiddenStateDrafter`: the
+runner of every step hands it, per sequence, the residual stream of the layers it names
+for the step's rows (`observe`), and the forks of a prompt the record of their parent
+(`fork`). What the rows' tokens were is part of what it is handed, so a record of rows
+a verify step then rejected is told apart from the sequence's tokens at the next
+`propose`, as a draft model's cache is.
+
 Drafters are named by the `speculative_drafter` setting and made by `make_drafter`
 (`hybridd.engine.speculation.registry`).
 """
@@ -34,7 +41,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -68,4 +75,21 @@ class Drafter(Protocol):
 
     def release(self, request_id: str) -> None:
         """Forget what the drafter keeps for a sequence that has finished."""
+        ...
+
+
+@runtime_checkable
+class HiddenStateDrafter(Drafter, Protocol):
+    """A drafter fed the target's hidden states (see the module docstring)."""
+
+    aux_layers: tuple[int, ...]
+    max_pending: int  # the most states it keeps per sequence: only a sequence's last this-many rows matter
+
+    def observe(self, request_id: str, start: int, tokens: list[int], hidden: torch.Tensor) -> None:
+        """The target's hidden states [len(tokens), len(aux_layers) x hidden] at positions
+        `start`, `start + 1`, ... of a sequence, whose tokens there were `tokens`."""
+        ...
+
+    def fork(self, parent: str, child: str) -> None:
+        """`child` shares `parent`'s tokens so far (a fork of its prompt)."""
         ...
