@@ -49,6 +49,8 @@ from hybridd.kernels.rotary import RotaryArgs
 from hybridd.kernels.triton_quantize import quantize_tokens
 
 MAX_ROWS = 32
+KERNELS = ("dot", "dot_f16", "fma")
+FMA_ROWS = 8
 _INTERPRET = environment.flag("TRITON_INTERPRET")
 # Float32 partials and per-tile counters for split-K, per (device, stream, capturing).
 _WORKSPACE_FLOATS = 1 << 21
@@ -66,8 +68,18 @@ class GemmConfig:
     # Tile the rows as well (one program per row tile and N tile, no split): any row count.
     # Without it a launch takes at most one tile of rows.
     tile_m: bool = False
+    # How an FP8 weight's tile is multiplied (one of KERNELS): "dot" converts it to the
+    # activation dtype for the tensor cores; "dot_f16" converts it to float16 (one hardware
+    # conversion per pair) and rounds the activations to float16 as well; "fma" multiplies
+    # on the CUDA cores in float32, for up to FMA_ROWS rows (no padding to 16), each thread
+    # summing its own K columns until the end.
+    kernel: str = "dot"
 
     def __post_init__(self) -> None:
+        if self.kernel not in KERNELS:
+            raise ValueError(f"kernel must be one of {', '.join(KERNELS)}, got {self.kernel!r}")
+        if self.kernel != "dot" and self.tile_m:
+            raise ValueError(f"the {self.kernel} kernel takes decode's rows only (no tile_m)")
         if self.block_m and (self.block_m < 16 or self.block_m & (self.block_m - 1)):
             raise ValueError(f"block_m must be 0 (16 or 32 by the row count) or a power of two >= 16, "
                              f"got {self.block_m}")
@@ -77,12 +89,15 @@ class GemmConfig:
 
 @triton.jit
 def _multiply_add(acc, w_rows, x_ptr, offs_m, k_idx, mask_m, mask_n, stride_xm, K, EVEN_K: tl.constexpr,
-                  dt: tl.constexpr, g_ptr, inv_rms, NORM_WEIGHT: tl.constexpr):
+                  dt: tl.constexpr, g_ptr, inv_rms, NORM_WEIGHT: tl.constexpr, MODE: tl.constexpr = 0):
     """acc [BLOCK_N, BLOCK_M] += W[n, k_idx] @ x[m, k_idx].T, both converted to `dt` (the
     activation dtype) in registers: an FP8 weight or FP8 activations exactly. With
     NORM_WEIGHT, x's rows are RMS-normalised here: x * inv_rms rounded to `dt`, times the
     norm's weight g[k_idx] rounded again, as the separate norm rounds. The weight is read
-    once, so it is evicted first."""
+    once, so it is evicted first.
+
+    MODE 1 ("dot_f16"): both in float16 instead (FP8 E4M3 exactly, one conversion a pair
+    on sm89+; the activations rounded, see `GemmConfig.kernel`)."""
     a_ptrs = x_ptr + offs_m[:, None] * stride_xm + k_idx[None, :]
     if EVEN_K:
         w = tl.load(w_rows + k_idx[None, :], mask=mask_n[:, None], other=0.0, eviction_policy="evict_first")
@@ -100,8 +115,76 @@ def _multiply_add(acc, w_rows, x_ptr, offs_m, k_idx, mask_m, mask_n, stride_xm, 
     if NORM_WEIGHT:
         a = (a.to(tl.float32) * inv_rms[:, None]).to(dt)
         a = (a.to(tl.float32) * g.to(tl.float32)[None, :]).to(dt)
-    return tl.dot(w.to(dt), tl.trans(a.to(dt)), acc)
+    if MODE == 1:  # the mode numbers: KERNELS' indices
 
+        return tl.dot(w.to(tl.float16), tl.trans(a.to(tl.float16)), acc)
+    else:
+        return tl.dot(w.to(dt), tl.trans(a.to(dt)), acc)
+
+
+@triton.jit
+def _fma_row(acc, wf, x_ptr, row, M, k_idx, mask_k, stride_xm, dt: tl.constexpr, g, inv_rms, r: tl.constexpr,
+             NORM_WEIGHT: tl.constexpr):
+    """acc [BLOCK_N, BLOCK_K] += wf * x[row, k_idx]: one row's products on the CUDA cores,
+    each thread keeping its own columns' partial sums (reduced over K once, after the
+    loop). With NORM_WEIGHT the row is normalised as `_multiply_add` normalises it."""
+    a = tl.load(x_ptr + row * stride_xm + k_idx, mask=mask_k & (row < M), other=0.0)
+    if NORM_WEIGHT:
+        rms = tl.sum(tl.where(tl.arange(0, inv_rms.shape[0]) == r, inv_rms, 0.0))
+        a = (a.to(tl.float32) * rms).to(dt)
+        a = (a.to(tl.float32) * g).to(dt)
+    return acc + wf * a.to(tl.float32)[None, :]
+
+
+@triton.jit
+def _fma_step(accs, w_rows, x_ptr, row0, M, k_idx, mask_n, stride_xm, K, EVEN_K: tl.constexpr, dt: tl.constexpr,
+              g_ptr, inv_rms, NORM_WEIGHT: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The CUDA-core product ("fma") of one step of K for up to FMA_ROWS rows, one float32
+    accumulator [BLOCK_N, BLOCK_K] a row (`accs`, a tuple): the FP8 tile converted once
+    (E4M3 to float16, one hardware conversion a pair on sm89+, then float32) in the layout
+    it was loaded in, which no tensor-core operand layout reshuffles."""
+    if EVEN_K:
+        mask_k = k_idx < K + 1  # all true: K is a multiple of the step
+        w = tl.load(w_rows + k_idx[None, :], mask=mask_n[:, None], other=0.0, eviction_policy="evict_first")
+    else:
+        mask_k = k_idx < K
+        w = tl.load(w_rows + k_idx[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0,
+                    eviction_policy="evict_first")
+    g = None
+    if NORM_WEIGHT:
+        g = tl.load(g_ptr + k_idx, mask=mask_k, other=0.0).to(tl.float32)
+    wf = w.to(tl.float16).to(tl.float32)
+    out = ()
+    for r in tl.static_range(BLOCK_M):
+        out = out + (_fma_row(accs[r], wf, x_ptr, row0 + r, M, k_idx, mask_k, stride_xm, dt, g, inv_rms, r,
+                              NORM_WEIGHT),)
+    return out
+
+
+@triton.jit
+def _fma_rows(w_rows, x_ptr, row0, M, k_start, k_per_split, mask_n, stride_xm, K, EVEN_K: tl.constexpr,
+              dt: tl.constexpr, g_ptr, inv_rms, NORM_WEIGHT: tl.constexpr, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr):
+    """acc [BLOCK_N, BLOCK_M] = W[n, split] @ x[m, split].T on the CUDA cores (`_fma_step`)."""
+    offs_k = tl.arange(0, BLOCK_K)
+    accs = ()
+    for r in tl.static_range(BLOCK_M):
+        accs = accs + (tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32),)
+    if INTERPRET:
+        k = 0
+        while k < k_per_split:
+            accs = _fma_step(accs, w_rows, x_ptr, row0, M, k_start + k + offs_k, mask_n, stride_xm, K, EVEN_K, dt,
+                             g_ptr, inv_rms, NORM_WEIGHT, BLOCK_M)
+            k += BLOCK_K
+    else:
+        for k in range(0, k_per_split, BLOCK_K):
+            accs = _fma_step(accs, w_rows, x_ptr, row0, M, k_start + k + offs_k, mask_n, stride_xm, K, EVEN_K, dt,
+                             g_ptr, inv_rms, NORM_WEIGHT, BLOCK_M)
+    rows = tl.arange(0, BLOCK_M)[None, :]
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for r in tl.static_range(BLOCK_M):
+        acc = tl.where(rows == r, tl.sum(accs[r], axis=1)[:, None], acc)
+    return acc
 
 @triton.jit
 def _store_out(y_ptr, b_ptr, acc, offs_m, offs_n, mask_m, mask_n, stride_ym, HAS_BIAS: tl.constexpr):
@@ -216,7 +299,7 @@ def _skinny_gemm_kernel(
     stats_ptr=None, n_stats=1, eps=0.0, res_ptr=None, stats_out_ptr=None,
     NORM: tl.constexpr = False, STATS_PAD: tl.constexpr = 1, RESIDUAL: tl.constexpr = False,
     w_scale_ptr=None, W_SCALE: tl.constexpr = False, x_scale_ptr=None, X_SCALE: tl.constexpr = False,
-    g_ptr=None, NORM_WEIGHT: tl.constexpr = False,
+    g_ptr=None, NORM_WEIGHT: tl.constexpr = False, MODE: tl.constexpr = 0,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -251,18 +334,21 @@ def _skinny_gemm_kernel(
         rope = None
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     # The last split may run past K: its loads there are masked off (EVEN_K: never happens).
-    if INTERPRET:
+    if MODE == 2:
+        acc = _fma_rows(w_rows, x_ptr, tl.program_id(2) * BLOCK_M, M, k_start, k_per_split, mask_n, stride_xm, K,
+                        EVEN_K, dt, g_ptr, inv_rms, NORM_WEIGHT, BLOCK_M, BLOCK_N, BLOCK_K, INTERPRET)
+    elif INTERPRET:
         # Triton's CPU interpreter cannot take a runtime loop bound in range(); a while
         # loop is not software-pipelined when compiled, so it serves the interpreter only.
         k = 0
         while k < k_per_split:
             acc = _multiply_add(acc, w_rows, x_ptr, offs_m, k_start + k + offs_k, mask_m, mask_n, stride_xm, K, EVEN_K,
-                                dt, g_ptr, inv_rms, NORM_WEIGHT)
+                                dt, g_ptr, inv_rms, NORM_WEIGHT, MODE)
             k += BLOCK_K
     else:
         for k in range(0, k_per_split, BLOCK_K):
             acc = _multiply_add(acc, w_rows, x_ptr, offs_m, k_start + k + offs_k, mask_m, mask_n, stride_xm, K, EVEN_K,
-                                dt, g_ptr, inv_rms, NORM_WEIGHT)
+                                dt, g_ptr, inv_rms, NORM_WEIGHT, MODE)
     if NORM and not NORM_WEIGHT:
         # The norm's weight is folded into W (`LlamaModel.fold_norms`): what is left of it
         # is one scale per row, which commutes with the product and with the split sum.
@@ -320,6 +406,16 @@ def _rotary_operands(rotary: RotaryArgs, m: int, n: int, block_n: int) -> dict |
     )
 
 
+def block_m_of(config: GemmConfig, m: int) -> int:
+    """The rows of a launch's tile for m rows: the config's, or 16 or 32 by the row count
+    for the tensor cores, or m's power of two on the CUDA cores (`fma`)."""
+    if config.block_m:
+        return config.block_m
+    if config.kernel == "fma":
+        return triton.next_power_of_2(max(m, 1))
+    return 16 if m <= 16 else 32
+
+
 @dataclass(frozen=True, eq=False)
 class FoldedNorm:
     """The RMSNorm of a product's input rows, whose weight is folded into the product's W
@@ -369,7 +465,11 @@ def launch(
         raise ValueError(f"the norm weight of a product over {k} columns must be [{k}], got {tuple(norm.weight.shape)}")
     if residual is not None and (residual.shape != (m, n) or not residual.is_contiguous()):
         raise ValueError(f"the residual of a [{m}, {n}] product must be a contiguous [{m}, {n}] tensor")
-    block_m = config.block_m or (16 if m <= 16 else 32)
+    if config.kernel != "dot" and fp8 is None:
+        raise ValueError(f"the {config.kernel} kernel multiplies FP8 weights only")
+    if config.kernel == "fma" and m > FMA_ROWS:
+        return None
+    block_m = block_m_of(config, m)
     if m == 0 or (m > block_m and not config.tile_m) or x.shape[1] != k or weight.stride() != (k, 1):
         return None
     rotary_args = {} if rotary is None else _rotary_operands(rotary, m, n, config.block_n)
@@ -414,6 +514,7 @@ def launch(
         m, n, k, k_per_split, split, x.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, SPLIT=split > 1, EVEN_K=k % k_per_split == 0,
         BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, INTERPRET=_INTERPRET,
+        MODE=KERNELS.index(config.kernel),
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl.launch_args(x.device), **rotary_args,
         **fused,
     )
@@ -487,9 +588,9 @@ def config_of(m: int, weight: torch.Tensor | Fp8Weight) -> GemmConfig | None:
 def _compile_every_bucket(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torch.Tensor | None,
                           rotary: RotaryArgs | None = None, norm: FoldedNorm | None = None,
                           residual: torch.Tensor | None = None) -> None:
-    """Launch each kernel variant this shape's row counts can pick (each config at BLOCK_M
-    16 and 32) once, on the first eager call: a graph captured later for another row count
-    then finds its kernel compiled and loaded instead of compiling inside the capture. The
+    """Launch each kernel variant this shape's row counts can pick (each config at each
+    tile height its row counts give, `block_m_of`) once, on the first eager call: a graph
+    captured later for another row count then finds its kernel compiled and loaded instead of compiling inside the capture. The
     launches run on zero rows; a rotary variant's slots are all -1, so it writes nothing
     to the caches."""
     w = weight.weight if isinstance(weight, Fp8Weight) else weight
@@ -518,8 +619,8 @@ def _compile_every_bucket(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, bia
     seen = set()
     for m in range(1, MAX_ROWS + 1):
         config = config_of(m, weight)
-        if config is not None and (config, m <= 16) not in seen:
-            seen.add((config, m <= 16))
+        if config is not None and (config, block_m_of(config, m)) not in seen:
+            seen.add((config, block_m_of(config, m)))
             launch(rows[:m], weight, bias, config, rotary, norm, None if sums is None else sums[:m])
 
 
