@@ -142,11 +142,12 @@ def test_the_description_says_where_prefill_quantizes_activations():
 
 
 def test_fp8_weights_stream_as_many_bytes_a_stage_as_bf16():
-    """An FP8 weight's config takes 256 columns a step where bf16's takes 128 (the same
-    weight bytes in flight); the 17-32-row steps of 256 columns stay."""
+    """The rule's config for an FP8 weight (where no measured winner is) takes 256 columns
+    a step where bf16's takes 128 (the same weight bytes in flight); the 17-32-row steps
+    of 256 columns stay."""
     for m, (n, k) in [(1, LLAMA2_7B["qkv"]), (1, LLAMA2_7B["o"]), (24, LLAMA3_8B["qkv"]), (24, LLAMA3_8B["down"])]:
-        bf16 = triton_gemm.config_for(m, n, k, 132)
-        fp8_config = triton_gemm.config_for(m, n, k, 132, weight_bytes=1)
+        bf16 = triton_gemm.rule_config(m, n, k, 132)
+        fp8_config = triton_gemm.rule_config(m, n, k, 132, weight_bytes=1)
         assert fp8_config.block_k == (256 if bf16.block_k == 128 else bf16.block_k)
         assert (fp8_config.block_n, fp8_config.split_k, fp8_config.num_stages) == (
             bf16.block_n, bf16.split_k, bf16.num_stages)

@@ -33,6 +33,7 @@ the same kernel tiles the rows too: the FP8-weight × bf16 prefill GEMM
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -531,7 +532,32 @@ def config_for(m: int, n: int, k: int, multiprocessors: int, weight_bytes: int =
     """The config of an [m, k] @ [n, k].T product on a GPU of `multiprocessors`
     multiprocessors, for a weight of `weight_bytes` bytes an element (2: the model's
     dtype; 1: FP8); None above MAX_ROWS rows (cuBLAS, or for FP8 the prefill GEMM, takes
-    those).
+    those). An FP8 product takes the measured winner (`measured_fp8_config`) where the
+    table has one, else the rule (`rule_config`). A function of the shape and the row
+    count alone: fixed for each captured bucket."""
+    if weight_bytes == 1 and 1 <= m <= MAX_ROWS:
+        measured = measured_fp8_config(m, n, k)
+        if measured is not None:
+            return measured
+    return rule_config(m, n, k, multiprocessors, weight_bytes)
+
+
+def measured_fp8_config(m: int, n: int, k: int) -> GemmConfig | None:
+    """The winner `fp8_decode_table` holds for the smallest measured row count >= m, of
+    the measured shape nearest (N, K) by their ratios; None where it has none."""
+    from hybridd.kernels import fp8_decode_table
+
+    rows = sorted({r for (_, _, r) in fp8_decode_table.WINNERS if r >= m})
+    if not rows:
+        return None
+    shapes = [(nn, kk) for (nn, kk, r) in fp8_decode_table.WINNERS if r == rows[0]]
+    nn, kk = min(shapes, key=lambda s: (abs(math.log(s[0] / n)) + abs(math.log(s[1] / k)), s))
+    kernel, block_n, block_k, split_k, num_warps, num_stages = fp8_decode_table.WINNERS[(nn, kk, rows[0])]
+    return GemmConfig(block_n, block_k, split_k, num_warps, num_stages, kernel=kernel)
+
+
+def rule_config(m: int, n: int, k: int, multiprocessors: int, weight_bytes: int = 2) -> GemmConfig | None:
+    """`config_for`'s rule, from the shape and the device's multiprocessors.
 
     The product is bound by its weight read, so the config keeps every multiprocessor
     streaming weight rows with as much of them in flight as fits:
@@ -590,9 +616,9 @@ def _compile_every_bucket(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, bia
                           residual: torch.Tensor | None = None) -> None:
     """Launch each kernel variant this shape's row counts can pick (each config at each
     tile height its row counts give, `block_m_of`) once, on the first eager call: a graph
-    captured later for another row count then finds its kernel compiled and loaded instead of compiling inside the capture. The
-    launches run on zero rows; a rotary variant's slots are all -1, so it writes nothing
-    to the caches."""
+    captured later for another row count then finds its kernel compiled and loaded
+    instead of compiling inside the capture. The launches run on zero rows; a rotary
+    variant's slots are all -1, so it writes nothing to the caches."""
     w = weight.weight if isinstance(weight, Fp8Weight) else weight
     key = ("gemm", tuple(w.shape), w.dtype, x.device, bias is not None, residual is not None,
            pdl.enabled(x.device))
