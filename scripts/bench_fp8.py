@@ -124,37 +124,47 @@ def graph_time(launch, copies) -> float:
     return seconds
 
 
-def candidates(m: int, n: int, k: int, multiprocessors: int) -> tuple[list, list]:
-    """(the first configs to time, their neighbours to time while the budget lasts) for an
-    FP8 weight [n, k] at m rows: the rule's tensor-core config, it in float16, and up to
-    FMA_ROWS rows a CUDA-core config sized so that its programs fill the GPU four times
-    over; then each of those with one field changed (halved or doubled: block_n, block_k,
-    split_k; a stage more and less; eight warps)."""
+def candidates(m: int, n: int, k: int, multiprocessors: int) -> list:
+    """The first configs to time for an FP8 weight [n, k] at m rows, the likelier first:
+    the rule's tensor-core config; up to FMA_ROWS rows, a CUDA-core config whose programs
+    fill the GPU four times over; the rule's config in its other three forms (W converted
+    to bf16 or to float16, the first or the second operand)."""
     from dataclasses import replace
 
     from hybridd.kernels import triton_gemm
     from hybridd.kernels.triton_gemm import GemmConfig
 
     rule = triton_gemm.rule_config(m, n, k, multiprocessors, weight_bytes=1)
-    first = [rule, replace(rule, kernel="dot_f16")]
+    first = [rule]
     if m <= triton_gemm.FMA_ROWS:
         block_n = 16 if m <= 2 else 8
         split = 1
         while -(-n // block_n) * split < 4 * multiprocessors and k // (2 * split) >= 1024:
             split *= 2
         first.append(GemmConfig(block_n, 256, split, 4, 1, kernel="fma"))
-    more = []
-    for b in first:
-        for c in (replace(b, block_n=b.block_n // 2), replace(b, block_n=b.block_n * 2),
-                  replace(b, block_k=b.block_k // 2), replace(b, block_k=b.block_k * 2),
-                  replace(b, split_k=b.split_k * 2), replace(b, split_k=b.split_k // 2),
-                  replace(b, num_warps=8), replace(b, num_stages=b.num_stages + (b.kernel != "fma")),
-                  replace(b, num_stages=b.num_stages - (b.kernel != "fma"))):
+    return first + [replace(rule, kernel=kernel) for kernel in ("dot_f16_t", "dot_f16", "dot_t")]
+
+
+def neighbours(bases: list, m: int) -> list:
+    """The configs one field away from `bases` (halved or doubled: block_n, block_k,
+    split_k; eight warps; a stage more and less), each base's first change first."""
+    from dataclasses import replace
+
+    def changed(b):
+        stage = 0 if b.kernel == "fma" else 1  # the CUDA-core loop is not software-pipelined
+        return [replace(b, block_n=b.block_n // 2), replace(b, block_n=b.block_n * 2),
+                replace(b, block_k=b.block_k // 2), replace(b, block_k=b.block_k * 2),
+                replace(b, split_k=b.split_k * 2), replace(b, split_k=b.split_k // 2), replace(b, num_warps=8),
+                replace(b, num_stages=b.num_stages + stage), replace(b, num_stages=b.num_stages - stage)]
+
+    out = []
+    for same_change in zip(*(changed(b) for b in bases)):
+        for c in same_change:
             per_thread = c.block_n * c.block_k // (32 * c.num_warps)  # FP8 bytes; fma: accumulators a row
-            if (c not in first + more and c.block_n >= 8 and c.block_k >= 64 and c.split_k >= 1 and c.num_stages >= 1
-                    and (c.kernel != "fma" or (per_thread >= 8 and per_thread * m <= 128))):
-                more.append(c)
-    return first, more
+            if (c not in bases + out and c.block_n >= 8 and c.block_k >= 64 and c.split_k >= 1
+                    and c.num_stages >= 1 and (c.kernel != "fma" or (per_thread >= 8 and per_thread * m <= 128))):
+                out.append(c)
+    return out
 
 
 def _precompile(jobs, deadline: float) -> None:
@@ -205,6 +215,7 @@ def bench_decode(shapes: dict, copy_bw: float, rows: tuple[int, ...], budget_s: 
     import torch
 
     from hybridd.kernels import triton_gemm
+    from hybridd.kernels.triton_gemm import GemmConfig
 
     deadline = time.monotonic() + budget_s
     mps = triton_gemm._multiprocessors(torch.device(DEVICE))
@@ -215,11 +226,9 @@ def bench_decode(shapes: dict, copy_bw: float, rows: tuple[int, ...], budget_s: 
                 continue
             weights[(n, k)] = (fp8_copies(n, k, graph_copies(n * k)), bf16_copies(n, k, graph_copies(2 * n * k)))
             for m in rows:
-                first, more = candidates(m, n, k, mps)
                 x = torch.randn(m, k, device=DEVICE, dtype=activation_dtype())
-                products.append((f"{shape_name}.{name}.m{m}", n, k, m, x, first, more if sweep else []))
-    out = {key: {"n": n, "k": k, "rows": m, "rule": repr(first[0]), "candidates": []}
-           for key, n, k, m, x, first, _ in products}
+                products.append((f"{shape_name}.{name}.m{m}", n, k, m, x, candidates(m, n, k, mps)))
+    out = {key: {"n": n, "k": k, "rows": m, "rule": first[0], "candidates": []} for key, n, k, m, x, first in products}
 
     def time_config(key, n, k, x, config):
         fp8_bytes = n * k + 4 * n
@@ -231,27 +240,44 @@ def bench_decode(shapes: dict, copy_bw: float, rows: tuple[int, ...], budget_s: 
             row["error"] = f"{type(exc).__name__}: {str(exc)[:120]}"
         out[key]["candidates"].append(row)
 
-    # The first candidates of every product, then the neighbours in turns (each product's
-    # first neighbour, then each one's second, ...) until the budget is spent.
-    first_jobs = [(key, n, k, x, c) for key, n, k, m, x, first, more in products for c in first]
-    longest = max(len(p[6]) for p in products)
-    more_jobs = [(p[0], p[1], p[2], p[4], p[6][i]) for i in range(longest) for p in products if i < len(p[6])]
-    bf16_jobs = [lambda x=x, w=weights[(n, k)][1][0]: triton_gemm.skinny(x, w) for _, n, k, _, x, _, _ in products]
-    for stage, jobs in enumerate((first_jobs, more_jobs)):
-        _precompile((bf16_jobs if stage == 0 else []) +
-                    [lambda j=j: triton_gemm.launch(j[3], weights[(j[1], j[2])][0][0], None, j[4]) for j in jobs],
-                    deadline)
-        if stage == 0:
-            for key, n, k, m, x, _, _ in products:
-                out[key]["bf16_s"] = graph_time(lambda w: triton_gemm.skinny(x, w), weights[(n, k)][1])
-        for i, job in enumerate(jobs):
-            if stage == 1 and time.monotonic() > deadline:
-                print(f"decode sweep: budget spent, {len(jobs) - i} of {len(jobs)} neighbours left untimed", flush=True)
-                break
+    # The first candidates of every product in turns (each one's rule config, then each
+    # one's second candidate, ...: past the budget, only the rule's are timed); then the
+    # neighbours of each product's two fastest, in turns, while the budget lasts.
+    first_jobs = [(p[0], p[1], p[2], p[4], p[5][i]) for i in range(max(len(p[5]) for p in products))
+                  for p in products if i < len(p[5])]
+    bf16_jobs = [lambda x=x, w=weights[(n, k)][1][0]: triton_gemm.skinny(x, w) for _, n, k, _, x, _ in products]
+    _precompile(bf16_jobs + [lambda j=j: triton_gemm.launch(j[3], weights[(j[1], j[2])][0][0], None, j[4])
+                             for j in first_jobs], deadline)
+    for key, n, k, m, x, _ in products:
+        out[key]["bf16_s"] = graph_time(lambda w: triton_gemm.skinny(x, w), weights[(n, k)][1])
+    for job in first_jobs:
+        if job[4] == out[job[0]]["rule"] or time.monotonic() < deadline:
             time_config(*job)
+    print(f"decode: first candidates timed at {time.monotonic() - deadline + budget_s:.0f} s", flush=True)
+    if not sweep:
+        return summarise(out, copy_bw)
+    more = []
+    for key, n, k, m, x, first in products:
+        timed = sorted((c for c in out[key]["candidates"] if "s" in c), key=lambda c: c["s"])
+        bases = [GemmConfig(**c["config"]) for c in timed[:2]]
+        more.append([(key, n, k, x, c) for c in neighbours(bases, m)])
+    jobs = [p[i] for i in range(max(map(len, more), default=0)) for p in more if i < len(p)]
+    _precompile([lambda j=j: triton_gemm.launch(j[3], weights[(j[1], j[2])][0][0], None, j[4]) for j in jobs],
+                deadline)
+    for i, job in enumerate(jobs):
+        if time.monotonic() > deadline:
+            print(f"decode sweep: budget spent, {len(jobs) - i} of {len(jobs)} neighbours left untimed", flush=True)
+            break
+        time_config(*job)
+    return summarise(out, copy_bw)
+
+
+def summarise(out: dict, copy_bw: float) -> dict:
+    """Each product's candidates fastest first, its `best` config and figures, printed."""
     for key, row in out.items():
         n, k = row["n"], row["k"]
         rule = row["candidates"][0]
+        row["rule"] = repr(row["rule"])
         timed = sorted((c for c in row["candidates"] if "s" in c), key=lambda c: c["s"])
         if not timed:
             print(f"decode {key}: no candidate ran", flush=True)

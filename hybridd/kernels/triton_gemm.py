@@ -50,7 +50,7 @@ from hybridd.kernels.rotary import RotaryArgs
 from hybridd.kernels.triton_quantize import quantize_tokens
 
 MAX_ROWS = 32
-KERNELS = ("dot", "dot_f16", "fma")
+KERNELS = ("dot", "dot_f16", "fma", "dot_t", "dot_f16_t")
 FMA_ROWS = 8
 _INTERPRET = environment.flag("TRITON_INTERPRET")
 # Float32 partials and per-tile counters for split-K, per (device, stream, capturing).
@@ -71,9 +71,11 @@ class GemmConfig:
     tile_m: bool = False
     # How an FP8 weight's tile is multiplied (one of KERNELS): "dot" converts it to the
     # activation dtype for the tensor cores; "dot_f16" converts it to float16 (one hardware
-    # conversion per pair) and rounds the activations to float16 as well; "fma" multiplies
-    # on the CUDA cores in float32, for up to FMA_ROWS rows (no padding to 16), each thread
-    # summing its own K columns until the end.
+    # conversion a pair) and rounds the activations to float16 as well; "dot_t" and
+    # "dot_f16_t" are those with W the tensor cores' second operand (its FP8 tile read from
+    # shared memory in 8-byte pieces where the first operand's layout takes 2); "fma" multiplies on the
+    # CUDA cores in float32, up to FMA_ROWS rows (no padding to 16), each thread summing
+    # its own K columns until the end.
     kernel: str = "dot"
 
     def __post_init__(self) -> None:
@@ -98,7 +100,8 @@ def _multiply_add(acc, w_rows, x_ptr, offs_m, k_idx, mask_m, mask_n, stride_xm, 
     once, so it is evicted first.
 
     MODE 1 ("dot_f16"): both in float16 instead (FP8 E4M3 exactly, one conversion a pair
-    on sm89+; the activations rounded, see `GemmConfig.kernel`)."""
+    on sm89+; the activations rounded, see `GemmConfig.kernel`); MODE 3 and 4 ("dot_t",
+    "dot_f16_t"): those of 0 and 1 with acc [BLOCK_M, BLOCK_N] += x @ W.T."""
     a_ptrs = x_ptr + offs_m[:, None] * stride_xm + k_idx[None, :]
     if EVEN_K:
         w = tl.load(w_rows + k_idx[None, :], mask=mask_n[:, None], other=0.0, eviction_policy="evict_first")
@@ -117,8 +120,11 @@ def _multiply_add(acc, w_rows, x_ptr, offs_m, k_idx, mask_m, mask_n, stride_xm, 
         a = (a.to(tl.float32) * inv_rms[:, None]).to(dt)
         a = (a.to(tl.float32) * g.to(tl.float32)[None, :]).to(dt)
     if MODE == 1:  # the mode numbers: KERNELS' indices
-
         return tl.dot(w.to(tl.float16), tl.trans(a.to(tl.float16)), acc)
+    elif MODE == 3:  # acc [BLOCK_M, BLOCK_N]: W the tensor cores' second operand
+        return tl.dot(a.to(dt), tl.trans(w.to(dt)), acc)
+    elif MODE == 4:
+        return tl.dot(a.to(tl.float16), tl.trans(w.to(tl.float16)), acc)
     else:
         return tl.dot(w.to(dt), tl.trans(a.to(dt)), acc)
 
@@ -333,7 +339,10 @@ def _skinny_gemm_kernel(
         rope = _rope_factors(pos_ptr, cos_ptr, sin_ptr, offs_m, mask_m, pid_n, dt, HALF, BLOCK_N // 2)
     else:
         rope = None
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    if MODE >= 3:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     # The last split may run past K: its loads there are masked off (EVEN_K: never happens).
     if MODE == 2:
         acc = _fma_rows(w_rows, x_ptr, tl.program_id(2) * BLOCK_M, M, k_start, k_per_split, mask_n, stride_xm, K,
@@ -350,6 +359,8 @@ def _skinny_gemm_kernel(
         for k in range(0, k_per_split, BLOCK_K):
             acc = _multiply_add(acc, w_rows, x_ptr, offs_m, k_start + k + offs_k, mask_m, mask_n, stride_xm, K, EVEN_K,
                                 dt, g_ptr, inv_rms, NORM_WEIGHT, MODE)
+    if MODE >= 3:
+        acc = tl.trans(acc)
     if NORM and not NORM_WEIGHT:
         # The norm's weight is folded into W (`LlamaModel.fold_norms`): what is left of it
         # is one scale per row, which commutes with the product and with the split sum.
