@@ -274,6 +274,7 @@ def test_prefill_candidates_model_shapes(shapes, m):
 
 _COMPILE_FOR_HOPPER = """
 import json, re, subprocess, tempfile
+from dataclasses import replace
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
@@ -306,6 +307,7 @@ def compile_(kernel, types, constants, warps, stages):
                                capture_output=True, text=True, check=True).stdout
     return {"shared": k.metadata.shared, "cp_async": "cp.async" in ptx,
             "e4m3": bool(re.search(r"cvt\\.[a-z0-9.]*e4m3", ptx)), "wgmma": "wgmma" in ptx,
+            "mma": "mma.sync" in ptx,
             "stack": int(re.search(r"STACK:(\\d+)", usage).group(1))}
 
 
@@ -313,15 +315,23 @@ gemm = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "b_ptr": "*bf16", "y_ptr": "*bf16
         "count_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "k_per_split": "i32", "split_k": "i32",
         "stride_xm": "i32", "stride_ym": "i32", "w_scale_ptr": "*fp32"}
 out = {}
-for m in (1, 32):
-    c = triton_gemm.config_for(m, 4096, 4096, 132, weight_bytes=1)
-    flags = dict(HAS_BIAS=False, SPLIT=False, EVEN_K=True, BLOCK_M=16 if m <= 16 else 32, BLOCK_N=c.block_n,
-                 BLOCK_K=c.block_k, INTERPRET=False, PDL=False, W_SCALE=True)
-    out[f"decode_m{m}"] = compile_(triton_gemm._skinny_gemm_kernel, gemm, flags, c.num_warps, c.num_stages)
+# Each decode kernel form at the rule's config (the CUDA-core one at its own tile), and
+# what `config_for` gives (the measured table's winner, where it has one).
+decode = [(f"{kernel}_m{m}", m, replace(triton_gemm.rule_config(m, 4096, 4096, 132, 1), kernel=kernel))
+          for m in (1, 32) for kernel in ("dot", "dot_f16", "dot_t", "dot_f16_t")]
+decode += [(f"fma_m{m}", m, triton_gemm.GemmConfig(16 if m <= 2 else 8, 256, 1, 4, 1, kernel="fma")) for m in (1, 4, 8)]
+decode += [(f"config_for_m{m}", m, triton_gemm.config_for(m, 4096, 4096, 132, 1)) for m in (1, 4, 8, 16, 32)]
+for name, m, c in decode:
+    flags = dict(HAS_BIAS=False, SPLIT=False, EVEN_K=True, BLOCK_M=triton_gemm.block_m_of(c, m), BLOCK_N=c.block_n,
+                 BLOCK_K=c.block_k, INTERPRET=False, PDL=False, W_SCALE=True,
+                 MODE=triton_gemm.KERNELS.index(c.kernel))
+    out[f"decode_{name}"] = compile_(triton_gemm._skinny_gemm_kernel, gemm, flags, c.num_warps, c.num_stages)
+    out[f"decode_{name}"]["kernel"] = c.kernel
     norm = {**gemm, "stats_ptr": "*fp32", "n_stats": "i32", "eps": "fp32", "g_ptr": "*bf16"}
-    out[f"decode_norm_m{m}"] = compile_(triton_gemm._skinny_gemm_kernel, norm,
-                                        {**flags, "NORM": True, "STATS_PAD": 32, "NORM_WEIGHT": True},
-                                        c.num_warps, c.num_stages)
+    out[f"decode_norm_{name}"] = compile_(triton_gemm._skinny_gemm_kernel, norm,
+                                          {**flags, "NORM": True, "STATS_PAD": 32, "NORM_WEIGHT": True},
+                                          c.num_warps, c.num_stages)
+    out[f"decode_norm_{name}"]["kernel"] = c.kernel
 for c in triton_fp8.prefill_configs():
     flags = dict(HAS_BIAS=False, SPLIT=False, EVEN_K=True, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
                  INTERPRET=False, PDL=False, W_SCALE=True)
@@ -337,11 +347,13 @@ print(json.dumps(out))
 
 @pytest.mark.slow
 def test_fp8_kernels_compile_for_hopper(tmp_path):
-    """The FP8 GEMM (decode at both row tiles, with the norm on the activation side;
+    """The FP8 GEMM (decode in each kernel form at both row tiles and the CUDA-core one at
+    1-8 rows, and the configs `config_for` gives, with the norm on the activation side;
     every prefill config) and the quantization kernel compile for sm_90 with no GPU here,
     as the launches on the 7B shapes specialize them: the weight streamed into shared
-    memory by the software pipeline (cp.async), converted from E4M3 in registers, on the
-    wgmma tensor cores, within an H100's shared memory, no register spilled (ptxas's
+    memory by the software pipeline (cp.async) for the tensor cores (wgmma, or mma.sync
+    where W is the second operand), straight into registers for the CUDA cores, converted
+    from E4M3 in registers, within an H100's shared memory, no register spilled (ptxas's
     stack, from the cubin)."""
     import json
     import os
@@ -362,5 +374,10 @@ def test_fp8_kernels_compile_for_hopper(tmp_path):
     for name, k in kernels.items():
         assert k["shared"] <= 227 * 1024 and k["stack"] == 0, (name, k)
         assert k["e4m3"], (name, k)
-        if name != "quantize":
+        kernel = k.get("kernel", "dot")
+        if kernel == "fma":  # the CUDA cores, the weight loaded straight into registers
+            assert not (k["cp_async"] or k["wgmma"] or k["mma"]), (name, k)
+        elif kernel in ("dot_t", "dot_f16_t"):  # W the second operand: mma.sync from shared memory
+            assert k["cp_async"] and k["mma"], (name, k)
+        elif name != "quantize":
             assert k["cp_async"] and k["wgmma"], (name, k)
