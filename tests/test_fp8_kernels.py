@@ -190,15 +190,18 @@ def _logits(model, prompts, decode_steps: int = 3, prefill_activations: str = "n
 
 
 @torch.inference_mode()
-@pytest.mark.parametrize("prefill", ["dequant", "scaled_mm"])
-def test_fp8_model_on_the_triton_kernels_equals_the_torch_kernels(fp8_model_dir, prefill, monkeypatch):
+@pytest.mark.parametrize(("prefill", "decode"), [("dequant", "dot"), ("scaled_mm", "dot"), ("dequant", "fma"),
+                                                 ("dequant", "dot_t")])
+def test_fp8_model_on_the_triton_kernels_equals_the_torch_kernels(fp8_model_dir, prefill, decode, monkeypatch):
     """The tiny model quantized to FP8 at load, its norms with random weights, through the
     Triton kernel set with every fusion (the norm applied on the activation side, RoPE
     with the KV write and the residual add in the projections' epilogues) against the
     torch kernel set on the same weights: a 42-token prefill (the prefill candidate) and
     three decode steps (the skinny kernel). Logits and caches equal the torch path's up
     to the order of float32 sums; for `scaled_mm` the torch path's prefill quantizes its
-    activations per token, as that candidate does."""
+    activations per token, as that candidate does. The decode steps (3 rows) run on the
+    `decode` kernel form: the rule's tensor-core one, the CUDA-core one, or W as the
+    tensor cores' second operand (the float16 forms round activations: not here)."""
     from hybridd.kernels.selection import select_kernels
     from hybridd.model import load_model
 
@@ -218,7 +221,8 @@ def test_fp8_model_on_the_triton_kernels_equals_the_torch_kernels(fp8_model_dir,
     monkeypatch.setattr(triton_gemm, "launch", counting_launch)
     # Small tiles: the interpreter's time goes with the tile's size.
     monkeypatch.setattr(triton_gemm, "config_for", lambda m, n, k, mps, weight_bytes=2:
-                        GemmConfig(16, 32, 2 if k > 64 else 1) if m <= 32 else None)
+                        GemmConfig(16, 32, 2 if k > 64 else 1, kernel=decode if weight_bytes == 1 else "dot")
+                        if m <= 32 else None)
     monkeypatch.setattr(triton_fp8, "prefill_config", lambda m, n, mps: GemmConfig(32, 32, block_m=32, tile_m=True))
     ref_logits, ref_kv = _logits(model, PROMPTS, prefill_activations="dynamic" if prefill == "scaled_mm" else "none")
     model.kernels = select_kernels(DEVICE, KernelChoices("triton", fp8_prefill=prefill))
