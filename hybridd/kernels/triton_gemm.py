@@ -16,11 +16,15 @@ holds both rotate-half partners.
 A launch's config (`config_for`) follows from the product's shape, its row count and the
 device's multiprocessor count alone, so every GPU and every Llama-family shape gets one;
 the rule reproduces the configs that sweeps of the Llama-2-7B and Llama-3-8B shapes on an
-H200 chose (docs/lab/kernels.md, "Kernels alone").
+H200 chose (docs/lab/kernels.md, "Kernels alone"). An FP8 weight's config comes from the
+winners a GPU sweep measured (`fp8_decode_table`), where there are any.
 
 FP8 weights (`hybridd.kernels.fp8.Fp8Weight`): the kernel loads the FP8 tile, converts it
-to the activation dtype in registers (exact: E4M3 fits in bf16) and multiplies as above;
-the per-output-channel scale (and, where the checkpoint quantizes the activations too,
+in registers and multiplies it in one of the forms `GemmConfig.kernel` names: on the
+tensor cores in the activation dtype (exact: E4M3 fits in bf16) or in float16 (the
+activations rounded to float16), W their first or second operand; or on the CUDA cores
+in float32, up to FMA_ROWS rows, each thread keeping its own columns' partial sums until
+the end of the loop (no rows padded, no operand layout). The per-output-channel scale (and, where the checkpoint quantizes the activations too,
 each row's activation scale) multiplies the float32 sum in the epilogue. A folded norm
 cannot live in an FP8 weight (its scales are per output row, the norm's weight per input
 column), so for FP8 the kernel applies the norm on the activation side instead: each
