@@ -213,3 +213,52 @@ def test_every_bucket_of_a_table_compiles_before_capture(monkeypatch):
         triton_gemm._compile_every_bucket(x, w, None)
     assert sorted(set(seen)) == [("dot_f16_t", 16), ("dot_f16_t", 32), ("fma", 1), ("fma", 2), ("fma", 4),
                                  ("fma", 8)]
+
+
+# ---------------------------------------------------------------- the GPU: the 7B and 8B shapes
+
+
+LLAMA_SHAPES = {(12288, 4096), (4096, 4096), (22016, 4096), (4096, 11008), (6144, 4096), (28672, 4096),
+                (4096, 14336)}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", NEW_KERNELS)
+@pytest.mark.parametrize("m", [1, 4, 8, 16, 32])
+def test_decode_kernels_on_the_llama_shapes(kernel, m):
+    """Each form on every Llama-2-7B and Llama-3-8B projection, at the rule's tiles (the
+    CUDA-core form at the bench's first config), against the emulated product in bf16."""
+    from dataclasses import replace
+
+    mps = triton_gemm._multiprocessors(torch.device(DEVICE))
+    for n, k in sorted(LLAMA_SHAPES):
+        x, w, _ = fp8_operands(m, n, k, False, seed=m + n + k)
+        if kernel == "fma":
+            config = GemmConfig(16 if m <= 2 else 8, 256, 2, 4, 1, kernel="fma")
+        else:
+            config = replace(triton_gemm.rule_config(m, n, k, mps, 1), kernel=kernel)
+        out = triton_gemm.launch(x, w, None, config)
+        if kernel == "fma" and m > triton_gemm.FMA_ROWS:
+            assert out is None
+            continue
+        assert rel(out, fp8.linear(as_kernel_reads(x, kernel), w)) < TOL, (n, k)
+
+
+@pytest.mark.gpu
+def test_the_tables_configs_replay_in_a_graph_as_they_run_eagerly():
+    """Each row count's config (`config_of`: the measured table's, where it has one) on a
+    qkv weight with the norm on the activation side, captured after one eager call and
+    replayed: the eager result, bit for bit."""
+    n, k = 6144, 4096
+    _, w, _ = fp8_operands(1, n, k, False, seed=3)
+    g = 0.5 + torch.rand(k, device=DEVICE).to(DTYPE)
+    for m in (1, 2, 3, 4, 8, 16, 32):
+        x = torch.randn(m, k, dtype=DTYPE, device=DEVICE)
+        sums = x.float().pow(2).sum(1, keepdim=True).contiguous()
+        eager = triton_gemm.skinny(x, w, None, norm=FoldedNorm(1e-5, sums, g))
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = triton_gemm.skinny(x, w, None, norm=FoldedNorm(1e-5, sums, g))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, eager), m
