@@ -106,7 +106,7 @@ GRAPH_ROTATION_BYTES = 160 << 20
 
 
 def graph_copies(nbytes: int) -> int:
-    """Copies of a weight of `nbytes` a graph's launches cycle over (4 on the CPU)."""
+    """Copies of a weight of `nbytes` a graph's launches cycle over (2 on the CPU)."""
     return max(2, min(GRAPH_LAUNCHES, -(-GRAPH_ROTATION_BYTES // nbytes))) if DEVICE == "cuda" else 2
 
 
@@ -268,7 +268,7 @@ def summarise(out: dict, copy_bw: float) -> dict:
     """Each product's candidates fastest first, its `best` config and figures, printed."""
     for key, row in out.items():
         n, k = row["n"], row["k"]
-        rule = row["candidates"][0]
+        rule = row["candidates"][0] if row["candidates"] else {}  # timed first
         row["rule"] = repr(row["rule"])
         timed = sorted((c for c in row["candidates"] if "s" in c), key=lambda c: c["s"])
         if not timed:

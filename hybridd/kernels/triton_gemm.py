@@ -24,8 +24,9 @@ in registers and multiplies it in one of the forms `GemmConfig.kernel` names: on
 tensor cores in the activation dtype (exact: E4M3 fits in bf16) or in float16 (the
 activations rounded to float16), W their first or second operand; or on the CUDA cores
 in float32, up to FMA_ROWS rows, each thread keeping its own columns' partial sums until
-the end of the loop (no rows padded, no operand layout). The per-output-channel scale (and, where the checkpoint quantizes the activations too,
-each row's activation scale) multiplies the float32 sum in the epilogue. A folded norm
+the end of the loop (no rows padded, no operand layout). The per-output-channel scale
+(and, where the checkpoint quantizes the activations too, each row's activation scale)
+multiplies the float32 sum in the epilogue. A folded norm
 cannot live in an FP8 weight (its scales are per output row, the norm's weight per input
 column), so for FP8 the kernel applies the norm on the activation side instead: each
 activation tile is normalised and multiplied by the norm's weight as it is loaded,
@@ -77,9 +78,9 @@ class GemmConfig:
     # activation dtype for the tensor cores; "dot_f16" converts it to float16 (one hardware
     # conversion a pair) and rounds the activations to float16 as well; "dot_t" and
     # "dot_f16_t" are those with W the tensor cores' second operand (its FP8 tile read from
-    # shared memory in 8-byte pieces where the first operand's layout takes 2); "fma" multiplies on the
-    # CUDA cores in float32, up to FMA_ROWS rows (no padding to 16), each thread summing
-    # its own K columns until the end.
+    # shared memory in 8-byte pieces where the first operand's layout takes 2); "fma"
+    # multiplies on the CUDA cores in float32, up to FMA_ROWS rows (no padding to 16), each
+    # thread summing its own K columns until the end.
     kernel: str = "dot"
 
     def __post_init__(self) -> None:
@@ -196,6 +197,7 @@ def _fma_rows(w_rows, x_ptr, row0, M, k_start, k_per_split, mask_n, stride_xm, K
     for r in tl.static_range(BLOCK_M):
         acc = tl.where(rows == r, tl.sum(accs[r], axis=1)[:, None], acc)
     return acc
+
 
 @triton.jit
 def _store_out(y_ptr, b_ptr, acc, offs_m, offs_n, mask_m, mask_n, stride_ym, HAS_BIAS: tl.constexpr):
