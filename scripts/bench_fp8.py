@@ -147,7 +147,7 @@ def candidates(m: int, n: int, k: int, multiprocessors: int) -> list:
         split = 1
         while -(-n // block_n) * split < 4 * multiprocessors and k // (2 * split) >= 1024:
             split *= 2
-        first.append(GemmConfig(block_n, 256, split, 4, 1, kernel="fma"))
+        first.append(GemmConfig(block_n, 256, split, 4, 2, kernel="fma"))  # 2 stages: a tile loaded ahead
     return first + [replace(rule, kernel=kernel) for kernel in ("dot_f16_t", "dot_f16", "dot_t")]
 
 
@@ -157,11 +157,12 @@ def neighbours(bases: list, m: int) -> list:
     from dataclasses import replace
 
     def changed(b):
-        stage = 0 if b.kernel == "fma" else 1  # the CUDA-core loop is not software-pipelined
+        # The CUDA-core form has two: with its weight tile loaded a step ahead (2) or not (1).
+        stages = [3 - b.num_stages] * 2 if b.kernel == "fma" else [b.num_stages + 1, b.num_stages - 1]
         return [replace(b, block_n=b.block_n // 2), replace(b, block_n=b.block_n * 2),
                 replace(b, block_k=b.block_k // 2), replace(b, block_k=b.block_k * 2),
                 replace(b, split_k=b.split_k * 2), replace(b, split_k=b.split_k // 2), replace(b, num_warps=8),
-                replace(b, num_stages=b.num_stages + stage), replace(b, num_stages=b.num_stages - stage)]
+                *(replace(b, num_stages=stage) for stage in stages)]
 
     out = []
     for same_change in zip(*(changed(b) for b in bases)):

@@ -97,6 +97,16 @@ def test_decode_kernel_equals_the_emulated_product(kernel, m, n, k, split, bias,
     assert rel(out, fp8.linear(reads, w, b)) < TOL
 
 
+@pytest.mark.parametrize(("m", "n", "k", "split", "block_k"), [(1, 48, 96, 1, 32), (3, 50, 200, 3, 32),
+                                                               (8, 33, 130, 2, 64), (2, 40, 64, 1, 64)])
+def test_fma_with_its_weight_loaded_a_step_ahead_equals_the_emulated_product(m, n, k, split, block_k):
+    """Two stages: each step's FP8 tile is loaded during the step before (the last of a
+    split loads nothing past it)."""
+    x, w, b = fp8_operands(m, n, k, True, seed=m + n + k)
+    out = triton_gemm.launch(x, w, b, GemmConfig(16, block_k, split, 4, 2, kernel="fma"))
+    assert rel(out, fp8.linear(x, w, b)) < TOL
+
+
 @pytest.mark.parametrize("m", [1, 2, 5, 8])
 def test_fma_tile_is_the_rows_power_of_two(m):
     """The CUDA-core kernel pads no rows to 16: its tile holds m's power of two."""
@@ -234,7 +244,7 @@ def test_decode_kernels_on_the_llama_shapes(kernel, m):
     for n, k in sorted(LLAMA_SHAPES):
         x, w, _ = fp8_operands(m, n, k, False, seed=m + n + k)
         if kernel == "fma":
-            config = GemmConfig(16 if m <= 2 else 8, 256, 2, 4, 1, kernel="fma")
+            config = GemmConfig(16 if m <= 2 else 8, 256, 2, 4, 2, kernel="fma")
         else:
             config = replace(triton_gemm.rule_config(m, n, k, mps, 1), kernel=kernel)
         out = triton_gemm.launch(x, w, None, config)

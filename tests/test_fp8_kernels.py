@@ -323,12 +323,13 @@ out = {}
 # what `config_for` gives (the measured table's winner, where it has one).
 decode = [(f"{kernel}_m{m}", m, replace(triton_gemm.rule_config(m, 4096, 4096, 132, 1), kernel=kernel))
           for m in (1, 32) for kernel in ("dot", "dot_f16", "dot_t", "dot_f16_t")]
-decode += [(f"fma_m{m}", m, triton_gemm.GemmConfig(16 if m <= 2 else 8, 256, 1, 4, 1, kernel="fma")) for m in (1, 4, 8)]
+decode += [(f"fma_m{m}_s{s}", m, triton_gemm.GemmConfig(16 if m <= 2 else 8, 256, 1, 4, s, kernel="fma"))
+           for m in (1, 4, 8) for s in (1, 2)]
 decode += [(f"config_for_m{m}", m, triton_gemm.config_for(m, 4096, 4096, 132, 1)) for m in (1, 4, 8, 16, 32)]
 for name, m, c in decode:
     flags = dict(HAS_BIAS=False, SPLIT=False, EVEN_K=True, BLOCK_M=triton_gemm.block_m_of(c, m), BLOCK_N=c.block_n,
                  BLOCK_K=c.block_k, INTERPRET=False, PDL=False, W_SCALE=True,
-                 MODE=triton_gemm.KERNELS.index(c.kernel))
+                 MODE=triton_gemm.KERNELS.index(c.kernel), FMA_PREFETCH=c.kernel == "fma" and c.num_stages > 1)
     out[f"decode_{name}"] = compile_(triton_gemm._skinny_gemm_kernel, gemm, flags, c.num_warps, c.num_stages)
     out[f"decode_{name}"]["kernel"] = c.kernel
     norm = {**gemm, "stats_ptr": "*fp32", "n_stats": "i32", "eps": "fp32", "g_ptr": "*bf16"}

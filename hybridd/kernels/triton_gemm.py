@@ -80,7 +80,8 @@ class GemmConfig:
     # "dot_f16_t" are those with W the tensor cores' second operand (its FP8 tile read from
     # shared memory in 8-byte pieces where the first operand's layout takes 2); "fma"
     # multiplies on the CUDA cores in float32, up to FMA_ROWS rows (no padding to 16), each
-    # thread summing its own K columns until the end.
+    # thread summing its own K columns until the end (num_stages > 1: each weight tile
+    # loaded a step ahead).
     kernel: str = "dot"
 
     def __post_init__(self) -> None:
@@ -149,19 +150,23 @@ def _fma_row(acc, wf, x_ptr, row, M, k_idx, mask_k, stride_xm, dt: tl.constexpr,
 
 
 @triton.jit
-def _fma_step(accs, w_rows, x_ptr, row0, M, k_idx, mask_n, stride_xm, K, EVEN_K: tl.constexpr, dt: tl.constexpr,
-              g_ptr, inv_rms, NORM_WEIGHT: tl.constexpr, BLOCK_M: tl.constexpr):
-    """The CUDA-core product ("fma") of one step of K for up to FMA_ROWS rows, one float32
-    accumulator [BLOCK_N, BLOCK_K] a row (`accs`, a tuple): the FP8 tile converted once
-    (E4M3 to float16, one hardware conversion a pair on sm89+, then float32) in the layout
-    it was loaded in, which no tensor-core operand layout reshuffles."""
+def _fma_weights(w_rows, k_idx, mask_n, K, EVEN_K: tl.constexpr, live):
+    """The FP8 tile W[n, k_idx] (`live` false: nothing loaded, zeros)."""
     if EVEN_K:
-        mask_k = k_idx < K + 1  # all true: K is a multiple of the step
-        w = tl.load(w_rows + k_idx[None, :], mask=mask_n[:, None], other=0.0, eviction_policy="evict_first")
+        mask = mask_n[:, None] & live
     else:
-        mask_k = k_idx < K
-        w = tl.load(w_rows + k_idx[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0,
-                    eviction_policy="evict_first")
+        mask = mask_n[:, None] & (k_idx < K)[None, :] & live
+    return tl.load(w_rows + k_idx[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
+
+
+@triton.jit
+def _fma_step(accs, w, x_ptr, row0, M, k_idx, stride_xm, K, dt: tl.constexpr, g_ptr, inv_rms,
+              NORM_WEIGHT: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The CUDA-core product ("fma") of one step of K for up to FMA_ROWS rows, one float32
+    accumulator [BLOCK_N, BLOCK_K] a row (`accs`, a tuple): the FP8 tile `w` converted
+    once (E4M3 to float16, one hardware conversion a pair on sm89+, then float32) in the
+    layout it was loaded in, which no tensor-core operand layout reshuffles."""
+    mask_k = k_idx < K
     g = None
     if NORM_WEIGHT:
         g = tl.load(g_ptr + k_idx, mask=mask_k, other=0.0).to(tl.float32)
@@ -176,22 +181,40 @@ def _fma_step(accs, w_rows, x_ptr, row0, M, k_idx, mask_n, stride_xm, K, EVEN_K:
 @triton.jit
 def _fma_rows(w_rows, x_ptr, row0, M, k_start, k_per_split, mask_n, stride_xm, K, EVEN_K: tl.constexpr,
               dt: tl.constexpr, g_ptr, inv_rms, NORM_WEIGHT: tl.constexpr, BLOCK_M: tl.constexpr,
-              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr):
-    """acc [BLOCK_N, BLOCK_M] = W[n, split] @ x[m, split].T on the CUDA cores (`_fma_step`)."""
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr, PREFETCH: tl.constexpr):
+    """acc [BLOCK_N, BLOCK_M] = W[n, split] @ x[m, split].T on the CUDA cores (`_fma_step`).
+    With PREFETCH each step's weight tile is loaded a step ahead, into registers (the
+    compiler pipelines no loads that feed no tensor core): two steps' bytes in flight."""
     offs_k = tl.arange(0, BLOCK_K)
     accs = ()
     for r in tl.static_range(BLOCK_M):
         accs = accs + (tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32),)
+    if PREFETCH:
+        w = _fma_weights(w_rows, k_start + offs_k, mask_n, K, EVEN_K, True)
     if INTERPRET:
         k = 0
         while k < k_per_split:
-            accs = _fma_step(accs, w_rows, x_ptr, row0, M, k_start + k + offs_k, mask_n, stride_xm, K, EVEN_K, dt,
-                             g_ptr, inv_rms, NORM_WEIGHT, BLOCK_M)
+            if PREFETCH:
+                w_next = _fma_weights(w_rows, k_start + k + BLOCK_K + offs_k, mask_n, K, EVEN_K,
+                                      k + BLOCK_K < k_per_split)
+            else:
+                w = _fma_weights(w_rows, k_start + k + offs_k, mask_n, K, EVEN_K, True)
+            accs = _fma_step(accs, w, x_ptr, row0, M, k_start + k + offs_k, stride_xm, K, dt, g_ptr, inv_rms,
+                             NORM_WEIGHT, BLOCK_M)
+            if PREFETCH:
+                w = w_next
             k += BLOCK_K
     else:
         for k in range(0, k_per_split, BLOCK_K):
-            accs = _fma_step(accs, w_rows, x_ptr, row0, M, k_start + k + offs_k, mask_n, stride_xm, K, EVEN_K, dt,
-                             g_ptr, inv_rms, NORM_WEIGHT, BLOCK_M)
+            if PREFETCH:
+                w_next = _fma_weights(w_rows, k_start + k + BLOCK_K + offs_k, mask_n, K, EVEN_K,
+                                      k + BLOCK_K < k_per_split)
+            else:
+                w = _fma_weights(w_rows, k_start + k + offs_k, mask_n, K, EVEN_K, True)
+            accs = _fma_step(accs, w, x_ptr, row0, M, k_start + k + offs_k, stride_xm, K, dt, g_ptr, inv_rms,
+                             NORM_WEIGHT, BLOCK_M)
+            if PREFETCH:
+                w = w_next
     rows = tl.arange(0, BLOCK_M)[None, :]
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for r in tl.static_range(BLOCK_M):
@@ -312,7 +335,7 @@ def _skinny_gemm_kernel(
     stats_ptr=None, n_stats=1, eps=0.0, res_ptr=None, stats_out_ptr=None,
     NORM: tl.constexpr = False, STATS_PAD: tl.constexpr = 1, RESIDUAL: tl.constexpr = False,
     w_scale_ptr=None, W_SCALE: tl.constexpr = False, x_scale_ptr=None, X_SCALE: tl.constexpr = False,
-    g_ptr=None, NORM_WEIGHT: tl.constexpr = False, MODE: tl.constexpr = 0,
+    g_ptr=None, NORM_WEIGHT: tl.constexpr = False, MODE: tl.constexpr = 0, FMA_PREFETCH: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -352,7 +375,7 @@ def _skinny_gemm_kernel(
     # The last split may run past K: its loads there are masked off (EVEN_K: never happens).
     if MODE == 2:
         acc = _fma_rows(w_rows, x_ptr, tl.program_id(2) * BLOCK_M, M, k_start, k_per_split, mask_n, stride_xm, K,
-                        EVEN_K, dt, g_ptr, inv_rms, NORM_WEIGHT, BLOCK_M, BLOCK_N, BLOCK_K, INTERPRET)
+                        EVEN_K, dt, g_ptr, inv_rms, NORM_WEIGHT, BLOCK_M, BLOCK_N, BLOCK_K, INTERPRET, FMA_PREFETCH)
     elif INTERPRET:
         # Triton's CPU interpreter cannot take a runtime loop bound in range(); a while
         # loop is not software-pipelined when compiled, so it serves the interpreter only.
@@ -532,7 +555,7 @@ def launch(
         m, n, k, k_per_split, split, x.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, SPLIT=split > 1, EVEN_K=k % k_per_split == 0,
         BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, INTERPRET=_INTERPRET,
-        MODE=KERNELS.index(config.kernel),
+        MODE=KERNELS.index(config.kernel), FMA_PREFETCH=config.kernel == "fma" and config.num_stages > 1,
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl.launch_args(x.device), **rotary_args,
         **fused,
     )
