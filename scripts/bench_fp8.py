@@ -1,19 +1,24 @@
 """The FP8 GEMMs alone on the GPU, against the copy bandwidth and the matmul rates.
 
-    python -m scripts.bench_fp8 --out fp8_gemm.json            # both shapes, ~1-2 minutes on an H100
-    python -m scripts.bench_fp8 --out x.json --shapes llama3-8b --quick
+    python -m scripts.bench_fp8 --out fp8_gemm.json --parts decode     # the decode sweep, <= 150 s on an H100
+    python -m scripts.bench_fp8 --table fp8_gemm.json    # its winners into hybridd/kernels/fp8_decode_table.py
+    python -m scripts.bench_fp8 --out fp8_gemm.json --parts prefill --quick
     python -m scripts.bench_fp8 --out x.json --device cpu --shapes tiny --quick   # smoke: Triton's interpreter
 
 - `decode`: the skinny GEMM at 1-32 rows on each projection of the Llama-2-7B and
-  Llama-3-8B shapes: GB/s on the FP8 bytes it must read (weight, scales), as a fraction
-  of the copy bandwidth (the target: >= 0.85), beside the bf16 weight's skinny GEMM on
-  the bf16 bytes; and, for one shape at 1 row (`--sweep`), the configs around
-  `config_for`'s FP8 rule, so that a better one shows.
+  Llama-3-8B shapes, each launch timed inside a CUDA graph (20 launches back to back on
+  weight copies that overflow the L2 cache, replayed): the bf16 weight's rule config, and
+  the FP8 candidates (`candidates`: the tensor-core kernel converting to bf16 or to
+  float16, the CUDA-core kernel up to 8 rows, then their neighbours while `--budget-s`
+  lasts). GB/s on the bytes each must read (FP8: weight and scales) against the copy
+  bandwidth (the target: >= 0.85); `best` per product (for o and down, whose inputs are
+  not normalised, the fastest form that keeps the activations in bf16), which `--table`
+  turns into the table `triton_gemm.config_for` takes FP8 configs from.
 - `prefill`: each projection at 128-2,048 rows through both prefill candidates
   (`scaled_mm`: per-token quantization + torch._scaled_mm; `dequant`: the Triton GEMM
   converting the weight in registers) and cuBLAS bf16: TFLOP/s, and per row count the
   candidate whose four projections together take least (`winner`): the measurement
-  that settles `KernelChoices.fp8_prefill`.
+  that settles `KernelChoices.fp8_prefill`. Timed from the host, launches overlapping.
 
 Weights rotate over enough copies to exceed the L2 cache, so each launch reads its
 weight from memory as in a model's step. On the CPU (`--device cpu`, the kernels in
@@ -24,6 +29,8 @@ script runs.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import os
 import sys
@@ -37,7 +44,7 @@ SHAPES = {
     "llama3-8b": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)},
     "tiny": {"qkv": (128, 64), "o": (64, 64), "gate_up": (352, 64), "down": (64, 176)},  # the CPU smoke's
 }
-DECODE_ROWS = (1, 8, 32)
+DECODE_ROWS = (1, 4, 8, 16, 32)
 PREFILL_ROWS = (128, 512, 2048)
 # Bytes of weights each timed rotation reads at least (the H100's L2 is 50 MB).
 ROTATION_BYTES = 512 << 20
@@ -87,61 +94,231 @@ def count_for(nbytes: int) -> int:
     return max(4, min(64, -(-ROTATION_BYTES // nbytes))) if DEVICE == "cuda" else 4
 
 
-def sweep_configs(base):
-    """`config_for`'s FP8 config and its neighbours: block_k halved and doubled, a stage
-    more and less, 32-row and twice as tall tiles of N, eight warps, K split in twice as
-    many parts (half the weight bytes a program: more programs where N's tiles leave
-    multiprocessors idle, o and down)."""
+# The FP8 decode forms that round the activations to float16, and the projections whose
+# input is normalised (RMSNorm), which alone `best` may give a float16 form.
+F16_KERNELS = ("dot_f16", "dot_f16_t")
+NORMALISED_INPUTS = ("qkv", "gate_up")
+# Decode launches a captured graph replays back to back: the kernels' own time, no host launch.
+GRAPH_LAUNCHES = 20
+# Bytes the launches of one graph cycle over at least, so that no launch finds its weight in
+# the L2 cache (the H100's is 50 MB).
+GRAPH_ROTATION_BYTES = 160 << 20
+
+
+def graph_copies(nbytes: int) -> int:
+    """Copies of a weight of `nbytes` a graph's launches cycle over (2 on the CPU)."""
+    return max(2, min(GRAPH_LAUNCHES, -(-GRAPH_ROTATION_BYTES // nbytes))) if DEVICE == "cuda" else 2
+
+
+def graph_time(launch, copies) -> float:
+    """Seconds per launch of launch(copy) (the GPU: GRAPH_LAUNCHES of them cycling over
+    `copies`, captured in one CUDA graph, the median of five replays; the CPU: host time)."""
+    import torch
+
+    if DEVICE != "cuda":
+        return rotated_time(launch, copies, 1)
+    if launch(copies[0]) is None:
+        raise ValueError("the kernel does not take this product")
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(GRAPH_LAUNCHES):
+            launch(copies[i % len(copies)])
+    graph.replay()
+    seconds = median_time(graph.replay, 5, True) / GRAPH_LAUNCHES
+    del graph
+    return seconds
+
+
+def candidates(m: int, n: int, k: int, multiprocessors: int) -> list:
+    """The first configs to time for an FP8 weight [n, k] at m rows, the likelier first:
+    the rule's tensor-core config; up to FMA_ROWS rows, a CUDA-core config whose programs
+    fill the GPU four times over; the rule's config in its other three forms (W converted
+    to bf16 or to float16, the first or the second operand)."""
     from dataclasses import replace
 
-    out = [base]
-    for change in ({"block_k": base.block_k // 2}, {"block_k": base.block_k * 2}, {"num_stages": base.num_stages + 1},
-                   {"num_stages": base.num_stages - 1}, {"block_n": 32}, {"block_n": base.block_n * 2},
-                   {"num_warps": 8}, {"split_k": 2 * base.split_k}):
-        c = replace(base, **change)
-        if c not in out and c.block_k >= 64 and c.num_stages >= 2:
-            out.append(c)
+    from hybridd.kernels import triton_gemm
+    from hybridd.kernels.triton_gemm import GemmConfig
+
+    rule = triton_gemm.rule_config(m, n, k, multiprocessors, weight_bytes=1)
+    first = [rule]
+    if m <= triton_gemm.FMA_ROWS:
+        block_n = 16 if m <= 2 else 8
+        split = 1
+        while -(-n // block_n) * split < 4 * multiprocessors and k // (2 * split) >= 1024:
+            split *= 2
+        first.append(GemmConfig(block_n, 256, split, 4, 2, kernel="fma"))  # 2 stages: a tile loaded ahead
+    return first + [replace(rule, kernel=kernel) for kernel in ("dot_f16_t", "dot_f16", "dot_t")]
+
+
+def neighbours(bases: list, m: int) -> list:
+    """The configs one field away from `bases` (halved or doubled: block_n, block_k,
+    split_k; eight warps; a stage more and less), each base's first change first."""
+    from dataclasses import replace
+
+    def changed(b):
+        # The CUDA-core form has two: with its weight tile loaded a step ahead (2) or not (1).
+        stages = [3 - b.num_stages] * 2 if b.kernel == "fma" else [b.num_stages + 1, b.num_stages - 1]
+        return [replace(b, block_n=b.block_n // 2), replace(b, block_n=b.block_n * 2),
+                replace(b, block_k=b.block_k // 2), replace(b, block_k=b.block_k * 2),
+                replace(b, split_k=b.split_k * 2), replace(b, split_k=b.split_k // 2), replace(b, num_warps=8),
+                *(replace(b, num_stages=stage) for stage in stages)]
+
+    out = []
+    for same_change in zip(*(changed(b) for b in bases)):
+        for c in same_change:
+            per_thread = c.block_n * c.block_k // (32 * c.num_warps)  # FP8 bytes; fma: accumulators a row
+            if (c not in bases + out and c.block_n >= 8 and c.block_k >= 64 and c.split_k >= 1
+                    and c.num_stages >= 1 and (c.kernel != "fma" or (per_thread >= 8 and per_thread * m <= 128))):
+                out.append(c)
     return out
 
 
-def bench_decode(shapes: dict, copy_bw: float, iters: int, sweep: str | None,
-                 rows: tuple[int, ...] = DECODE_ROWS) -> dict:
+def _precompile(jobs, pool, deadline: float) -> None:
+    """Compile the kernels `jobs` (callables that launch one) would, in `pool`'s processes
+    (`kernel_precompile`: the launches recorded, not run), a batch of twice its workers
+    at a time while time is left; what is left compiles at its first timed launch."""
+    from hybridd.runtime.kernel_precompile import precompile
+
+    if pool is None:
+        return
+    batch = 2 * pool.workers
+    for i in range(0, len(jobs), batch):
+        if time.monotonic() > deadline:
+            return
+        try:
+            precompile(lambda: [job() for job in jobs[i:i + batch]], pool)
+        except Exception as exc:  # an optimisation only: the launches compile what it did not
+            print(f"precompile: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+            return
+
+
+def bench_decode(shapes: dict, copy_bw: float, rows: tuple[int, ...], budget_s: float, sweep: bool,
+                 pool=None) -> dict:
+    """Each projection at each row count: the bf16 weight's skinny GEMM (its rule's config)
+    and the FP8 candidates (`candidates`), each timed in a CUDA graph (`graph_time`); the
+    neighbours only while `budget_s` lasts, taken in turn across the products so that
+    each gets some. GB/s on the bytes each must read (FP8: weight and scales)."""
     import torch
 
     from hybridd.kernels import triton_gemm
+    from hybridd.kernels.triton_gemm import GemmConfig
 
-    out = {}
+    deadline = time.monotonic() + budget_s
+    mps = triton_gemm._multiprocessors(torch.device(DEVICE))
+    weights, products = {}, []
     for shape_name, projections in shapes.items():
         for name, (n, k) in projections.items():
-            f8 = fp8_copies(n, k, count_for(n * k))
-            b16 = bf16_copies(n, k, count_for(2 * n * k))
+            if (n, k) in weights:  # Llama-3-8B's o is Llama-2-7B's
+                continue
+            weights[(n, k)] = (fp8_copies(n, k, graph_copies(n * k)), bf16_copies(n, k, graph_copies(2 * n * k)))
             for m in rows:
                 x = torch.randn(m, k, device=DEVICE, dtype=activation_dtype())
-                fp8_bytes = n * k + 4 * n
-                t8 = rotated_time(lambda w: triton_gemm.skinny(x, w), f8, iters)
-                t16 = rotated_time(lambda w: triton_gemm.skinny(x, w), b16, iters)
-                row = {"n": n, "k": k, "rows": m, "config": repr(triton_gemm.config_of(m, f8[0])),
-                       "fp8_s": t8, "fp8_GBps": fp8_bytes / t8 / 1e9, "fp8_x_copy_bw": fp8_bytes / t8 / copy_bw,
-                       "bf16_s": t16, "bf16_GBps": 2 * n * k / t16 / 1e9, "bf16_x_copy_bw": 2 * n * k / t16 / copy_bw,
-                       "fp8_over_bf16_time": t8 / t16}
-                if shape_name == sweep and m == 1:
-                    base = triton_gemm.config_of(m, f8[0])
-                    tried = []
-                    for config in sweep_configs(base):
-                        try:
-                            t = rotated_time(lambda w, c=config: triton_gemm.launch(x, w, None, c), f8, iters)
-                            tried.append({"config": repr(config), "s": t, "x_copy_bw": fp8_bytes / t / copy_bw})
-                        except Exception as exc:  # out of shared memory, say: recorded, not fatal
-                            tried.append({"config": repr(config), "error": f"{type(exc).__name__}: {str(exc)[:120]}"})
-                    row["sweep"] = sorted(tried, key=lambda r: r.get("s", float("inf")))
-                out[f"{shape_name}.{name}.m{m}"] = row
-                print(f"decode {shape_name:9s} {name:7s} m={m:2d}: fp8 {row['fp8_GBps']:7.0f} GB/s "
-                      f"({row['fp8_x_copy_bw']:.2f} x copy)  bf16 {row['bf16_GBps']:7.0f} GB/s  "
-                      f"time fp8/bf16 {row['fp8_over_bf16_time']:.2f}", flush=True)
-            del f8, b16
-            if DEVICE == "cuda":
-                torch.cuda.empty_cache()
+                products.append((f"{shape_name}.{name}.m{m}", n, k, m, x, candidates(m, n, k, mps)))
+    out = {key: {"n": n, "k": k, "rows": m, "rule": first[0], "candidates": []} for key, n, k, m, x, first in products}
+
+    def time_config(key, n, k, x, config):
+        fp8_bytes = n * k + 4 * n
+        row = {"config": dataclasses.asdict(config)}
+        try:
+            row["s"] = graph_time(lambda w: triton_gemm.launch(x, w, None, config), weights[(n, k)][0])
+            row |= {"GBps": fp8_bytes / row["s"] / 1e9, "x_copy_bw": fp8_bytes / row["s"] / copy_bw}
+        except Exception as exc:  # out of shared memory, say: recorded, not fatal
+            row["error"] = f"{type(exc).__name__}: {str(exc)[:120]}"
+        out[key]["candidates"].append(row)
+
+    # The first candidates of every product in turns (each one's rule config, then each
+    # one's second candidate, ...: past the budget, only the rule's are timed); then the
+    # neighbours of each product's two fastest, in turns, while the budget lasts.
+    first_jobs = [(p[0], p[1], p[2], p[4], p[5][i]) for i in range(max(len(p[5]) for p in products))
+                  for p in products if i < len(p[5])]
+    bf16_jobs = [lambda x=x, w=weights[(n, k)][1][0]: triton_gemm.skinny(x, w) for _, n, k, _, x, _ in products]
+    _precompile(bf16_jobs + [lambda j=j: triton_gemm.launch(j[3], weights[(j[1], j[2])][0][0], None, j[4])
+                             for j in first_jobs], pool, deadline)
+    for key, n, k, m, x, _ in products:
+        try:
+            out[key]["bf16_s"] = graph_time(lambda w: triton_gemm.skinny(x, w), weights[(n, k)][1])
+        except Exception as exc:  # recorded; the FP8 candidates are what this part is for
+            out[key]["bf16_error"] = f"{type(exc).__name__}: {str(exc)[:120]}"
+    for job in first_jobs:
+        if job[4] == out[job[0]]["rule"] or time.monotonic() < deadline:
+            time_config(*job)
+    print(f"decode: first candidates timed at {time.monotonic() - deadline + budget_s:.0f} s", flush=True)
+    if not sweep:
+        return summarise(out, copy_bw)
+    more = []
+    for key, n, k, m, x, first in products:
+        timed = sorted((c for c in out[key]["candidates"] if "s" in c), key=lambda c: c["s"])
+        bases = [GemmConfig(**c["config"]) for c in timed[:2]]
+        more.append([(key, n, k, x, c) for c in neighbours(bases, m)])
+    jobs = [p[i] for i in range(max(map(len, more), default=0)) for p in more if i < len(p)]
+    chunk = 2 * pool.workers if pool is not None else 16
+    for i in range(0, len(jobs), chunk):
+        if time.monotonic() > deadline:
+            print(f"decode sweep: budget spent, {len(jobs) - i} of {len(jobs)} neighbours left untimed", flush=True)
+            break
+        _precompile([lambda j=j: triton_gemm.launch(j[3], weights[(j[1], j[2])][0][0], None, j[4])
+                     for j in jobs[i:i + chunk]], pool, deadline)
+        for job in jobs[i:i + chunk]:
+            if time.monotonic() < deadline:
+                time_config(*job)
+    return summarise(out, copy_bw)
+
+
+def summarise(out: dict, copy_bw: float) -> dict:
+    """Each product's candidates fastest first, its `best` config and figures, printed."""
+    for key, row in out.items():
+        n, k = row["n"], row["k"]
+        rule = row["candidates"][0] if row["candidates"] else {}  # timed first
+        row["rule"] = repr(row["rule"])
+        timed = sorted((c for c in row["candidates"] if "s" in c), key=lambda c: c["s"])
+        if not timed:
+            print(f"decode {key}: no candidate ran", flush=True)
+            continue
+        best = timed[0]
+        # The float16 forms round the activations to float16, which overflows past 65504:
+        # only the normalised inputs of qkv and gate_up are sure to stay far below.
+        exact = next((c for c in timed if c["config"]["kernel"] not in F16_KERNELS), None)
+        if key.split(".")[1] not in NORMALISED_INPUTS and exact is not None and exact is not best:
+            row["fastest_any"] = best["config"]
+            best = exact
+        bf16_s = row.get("bf16_s", float("nan"))
+        row |= {"best": best["config"], "fp8_s": best["s"], "fp8_GBps": best["GBps"],
+                "fp8_x_copy_bw": best["x_copy_bw"], "rule_s": rule.get("s"), "bf16_GBps": 2 * n * k / bf16_s / 1e9,
+                "bf16_x_copy_bw": 2 * n * k / bf16_s / copy_bw, "fp8_over_bf16_time": best["s"] / bf16_s,
+                "candidates": timed + [c for c in row["candidates"] if "s" not in c]}
+        cfg = best["config"]
+        forms = {}
+        for c in timed:
+            forms.setdefault(c["config"]["kernel"], c["GBps"])
+        row["form_GBps"] = forms
+        print(f"decode {key:24s}: fp8 {best['GBps']:5.0f} GB/s ({best['x_copy_bw']:.2f} x copy) bf16 "
+              f"{row['bf16_GBps']:5.0f}  fp8/bf16 time {row['fp8_over_bf16_time']:.2f}  {cfg['kernel']} "
+              f"{cfg['block_n']}x{cfg['block_k']}/{cfg['split_k']} w{cfg['num_warps']} s{cfg['num_stages']}  forms "
+              + " ".join(f"{kernel} {gbps:.0f}" for kernel, gbps in forms.items()), flush=True)
     return out
+
+
+def write_table(bench_json: Path) -> Path:
+    """hybridd/kernels/fp8_decode_table.py from a bench run's JSON: each product's fastest config."""
+    result = json.loads(bench_json.read_text())
+    winners = {}
+    for row in result.get("decode", {}).values():
+        if "best" not in row:
+            continue
+        c = row["best"]
+        winners[(row["n"], row["k"], row["rows"])] = (c["kernel"], c["block_n"], c["block_k"], c["split_k"],
+                                                      c["num_warps"], c["num_stages"])
+    path = Path(__file__).resolve().parent.parent / "hybridd" / "kernels" / "fp8_decode_table.py"
+    text = path.read_text()
+    head = text[:text.index("DEVICE = ")]
+    lines = [f'    {key!r}: ("{kernel}", {", ".join(map(str, rest))}),'
+             for key, (kernel, *rest) in sorted(winners.items())]
+    path.write_text(head + f"DEVICE = {json.dumps(result['device'])}  # the GPU the winners were measured on\n"
+                    "# (n, k, rows): (kernel, block_n, block_k, split_k, num_warps, num_stages)\n"
+                    "WINNERS: dict[tuple[int, int, int], tuple[str, int, int, int, int, int]] = {"
+                    + ("\n" + "\n".join(lines) + "\n" if lines else "") + "}\n")
+    return path
 
 
 def bench_prefill(shapes: dict, iters: int, rows: tuple[int, ...]) -> dict:
@@ -209,15 +386,22 @@ def fp8_matmul_rate(n: int = 8192) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--out", type=Path, help="the JSON written")
+    parser.add_argument("--table", type=Path, metavar="JSON", help="write hybridd/kernels/fp8_decode_table.py from "
+                        "a run's JSON (each decode product's fastest config) and exit")
     parser.add_argument("--shapes", default="llama2-7b,llama3-8b", help="comma list of " + ", ".join(SHAPES))
     parser.add_argument("--quick", action="store_true", help="fewer iterations and row counts, no config sweep")
     parser.add_argument("--parts", default="decode,prefill", help="comma list of decode, prefill")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                         help="cpu: the kernels in Triton's interpreter, to check the script runs")
-    parser.add_argument("--sweep", default="llama3-8b", help="the shape whose decode configs are swept at 1 row "
-                        "(each config compiles: about a second each); none: no sweep")
+    parser.add_argument("--budget-s", type=float, default=95.0,
+                        help="seconds the decode part may take: the neighbours of the first candidates while it lasts")
     args = parser.parse_args(argv)
+    if args.table is not None:
+        print(f"wrote {write_table(args.table)}")
+        return 0
+    if args.out is None:
+        parser.error("--out is required (or --table)")
     global DEVICE
     DEVICE = args.device
     if DEVICE == "cpu":
@@ -233,6 +417,29 @@ def main(argv: list[str] | None = None) -> int:
     shapes = {s: SHAPES[s] for s in names}
     parts = {p.strip() for p in args.parts.split(",")}
     t0 = time.perf_counter()
+    with contextlib.ExitStack() as stack:
+        pool = None
+        if DEVICE == "cuda" and "decode" in parts:
+            # Compiler processes for the decode candidates' kernels, importing while the ceilings are measured.
+            from hybridd.runtime.kernel_precompile import CompilePool
+
+            pool = stack.enter_context(CompilePool(max(1, min(16, (os.cpu_count() or 2) - 1))))
+        result = measure(args, shapes, parts, pool)
+    result["seconds"] = time.perf_counter() - t0
+    args.out.write_text(json.dumps(result, indent=2))
+    if "decode" in result:
+        fractions = [r["fp8_x_copy_bw"] for r in result["decode"].values() if "fp8_x_copy_bw" in r]
+        print(f"decode GEMM: FP8 bytes at {min(fractions):.2f}-{max(fractions):.2f} x copy bandwidth "
+              f"(target >= 0.85); {result['seconds']:.0f} s", flush=True)
+    for key, w in (result.get("prefill") or {}).get("layer", {}).items():
+        print(f"prefill layer {key}: winner {w['winner']}, {w['winner_over_bf16']:.2f} x bf16 cuBLAS time")
+    return 0
+
+
+def measure(args, shapes: dict, parts: set, pool) -> dict:
+    """The ceilings, then the parts asked for; the JSON written after each."""
+    import torch
+
     ceilings = device_ceilings(DEVICE)
     result = {"device": ceilings["name"], "torch": torch.__version__, "quick": args.quick,
               "copy_bandwidth_Bps": ceilings["copy_bandwidth_Bps"], "bf16_matmul_flops": ceilings["matmul_flops"],
@@ -244,22 +451,14 @@ def main(argv: list[str] | None = None) -> int:
     iters = 10 if not args.quick else 5 if DEVICE == "cuda" else 1
     with torch.inference_mode():
         if "decode" in parts:
-            result["decode"] = bench_decode(shapes, result["copy_bandwidth_Bps"], iters,
-                                            sweep=None if args.quick else args.sweep,
-                                            rows=DECODE_ROWS if DEVICE == "cuda" or not args.quick else (1, 17))
+            result["decode"] = bench_decode(shapes, result["copy_bandwidth_Bps"],
+                                            DECODE_ROWS if DEVICE == "cuda" or not args.quick else (1, 17),
+                                            args.budget_s, sweep=not args.quick, pool=pool)
             args.out.write_text(json.dumps(result, indent=2))
         if "prefill" in parts:
             rows = PREFILL_ROWS if not args.quick else PREFILL_ROWS[:2] if DEVICE == "cuda" else (40,)
             result["prefill"] = bench_prefill(shapes, iters, rows)
-    result["seconds"] = time.perf_counter() - t0
-    args.out.write_text(json.dumps(result, indent=2))
-    if "decode" in result:
-        fractions = [r["fp8_x_copy_bw"] for r in result["decode"].values()]
-        print(f"decode GEMM: FP8 bytes at {min(fractions):.2f}-{max(fractions):.2f} x copy bandwidth "
-              f"(target >= 0.85)")
-    for key, w in (result.get("prefill") or {}).get("layer", {}).items():
-        print(f"prefill layer {key}: winner {w['winner']}, {w['winner_over_bf16']:.2f} x bf16 cuBLAS time")
-    return 0
+    return result
 
 
 if __name__ == "__main__":

@@ -142,11 +142,12 @@ def test_the_description_says_where_prefill_quantizes_activations():
 
 
 def test_fp8_weights_stream_as_many_bytes_a_stage_as_bf16():
-    """An FP8 weight's config takes 256 columns a step where bf16's takes 128 (the same
-    weight bytes in flight); the 17-32-row steps of 256 columns stay."""
+    """The rule's config for an FP8 weight (where no measured winner is) takes 256 columns
+    a step where bf16's takes 128 (the same weight bytes in flight); the 17-32-row steps
+    of 256 columns stay."""
     for m, (n, k) in [(1, LLAMA2_7B["qkv"]), (1, LLAMA2_7B["o"]), (24, LLAMA3_8B["qkv"]), (24, LLAMA3_8B["down"])]:
-        bf16 = triton_gemm.config_for(m, n, k, 132)
-        fp8_config = triton_gemm.config_for(m, n, k, 132, weight_bytes=1)
+        bf16 = triton_gemm.rule_config(m, n, k, 132)
+        fp8_config = triton_gemm.rule_config(m, n, k, 132, weight_bytes=1)
         assert fp8_config.block_k == (256 if bf16.block_k == 128 else bf16.block_k)
         assert (fp8_config.block_n, fp8_config.split_k, fp8_config.num_stages) == (
             bf16.block_n, bf16.split_k, bf16.num_stages)
@@ -189,15 +190,18 @@ def _logits(model, prompts, decode_steps: int = 3, prefill_activations: str = "n
 
 
 @torch.inference_mode()
-@pytest.mark.parametrize("prefill", ["dequant", "scaled_mm"])
-def test_fp8_model_on_the_triton_kernels_equals_the_torch_kernels(fp8_model_dir, prefill, monkeypatch):
+@pytest.mark.parametrize(("prefill", "decode"), [("dequant", "dot"), ("scaled_mm", "dot"), ("dequant", "fma"),
+                                                 ("dequant", "dot_t")])
+def test_fp8_model_on_the_triton_kernels_equals_the_torch_kernels(fp8_model_dir, prefill, decode, monkeypatch):
     """The tiny model quantized to FP8 at load, its norms with random weights, through the
     Triton kernel set with every fusion (the norm applied on the activation side, RoPE
     with the KV write and the residual add in the projections' epilogues) against the
     torch kernel set on the same weights: a 42-token prefill (the prefill candidate) and
     three decode steps (the skinny kernel). Logits and caches equal the torch path's up
     to the order of float32 sums; for `scaled_mm` the torch path's prefill quantizes its
-    activations per token, as that candidate does."""
+    activations per token, as that candidate does. The decode steps (3 rows) run on the
+    `decode` kernel form: the rule's tensor-core one, the CUDA-core one, or W as the
+    tensor cores' second operand (the float16 forms round activations: not here)."""
     from hybridd.kernels.selection import select_kernels
     from hybridd.model import load_model
 
@@ -217,7 +221,8 @@ def test_fp8_model_on_the_triton_kernels_equals_the_torch_kernels(fp8_model_dir,
     monkeypatch.setattr(triton_gemm, "launch", counting_launch)
     # Small tiles: the interpreter's time goes with the tile's size.
     monkeypatch.setattr(triton_gemm, "config_for", lambda m, n, k, mps, weight_bytes=2:
-                        GemmConfig(16, 32, 2 if k > 64 else 1) if m <= 32 else None)
+                        GemmConfig(16, 32, 2 if k > 64 else 1, kernel=decode if weight_bytes == 1 else "dot")
+                        if m <= 32 else None)
     monkeypatch.setattr(triton_fp8, "prefill_config", lambda m, n, mps: GemmConfig(32, 32, block_m=32, tile_m=True))
     ref_logits, ref_kv = _logits(model, PROMPTS, prefill_activations="dynamic" if prefill == "scaled_mm" else "none")
     model.kernels = select_kernels(DEVICE, KernelChoices("triton", fp8_prefill=prefill))
@@ -273,6 +278,7 @@ def test_prefill_candidates_model_shapes(shapes, m):
 
 _COMPILE_FOR_HOPPER = """
 import json, re, subprocess, tempfile
+from dataclasses import replace
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
@@ -305,6 +311,7 @@ def compile_(kernel, types, constants, warps, stages):
                                capture_output=True, text=True, check=True).stdout
     return {"shared": k.metadata.shared, "cp_async": "cp.async" in ptx,
             "e4m3": bool(re.search(r"cvt\\.[a-z0-9.]*e4m3", ptx)), "wgmma": "wgmma" in ptx,
+            "mma": "mma.sync" in ptx,
             "stack": int(re.search(r"STACK:(\\d+)", usage).group(1))}
 
 
@@ -312,15 +319,24 @@ gemm = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "b_ptr": "*bf16", "y_ptr": "*bf16
         "count_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "k_per_split": "i32", "split_k": "i32",
         "stride_xm": "i32", "stride_ym": "i32", "w_scale_ptr": "*fp32"}
 out = {}
-for m in (1, 32):
-    c = triton_gemm.config_for(m, 4096, 4096, 132, weight_bytes=1)
-    flags = dict(HAS_BIAS=False, SPLIT=False, EVEN_K=True, BLOCK_M=16 if m <= 16 else 32, BLOCK_N=c.block_n,
-                 BLOCK_K=c.block_k, INTERPRET=False, PDL=False, W_SCALE=True)
-    out[f"decode_m{m}"] = compile_(triton_gemm._skinny_gemm_kernel, gemm, flags, c.num_warps, c.num_stages)
+# Each decode kernel form at the rule's config (the CUDA-core one at its own tile), and
+# what `config_for` gives (the measured table's winner, where it has one).
+decode = [(f"{kernel}_m{m}", m, replace(triton_gemm.rule_config(m, 4096, 4096, 132, 1), kernel=kernel))
+          for m in (1, 32) for kernel in ("dot", "dot_f16", "dot_t", "dot_f16_t")]
+decode += [(f"fma_m{m}_s{s}", m, triton_gemm.GemmConfig(16 if m <= 2 else 8, 256, 1, 4, s, kernel="fma"))
+           for m in (1, 4, 8) for s in (1, 2)]
+decode += [(f"config_for_m{m}", m, triton_gemm.config_for(m, 4096, 4096, 132, 1)) for m in (1, 4, 8, 16, 32)]
+for name, m, c in decode:
+    flags = dict(HAS_BIAS=False, SPLIT=False, EVEN_K=True, BLOCK_M=triton_gemm.block_m_of(c, m), BLOCK_N=c.block_n,
+                 BLOCK_K=c.block_k, INTERPRET=False, PDL=False, W_SCALE=True,
+                 MODE=triton_gemm.KERNELS.index(c.kernel), FMA_PREFETCH=c.kernel == "fma" and c.num_stages > 1)
+    out[f"decode_{name}"] = compile_(triton_gemm._skinny_gemm_kernel, gemm, flags, c.num_warps, c.num_stages)
+    out[f"decode_{name}"]["kernel"] = c.kernel
     norm = {**gemm, "stats_ptr": "*fp32", "n_stats": "i32", "eps": "fp32", "g_ptr": "*bf16"}
-    out[f"decode_norm_m{m}"] = compile_(triton_gemm._skinny_gemm_kernel, norm,
-                                        {**flags, "NORM": True, "STATS_PAD": 32, "NORM_WEIGHT": True},
-                                        c.num_warps, c.num_stages)
+    out[f"decode_norm_{name}"] = compile_(triton_gemm._skinny_gemm_kernel, norm,
+                                          {**flags, "NORM": True, "STATS_PAD": 32, "NORM_WEIGHT": True},
+                                          c.num_warps, c.num_stages)
+    out[f"decode_norm_{name}"]["kernel"] = c.kernel
 for c in triton_fp8.prefill_configs():
     flags = dict(HAS_BIAS=False, SPLIT=False, EVEN_K=True, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
                  INTERPRET=False, PDL=False, W_SCALE=True)
@@ -336,11 +352,13 @@ print(json.dumps(out))
 
 @pytest.mark.slow
 def test_fp8_kernels_compile_for_hopper(tmp_path):
-    """The FP8 GEMM (decode at both row tiles, with the norm on the activation side;
+    """The FP8 GEMM (decode in each kernel form at both row tiles and the CUDA-core one at
+    1-8 rows, and the configs `config_for` gives, with the norm on the activation side;
     every prefill config) and the quantization kernel compile for sm_90 with no GPU here,
     as the launches on the 7B shapes specialize them: the weight streamed into shared
-    memory by the software pipeline (cp.async), converted from E4M3 in registers, on the
-    wgmma tensor cores, within an H100's shared memory, no register spilled (ptxas's
+    memory by the software pipeline (cp.async) for the tensor cores (wgmma, or mma.sync
+    where W is the second operand), straight into registers for the CUDA cores, converted
+    from E4M3 in registers, within an H100's shared memory, no register spilled (ptxas's
     stack, from the cubin)."""
     import json
     import os
@@ -361,5 +379,10 @@ def test_fp8_kernels_compile_for_hopper(tmp_path):
     for name, k in kernels.items():
         assert k["shared"] <= 227 * 1024 and k["stack"] == 0, (name, k)
         assert k["e4m3"], (name, k)
-        if name != "quantize":
+        kernel = k.get("kernel", "dot")
+        if kernel == "fma":  # the CUDA cores, the weight loaded straight into registers
+            assert not (k["cp_async"] or k["wgmma"] or k["mma"]), (name, k)
+        elif kernel in ("dot_t", "dot_f16_t"):  # W the second operand: mma.sync from shared memory
+            assert k["cp_async"] and k["mma"], (name, k)
+        elif name != "quantize":
             assert k["cp_async"] and k["wgmma"], (name, k)

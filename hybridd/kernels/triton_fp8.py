@@ -2,8 +2,9 @@
 the two prefill candidates.
 
 - Up to `triton_gemm.MAX_ROWS` rows (decode): the skinny GEMM with the FP8 weight
-  converted to the activation dtype in registers and the scales in its epilogue
-  (`hybridd/kernels/triton_gemm.py`); bound by reading the FP8 bytes.
+  converted in registers and the scales in its epilogue (`hybridd/kernels/triton_gemm.py`;
+  its form and tiles per shape and row count from the measured `fp8_decode_table`);
+  bound by reading the FP8 bytes.
 - More rows (prefill): one of two candidates, chosen by `KernelChoices.fp8_prefill`
   (`PREFILL`), to be settled by measurement (scripts/bench_fp8.py) and the loser deleted:
   - `scaled_mm`: FP8 × FP8 on the tensor cores, `torch._scaled_mm` with rowwise scales:

@@ -16,12 +16,17 @@ holds both rotate-half partners.
 A launch's config (`config_for`) follows from the product's shape, its row count and the
 device's multiprocessor count alone, so every GPU and every Llama-family shape gets one;
 the rule reproduces the configs that sweeps of the Llama-2-7B and Llama-3-8B shapes on an
-H200 chose (docs/lab/kernels.md, "Kernels alone").
+H200 chose (docs/lab/kernels.md, "Kernels alone"). An FP8 weight's config comes from the
+winners a GPU sweep measured (`fp8_decode_table`), where there are any.
 
 FP8 weights (`hybridd.kernels.fp8.Fp8Weight`): the kernel loads the FP8 tile, converts it
-to the activation dtype in registers (exact: E4M3 fits in bf16) and multiplies as above;
-the per-output-channel scale (and, where the checkpoint quantizes the activations too,
-each row's activation scale) multiplies the float32 sum in the epilogue. A folded norm
+in registers and multiplies it in one of the forms `GemmConfig.kernel` names: on the
+tensor cores in the activation dtype (exact: E4M3 fits in bf16) or in float16 (the
+activations rounded to float16), W their first or second operand; or on the CUDA cores
+in float32, up to FMA_ROWS rows, each thread keeping its own columns' partial sums until
+the end of the loop (no rows padded, no operand layout). The per-output-channel scale
+(and, where the checkpoint quantizes the activations too, each row's activation scale)
+multiplies the float32 sum in the epilogue. A folded norm
 cannot live in an FP8 weight (its scales are per output row, the norm's weight per input
 column), so for FP8 the kernel applies the norm on the activation side instead: each
 activation tile is normalised and multiplied by the norm's weight as it is loaded,
@@ -33,6 +38,7 @@ the same kernel tiles the rows too: the FP8-weight × bf16 prefill GEMM
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -49,6 +55,8 @@ from hybridd.kernels.rotary import RotaryArgs
 from hybridd.kernels.triton_quantize import quantize_tokens
 
 MAX_ROWS = 32
+KERNELS = ("dot", "dot_f16", "fma", "dot_t", "dot_f16_t")
+FMA_ROWS = 8
 _INTERPRET = environment.flag("TRITON_INTERPRET")
 # Float32 partials and per-tile counters for split-K, per (device, stream, capturing).
 _WORKSPACE_FLOATS = 1 << 21
@@ -66,8 +74,21 @@ class GemmConfig:
     # Tile the rows as well (one program per row tile and N tile, no split): any row count.
     # Without it a launch takes at most one tile of rows.
     tile_m: bool = False
+    # How an FP8 weight's tile is multiplied (one of KERNELS): "dot" converts it to the
+    # activation dtype for the tensor cores; "dot_f16" converts it to float16 (one hardware
+    # conversion a pair) and rounds the activations to float16 as well; "dot_t" and
+    # "dot_f16_t" are those with W the tensor cores' second operand (its FP8 tile read from
+    # shared memory in 8-byte pieces where the first operand's layout takes 2); "fma"
+    # multiplies on the CUDA cores in float32, up to FMA_ROWS rows (no padding to 16), each
+    # thread summing its own K columns until the end (num_stages > 1: each weight tile
+    # loaded a step ahead).
+    kernel: str = "dot"
 
     def __post_init__(self) -> None:
+        if self.kernel not in KERNELS:
+            raise ValueError(f"kernel must be one of {', '.join(KERNELS)}, got {self.kernel!r}")
+        if self.kernel != "dot" and self.tile_m:
+            raise ValueError(f"the {self.kernel} kernel takes decode's rows only (no tile_m)")
         if self.block_m and (self.block_m < 16 or self.block_m & (self.block_m - 1)):
             raise ValueError(f"block_m must be 0 (16 or 32 by the row count) or a power of two >= 16, "
                              f"got {self.block_m}")
@@ -77,12 +98,16 @@ class GemmConfig:
 
 @triton.jit
 def _multiply_add(acc, w_rows, x_ptr, offs_m, k_idx, mask_m, mask_n, stride_xm, K, EVEN_K: tl.constexpr,
-                  dt: tl.constexpr, g_ptr, inv_rms, NORM_WEIGHT: tl.constexpr):
+                  dt: tl.constexpr, g_ptr, inv_rms, NORM_WEIGHT: tl.constexpr, MODE: tl.constexpr = 0):
     """acc [BLOCK_N, BLOCK_M] += W[n, k_idx] @ x[m, k_idx].T, both converted to `dt` (the
     activation dtype) in registers: an FP8 weight or FP8 activations exactly. With
     NORM_WEIGHT, x's rows are RMS-normalised here: x * inv_rms rounded to `dt`, times the
     norm's weight g[k_idx] rounded again, as the separate norm rounds. The weight is read
-    once, so it is evicted first."""
+    once, so it is evicted first.
+
+    MODE 1 ("dot_f16"): both in float16 instead (FP8 E4M3 exactly, one conversion a pair
+    on sm89+; the activations rounded, see `GemmConfig.kernel`); MODE 3 and 4 ("dot_t",
+    "dot_f16_t"): those of 0 and 1 with acc [BLOCK_M, BLOCK_N] += x @ W.T."""
     a_ptrs = x_ptr + offs_m[:, None] * stride_xm + k_idx[None, :]
     if EVEN_K:
         w = tl.load(w_rows + k_idx[None, :], mask=mask_n[:, None], other=0.0, eviction_policy="evict_first")
@@ -100,7 +125,101 @@ def _multiply_add(acc, w_rows, x_ptr, offs_m, k_idx, mask_m, mask_n, stride_xm, 
     if NORM_WEIGHT:
         a = (a.to(tl.float32) * inv_rms[:, None]).to(dt)
         a = (a.to(tl.float32) * g.to(tl.float32)[None, :]).to(dt)
-    return tl.dot(w.to(dt), tl.trans(a.to(dt)), acc)
+    if MODE == 1:  # the mode numbers: KERNELS' indices
+        return tl.dot(w.to(tl.float16), tl.trans(a.to(tl.float16)), acc)
+    elif MODE == 3:  # acc [BLOCK_M, BLOCK_N]: W the tensor cores' second operand
+        return tl.dot(a.to(dt), tl.trans(w.to(dt)), acc)
+    elif MODE == 4:
+        return tl.dot(a.to(tl.float16), tl.trans(w.to(tl.float16)), acc)
+    else:
+        return tl.dot(w.to(dt), tl.trans(a.to(dt)), acc)
+
+
+@triton.jit
+def _fma_row(acc, wf, x_ptr, row, M, k_idx, mask_k, stride_xm, dt: tl.constexpr, g, inv_rms, r: tl.constexpr,
+             NORM_WEIGHT: tl.constexpr):
+    """acc [BLOCK_N, BLOCK_K] += wf * x[row, k_idx]: one row's products on the CUDA cores,
+    each thread keeping its own columns' partial sums (reduced over K once, after the
+    loop). With NORM_WEIGHT the row is normalised as `_multiply_add` normalises it."""
+    a = tl.load(x_ptr + row * stride_xm + k_idx, mask=mask_k & (row < M), other=0.0)
+    if NORM_WEIGHT:
+        rms = tl.sum(tl.where(tl.arange(0, inv_rms.shape[0]) == r, inv_rms, 0.0))
+        a = (a.to(tl.float32) * rms).to(dt)
+        a = (a.to(tl.float32) * g).to(dt)
+    return acc + wf * a.to(tl.float32)[None, :]
+
+
+@triton.jit
+def _fma_weights(w_rows, k_idx, mask_n, K, EVEN_K: tl.constexpr, live):
+    """The FP8 tile W[n, k_idx] (`live` false: nothing loaded, zeros)."""
+    if EVEN_K:
+        mask = mask_n[:, None] & live
+    else:
+        mask = mask_n[:, None] & (k_idx < K)[None, :] & live
+    return tl.load(w_rows + k_idx[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
+
+
+@triton.jit
+def _fma_step(accs, w, x_ptr, row0, M, k_idx, stride_xm, K, dt: tl.constexpr, g_ptr, inv_rms,
+              NORM_WEIGHT: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The CUDA-core product ("fma") of one step of K for up to FMA_ROWS rows, one float32
+    accumulator [BLOCK_N, BLOCK_K] a row (`accs`, a tuple): the FP8 tile `w` converted
+    once (E4M3 to float16, one hardware conversion a pair on sm89+, then float32) in the
+    layout it was loaded in, which no tensor-core operand layout reshuffles."""
+    mask_k = k_idx < K
+    g = None
+    if NORM_WEIGHT:
+        g = tl.load(g_ptr + k_idx, mask=mask_k, other=0.0).to(tl.float32)
+    wf = w.to(tl.float16).to(tl.float32)
+    out = ()
+    for r in tl.static_range(BLOCK_M):
+        out = out + (_fma_row(accs[r], wf, x_ptr, row0 + r, M, k_idx, mask_k, stride_xm, dt, g, inv_rms, r,
+                              NORM_WEIGHT),)
+    return out
+
+
+@triton.jit
+def _fma_rows(w_rows, x_ptr, row0, M, k_start, k_per_split, mask_n, stride_xm, K, EVEN_K: tl.constexpr,
+              dt: tl.constexpr, g_ptr, inv_rms, NORM_WEIGHT: tl.constexpr, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr, PREFETCH: tl.constexpr):
+    """acc [BLOCK_N, BLOCK_M] = W[n, split] @ x[m, split].T on the CUDA cores (`_fma_step`).
+    With PREFETCH each step's weight tile is loaded a step ahead, into registers (the
+    compiler pipelines no loads that feed no tensor core): two steps' bytes in flight."""
+    offs_k = tl.arange(0, BLOCK_K)
+    accs = ()
+    for r in tl.static_range(BLOCK_M):
+        accs = accs + (tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32),)
+    if PREFETCH:
+        w = _fma_weights(w_rows, k_start + offs_k, mask_n, K, EVEN_K, True)
+    if INTERPRET:
+        k = 0
+        while k < k_per_split:
+            if PREFETCH:
+                w_next = _fma_weights(w_rows, k_start + k + BLOCK_K + offs_k, mask_n, K, EVEN_K,
+                                      k + BLOCK_K < k_per_split)
+            else:
+                w = _fma_weights(w_rows, k_start + k + offs_k, mask_n, K, EVEN_K, True)
+            accs = _fma_step(accs, w, x_ptr, row0, M, k_start + k + offs_k, stride_xm, K, dt, g_ptr, inv_rms,
+                             NORM_WEIGHT, BLOCK_M)
+            if PREFETCH:
+                w = w_next
+            k += BLOCK_K
+    else:
+        for k in range(0, k_per_split, BLOCK_K):
+            if PREFETCH:
+                w_next = _fma_weights(w_rows, k_start + k + BLOCK_K + offs_k, mask_n, K, EVEN_K,
+                                      k + BLOCK_K < k_per_split)
+            else:
+                w = _fma_weights(w_rows, k_start + k + offs_k, mask_n, K, EVEN_K, True)
+            accs = _fma_step(accs, w, x_ptr, row0, M, k_start + k + offs_k, stride_xm, K, dt, g_ptr, inv_rms,
+                             NORM_WEIGHT, BLOCK_M)
+            if PREFETCH:
+                w = w_next
+    rows = tl.arange(0, BLOCK_M)[None, :]
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for r in tl.static_range(BLOCK_M):
+        acc = tl.where(rows == r, tl.sum(accs[r], axis=1)[:, None], acc)
+    return acc
 
 
 @triton.jit
@@ -216,7 +335,7 @@ def _skinny_gemm_kernel(
     stats_ptr=None, n_stats=1, eps=0.0, res_ptr=None, stats_out_ptr=None,
     NORM: tl.constexpr = False, STATS_PAD: tl.constexpr = 1, RESIDUAL: tl.constexpr = False,
     w_scale_ptr=None, W_SCALE: tl.constexpr = False, x_scale_ptr=None, X_SCALE: tl.constexpr = False,
-    g_ptr=None, NORM_WEIGHT: tl.constexpr = False,
+    g_ptr=None, NORM_WEIGHT: tl.constexpr = False, MODE: tl.constexpr = 0, FMA_PREFETCH: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -249,20 +368,28 @@ def _skinny_gemm_kernel(
         rope = _rope_factors(pos_ptr, cos_ptr, sin_ptr, offs_m, mask_m, pid_n, dt, HALF, BLOCK_N // 2)
     else:
         rope = None
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    if MODE >= 3:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     # The last split may run past K: its loads there are masked off (EVEN_K: never happens).
-    if INTERPRET:
+    if MODE == 2:
+        acc = _fma_rows(w_rows, x_ptr, tl.program_id(2) * BLOCK_M, M, k_start, k_per_split, mask_n, stride_xm, K,
+                        EVEN_K, dt, g_ptr, inv_rms, NORM_WEIGHT, BLOCK_M, BLOCK_N, BLOCK_K, INTERPRET, FMA_PREFETCH)
+    elif INTERPRET:
         # Triton's CPU interpreter cannot take a runtime loop bound in range(); a while
         # loop is not software-pipelined when compiled, so it serves the interpreter only.
         k = 0
         while k < k_per_split:
             acc = _multiply_add(acc, w_rows, x_ptr, offs_m, k_start + k + offs_k, mask_m, mask_n, stride_xm, K, EVEN_K,
-                                dt, g_ptr, inv_rms, NORM_WEIGHT)
+                                dt, g_ptr, inv_rms, NORM_WEIGHT, MODE)
             k += BLOCK_K
     else:
         for k in range(0, k_per_split, BLOCK_K):
             acc = _multiply_add(acc, w_rows, x_ptr, offs_m, k_start + k + offs_k, mask_m, mask_n, stride_xm, K, EVEN_K,
-                                dt, g_ptr, inv_rms, NORM_WEIGHT)
+                                dt, g_ptr, inv_rms, NORM_WEIGHT, MODE)
+    if MODE >= 3:
+        acc = tl.trans(acc)
     if NORM and not NORM_WEIGHT:
         # The norm's weight is folded into W (`LlamaModel.fold_norms`): what is left of it
         # is one scale per row, which commutes with the product and with the split sum.
@@ -320,6 +447,16 @@ def _rotary_operands(rotary: RotaryArgs, m: int, n: int, block_n: int) -> dict |
     )
 
 
+def block_m_of(config: GemmConfig, m: int) -> int:
+    """The rows of a launch's tile for m rows: the config's, or 16 or 32 by the row count
+    for the tensor cores, or m's power of two on the CUDA cores (`fma`)."""
+    if config.block_m:
+        return config.block_m
+    if config.kernel == "fma":
+        return triton.next_power_of_2(max(m, 1))
+    return 16 if m <= 16 else 32
+
+
 @dataclass(frozen=True, eq=False)
 class FoldedNorm:
     """The RMSNorm of a product's input rows, whose weight is folded into the product's W
@@ -369,7 +506,11 @@ def launch(
         raise ValueError(f"the norm weight of a product over {k} columns must be [{k}], got {tuple(norm.weight.shape)}")
     if residual is not None and (residual.shape != (m, n) or not residual.is_contiguous()):
         raise ValueError(f"the residual of a [{m}, {n}] product must be a contiguous [{m}, {n}] tensor")
-    block_m = config.block_m or (16 if m <= 16 else 32)
+    if config.kernel != "dot" and fp8 is None:
+        raise ValueError(f"the {config.kernel} kernel multiplies FP8 weights only")
+    if config.kernel == "fma" and m > FMA_ROWS:
+        return None
+    block_m = block_m_of(config, m)
     if m == 0 or (m > block_m and not config.tile_m) or x.shape[1] != k or weight.stride() != (k, 1):
         return None
     rotary_args = {} if rotary is None else _rotary_operands(rotary, m, n, config.block_n)
@@ -414,6 +555,7 @@ def launch(
         m, n, k, k_per_split, split, x.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, SPLIT=split > 1, EVEN_K=k % k_per_split == 0,
         BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, INTERPRET=_INTERPRET,
+        MODE=KERNELS.index(config.kernel), FMA_PREFETCH=config.kernel == "fma" and config.num_stages > 1,
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl.launch_args(x.device), **rotary_args,
         **fused,
     )
@@ -430,7 +572,32 @@ def config_for(m: int, n: int, k: int, multiprocessors: int, weight_bytes: int =
     """The config of an [m, k] @ [n, k].T product on a GPU of `multiprocessors`
     multiprocessors, for a weight of `weight_bytes` bytes an element (2: the model's
     dtype; 1: FP8); None above MAX_ROWS rows (cuBLAS, or for FP8 the prefill GEMM, takes
-    those).
+    those). An FP8 product takes the measured winner (`measured_fp8_config`) where the
+    table has one, else the rule (`rule_config`). A function of the shape and the row
+    count alone: fixed for each captured bucket."""
+    if weight_bytes == 1 and 1 <= m <= MAX_ROWS:
+        measured = measured_fp8_config(m, n, k)
+        if measured is not None:
+            return measured
+    return rule_config(m, n, k, multiprocessors, weight_bytes)
+
+
+def measured_fp8_config(m: int, n: int, k: int) -> GemmConfig | None:
+    """The winner `fp8_decode_table` holds for the smallest measured row count >= m, of
+    the measured shape nearest (N, K) by their ratios; None where it has none."""
+    from hybridd.kernels import fp8_decode_table
+
+    rows = sorted({r for (_, _, r) in fp8_decode_table.WINNERS if r >= m})
+    if not rows:
+        return None
+    shapes = [(nn, kk) for (nn, kk, r) in fp8_decode_table.WINNERS if r == rows[0]]
+    nn, kk = min(shapes, key=lambda s: (abs(math.log(s[0] / n)) + abs(math.log(s[1] / k)), s))
+    kernel, block_n, block_k, split_k, num_warps, num_stages = fp8_decode_table.WINNERS[(nn, kk, rows[0])]
+    return GemmConfig(block_n, block_k, split_k, num_warps, num_stages, kernel=kernel)
+
+
+def rule_config(m: int, n: int, k: int, multiprocessors: int, weight_bytes: int = 2) -> GemmConfig | None:
+    """`config_for`'s rule, from the shape and the device's multiprocessors.
 
     The product is bound by its weight read, so the config keeps every multiprocessor
     streaming weight rows with as much of them in flight as fits:
@@ -487,11 +654,11 @@ def config_of(m: int, weight: torch.Tensor | Fp8Weight) -> GemmConfig | None:
 def _compile_every_bucket(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torch.Tensor | None,
                           rotary: RotaryArgs | None = None, norm: FoldedNorm | None = None,
                           residual: torch.Tensor | None = None) -> None:
-    """Launch each kernel variant this shape's row counts can pick (each config at BLOCK_M
-    16 and 32) once, on the first eager call: a graph captured later for another row count
-    then finds its kernel compiled and loaded instead of compiling inside the capture. The
-    launches run on zero rows; a rotary variant's slots are all -1, so it writes nothing
-    to the caches."""
+    """Launch each kernel variant this shape's row counts can pick (each config at each
+    tile height its row counts give, `block_m_of`) once, on the first eager call: a graph
+    captured later for another row count then finds its kernel compiled and loaded
+    instead of compiling inside the capture. The launches run on zero rows; a rotary
+    variant's slots are all -1, so it writes nothing to the caches."""
     w = weight.weight if isinstance(weight, Fp8Weight) else weight
     key = ("gemm", tuple(w.shape), w.dtype, x.device, bias is not None, residual is not None,
            pdl.enabled(x.device))
@@ -518,8 +685,8 @@ def _compile_every_bucket(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, bia
     seen = set()
     for m in range(1, MAX_ROWS + 1):
         config = config_of(m, weight)
-        if config is not None and (config, m <= 16) not in seen:
-            seen.add((config, m <= 16))
+        if config is not None and (config, block_m_of(config, m)) not in seen:
+            seen.add((config, block_m_of(config, m)))
             launch(rows[:m], weight, bias, config, rotary, norm, None if sums is None else sums[:m])
 
 
