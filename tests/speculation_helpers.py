@@ -1,10 +1,13 @@
 """Helpers of the speculative decoding tests: the engine core over a model in this
 process with a chosen KV cache size (so that preemption can be forced), and a drafter
 that replays a known continuation with a set share of wrong tokens (so that a test
-sees drafts accepted, cut short and rejected, whatever the model)."""
+sees drafts accepted, cut short and rejected, whatever the model), and structured
+output's cases for speculating daemons."""
 
 from __future__ import annotations
 
+import json
+import re
 from collections import Counter
 
 import torch
@@ -113,3 +116,53 @@ def build_tiny_draft(target, path, layers: int = 1, seed: int = 7, noise: float 
                 p.add_(torch.randn_like(p) * noise)
     draft.save_pretrained(path)
     return draft
+
+
+# Structured output under speculation, through a daemon: each case's constraint, a prompt
+# whose text the constrained output repeats (so prompt lookup finds drafts), and a check
+# that the output is valid.
+MOOD_SCHEMA = {"type": "object", "properties": {"mood": {"enum": ["merry", "sad"]},
+                                                "age": {"type": "integer", "minimum": 0, "maximum": 99}},
+               "required": ["mood", "age"], "additionalProperties": False}
+LINE_REGEX = r"(KING|LAFEU):\n[A-Za-z ,]{1,40}[.!?]"
+STRUCTURED_CASES = {
+    "json_schema": ({"json": json.dumps(MOOD_SCHEMA)},
+                    'JULIET:\n{"mood": "merry", "age": 14}\n\nROMEO:\n{"mood": "sad", "age": 16}\n\nJULIET:\n'),
+    "regex": ({"regex": LINE_REGEX}, "KING:\nFind him, and bring him hither.\n\nLAFEU:\nI saw the man.\n\n"
+                                     "KING:\nFind him, and bring him hither.\n\n"),
+}
+
+
+def valid_structured_output(case: str, text: str) -> bool:
+    if case == "regex":
+        return re.fullmatch(LINE_REGEX, text) is not None
+    document = json.loads(text)
+    return (set(document) == {"mood", "age"} and document["mood"] in ("merry", "sad")
+            and type(document["age"]) is int and 0 <= document["age"] <= 99)
+
+
+def structured_without_speculation(model, tokenizer, case: str, max_tokens: int = 48) -> list[int]:
+    """The greedy output of `case` by the in-process engine without speculation."""
+    from hybridd.engine.generate import generate
+    from hybridd.engine.grammar import GrammarCompiler
+    from hybridd.protocol.messages import StructuredOutput
+
+    structured = StructuredOutput(**STRUCTURED_CASES[case][0])
+    compiler = GrammarCompiler(tokenizer, model.config.vocab_size, [tokenizer.eos_token_id])
+    try:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, structured=structured)
+        (seq,) = generate(model, [tokenizer.encode(STRUCTURED_CASES[case][1])], params, tokenizer=tokenizer,
+                          grammar=compiler.compile(structured))[0]
+    finally:
+        compiler.close()
+    return list(seq.output_token_ids)
+
+
+def structured_through_daemon(client, tokenizer, case: str, max_tokens: int = 48) -> tuple[list[int], str, str]:
+    """(tokens, text, finish reason) of `case`, greedy, from the daemon that `client` speaks to."""
+    structured, prompt = STRUCTURED_CASES[case]
+    final, _ = client.generate(prompt_token_ids=tokenizer.encode(prompt), stream=False,
+                               sampling={"max_tokens": max_tokens, "temperature": 0.0, "structured": structured})
+    assert final["type"] == "final", final
+    choice = final["choices"][0]
+    return choice["token_ids"], choice["text"], choice["finish_reason"]

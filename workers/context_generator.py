@@ -27,6 +27,7 @@ from hybridd.engine.grammar import CompiledGrammar, GrammarCompiler
 from hybridd.engine.prompt import PromptError, prompt_length_refusal, prompt_token_ids
 from hybridd.engine.sampler import Sampler
 from hybridd.engine.scheduler import AdmissionError, Scheduler
+from hybridd.engine.speculation.policy import SpeculationPolicy
 from hybridd.engine.speculation.registry import make_drafter
 from hybridd.engine.speculation.speculator import Speculator
 from hybridd.engine.step_pipeline import StepPipeline
@@ -143,7 +144,9 @@ class ContextGenerator:
                                draft_model_dir(config), ready.max_model_len,
                                # Room for a full batch of the longest sequences, within 64K tokens.
                                min(ready.max_batch * (ready.max_model_len + config.num_speculative_tokens), 1 << 16))
-        self.speculator = None if drafter is None else Speculator(drafter, config.num_speculative_tokens)
+        k = config.num_speculative_tokens
+        self.speculator = None if drafter is None else Speculator(
+            drafter, k, SpeculationPolicy(k, adaptive=config.speculative_adaptive))
         self.scheduler = Scheduler(
             self.block_manager,
             speculator=self.speculator,
