@@ -95,10 +95,14 @@ def test_batched_and_n_sequences_equal_the_engine(client, reference):
     assert got == plain(prompts[1], SamplingParams(**sampled))
 
 
+@pytest.fixture(scope="module")
+def embedded():
+    return load_model(EMBEDDED_MODEL, dtype=torch.float32), load_tokenizer(EMBEDDED_MODEL)
+
+
 @pytest.mark.parametrize("case", sorted(STRUCTURED_CASES))
-def test_structured_output_is_drafted_for_and_equals_the_engine_without_speculation(client, case):
-    model = load_model(EMBEDDED_MODEL, dtype=torch.float32)
-    tokenizer = load_tokenizer(EMBEDDED_MODEL)
+def test_structured_output_is_drafted_for_and_equals_the_engine_without_speculation(client, embedded, case):
+    model, tokenizer = embedded
     expected = structured_without_speculation(model, tokenizer, case)
     # The policy speculates where it measured that cheaper and probes it elsewhere (see the
     # greedy test above): the request is sent until one of its runs was drafted for.

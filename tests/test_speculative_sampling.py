@@ -3,7 +3,8 @@ tokens drawn over many seeds with speculation are distributed as those drawn wit
 (a two-sample chi-square test at significance 0.001, on seeds disjoint from each other,
 so that the test does not lean on the draws being coupled by seed); the general
 rejection rule for drafts with a distribution (a draft model's) against exact
-probabilities (goodness of fit, same significance); and prompt lookup's acceptance on a prompt-grounded task above a floor.
+probabilities (goodness of fit, same significance); and prompt lookup's acceptance on a
+prompt-grounded task above a floor.
 Seeds are fixed, so each test's statistic is the same at every run."""
 
 from __future__ import annotations

@@ -341,7 +341,8 @@ class Scheduler:
             batch = self._mixed_batch(step_id, decodes, chunks)
         else:
             drafts, distributions = self._drafts(decodes) if speculating else ([], [])
-            if any(drafts):
+            # A draft token its grammar refused is still scored by the rule (`verification`).
+            if any(drafts) or any(d is not None and d.tokens for d in distributions):
                 batch = self._verify_batch(step_id, decodes, drafts, distributions)
             else:
                 batch = self._decode_batch(step_id, decodes)
