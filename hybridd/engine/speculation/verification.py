@@ -15,8 +15,9 @@ every draft kept, y_k the bonus token): `accepted_tokens`. What y_j is, per draf
   norm(max(p_j - q_j, 0)), which never holds d_{j+1} (a rejection needs p(d) < q(d)). A
   draft token the grammar refuses is scored by the row before it like any other (p is 0
   there: always rejected, the residual drawn), so where the grammar cuts a draft short
-  the rows still follow the rule exactly. The uniform and the residual's Gumbel noise
-  are hashes of (the request's seed, salted, position), like the sampler's own noise, so
+  the rows still follow the rule exactly. The uniform and the residual's (drawn by
+  inverting its cumulative sum at a second uniform) are hashes of (the request's seed,
+  salted, position), like the sampler's own noise, so
   a seeded request gives the same tokens again wherever it gets the same drafts.
 - A draft without a distribution (prompt lookup: a point mass on d_{j+1}), or a greedy
   row: y_j is the target's own draw at that position (greedy: its argmax). For a point
@@ -47,8 +48,8 @@ from hybridd.engine.sampler import Logprobs, Sampler, SamplingTensors, gumbel_no
 from hybridd.engine.sequence import Sequence
 from hybridd.engine.token_bitmask import apply_token_bitmask
 
-# Key the rule's uniforms and its residual's noise apart from the sampler's Gumbel noise of
-# the same (seed, position), and from each other.
+# Key the rule's two uniforms apart from the sampler's Gumbel noise of the same (seed,
+# position), and from each other.
 _UNIFORM_SALT = 0x5BD1E995
 _RESIDUAL_SALT = 0x27D4EB2F
 
@@ -97,9 +98,9 @@ def verify_sampling_tensors(
     return SamplingTensors.build(params, seeds, positions, vocab_size, device, prompts, outputs)
 
 
-def uniforms(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """One uniform in (0, 1) per row, a pure function of (seed, position)."""
-    gumbel = gumbel_noise(seeds ^ _UNIFORM_SALT, positions, 1)[:, 0]
+def uniforms(seeds: torch.Tensor, positions: torch.Tensor, salt: int = _UNIFORM_SALT) -> torch.Tensor:
+    """One uniform in (0, 1) per row, a pure function of (seed, position, salt)."""
+    gumbel = gumbel_noise(seeds ^ salt, positions, 1)[:, 0]
     return torch.exp(-torch.exp(-gumbel))  # the inverse of the Gumbel transform
 
 
@@ -112,12 +113,16 @@ def rejection_rule(target_probs: torch.Tensor, draft_probs: torch.Tensor, draft:
     p = target_probs.gather(1, index).squeeze(1)
     q = draft_probs.gather(1, index).squeeze(1)
     kept = uniforms(seeds, positions) * q <= p
-    residual = (target_probs - draft_probs).clamp(min=0)
-    noise = gumbel_noise(seeds ^ _RESIDUAL_SALT, positions, target_probs.shape[-1])
-    redrawn = (residual.log() + noise).argmax(dim=-1)
+    # The residual drawn by inverting its cumulative sum at a uniform of its own: the first
+    # token whose cumulative mass passes it, which has mass (one uniform a row, not V noises).
+    cumulative = (target_probs - draft_probs).clamp(min=0).cumsum(dim=-1)
+    total = cumulative[:, -1:]
+    point = torch.minimum(uniforms(seeds, positions, _RESIDUAL_SALT).unsqueeze(1) * total,
+                          torch.nextafter(total, torch.zeros_like(total)))
+    redrawn = torch.searchsorted(cumulative, point, right=True).squeeze(1)
     # No residual mass: p <= q everywhere, so p == q and a rejection has probability 0.
-    kept |= residual.sum(dim=-1) <= 0
-    return torch.where(kept, draft, redrawn)
+    kept |= total.squeeze(1) <= 0
+    return torch.where(kept, draft, redrawn.clamp(max=target_probs.shape[-1] - 1))
 
 
 @dataclass
