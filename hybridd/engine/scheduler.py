@@ -24,9 +24,9 @@ lists the partly filled blocks to copy). After that they are ordinary sequences.
 With a speculator, a step of decode rows only may be a verify step: each sequence's
 last token and the tokens its drafter proposed are decode rows at consecutive
 positions, every row with logits; `postprocess_verify` keeps, per sequence, the draft's
-prefix that the target drew and the target's next token, rewinds past the rest (their
-KV slots are written over later, their reserved blocks let go) and offers the cache only
-blocks of kept tokens. A draft follows every token, so a speculating step is scheduled
+prefix that its rows kept (`verification`) and the next row's token, rewinds past the
+rest (their KV slots are written over later, their reserved blocks let go) and offers
+the cache only blocks of kept tokens. A draft follows every token, so a speculating step is scheduled
 only once the tokens of the steps before it are on the host (the policy chooses
 speculation per batch size where that has measured cheaper per token).
 
@@ -367,8 +367,8 @@ class Scheduler:
 
     def postprocess_verify(self, batch: ScheduledBatch, row_tokens: list[int]) -> tuple[
             list[Sequence], list[list[tuple[int, str, int]]]]:
-        """A verify step's draws (one per row): each sequence keeps the longest prefix of
-        its draft that the target drew, and the target's token after it (`Speculator`).
+        """A verify step's tokens (one per row): each sequence keeps the longest prefix of
+        its draft that its rows kept, and the row's token after it (`Speculator`).
         Returns the sequences that finished, and for each sequence the (token, text, row)
         it appended, in order (a stop ends it early: the rest are dropped)."""
         assert batch.drafts is not None and self.speculator is not None
