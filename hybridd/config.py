@@ -85,7 +85,7 @@ SECTIONS: dict[str, tuple[str, str]] = {
                    "choice, and the chat's tool calls (README, \"Structured output and tools\")."),
     "batching": ("KV cache and batching", ""),
     "speculation": ("Speculative decoding", "Draft tokens verified in one step of the model: several tokens per "
-                    "step where the drafts are right, the same output either way."),
+                    "step where the drafts are right, the model's distribution either way."),
     "kernels": ("CUDA graphs and kernels", ""),
     "wakeups": ("Wake-ups and reply rings", ""),
     "lifecycle": ("Lifecycle", "Every deadline the supervisor applies (README, \"Troubleshooting\")."),
