@@ -20,6 +20,7 @@ import torch
 
 from hybridd import exit_codes
 from hybridd.config import EMBEDDED_DRAFT_MODEL, EMBEDDED_MODEL
+from hybridd.engine.generate import generate
 from hybridd.engine.sequence import Sequence
 from hybridd.engine.speculation.draft_model import DraftModelDrafter, load_draft_model_drafter
 from hybridd.engine.speculation.drafter import Draft
@@ -85,6 +86,29 @@ def test_seeded_sampling_with_penalties_top_k_top_p_repeats_itself(models):
     assert 0 < speculator.stats.accepted_tokens < speculator.stats.draft_tokens, speculator.stats.to_dict()
     other_seed, _ = run_engine(target, prompts, msgspec.structs.replace(SAMPLED, seed=4321), speculating(draft))
     assert other_seed != got
+
+
+def test_a_sampled_tokens_logprob_is_that_of_the_token_the_rule_kept(models):
+    """Where the rule replaced a row's own draw (a draft token kept, or a residual drawn), the
+    row's logprob is the kept token's: each token's logprob equals its entry among the
+    row's top alternatives (of the same processed distribution; top_k keeps every token in them)."""
+    target, draft = models
+    params = SamplingParams(max_tokens=24, temperature=1.0, top_k=20, seed=11, logprobs=True, top_logprobs=20,
+                            ignore_eos=True)
+    speculator = speculating(draft)
+    seqs = [seq for request in generate(target, repetitive_prompts((10, 16), seed=3), params, speculator=speculator)
+            for seq in request]
+    stats = speculator.stats
+    assert 0 < stats.accepted_tokens < stats.draft_tokens, stats.to_dict()
+    compared = 0
+    for seq in seqs:
+        assert [entry.token_id for entry in seq.logprobs] == seq.output_token_ids
+        for entry in seq.logprobs:
+            alternatives = {alt.token_id: alt.logprob for alt in entry.top_logprobs}
+            if entry.token_id in alternatives:
+                assert entry.logprob == pytest.approx(alternatives[entry.token_id], abs=1e-5)
+                compared += 1
+    assert compared > 0.8 * sum(len(seq.logprobs) for seq in seqs)
 
 
 @pytest.mark.parametrize("draft_blocks", [128, 9], ids=["cache-for-all", "cache-for-few"])
