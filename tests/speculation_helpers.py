@@ -23,9 +23,11 @@ from hybridd.protocol.messages import SamplingParams
 
 
 def run_engine(model, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
-               speculator: Speculator | None = None, num_blocks: int = 256, block_size: int = 8, max_batch: int = 8):
+               speculator: Speculator | None = None, num_blocks: int = 256, block_size: int = 8, max_batch: int = 8,
+               grammar=None):
     """Every prompt to its end through the engine core (with `params`, or `params[i]` for
-    prompt i); returns (outputs per prompt, scheduler)."""
+    prompt i; under `grammar`, their structured output compiled, when given); returns
+    (outputs per prompt, scheduler)."""
     kv = KVCache.allocate(model.config, num_blocks + 1, block_size, model.dtype, model.device)
     blocks = BlockManager(num_blocks, block_size, watermark=0.0)
     k = speculator.max_tokens if speculator is not None else 0
@@ -34,20 +36,23 @@ def run_engine(model, prompts: list[list[int]], params: SamplingParams | list[Sa
                           max_verify_rows=max_batch * (k + 1))
     core = EngineCore(scheduler, InProcessRunner(model, kv), pipeline_depth=1)
     each = params if isinstance(params, list) else [params] * len(prompts)
-    requests = [core.add(str(i), prompt, p) for i, (prompt, p) in enumerate(zip(prompts, each, strict=True))]
+    requests = [core.add(str(i), prompt, p, grammar=grammar)
+                for i, (prompt, p) in enumerate(zip(prompts, each, strict=True))]
     while core.has_work:
         core.step()
     return [[list(seq.output_token_ids) for seq in request.seqs] for request in requests], scheduler
 
 
 def sampled_tokens_by_position(model, prompt: list[int], speculator: Speculator | None, first_seed: int,
-                               requests: int, n: int, tokens: int) -> list[Counter]:
+                               requests: int, n: int, tokens: int, structured=None, grammar=None) -> list[Counter]:
     """The tokens drawn at each output position by `requests` seeded requests (seeds from
-    `first_seed`) of `n` sequences each, `tokens` tokens long, sampled at temperature 1."""
-    params = [SamplingParams(max_tokens=tokens, temperature=1.0, top_p=0.98, seed=seed, n=n, ignore_eos=True)
+    `first_seed`) of `n` sequences each, `tokens` tokens long, sampled at temperature 1
+    (under `structured`, compiled as `grammar`, when given)."""
+    params = [SamplingParams(max_tokens=tokens, temperature=1.0, top_p=0.98, seed=seed, n=n, ignore_eos=True,
+                             structured=structured)
               for seed in range(first_seed, first_seed + requests)]
     outputs, _ = run_engine(model, [prompt] * requests, params, speculator, num_blocks=512, block_size=16,
-                            max_batch=64)
+                            max_batch=64, grammar=grammar)
     by_position = [Counter() for _ in range(tokens)]
     for request in outputs:
         for output in request:

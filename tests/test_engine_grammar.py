@@ -111,13 +111,15 @@ def test_a_verify_steps_masks_follow_each_draft_and_leave_its_matcher_where_it_w
     first j tokens; an unconstrained sequence's rows allow every token."""
     structured = StructuredOutput(json=json.dumps(SCHEMA))
     draft = _text_tokens(tokenizer, '{"mood": "sad"')
-    seq, free = Sequence("s", [1]), Sequence("f", [1])
+    seq, free, undrafted = Sequence("s", [1]), Sequence("f", [1]), Sequence("u", [1])
     seq.grammar = compiler.compile(structured).new_matcher()
+    undrafted.grammar = compiler.compile(structured).new_matcher()
     assert seq.grammar.validate_tokens(draft) == len(draft)
     masks = TokenMasks(compiler.vocab_size, 16)
     before = masks.fill([seq]).clone()
-    rows = masks.fill_verify([free, seq], [[5, 6], draft]).clone()
-    assert rows.shape[0] == 3 + len(draft) + 1 and bool((rows[:3] == -1).all())
+    rows = masks.fill_verify([free, seq, undrafted], [[5, 6], draft, []]).clone()
+    assert rows.shape[0] == 3 + len(draft) + 1 + 1 and bool((rows[:3] == -1).all())
+    assert torch.equal(rows[-1], before[0])  # a sequence without a draft: its grammar's next tokens
     assert torch.equal(masks.fill([seq]), before)  # the matcher is where it was
     follower = compiler.compile(structured).new_matcher()
     for j in range(len(draft) + 1):

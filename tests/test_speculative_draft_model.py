@@ -28,7 +28,7 @@ from hybridd.engine.speculation.policy import SpeculationPolicy
 from hybridd.engine.speculation.speculator import Speculator
 from hybridd.model import load_model
 from hybridd.model.tokenizer import load_tokenizer
-from hybridd.protocol.messages import SamplingParams
+from hybridd.protocol.messages import SamplingParams, StructuredOutput
 from tests.speculation_helpers import sampled_tokens_by_position, build_tiny_draft, repetitive_prompts, run_engine
 from tests.test_speculative_sampling import SIGNIFICANCE, chi_square_p
 from tests.test_start_refusals import REFUSAL_BOUND_S, _start
@@ -238,6 +238,35 @@ def test_rejection_rule_keeps_at_least_as_many_draft_tokens_as_the_coupled_draw(
         assert speculator.stats.draft_tokens > 200, speculator.stats.to_dict()
         rates[name] = speculator.stats.acceptance_rate
     assert rates["rejection"] >= rates["coupled"], rates
+
+
+def test_constrained_sampled_tokens_are_distributed_as_without_speculation(embedded):
+    """Under a grammar that refuses most of what the draft proposes (lower-case letters and
+    spaces), so that drafts are cut and the refused tokens scored by the rule: the tokens
+    drawn at each position are distributed as without speculation (as the test above)."""
+    from hybridd.engine.grammar import GrammarCompiler
+
+    model, _, scene = embedded
+    tokenizer = load_tokenizer(EMBEDDED_MODEL)
+    structured = StructuredOutput(regex="[a-z ]{12}")
+    compiler = GrammarCompiler(tokenizer, model.config.vocab_size, [tokenizer.eos_token_id])
+    requests, n, tokens = 4, 16, 4
+    try:
+        grammar = compiler.compile(structured)
+
+        def draws(first_seed: int, speculator: Speculator | None) -> list[Counter]:
+            return sampled_tokens_by_position(model, scene, speculator, first_seed, requests, n, tokens,
+                                              structured, grammar)
+
+        speculator = shipped_draft(3)
+        with_speculation = draws(10_000, speculator)
+        without = draws(0, None)
+    finally:
+        compiler.close()
+    assert 0 < speculator.stats.accepted_tokens < speculator.stats.draft_tokens, speculator.stats.to_dict()
+    for position in range(tokens):
+        p = chi_square_p(with_speculation[position], without[position])
+        assert p > SIGNIFICANCE, (position, p)
 
 
 def test_a_draft_with_another_vocabulary_is_refused_at_start(tmp_path):

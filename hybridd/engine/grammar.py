@@ -219,8 +219,12 @@ class TokenMasks:
             return None
         mask = self._mask(first)
         live = [row for row in rows if not row[0].is_error()]
-        if live:
-            llguidance.torch.fill_next_token_bitmask_par_with_draft_tokens(self._executor_once(), live, mask)
+        drafted = [row for row in live if row[2]]
+        undrafted = [(matcher, row) for matcher, row, draft in live if not draft]  # llguidance wants a draft there
+        if drafted:
+            llguidance.torch.fill_next_token_bitmask_par_with_draft_tokens(self._executor_once(), drafted, mask)
+        if undrafted:
+            llguidance.torch.fill_next_token_bitmask_par(self._executor_once(), undrafted, mask)
         return mask
 
     def _mask(self, rows: int) -> torch.Tensor:
