@@ -243,7 +243,9 @@ def test_rejection_rule_keeps_at_least_as_many_draft_tokens_as_the_coupled_draw(
 def test_constrained_sampled_tokens_are_distributed_as_without_speculation(embedded):
     """Under a grammar that refuses most of what the draft proposes (lower-case letters and
     spaces), so that drafts are cut and the refused tokens scored by the rule: the tokens
-    drawn at each position are distributed as without speculation (as the test above)."""
+    drawn at each position are distributed as without speculation (as the test above). The
+    rule's own handling of a refused token (always rejected, the residual drawn) is checked
+    against exact probabilities in tests/test_speculative_sampling.py."""
     from hybridd.engine.grammar import GrammarCompiler
 
     model, _, scene = embedded
