@@ -39,6 +39,8 @@ if TYPE_CHECKING:
 EMBEDDED_MODEL = Path(__file__).resolve().parent / "assets" / "tiny-shakespeare"
 # Its draft for speculative decoding (`scripts/train_tiny.py --draft`).
 EMBEDDED_DRAFT_MODEL = EMBEDDED_MODEL.parent / "tiny-shakespeare-draft"
+# Its EAGLE-3 head (`scripts/train_tiny_eagle3.py`).
+EMBEDDED_EAGLE3_HEAD = EMBEDDED_MODEL.parent / "tiny-shakespeare-eagle3"
 ENV_PREFIX = "HYBRIDD_"
 
 
@@ -235,17 +237,19 @@ class Config:
     # Off by default until the GPU has measured it (the CPU showed no gain at one stream:
     # docs/lab/benchmarks.md), since a speculating step gives up the one-step-ahead pipeline
     # that the decode step's distance to its floor depends on.
-    speculative_drafter: str = setting("none", section="speculation", choices=("none", "ngram", "draft_model"),
+    speculative_drafter: str = setting("none", section="speculation", choices=("none", "ngram", "draft_model",
+                                                                                   "eagle3"),
                                        meaning="What proposes draft tokens for speculative decoding: ngram "
                                                "(prompt lookup: the tokens that followed the latest earlier "
                                                "occurrence of a sequence's last n tokens in its prompt and "
                                                "output; no model needed), draft_model (a small model with the "
-                                               "model's tokenizer decodes them: speculative_draft_model) or "
-                                               "none. Drafts are verified in one "
+                                               "model's tokenizer decodes them: speculative_draft_model), "
+                                               "eagle3 (an EAGLE-3 head reads the model's own hidden states: "
+                                               "speculative_eagle3_head) or none. Drafts are verified in one "
                                                "step of the model and keep its distribution exactly: greedy "
                                                "output is the one without speculation, and so is seeded "
-                                               "sampling with ngram; with draft_model sampled tokens are kept "
-                                               "by rejection sampling (more are kept), and a seeded request "
+                                               "sampling with ngram and eagle3; with draft_model sampled tokens "
+                                               "are kept by rejection sampling (more are kept), and a seeded request "
                                                "gives the same output again when drafted the same "
                                                "(speculative_adaptive). Speculation is used per batch size where "
                                                "it has measured cheaper per token than plain decoding.")
@@ -272,8 +276,17 @@ class Config:
                                            meaning="The draft model of speculative_drafter draft_model: a local "
                                                    "Hugging Face directory of a small Llama-family model with the "
                                                    "model's tokenizer and vocabulary (refused at start otherwise). "
-                                                   "It runs in the context generator, on the CPU in float32, with "
-                                                   "a KV cache of its own.")
+                                                   "It runs in the graph generator beside the model (its dtype "
+                                                   "and device), with a KV cache of its own (a full batch of the "
+                                                   "longest sequences, within 64K tokens) and CUDA graphs of its "
+                                                   "own within a share of graph_memory_budget_mb.")
+    speculative_eagle3_head: str = setting("", section="speculation", allowed="a directory",
+                                           default_text="the embedded model's head with the embedded model, else none",
+                                           meaning="The EAGLE-3 head of speculative_drafter eagle3: a local directory "
+                                                   "in the published format (config.json of LlamaForCausalLMEagle3, "
+                                                   "model.safetensors) trained for this model; a head whose sizes do "
+                                                   "not fit the model is refused at start. It runs on the CPU in "
+                                                   "float32, with a KV cache of its own.")
     # ---- CUDA graphs and kernels
     use_cuda_graphs: bool = setting(True, section="kernels",
                                     meaning="Replay the captured CUDA graphs; false runs every step eagerly.")
@@ -369,6 +382,9 @@ class Config:
         if self.speculative_drafter == "draft_model" and not draft_model_dir(self):
             raise ConfigError(f"speculative_drafter draft_model needs speculative_draft_model (a directory); only "
                               f"the embedded model has a draft of its own")
+        if self.speculative_drafter == "eagle3" and not eagle3_head_dir(self):
+            raise ConfigError("speculative_drafter eagle3 needs speculative_eagle3_head (a directory); only the "
+                              "embedded model has a head of its own")
         if self.speculative_ngram_min > self.speculative_ngram_max:
             raise ConfigError(f"speculative_ngram_min ({self.speculative_ngram_min}) must be at most "
                               f"speculative_ngram_max ({self.speculative_ngram_max})")
@@ -603,6 +619,16 @@ def resolve_dtype(config: Config, device: torch.device) -> torch.dtype:
     if config.dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return getattr(torch, config.dtype)
+
+
+def eagle3_head_dir(config: Config) -> str:
+    """The EAGLE-3 head's directory: speculative_eagle3_head, else the embedded model's
+    head with the embedded model ("" with another model)."""
+    if config.speculative_eagle3_head:
+        return config.speculative_eagle3_head
+    if Path(config.model).resolve() == EMBEDDED_MODEL:
+        return str(EMBEDDED_EAGLE3_HEAD)
+    return ""
 
 
 def draft_model_dir(config: Config) -> str:

@@ -9,7 +9,8 @@ one is needed) and the HTTP API key file (readable, not empty); a CUDA device th
 not there (no usable GPU, an index out of range); settings that cannot serve together
 (a KV cache that cannot hold one max_model_len sequence, a max_batch its KV blocks can
 never run); a draft model (speculative_drafter draft_model) that is no model directory or
-has another vocabulary or tokenizer than the model's. Each error names the path or setting
+has another vocabulary or tokenizer than the model's; an EAGLE-3 head (speculative_drafter
+eagle3) whose config or tensors do not fit the model (`hybridd.eagle3_head`). Each error names the path or setting
 at fault; `hybridd start` prints it on one line and exits with `exit_codes.USAGE` in well under a second (nothing here imports
 torch, but for a configured CUDA device). What only loading can find (a truncated
 weight file, memory too small for the KV cache) is the workers' to report.
@@ -23,7 +24,8 @@ from pathlib import Path
 
 from hybridd import quantization
 from hybridd.architectures import SUPPORTED_ARCHITECTURES
-from hybridd.config import Config, draft_model_dir
+from hybridd.config import Config, draft_model_dir, eagle3_head_dir
+from hybridd.eagle3_head import Eagle3HeadError, read_head
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 WEIGHTS_INDEX = "model.safetensors.index.json"
@@ -39,6 +41,8 @@ def check(config: Config) -> None:
     check_kv_cache(config, model_config)
     if config.speculative_drafter == "draft_model":
         check_draft_model(Path(draft_model_dir(config)), Path(config.model), model_config)
+    if config.speculative_drafter == "eagle3":
+        check_eagle3_head(Path(eagle3_head_dir(config)), model_config)
     if config.curve_secret_key_file:
         check_curve_secret_key(Path(config.curve_secret_key_file))
     if config.curve_client_keys_dir:
@@ -208,6 +212,17 @@ def check_draft_model(draft: Path, model: Path, model_config: dict) -> None:
     if _tokenizer_identity(draft) != _tokenizer_identity(model):
         raise PreflightError(f"speculative_draft_model {draft}: its tokenizer is not the model's ({model}): "
                              f"a draft needs the model's tokenizer")
+
+
+def check_eagle3_head(head: Path, model_config: dict) -> None:
+    """An EAGLE-3 head reads the model's hidden states and proposes its token ids: its
+    sizes must fit the model's."""
+    if not head.is_dir():
+        raise PreflightError(f"speculative_eagle3_head {head}: no such directory")
+    try:
+        read_head(head, model_config)
+    except Eagle3HeadError as error:
+        raise PreflightError(f"speculative_eagle3_head: {error}") from None
 
 
 def _tokenizer_identity(model: Path) -> tuple:

@@ -7,7 +7,9 @@ mapped every arena (the owner may then drop the arenas' names). In steady state 
 context generator sends `Step` and the graph generator answers `Launched` as soon as
 the step is enqueued on the GPU; it sends `Stats` when they change. A request that
 arrives while no step is in flight is announced with `Expect`, so that the graph
-generator is awake when its `Step` comes. These messages
+generator is awake when its `Step` comes. With a draft model (speculative_drafter
+draft_model) the context generator asks for draft tokens with `Draft` and the graph
+generator, which runs the draft model, answers `Drafted`. These messages
 carry no `id`: the channel is point-to-point and `step` numbers order the pipeline.
 """
 
@@ -17,8 +19,9 @@ from typing import Annotated, Any, Literal
 
 from msgspec import Meta
 
-from hybridd.protocol.envelope import Count, Message
+from hybridd.protocol.envelope import Count, Fields, Message
 from hybridd.protocol.limits import MAX_TOKEN_ID, UNPACK_MAX_BIN_LEN
+from hybridd.protocol.messages import SamplingParams
 
 StepKind = Literal["prefill", "decode"]
 Positive = Annotated[int, Meta(ge=1)]
@@ -90,4 +93,44 @@ class Shutdown(Message, tag="shutdown"):
     """Context generator → graph generator: exit now."""
 
 
-ControlMessage = Ready | ReadyAck | Expect | Step | Launched | Stats | Shutdown
+TokenId = Annotated[int, Meta(ge=0, le=MAX_TOKEN_ID)]
+
+
+class DraftSequence(Fields):
+    """One sequence of a `Draft`: its tokens from index `first` on (those the graph
+    generator has not been sent: a sequence's tokens only grow), and how many draft
+    tokens it wants (0: its tokens only); with its first tokens, its prompt's length,
+    sampling parameters and seed (its drafts are sampled as the target samples)."""
+
+    request_id: str
+    first: Count
+    tokens: list[TokenId]
+    count: Count
+    prompt_len: Count = 0
+    params: SamplingParams | None = None
+    seed: Count = 0
+
+
+class Draft(Message, tag="draft"):
+    """Context generator → graph generator: draft tokens for `sequences`; `released`
+    sequences have finished (their draft state can go). Answered with `Drafted`, unless
+    `sequences` is empty."""
+
+    draft: Count
+    sequences: list[DraftSequence] = []
+    released: list[str] = []
+
+
+class Drafted(Message, tag="drafted"):
+    """Graph generator → context generator: each sequence's draft tokens, in the order
+    of the `Draft`, and for a sampled request the first of its rows in the shared
+    draft `probabilities` region (one per token; -1: none). `failed`: no drafts this
+    time, and the graph generator forgot the request's sequences (send them whole)."""
+
+    draft: Count
+    tokens: list[list[TokenId]] = []
+    rows: list[int] = []
+    failed: bool = False
+
+
+ControlMessage = Ready | ReadyAck | Expect | Step | Launched | Stats | Shutdown | Draft | Drafted

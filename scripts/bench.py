@@ -6,34 +6,27 @@
     python -m scripts.bench --out /tmp/b --device cpu --preset tiny --quick   # CI smoke, seconds
     python -m scripts.bench --out $OUT/fp8 --parts ceilings,checkpoint,breakdown_fp8,fp8   # FP8 against bf16
 
-Parts, in order: `ceilings` (copy bandwidth, matmul rate: the decode and prefill
-floors), `checkpoint` (random weights of the preset's shape unless `--model`),
-`breakdown` (each step's kernels by category, scripts/bench_breakdown.py), then the
-real daemon (`hybridd start`, scripts/daemon.py) measured at the client through the SDK:
-`hybridd_eager` (graphs off), `hybridd` (start split into its phases on empty compile
-caches, ITL during background capture, TTFT at 10-500 tokens, batch-1 ITL, 1-32
-concurrent streams, graph memory, what the HTTP gateway adds: scripts/bench_gateway.py),
-the daemon with one setting changed against `hybridd` (VARIANTS), `capture_evict` (ITL
-while prefill graphs are captured during decode, scripts/bench_capture.py), `mixed_load`
-and `prefix_reuse` (a stream's ITL while another client sends long prompts; TTFT with a
- cached prefix and over a chat's turns: scripts/bench_mixed.py), `structured` (ITL under a
- JSON schema ÷ unconstrained at batch 1 and 32 streams, schema compile time:
- scripts/bench_structured.py), `speculation` and `speculation_steps` (tokens/s with and
- without speculative decoding on a prompt-grounded task, acceptance; verify-step times and
- time per token at set acceptances: scripts/bench_speculation.py), `breakdown_fp8` (the
- breakdown of the model quantized to FP8 at load: its decode steps against the FP8 floor)
- and `fp8` (a bf16 and an FP8 daemon on the same weights, one after the other: start, TTFT
- at 128 tokens to `--long-prompt`, batch-1 ITL and 32 streams, FP8 over bf16), and the
- peers on the same weights: `hf_eager`, `hf_static`
-(transformers `generate()`, static cache and torch.compile). A part is skipped, with
-the reason recorded, when `--budget-s` would be exceeded; a failure is recorded and the
-run goes on; bench.json is rewritten after every part. docs/lab/benchmarks.md reads
-the figures; plot with `python docs/lab/benchmarks_plot.py OUT/*/bench.json`.
+Parts, in order: `ceilings` (copy bandwidth, matmul rate: the floors), `checkpoint`
+(random weights of the preset's shape unless `--model`), `breakdown` (each step's
+kernels by category: bench_breakdown.py); then the real daemon (`hybridd start`), measured
+at the client through the SDK: `hybridd_eager` (graphs off), `hybridd` (start phases on
+empty compile caches, ITL during background capture, TTFT at 10-500 tokens, batch-1 ITL,
+1-32 streams, graph memory, what the HTTP gateway adds: bench_gateway.py), VARIANTS (one
+setting changed), `capture_evict` (bench_capture.py), `mixed_load` and `prefix_reuse`
+(bench_mixed.py), `structured` (bench_structured.py), `speculation` and
+`speculation_steps` (bench_speculation.py), `breakdown_fp8` and `fp8` (the model
+quantized to FP8: its steps against the FP8 floor; a bf16 and an FP8 daemon on the same
+weights), and the peers on the same weights: `hf_eager`, `hf_static` (transformers
+`generate()`, static cache and torch.compile). A part is skipped, the reason recorded,
+where `--budget-s` would be exceeded; a failure is recorded and the run goes on;
+bench.json is rewritten after every part. docs/lab/benchmarks.md reads the figures;
+plot with `python docs/lab/benchmarks_plot.py OUT/*/bench.json`.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -46,13 +39,14 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from hybridd.stats import percentile, slowest
 from scripts.daemon import Daemon
-from scripts.timing import (SAMPLING, StreamRecord, device_ceilings, itl_summary, random_prompt, ratio, timed_stream,
-                            ttft_summary)
+from scripts.timing import (StreamRecord, concurrent_streams, device_ceilings, itl_summary, random_prompt, ratio,
+                            timed_stream, ttft_summary)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -119,27 +113,8 @@ class SdkClient:
     def stream(self, prompt, max_tokens, timeout=300.0) -> StreamRecord:
         return timed_stream(self._client, prompt, max_tokens, timeout)[0]
 
-    def streams(self, prompts, max_tokens, timeout=300.0):
-        import asyncio
-
-        from hybridd.client import AsyncClient
-
-        async def run() -> list[StreamRecord]:
-            client = AsyncClient(self.endpoint)
-
-            async def one(ids: list[int]) -> StreamRecord:
-                record = StreamRecord(time.perf_counter())
-                async for chunk in client.stream(ids, max_tokens=max_tokens, timeout=timeout, **SAMPLING):
-                    record.times.append(time.perf_counter())
-                    record.tokens += len(chunk.token_ids)
-                return record
-
-            try:
-                return list(await asyncio.gather(*(one(p) for p in prompts)))
-            finally:
-                await client.close()
-
-        return asyncio.run(run())
+    def streams(self, prompts, max_tokens, timeout=300.0) -> list[StreamRecord]:
+        return concurrent_streams(self.endpoint, prompts, max_tokens, timeout)
 
     def status(self):
         return self._client.status(timeout=10)
@@ -178,13 +153,14 @@ def compile_cache_entries() -> dict[str, int]:
 COMPILE_CACHE_VARS = ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")
 
 
-def on_empty_compile_caches(fn, caches: Path | None = None):
-    """fn() with Triton's and Inductor's caches in `caches` (default: a new directory,
-    removed afterwards), as the workers spawned meanwhile will find them: a start there is
-    a first start on the host (it compiles every kernel) unless `caches` holds an earlier one's."""
+def on_empty_compile_caches(fn):
+    """fn() with Triton's and Inductor's caches in a new directory (removed afterwards), as
+    the workers spawned meanwhile will find them: a start there is a first start on the
+    host (it compiles every kernel)."""
+    import shutil
+
     saved = {name: os.environ.get(name) for name in COMPILE_CACHE_VARS}
-    scratch = None if caches is not None else Path(tempfile.mkdtemp(prefix="hybridd-caches-"))
-    root = caches if caches is not None else scratch
+    root = Path(tempfile.mkdtemp(prefix="hybridd-caches-"))
     os.environ.update({name: str(root / name.lower()) for name in COMPILE_CACHE_VARS})
     try:
         return fn()
@@ -194,10 +170,7 @@ def on_empty_compile_caches(fn, caches: Path | None = None):
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
-        if scratch is not None:
-            import shutil
-
-            shutil.rmtree(scratch, ignore_errors=True)
+        shutil.rmtree(root, ignore_errors=True)
 
 
 class HybriddServer:
@@ -404,28 +377,57 @@ def server_overrides(args, graphs: bool = True) -> dict[str, Any]:
     return overrides
 
 
-# The lengths a variant of the daemon measured beside the `hybridd` part is timed at.
-BESIDE_TTFT_LENGTHS = (10, 128)
-def run_variant(args, model: Path, vocab: int, deadline: float, result: dict, base: dict, overrides: dict) -> None:
-    """The graphs-on daemon again with `overrides` in its config: TTFT and batch-1 ITL
-    at the client, divided by the same figures of this run's `hybridd` part."""
-    server = client = None
+def start_server(args, model: Path, graphs: bool = True, **overrides) -> HybriddServer:
+    """The daemon on `model` with the bench's settings and `overrides`."""
+    return HybriddServer(model, args.device, 600 if args.device == "cuda" else 120,
+                         **{**server_overrides(args, graphs), **overrides})
+
+
+@contextlib.contextmanager
+def serving(args, model: Path, **overrides) -> Iterator[str]:
+    """The endpoint of a daemon (start_server) for the block."""
+    server = start_server(args, model, **overrides)
     try:
-        overrides = {**server_overrides(args), **overrides}
-        result["config"] = {k: v for k, v in overrides.items() if k != "log_level"}
-        server = HybriddServer(model, args.device, 600, **overrides)
+        yield server.endpoint
+    finally:
+        server.close()
+
+
+@contextlib.contextmanager
+def sdk_on_server(args, model: Path, result: dict, graphs: bool = True,
+                  **overrides) -> Iterator[tuple[HybriddServer, SdkClient]]:
+    """A daemon (start_server) and the SDK on it; its settings, start and client in `result`."""
+    server, client = start_server(args, model, graphs, **overrides), None
+    try:
+        result["config"] = {k: v for k, v in {**server_overrides(args, graphs), **overrides}.items()
+                            if k != "log_level"}
         result["startup"] = server.startup()
         client = open_client(server.endpoint)
         result["client"] = client.kind
-        rng = random.Random(4)
-        ttft_fn, gaps_fn = hybridd_stream_fns(client)
-        result["ttft_s"] = measure_ttft(ttft_fn, BESIDE_TTFT_LENGTHS, args.ttft_reps, vocab, rng, deadline)
-        result["itl"] = measure_itl(gaps_fn, ITL_PROMPT, args.itl_tokens, args.itl_runs, vocab, rng, deadline)
+        yield server, client
     finally:
         if client is not None:
             client.close()
-        if server is not None:
-            server.close()
+        server.close()
+
+
+def measure_batch1(stream_fns, lengths, args, vocab: int, rng: random.Random, deadline: float, result: dict) -> None:
+    """TTFT at `lengths` and the ITL of ITL_PROMPT-token prompts, at batch 1, into `result`."""
+    ttft_fn, gaps_fn = stream_fns
+    result["ttft_s"] = measure_ttft(ttft_fn, lengths, args.ttft_reps, vocab, rng, deadline)
+    result["itl"] = measure_itl(gaps_fn, ITL_PROMPT, args.itl_tokens, args.itl_runs, vocab, rng, deadline)
+
+
+# The lengths a variant of the daemon measured beside the `hybridd` part is timed at.
+BESIDE_TTFT_LENGTHS = (10, 128)
+
+
+def run_variant(args, model: Path, vocab: int, deadline: float, result: dict, base: dict, overrides: dict) -> None:
+    """The graphs-on daemon again with `overrides` in its config: TTFT and batch-1 ITL
+    at the client, divided by the same figures of this run's `hybridd` part."""
+    with sdk_on_server(args, model, result, **overrides) as (_, client):
+        measure_batch1(hybridd_stream_fns(client), BESIDE_TTFT_LENGTHS, args, vocab, random.Random(4), deadline,
+                       result)
     result["vs_off"] = beside_comparison(result, base)
 
 
@@ -455,22 +457,11 @@ def run_fp8(args, model: Path, vocab: int, deadline: float, result: dict) -> Non
     for name, overrides in (("bf16", {}), ("fp8", {"quantization": "fp8"})):
         part = result[name] = {}
         rng = random.Random(11)  # the same prompts for both
-        server = HybriddServer(model, args.device, 600 if args.device == "cuda" else 120,
-                               **server_overrides(args), **overrides)
-        client = None
-        try:
-            part["startup"] = server.startup()
-            client = open_client(server.endpoint)
-            ttft_fn, gaps_fn = hybridd_stream_fns(client)
-            part["ttft_s"] = measure_ttft(ttft_fn, lengths, args.ttft_reps, vocab, rng, deadline)
-            part["itl"] = measure_itl(gaps_fn, ITL_PROMPT, args.itl_tokens, args.itl_runs, vocab, rng, deadline)
+        with sdk_on_server(args, model, part, **overrides) as (_, client):
+            measure_batch1(hybridd_stream_fns(client), lengths, args, vocab, rng, deadline, part)
             part["concurrency"] = measure_concurrency(client, (FP8_STREAMS,), ITL_PROMPT, args.concurrency_tokens,
                                                       vocab, rng)
             part["quantization"] = client.status().get("quantization")
-        finally:
-            if client is not None:
-                client.close()
-            server.close()
     bf16, fp8 = result["bf16"], result["fp8"]
     over = {"itl_p50": ratio(g(fp8, "itl", "p50_s"), g(bf16, "itl", "p50_s")),
             "itl_p99": ratio(g(fp8, "itl", "p99_s"), g(bf16, "itl", "p99_s")),
@@ -490,50 +481,34 @@ def run_capture_evict(args, model: Path, vocab: int, notes: list[str]) -> dict:
     and demand for the evicted bucket (scripts/bench_capture.py)."""
     from scripts.bench_capture import measure_capture_under_eviction
 
-    def server_factory(**overrides):
-        return HybriddServer(model, args.device, 600 if args.device == "cuda" else 120,
-                             **{**server_overrides(args), **overrides})
-
-    return measure_capture_under_eviction(open_client, model,
-                                          args.device == "cuda", vocab, args.quick, server_factory, notes)
+    return measure_capture_under_eviction(open_client, model, args.device == "cuda", vocab, args.quick,
+                                          lambda **overrides: start_server(args, model, **overrides), notes)
 
 
 def run_hybridd(args, model: Path, vocab: int, graphs: bool, deadline: float, result: dict) -> None:
     """Fills `result` as it goes, so that a failure keeps what was measured before it."""
-    overrides = server_overrides(args, graphs)
     rng = random.Random(1 if graphs else 2)
-    result["config"] = {k: v for k, v in overrides.items() if k != "log_level"}
-    server = HybriddServer(model, args.device, 600 if args.device == "cuda" else 120, **overrides)
-    client = None
-    try:
-        result["startup"] = server.startup()
-        client = open_client(server.endpoint)
-        result["client"] = client.kind
+    with sdk_on_server(args, model, result, graphs) as (server, client):
         if graphs:
             result["background_capture"] = measure_during_capture(
                 client, server, vocab, rng, tokens=16 if args.quick else 64, max_s=10 if args.quick else 40)
-        ttft_fn, gaps_fn = hybridd_stream_fns(client)
-        result["ttft_s"] = measure_ttft(ttft_fn, TTFT_LENGTHS, args.ttft_reps, vocab, rng, deadline)
-        result["itl"] = measure_itl(gaps_fn, ITL_PROMPT, args.itl_tokens, args.itl_runs, vocab, rng, deadline)
-        if graphs:
-            result["concurrency"] = measure_concurrency(client, CONCURRENCY, ITL_PROMPT, args.concurrency_tokens,
-                                                        vocab, rng)
-            status = client.status()
-            result["graph_memory"] = graph_memory(status)
-            result["status"] = {k: v for k, v in status.items() if k != "buckets"}
-            if "gateway" in args.skip_set:
-                return
-            from scripts.bench_gateway import measure_gateway
+        measure_batch1(hybridd_stream_fns(client), TTFT_LENGTHS, args, vocab, rng, deadline, result)
+        if not graphs:
+            return
+        result["concurrency"] = measure_concurrency(client, CONCURRENCY, ITL_PROMPT, args.concurrency_tokens,
+                                                    vocab, rng)
+        status = client.status()
+        result["graph_memory"] = graph_memory(status)
+        result["status"] = {k: v for k, v in status.items() if k != "buckets"}
+        if "gateway" in args.skip_set:
+            return
+        from scripts.bench_gateway import measure_gateway
 
-            result["gateway"] = measure_gateway(server.endpoint, str(model), prompt_len=ITL_PROMPT,
-                                                ttft_reps=args.ttft_reps, itl_tokens=args.itl_tokens,
-                                                itl_runs=args.itl_runs, vocab=vocab,
-                                                # Its own prompts, whatever the timed parts before it drew.
-                                                rng=random.Random(7))
-    finally:
-        if client is not None:
-            client.close()
-        server.close()
+        result["gateway"] = measure_gateway(server.endpoint, str(model), prompt_len=ITL_PROMPT,
+                                            ttft_reps=args.ttft_reps, itl_tokens=args.itl_tokens,
+                                            itl_runs=args.itl_runs, vocab=vocab,
+                                            # Its own prompts, whatever the timed parts before it drew.
+                                            rng=random.Random(7))
 
 
 # ----------------------------------------------------------------------------- Hugging Face peers
@@ -647,9 +622,7 @@ def run_hf(args, model: Path, vocab: int, variant: str, deadline: float, shared:
         for _ in range(2):
             hf_timed_generate(hf, random_prompt(rng, ITL_PROMPT, vocab), args.itl_tokens, config)
         result["warmup_s"] = time.perf_counter() - t0
-    ttft_fn, gaps_fn = hf_stream_fns(hf, config)
-    result["ttft_s"] = measure_ttft(ttft_fn, TTFT_LENGTHS, args.ttft_reps, vocab, rng, deadline)
-    result["itl"] = measure_itl(gaps_fn, ITL_PROMPT, args.itl_tokens, args.itl_runs, vocab, rng, deadline)
+    measure_batch1(hf_stream_fns(hf, config), TTFT_LENGTHS, args, vocab, rng, deadline, result)
 
 
 def free_hf(shared: dict) -> None:
@@ -1122,49 +1095,34 @@ def main(argv: list[str] | None = None) -> int:
         part("capture_evict", lambda out: run_capture_evict(args, state["model"], vocab(), meta["notes"]),
              needs=("model", "vocab"))
 
-        def do_mixed(name: str, measure) -> None:
+        def on_daemon(name: str, measure, **overrides) -> None:
             def run(_):
-                server = HybriddServer(state["model"], args.device, 600 if args.device == "cuda" else 120,
-                                       **server_overrides(args))
-                try:
-                    return measure(server.endpoint)
-                finally:
-                    server.close()
+                with serving(args, state["model"], **overrides) as endpoint:
+                    return measure(endpoint)
 
             part(name, run, needs=("model", "vocab"))
 
         from scripts.bench_mixed import measure_mixed_load, measure_prefix_reuse
 
-        do_mixed("mixed_load", lambda endpoint: measure_mixed_load(
+        on_daemon("mixed_load", lambda endpoint: measure_mixed_load(
             endpoint, vocab(), args.long_prompt, args.itl_tokens, args.ttft_reps))
-        do_mixed("prefix_reuse", lambda endpoint: measure_prefix_reuse(
+        on_daemon("prefix_reuse", lambda endpoint: measure_prefix_reuse(
             endpoint, vocab(), args.long_prompt, args.turn_tokens, 8, args.ttft_reps))
 
         def structured(_):
             from scripts.bench_structured import measure_structured, structured_checkpoint
 
             model = structured_checkpoint(state["model"], Path(str(state["model"]) + "-bpe"))
-            server = HybriddServer(model, args.device, 600 if args.device == "cuda" else 120,
-                                   **server_overrides(args))
-            try:
-                return measure_structured(server.endpoint, model, args.itl_tokens, args.ttft_reps)
-            finally:
-                server.close()
+            with serving(args, model) as endpoint:
+                return measure_structured(endpoint, model, args.itl_tokens, args.ttft_reps)
 
         part("structured", structured, needs=("model", "vocab"))
 
         from scripts.bench_speculation import measure_speculation, measure_speculation_steps
 
-        def do_speculation(_):
-            server = HybriddServer(state["model"], args.device, 600 if args.device == "cuda" else 120,
-                                   **server_overrides(args), speculative_drafter="ngram")
-            try:
-                return measure_speculation(server.endpoint, state["model"], vocab(),
-                                           16 if args.quick else 64, 1 if args.quick else 3)
-            finally:
-                server.close()
-
-        part("speculation", do_speculation, needs=("model", "vocab"))
+        on_daemon("speculation", lambda endpoint: measure_speculation(
+            endpoint, state["model"], vocab(), 16 if args.quick else 64, 1 if args.quick else 3),
+            speculative_drafter="ngram")
         part("speculation_steps", lambda out: measure_speculation_steps(
             state["model"], args.device, 16 if args.quick else 64, reps=3 if args.quick else 20,
             quick=args.quick or args.device != "cuda"),

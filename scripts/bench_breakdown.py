@@ -19,13 +19,11 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-from scripts.timing import BLOCK, captured_runner, decode_step, device_ceilings, median_gpu_time, prefill_step, stepper
+from scripts.timing import BLOCK, captured_runner, decode_step, device_ceilings, median_time, prefill_step, stepper
 
 CONTEXT = 512
 DECODE_BATCHES = (1, 32)
@@ -252,22 +250,6 @@ def profile_steps(run, sync, steps: int, cuda: bool) -> list[list[tuple[str, flo
     return out
 
 
-def median_step_s(runner, run, iters: int, cuda: bool, per_round: int = 1) -> float:
-    """Median time per step of `per_round` steps run back to back, over `iters` rounds:
-    CUDA events on the serving stream, or wall time on the CPU. One step a round is a
-    step launched onto an idle GPU (the host's launch is in it); several are a step's
-    time in a stream of steps, each launch overlapping the step before, as in the daemon."""
-    if cuda:
-        return median_gpu_time(run, iters, runner.stream, per_round)
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        for _ in range(per_round):
-            run()
-        times.append((time.perf_counter() - t0) / per_round)
-    return statistics.median(times)
-
-
 def run_breakdown(model_dir: Path, device: str, ceilings: dict, steps: int = 20, quantization: str = "none") -> dict:
     """Capture the graphs, then profile decode batch 1 and 32 (context 512) and the
     16- and 128-token prefills; one summary per step kind. `quantization` "fp8": the
@@ -307,8 +289,9 @@ def run_breakdown(model_dir: Path, device: str, ceilings: dict, steps: int = 20,
         for _ in range(5 if cuda else 1):
             run()
         sync()
-        step_s = median_step_s(runner, run, 10 if cuda else 1, cuda, per_round=10 if cuda else 3)
-        from_idle_s = median_step_s(runner, run, 50 if cuda else 3, cuda)
+        # Steps back to back (each launch overlapping the step before), and one from an idle GPU.
+        step_s = median_time(run, 10 if cuda else 1, cuda, runner.stream, per_round=10 if cuda else 3)
+        from_idle_s = median_time(run, 50 if cuda else 3, cuda, runner.stream)
         shape = runner.plan_step(prefill, tokens, seqs)
         kernels = profile_steps(run, sync, steps, cuda)
         source = "graph replays" if shape.graph and cuda else ("eager steps" if not cuda else "eager (no graph)")

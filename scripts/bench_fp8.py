@@ -26,10 +26,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
+
+from scripts.timing import device_ceilings, median_time
 
 SHAPES = {
     "llama2-7b": {"qkv": (12288, 4096), "o": (4096, 4096), "gate_up": (22016, 4096), "down": (4096, 11008)},
@@ -54,28 +55,12 @@ def activation_dtype():
 def rotated_time(fn_of, copies, iters: int) -> float:
     """Median seconds per call of fn_of(copy), cycling over `copies` back to back: GPU
     time by CUDA events (host time on the CPU)."""
-    import torch
+    from itertools import cycle
 
     for c in copies[:2]:
         fn_of(c)
-    times = []
-    if DEVICE != "cuda":
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            for c in copies:
-                fn_of(c)
-            times.append((time.perf_counter() - t0) / len(copies))
-        return statistics.median(times)
-    torch.cuda.synchronize()
-    for _ in range(iters):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        for c in copies:
-            fn_of(c)
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) / 1e3 / len(copies))
-    return statistics.median(times)
+    rotation = cycle(copies)
+    return median_time(lambda: fn_of(next(rotation)), iters, DEVICE == "cuda", per_round=len(copies))
 
 
 def fp8_copies(n: int, k: int, count: int):
@@ -247,8 +232,6 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--shapes: unknown {', '.join(unknown)}; known: {', '.join(SHAPES)}")
     shapes = {s: SHAPES[s] for s in names}
     parts = {p.strip() for p in args.parts.split(",")}
-    from scripts.timing import device_ceilings
-
     t0 = time.perf_counter()
     ceilings = device_ceilings(DEVICE)
     result = {"device": ceilings["name"], "torch": torch.__version__, "quick": args.quick,

@@ -14,7 +14,7 @@ import random
 import statistics
 import threading
 
-from scripts.timing import itl_summary, random_prompt, ratio, timed_stream, ttft_summary
+from scripts.timing import at_most, itl_summary, random_prompt, ratio, timed_stream, ttft_summary
 
 SHARED_TAIL = 64  # tokens a "shared prefix" prompt differs in, at its end
 
@@ -52,9 +52,9 @@ def measure_mixed_load(endpoint: str, vocab: int, long_prompt: int, stream_token
            "itl_p50_ratio": ratio(during["p50_s"], alone["p50_s"]),
            "itl_p99_ratio": ratio(during["p99_s"], alone["p99_s"]),
            "ttft_ratio": ratio(ttft_during["median_s"], ttft_alone["median_s"])}
-    out["targets_met"] = {"itl_p50 <= 1.5x": _at_most(out["itl_p50_ratio"], 1.5),
-                          "itl_p99 <= 2.5x": _at_most(out["itl_p99_ratio"], 2.5),
-                          "ttft <= 1.3x": _at_most(out["ttft_ratio"], 1.3)}
+    out["targets_met"] = {"itl_p50 <= 1.5x": at_most(out["itl_p50_ratio"], 1.5),
+                          "itl_p99 <= 2.5x": at_most(out["itl_p99_ratio"], 2.5),
+                          "ttft <= 1.3x": at_most(out["ttft_ratio"], 1.3)}
     return out
 
 
@@ -88,10 +88,6 @@ def measure_prefix_reuse(endpoint: str, vocab: int, long_prompt: int, turn_token
     out["repeated_ratio"] = ratio(statistics.median(repeated), cold_s)
     out["shared_prefix_ratio"] = ratio(statistics.median(shared), cold_s)
     out["chat_last_over_first"] = ratio(chat[-1], chat[0])
-    out["targets_met"] = {"shared prefix <= 0.2x cold": _at_most(out["shared_prefix_ratio"], 0.2),
-                          "last turn <= 1.5x first": _at_most(out["chat_last_over_first"], 1.5)}
+    out["targets_met"] = {"shared prefix <= 0.2x cold": at_most(out["shared_prefix_ratio"], 0.2),
+                          "last turn <= 1.5x first": at_most(out["chat_last_over_first"], 1.5)}
     return out
-
-
-def _at_most(value: float | None, bound: float) -> bool | None:
-    return None if value is None else value <= bound

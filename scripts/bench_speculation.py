@@ -15,18 +15,15 @@ batch 1 with `ReplayDrafter`, a bench-only drafter that replays the model's reco
 greedy continuation with each token right with a set probability (0, 50, 80, 100 %),
 against decoding without speculation.
 
-    python -m scripts.bench_speculation --device cpu --out /tmp/spec             # embedded model
-    python -m scripts.bench_speculation --device cuda --preset llama2-7b --out $OUT/spec
-    python -m scripts.bench --parts checkpoint,speculation,speculation_steps ...  # as parts of the bench
+    python -m scripts.bench --out /tmp/spec --device cpu --model hybridd/assets/tiny-shakespeare \
+        --parts checkpoint,speculation                                # the embedded model
+    python -m scripts.bench --out $OUT/spec --preset llama2-7b --parts checkpoint,speculation,speculation_steps
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import random
 import statistics
-import sys
 import threading
 import time
 from pathlib import Path
@@ -334,63 +331,3 @@ def measure_speculation_steps(model: Path, device: str, tokens: int, k: int = 4,
         gc.collect()
         if device == "cuda":
             torch.cuda.empty_cache()
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    p.add_argument("--model", type=Path, default=None, help="default: the embedded model (cpu), random weights "
-                                                            "of --preset (cuda)")
-    p.add_argument("--preset", default="tiny")
-    p.add_argument("--tokens", type=int, default=64)
-    p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--k", type=int, default=4)
-    p.add_argument("--quick", action="store_true", help="fewer verify shapes (the CPU)")
-    p.add_argument("--skip", default="", help="comma list of parts to skip: speculation, speculation_steps")
-    args = p.parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
-    skip = set(filter(None, args.skip.split(",")))
-    results: dict[str, Any] = {"device": args.device}
-    model = args.model
-    if model is None:
-        if args.device == "cpu" and args.preset == "tiny":
-            from hybridd.config import EMBEDDED_MODEL
-
-            model = EMBEDDED_MODEL
-        else:
-            from scripts import make_random_checkpoint as mrc
-
-            model = mrc.make_checkpoint(Path("/tmp") / f"hybridd-{args.preset}-normal-random", args.preset, seed=0,
-                                        device=args.device)
-    results["model"] = str(model)
-    from transformers import AutoConfig
-
-    vocab = AutoConfig.from_pretrained(str(model)).vocab_size
-    if "speculation" not in skip:
-        from scripts.daemon import Daemon
-
-        cuda = args.device == "cuda"
-        server = Daemon({"model": str(model), "device": args.device, "compile_sampler": cuda,
-                         "log_level": "warning", "speculative_drafter": "ngram", "num_speculative_tokens": args.k}
-                        | ({"kv_cache_memory_fraction": 0.3} if cuda else {}), ready_timeout=600)
-        try:
-            results["speculation"] = measure_speculation(server.endpoint, model, vocab, args.tokens, args.reps)
-            results["speculation"]["command"] = "python -m scripts.bench_speculation " + " ".join(argv or sys.argv[1:])
-        finally:
-            server.close()
-        _write(args.out, results)
-    if "speculation_steps" not in skip:
-        results["speculation_steps"] = measure_speculation_steps(model, args.device, args.tokens, args.k,
-                                                                 reps=args.reps, quick=args.quick)
-        _write(args.out, results)
-    print(json.dumps(results, indent=2, default=str))
-    return 0
-
-
-def _write(out: Path, results: dict) -> None:
-    (out / "speculation.json").write_text(json.dumps(results, indent=2, default=str))
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

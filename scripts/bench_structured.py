@@ -13,18 +13,16 @@ ITL <= 1.10x at batch 1, <= 1.20x at 32 streams.
 
 from __future__ import annotations
 
-import asyncio
 import glob
 import json
 import random
 import shutil
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from scripts.timing import StreamRecord, itl_summary, random_prompt, ratio, ttft_summary
+from scripts.timing import at_most, concurrent_streams, itl_summary, random_prompt, ratio, ttft_summary
 
 STREAMS = 32
 PROMPT = 64
@@ -94,24 +92,6 @@ def compile_times(model: Path, schemas: int) -> dict[str, Any]:
             "compile_p50_s": statistics.median(times), "compile_max_s": max(times)}
 
 
-async def _stream(client, ids: list[int], max_tokens: int, structured: dict | None) -> StreamRecord:
-    record = StreamRecord(time.perf_counter())
-    options = {"structured": structured} if structured is not None else {}
-    async for chunk in client.stream(ids, max_tokens=max_tokens, temperature=0.0, ignore_eos=True, timeout=600.0,
-                                     **options):
-        record.times.append(time.perf_counter())
-        record.tokens += len(chunk.token_ids)
-    return record
-
-
-async def _concurrent(endpoint: str, prompts: list[list[int]], tokens: int, structured: dict | None) -> list[float]:
-    from hybridd.client import AsyncClient
-
-    async with AsyncClient(endpoint, timeout=600.0) as client:
-        records = await asyncio.gather(*(_stream(client, p, tokens, structured) for p in prompts))
-    return [gap for record in records for gap in record.gaps]
-
-
 def measure_structured(endpoint: str, model: Path, tokens: int, reps: int) -> dict[str, Any]:
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     rng = random.Random(21)
@@ -119,7 +99,8 @@ def measure_structured(endpoint: str, model: Path, tokens: int, reps: int) -> di
     out: dict[str, Any] = {"stream_tokens": tokens, "streams": STREAMS, "compile": compile_times(model, 5)}
 
     def run(prompts, structured):
-        return asyncio.run(_concurrent(endpoint, prompts, tokens, structured))
+        options = {"structured": structured} if structured is not None else {}
+        return [gap for record in concurrent_streams(endpoint, prompts, tokens, **options) for gap in record.gaps]
 
     run([random_prompt(rng, PROMPT, vocab)], constrained)  # warm-ups: the schema compiled and cached
     run([random_prompt(rng, PROMPT, vocab)], None)
@@ -141,25 +122,9 @@ def measure_structured(endpoint: str, model: Path, tokens: int, reps: int) -> di
     for variant in range(reps):
         fresh = {"json": json.dumps(schema(2000 + variant))}
         prompt = random_prompt(rng, PROMPT, vocab)
-        ttft_new.append(asyncio.run(_first(endpoint, prompt, fresh)))
-        ttft_cached.append(asyncio.run(_first(endpoint, prompt, fresh)))
+        ttft_new.append(concurrent_streams(endpoint, [prompt], 2, structured=fresh)[0].ttft)
+        ttft_cached.append(concurrent_streams(endpoint, [prompt], 2, structured=fresh)[0].ttft)
     out["ttft_new_schema"], out["ttft_cached_schema"] = ttft_summary(ttft_new), ttft_summary(ttft_cached)
-    out["targets_met"] = {"batch 1 itl <= 1.10x": _at_most(out["batch_1"]["itl_p50_ratio"], 1.10),
-                          f"{STREAMS} streams itl <= 1.20x": _at_most(out[f"streams_{STREAMS}"]["itl_p50_ratio"], 1.20)}
+    out["targets_met"] = {"batch 1 itl <= 1.10x": at_most(out["batch_1"]["itl_p50_ratio"], 1.10),
+                          f"{STREAMS} streams itl <= 1.20x": at_most(out[f"streams_{STREAMS}"]["itl_p50_ratio"], 1.20)}
     return out
-
-
-async def _first(endpoint: str, prompt: list[int], structured: dict) -> float:
-    from hybridd.client import AsyncClient
-
-    async with AsyncClient(endpoint, timeout=600.0) as client:
-        record = await _stream(client, prompt, 2, structured)
-    return record.ttft
-
-
-def _at_most(value: float | None, bound: float) -> bool | None:
-    return None if value is None else value <= bound
-
-
-if __name__ == "__main__":
-    sys.exit("run it as a part of the bench: python -m scripts.bench --parts checkpoint,structured ...")

@@ -50,13 +50,13 @@ def flags(settings: dict) -> list[str]:
 
 
 class Daemon:
-    """`hybridd start` with `settings`, its environment this process's plus `env`."""
+    """`hybridd start` with `settings`, in this process's environment."""
 
-    def __init__(self, settings: dict, env: dict[str, str] | None = None, ready_timeout: float = 300.0):
+    def __init__(self, settings: dict, ready_timeout: float = 300.0):
         self.base = Path(tempfile.mkdtemp(prefix="hd-"))
         self.runtime_dir = self.base / "run"
         self.log_path = self.base / "daemon.log"
-        environment = {k: v for k, v in os.environ.items() if k != "NOTIFY_SOCKET"} | (env or {})
+        environment = {k: v for k, v in os.environ.items() if k != "NOTIFY_SOCKET"}
         settings = {"log_level": "info", **settings, "log_format": "json", "runtime_dir": self.runtime_dir}
         self.spawned_wall, self.spawned = time.time(), time.perf_counter()
         with open(self.log_path, "wb") as log:
@@ -112,10 +112,9 @@ class Daemon:
 
 
 @contextlib.contextmanager
-def running(settings: dict | None = None, env: dict[str, str] | None = None,
-            ready_timeout: float = 300.0) -> Iterator[Daemon]:
+def running(settings: dict | None = None, ready_timeout: float = 300.0) -> Iterator[Daemon]:
     """A ready daemon for the block (the embedded model unless `settings` name one)."""
-    daemon = Daemon({"compile_sampler": False, "log_level": "warning", **(settings or {})}, env, ready_timeout)
+    daemon = Daemon({"compile_sampler": False, "log_level": "warning", **(settings or {})}, ready_timeout)
     try:
         yield daemon
     finally:

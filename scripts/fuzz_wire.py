@@ -16,9 +16,8 @@ and cancels them, and cancels ids in flight in other sessions (which must not en
 Each of `--lanes` DEALER connections sends one message at a time and reads its replies
 until the spec says they are complete (a `cancel` is followed by a `health` as a
 barrier, since a valid cancel has no reply); a message whose replies the spec cannot
-predict (a bit flip) goes on a session of its own, closed after a sentinel. `--trace
-FILE` writes each message sent (time, lane, label, frames) as a JSON line. Prints a
-JSON report; exits 1 on any violation.
+predict (a bit flip) goes on a session of its own, closed after a sentinel. Prints a
+JSON report; exits 1 on any violation (`--progress`: each on stderr, with its frames).
 """
 
 from __future__ import annotations
@@ -554,26 +553,6 @@ class Report:
                               "at": round(time.time(), 3)}), file=sys.stderr, flush=True)
 
 
-class Tracer:
-    """Each message sent, as a JSON line (time, lane, label, frames in hex), for replaying a failure."""
-
-    def __init__(self, path: str | None) -> None:
-        self._file = open(path, "w") if path else None  # noqa: SIM115 (closed by close())
-        self._lock = threading.Lock()
-
-    def sent(self, lane: str, label: str, frames: list[bytes]) -> None:
-        if self._file is None:
-            return
-        line = json.dumps({"t": round(time.time(), 4), "lane": lane, "label": label,
-                           "frames": [f.hex() if len(f) <= 4096 else f[:4096].hex() + "..." for f in frames]})
-        with self._lock:
-            self._file.write(line + "\n")
-
-    def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-
-
 def dealer(context: zmq.Context, endpoint: str) -> zmq.Socket:
     socket = context.socket(zmq.DEALER)
     socket.setsockopt(zmq.LINGER, 0)
@@ -585,13 +564,12 @@ class Lane:
     """One DEALER connection, one message at a time, a `health` sentinel after each."""
 
     def __init__(self, context: zmq.Context, endpoint: str, report: Report, lock: threading.Lock,
-                 tracer: Tracer | None = None, name: str = "lane", recent: list[str] | None = None) -> None:
+                 name: str = "lane", recent: list[str] | None = None) -> None:
         self.context = context
         self.endpoint = endpoint
         self.socket = dealer(context, endpoint)
         self.report = report
         self.lock = lock
-        self.tracer = tracer or Tracer(None)
         self.name = name
         self.recent = recent if recent is not None else []  # ids this lane's generates used, for the second session
         self.barriers = 0
@@ -621,7 +599,6 @@ class Lane:
         self.stale = True
 
     def _send(self, case: Case, socket: zmq.Socket | None = None) -> None:
-        self.tracer.sent(self.name, case.label, case.frames)
         socket = socket or self.socket
         if case.expect in ("duplicate", "cancelled"):  # two messages, one after the other
             for frame in case.frames:
@@ -762,14 +739,31 @@ class Lane:
         self.socket.close()
 
 
-class Canary:
-    """A session of its own that streams a greedy request every CANARY_EVERY messages:
-    each must stream its tokens and end, whatever the lanes send beside it."""
+class SideSession:
+    """A session of its own beside the lanes, that records its violations in the report."""
 
     def __init__(self, context: zmq.Context, endpoint: str, report: Report, lock: threading.Lock) -> None:
         self.socket = dealer(context, endpoint)
         self.report, self.lock = report, lock
         self.rounds = 0
+
+    def next_reply(self, deadline: float) -> dict | None:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0 or not self.socket.poll(int(remaining * 1000)):
+            return None
+        return msgpack.unpackb(self.socket.recv())
+
+    def _violate(self, text: str) -> None:
+        with self.lock:
+            self.report.violations.append(text)
+
+    def close(self) -> None:
+        self.socket.close()
+
+
+class Canary(SideSession):
+    """Streams a greedy request every CANARY_EVERY messages: each must stream its tokens
+    and end, whatever the lanes send beside it."""
 
     def round(self) -> None:
         self.rounds += 1
@@ -779,11 +773,10 @@ class Canary:
         deadline = time.monotonic() + REPLY_TIMEOUT_S
         chunks = 0
         while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0 or not self.socket.poll(int(remaining * 1000)):
+            reply = self.next_reply(deadline)
+            if reply is None:
                 self._violate(f"canary {rid}: no final")
                 return
-            reply = msgpack.unpackb(self.socket.recv())
             if reply.get("id") != rid or check_reply(reply):
                 self._violate(f"canary {rid}: unexpected reply {str(reply)[:200]}")
                 return
@@ -796,24 +789,16 @@ class Canary:
                 self.report.canaries += 1
             return
 
-    def _violate(self, text: str) -> None:
-        with self.lock:
-            self.report.violations.append(text)
 
-    def close(self) -> None:
-        self.socket.close()
-
-
-class SecondSession:
-    """Every SECOND_SESSION_EVERY messages, on a session of its own: a generate under an
-    id the lanes used lately (its own request: it runs), its cancel, and cancels of ids
-    in flight in the lanes' sessions (another session's: nothing happens to them)."""
+class SecondSession(SideSession):
+    """Every SECOND_SESSION_EVERY messages: a generate under an id the lanes used lately
+    (its own request: it runs), its cancel, and cancels of ids in flight in the lanes'
+    sessions (another session's: nothing happens to them)."""
 
     def __init__(self, context: zmq.Context, endpoint: str, report: Report, lock: threading.Lock,
                  recent: list[str]) -> None:
-        self.socket = dealer(context, endpoint)
-        self.report, self.lock, self.recent = report, lock, recent
-        self.rounds = 0
+        super().__init__(context, endpoint, report, lock)
+        self.recent = recent
 
     def round(self) -> None:
         self.rounds += 1
@@ -831,11 +816,10 @@ class SecondSession:
         deadline = time.monotonic() + REPLY_TIMEOUT_S
         seen = set()
         while seen != {reused, barrier}:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0 or not self.socket.poll(int(remaining * 1000)):
+            reply = self.next_reply(deadline)
+            if reply is None:
                 self._violate(f"second session round {self.rounds}: waiting for {sorted({reused, barrier} - seen)}")
                 return
-            reply = msgpack.unpackb(self.socket.recv())
             if check_reply(reply) or reply.get("id") not in (reused, barrier) or reply["type"] == "error":
                 self._violate(f"second session round {self.rounds}: unexpected reply {str(reply)[:200]}")
                 return
@@ -844,13 +828,6 @@ class SecondSession:
             seen.add(reply["id"])
         with self.lock:
             self.report.second_session_rounds += 1
-
-    def _violate(self, text: str) -> None:
-        with self.lock:
-            self.report.violations.append(text)
-
-    def close(self) -> None:
-        self.socket.close()
 
 
 def workers_of(context: zmq.Context, endpoint: str) -> dict:
@@ -867,7 +844,7 @@ def workers_of(context: zmq.Context, endpoint: str) -> dict:
 
 
 def fuzz(endpoint: str, count: int, seed: int, lanes: int = 8, with_corpus: bool = True,
-         trace: str | None = None, progress: bool = False) -> Report:
+         progress: bool = False) -> Report:
     """Send `count` generated messages (plus the corpus) over `lanes` connections, with the
     canary and the second session beside them."""
     rng = random.Random(seed)
@@ -875,7 +852,6 @@ def fuzz(endpoint: str, count: int, seed: int, lanes: int = 8, with_corpus: bool
     context = zmq.Context()
     report = Report(progress=progress)
     lock = threading.Lock()
-    tracer = Tracer(trace)
     before = workers_of(context, endpoint)
     queue = list(reversed(cases))
     recent: list[str] = []
@@ -886,7 +862,7 @@ def fuzz(endpoint: str, count: int, seed: int, lanes: int = 8, with_corpus: bool
     done = threading.Event()
 
     def work(index: int) -> None:
-        lane = Lane(context, endpoint, report, lock, tracer, f"lane{index}", recent)
+        lane = Lane(context, endpoint, report, lock, f"lane{index}", recent)
         try:
             while True:
                 with lock:
@@ -940,7 +916,6 @@ def fuzz(endpoint: str, count: int, seed: int, lanes: int = 8, with_corpus: bool
     report.violations += [f"workers changed {change}" for change in report.worker_changes]
     canary.close()
     second.close()
-    tracer.close()
     context.destroy(linger=0)
     return report
 
@@ -950,11 +925,10 @@ def main() -> int:
     parser.add_argument("--count", type=int, default=10_000)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--lanes", type=int, default=8)
-    parser.add_argument("--trace", help="write each message sent to this file (JSON lines)")
     parser.add_argument("--progress", action="store_true", help="a line on stderr every 500 messages")
     args = parser.parse_args()
     with daemon.daemon_endpoint(args) as endpoint:
-        report = fuzz(endpoint, args.count, args.seed, args.lanes, trace=args.trace, progress=args.progress)
+        report = fuzz(endpoint, args.count, args.seed, args.lanes, progress=args.progress)
     summary = {
         "messages": report.sent, "replies": report.replies, "seconds": round(report.seconds, 1),
         "sentinels": report.sentinels, "canaries": report.canaries,

@@ -52,6 +52,31 @@ def timed_stream(client, ids: list[int], max_tokens: int, timeout: float = 600.0
     return record, out
 
 
+async def async_timed_stream(client, ids: list[int], max_tokens: int, timeout: float = 600.0,
+                             **options) -> StreamRecord:
+    """One generation streamed through `hybridd.AsyncClient.stream` (`options`: e.g. `structured`)."""
+    record = StreamRecord(time.perf_counter())
+    async for chunk in client.stream(ids, max_tokens=max_tokens, timeout=timeout, **SAMPLING, **options):
+        record.times.append(time.perf_counter())
+        record.tokens += len(chunk.token_ids)
+    return record
+
+
+def concurrent_streams(endpoint: str, prompts: list[list[int]], max_tokens: int, timeout: float = 600.0,
+                       **options) -> list[StreamRecord]:
+    """One concurrent stream per prompt, on one `hybridd.AsyncClient` (one event loop, no threads)."""
+    import asyncio
+
+    from hybridd.client import AsyncClient
+
+    async def run() -> list[StreamRecord]:
+        async with AsyncClient(endpoint, timeout=timeout) as client:
+            return list(await asyncio.gather(*(async_timed_stream(client, p, max_tokens, timeout, **options)
+                                               for p in prompts)))
+
+    return asyncio.run(run())
+
+
 def itl_summary(gaps: list[float]) -> dict[str, Any]:
     p50, p99 = percentile(gaps, 50), percentile(gaps, 99)
     return {"n": len(gaps), "p50_s": p50, "p99_s": p99, "p99_over_p50": (p99 / p50) if p50 and p99 else None,
@@ -66,6 +91,10 @@ def ttft_summary(samples: list[float]) -> dict[str, Any]:
 
 def ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
+
+
+def at_most(value: float | None, bound: float) -> bool | None:
+    return None if value is None else value <= bound
 
 
 def random_prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
@@ -83,7 +112,7 @@ def copy_bandwidth(nbytes: int = 4 << 30) -> float:
     dst = torch.empty_like(src)
     for _ in range(3):
         dst.copy_(src)
-    seconds = median_gpu_time(lambda: dst.copy_(src), 10)
+    seconds = median_time(lambda: dst.copy_(src), 10, cuda=True)
     del src, dst
     return nbytes / seconds
 
@@ -96,7 +125,7 @@ def matmul_rate(n: int = 8192) -> float:
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     for _ in range(3):
         a @ b
-    return 2 * n**3 / median_gpu_time(lambda: a @ b, 10)
+    return 2 * n**3 / median_time(lambda: a @ b, 10, cuda=True)
 
 
 def device_ceilings(device: str) -> dict:
@@ -111,39 +140,35 @@ def device_ceilings(device: str) -> dict:
     src = torch.empty(64 << 20, dtype=torch.uint8).random_(0, 255)
     dst = torch.empty_like(src)
     a, b = torch.randn(512, 512), torch.randn(512, 512)
-    bw = 2 * src.numel() / median_wall_time(lambda: dst.copy_(src), 6)
-    flops = 2 * 512**3 / median_wall_time(lambda: a @ b, 6)
+    dst.copy_(src)  # warm-ups
+    a @ b
+    bw = 2 * src.numel() / median_time(lambda: dst.copy_(src), 6, cuda=False)
+    flops = 2 * 512**3 / median_time(lambda: a @ b, 6, cuda=False)
     return {"name": platform.processor() or platform.machine(), "copy_bandwidth_Bps": bw, "matmul_flops": flops,
             "matmul_dtype": "float32"}
 
 
-def median_wall_time(fn, iters: int) -> float:
-    """Median host seconds of fn() over `iters` calls after one warm-up."""
-    fn()
+def median_time(fn, iters: int, cuda: bool, stream=None, per_round: int = 1) -> float:
+    """Median seconds per call of fn() with `per_round` calls a round, over `iters` rounds:
+    GPU time by CUDA events on `stream` (default: the current one), else host time. With
+    one call a round the time includes the host's launch onto an idle GPU; with several,
+    each launch overlaps the call before, as in the daemon's pipeline."""
     times = []
     for _ in range(iters):
+        if cuda:
+            import torch
+
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record(stream)
         t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def median_gpu_time(fn, iters: int, stream=None, per_round: int = 1) -> float:
-    """Median GPU seconds per call of fn() by CUDA events on `stream` (default: the
-    current one): `per_round` calls between two events, over `iters` rounds. With one call
-    a round the time includes the host's launch onto an idle GPU; with several, each launch
-    overlaps the call before, as in the daemon's pipeline."""
-    import torch
-
-    times = []
-    for _ in range(iters):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record(stream)
         for _ in range(per_round):
             fn()
-        e.record(stream)
-        e.synchronize()
-        times.append(s.elapsed_time(e) / 1e3 / per_round)
+        if cuda:
+            e.record(stream)
+            e.synchronize()
+            times.append(s.elapsed_time(e) / 1e3 / per_round)
+        else:
+            times.append((time.perf_counter() - t0) / per_round)
     return statistics.median(times)
 
 

@@ -109,11 +109,8 @@ def log(msg: str) -> None:
 
 
 def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 # ----------------------------------------------------------------------------- prepare
@@ -275,12 +272,6 @@ def seed_everything(seed: int) -> None:
 
     random.seed(seed)
     torch.manual_seed(seed)
-    try:
-        import numpy as np
-    except ImportError:  # numpy is optional; nothing here draws from it
-        pass
-    else:
-        np.random.seed(seed)
 
 
 def train_tokenizer(docs: list[str], vocab_size: int):

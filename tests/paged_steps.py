@@ -9,18 +9,26 @@ import torch
 from hybridd.model.step_inputs import StepInputs
 
 
-def paged_step(g, device, dtype, spans, heads, kv_heads, d, page=16, pad=0, padded_seqs=0):
+def paged_step(g, device, dtype, spans, heads, kv_heads, d, page=16, pad=0, padded_seqs=0, table_width=None,
+               caches=None):
     """A step of sequences given as (start position, rows) `spans`, plus `pad` padding
     rows and `padded_seqs` empty sequences. Returns (step, q, k_cache, v_cache, contexts):
     each sequence's blocks are a random permutation of the cache's, and holds random keys
     and values at every position up to its last row (the step's own KV written, as the
     forward writes it before attention); `contexts[i]` is sequence i's (keys, values)
-    [positions, KVH, d] in position order."""
+    [positions, KVH, d] in position order. `table_width`: blocks per table row (default
+    one more than the longest sequence needs), as a graph's tables have for
+    max_model_len; `caches`: (k_cache, v_cache) to lay the sequences out in, their last
+    block left out (the scratch block), instead of new ones."""
     ends = [start + rows for start, rows in spans]
     widths = [-(-end // page) for end in ends]
-    num_blocks = sum(widths) + 3
-    k_cache = torch.randn(num_blocks + 1, page, kv_heads, d, dtype=dtype, device=device, generator=g)
-    v_cache = torch.randn(num_blocks + 1, page, kv_heads, d, dtype=dtype, device=device, generator=g)
+    if caches is None:
+        num_blocks = sum(widths) + 3
+        k_cache = torch.randn(num_blocks + 1, page, kv_heads, d, dtype=dtype, device=device, generator=g)
+        v_cache = torch.randn(num_blocks + 1, page, kv_heads, d, dtype=dtype, device=device, generator=g)
+    else:
+        k_cache, v_cache = caches
+        num_blocks = k_cache.shape[0] - 1
     order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(len(spans))).tolist()
     tables, contexts = [], []
     for width, end in zip(widths, ends, strict=True):
@@ -29,7 +37,8 @@ def paged_step(g, device, dtype, spans, heads, kv_heads, d, page=16, pad=0, padd
         blocks = torch.tensor(table, device=device)
         contexts.append(tuple(c[blocks].reshape(-1, kv_heads, d)[:end] for c in (k_cache, v_cache)))
     step = StepInputs.prefill([[1] * rows for _, rows in spans], tables, page, device,
-                              start_positions=[start for start, _ in spans], table_width=max(widths) + 1)
+                              start_positions=[start for start, _ in spans],
+                              table_width=table_width or max(widths) + 1)
     real = step.num_tokens
     t = real + pad
     zeros = torch.zeros(pad, dtype=step.positions.dtype, device=device)

@@ -1,7 +1,8 @@
 """Helpers of the speculative decoding tests: the engine core over a model in this
-process with a chosen KV cache size (so that preemption can be forced), and a drafter
+process with a chosen KV cache size (so that preemption can be forced), a drafter
 that replays a known continuation with a set share of wrong tokens (so that a test
-sees drafts accepted, cut short and rejected, whatever the model), and structured
+sees drafts accepted, cut short and rejected, whatever the model), the graph
+generator's draft runner served in this process (`ServedDraftModel`), and structured
 output's cases for speculating daemons."""
 
 from __future__ import annotations
@@ -16,10 +17,15 @@ from hybridd.engine.block_manager import BlockManager
 from hybridd.engine.core import EngineCore
 from hybridd.engine.in_process_runner import InProcessRunner
 from hybridd.engine.scheduler import Scheduler
-from hybridd.engine.speculation.drafter import Draft
+from hybridd.engine.speculation.draft_runner import DraftRunner
+from hybridd.engine.speculation.drafter import Draft, HiddenStateDrafter
+from hybridd.engine.speculation.graph_drafter import GraphDrafter
 from hybridd.engine.speculation.speculator import Speculator
-from hybridd.model.kv_cache import KVCache
+from hybridd.model.kv_cache import KVCache, blocks_for
+from hybridd.protocol import codec, control
 from hybridd.protocol.messages import SamplingParams
+from hybridd.runtime.buckets import BucketPlan
+from hybridd.runtime.step_buffers import StepBuffers
 
 
 def run_engine(model, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
@@ -34,7 +40,9 @@ def run_engine(model, prompts: list[list[int]], params: SamplingParams | list[Sa
     scheduler = Scheduler(blocks, max_batch=max_batch, max_prefill_tokens=512, max_model_len=model.max_positions,
                           eos_token_ids=model.config.eos_token_ids, speculator=speculator,
                           max_verify_rows=max_batch * (k + 1))
-    core = EngineCore(scheduler, InProcessRunner(model, kv), pipeline_depth=1)
+    drafter = speculator.drafter if speculator is not None else None
+    hidden_drafter = drafter if isinstance(drafter, HiddenStateDrafter) else None
+    core = EngineCore(scheduler, InProcessRunner(model, kv, hidden_drafter=hidden_drafter), pipeline_depth=1)
     each = params if isinstance(params, list) else [params] * len(prompts)
     requests = [core.add(str(i), prompt, p, grammar=grammar)
                 for i, (prompt, p) in enumerate(zip(prompts, each, strict=True))]
@@ -171,3 +179,36 @@ def structured_through_daemon(client, tokenizer, case: str, max_tokens: int = 48
     assert final["type"] == "final", final
     choice = final["choices"][0]
     return choice["token_ids"], choice["text"], choice["finish_reason"]
+
+
+class ServedDraftModel:
+    """The draft model as the graph generator serves it (`DraftRunner`: a graph runner of
+    its own, eager on the CPU, over its KV arena and step buffers of `max_tokens` tokens)
+    and the context generator's drafter over it (`drafter`), in this process; every
+    message encoded and decoded as on the control socket (`messages`: those received)."""
+
+    def __init__(self, model, num_blocks: int, block_size: int, max_tokens: int = 64, max_batch: int = 8) -> None:
+        """Decode buckets up to `max_batch` sequences; draft distributions for up to 16 draft
+        tokens each (the in-process engine's verify steps are not held to max_batch rows)."""
+        decode = [b for b in (1, 2, 4, 8, 16, 32, 64, 128) if b < max_batch] + [max_batch]
+        plan = BucketPlan.create(decode, [16, 32, 64], max_prefill_seqs=2, mixed_tokens=64)
+        vocab = model.config.vocab_size
+        buffers = StepBuffers.allocate(max(max_tokens, plan.max_prefill_tokens), plan.max_rows,
+                                       blocks_for(model.max_positions, block_size), vocab, model.device)
+        kv = KVCache.allocate(model.config, num_blocks, block_size, model.dtype, model.device)
+        probabilities = torch.zeros(16 * plan.max_batch, vocab, device=model.device)
+        self.runner = DraftRunner(model, kv, buffers, plan, probabilities, use_graphs=True,
+                                  memory_budget_bytes=1 << 30, stream=None)
+        self.runner.runner.capture_decode_graphs()
+        self.messages: list[control.Draft] = []
+        self.drafter = GraphDrafter(self._exchange, self._notify, probabilities)
+
+    def _notify(self, message: control.Draft) -> None:
+        received = codec.CONTROL.decode(codec.encode(message))
+        self.messages.append(received)
+        assert self.runner.draft(received) is None  # no answer
+
+    def _exchange(self, message: control.Draft) -> control.Drafted:
+        received = codec.CONTROL.decode(codec.encode(message))
+        self.messages.append(received)
+        return codec.CONTROL.decode(codec.encode(self.runner.draft(received)))

@@ -11,6 +11,8 @@ from collections.abc import Iterator
 
 import openai
 import pytest
+from openai.lib.streaming.chat import ChatCompletionStreamState
+from openai.types.chat import ChatCompletionChunk, ParsedChatCompletion
 
 from tests.gateway_daemon import API_KEY, GatewayDaemon, run_daemon_with_gateway
 
@@ -111,17 +113,61 @@ def test_a_required_tool_call_and_its_result_round_trip(oai):
     assert answer.usage.prompt_tokens > completion.usage.prompt_tokens  # the call and its result were in the prompt
 
 
-def test_a_streamed_tool_call_comes_as_deltas(oai):
-    stream = oai.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, BELL], tool_choice="required",
-                                         seed=9, max_tokens=120, stream=True)
-    chunks = [chunk for chunk in stream if chunk.choices]
-    deltas = [call for chunk in chunks for call in chunk.choices[0].delta.tool_calls or ()]
-    assert deltas and chunks[-1].choices[0].finish_reason == "tool_calls"
-    assert not "".join(chunk.choices[0].delta.content or "" for chunk in chunks)
-    for delta in deltas:
-        assert delta.function.name in ("get_weather", "ring_bell") and delta.id
-        json.loads(delta.function.arguments)
-    assert [delta.index for delta in deltas] == list(range(len(deltas)))
+def _accumulated(stream) -> tuple[ParsedChatCompletion, list[ChatCompletionChunk]]:
+    """The stream joined by the openai client's own accumulation, and its chunks."""
+    state, chunks = ChatCompletionStreamState(), []
+    for chunk in stream:
+        state.handle_chunk(chunk)
+        chunks.append(chunk)
+    return state.get_final_completion(), chunks
+
+
+def _calls(message) -> list[tuple[str, str]]:
+    return [(call.function.name, call.function.arguments) for call in message.tool_calls or ()]
+
+
+def test_streamed_tool_calls_add_up_to_the_whole_answers_calls(oai):
+    """Parallel calls (`required` lets a choice make several): each call's first delta has
+    its index, id, type and name with empty arguments, the next ones its index and pieces of
+    its arguments; joined, they are the whole answer's calls for the same seed, text for text."""
+    request = {"model": MODEL, "messages": ASK, "tools": [WEATHER, BELL], "tool_choice": "required", "seed": 1,
+               "n": 8, "max_tokens": 160}
+    whole = oai.chat.completions.create(**request)
+    streamed, chunks = _accumulated(oai.chat.completions.create(**request, stream=True,
+                                                                stream_options={"include_usage": True}))
+    assert [_calls(c.message) for c in streamed.choices] == [_calls(c.message) for c in whole.choices]
+    assert max(len(c.message.tool_calls) for c in whole.choices) >= 2
+    for choice in whole.choices:
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        for call in choice.message.tool_calls:
+            assert _weather_call(call) if call.function.name == "get_weather" else json.loads(call.function.arguments)
+        deltas = [call for chunk in chunks for c in chunk.choices if c.index == choice.index
+                  for call in c.delta.tool_calls or ()]
+        firsts = [next(d for d in deltas if d.index == i) for i in range(len(choice.message.tool_calls))]
+        assert [(d.type, d.function.name, d.function.arguments) for d in firsts] == [
+            ("function", call.function.name, "") for call in choice.message.tool_calls]
+        assert len({d.id for d in firsts}) == len(firsts) and all(d.id for d in firsts)
+        rest = [d for d in deltas if d not in firsts]
+        assert all(d.id is None and d.function.name is None and d.function.arguments for d in rest)
+        assert len(rest) > len(firsts)  # the arguments came in pieces
+        assert sorted({d.index for d in deltas}) == list(range(len(firsts)))
+        last = [c for chunk in chunks for c in chunk.choices if c.index == choice.index][-1]
+        assert last.finish_reason == "tool_calls" and not any(
+            c.delta.content for chunk in chunks for c in chunk.choices if c.index == choice.index)
+    assert not chunks[-1].choices and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert streamed.usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_an_auto_answer_without_calls_streams_as_its_whole_content(oai):
+    """The embedded model writes no calls of its own: under `auto` its text, held back
+    where it might begin one, adds up to the whole answer's content."""
+    request = {"model": MODEL, "messages": ASK, "tools": [WEATHER], "max_tokens": 24, "temperature": 0}
+    whole = oai.chat.completions.create(**request)
+    streamed, chunks = _accumulated(oai.chat.completions.create(**request, stream=True))
+    assert whole.choices[0].message.content and whole.choices[0].message.tool_calls is None
+    assert streamed.choices[0].message.content == whole.choices[0].message.content
+    assert streamed.choices[0].finish_reason == whole.choices[0].finish_reason in ("stop", "length")
+    assert sum(1 for chunk in chunks if chunk.choices and chunk.choices[0].delta.content) > 3  # as it came
 
 
 def test_tool_choice_none_and_named(oai):
@@ -135,9 +181,9 @@ def test_tool_choice_none_and_named(oai):
     stream = oai.chat.completions.create(model=MODEL, messages=ASK, tools=[BELL, WEATHER], max_tokens=60, seed=2,
                                          tool_choice={"type": "function", "function": {"name": "get_weather"}},
                                          stream=True)
-    deltas = [call for chunk in stream if chunk.choices for call in chunk.choices[0].delta.tool_calls or ()]
-    assert [json.loads(d.function.arguments) for d in deltas] == [
-        json.loads(c.function.arguments) for c in named.choices[0].message.tool_calls]
+    streamed, _ = _accumulated(stream)
+    assert _calls(streamed.choices[0].message) == _calls(named.choices[0].message)
+    assert streamed.choices[0].finish_reason == "tool_calls"
 
 
 @pytest.mark.parametrize("request_fields, param", [

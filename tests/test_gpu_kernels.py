@@ -4,8 +4,15 @@ marked `gpu` sweep the shapes of the supported models on the GPU only."""
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
+import os
+import statistics
+import sys
+
 import pytest
 import torch
+import torch.nn.functional as F
 
 from hybridd.kernels import attention as ref_attention
 from hybridd.kernels import ops as ref_ops
@@ -187,12 +194,70 @@ def test_prefill_attention_matches_reference_with_padding(heads, kv_heads):
     step, q, kc, vc, _ = paged_step(g, DEVICE, DTYPE, spans, heads, kv_heads, d, pad=11, padded_seqs=2)
     ref = ref_attention.prefill_attention(q, kc, vc, step, d**-0.5)
     plans = [None, triton_attention.PrefillPlan(block_m=16, block_n=16, num_warps=2, num_stages=1)]
-    if CUDA:  # every plan a bucket can pick, on one step (the interpreter would take minutes)
-        plans += sorted({triton_attention.prefill_plan(t) for t in (16, 32, 64, 128, 4096)}, key=repr)
+    if CUDA:  # every plan a bucket can pick, split or not, on one step (the interpreter would take minutes)
+        sms = triton_attention.multiprocessors(q.device)
+        plans += sorted({triton_attention.prefill_plan(t, *shape, sms=sms) for t in (16, 32, 64, 128, 4096)
+                         for shape in ((), (heads, 4096, 8))}, key=repr)
     for plan in plans:
         out = triton_attention.prefill_attention(q, kc, vc, step, d**-0.5, plan=plan)
         assert not out.isnan().any()
         assert rel(out, ref) < (2e-2 if CUDA else 1e-5), plan
+
+
+def sdpa_causal(q, spans, contexts, scale):
+    """float32 scaled-dot-product attention of each sequence's rows over its contiguous
+    context, the causal mask offset by the context cached before its first row; padding
+    rows are 0."""
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    row = 0
+    for (start, rows), (keys, values) in zip(spans, contexts, strict=True):
+        visible = torch.arange(keys.shape[0], device=q.device)[None, :] <= torch.arange(start, start + rows,
+                                                                                          device=q.device)[:, None]
+        o = F.scaled_dot_product_attention(q[row:row + rows].float().transpose(0, 1), keys.float().transpose(0, 1),
+                                           values.float().transpose(0, 1), attn_mask=visible, scale=scale,
+                                           enable_gqa=True)
+        out[row:row + rows] = o.transpose(0, 1)
+        row += rows
+    return out
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "d"), [(2, 1, 32), (2, 2, 64)])
+def test_split_prefill_attention_matches_sdpa(heads, kv_heads, d):
+    """The keys split over several programs and merged: a query tail after a long cached
+    prefix, a whole prompt, a decode row and a short chunk in one step, contexts off the
+    block boundaries, with bucket padding. Three splits (runs of 64 keys and more, the
+    short sequences in one run written directly), then twelve (runs of 32 keys: the tail's
+    ten runs merge, the other splits exit); a repeat gives the same bits (the merges left
+    every ticket at zero)."""
+    g = torch.Generator(device=DEVICE).manual_seed(heads + d)
+    spans = [(293, 24), (0, 37), (130, 1), (45, 3)]
+    step, q, kc, vc, contexts = paged_step(g, DEVICE, DTYPE, spans, heads, kv_heads, d, pad=3, padded_seqs=1)
+    ref = sdpa_causal(q, spans, contexts, d**-0.5)
+    plan = triton_attention.PrefillPlan(block_m=16, block_n=32, num_warps=4, num_stages=2, splits=3, min_split=64)
+    for plan in (plan, dataclasses.replace(plan, splits=12, min_split=32)):
+        out = triton_attention.prefill_attention(q, kc, vc, step, d**-0.5, plan=plan)
+        assert rel(out, ref) < (2e-2 if CUDA else 1e-5), plan
+        assert not out[-3:].any()  # padding rows
+    assert torch.equal(triton_attention.prefill_attention(q, kc, vc, step, d**-0.5, plan=plan), out)
+
+
+def test_prefill_plan_splits_few_query_tiles_over_long_contexts():
+    """On an H100's 132 multiprocessors, a prefill graph's buckets (8 sequences) at 32
+    heads and max_model_len 4096: a 64-token tail and a 256-token chunk split their keys, a
+    2048-token step fills the GPU without; no split grid passes SPLIT_GRID_PER_SM programs
+    a multiprocessor, and contexts within one run (max_model_len 256) never split."""
+    def plan(tokens, max_context=4096):
+        return triton_attention.prefill_plan(tokens, heads=32, max_context=max_context, seqs=8, sms=132)
+
+    assert plan(64).splits > 1 and plan(256).splits > 1
+    assert plan(2048).splits == 1
+    assert plan(64, max_context=256).splits == plan(256, max_context=256).splits == 1
+    for tokens in (16, 32, 64, 128, 256, 512, 1024, 2048):
+        p = plan(tokens)
+        grid = (-(-tokens // p.block_m) + 8 + 1) * 32 * p.splits
+        assert p.splits == 1 or grid <= triton_attention.SPLIT_GRID_PER_SM * 132, (tokens, p)
+        assert p.min_split % p.block_n == 0 and p.min_split >= triton_attention.MIN_SPLIT_KEYS
+        assert dataclasses.replace(p, splits=1, min_split=256) == triton_attention.prefill_plan(tokens)
 
 
 @torch.inference_mode()
@@ -457,6 +522,127 @@ def test_prefill_attention_at_a_long_context():
     assert not out.isnan().any()
     assert rel(out, dense_causal(q, spans, contexts, d**-0.5)) < 2e-2
 
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("heads", "kv_heads", "d"), MODEL_SHAPES[:2])
+def test_split_prefill_attention_graph_replays_new_contexts(heads, kv_heads, d):
+    """A 64-token prefill graph's bucket (8 sequences, tables for 4096 tokens), captured
+    once with its split plan, serves every context written into its inputs: a tail after
+    a long cached prefix, prompts beside a decode row, a tail ending at the table's last
+    position, a cold prompt."""
+    g = torch.Generator(device=DEVICE).manual_seed(11)
+    tokens, seqs, width, page = 64, 8, 256, 16
+    kc = torch.randn(seqs * width + 1, page, kv_heads, d, dtype=DTYPE, device=DEVICE, generator=g)
+    vc = torch.randn_like(kc)
+
+    def case(spans):
+        return paged_step(g, DEVICE, DTYPE, spans, heads, kv_heads, d, page, pad=tokens - sum(r for _, r in spans),
+                          padded_seqs=seqs - len(spans), table_width=width, caches=(kc, vc))
+
+    step, q, _, _, _ = case([(0, tokens)])
+    sms = triton_attention.multiprocessors(q.device)
+    assert triton_attention.prefill_plan(tokens, heads, width * page, seqs, sms).splits > 1
+    triton_attention.prefill_attention(q, kc, vc, step, d**-0.5)  # compile outside capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = triton_attention.prefill_attention(q, kc, vc, step, d**-0.5)
+    for spans in ([(1936, 64)], [(0, 16), (500, 40), (3000, 1), (17, 7)], [(4032, 64)], [(0, 64)]):
+        new, new_q, _, _, contexts = case(spans)
+        for name in ("positions", "slot_mapping", "block_tables", "seq_lens", "query_start_loc"):
+            getattr(step, name).copy_(getattr(new, name))
+        q.copy_(new_q)
+        graph.replay()
+        assert rel(out, dense_causal(q, spans, contexts, d**-0.5)) < 2e-2, spans
+
+
+def graph_us_per_call(call, calls: int = 32, rounds: int = 20) -> float:
+    """Median µs per call of call(i) for i < `calls`, captured back to back in one graph."""
+    call(0)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            call(i)
+    graph.replay()
+    times = []
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    return statistics.median(times)
+
+
+# (step, spans, bucket): the prefix-cache tail and the chunks beside a stream of the
+# bench's prefix_reuse and mixed_load parts, a short cold prompt, and a cold bucket the
+# rule splits in two.
+SPLIT_TIMING_CASES = (
+    ("64 after 1936 cached", [(1936, 64)], 64),
+    ("256 at context 256", [(256, 256)], 256),
+    ("256 at context 1024", [(1024, 256)], 256),
+    ("256 at context 1792", [(1792, 256)], 256),
+    ("16 at context 0", [(0, 16)], 16),
+    ("1024 at context 0", [(0, 1024)], 1024),
+)
+
+
+@pytest.mark.gpu
+def test_split_prefill_attention_timings(capsys):
+    """Prints µs per prefill attention call of each split count at the Llama-2-7B (32
+    heads, 32 KV heads) and Llama-3-8B (32 / 8) shapes, d 128, in a prefill graph's
+    bucket (8 sequences, tables for 4096 tokens), each call in a graph of 32 reading its
+    own copy of the cache (as each layer does: not from L2), under the daemon's launch
+    settings for the step (dependent launch up to 32 rows). Columns: `old` (with
+    OLD_TRITON_ATTENTION naming a copy of the module before splits), 1 split, the
+    plan's rule and 2-16 splits; each output is checked against dense attention.
+
+        git show 0bdc8f1:hybridd/kernels/triton_attention.py > /tmp/old_attention.py
+        OLD_TRITON_ATTENTION=/tmp/old_attention.py python -m pytest -q -m gpu \\
+            -k split_prefill_attention_timings tests/test_gpu_kernels.py
+    """
+    from hybridd.kernels.selection import TritonKernels
+
+    old = None
+    if os.environ.get("OLD_TRITON_ATTENTION"):
+        spec = importlib.util.spec_from_file_location("old_triton_attention", os.environ["OLD_TRITON_ATTENTION"])
+        old = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # its dataclasses look it up
+        spec.loader.exec_module(old)
+    d, page, width, seqs, copies = 128, 16, 256, 8, 8
+    sms = triton_attention.multiprocessors(torch.device(DEVICE))
+    split_counts = (2, 4, 8, 16)
+    lines = [f"prefill attention, µs per call ({torch.cuda.get_device_name()}, {sms} SMs); columns: split counts",
+             f"{'shape':10s} {'step':22s} {'old':>7s} {'1':>7s} {'rule':>12s} "
+             + " ".join(f"{s:>7d}" for s in split_counts)]
+    for shape, (heads, kv_heads) in {"llama2-7b": (32, 32), "llama3-8b": (32, 8)}.items():
+        for what, spans, bucket in SPLIT_TIMING_CASES:
+            g = torch.Generator(device=DEVICE).manual_seed(bucket)
+            step, q, kc, vc, contexts = paged_step(g, DEVICE, DTYPE, spans, heads, kv_heads, d, page,
+                                                   pad=bucket - sum(r for _, r in spans),
+                                                   padded_seqs=seqs - len(spans), table_width=width)
+            caches = [(kc, vc)] + [(kc.clone(), vc.clone()) for _ in range(copies - 1)]
+            ref = dense_causal(q, spans, contexts, d**-0.5)
+            rule = triton_attention.prefill_plan(bucket, heads, width * page, seqs, sms)
+            plans = [dataclasses.replace(rule, splits=1), rule] + [dataclasses.replace(rule, splits=s)
+                                                                   for s in split_counts]
+            times = []
+            with TritonKernels().launches(bucket):
+                if old is not None:
+                    assert rel(old.prefill_attention(q, kc, vc, step, d**-0.5), ref) < 2e-2
+                    times.append(graph_us_per_call(lambda i: old.prefill_attention(q, *caches[i % copies], step,
+                                                                                   d**-0.5)))
+                for plan in plans:
+                    assert rel(triton_attention.prefill_attention(q, kc, vc, step, d**-0.5, plan=plan), ref) < 2e-2
+                    times.append(graph_us_per_call(
+                        lambda i, plan=plan: triton_attention.prefill_attention(q, *caches[i % copies], step, d**-0.5,
+                                                                                plan=plan)))
+            cells = ([f"{times.pop(0):7.1f}"] if old is not None else [f"{'-':>7s}"]) + [f"{times[0]:7.1f}",
+                     f"{times[1]:7.1f} ({rule.splits:2d})"] + [f"{t:7.1f}" for t in times[2:]]
+            lines.append(f"{shape:10s} {what:22s} " + " ".join(cells))
+    with capsys.disabled():
+        print("\n" + "\n".join(lines))
 
 # Two layers of each supported shape: every projection then runs through the skinny
 # GEMM's table (the shapes it has configs for), so its weight prefetch is exercised.

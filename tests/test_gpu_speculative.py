@@ -90,3 +90,69 @@ def test_verify_steps_replay_decode_graphs_equal_to_eager():
     decode = [s for (kind, _), s in graphs.stats.items() if kind == "decode"]
     assert sum(s.replays for s in decode) > 0
     assert sum(s.eager_runs for s in decode) == 0
+
+
+def _draft_runner(model, use_graphs: bool):
+    from hybridd.engine.speculation.draft_runner import DraftRunner
+    from hybridd.model import KVCache
+    from hybridd.model.kv_cache import blocks_for
+    from hybridd.runtime.buckets import BucketPlan
+    from hybridd.runtime.step_buffers import StepBuffers
+
+    plan = BucketPlan.create([1, 2, 4, 8], [16, 32, 64, 128, 256], max_prefill_seqs=2, mixed_tokens=256)
+    vocab = model.config.vocab_size
+    buffers = StepBuffers.allocate(256, plan.max_rows, blocks_for(model.max_positions, 16), vocab, "cuda")
+    kv = KVCache.allocate(model.config, 512, 16, model.dtype, "cuda")
+    probabilities = torch.zeros(plan.max_batch, vocab, device="cuda")
+    runner = DraftRunner(model, kv, buffers, plan, probabilities, use_graphs=use_graphs,
+                         memory_budget_bytes=1 << 30, stream=None)
+    runner.runner.capture_decode_graphs()
+    runner.runner.warm_up_prefill()
+    return runner
+
+
+@torch.inference_mode()
+def test_draft_model_graphs_replay_equal_to_eager_with_no_eager_step_in_steady_state():
+    """The draft model's runner of the graph generator (`DraftRunner`) on CUDA: its decode
+    graphs, captured per batch bucket, and its catch-up's prefill and mixed graphs,
+    captured in the background, draft what its eager runner drafts, greedy, token for
+    token; once the background capture is done, no draft step runs eagerly."""
+    import time
+
+    from hybridd.config import EMBEDDED_DRAFT_MODEL
+    from hybridd.engine.sequence import Sequence
+    from hybridd.engine.speculation.graph_drafter import GraphDrafter
+    from hybridd.model import load_model
+    from hybridd.protocol.messages import SamplingParams
+
+    model = load_model(EMBEDDED_DRAFT_MODEL, dtype=torch.bfloat16, device="cuda", max_positions=1024)
+    graphs, eager = _draft_runner(model, True), _draft_runner(model, False)
+    drafters = [GraphDrafter(r.draft, r.draft, r.probabilities) for r in (graphs, eager)]
+    params = SamplingParams(max_tokens=512, temperature=0.0, ignore_eos=True)
+    prompts = repetitive_prompts((40, 90, 25, 60), seed=2, vocab=4096)
+    seqs = [[Sequence(str(i), p, params) for i, p in enumerate(prompts)] for _ in drafters]
+
+    def rounds(n: int, first: int) -> None:
+        for r in range(first, first + n):
+            got = [d.propose(s, [4] * len(s)) for d, s in zip(drafters, seqs, strict=True)]
+            assert [d.tokens for d in got[0]] == [d.tokens for d in got[1]], r
+            for group, drafts in zip(seqs, got, strict=True):
+                for seq, draft in zip(group, drafts, strict=True):
+                    kept = draft.tokens[:r % 4]
+                    seq.output_token_ids += kept + [(seq.token_ids[-1] + 7) % 4000 + 3]
+
+    rounds(6, 0)
+    stats = graphs.runner.stats
+    assert sum(s.replays for (kind, _), s in stats.items() if kind == "decode") > 0
+    graphs.runner.start_background_capture()
+    try:
+        deadline = time.monotonic() + 300
+        while not all(s.captured or s.disabled for (kind, _), s in stats.items() if kind != "decode"):
+            assert time.monotonic() < deadline, [s.to_dict() for s in stats.values()]
+            time.sleep(0.1)
+        eager_runs = {key: s.eager_runs for key, s in stats.items()}
+        rounds(6, 6)
+        assert {key: s.eager_runs for key, s in stats.items()} == eager_runs, "a draft step ran eagerly"
+        assert all(s.disabled is None for s in stats.values()), [s.to_dict() for s in stats.values()]
+    finally:
+        graphs.runner.stop_background_capture()

@@ -84,7 +84,7 @@ def _toml_assignments(text: str) -> dict[str, tuple[bool, str]]:
     """name → (commented out, the `name = value` text) for each setting line of the file."""
     found: dict[str, tuple[bool, str]] = {}
     for line in text.splitlines():
-        match = re.match(r"^(# )?([a-z_]+) = (.*)$", line)
+        match = re.match(r"^(# )?([a-z0-9_]+) = (.*)$", line)
         if match:
             commented, name, rest = match.groups()
             assert name not in found, f"{name} appears twice"
@@ -117,7 +117,7 @@ def test_the_readme_tables_hold_every_setting_and_variable():
     assert block is not None, "README.md has no settings block"
     rows = {}
     for line in block.splitlines():
-        match = re.match(r"^\| `([A-Za-z_]+)` \| ([^|]*) \|", line)
+        match = re.match(r"^\| `([A-Za-z0-9_]+)` \| ([^|]*) \|", line)
         if match:
             rows[match.group(1)] = match.group(2).strip()
     settings = {f.name: f for f in dataclasses.fields(Config)}

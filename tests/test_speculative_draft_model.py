@@ -4,9 +4,11 @@ token for token the output without speculation, single and batched, under preemp
 with n > 1 and with a draft cache too small for every sequence, and seeded sampling with
 penalties, top-k and top-p repeats itself; the draft's cache follows the accepted tokens
 and is empty once every sequence has finished. On the embedded model with its shipped
-draft: sampled tokens are distributed as without speculation, the rejection rule keeps
-at least as many draft tokens as the coupled draw, and greedy acceptance is above a
-floor. A draft with another vocabulary is refused at start."""
+draft, drafted as the daemon drafts (the graph generator's draft runner, its draft
+distributions in the shared region): sampled tokens are distributed as without
+speculation, also under a grammar that refuses most draft tokens, the rejection rule
+keeps at least as many draft tokens as the coupled draw, and greedy acceptance is above
+a floor. A draft with another vocabulary is refused at start."""
 
 from __future__ import annotations
 
@@ -22,14 +24,15 @@ from hybridd import exit_codes
 from hybridd.config import EMBEDDED_DRAFT_MODEL, EMBEDDED_MODEL
 from hybridd.engine.generate import generate
 from hybridd.engine.sequence import Sequence
-from hybridd.engine.speculation.draft_model import DraftModelDrafter, load_draft_model_drafter
+from hybridd.engine.speculation.draft_model import DraftModelDrafter
 from hybridd.engine.speculation.drafter import Draft
 from hybridd.engine.speculation.policy import SpeculationPolicy
 from hybridd.engine.speculation.speculator import Speculator
 from hybridd.model import load_model
 from hybridd.model.tokenizer import load_tokenizer
 from hybridd.protocol.messages import SamplingParams, StructuredOutput
-from tests.speculation_helpers import sampled_tokens_by_position, build_tiny_draft, repetitive_prompts, run_engine
+from tests.speculation_helpers import (ServedDraftModel, build_tiny_draft, repetitive_prompts, run_engine,
+                                      sampled_tokens_by_position)
 from tests.test_speculative_sampling import SIGNIFICANCE, chi_square_p
 from tests.test_start_refusals import REFUSAL_BOUND_S, _start
 from tests.tiny_models import build_tiny_model
@@ -167,9 +170,16 @@ def embedded():
     return model, [tokenizer.encode(text[a:a + 200]) for a in (0, 5000, 20000)], scene
 
 
+def shipped_drafter():
+    """The shipped draft as the daemon drafts with it: the graph generator's draft runner,
+    asked by the context generator's drafter (here in this process, eager), the draft
+    distributions read from the region they share."""
+    model = load_model(EMBEDDED_DRAFT_MODEL, dtype=torch.float32, max_positions=1024)
+    return ServedDraftModel(model, 1024, 16, max_tokens=512, max_batch=64).drafter
+
+
 def shipped_draft(k: int = 4) -> Speculator:
-    drafter = load_draft_model_drafter(str(EMBEDDED_DRAFT_MODEL), max_positions=1024, kv_tokens=4096)
-    return Speculator(drafter, k, SpeculationPolicy(k, adaptive=False, initial_acceptance=1.0))
+    return Speculator(shipped_drafter(), k, SpeculationPolicy(k, adaptive=False, initial_acceptance=1.0))
 
 
 def test_shipped_draft_acceptance_on_the_embedded_model(embedded):
@@ -231,7 +241,7 @@ def test_rejection_rule_keeps_at_least_as_many_draft_tokens_as_the_coupled_draw(
     params = [SamplingParams(max_tokens=40, temperature=1.0, seed=seed, n=2, ignore_eos=True) for seed in (3, 4)]
     rates = {}
     for name in ("rejection", "coupled"):
-        drafter = load_draft_model_drafter(str(EMBEDDED_DRAFT_MODEL), max_positions=1024, kv_tokens=4096)
+        drafter = shipped_drafter()
         speculator = Speculator(drafter if name == "rejection" else CoupledDraft(drafter), 4,
                                 SpeculationPolicy(4, adaptive=False, initial_acceptance=1.0, min_keep=0.0))
         run_engine(model, prompts[:2], params, speculator, num_blocks=128, block_size=16)

@@ -83,7 +83,7 @@ def _no_tokenizer(model: Path) -> None:
     (["--heartbeat-timeout-s", "0.3"], "heartbeat_timeout_s (0.3) must be at least twice heartbeat_interval_s (0.25)"),
     (["--num-speculative-tokens", "0"], "num_speculative_tokens must be >= 1, got 0"),
     (["--num-speculative-tokens", "17"], "num_speculative_tokens must be at most 16, got 17"),
-    (["--speculative-drafter", "eagle"], "speculative_drafter must be one of none, ngram, draft_model, got 'eagle'"),
+    (["--speculative-drafter", "eagle"], "speculative_drafter must be one of none, ngram, draft_model, eagle3, got 'eagle'"),
     (["--speculative-ngram-min", "3", "--speculative-ngram-max", "2"],
      "speculative_ngram_min (3) must be at most speculative_ngram_max (2)"),
     (["--model", "/nonexistent"], "model /nonexistent: no such directory"),

@@ -3,7 +3,7 @@
 (tests/chat_templates/: the published templates' Jinja), and the gateway's parsers of
 each family's calls: the family told from the template, a call and its result rendered
 into the prompt from the wire's messages, and the model's calls read back, whole and
-streamed in small pieces."""
+streamed in small pieces (the reader's own cases: tests/test_tool_call_reader.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from hybridd.engine.prompt import chat_text
-from hybridd.gateway.tool_calls import StreamedCalls, ToolPlan, call_id, parse, plan, template_format
+from hybridd.gateway.tool_call_reader import CallOpened, CallReader, parse
+from hybridd.gateway.tool_calls import ToolPlan, call_id, plan, template_format
 from hybridd.protocol.messages import ChatMessage, ToolCall, ToolSpec
 
 TEMPLATES = Path(__file__).parent / "chat_templates"
@@ -71,11 +72,12 @@ def test_each_familys_calls_are_read_whole_and_streamed(fmt):
     assert content == CONTENT[fmt]
     assert [json.loads(c.arguments)["city"] for c in calls] == CALLS[fmt]
     assert {c.name for c in calls} == {"get_weather"} and len({c.id for c in calls}) == len(calls)
-    streamed = StreamedCalls(tool_plan)
-    sent = "".join(streamed.feed(OUTPUTS[fmt][i:i + 3]) for i in range(0, len(OUTPUTS[fmt]), 3))
-    rest, streamed_calls = streamed.finish()
-    assert (sent + rest).strip() == CONTENT[fmt] and "<tool" not in sent and "[TOOL" not in sent
-    assert [(c.name, c.arguments) for c in streamed_calls] == [(c.name, c.arguments) for c in calls]
+    reader = CallReader(tool_plan)
+    events = [e for i in range(0, len(OUTPUTS[fmt]), 3) for e in reader.feed(OUTPUTS[fmt][i:i + 3])]
+    events += reader.finish()
+    assert "".join(e for e in events if isinstance(e, str)) == CONTENT[fmt]
+    assert [e.name for e in events if isinstance(e, CallOpened)] == [c.name for c in calls]
+    assert [(c.name, c.arguments) for c in reader.calls] == [(c.name, c.arguments) for c in calls]
 
 
 @pytest.mark.parametrize("fmt", OUTPUTS)
@@ -83,10 +85,9 @@ def test_text_that_is_no_call_is_content(fmt):
     tool_plan = plan([{"name": "get_weather", "parameters": None}], "auto", True, fmt)
     for text in ("Fair Verona, where we lay our scene.", '{"not": "a call"}', "<tool_call>{broken"):
         assert parse(text, tool_plan) == (text, [])
-        streamed = StreamedCalls(tool_plan)
-        sent = "".join(streamed.feed(text[i:i + 2]) for i in range(0, len(text), 2))
-        rest, calls = streamed.finish()
-        assert sent + rest == text and calls == []
+        reader = CallReader(tool_plan)
+        events = [e for i in range(0, len(text), 2) for e in reader.feed(text[i:i + 2])] + reader.finish()
+        assert events and all(isinstance(e, str) for e in events) and "".join(events) == text
 
 
 def test_mistral_call_ids_are_what_its_template_takes_and_its_newer_format_is_read():

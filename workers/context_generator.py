@@ -20,13 +20,14 @@ import msgspec
 import zmq
 
 from hybridd.version import __version__
-from hybridd.config import Config, draft_model_dir, resolve_device, resolve_dtype
+from hybridd.config import Config, eagle3_head_dir, resolve_device, resolve_dtype
 from hybridd.engine.block_manager import BlockManager
 from hybridd.engine.core import EngineCore, EngineOutputs
 from hybridd.engine.grammar import CompiledGrammar, GrammarCompiler
 from hybridd.engine.prompt import PromptError, prompt_length_refusal, prompt_token_ids
 from hybridd.engine.sampler import Sampler
 from hybridd.engine.scheduler import AdmissionError, Scheduler
+from hybridd.engine.speculation.drafter import HiddenStateDrafter
 from hybridd.engine.speculation.policy import SpeculationPolicy
 from hybridd.engine.speculation.registry import make_drafter
 from hybridd.engine.speculation.speculator import Speculator
@@ -133,6 +134,8 @@ class ContextGenerator:
         self.ready = ready
         self.kv_arena = SharedArena.open(ready.arenas["kv"])
         self.step_arena = SharedArena.open(ready.arenas["step"])
+        # A draft model runs in the graph generator, beside the model: its draft distributions' region.
+        self.draft_arena = SharedArena.open(ready.arenas["draft"]) if "draft" in ready.arenas else None
         self.ctl.send(control.ReadyAck())
         max_tokens, blocks_per_seq = geometry(config.max_prefill_tokens, ready.max_batch, ready.max_model_len,
                                               ready.block_size)
@@ -140,10 +143,20 @@ class ContextGenerator:
         self.block_manager = BlockManager(ready.num_kv_blocks, ready.block_size,
                                           enable_prefix_caching=config.enable_prefix_caching)
         self.intake = Intake(self.tokenizer, ready.max_model_len)
+        self.pipeline = StepPipeline(
+            ready, self.buffers, self.ctl, sampler, self.device,
+            on_control=self._on_control, peer_alive=self._graph_alive,
+            kv_cache=self.kv_arena.tensors["kv_cache"], while_launching=self._while_launching,
+            while_waiting=self.link.heartbeat, settle=self._settle,
+        )
         drafter = make_drafter(config.speculative_drafter, config.speculative_ngram_min, config.speculative_ngram_max,
-                               draft_model_dir(config), ready.max_model_len,
+                               self.pipeline.exchange_draft, self.ctl.send,
+                               None if self.draft_arena is None else self.draft_arena.tensors["probabilities"],
+                               eagle3_head=eagle3_head_dir(config), model=config.model,
+                               max_positions=ready.max_model_len,
                                # Room for a full batch of the longest sequences, within 64K tokens.
-                               min(ready.max_batch * (ready.max_model_len + config.num_speculative_tokens), 1 << 16))
+                               head_kv_tokens=min(ready.max_batch * (ready.max_model_len
+                                                                     + config.num_speculative_tokens), 1 << 16))
         k = config.num_speculative_tokens
         self.speculator = None if drafter is None else Speculator(
             drafter, k, SpeculationPolicy(k, adaptive=config.speculative_adaptive))
@@ -161,12 +174,8 @@ class ContextGenerator:
             eos_token_ids=ready.eos_token_ids,
             tokenizer=self.tokenizer,
         )
-        self.pipeline = StepPipeline(
-            ready, self.buffers, self.ctl, sampler, self.device,
-            on_control=self._on_control, peer_alive=self._graph_alive,
-            kv_cache=self.kv_arena.tensors["kv_cache"], while_launching=self._while_launching,
-            while_waiting=self.link.heartbeat, settle=self._settle,
-        )
+        if isinstance(drafter, HiddenStateDrafter):
+            self.pipeline.feed_hidden_states(drafter)
         self.grammars = GrammarCompiler(self.tokenizer, vocab_size, ready.eos_token_ids,
                                         timeout_s=config.structured_compile_timeout_s,
                                         cache_size=config.structured_cache_size)
@@ -766,8 +775,11 @@ class ContextGenerator:
         milliseconds per token by batch size, speculating and not."""
         if self.speculator is None:
             return {"drafter": "none"}
-        return {"drafter": self.speculator.drafter.name, "num_speculative_tokens": self.speculator.max_tokens,
-                **self.speculator.stats.to_dict(), "ms_per_token": self.speculator.policy.snapshot()}
+        speculation = {"drafter": self.speculator.drafter.name, "num_speculative_tokens": self.speculator.max_tokens,
+                       **self.speculator.stats.to_dict(), "ms_per_token": self.speculator.policy.snapshot()}
+        if "draft_model" in self.graph_stats:  # its KV arena and graphs, in the graph generator
+            speculation["draft_model"] = self.graph_stats["draft_model"]
+        return speculation
 
     def _rejected(self) -> dict[str, int]:
         """Messages refused while being read (SPEC §6) since the worker started, by code."""
@@ -783,8 +795,8 @@ class ContextGenerator:
             self.ctl.send(control.Shutdown())
         except Exception:  # the peer may be gone already
             pass
-        for name in ("kv_arena", "step_arena", "intake", "grammars"):
-            if hasattr(self, name):
+        for name in ("kv_arena", "step_arena", "draft_arena", "intake", "grammars"):
+            if getattr(self, name, None) is not None:
                 getattr(self, name).close()
         self.link.phase("stopped")
         for sessions in getattr(self, "sessions", {}).values():

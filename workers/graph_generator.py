@@ -6,6 +6,11 @@ manifest to the context generator, then serves `Step` messages: wait for the
 context generator's `inputs_ready`, replay the step's graph (or run it eagerly),
 record `logits_ready`, reply `Launched` as soon as the work is enqueued. Prefill
 graphs are captured by the runner's background thread after ready.
+
+With a draft model (speculative_drafter draft_model) it also loads the draft, its KV
+arena and step buffers, and captures its graphs the same way (`DraftRunner`, under a
+share of the graph memory budget); it answers `Draft` messages with `Drafted`, the
+draft distributions in the shared `draft` arena.
 """
 
 from __future__ import annotations
@@ -19,14 +24,17 @@ import torch
 import zmq
 
 from hybridd import environment
-from hybridd.config import Config, resolve_device, resolve_dtype
+from hybridd.config import Config, draft_model_dir, eagle3_head_dir, resolve_device, resolve_dtype
+from hybridd.eagle3_head import read_head
+from hybridd.engine.speculation.draft_runner import DraftRunner, DraftServer
 from hybridd.log import configure, get_logger
 from hybridd.kernels.choices import KernelChoices
 from hybridd.model import KVCache, ModelConfig, ModelLoadError, load_model
-from hybridd.model.kv_cache import kv_arena_shape, kv_bytes_per_block
+from hybridd.model.kv_cache import blocks_for, kv_arena_shape, kv_bytes_per_block
+from hybridd.model.llama import LlamaModel
 from hybridd.runtime import gc_pauses
 from hybridd.runtime.buckets import BucketPlan
-from hybridd.runtime.graph_memory import batch_bytes
+from hybridd.runtime.graph_memory import activation_bytes, batch_bytes
 from hybridd.runtime.graph_runner import GraphRunner
 from hybridd.runtime.kernel_precompile import CompilePool
 from hybridd.runtime.step_buffers import StepBuffers, buffer_layout, geometry
@@ -46,6 +54,8 @@ CPU_DEFAULT_KV_BLOCKS = 512
 SLOW_LOAD_HOOK = "HYBRIDD_TEST_SLOW_LOAD_S"
 FREE_MEMORY_HOOK = "HYBRIDD_TEST_FREE_MEMORY_BYTES"
 STATS_INTERVAL_S = 1.0
+# The draft model's KV cache holds a full batch of the longest sequences, within this many tokens.
+MAX_DRAFT_KV_TOKENS = 1 << 16
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -104,13 +114,17 @@ class GraphGenerator:
         mc = model.config
         self.model = model
         self.max_model_len = max_model_len
+        # Before the KV cache is sized from the memory left: the draft's weights and KV come first.
+        draft_model, draft_kv = self._load_draft(dtype, choices, max_model_len)
         self.plan = BucketPlan.create(config.decode_buckets, config.prefill_buckets, config.max_prefill_seqs,
                                       mixed_tokens=min(config.chunk_tokens, config.max_prefill_tokens))
         block_size = config.block_size
         num_blocks = self._num_kv_blocks(model, block_size)
         self.plan = self._fit_batch(model, num_blocks * kv_bytes_per_block(mc, block_size, model.dtype))
         max_tokens, blocks_per_seq = geometry(config.max_prefill_tokens, self.plan.max_batch, max_model_len, block_size)
-        step_layout = buffer_layout(max_tokens, self.plan.max_rows, blocks_per_seq, mc.vocab_size)
+        aux_layers = self._drafter_layers(mc)
+        step_layout = buffer_layout(max_tokens, self.plan.max_rows, blocks_per_seq, mc.vocab_size,
+                                    (len(aux_layers) * mc.hidden_size, model.dtype) if aux_layers else None)
         kv_shape = kv_arena_shape(mc, num_blocks, block_size)
 
         self.kv_arena = SharedArena.create(ArenaLayout({"kv_cache": (kv_shape, _dtype_name(model.dtype))}), self.device)
@@ -119,11 +133,25 @@ class GraphGenerator:
         )
         self.kv_cache = KVCache(self.kv_arena["kv_cache"], block_size)
         self.buffers = StepBuffers(dict(self.step_arena.tensors), max_tokens, blocks_per_seq)
+        budget = config.graph_memory_budget_mb << 20
+        draft_budget = 0 if draft_model is None else self._draft_budget(budget, model, draft_model)
         self.runner = GraphRunner(
             model, self.kv_cache, self.buffers, self.plan,
             use_graphs=config.use_cuda_graphs,
-            memory_budget_bytes=config.graph_memory_budget_mb << 20,
+            memory_budget_bytes=budget - draft_budget,
+            aux_layers=aux_layers,
         )
+        self.draft_arena: SharedArena | None = None
+        self.draft: DraftServer | None = None
+        if draft_model is not None:
+            # A row per draft token of a verify step, whose rows are at most max_batch.
+            self.draft_arena = SharedArena.create(
+                ArenaLayout({"probabilities": ((self.plan.max_batch, mc.vocab_size), "float32")}), self.device)
+            draft_buffers = StepBuffers.allocate(max_tokens, self.plan.max_rows, blocks_per_seq,
+                                                 draft_model.config.vocab_size, self.device)
+            self.draft = DraftRunner(draft_model, draft_kv, draft_buffers, self.plan,
+                                     self.draft_arena["probabilities"], use_graphs=config.use_cuda_graphs,
+                                     memory_budget_bytes=draft_budget, stream=self.runner.stream)
         self.inputs_ready = InterprocessEvent.create(self.device)
         self.logits_ready = InterprocessEvent.create(self.device)
 
@@ -141,11 +169,19 @@ class GraphGenerator:
         )
         self.link.phase("capturing", "compiling the prefill kernels")
         self.runner.warm_up_prefill()
+        if self.draft is not None:
+            self.link.phase("capturing", "capturing the draft model's decode graphs", 0, total)
+            self.draft.capture(
+                progress=lambda done, n: self.link.phase("capturing", "capturing the draft model's decode graphs",
+                                                         done, n))
+        arenas = {"kv": self.kv_arena.manifest(), "step": self.step_arena.manifest()}
+        if self.draft_arena is not None:
+            arenas["draft"] = self.draft_arena.manifest()
         scheme = model.quantization
         per_token = getattr(model.kernels, "fp8_prefill_per_token", False)
         quantization = {} if scheme is None else scheme.facts() | {"description": scheme.describe(per_token)}
         self.ctl.send(control.Ready(
-            arenas={"kv": self.kv_arena.manifest(), "step": self.step_arena.manifest()},
+            arenas=arenas,
             events={"inputs_ready": self.inputs_ready.ipc_handle(), "logits_ready": self.logits_ready.ipc_handle()},
             model=config.model,
             vocab_size=mc.vocab_size,
@@ -162,6 +198,47 @@ class GraphGenerator:
         ))
         self.log.info("ready_sent", kv_blocks=num_blocks, block_size=block_size, max_model_len=max_model_len,
                       quantization=quantization.get("description", "none"))
+
+    def _drafter_layers(self, model_config: ModelConfig) -> tuple[int, ...]:
+        """The layers whose hidden states the drafter reads (an EAGLE-3 head's), or none."""
+        if self.config.speculative_drafter != "eagle3":
+            return ()
+        return read_head(eagle3_head_dir(self.config), model_config.raw).aux_layers
+
+    def _load_draft(self, dtype: torch.dtype, choices: KernelChoices,
+                    max_model_len: int) -> tuple[LlamaModel | None, KVCache | None]:
+        """The draft model (speculative_drafter draft_model) on this device, and its KV
+        cache: room for a full batch of the longest sequences and their drafts, within
+        MAX_DRAFT_KV_TOKENS. A KV cache that does not fit in the memory left beside the
+        weights is refused, naming the draft."""
+        config = self.config
+        if config.speculative_drafter != "draft_model":
+            return None, None
+        path = draft_model_dir(config)
+        self.link.phase("loading", f"loading the draft model {path}")
+        draft = load_model(path, dtype=dtype, device=self.device, max_positions=max_model_len, kernels=choices)
+        block_size = config.block_size
+        tokens = min(config.max_batch * (max_model_len + config.num_speculative_tokens), MAX_DRAFT_KV_TOKENS)
+        blocks = blocks_for(tokens, block_size)
+        need = (blocks + 1) * kv_bytes_per_block(draft.config, block_size, draft.dtype)
+        free = self._free_memory_bytes()
+        if free is not None and need > free:
+            raise ModelLoadError(f"speculative_draft_model {path}: its KV cache of {tokens} tokens needs "
+                                 f"{need / 2**30:.2f} GiB, and {max(free, 0) / 2**30:.2f} GiB is left beside "
+                                 f"the weights; lower max_batch or max_model_len")
+        kv = KVCache.allocate(draft.config, blocks, block_size, draft.dtype, self.device)
+        self.log.info("draft_model_loaded", path=path, layers=draft.config.num_layers, kv_tokens=tokens,
+                      kv_bytes=need)
+        return draft, kv
+
+    def _draft_budget(self, budget: int, model: LlamaModel, draft: LlamaModel) -> int:
+        """The draft's share of the graph memory budget: its part of the two models'
+        activations at the largest prefill bucket."""
+        elem = torch.finfo(model.dtype).bits // 8
+        tokens, rows = self.plan.max_prefill_tokens, self.plan.max_rows
+        ours = activation_bytes(model.config, tokens, rows, elem)
+        theirs = activation_bytes(draft.config, tokens, rows, elem)
+        return budget * theirs // (ours + theirs)
 
     def _free_memory_bytes(self) -> int | None:
         """The device's free memory now (the host's available memory on a CPU); None if unknown."""
@@ -218,6 +295,8 @@ class GraphGenerator:
 
     def serve(self) -> None:
         self.runner.serve_from_this_thread()
+        if self.draft is not None:
+            self.draft.serve_from_this_thread()
         ack_seen = False
         last_stats = 0.0
         poller = zmq.Poller()
@@ -230,7 +309,7 @@ class GraphGenerator:
             now = time.monotonic()
             if ack_seen and now - last_stats > STATS_INTERVAL_S:
                 last_stats = now
-                self.ctl.send(control.Stats(stats=self.runner.snapshot()))
+                self.ctl.send(control.Stats(stats=self._stats()))
             events = dict(poller.poll(timeout=0 if now < poll_until else idle_ms))
             if self.link.socket in events:
                 while self.link.poll_command() is not None:  # nothing for the graph generator
@@ -248,6 +327,9 @@ class GraphGenerator:
                 mark("step_received")
                 self._step(message)
                 poll_until = time.monotonic() + self.config.busy_poll_s
+            elif isinstance(message, control.Draft):
+                self._draft(message)
+                poll_until = time.monotonic() + self.config.busy_poll_s
             elif isinstance(message, control.Expect):
                 mark("expect_received")
                 poll_until = max(poll_until, time.monotonic() + self.config.step_wake_poll_s)
@@ -257,6 +339,9 @@ class GraphGenerator:
                 self.kv_arena.unlink_name()
                 self.step_arena.unlink_name()
                 self.runner.start_background_capture()
+                if self.draft is not None:
+                    self.draft_arena.unlink_name()
+                    self.draft.start_background_capture()
                 self.link.phase("ready", "serving")
             elif isinstance(message, control.Shutdown):
                 self.loop_exit.commanded("shutdown (from the context generator)")
@@ -277,10 +362,29 @@ class GraphGenerator:
         mark("launched_send")
         self.ctl.send(control.Launched(step=step.step))
 
+    def _draft(self, message: control.Draft) -> None:
+        """Drafts for the context generator's sequences (`DraftRunner`); none without a draft model."""
+        if self.draft is None:
+            self.log.error("draft_without_a_draft_model")
+            if message.sequences:
+                self.ctl.send(control.Drafted(draft=message.draft, failed=True))
+            return
+        reply = self.draft.draft(message)
+        if reply is not None:
+            self.ctl.send(reply)
+
+    def _stats(self) -> dict[str, Any]:
+        stats = self.runner.snapshot()
+        if self.draft is not None:
+            stats["draft_model"] = self.draft.snapshot()
+        return stats
+
     def close(self) -> None:
         self.runner.stop_background_capture() if hasattr(self, "runner") else None
-        for arena in ("kv_arena", "step_arena"):
-            if hasattr(self, arena):
+        if getattr(self, "draft", None) is not None:
+            self.draft.stop_background_capture()
+        for arena in ("kv_arena", "step_arena", "draft_arena"):
+            if getattr(self, arena, None) is not None:
                 getattr(self, arena).close()
         self.link.phase("stopped")
         self.ctl.close(linger_ms=100)

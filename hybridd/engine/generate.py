@@ -13,6 +13,7 @@ from hybridd.engine.grammar import CompiledGrammar
 from hybridd.engine.in_process_runner import InProcessRunner
 from hybridd.engine.scheduler import Scheduler
 from hybridd.engine.sequence import Sequence
+from hybridd.engine.speculation.drafter import HiddenStateDrafter
 from hybridd.engine.speculation.speculator import Speculator
 from hybridd.model.kv_cache import KVCache, blocks_for
 from hybridd.model.llama import LlamaModel
@@ -47,7 +48,10 @@ def generate(
         max_model_len=model.max_positions, eos_token_ids=model.config.eos_token_ids, tokenizer=tokenizer,
         speculator=speculator, max_verify_rows=max_batch * (k + 1),
     )
-    core = EngineCore(scheduler, InProcessRunner(model, kv_cache), tokenizer, pipeline_depth=1)
+    drafter = speculator.drafter if speculator is not None else None
+    hidden_drafter = drafter if isinstance(drafter, HiddenStateDrafter) else None
+    core = EngineCore(scheduler, InProcessRunner(model, kv_cache, hidden_drafter=hidden_drafter), tokenizer,
+                      pipeline_depth=1)
     requests = [core.add(str(i), prompt, params, grammar=grammar) for i, prompt in enumerate(prompts)]
     while core.has_work:
         core.step()

@@ -1,7 +1,8 @@
 """The engine core's runner over a model in the same process: no graph generator, no
 arenas. It runs each scheduled batch's forward eagerly on the model's own KV cache and
 samples its tokens with the daemon's sampler (under the same allowed-token masks for
-structured output), so the in-process path (`hybridd.engine.generate`) schedules,
+structured output), and hands a drafter that reads the target's hidden states
+(`HiddenStateDrafter`, EAGLE-3) those of every row, so the in-process path (`hybridd.engine.generate`) schedules,
 forks, preempts and samples exactly as the daemon does. Its steps land at once: the
 core drives it one step deep, so every input token is on the host when its step is
 scheduled.
@@ -12,9 +13,11 @@ from __future__ import annotations
 import torch
 
 from hybridd.engine.grammar import TokenMasks
+from hybridd.engine.hidden_states import feed, wanted_rows
 from hybridd.engine.prompt_logprobs import compute as compute_prompt_logprobs
 from hybridd.engine.sampler import Logprobs, Sampler, SamplingTensors
 from hybridd.engine.scheduler import ScheduledBatch
+from hybridd.engine.speculation.drafter import HiddenStateDrafter
 from hybridd.engine.speculation.verification import sample_verify_rows, verify_sampling_tensors
 from hybridd.engine.step_pipeline import InflightStep
 from hybridd.model.kv_cache import KVCache, copy_blocks
@@ -22,8 +25,10 @@ from hybridd.model.llama import LlamaModel
 
 
 class InProcessRunner:
-    def __init__(self, model: LlamaModel, kv_cache: KVCache, sampler: Sampler | None = None) -> None:
+    def __init__(self, model: LlamaModel, kv_cache: KVCache, sampler: Sampler | None = None,
+                 hidden_drafter: HiddenStateDrafter | None = None) -> None:
         self.model = model
+        self.hidden_drafter = hidden_drafter
         self.kv_cache = kv_cache
         self.sampler = sampler or Sampler(compile=False)
         self.device = model.device
@@ -34,7 +39,16 @@ class InProcessRunner:
         if batch.inputs_on_device:
             raise RuntimeError("the in-process runner takes steps whose input tokens are on the host "
                                "(drive its core with pipeline_depth=1)")
-        logits = self.model.forward_logits(batch.inputs.on(self.device), self.kv_cache)
+        inputs = batch.inputs.on(self.device)
+        if self.hidden_drafter is None:
+            logits = self.model.forward_logits(inputs, self.kv_cache)
+        else:
+            hidden, aux = self.model.forward_aux(inputs, self.kv_cache, self.hidden_drafter.aux_layers)
+            logits = self.model.compute_logits(hidden, inputs.logits_indices)
+            # As the daemon's pipeline: only the rows the drafter keeps are handed over.
+            keep = self.hidden_drafter.max_pending
+            wanted = wanted_rows(batch, keep)
+            feed(self.hidden_drafter, batch, aux if wanted is None else aux[wanted], keep)
         if batch.kv_copies:  # forks' copies of the prompt's last block, once this step wrote it
             copy_blocks(self.kv_cache.arena, batch.kv_copies)
         prompt = compute_prompt_logprobs(logits, batch) if batch.prompt_rows else []

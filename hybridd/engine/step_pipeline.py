@@ -26,6 +26,11 @@ logits and copies the prompt's partly filled KV blocks for the forks on the same
 stream, after the forward and before the next step's inputs are marked ready. Batches
 with a row that asked for logprobs compute them right after the tokens and bring them
 to the host with the tokens; other batches do no logprob work at all.
+
+With a drafter that reads the model's hidden states (EAGLE-3), each step's rows of them
+(`StepBuffers.aux_hidden`, written by the forward) are copied to the host with the
+tokens, before the next step's forward can overwrite them, and handed to the drafter
+when the step is collected (`hidden_states.feed`), when its input tokens are known.
 """
 
 from __future__ import annotations
@@ -38,11 +43,13 @@ from dataclasses import dataclass, field
 import torch
 
 from hybridd.engine.grammar import TokenMasks
+from hybridd.engine.hidden_states import feed, wanted_rows
 from hybridd.engine.prompt_logprobs import PromptLogprobRows
 from hybridd.engine.prompt_logprobs import compute as compute_prompt_logprobs
 from hybridd.engine.sampler import Logprobs, Sampler, SamplingTensors
 from hybridd.errors import EngineDeadError
 from hybridd.engine.scheduler import ScheduledBatch
+from hybridd.engine.speculation.drafter import HiddenStateDrafter
 from hybridd.engine.speculation.verification import sample_verify_rows, verify_sampling_tensors
 from hybridd.model.kv_cache import copy_blocks
 from hybridd.runtime.serving_stream import ServingStream
@@ -64,6 +71,8 @@ class InflightStep:
     done: torch.cuda.Event | None  # the copy to the host; None on the CPU (already there)
     host_logprobs: Logprobs | None = None  # pinned host copies, when a row asked for logprobs
     prompt_logprobs: list[PromptLogprobRows] = field(default_factory=list)  # on the host already
+    aux_hidden: torch.Tensor | None = None  # the rows' hidden states for the drafter, on the host
+    aux_keep: int | None = None  # each sequence's last this-many rows only are in aux_hidden
 
 
 class StepPipeline:
@@ -83,6 +92,7 @@ class StepPipeline:
         settle: Callable[[], None] | None = None,
     ):
         self.buffers = buffers
+        self.hidden_drafter: HiddenStateDrafter | None = None  # see feed_hidden_states
         self.kv_cache = kv_cache  # the KV arena [layers, 2, blocks + 1, ...], for copying forked blocks
         self.ctl = ctl
         self.sampler = sampler
@@ -109,6 +119,13 @@ class StepPipeline:
         self.ring = torch.zeros((RING_STEPS, buffers.max_seqs), dtype=torch.int64, device=device)
         self._greedy_tensors: dict[int, SamplingTensors] = {}
         self.token_masks = TokenMasks(self.vocab_size, buffers.max_seqs, pin_memory=self.cuda)
+
+    def feed_hidden_states(self, drafter: HiddenStateDrafter) -> None:
+        """Hand every step's rows of the model's hidden states to `drafter` (EAGLE-3)."""
+        if self.buffers.aux_hidden is None:
+            raise EngineDeadError("the drafter reads the model's hidden states and the graph generator's step "
+                                  "buffers hold none")
+        self.hidden_drafter = drafter
 
     def serve_from_this_thread(self) -> None:
         """Launch this thread's steps on the step stream without a switch each (`ServingStream`)."""
@@ -161,6 +178,16 @@ class StepPipeline:
                                               allowed=self._allowed(batch))
         host = torch.empty(n_rows, dtype=torch.int64, pin_memory=self.cuda)
         host_logprobs = None if logprobs is None else Logprobs.empty_like(logprobs, pin_memory=self.cuda)
+        # The next step's forward writes over the hidden states once this stream marks its
+        # inputs ready: their rows are copied on this stream first (on a GPU, to the device,
+        # and to the host on the copy stream).
+        rows, keep = None, None
+        if self.hidden_drafter is not None:
+            keep = self.hidden_drafter.max_pending
+            wanted = wanted_rows(batch, keep)
+            rows = (self.buffers.aux_hidden[:n_tokens].clone() if wanted is None else
+                    self.buffers.aux_hidden.index_select(0, self._to_device(torch.tensor(wanted))))
+        aux = rows
         done = None
         if self.cuda:
             # The copy to the host runs on its own stream, so that the next step's
@@ -172,6 +199,10 @@ class StepPipeline:
                 host.copy_(out, non_blocking=True)
                 if logprobs is not None:
                     logprobs.to(host_logprobs)
+                if rows is not None:
+                    rows.record_stream(self.copy_stream)
+                    aux = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
+                    aux.copy_(rows, non_blocking=True)
                 done = torch.cuda.Event()
                 done.record(self.copy_stream)
         else:
@@ -182,7 +213,7 @@ class StepPipeline:
         # Rare (a request that asks for its prompt's logprobs): computed and brought to
         # the host now, before the next step overwrites the logits.
         prompt = compute_prompt_logprobs(self.buffers.logits[:batch.num_logit_rows], batch) if batch.prompt_rows else []
-        return InflightStep(batch, host, done, host_logprobs, prompt)
+        return InflightStep(batch, host, done, host_logprobs, prompt, aux, keep)
 
     def _allowed(self, batch: ScheduledBatch) -> torch.Tensor | None:
         """The rows' allowed-token bitmask on the device, when a row is constrained."""
@@ -248,19 +279,36 @@ class StepPipeline:
         }
         return dataclasses.replace(tensors, **moved)
 
+    def exchange_draft(self, message: control.Draft) -> control.Drafted:
+        """Ask the graph generator, which runs the draft model, for drafts; its answer
+        (`hybridd.engine.speculation.graph_drafter`). Every step launched before has
+        been answered, so the answer is the next message but for `Stats`."""
+        self.ctl.send(message)
+        reply = self._await(control.Drafted, message.draft, f"draft {message.draft}")
+        assert isinstance(reply, control.Drafted)
+        return reply
+
     def _await_launched(self, step_id: int) -> control.Launched:
+        reply = self._await(control.Launched, step_id, f"step {step_id}")
+        assert isinstance(reply, control.Launched)
+        return reply
+
+    def _await(self, kind: type, number: int, what: str) -> control.Launched | control.Drafted:
+        """The graph generator's answer of `kind` numbered `number` (`step` or `draft`),
+        handing other messages to `on_control` meanwhile."""
         deadline = time.monotonic() + self.launch_timeout_s
         while True:
             message = self.ctl.recv(timeout_ms=100)
             if message is None:
                 if not self.peer_alive() or time.monotonic() > deadline:
-                    raise EngineDeadError(f"graph generator did not launch step {step_id}")
+                    raise EngineDeadError(f"graph generator did not answer {what}")
                 if self.while_waiting is not None:
                     self.while_waiting()
                 continue
-            if isinstance(message, control.Launched):
-                if message.step != step_id:
-                    raise EngineDeadError(f"graph generator launched step {message.step}, expected {step_id}")
+            if isinstance(message, kind):
+                got = message.step if isinstance(message, control.Launched) else message.draft
+                if got != number:
+                    raise EngineDeadError(f"graph generator answered {got}, expected {what}")
                 return message
             self.on_control(message)
 
@@ -269,10 +317,12 @@ class StepPipeline:
         """True when the step's tokens are on the host (collect will not wait)."""
         return step.done is None or step.done.query()
 
-    @staticmethod
-    def collect(step: InflightStep) -> list[int]:
+    def collect(self, step: InflightStep) -> list[int]:
         """The step's sampled tokens on the host (waits only for this step's own copy);
-        their logprobs, when computed, are then in `step.host_logprobs`."""
+        their logprobs, when computed, are then in `step.host_logprobs`; its hidden states
+        go to the drafter that reads them."""
         if step.done is not None:
             step.done.synchronize()
+        if step.aux_hidden is not None and self.hidden_drafter is not None:
+            feed(self.hidden_drafter, step.batch, step.aux_hidden, step.aux_keep)
         return step.host_tokens.tolist()

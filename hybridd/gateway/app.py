@@ -47,7 +47,8 @@ from hybridd.gateway.exchange import ClientDisconnected, Exchange
 from hybridd.gateway.openai_output import DONE_EVENT, Job, Reply, event, tool_calls_reason
 from hybridd.gateway.openai_schema import ChatCompletionRequest, CompletionRequest, parse_body
 from hybridd.gateway.tokenize import Tokenize
-from hybridd.gateway.tool_calls import StreamedCalls, ToolPlan, plan, template_format
+from hybridd.gateway.tool_call_reader import CallReader
+from hybridd.gateway.tool_calls import ToolPlan, plan, template_format
 from hybridd.log import get_logger
 from hybridd.metrics import CONTENT_TYPE, render
 
@@ -409,15 +410,18 @@ async def _events(reply: Reply, jobs: list[Job], streams: list[AsyncStream], fir
 
 def _one(job: Job, stream: AsyncStream, first: Any) -> Callable[[Reply], AsyncIterator[bytes]]:
     tool_plan = job.tool_plan if job.tool_plan is not None and job.tool_plan.reads_calls else None
-    calls: dict[int, StreamedCalls] = {}  # per sequence, when its text may hold tool calls
+    readers: dict[int, CallReader] = {}  # per sequence, when its text may hold tool calls
 
     def delta(reply: Reply, chunk: Chunk) -> bytes | None:
-        text = chunk.text
+        logprobs = reply.logprobs(job, chunk.index, chunk.logprobs)
         if tool_plan is not None:
-            text = calls.setdefault(chunk.index, StreamedCalls(tool_plan)).feed(text)
-        if not text and chunk.logprobs is None:
-            return None  # text held back (a partial character, a possible stop string, a possible call)
-        return reply.delta(job.base + chunk.index, text, reply.logprobs(job, chunk.index, chunk.logprobs))
+            events = readers.setdefault(chunk.index, CallReader(tool_plan)).feed(chunk.text)
+            if not events and logprobs is None:
+                return None  # text held back (it may begin a call)
+            return reply.read_delta(job.base + chunk.index, events, logprobs)
+        if not chunk.text and logprobs is None:
+            return None  # text held back (a partial character, a possible stop string)
+        return reply.delta(job.base + chunk.index, chunk.text, logprobs)
 
     async def events(reply: Reply) -> AsyncIterator[bytes]:
         if first is not _END:
@@ -430,12 +434,10 @@ def _one(job: Job, stream: AsyncStream, first: Any) -> Callable[[Reply], AsyncIt
         assert job.result is not None
         for choice in job.result.choices:
             reason = choice.finish_reason
-            if (streamed := calls.get(choice.index)) is not None:
-                content, found = streamed.finish()
-                if content:
-                    yield reply.delta(job.base + choice.index, content)
-                if found:
-                    yield reply.tool_calls_delta(job.base + choice.index, found)
+            if (reader := readers.get(choice.index)) is not None:
+                if events := reader.finish():
+                    yield reply.read_delta(job.base + choice.index, events)
+                if reader.calls:
                     reason = tool_calls_reason(reason)
             yield reply.finish(job.base + choice.index, reason)
 

@@ -21,7 +21,8 @@ from typing import Any
 import msgspec
 
 from hybridd.client import GenerateResult, TokenLogprob
-from hybridd.gateway.tool_calls import ToolCall, ToolPlan, parse
+from hybridd.gateway.tool_call_reader import ArgumentsPiece, CallOpened, Event, parse
+from hybridd.gateway.tool_calls import ToolPlan
 from hybridd.protocol.messages import PromptLogprob
 
 _encode = msgspec.json.encode
@@ -134,10 +135,39 @@ class Reply:
             choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": None}
         return event(self._object(".chunk", [choice], None))
 
-    def tool_calls_delta(self, index: int, calls: list[ToolCall]) -> bytes:
-        """A chat choice's calls, each whole in one delta entry."""
-        delta = {"tool_calls": [call.openai(i) for i, call in enumerate(calls)]}
-        return event(self._object(".chunk", [{"index": index, "delta": delta, "logprobs": None,
+    def read_delta(self, index: int, events: list[Event], logprobs: dict[str, Any] | None = None) -> bytes:
+        """A chat choice's text as its tool-call reader read it, in order: content as content
+        deltas, calls as `tool_calls` deltas (a call's first entry with its id, type and name,
+        then its arguments' pieces); the logprobs ride on the first."""
+        out: list[bytes] = []
+        text = ""
+        calls: list[dict[str, Any]] = []
+        for item in [*events, None]:
+            if calls and not isinstance(item, (CallOpened, ArgumentsPiece)):
+                out.append(self._tool_calls(index, calls, logprobs))
+                calls, logprobs = [], None
+            if text and not isinstance(item, str):
+                out.append(self.delta(index, text, logprobs))
+                text, logprobs = "", None
+            if isinstance(item, str):
+                text += item
+            elif isinstance(item, ArgumentsPiece) and calls and calls[-1]["index"] == item.index \
+                    and "id" not in calls[-1]:
+                calls[-1]["function"]["arguments"] += item.text
+            elif item is not None:
+                if any(call["index"] == item.index for call in calls):
+                    # One entry per call in a chunk: older clients do not merge two.
+                    out.append(self._tool_calls(index, calls, logprobs))
+                    calls, logprobs = [], None
+                calls.append({"index": item.index, "id": item.id, "type": "function",
+                              "function": {"name": item.name, "arguments": ""}} if isinstance(item, CallOpened)
+                             else {"index": item.index, "function": {"arguments": item.text}})
+        if logprobs is not None:
+            out.append(self.delta(index, "", logprobs))
+        return b"".join(out)
+
+    def _tool_calls(self, index: int, calls: list[dict[str, Any]], logprobs: dict[str, Any] | None) -> bytes:
+        return event(self._object(".chunk", [{"index": index, "delta": {"tool_calls": calls}, "logprobs": logprobs,
                                               "finish_reason": None}], None))
 
     def finish(self, index: int, reason: str) -> bytes:

@@ -18,6 +18,14 @@ step): the step's own KV is in the cache already. Which sequence and tile a prog
 comes from `query_start_loc` on the device, so the grid depends only on the bucket's token
 and sequence counts. Masking follows the torch reference (`hybridd/kernels/attention.py`):
 key position <= query position; padding rows after the last sequence give 0.
+
+A step of few query tiles over a long context (a prompt's tail after a cached prefix, a
+chunk late in a long prompt) would leave most of the GPU idle, each program walking
+thousands of keys. Its bucket's plan then splits each tile's keys over several programs
+(flash-decoding's split for prefill): each sizes its run of keys from its tile's context
+at replay, writes its partial output and log-sum-exp, and, as in decode, the last of a
+tile's splits to finish merges them. Splits without keys (a short context) exit, and a
+tile whose keys fit one run is written by that run's program directly.
 """
 
 from __future__ import annotations
@@ -245,12 +253,20 @@ _LOG2E = 1.4426950408889634
 
 @dataclass(frozen=True)
 class PrefillPlan:
-    """Launch shape of one prefill attention call: fixed per captured token bucket."""
+    """Launch shape of one prefill attention call: fixed per captured token bucket.
+
+    `splits`: programs per (query tile, head), each over its share of the tile's keys (1:
+    one program walks them all and writes the output). A tile's keys are shared out in
+    runs of whole `block_n` tiles, at least `min_split` keys each, so a short context
+    leaves the later splits without keys: they exit, and with one run left its program
+    writes the output itself."""
 
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
+    splits: int = 1
+    min_split: int = 256
 
 
 # (most tokens in the step, its plan), from `scripts/bench_attention.py --prefill-sweep`
@@ -266,24 +282,68 @@ _PREFILL_PLANS: tuple[tuple[int, PrefillPlan], ...] = (
 )
 _LONG_PREFILL_PLAN = PrefillPlan(block_m=64, block_n=64, num_warps=4, num_stages=2)
 
+# The KV split of a step with few query tiles over a long context (a prompt's tail after a
+# cached prefix, a chunk late in a long prompt). Unmeasured first values, to be set by
+# `pytest -m gpu tests/test_gpu_kernels.py -k split_prefill_attention_timings` (it times
+# every split count at the shapes that need them):
+# programs with keys to read the split aims for, per multiprocessor;
+SPLIT_PROGRAMS_PER_SM = 4
+# the most programs a split grid may have, per multiprocessor: a program of a padding
+# tile slot still starts and reads the step's bounds before it exits, and one of a split
+# that a short context leaves without keys reads its tile's positions too;
+SPLIT_GRID_PER_SM = 16
+# keys a split reads at least (its partial output and the merge cost about as much as a
+# 64-key tile; the first value is four of them);
+MIN_SPLIT_KEYS = 256
+MAX_SPLITS = 16
+# Multiprocessors counted for a plan made on the CPU (the interpreter's tests).
+CPU_MULTIPROCESSORS = 4
+_multiprocessors: dict[torch.device, int] = {}
 
-def prefill_plan(tokens: int) -> PrefillPlan:
-    """The launch plan of a prefill step of `tokens` packed tokens."""
-    for most, plan in _PREFILL_PLANS:
+
+def multiprocessors(device: torch.device) -> int:
+    """The device's streaming multiprocessors (CPU_MULTIPROCESSORS on the CPU)."""
+    if device.type != "cuda":
+        return CPU_MULTIPROCESSORS
+    if device not in _multiprocessors:
+        _multiprocessors[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _multiprocessors[device]
+
+
+def prefill_plan(tokens: int, heads: int = 1, max_context: int = 0, seqs: int = 1,
+                 sms: int = CPU_MULTIPROCESSORS) -> PrefillPlan:
+    """The launch plan of a prefill step of `tokens` packed tokens of up to `seqs`
+    sequences (the bucket's rows), `heads` query heads and contexts of up to `max_context`
+    keys, on `sms` multiprocessors.
+
+    The query tiles are split over the keys when a prompt's tiles alone leave the GPU
+    idle: enough splits for SPLIT_PROGRAMS_PER_SM programs a multiprocessor (counting one
+    sequence's tiles: the bucket's other rows are mostly padding), no more than the whole
+    grid, every tile slot and padding sequence's included, allows (SPLIT_GRID_PER_SM), nor
+    than `max_context` has runs of MIN_SPLIT_KEYS. The bucket fixes the split count; each
+    program sizes its run from its tile's context at replay."""
+    plan = _LONG_PREFILL_PLAN
+    for most, candidate in _PREFILL_PLANS:
         if tokens <= most:
-            return plan
-    return _LONG_PREFILL_PLAN
+            plan = candidate
+            break
+    tiles = triton.cdiv(tokens, plan.block_m)
+    grid = (tiles + seqs + 1) * heads
+    splits = min(triton.cdiv(SPLIT_PROGRAMS_PER_SM * sms, tiles * heads), max(1, SPLIT_GRID_PER_SM * sms // grid),
+                 triton.cdiv(max_context, MIN_SPLIT_KEYS), MAX_SPLITS)
+    min_split = triton.cdiv(MIN_SPLIT_KEYS, plan.block_n) * plan.block_n
+    return dataclasses.replace(plan, splits=max(1, splits), min_split=min_split)
 
 
 @triton.jit
 def _prefill_tile(
-    q, kc_ptr, vc_ptr, bt_row, kvh, n0, pos_q, hi, qk_scale, m_i, l_i, acc,
+    q, kc_ptr, vc_ptr, bt_row, kvh, n0, pos_q, end, qk_scale, m_i, l_i, acc,
     stride_c_blk, stride_c_tok, stride_c_head,
     HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
 ):
     d = tl.arange(0, HEAD_DIM)
     toks = n0 + tl.arange(0, BLOCK_N)
-    kvalid = toks < hi
+    kvalid = toks < end
     blk = tl.load(bt_row + toks // PAGE, mask=kvalid, other=0).to(tl.int64)
     off = blk * stride_c_blk + (toks % PAGE) * stride_c_tok + kvh * stride_c_head
     k = tl.load(kc_ptr + off[:, None] + d[None, :], mask=kvalid[:, None], other=0.0)
@@ -301,15 +361,83 @@ def _prefill_tile(
     return m_new, l_i, acc
 
 
-# Token and sequence counts are not specialised on (divisibility, == 1): an eager step of
-# any size reuses the bucket's compiled kernel instead of compiling one while serving.
-@triton.jit(do_not_specialize=["num_tokens", "num_seqs"])
+@triton.jit
+def _prefill_keys(
+    q, kc_ptr, vc_ptr, bt_row, kvh, start, end, pos_q, qk_scale,
+    stride_c_blk, stride_c_tok, stride_c_head,
+    HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """The tile's running max, sum and unnormalised output (base 2) over keys [start, end)."""
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    if INTERPRET:
+        n0 = start
+        while n0 < end:
+            m_i, l_i, acc = _prefill_tile(
+                q, kc_ptr, vc_ptr, bt_row, kvh, n0, pos_q, end, qk_scale, m_i, l_i, acc,
+                stride_c_blk, stride_c_tok, stride_c_head, HEAD_DIM, PAGE, BLOCK_N, PRECISION,
+            )
+            n0 += BLOCK_N
+    else:
+        for n0 in tl.range(start, end, BLOCK_N):
+            m_i, l_i, acc = _prefill_tile(
+                q, kc_ptr, vc_ptr, bt_row, kvh, n0, pos_q, end, qk_scale, m_i, l_i, acc,
+                stride_c_blk, stride_c_tok, stride_c_head, HEAD_DIM, PAGE, BLOCK_N, PRECISION,
+            )
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _merge_prefill_split(m, total, acc, part_o_ptr, part_lse_ptr, rows, rvalid, HEAD_DIM: tl.constexpr):
+    """(m, total, acc) with one split's partial output and log-sum-exp (base 2) at `rows`
+    folded in. Other programs wrote them: they are read from L2, past this SM's L1."""
+    d = tl.arange(0, HEAD_DIM)
+    lse = tl.load(part_lse_ptr + rows, mask=rvalid, other=float("-inf"), cache_modifier=".cg")
+    part = tl.load(part_o_ptr + rows[:, None] * HEAD_DIM + d[None, :], mask=rvalid[:, None], other=0.0,
+                   cache_modifier=".cg")
+    m_new = tl.maximum(m, lse)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    w = tl.exp2(lse - m_safe)
+    alpha = tl.exp2(m - m_safe)
+    return m_new, total * alpha + w, acc * alpha[:, None] + w[:, None] * part
+
+
+@triton.jit
+def _merge_prefill_splits(
+    out_rows, part_o_ptr, part_lse_ptr, part_rows, rvalid, runs, part_stride,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """The tile's output from its `runs` splits' partials, one split at a time; `part_rows`
+    are the tile's rows in split 0's partials, each next split's `part_stride` rows on."""
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    total = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    if INTERPRET:
+        s = 0
+        while s < runs:
+            m, total, acc = _merge_prefill_split(m, total, acc, part_o_ptr, part_lse_ptr, part_rows + s * part_stride,
+                                                 rvalid, HEAD_DIM)
+            s += 1
+    else:
+        for s in tl.range(0, runs):
+            m, total, acc = _merge_prefill_split(m, total, acc, part_o_ptr, part_lse_ptr, part_rows + s * part_stride,
+                                                 rvalid, HEAD_DIM)
+    out = acc / tl.where(total > 0, total, 1.0)[:, None]
+    tl.store(out_rows, out.to(out_rows.dtype.element_ty), mask=rvalid[:, None])
+
+
+# Token, sequence and split counts are not specialised on (divisibility, == 1): an eager
+# step of any size reuses the bucket's compiled kernel instead of compiling one while serving.
+@triton.jit(do_not_specialize=["num_tokens", "num_seqs", "num_splits", "min_split"])
 def _prefill_kernel(
-    q_ptr, kc_ptr, vc_ptr, bt_ptr, pos_ptr, qsl_ptr, out_ptr, qk_scale, num_tokens, num_seqs,
+    q_ptr, kc_ptr, vc_ptr, bt_ptr, pos_ptr, qsl_ptr, out_ptr, part_o_ptr, part_lse_ptr, ticket_ptr,
+    qk_scale, num_tokens, num_seqs, num_splits, min_split,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_c_blk, stride_c_tok, stride_c_head, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, SEQS_PAD: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
-    PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, SEQS_PAD: tl.constexpr, NUM_HEADS: tl.constexpr, SPLIT: tl.constexpr,
+    PRECISION: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_predecessor(PDL)
     pid = tl.program_id(0)
@@ -320,51 +448,73 @@ def _prefill_kernel(
     # last sequence, which see no key and give 0. So each program finds its sequence and
     # tile from `query_start_loc` alone, and a tile never spans two sequences.
     si = tl.arange(0, SEQS_PAD)
+    # SEQS_PAD > num_seqs + 1, so starts[num_seqs + 1] is num_tokens: the padding rows' end.
     starts = tl.load(qsl_ptr + si, mask=si <= num_seqs, other=num_tokens)
     first_tile = starts // BLOCK_M + si
     seq = tl.max(tl.where((first_tile <= pid) & (si <= num_seqs), si, 0), axis=0)
     seq_start = tl.max(tl.where(si == seq, starts, 0), axis=0)
+    seq_end = tl.max(tl.where(si == seq + 1, starts, 0), axis=0)
     tile = pid - tl.max(tl.where(si == seq, first_tile, 0), axis=0)
     is_real = seq < num_seqs
-    seq_end = tl.load(qsl_ptr + seq + 1, mask=is_real, other=num_tokens)
-    rows = seq_start + tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    rvalid = rows < seq_end
-    pos_q = tl.load(pos_ptr + rows, mask=rvalid & is_real, other=-1)
-    # A row sees its sequence's keys at positions up to its own, all in the paged cache.
-    hi = tl.max(pos_q, axis=0) + 1
-
-    d = tl.arange(0, HEAD_DIM)
-    rows64 = rows.to(tl.int64)
-    q = tl.load(q_ptr + rows64[:, None] * stride_qt + h * stride_qh + d[None, :], mask=rvalid[:, None], other=0.0)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    bt_row = bt_ptr + tl.where(is_real, seq, 0).to(tl.int64) * stride_bt
-    if INTERPRET:
-        n0 = 0
-        while n0 < hi:
-            m_i, l_i, acc = _prefill_tile(
-                q, kc_ptr, vc_ptr, bt_row, kvh, n0, pos_q, hi, qk_scale, m_i, l_i, acc,
-                stride_c_blk, stride_c_tok, stride_c_head, HEAD_DIM, PAGE, BLOCK_N, PRECISION,
+    row0 = seq_start + tile * BLOCK_M
+    # Tile slots past their sequence's rows (the grid has one more per sequence) exit here,
+    # every split of them, after the one load.
+    if row0 < seq_end:
+        rows = row0 + tl.arange(0, BLOCK_M)
+        rvalid = rows < seq_end
+        pos_q = tl.load(pos_ptr + rows, mask=rvalid & is_real, other=-1)
+        # A row sees its sequence's keys at positions up to its own, all in the paged cache.
+        hi = tl.max(pos_q, axis=0) + 1
+        # Split `split` reads keys [split * run, (split + 1) * run): whole key tiles, at
+        # least `min_split` keys, as few runs as `num_splits` allows; splits past the last
+        # run exit.
+        split = tl.program_id(2)
+        run = hi
+        runs = 1
+        if SPLIT:
+            run = tl.maximum(tl.cdiv(tl.cdiv(hi, num_splits), BLOCK_N) * BLOCK_N, min_split)
+            runs = tl.maximum(tl.cdiv(hi, run), 1)
+        if split < runs:
+            start = split * run
+            end = tl.minimum(start + run, hi)
+            d = tl.arange(0, HEAD_DIM)
+            rows64 = rows.to(tl.int64)
+            q = tl.load(q_ptr + rows64[:, None] * stride_qt + h * stride_qh + d[None, :], mask=rvalid[:, None],
+                        other=0.0)
+            bt_row = bt_ptr + tl.where(is_real, seq, 0).to(tl.int64) * stride_bt
+            m_i, l_i, acc = _prefill_keys(
+                q, kc_ptr, vc_ptr, bt_row, kvh, start, end, pos_q, qk_scale, stride_c_blk, stride_c_tok,
+                stride_c_head, HEAD_DIM, PAGE, BLOCK_M, BLOCK_N, PRECISION, INTERPRET,
             )
-            n0 += BLOCK_N
-    else:
-        for n0 in tl.range(0, hi, BLOCK_N):
-            m_i, l_i, acc = _prefill_tile(
-                q, kc_ptr, vc_ptr, bt_row, kvh, n0, pos_q, hi, qk_scale, m_i, l_i, acc,
-                stride_c_blk, stride_c_tok, stride_c_head, HEAD_DIM, PAGE, BLOCK_N, PRECISION,
-            )
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(
-        out_ptr + rows64[:, None] * stride_ot + h * stride_oh + d[None, :],
-        out.to(out_ptr.dtype.element_ty), mask=rvalid[:, None],
-    )
+            out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+            out_rows = out_ptr + rows64[:, None] * stride_ot + h * stride_oh + d[None, :]
+            if not SPLIT:
+                tl.store(out_rows, out.to(out_ptr.dtype.element_ty), mask=rvalid[:, None])
+            elif runs == 1:
+                tl.store(out_rows, out.to(out_ptr.dtype.element_ty), mask=rvalid[:, None])
+            else:
+                # Partials [split, token, head]: a row is in one tile, so tiles never collide.
+                part_rows = rows64 * NUM_HEADS + h
+                part_stride = num_tokens.to(tl.int64) * NUM_HEADS
+                mine = part_rows + split * part_stride
+                lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+                tl.store(part_o_ptr + mine[:, None] * HEAD_DIM + d[None, :], out, mask=rvalid[:, None])
+                tl.store(part_lse_ptr + mine, lse, mask=rvalid)
+                # As in decode: every thread's partial is stored before the ticket is taken;
+                # the program that takes the tile's last ticket merges and gives it back.
+                tl.debug_barrier()
+                ticket = ticket_ptr + pid * NUM_HEADS + h
+                taken = tl.atomic_add(ticket, 1, sem="acq_rel")
+                if taken == runs - 1:
+                    _merge_prefill_splits(out_rows, part_o_ptr, part_lse_ptr, part_rows, rvalid, runs, part_stride,
+                                          HEAD_DIM, BLOCK_M, INTERPRET)
+                    tl.atomic_xchg(ticket, 0)
 
 
 def _seqs_pad(seqs: int) -> int:
-    """The prefill kernel's SEQS_PAD for `seqs` sequences (and the padding rows' one past
-    them): a compile-time constant."""
-    return max(2, triton.next_power_of_2(seqs + 1))
+    """The prefill kernel's SEQS_PAD for `seqs` sequences, the padding rows' one past them
+    and the end of those rows: a compile-time constant."""
+    return triton.next_power_of_2(seqs + 2)
 
 
 def prefill_attention(
@@ -382,13 +532,23 @@ def prefill_attention(
     seqs = step.query_start_loc.shape[0] - 1
     if plan is None:
         _compile_prefill_plans(q, k_cache, v_cache, step, scale)
-        plan = prefill_plan(t)
-    _prefill_kernel[(triton.cdiv(t, plan.block_m) + seqs + 1, h)](
-        q, k_cache, v_cache, step.block_tables, step.positions, step.query_start_loc, out, scale * _LOG2E, t, seqs,
+        plan = prefill_plan(t, h, step.block_tables.shape[1] * k_cache.shape[1], seqs, multiprocessors(q.device))
+    tiles = triton.cdiv(t, plan.block_m) + seqs + 1
+    if plan.splits > 1:
+        part_o = torch.empty((plan.splits, t, h, d), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((plan.splits, t, h), dtype=torch.float32, device=q.device)
+        tickets = split_scratch.scratch(q.device, "prefill_tickets", max(tiles * h, 8192), torch.int32)
+        if tickets is None:  # a capture before any eager call this large: the graph zeroes its own
+            tickets = torch.zeros(tiles * h, dtype=torch.int32, device=q.device)
+    else:
+        part_o = part_lse = tickets = out
+    _prefill_kernel[(tiles, h, plan.splits)](
+        q, k_cache, v_cache, step.block_tables, step.positions, step.query_start_loc, out, part_o, part_lse, tickets,
+        scale * _LOG2E, t, seqs, plan.splits, plan.min_split,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), step.block_tables.stride(0),
         GROUP=h // kvh, HEAD_DIM=d, PAGE=k_cache.shape[1], BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
-        SEQS_PAD=_seqs_pad(seqs),
+        SEQS_PAD=_seqs_pad(seqs), NUM_HEADS=h, SPLIT=plan.splits > 1,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         INTERPRET=_INTERPRET, num_warps=plan.num_warps, num_stages=plan.num_stages,
         **pdl.launch_args(q.device),
@@ -426,14 +586,18 @@ def _aligned_as(t: torch.Tensor, n: int) -> torch.Tensor:
 def _compile_prefill_plans(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, step: StepInputs, scale: float
 ) -> None:
-    """Every query tile height, for every padding of the sequence count up to this step's:
-    an eager prefill (a bucket not captured yet) has its own count of sequences."""
+    """Every plan a bucket can pick (each query tile height, split and not where a context
+    can be split), for every padding of the sequence count up to this step's: an eager
+    prefill (a bucket not captured yet) has its own count of sequences."""
     seqs = step.query_start_loc.shape[0] - 1
     key = ("prefill", q.device, q.dtype, tuple(q.shape[1:]), tuple(k_cache.shape[1:]), seqs,
            step.block_tables.shape[1], pdl.enabled(q.device))
     if not first_eager_call(key, q.device):
         return
-    plans = dict.fromkeys([plan for _, plan in _PREFILL_PLANS] + [_LONG_PREFILL_PLAN])
+    plans = list(dict.fromkeys([plan for _, plan in _PREFILL_PLANS] + [_LONG_PREFILL_PLAN]))
+    if step.block_tables.shape[1] * k_cache.shape[1] > MIN_SPLIT_KEYS:
+        # Split counts share one kernel: only whether a plan splits is compiled in.
+        plans += [dataclasses.replace(plan, splits=2) for plan in plans]
     tokens = 16  # any multiple of 16 (as every bucket is) compiles the kernel a bucket runs
     counts = {_seqs_pad(n): n for n in range(1, seqs + 1)}  # the most sequences of each padding
     for n in counts.values():

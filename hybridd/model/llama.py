@@ -152,6 +152,18 @@ class LlamaModel(nn.Module):
 
     def forward(self, step: StepInputs, kv_cache: KVCache) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm, for every token of the step."""
+        return self._forward(step, kv_cache, ())[0]
+
+    def forward_aux(self, step: StepInputs, kv_cache: KVCache,
+                    aux_layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward`, and the residual stream after each of `aux_layers` layers (0: the
+        embeddings; `num_layers`: the last layer's output before the final norm), side by
+        side [T, len(aux_layers) x hidden]: what an EAGLE-3 head reads."""
+        hidden, aux = self._forward(step, kv_cache, aux_layers)
+        return hidden, torch.cat(aux, dim=-1)
+
+    def _forward(self, step: StepInputs, kv_cache: KVCache,
+                 aux_layers: tuple[int, ...]) -> tuple[torch.Tensor, list[torch.Tensor]]:
         if self.sliding_window is not None and not getattr(self.kernels, "supports_sliding_window", False):
             raise ModelLoadError(
                 f"sliding_window {self.sliding_window} is shorter than max_positions {self.max_positions} and the "
@@ -164,10 +176,15 @@ class LlamaModel(nn.Module):
             self.check_sequence_length(int(step.positions.max()) + 1)
         with self.kernels.launches(step.num_tokens):
             stream = ResidualStream(self.embed_tokens(step.input_ids))
-            for layer in self.layers:
+            aux: dict[int, torch.Tensor] = {}
+            for index, layer in enumerate(self.layers):
+                if index in aux_layers:
+                    aux[index] = _stream_value(stream)
                 stream = layer(stream, step, kv_cache, self.kernels, self.rope)
+            if len(self.layers) in aux_layers:
+                aux[len(self.layers)] = _stream_value(stream)
             hidden, _ = self.kernels.stream_norm(stream, self.norm.weight, self.norm.eps)
-        return hidden
+        return hidden, [aux[index] for index in aux_layers]
 
     def compute_logits(self, hidden: torch.Tensor, logits_indices: torch.Tensor | None = None) -> torch.Tensor:
         """Float32 logits for the rows that need them (each sequence's last token)."""
@@ -177,3 +194,8 @@ class LlamaModel(nn.Module):
 
     def forward_logits(self, step: StepInputs, kv_cache: KVCache) -> torch.Tensor:
         return self.compute_logits(self.forward(step, kv_cache), step.logits_indices)
+
+
+def _stream_value(stream: ResidualStream) -> torch.Tensor:
+    """The residual stream's value as one tensor (as the next norm adds it)."""
+    return stream.base if stream.update is None else stream.base + stream.update

@@ -100,8 +100,14 @@ class GraphRunner:
         memory_budget_bytes: int = 1 << 30,
         pad_factor: float = 4.0,
         stream: torch.cuda.Stream | None = None,
+        aux_layers: tuple[int, ...] = (),
     ):
+        """`aux_layers`: the layers whose residual stream every step also writes to
+        `buffers.aux_hidden` (a drafter reads them: EAGLE-3); none by default."""
         self.model = model
+        self.aux_layers = aux_layers
+        if aux_layers and buffers.aux_hidden is None:
+            raise ValueError("aux_layers need the step buffers' aux_hidden region")
         self.kv_cache = kv_cache
         self.buffers = buffers
         self.plan = plan
@@ -228,7 +234,11 @@ class GraphRunner:
 
     @torch.inference_mode()
     def _step_body(self, view: StepInputs, logits_out: torch.Tensor) -> None:
-        hidden = self.model(view, self.kv_cache)
+        if self.aux_layers:
+            hidden, aux = self.model.forward_aux(view, self.kv_cache, self.aux_layers)
+            self.buffers.aux_hidden[: view.num_tokens].copy_(aux)
+        else:
+            hidden = self.model(view, self.kv_cache)
         logits_out[: view.num_seqs].copy_(self.model.compute_logits(hidden, view.logits_indices))
 
     # ----------------------------------------------------------------- capture

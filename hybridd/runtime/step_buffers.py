@@ -11,6 +11,10 @@ All integer inputs live in one packed int32 region (`step_inputs`), so a step's
 inputs, padding included, reach the device in a single host-to-device copy from a
 pinned mirror; per-buffer copies were seven small transfers on the critical path of
 every step, and padding on the device seven more kernels before every graph.
+
+With a drafter that reads the model's hidden states (EAGLE-3), `aux_hidden` [max_tokens,
+3 x hidden] holds every row's residual stream in the drafter's layers, written by the
+step's forward (inside its graph) and read by the context generator after `logits_ready`.
 """
 
 from __future__ import annotations
@@ -46,15 +50,20 @@ def input_fields(max_tokens: int, max_seqs: int, max_blocks_per_seq: int) -> dic
 
 
 def buffer_layout(
-    max_tokens: int, max_seqs: int, max_blocks_per_seq: int, vocab_size: int
+    max_tokens: int, max_seqs: int, max_blocks_per_seq: int, vocab_size: int,
+    aux_hidden: tuple[int, torch.dtype] | None = None,
 ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """Name -> (shape, dtype) of every static buffer region; the one definition of their geometry."""
+    """Name -> (shape, dtype) of every static buffer region; the one definition of their
+    geometry. `aux_hidden`: the width and dtype of the hidden states a drafter reads."""
     fields = input_fields(max_tokens, max_seqs, max_blocks_per_seq)
     packed = sum(_numel(shape) for shape in fields.values())
-    return {
+    layout = {
         "step_inputs": ((packed,), torch.int32),
         "logits": ((max_seqs, vocab_size), torch.float32),
     }
+    if aux_hidden is not None:
+        layout["aux_hidden"] = ((max_tokens, aux_hidden[0]), aux_hidden[1])
+    return layout
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -79,6 +88,7 @@ class StepBuffers:
         self.tensors = tensors
         self.packed = tensors["step_inputs"]
         self.logits = tensors["logits"]
+        self.aux_hidden: torch.Tensor | None = tensors.get("aux_hidden")
         self.max_tokens = max_tokens
         self.max_seqs = self.logits.shape[0]
         self.max_blocks_per_seq = max_blocks_per_seq
@@ -96,9 +106,10 @@ class StepBuffers:
 
     @classmethod
     def allocate(
-        cls, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, vocab_size: int, device: torch.device | str
+        cls, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, vocab_size: int, device: torch.device | str,
+        aux_hidden: tuple[int, torch.dtype] | None = None,
     ) -> StepBuffers:
-        layout = buffer_layout(max_tokens, max_seqs, max_blocks_per_seq, vocab_size)
+        layout = buffer_layout(max_tokens, max_seqs, max_blocks_per_seq, vocab_size, aux_hidden)
         tensors = {n: torch.zeros(shape, dtype=dt, device=device) for n, (shape, dt) in layout.items()}
         return cls(tensors, max_tokens, max_blocks_per_seq)
 

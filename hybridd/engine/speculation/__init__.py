@@ -5,7 +5,10 @@ target's own.
 
 One concept per module: `drafter` (what a drafter is, the protocol every drafter
 implements), `ngram` (prompt lookup, which needs no model), `draft_model` (a small model
-with the target's tokenizer decodes the drafts), `verification` (how the
+with the target's tokenizer decodes the drafts, with a KV cache of its own), `draft_runner`
+(that model in the graph generator: its KV arena, step buffers and graphs),
+`graph_drafter` (the context generator's side of it: drafts asked for over the control
+socket), `verification` (how the
 target's rows accept a draft: exactly the target's distribution), `policy` (k per
 sequence and speculation on or off per batch size, from measured acceptance and step
 costs), `stats` (drafts proposed and accepted, per position), `speculator` (the three

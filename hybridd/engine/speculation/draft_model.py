@@ -1,20 +1,20 @@
 """The draft-model drafter: a small Llama-family model with the target's tokenizer
 proposes each sequence's next k tokens by decoding them itself.
 
-It keeps a paged KV cache of its own (`DraftCache`: its arena, its blocks, and per
-sequence the tokens whose KV that cache holds). A proposal for a batch of sequences
-is one prefill-shaped forward over what each sequence's cache lacks (a new
-sequence's whole prompt; after a verify step, the tokens it kept), whose last row
-gives draft token 1, then k - 1 batched decode forwards, one per further token. The
-cache follows the sequence's tokens, not the steps that made them: before each
-proposal it keeps the longest prefix of its tokens that the sequence still has and
-drops the rest (the rejected draft tokens of the last verify step), so verification,
-preemption (tokens are kept, the target's KV recomputed: the draft's stays valid),
-plain decode steps between verify steps and `n > 1` (forks are sequences of their
-own, keyed by their `request_id`) need no hook beyond `release`. When its blocks run
-short it drops the caches of the sequences that drafted least recently (they are
-prefilled again when next drafted for); a sequence that still does not fit, or that
-would pass the draft's positions, gets no draft.
+It keeps a paged KV cache of its own (`DraftCache`: its blocks, and per sequence the
+tokens whose KV that cache holds). A proposal for a batch of sequences is one
+prefill-shaped forward over what each sequence's cache lacks (a new sequence's whole
+prompt; after a verify step, the tokens it kept; split into several forwards where it
+passes what one forward takes), whose last row gives draft token 1, then k - 1 batched
+decode forwards, one per further token. The cache follows the sequence's tokens, not
+the steps that made them: before each proposal it keeps the longest prefix of its
+tokens that the sequence still has and drops the rest (the rejected draft tokens of
+the last verify step), so verification, preemption (tokens are kept, the target's KV
+recomputed: the draft's stays valid), plain decode steps between verify steps and
+`n > 1` (forks are sequences of their own, keyed by their `request_id`) need no hook
+beyond `release`. When its blocks run short it drops the caches of the sequences that
+drafted least recently (they are prefilled again when next drafted for); a sequence
+that still does not fit, or that would pass the draft's positions, gets no draft.
 
 Each token is drawn from the draft's logits by the request's own sampler (`Sampler`:
 penalties, temperature, top-k/top-p) with the noise the target uses at that position
@@ -25,14 +25,12 @@ noise are keyed apart from this noise). `Draft.probabilities` is, for sampled re
 the distribution each token was drawn from, the softmax of the processed draft logits
 (`Sampler.processed_logits`: the request's temperature applied).
 
-Where it runs: in the context generator, on the CPU, eagerly, called by the
-scheduler between steps. It is called with every token of its sequences on the host
-(speculation waits for tokens in flight), and the drafts it makes are the verify
-step's inputs, which the context generator builds; the draft model and its cache here
-cost the target no memory and need no protocol between the workers. On a GPU the
-same forwards would belong in the graph generator (its device, its own CUDA graphs
-per batch size), a step message asking for k draft tokens beside the verify step; this
-class is the reference that such a runner must equal.
+Where its forwards run is the `DraftForward` it is given. In the daemon the drafter
+lives in the graph generator (`draft_runner`: the draft model on the target's device,
+its KV arena, its step buffers and its CUDA graphs per bucket), and the context
+generator asks it for drafts (`graph_drafter`). In this process (`EagerForward`, the
+default) it is the in-process engine's drafter and the reference the daemon's is
+tested against: the same code, forwards run eagerly on a KV cache of its own.
 """
 
 from __future__ import annotations
@@ -40,19 +38,59 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
 from hybridd.engine.sampler import Sampler, SamplingTensors
-from hybridd.engine.sequence import Sequence
 from hybridd.engine.speculation.drafter import NO_DRAFT, Draft
-from hybridd.log import get_logger
 from hybridd.model.kv_cache import KVCache, blocks_for
-from hybridd.model.loader import load_model
 from hybridd.model.llama import LlamaModel
 from hybridd.model.step_inputs import HostStepInputs
+from hybridd.protocol.messages import SamplingParams
 
-log = get_logger(__name__)
+
+class DraftedSequence(Protocol):
+    """What the drafter reads of a sequence (`hybridd.engine.sequence.Sequence` is one)."""
+
+    request_id: str
+    params: SamplingParams
+    seed: int
+
+    @property
+    def token_ids(self) -> list[int]: ...
+
+    @property
+    def prompt_token_ids(self) -> list[int]: ...
+
+    @property
+    def output_token_ids(self) -> list[int]: ...
+
+    def __len__(self) -> int: ...
+
+
+class DraftForward(Protocol):
+    """One forward of the draft model over a step's inputs, on its KV cache: the logits of
+    the step's logits rows, valid until the next forward."""
+
+    max_tokens: int | None  # the most tokens one forward takes (None: any)
+    max_seqs: int | None  # the most sequences one forward takes (None: any)
+
+    def __call__(self, inputs: HostStepInputs) -> torch.Tensor: ...
+
+
+class EagerForward:
+    """The draft model's forwards in this process, eagerly, on a KV cache of its own."""
+
+    max_tokens = None
+    max_seqs = None
+
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int) -> None:
+        self.model = model
+        self.kv = KVCache.allocate(model.config, num_blocks, block_size, model.dtype, model.device)
+
+    def __call__(self, inputs: HostStepInputs) -> torch.Tensor:
+        return self.model.forward_logits(inputs.on(self.model.device), self.kv)
 
 
 @dataclass
@@ -64,13 +102,18 @@ class _Cached:
 
 
 class DraftCache:
-    """The draft model's paged KV cache and who holds which of its blocks."""
+    """Who holds which blocks of the draft model's paged KV cache, and the tokens whose KV
+    each sequence's blocks hold."""
 
-    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int) -> None:
-        self.kv = KVCache.allocate(model.config, num_blocks, block_size, model.dtype, model.device)
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.num_blocks = num_blocks
         self.block_size = block_size
         self._free = list(range(num_blocks - 1, -1, -1))
         self.seqs: OrderedDict[str, _Cached] = OrderedDict()  # least recently drafted for first
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
 
     def get(self, request_id: str) -> _Cached:
         cached = self.seqs.get(request_id)
@@ -114,15 +157,18 @@ class DraftModelDrafter:
     name = "draft_model"
 
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int = 16,
-                 sampler: Sampler | None = None) -> None:
+                 sampler: Sampler | None = None, forward: DraftForward | None = None) -> None:
+        """`forward` runs the draft model's steps on its KV cache of `num_blocks` blocks
+        (default: eagerly in this process, `EagerForward`)."""
         self.model = model
-        self.cache = DraftCache(model, num_blocks, block_size)
+        self.cache = DraftCache(num_blocks, block_size)
+        self.forward = forward if forward is not None else EagerForward(model, num_blocks, block_size)
         self.sampler = sampler or Sampler(compile=False)
         self.vocab_size = model.config.vocab_size
         self.device = model.device
 
     @torch.inference_mode()
-    def propose(self, seqs: Seq[Sequence], max_tokens: Seq[int]) -> list[Draft]:
+    def propose(self, seqs: Seq[DraftedSequence], max_tokens: Seq[int]) -> list[Draft]:
         drafts: list[Draft] = [NO_DRAFT] * len(seqs)
         rows: list[int] = []  # indices into seqs of the sequences drafted for
         counts: list[int] = []
@@ -147,12 +193,11 @@ class DraftModelDrafter:
         seqs_drafted = [seqs[i] for i in rows]
         cached = [self.cache.get(seq.request_id) for seq in seqs_drafted]
         block_size = self.cache.block_size
-        # What each cache lacks, in one forward; its last row's logits give draft token 1.
+        # What each cache lacks; each sequence's last row's logits give its draft token 1.
         pending = [seq.token_ids[start:] for seq, start in zip(seqs_drafted, starts, strict=True)]
-        inputs = HostStepInputs.prefill(pending, [c.blocks for c in cached], block_size, starts)
-        logits = self.model.forward_logits(inputs.on(self.device), self.cache.kv)
+        logits = self._catch_up(pending, [c.blocks for c in cached], starts)
         for c, seq in zip(cached, seqs_drafted, strict=True):
-            c.tokens = seq.token_ids
+            c.tokens = list(seq.token_ids)  # its own list: the draft tokens are appended to it
         tokens: list[list[int]] = [[] for _ in rows]
         probabilities: list[list[torch.Tensor]] = [[] for _ in rows]
         active = list(range(len(rows)))
@@ -169,15 +214,46 @@ class DraftModelDrafter:
             step_tokens = [tokens[a][-1] for a in active]
             positions = [len(cached[a].tokens) for a in active]
             inputs = HostStepInputs.decode(step_tokens, positions, [cached[a].blocks for a in active], block_size)
-            logits = self.model.forward_logits(inputs.on(self.device), self.cache.kv)
+            logits = self.forward(inputs)
             for a, token in zip(active, step_tokens, strict=True):
                 cached[a].tokens.append(token)
         for a, i in enumerate(rows):
-            probs = torch.stack(probabilities[a]).cpu() if probabilities[a] else None
-            drafts[i] = Draft(tokens[a], probs)
+            drafts[i] = Draft(tokens[a], torch.stack(probabilities[a]) if probabilities[a] else None)
         return drafts
 
-    def _draw(self, logits: torch.Tensor, seqs: list[Sequence],
+    def _catch_up(self, pending: list[list[int]], tables: list[list[int]], starts: list[int]) -> torch.Tensor:
+        """Each cache's missing tokens `pending[i]` (from position `starts[i]`) into it, in
+        as few prefill-shaped forwards as the forward takes; the logits of each sequence's
+        last token [len(pending), V]."""
+        budget = self.forward.max_tokens or sum(map(len, pending))
+        width = self.forward.max_seqs or len(pending)
+        done = [0] * len(pending)
+        last: list[torch.Tensor | None] = [None] * len(pending)
+        first = 0
+        while first < len(pending):
+            parts: list[tuple[int, int, int]] = []  # (sequence, offset into its pending, tokens)
+            room, i = budget, first
+            while i < len(pending) and room > 0 and len(parts) < width:
+                take = min(room, len(pending[i]) - done[i])
+                parts.append((i, done[i], take))
+                room -= take
+                done[i] += take
+                if done[i] < len(pending[i]):
+                    break
+                i += 1
+            inputs = HostStepInputs.prefill([pending[s][o:o + n] for s, o, n in parts],
+                                            [tables[s] for s, _, _ in parts], self.cache.block_size,
+                                            [starts[s] + o for s, o, _ in parts])
+            logits = self.forward(inputs)
+            if first == 0 and i == len(pending) and len(parts) == len(pending):
+                return logits  # the usual case: one forward took every sequence whole
+            for row, (s, o, n) in enumerate(parts):
+                if o + n == len(pending[s]):
+                    last[s] = logits[row].clone()  # the next forward writes over the logits
+            first = i
+        return torch.stack(last)  # type: ignore[arg-type]
+
+    def _draw(self, logits: torch.Tensor, seqs: list[DraftedSequence],
               drafted: list[list[int]]) -> list[tuple[int, torch.Tensor | None]]:
         """Each row's next draft token, drawn as the target draws the token at its position
         (see the module docstring), and for a sampled request its draft distribution."""
@@ -195,12 +271,3 @@ class DraftModelDrafter:
 
     def release(self, request_id: str) -> None:
         self.cache.release(request_id)
-
-
-def load_draft_model_drafter(path: str, max_positions: int | None = None, kv_tokens: int = 1 << 16,
-                             block_size: int = 16) -> DraftModelDrafter:
-    """The drafter over the model in directory `path`, on the CPU in float32 (where it
-    runs, see the module docstring), its KV cache holding `kv_tokens` tokens."""
-    model = load_model(path, dtype=torch.float32, device="cpu", max_positions=max_positions, kernels="torch")
-    log.info("draft_model_loaded", path=str(path), layers=model.config.num_layers, kv_tokens=kv_tokens)
-    return DraftModelDrafter(model, blocks_for(kv_tokens, block_size), block_size)

@@ -4,7 +4,8 @@ A drafter looks at sequences whose every token is on the host and proposes, for
 each, up to the number of tokens it is asked for: the continuation it guesses the
 target will produce. It never changes a sequence. `Draft.probabilities` is how likely
 the drafter found each token (a draft model's distribution at each position); a
-drafter that proposes tokens deterministically (prompt lookup) leaves it None, which
+drafter that proposes tokens deterministically (prompt lookup), or whose sampled tokens
+are to be kept only where the target drew them (an EAGLE-3 head), leaves it None, which
 verification treats as a point mass on the proposed token. Either way verification
 keeps the target's distribution exactly (`verification`), so a drafter can be wrong
 as often as it likes and costs only speed.
@@ -24,6 +25,13 @@ derived from the tokens alone stays valid across it; what a verify step kept, th
 drafter reads from the sequence's tokens at its next `propose` (a draft model rewinds
 its own KV to them).
 
+A drafter that reads the target's hidden states (EAGLE-3) is a `HiddenStateDrafter`: the
+runner of every step hands it, per sequence, the residual stream of the layers it names
+for the step's rows (`observe`), and the forks of a prompt the record of their parent
+(`fork`). What the rows' tokens were is part of what it is handed, so a record of rows
+a verify step then rejected is told apart from the sequence's tokens at the next
+`propose`, as a draft model's cache is.
+
 Drafters are named by the `speculative_drafter` setting and made by `make_drafter`
 (`hybridd.engine.speculation.registry`).
 """
@@ -32,7 +40,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -66,4 +74,21 @@ class Drafter(Protocol):
 
     def release(self, request_id: str) -> None:
         """Forget what the drafter keeps for a sequence that has finished."""
+        ...
+
+
+@runtime_checkable
+class HiddenStateDrafter(Drafter, Protocol):
+    """A drafter fed the target's hidden states (see the module docstring)."""
+
+    aux_layers: tuple[int, ...]
+    max_pending: int  # the most states it keeps per sequence: only a sequence's last this-many rows matter
+
+    def observe(self, request_id: str, start: int, tokens: list[int], hidden: torch.Tensor) -> None:
+        """The target's hidden states [len(tokens), len(aux_layers) x hidden] at positions
+        `start`, `start + 1`, ... of a sequence, whose tokens there were `tokens`."""
+        ...
+
+    def fork(self, parent: str, child: str) -> None:
+        """`child` shares `parent`'s tokens so far (a fork of its prompt)."""
         ...

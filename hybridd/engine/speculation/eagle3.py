@@ -1,0 +1,235 @@
+"""The EAGLE-3 drafter: a draft head (`hybridd.model.eagle3`) that reads the target's own
+hidden states proposes each sequence's next k tokens.
+
+What it is fed: every step's runner hands it the target's residual stream in the head's
+three layers for each row (`observe`), with the row's token; a verify step's rows
+include the draft tokens it then rejected. Per sequence (`_Track`, keyed by request id)
+it keeps the tokens the target has processed, the hidden states it has not yet consumed
+(from `hidden_start` on), and the head's own paged KV: one entry per position i whose
+pair (target state at i, token i + 1) it has run, valid while the sequence's tokens
+0..i+1 are the ones it ran them with.
+
+A proposal for a batch of sequences, each with tokens x_0..x_{n-1} of which the target
+has processed all but the last: one prefill-shaped forward of the head over the pairs
+its KV lacks (positions c..n-2: state at i, token x_{i+1}), whose last row gives draft
+token 1; then k - 1 batched decode forwards, each over the head's previous output and
+the token it drafted, one position on. Those speculative positions' KV is written over
+by the next proposal, which reruns position n - 1 onwards from the target's states; the
+states consumed are dropped. Like the draft model's cache, the record follows tokens,
+not steps: verification, preemption (the target recomputes: its new states replace the
+old) and plain decode steps need no hook beyond `observe` and `release`. Where the
+states do not reach back to what the head's KV lacks (a sequence admitted with a prefix
+from the prefix cache, whose prefix the target never ran for it, or whose head KV was
+taken for another sequence), the head starts its context over at the first state it has
+(`origin`): it attends to the pairs from there on, at their true positions. A sequence
+keeps at most `max_pending` states not yet consumed (a long prompt, steps while the
+policy does not speculate), its oldest dropped first: each costs 3 x the model's hidden
+size in float32.
+
+Tokens are drawn from the head's logits, scattered into the target's vocabulary, by the
+request's own sampler with the target's noise at each position (as the draft model's
+are, `draft_model`): a greedy request's draft is the head's argmax, and a sampled
+request's is the target's own draw wherever the two distributions agree. Its drafts
+carry no distribution: a verify step keeps a draft token iff the target drew it
+(`verification`), so the output is the one without speculation, seeded sampling too,
+token for token.
+
+Where it runs: in the process of the runner that feeds it (the in-process engine), on
+the CPU, eagerly.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+
+import torch
+
+from hybridd.engine.sampler import Sampler, SamplingTensors
+from hybridd.engine.sequence import Sequence
+from hybridd.engine.speculation.drafter import NO_DRAFT, Draft
+from hybridd.log import get_logger
+from hybridd.model.config import ModelConfig
+from hybridd.model.eagle3 import Eagle3Head, load_eagle3_head
+from hybridd.model.kv_cache import blocks_for
+from hybridd.model.step_inputs import HostStepInputs
+
+log = get_logger(__name__)
+
+
+@dataclass
+class _Track:
+    """One sequence as the drafter knows it (see the module docstring)."""
+
+    tokens: list[int] = field(default_factory=list)  # as the target processed them, from position 0
+    hidden: torch.Tensor | None = None  # target states of positions hidden_start .. len(tokens) - 1
+    hidden_start: int = 0
+    blocks: list[int] = field(default_factory=list)  # the head's KV
+    paired: list[int] = field(default_factory=list)  # x_0..x_c: the head's KV holds positions origin..c-1
+    origin: int = 0  # the first position whose pair the head's KV holds (at its slot 0)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class Eagle3Drafter:
+    name = "eagle3"
+
+    def __init__(self, head: Eagle3Head, num_blocks: int, block_size: int = 16,
+                 sampler: Sampler | None = None, max_pending: int = 256) -> None:
+        self.head = head
+        self.max_pending = max_pending
+        self.aux_layers: tuple[int, ...] = head.spec.aux_layers
+        self.kv = head.allocate_kv(num_blocks, block_size)
+        self.block_size = block_size
+        self.sampler = sampler or Sampler(compile=False)
+        self.vocab_size = head.spec.vocab_size
+        self._free = list(range(num_blocks - 1, -1, -1))
+        self.tracks: OrderedDict[str, _Track] = OrderedDict()  # least recently drafted for first
+
+    def observe(self, request_id: str, start: int, tokens: list[int], hidden: torch.Tensor) -> None:
+        track = self.tracks.get(request_id)
+        if track is None:
+            track = self.tracks[request_id] = _Track()
+        hidden = hidden.to(self.head.device, torch.float32)
+        if start > len(track.tokens):  # positions never seen here (a prefix from the cache): unknown
+            track.tokens.extend([-1] * (start - len(track.tokens)))
+        del track.tokens[start:]
+        track.tokens.extend(tokens)
+        if track.hidden is None or not track.hidden_start <= start <= track.hidden_start + len(track.hidden):
+            track.hidden, track.hidden_start = hidden.clone(), start
+        else:
+            track.hidden = torch.cat([track.hidden[:start - track.hidden_start], hidden])
+        if len(track.hidden) > self.max_pending:
+            track.hidden_start += len(track.hidden) - self.max_pending
+            track.hidden = track.hidden[-self.max_pending:].clone()
+
+    def fork(self, parent: str, child: str) -> None:
+        track = self.tracks.get(parent)
+        if track is not None:
+            hidden = None if track.hidden is None else track.hidden.clone()
+            self.tracks[child] = _Track(list(track.tokens), hidden, track.hidden_start)
+
+    @torch.inference_mode()
+    def propose(self, seqs: Seq[Sequence], max_tokens: Seq[int]) -> list[Draft]:
+        drafts: list[Draft] = [NO_DRAFT] * len(seqs)
+        rows, counts, starts = [], [], []
+        keep = {seq.request_id for seq, n in zip(seqs, max_tokens, strict=True) if n > 0}
+        for i, (seq, count) in enumerate(zip(seqs, max_tokens, strict=True)):
+            tokens = seq.token_ids
+            n = len(tokens)
+            count = min(count, self.head.max_positions - n + 1)
+            track = self.tracks.get(seq.request_id)
+            if count <= 0 or n < 2 or track is None or track.hidden is None:
+                continue
+            self.tracks.move_to_end(seq.request_id)
+            # The target's states of positions hidden_start..n-2 must be of these tokens.
+            if len(track.tokens) < n - 1 or track.tokens[track.hidden_start:n - 1] != tokens[track.hidden_start:n - 1]:
+                continue
+            # The head's KV holds pairs origin..c-1; it needs the target's states for c..n-2.
+            c = min(max(_common_prefix(track.paired, tokens) - 1, track.origin), n - 2)
+            if c < track.hidden_start:  # states gone: the head's context starts over at the first one kept
+                if track.hidden_start > n - 2:
+                    continue
+                track.origin = c = track.hidden_start
+                track.paired = []
+            # KV for positions up to n - 2 (the pairs) and n - 1 .. n + count - 3 (draft steps).
+            if not self._reserve(track, max(n - 1, n + count - 2) - track.origin, keep):
+                continue
+            rows.append(i)
+            counts.append(count)
+            starts.append(c)
+        if not rows:
+            return drafts
+        drafted = [seqs[i] for i in rows]
+        tracks = [self.tracks[seq.request_id] for seq in drafted]
+        head = self.head
+        pending = [seq.token_ids[c + 1:] for seq, c in zip(drafted, starts, strict=True)]
+        states = torch.cat([t.hidden[c - t.hidden_start:len(seq) - 1 - t.hidden_start]
+                            for t, seq, c in zip(tracks, drafted, starts, strict=True)])
+        # Positions in the head's KV count from each track's origin; RoPE reads the true ones.
+        inputs = HostStepInputs.prefill(pending, [t.blocks for t in tracks], self.block_size,
+                                        [c - t.origin for c, t in zip(starts, tracks, strict=True)])
+        origins = torch.tensor([t.origin for t in tracks], dtype=torch.int64)
+        rope = torch.from_numpy(inputs.positions) + origins.repeat_interleave(
+            torch.tensor([len(p) for p in pending]))
+        inputs = inputs.on(head.device)
+        normed, hidden = head(inputs, self.kv, head.combine(states), rope.to(head.device))
+        last = inputs.logits_indices
+        normed, hidden = normed.index_select(0, last), hidden.index_select(0, last)
+        for track, seq in zip(tracks, drafted, strict=True):
+            n = len(seq)
+            track.paired = seq.token_ids
+            # States consumed but the last pair's, which a proposal over the same tokens reruns.
+            track.hidden, track.hidden_start = track.hidden[n - 2 - track.hidden_start:], n - 2
+        tokens: list[list[int]] = [[] for _ in rows]
+        active = list(range(len(rows)))
+        while True:
+            drawn = self._draw(head.compute_logits(normed), [drafted[a] for a in active], [tokens[a] for a in active])
+            for a, token in zip(active, drawn, strict=True):
+                tokens[a].append(token)
+            still = [j for j, a in enumerate(active) if len(tokens[a]) < counts[a]]
+            if not still:
+                break
+            active = [active[j] for j in still]
+            hidden = hidden.index_select(0, torch.tensor(still, dtype=torch.int64, device=hidden.device))
+            positions = [len(drafted[a]) - 2 + len(tokens[a]) for a in active]
+            inputs = HostStepInputs.decode([tokens[a][-1] for a in active],
+                                           [p - tracks[a].origin for p, a in zip(positions, active, strict=True)],
+                                           [tracks[a].blocks for a in active], self.block_size).on(head.device)
+            normed, hidden = head(inputs, self.kv, hidden, torch.tensor(positions, device=head.device))
+        for a, i in enumerate(rows):
+            drafts[i] = Draft(tokens[a])
+        return drafts
+
+    def _draw(self, draft_logits: torch.Tensor, seqs: list[Sequence],
+              drafted: list[list[int]]) -> list[int]:
+        """Each row's next draft token (a target id), drawn as the target draws the token
+        at its position."""
+        logits = draft_logits.new_full((draft_logits.shape[0], self.vocab_size), float("-inf"))
+        logits[:, self.head.draft_to_target] = draft_logits
+        tensors = SamplingTensors.build(
+            [seq.params for seq in seqs], [seq.seed for seq in seqs],
+            [len(seq) + len(d) for seq, d in zip(seqs, drafted, strict=True)], self.vocab_size, logits.device,
+            [seq.prompt_token_ids for seq in seqs],
+            [seq.output_token_ids + d for seq, d in zip(seqs, drafted, strict=True)])
+        return self.sampler(logits, tensors).tolist()
+
+    def _reserve(self, track: _Track, num_tokens: int, keep: set[str]) -> bool:
+        """Blocks of the head's KV for `num_tokens` positions of `track`, taken from sequences
+        not in `keep` (least recently drafted first) when none are free."""
+        need = blocks_for(num_tokens, self.block_size) - len(track.blocks)
+        victims = (rid for rid in list(self.tracks) if rid not in keep)
+        while len(self._free) < need:
+            victim = next(victims, None)
+            if victim is None:
+                return False
+            self._drop_kv(self.tracks[victim])
+        track.blocks.extend(self._free.pop() for _ in range(max(0, need)))
+        return True
+
+    def _drop_kv(self, track: _Track) -> None:
+        self._free.extend(reversed(track.blocks))
+        track.blocks, track.paired, track.origin = [], [], 0
+
+    def release(self, request_id: str) -> None:
+        track = self.tracks.pop(request_id, None)
+        if track is not None:
+            self._drop_kv(track)
+
+
+def load_eagle3_drafter(head_dir: str, model_dir: str, max_positions: int | None = None, kv_tokens: int = 1 << 16,
+                        block_size: int = 16, embed_tokens: torch.nn.Embedding | None = None) -> Eagle3Drafter:
+    """The drafter over the head in `head_dir` for the model in `model_dir` (whose embedding
+    it reads, where the head has none: `embed_tokens`, else the model's checkpoint), on the
+    CPU in float32 (where it runs, see the module docstring), its KV holding `kv_tokens` tokens."""
+    head = load_eagle3_head(head_dir, ModelConfig.from_dir(model_dir), model_dir, embed_tokens, max_positions)
+    log.info("eagle3_head_loaded", path=str(head_dir), aux_layers=list(head.spec.aux_layers),
+             draft_vocab=head.spec.draft_vocab_size, kv_tokens=kv_tokens)
+    return Eagle3Drafter(head, blocks_for(kv_tokens, block_size), block_size)

@@ -1,0 +1,63 @@
+"""The EAGLE-3 drafter through the two real worker processes: the graph generator writes
+the model's hidden states in the head's layers into the shared step buffers, the context
+generator hands them to the head, and the daemon with speculative_drafter eagle3 gives
+the in-process engine's output without speculation, greedy alone and seeded n > 1 beside
+it, with drafts verified. The head is a random one in the published format, for the
+embedded model (`tests/eagle3_reference.py`)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from transformers import AutoConfig
+
+from hybridd.config import EMBEDDED_MODEL
+from hybridd.engine.generate import generate
+from hybridd.model import load_model
+from hybridd.model.tokenizer import load_tokenizer
+from hybridd.protocol.messages import SamplingParams
+from tests.eagle3_reference import ReferenceEagle3, head_config
+from tests.engine_pair import EnginePair
+
+pytestmark = pytest.mark.slow
+DEVICE = os.environ.get("HYBRIDD_TEST_DEVICE", "cpu")
+K = 3
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    path = tmp_path_factory.mktemp("eagle3")
+    torch.manual_seed(5)
+    head = ReferenceEagle3(head_config(AutoConfig.from_pretrained(EMBEDDED_MODEL), hidden=64, intermediate=128,
+                                       draft_vocab=1024), d2t=torch.arange(1024) * 3 % 4096 - torch.arange(1024))
+    head.save_head(path / "head")
+    (path / "run").mkdir()
+    with EnginePair(path / "run", device=DEVICE, dtype="float32", speculative_drafter="eagle3",
+                    speculative_eagle3_head=str(path / "head"), num_speculative_tokens=K, max_batch=8) as engine:
+        yield engine
+
+
+def test_eagle3_in_the_daemon_equals_the_engine_without_speculation(pair):
+    model = load_model(EMBEDDED_MODEL, dtype=torch.float32)
+    tokenizer = load_tokenizer(EMBEDDED_MODEL)
+    text = (EMBEDDED_MODEL / "validation.txt").read_text()
+    prompts = [tokenizer.encode(text[a:a + 200]) for a in (0, 5000)]
+    greedy = {"max_tokens": 32, "temperature": 0.0, "ignore_eos": True}
+    sampled = {"max_tokens": 24, "temperature": 0.8, "top_k": 40, "seed": 7, "n": 2, "ignore_eos": True}
+    client = pair.client(version=4)
+    try:
+        ids = [client.send({"type": "generate", "prompt_token_ids": prompts[0], "sampling": greedy, "stream": False}),
+               client.send({"type": "generate", "prompt_token_ids": prompts[1], "sampling": sampled,
+                            "stream": False})]
+        finals = [client.collect(rid)[0] for rid in ids]
+        status = client.request({"type": "status"})["status"]["speculation"]
+    finally:
+        client.close()
+    (plain_greedy,), (plain_sampled,) = (generate(model, [p], SamplingParams(**s))
+                                          for p, s in ((prompts[0], greedy), (prompts[1], sampled)))
+    assert finals[0]["choices"][0]["token_ids"] == list(plain_greedy[0].output_token_ids)
+    got = [c["token_ids"] for c in sorted(finals[1]["choices"], key=lambda c: c["index"])]
+    assert got == [list(seq.output_token_ids) for seq in plain_sampled]
+    assert status["drafter"] == "eagle3" and status["verify_steps"] > 0 and status["draft_tokens"] > 0, status
