@@ -19,8 +19,8 @@ every draft kept, y_k the bonus token): `accepted_tokens`. What y_j is, per draf
   inverting its cumulative sum at a second uniform) are hashes of (the request's seed,
   salted, position), like the sampler's own noise, so
   a seeded request gives the same tokens again wherever it gets the same drafts.
-- A draft without a distribution (prompt lookup: a point mass on d_{j+1}), or a greedy
-  row: y_j is the target's own draw at that position (greedy: its argmax). For a point
+- A draft without a distribution (prompt lookup, an EAGLE-3 head: a point mass on
+  d_{j+1}), or a greedy row: y_j is the target's own draw at that position (greedy: its argmax). For a point
   mass this is the rejection rule realised with the target's noise: d_{j+1} is kept with
   probability p_j(d_{j+1}) (the chance the target draws it) and otherwise y_j is the
   target's draw given that it is not d_{j+1}, i.e. from norm(max(p_j - q_j, 0)). Its
@@ -35,7 +35,9 @@ as low as (1 - δ)/(1 + δ) (δ the total variation distance between p and q; Da
 and its draft the rule keeps more draft tokens (tests/test_speculative_sampling.py
 measures both). Its output is then distributed as the target's rather than the target's
 own draws: a seeded request repeats where it gets the same drafts (the same k at each
-step: `speculative_adaptive` false, or the same load).
+step: `speculative_adaptive` false, or the same load). An EAGLE-3 head's drafts are
+verified by the coupled draw (its tokens drawn with the target's noise, `eagle3`): its
+output stays the one without speculation, token for token, at the coupling's acceptance.
 """
 
 from __future__ import annotations
