@@ -87,7 +87,7 @@ SECTIONS: dict[str, tuple[str, str]] = {
                    "choice, and the chat's tool calls (README, \"Structured output and tools\")."),
     "batching": ("KV cache and batching", ""),
     "speculation": ("Speculative decoding", "Draft tokens verified in one step of the model: several tokens per "
-                    "step where the drafts are right, the same output either way."),
+                    "step where the drafts are right, the model's distribution either way."),
     "kernels": ("CUDA graphs and kernels", ""),
     "wakeups": ("Wake-ups and reply rings", ""),
     "lifecycle": ("Lifecycle", "Every deadline the supervisor applies (README, \"Troubleshooting\")."),
@@ -246,10 +246,20 @@ class Config:
                                                "model's tokenizer decodes them: speculative_draft_model), "
                                                "eagle3 (an EAGLE-3 head reads the model's own hidden states: "
                                                "speculative_eagle3_head) or none. Drafts are verified in one "
-                                               "step of the model, and the output is the one without "
-                                               "speculation (greedy, and seeded sampling token for token). "
-                                               "Speculation is used per batch size where it has measured "
-                                               "cheaper per token than plain decoding.")
+                                               "step of the model and keep its distribution exactly: greedy "
+                                               "output is the one without speculation, and so is seeded "
+                                               "sampling with ngram and eagle3; with draft_model sampled tokens "
+                                               "are kept by rejection sampling (more are kept), and a seeded request "
+                                               "gives the same output again when drafted the same "
+                                               "(speculative_adaptive). Speculation is used per batch size where "
+                                               "it has measured cheaper per token than plain decoding.")
+    speculative_adaptive: bool = setting(True, section="speculation",
+                                         meaning="Speculate only at the batch sizes where it has measured cheaper "
+                                                 "per token than plain decoding (measured from the steps' times, "
+                                                 "retried now and then); false speculates at every step. With "
+                                                 "draft_model, a seeded sampled request's output depends on where "
+                                                 "it was drafted: false makes that the same at every run of a "
+                                                 "request alone.")
     num_speculative_tokens: int = setting(4, section="speculation", unit="tokens", at_least=1, at_most=16,
                                           meaning="The most draft tokens a sequence is verified with in one step; "
                                                   "each sequence drafts fewer while its drafts are rejected. A "

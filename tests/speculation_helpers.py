@@ -1,11 +1,14 @@
 """Helpers of the speculative decoding tests: the engine core over a model in this
 process with a chosen KV cache size (so that preemption can be forced), a drafter
 that replays a known continuation with a set share of wrong tokens (so that a test
-sees drafts accepted, cut short and rejected, whatever the model), and the graph
-generator's draft runner served in this process (`ServedDraftModel`)."""
+sees drafts accepted, cut short and rejected, whatever the model), the graph
+generator's draft runner served in this process (`ServedDraftModel`), and structured
+output's cases for speculating daemons."""
 
 from __future__ import annotations
 
+import json
+import re
 from collections import Counter
 
 import torch
@@ -26,9 +29,11 @@ from hybridd.runtime.step_buffers import StepBuffers
 
 
 def run_engine(model, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
-               speculator: Speculator | None = None, num_blocks: int = 256, block_size: int = 8, max_batch: int = 8):
+               speculator: Speculator | None = None, num_blocks: int = 256, block_size: int = 8, max_batch: int = 8,
+               grammar=None):
     """Every prompt to its end through the engine core (with `params`, or `params[i]` for
-    prompt i); returns (outputs per prompt, scheduler)."""
+    prompt i; under `grammar`, their structured output compiled, when given); returns
+    (outputs per prompt, scheduler)."""
     kv = KVCache.allocate(model.config, num_blocks + 1, block_size, model.dtype, model.device)
     blocks = BlockManager(num_blocks, block_size, watermark=0.0)
     k = speculator.max_tokens if speculator is not None else 0
@@ -39,20 +44,23 @@ def run_engine(model, prompts: list[list[int]], params: SamplingParams | list[Sa
     hidden_drafter = drafter if isinstance(drafter, HiddenStateDrafter) else None
     core = EngineCore(scheduler, InProcessRunner(model, kv, hidden_drafter=hidden_drafter), pipeline_depth=1)
     each = params if isinstance(params, list) else [params] * len(prompts)
-    requests = [core.add(str(i), prompt, p) for i, (prompt, p) in enumerate(zip(prompts, each, strict=True))]
+    requests = [core.add(str(i), prompt, p, grammar=grammar)
+                for i, (prompt, p) in enumerate(zip(prompts, each, strict=True))]
     while core.has_work:
         core.step()
     return [[list(seq.output_token_ids) for seq in request.seqs] for request in requests], scheduler
 
 
 def sampled_tokens_by_position(model, prompt: list[int], speculator: Speculator | None, first_seed: int,
-                               requests: int, n: int, tokens: int) -> list[Counter]:
+                               requests: int, n: int, tokens: int, structured=None, grammar=None) -> list[Counter]:
     """The tokens drawn at each output position by `requests` seeded requests (seeds from
-    `first_seed`) of `n` sequences each, `tokens` tokens long, sampled at temperature 1."""
-    params = [SamplingParams(max_tokens=tokens, temperature=1.0, top_p=0.98, seed=seed, n=n, ignore_eos=True)
+    `first_seed`) of `n` sequences each, `tokens` tokens long, sampled at temperature 1
+    (under `structured`, compiled as `grammar`, when given)."""
+    params = [SamplingParams(max_tokens=tokens, temperature=1.0, top_p=0.98, seed=seed, n=n, ignore_eos=True,
+                             structured=structured)
               for seed in range(first_seed, first_seed + requests)]
     outputs, _ = run_engine(model, [prompt] * requests, params, speculator, num_blocks=512, block_size=16,
-                            max_batch=64)
+                            max_batch=64, grammar=grammar)
     by_position = [Counter() for _ in range(tokens)]
     for request in outputs:
         for output in request:
@@ -121,6 +129,56 @@ def build_tiny_draft(target, path, layers: int = 1, seed: int = 7, noise: float 
                 p.add_(torch.randn_like(p) * noise)
     draft.save_pretrained(path)
     return draft
+
+
+# Structured output under speculation, through a daemon: each case's constraint, a prompt
+# whose text the constrained output repeats (so prompt lookup finds drafts), and a check
+# that the output is valid.
+MOOD_SCHEMA = {"type": "object", "properties": {"mood": {"enum": ["merry", "sad"]},
+                                                "age": {"type": "integer", "minimum": 0, "maximum": 99}},
+               "required": ["mood", "age"], "additionalProperties": False}
+LINE_REGEX = r"(KING|LAFEU):\n[A-Za-z ,]{1,40}[.!?]"
+STRUCTURED_CASES = {
+    "json_schema": ({"json": json.dumps(MOOD_SCHEMA)},
+                    'JULIET:\n{"mood": "merry", "age": 14}\n\nROMEO:\n{"mood": "sad", "age": 16}\n\nJULIET:\n'),
+    "regex": ({"regex": LINE_REGEX}, "KING:\nFind him, and bring him hither.\n\nLAFEU:\nI saw the man.\n\n"
+                                     "KING:\nFind him, and bring him hither.\n\n"),
+}
+
+
+def valid_structured_output(case: str, text: str) -> bool:
+    if case == "regex":
+        return re.fullmatch(LINE_REGEX, text) is not None
+    document = json.loads(text)
+    return (set(document) == {"mood", "age"} and document["mood"] in ("merry", "sad")
+            and type(document["age"]) is int and 0 <= document["age"] <= 99)
+
+
+def structured_without_speculation(model, tokenizer, case: str, max_tokens: int = 48) -> list[int]:
+    """The greedy output of `case` by the in-process engine without speculation."""
+    from hybridd.engine.generate import generate
+    from hybridd.engine.grammar import GrammarCompiler
+    from hybridd.protocol.messages import StructuredOutput
+
+    structured = StructuredOutput(**STRUCTURED_CASES[case][0])
+    compiler = GrammarCompiler(tokenizer, model.config.vocab_size, [tokenizer.eos_token_id])
+    try:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, structured=structured)
+        (seq,) = generate(model, [tokenizer.encode(STRUCTURED_CASES[case][1])], params, tokenizer=tokenizer,
+                          grammar=compiler.compile(structured))[0]
+    finally:
+        compiler.close()
+    return list(seq.output_token_ids)
+
+
+def structured_through_daemon(client, tokenizer, case: str, max_tokens: int = 48) -> tuple[list[int], str, str]:
+    """(tokens, text, finish reason) of `case`, greedy, from the daemon that `client` speaks to."""
+    structured, prompt = STRUCTURED_CASES[case]
+    final, _ = client.generate(prompt_token_ids=tokenizer.encode(prompt), stream=False,
+                               sampling={"max_tokens": max_tokens, "temperature": 0.0, "structured": structured})
+    assert final["type"] == "final", final
+    choice = final["choices"][0]
+    return choice["token_ids"], choice["text"], choice["finish_reason"]
 
 
 class ServedDraftModel:

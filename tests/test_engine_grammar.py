@@ -106,6 +106,31 @@ def _follows(compiler: GrammarCompiler, structured: StructuredOutput, tokens: li
     return seq.grammar_ended
 
 
+def test_a_verify_steps_masks_follow_each_draft_and_leave_its_matcher_where_it_was(compiler, tokenizer):
+    """Row j of a constrained sequence allows what its grammar allows after its draft's
+    first j tokens; an unconstrained sequence's rows allow every token."""
+    structured = StructuredOutput(json=json.dumps(SCHEMA))
+    draft = _text_tokens(tokenizer, '{"mood": "sad"')
+    seq, free, undrafted = Sequence("s", [1]), Sequence("f", [1]), Sequence("u", [1])
+    seq.grammar = compiler.compile(structured).new_matcher()
+    undrafted.grammar = compiler.compile(structured).new_matcher()
+    assert seq.grammar.validate_tokens(draft) == len(draft)
+    masks = TokenMasks(compiler.vocab_size, 16)
+    before = masks.fill([seq]).clone()
+    rows = masks.fill_verify([free, seq, undrafted], [[5, 6], draft, []]).clone()
+    assert rows.shape[0] == 3 + len(draft) + 1 + 1 and bool((rows[:3] == -1).all())
+    assert torch.equal(rows[-1], before[0])  # a sequence without a draft: its grammar's next tokens
+    assert torch.equal(masks.fill([seq]), before)  # the matcher is where it was
+    follower = compiler.compile(structured).new_matcher()
+    for j in range(len(draft) + 1):
+        expected = Sequence("e", [1])
+        expected.grammar = follower
+        assert torch.equal(rows[3 + j], masks.fill([expected])[0]), j
+        if j < len(draft):
+            follower.consume_token(draft[j])
+    assert not torch.equal(rows[3], rows[3 + len(draft)])
+
+
 @pytest.mark.parametrize("structured, good, bad", [
     (StructuredOutput(json=json.dumps(SCHEMA)), '{"mood": "sad", "age": 7}', '{"mood": "glad", "age": 7}'),
     (StructuredOutput(json_object=True), '{"any": [1, 2]}', '[1, 2]'),

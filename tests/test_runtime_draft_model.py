@@ -1,10 +1,14 @@
 """The draft-model drafter through the two real worker processes, the draft model run
-by the graph generator (its KV arena, its graphs: eager on the CPU): the daemon's
-output is the in-process engine's without speculation, greedy alone and batched, and
-seeded n > 1 beside it, on a tiny transformers-built target (GQA, tied embeddings)
-with its tiny draft and on the embedded model with its shipped draft; status reports
-the draft model's KV arena and graphs, and counts its verified drafts. A draft whose
-KV cache does not fit is refused at start, naming it."""
+by the graph generator (its KV arena, its graphs: eager on the CPU), speculative_adaptive
+false (every step speculates): greedy output, alone and batched, is the in-process
+engine's without speculation, and a seeded sampled n > 1 request beside it gives the same
+tokens again when sent alone twice (its draft tokens are kept by rejection sampling, so
+not the tokens without speculation), on a tiny transformers-built target (GQA, tied
+embeddings) with its tiny draft and on the embedded model with its shipped draft;
+structured output (a JSON schema, a regex) is drafted for and gives the greedy output
+without speculation, valid; status reports the draft model's KV arena and graphs, and
+counts its verified drafts. A draft whose KV cache does not fit is refused at start,
+naming it."""
 
 from __future__ import annotations
 
@@ -23,7 +27,9 @@ from hybridd.model.tokenizer import load_tokenizer
 from hybridd.protocol.messages import SamplingParams
 from tests.engine_pair import EnginePair
 from tests.host_load import on_this_host
-from tests.speculation_helpers import build_tiny_draft, repetitive_prompts
+from tests.speculation_helpers import (STRUCTURED_CASES, build_tiny_draft, repetitive_prompts,
+                                        structured_through_daemon, structured_without_speculation,
+                                        valid_structured_output)
 from tests.test_start_refusals import _start
 from tests.tiny_models import build_tiny_model
 
@@ -61,6 +67,14 @@ def without_speculation(model, requests: list[tuple[list[int], dict]]) -> list[l
             for p, s in requests]
 
 
+def check_seeded_sampling_repeats(client, prompt: list[int], sampled: dict, beside: list[list[int]]) -> None:
+    """The seeded sampled request sent alone twice gives the same tokens each time (drafted
+    the same: every step speculates), as many as asked, as it did beside others (`beside`)."""
+    alone = [outputs(client, [(prompt, sampled)])[0] for _ in range(2)]
+    assert alone[0] == alone[1]
+    assert all(len(t) == sampled["max_tokens"] for t in alone[0] + beside)
+
+
 # ---------------------------------------------------------- a tiny transformers target
 
 
@@ -77,11 +91,12 @@ def tiny(tmp_path_factory):
     (path / "run").mkdir()
     with EnginePair(path / "run", model=str(path / "target"), device=DEVICE, dtype="float32",
                     speculative_drafter="draft_model", speculative_draft_model=str(path / "draft"),
-                    num_speculative_tokens=K, max_batch=8, decode_buckets=[1, 2, 4, 8]) as engine:
+                    num_speculative_tokens=K, max_batch=8, decode_buckets=[1, 2, 4, 8],
+                    speculative_adaptive=False) as engine:
         yield engine, load_model(path / "target", dtype=torch.float32)
 
 
-def test_tiny_target_with_its_draft_equals_the_engine_without_speculation(tiny):
+def test_tiny_target_with_its_draft_greedy_equals_the_engine_and_seeded_sampling_repeats(tiny):
     engine, model = tiny
     prompts = repetitive_prompts((12, 20, 7), seed=3)
     greedy = {"max_tokens": 32, "temperature": 0.0, "ignore_eos": True}
@@ -92,7 +107,9 @@ def test_tiny_target_with_its_draft_equals_the_engine_without_speculation(tiny):
         alone = [(prompts[0], greedy)]
         assert outputs(client, alone) == without_speculation(model, alone)
         batched = [(prompts[1], greedy), (prompts[2], greedy), (prompts[0], sampled)]
-        assert outputs(client, batched) == without_speculation(model, batched)
+        got = outputs(client, batched)
+        assert got[:2] == without_speculation(model, batched[:2])
+        check_seeded_sampling_repeats(client, prompts[0], sampled, got[2])
         status = draft_status(client)
     finally:
         client.close()
@@ -110,29 +127,49 @@ def test_tiny_target_with_its_draft_equals_the_engine_without_speculation(tiny):
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     with EnginePair(tmp_path_factory.mktemp("draft"), device=DEVICE, dtype="float32",
-                    speculative_drafter="draft_model", num_speculative_tokens=K, max_batch=8) as engine:
+                    speculative_drafter="draft_model", num_speculative_tokens=K, max_batch=8,
+                    speculative_adaptive=False) as engine:
         yield engine
 
 
-def test_draft_model_in_the_daemon_equals_the_engine_without_speculation(pair):
-    model = load_model(EMBEDDED_MODEL, dtype=torch.float32)
-    tokenizer = load_tokenizer(EMBEDDED_MODEL)
+@pytest.fixture(scope="module")
+def embedded():
+    return load_model(EMBEDDED_MODEL, dtype=torch.float32), load_tokenizer(EMBEDDED_MODEL)
+
+
+def test_draft_model_in_the_daemon_greedy_equals_the_engine_and_seeded_sampling_repeats(pair, embedded):
+    model, tokenizer = embedded
     text = (EMBEDDED_MODEL / "validation.txt").read_text()
     prompts = [tokenizer.encode(text[a:a + 200]) for a in (0, 5000)]
     greedy = {"max_tokens": 32, "temperature": 0.0, "ignore_eos": True}
     sampled = {"max_tokens": 24, "temperature": 0.8, "top_k": 40, "seed": 7, "n": 2, "ignore_eos": True}
     client = pair.client(version=4)
     try:
-        requests = [(prompts[0], greedy), (prompts[1], sampled)]
-        assert outputs(client, requests) == without_speculation(model, requests)
+        got = outputs(client, [(prompts[0], greedy), (prompts[1], sampled)])
+        assert got[0] == without_speculation(model, [(prompts[0], greedy)])[0]
+        check_seeded_sampling_repeats(client, prompts[1], sampled, got[1])
         status = draft_status(client)
     finally:
         client.close()
-    # Drafts were verified (the policy then keeps speculating only where it measured cheaper
-    # per token, so how many is its choice; the shipped draft's acceptance is measured in
-    # process, over the same drafting code: tests/test_speculative_draft_model.py).
-    assert status["drafter"] == "draft_model" and status["verify_steps"] > 0 and status["draft_tokens"] > 0, status
+    # Drafts were verified and kept (every step speculates; the shipped draft's acceptance is
+    # measured in process, over the same drafting code: tests/test_speculative_draft_model.py).
+    assert status["drafter"] == "draft_model" and status["verify_steps"] > 0 and status["accepted_tokens"] > 0, status
     assert status["draft_model"]["drafts"] > 0, status
+
+
+@pytest.mark.parametrize("case", sorted(STRUCTURED_CASES))
+def test_structured_output_is_drafted_for_and_equals_the_engine_without_speculation(pair, embedded, case):
+    model, tokenizer = embedded
+    client = pair.client(version=4)
+    try:
+        before = client.request({"type": "status"})["status"]["speculation"]
+        got, text, finish_reason = structured_through_daemon(client, tokenizer, case)
+        after = client.request({"type": "status"})["status"]["speculation"]
+    finally:
+        client.close()
+    assert got == structured_without_speculation(model, tokenizer, case)
+    assert finish_reason == "stop" and valid_structured_output(case, text)
+    assert after["draft_tokens"] > before["draft_tokens"], (before, after)
 
 
 def test_a_draft_whose_kv_cache_cannot_fit_is_refused_at_start(tmp_path):

@@ -1,7 +1,8 @@
 """Speculative decoding through the two real worker processes (shared memory, the step
 pipeline, the graph generator's steps): the output equals the in-process engine's
-without speculation, alone, batched and with n > 1 seeded sequences; a version 4
-request turns it off for itself; status and /metrics count the drafts."""
+without speculation, alone, batched and with n > 1 seeded sequences; structured output
+(a JSON schema, a regex) is drafted for and gives the greedy output without speculation,
+valid; a version 4 request turns it off for itself; status and /metrics count the drafts."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from hybridd.model import load_model
 from hybridd.model.tokenizer import load_tokenizer
 from hybridd.protocol.messages import SamplingParams
 from tests.engine_pair import EnginePair
+from tests.speculation_helpers import (STRUCTURED_CASES, structured_through_daemon, structured_without_speculation,
+                                        valid_structured_output)
 
 pytestmark = pytest.mark.slow
 DEVICE = os.environ.get("HYBRIDD_TEST_DEVICE", "cpu")
@@ -90,6 +93,27 @@ def test_batched_and_n_sequences_equal_the_engine(client, reference):
         assert final["choices"][0]["token_ids"] == plain(prompt, SamplingParams(**greedy))[0]
     got = [choice["token_ids"] for choice in sorted(finals[-1]["choices"], key=lambda c: c["index"])]
     assert got == plain(prompts[1], SamplingParams(**sampled))
+
+
+@pytest.fixture(scope="module")
+def embedded():
+    return load_model(EMBEDDED_MODEL, dtype=torch.float32), load_tokenizer(EMBEDDED_MODEL)
+
+
+@pytest.mark.parametrize("case", sorted(STRUCTURED_CASES))
+def test_structured_output_is_drafted_for_and_equals_the_engine_without_speculation(client, embedded, case):
+    model, tokenizer = embedded
+    expected = structured_without_speculation(model, tokenizer, case)
+    # The policy speculates where it measured that cheaper and probes it elsewhere (see the
+    # greedy test above): the request is sent until one of its runs was drafted for.
+    for _ in range(24):
+        before = speculation(client)
+        got, text, finish_reason = structured_through_daemon(client, tokenizer, case)
+        assert got == expected
+        assert finish_reason == "stop" and valid_structured_output(case, text), text
+        if speculation(client)["draft_tokens"] > before["draft_tokens"]:
+            break
+    assert speculation(client)["draft_tokens"] > before["draft_tokens"]
 
 
 def test_a_request_turns_it_off_for_itself(client, reference, pair):

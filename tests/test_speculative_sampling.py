@@ -3,7 +3,8 @@ tokens drawn over many seeds with speculation are distributed as those drawn wit
 (a two-sample chi-square test at significance 0.001, on seeds disjoint from each other,
 so that the test does not lean on the draws being coupled by seed); the general
 rejection rule for drafts with a distribution (a draft model's) against exact
-probabilities; and prompt lookup's acceptance on a prompt-grounded task above a floor.
+probabilities (goodness of fit, same significance); and prompt lookup's acceptance on a
+prompt-grounded task above a floor.
 Seeds are fixed, so each test's statistic is the same at every run."""
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from hybridd.config import EMBEDDED_MODEL
 from hybridd.engine.speculation.ngram import NgramDrafter
 from hybridd.engine.speculation.policy import SpeculationPolicy
 from hybridd.engine.speculation.speculator import Speculator
-from hybridd.engine.speculation.verification import rejection_sample
+from hybridd.engine.speculation.verification import rejection_rule
 from hybridd.model import load_model
 from hybridd.model.tokenizer import load_tokenizer
 from hybridd.protocol.messages import SamplingParams
@@ -92,26 +93,50 @@ def test_sampled_tokens_are_distributed_as_without_speculation(embedded):
     assert chi_square_p(with_speculation[1], without[2]) < SIGNIFICANCE
 
 
-def test_rejection_rule_for_drafts_with_a_distribution_keeps_the_target():
-    """A draft model's tokens drawn from q, kept by min(1, p/q), else redrawn from
-    norm(max(p - q, 0)): the first token is distributed as p exactly."""
-    vocab, k, trials = 6, 2, 2000
+def goodness_of_fit_p(counts: Counter, probs: torch.Tensor) -> float:
+    """p-value of the chi-square test that `counts` were drawn from `probs` (categories of
+    probability 0 must have no count: any is a failure, p-value 0)."""
+    trials = sum(counts.values())
+    if any(float(probs[token]) == 0.0 for token in counts):
+        return 0.0
+    support = [i for i in range(probs.shape[0]) if float(probs[i]) > 0]
+    stat = sum((counts[i] - trials * float(probs[i])) ** 2 / (trials * float(probs[i])) for i in support)
+    return float(torch.special.gammaincc(torch.tensor((len(support) - 1) / 2, dtype=torch.float64),
+                                         torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+@pytest.mark.parametrize("case", ["dense", "grammar_refuses_drafted_token", "point_mass"])
+def test_rejection_rule_gives_the_target_distribution_exactly(case):
+    """Draft tokens drawn from q, kept with probability min(1, p/q), else redrawn from
+    norm(max(p - q, 0)) (`rejection_rule`, one row per seed): the tokens are distributed
+    as p (chi-square goodness of fit at significance 0.001, 4000 rows), including where
+    p is 0 on tokens q drafts (a grammar's mask), and for a point-mass draft."""
+    vocab, trials = 6, 4000
     g = torch.Generator().manual_seed(0)
-    p = torch.softmax(torch.randn(k + 1, vocab, generator=g) * 1.5, -1)
-    q = torch.softmax(torch.randn(k, vocab, generator=g) * 1.5, -1)
-    firsts = Counter()
-    kept_drafts = 0
-    for seed in range(trials):
-        draft = torch.multinomial(q, 1, generator=g).view(-1)
-        kept = rejection_sample(p, draft, q, seed, first_position=7)
-        firsts[kept[0]] += 1
-        kept_drafts += len(kept) - 1
-    stat = sum((firsts[i] - trials * float(p[0, i])) ** 2 / (trials * float(p[0, i])) for i in range(vocab))
-    p_value = float(torch.special.gammaincc(torch.tensor((vocab - 1) / 2, dtype=torch.float64),
-                                            torch.tensor(stat / 2, dtype=torch.float64)))
-    assert p_value > SIGNIFICANCE, (firsts, p[0])
-    accept = float(torch.minimum(p[0], q[0]).sum())  # the chance the first draft is kept
-    assert accept > 0.2 and kept_drafts > 0.2 * trials  # drafts were kept, and redrawn
+    p = torch.softmax(torch.randn(vocab, generator=g) * 1.5, -1)
+    q = torch.softmax(torch.randn(vocab, generator=g) * 1.5, -1)
+    if case == "grammar_refuses_drafted_token":
+        q[0] = q.max() * 2  # the draft favours token 0 ...
+        q /= q.sum()
+        p[0] = 0.0  # ... which the grammar refuses
+        p /= p.sum()
+    draft = torch.multinomial(q, trials, replacement=True, generator=g)
+    if case == "point_mass":
+        draft = torch.full((trials,), 2)
+        q = torch.nn.functional.one_hot(torch.tensor(2), vocab).float()
+    seeds = torch.arange(trials, dtype=torch.int64) * 7919
+    positions = torch.full((trials,), 7, dtype=torch.int64)
+    tokens = rejection_rule(p.expand(trials, -1), q.expand(trials, -1), draft, seeds, positions)
+    counts = Counter(tokens.tolist())
+    assert goodness_of_fit_p(counts, p) > SIGNIFICANCE, (counts, p)
+    kept = int((tokens == draft).sum())
+    expected = float(torch.minimum(p, q).sum()) * trials  # the chance a draft token is kept is sum min(p, q)
+    assert abs(kept - expected) < 4 * (expected * (1 - expected / trials)) ** 0.5 + 1, (kept, expected)
+    assert 0 < kept < trials  # drafts were kept, and redrawn
+    # The same seeds and positions give the same tokens; other positions other ones.
+    assert torch.equal(tokens, rejection_rule(p.expand(trials, -1), q.expand(trials, -1), draft, seeds, positions))
+    assert not torch.equal(tokens, rejection_rule(p.expand(trials, -1), q.expand(trials, -1), draft, seeds,
+                                                  positions + 1))
 
 
 def test_prompt_lookup_acceptance_on_a_grounded_prompt(embedded):

@@ -28,6 +28,7 @@ from hybridd.engine.prompt import PromptError, prompt_length_refusal, prompt_tok
 from hybridd.engine.sampler import Sampler
 from hybridd.engine.scheduler import AdmissionError, Scheduler
 from hybridd.engine.speculation.drafter import HiddenStateDrafter
+from hybridd.engine.speculation.policy import SpeculationPolicy
 from hybridd.engine.speculation.registry import make_drafter
 from hybridd.engine.speculation.speculator import Speculator
 from hybridd.engine.step_pipeline import StepPipeline
@@ -156,7 +157,9 @@ class ContextGenerator:
                                # Room for a full batch of the longest sequences, within 64K tokens.
                                head_kv_tokens=min(ready.max_batch * (ready.max_model_len
                                                                      + config.num_speculative_tokens), 1 << 16))
-        self.speculator = None if drafter is None else Speculator(drafter, config.num_speculative_tokens)
+        k = config.num_speculative_tokens
+        self.speculator = None if drafter is None else Speculator(
+            drafter, k, SpeculationPolicy(k, adaptive=config.speculative_adaptive))
         self.scheduler = Scheduler(
             self.block_manager,
             speculator=self.speculator,

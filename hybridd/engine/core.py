@@ -132,8 +132,7 @@ class EngineCore:
         """Queue a request of `params.n` sequences (sharing prefix-cache blocks only with
         requests of the same `cache_salt`; each following a copy of `grammar`, its
         structured output compiled; drafted for when the scheduler speculates, unless
-        `speculative` is False or the output is constrained: a draft is not checked against
-        the grammar); raises `AdmissionError` (naming the field) when it can never run, and
+        `speculative` is False); raises `AdmissionError` (naming the field) when it can never run, and
         ValueError when the id is already running."""
         if request_id in self.requests:
             raise ValueError(f"request {request_id!r} is already running")
@@ -151,7 +150,7 @@ class EngineCore:
             cache_salt = f"prompt logprobs of {request_id} {time.monotonic_ns()}"
         arrival = time.monotonic() if arrival is None else arrival
         seqs = [Sequence(request_id if i == 0 else f"{request_id}#{i}", prompt_ids, params, arrival, index=i,
-                         cache_salt=cache_salt, speculative=speculative and grammar is None)
+                         cache_salt=cache_salt, speculative=speculative)
                 for i in range(params.n)]
         if grammar is not None:
             for seq in seqs:

@@ -199,15 +199,45 @@ class TokenMasks:
         rows = [(seq.grammar, row) for row, seq in enumerate(seqs) if seq.grammar is not None]
         if not rows:
             return None
-        buffer = self._buffers[self._turn % len(self._buffers)]
-        self._turn += 1
-        if len(seqs) > buffer.shape[0]:
-            raise ValueError(f"{len(seqs)} rows, but the masks were made for {buffer.shape[0]}")
-        mask = buffer[:len(seqs)]
-        mask.fill_(-1)
+        mask = self._mask(len(seqs))
         live = [(matcher, row) for matcher, row in rows if not matcher.is_error()]
         if live:
-            if self._executor is None:
-                self._executor = llguidance.LLExecutor()
-            llguidance.torch.fill_next_token_bitmask_par(self._executor, live, mask)
+            llguidance.torch.fill_next_token_bitmask_par(self._executor_once(), live, mask)
         return mask
+
+    def fill_verify(self, seqs: Seq[Sequence], drafts: Seq[Seq[int]]) -> torch.Tensor | None:
+        """The masks of a verify step's rows (len(drafts[i]) + 1 for sequence i, in order): a
+        sequence's row j allows what its grammar allows after its draft's first j tokens
+        (which its grammar accepts: `Speculator.drafts` cut them so); each matcher is left
+        where it was. None when no sequence has a grammar."""
+        rows, first = [], 0
+        for seq, draft in zip(seqs, drafts, strict=True):
+            if seq.grammar is not None:
+                rows.append((seq.grammar, first, list(draft)))
+            first += len(draft) + 1
+        if not rows:
+            return None
+        mask = self._mask(first)
+        live = [row for row in rows if not row[0].is_error()]
+        drafted = [row for row in live if row[2]]
+        undrafted = [(matcher, row) for matcher, row, draft in live if not draft]  # llguidance wants a draft there
+        if drafted:
+            llguidance.torch.fill_next_token_bitmask_par_with_draft_tokens(self._executor_once(), drafted, mask)
+        if undrafted:
+            llguidance.torch.fill_next_token_bitmask_par(self._executor_once(), undrafted, mask)
+        return mask
+
+    def _mask(self, rows: int) -> torch.Tensor:
+        """The next host buffer's first `rows` rows, every token allowed."""
+        buffer = self._buffers[self._turn % len(self._buffers)]
+        self._turn += 1
+        if rows > buffer.shape[0]:
+            raise ValueError(f"{rows} rows, but the masks were made for {buffer.shape[0]}")
+        mask = buffer[:rows]
+        mask.fill_(-1)
+        return mask
+
+    def _executor_once(self) -> llguidance.LLExecutor:
+        if self._executor is None:
+            self._executor = llguidance.LLExecutor()
+        return self._executor

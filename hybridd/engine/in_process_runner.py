@@ -18,7 +18,7 @@ from hybridd.engine.prompt_logprobs import compute as compute_prompt_logprobs
 from hybridd.engine.sampler import Logprobs, Sampler, SamplingTensors
 from hybridd.engine.scheduler import ScheduledBatch
 from hybridd.engine.speculation.drafter import HiddenStateDrafter
-from hybridd.engine.speculation.verification import verify_sampling_tensors
+from hybridd.engine.speculation.verification import sample_verify_rows, verify_sampling_tensors
 from hybridd.engine.step_pipeline import InflightStep
 from hybridd.model.kv_cache import KVCache, copy_blocks
 from hybridd.model.llama import LlamaModel
@@ -60,12 +60,18 @@ class InProcessRunner:
         else:
             tensors = SamplingTensors.from_sequences(seqs, logits.shape[-1], self.device)
         allowed = None
-        if any(seq.grammar is not None for seq in seqs):  # never a verify step: constrained rows are not drafted for
-            if self.token_masks is None or self.token_masks.max_rows < len(seqs):
-                self.token_masks = TokenMasks(logits.shape[-1], max(len(seqs), 64))
-            allowed = self.token_masks.fill(seqs).to(self.device)
-        tokens, logprobs = self.sampler.sample(logits, tensors, with_logprobs=any(s.params.logprobs for s in seqs),
-                                               allowed=allowed)
+        if any(seq.grammar is not None for seq in seqs):
+            rows = logits.shape[0]
+            if self.token_masks is None or self.token_masks.max_rows < rows:
+                self.token_masks = TokenMasks(logits.shape[-1], max(rows, 64))
+            masks = self.token_masks
+            allowed = (masks.fill_verify(seqs, batch.drafts) if batch.is_verify else masks.fill(seqs)).to(self.device)
+        with_logprobs = any(s.params.logprobs for s in seqs)
+        if batch.is_verify:
+            tokens, logprobs = sample_verify_rows(self.sampler, logits, tensors, seqs, batch.drafts,
+                                                  batch.draft_distributions, None, with_logprobs, allowed)
+        else:
+            tokens, logprobs = self.sampler.sample(logits, tensors, with_logprobs=with_logprobs, allowed=allowed)
         host_logprobs = None
         if logprobs is not None:
             host_logprobs = logprobs.to(Logprobs.empty_like(logprobs, pin_memory=False))

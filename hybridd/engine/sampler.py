@@ -283,11 +283,18 @@ class Sampler:
     def logprobs(self, logits: torch.Tensor, t: SamplingTensors, tokens: torch.Tensor) -> Logprobs:
         """Logprobs of the sampled `tokens` and of each row's most likely tokens, from the
         distribution they were sampled from (see the module docstring)."""
-        if self._runs_fused(logits):
-            processed = self._fused(logits, t).processed()
-        else:
-            processed = self.processed_logits(logits, t)
+        return self.logprobs_of(self.processed(logits, t), tokens)
+
+    @staticmethod
+    def logprobs_of(processed: torch.Tensor, tokens: torch.Tensor) -> Logprobs:
+        """Logprobs of `tokens` and of each row's most likely tokens under `processed` logits."""
         return Logprobs(*_logprobs(processed, tokens))
+
+    def processed(self, logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+        """The logits each row draws from (`processed_logits`), by the fused kernels where they run."""
+        if self._runs_fused(logits):
+            return self._fused(logits, t).processed()
+        return self.processed_logits(logits, t)
 
     def _runs_fused(self, logits: torch.Tensor) -> bool:
         # Triton runs CUDA tensors, and CPU ones only in its interpreter (the tests' CPU path).

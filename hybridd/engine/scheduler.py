@@ -24,9 +24,9 @@ lists the partly filled blocks to copy). After that they are ordinary sequences.
 With a speculator, a step of decode rows only may be a verify step: each sequence's
 last token and the tokens its drafter proposed are decode rows at consecutive
 positions, every row with logits; `postprocess_verify` keeps, per sequence, the draft's
-prefix that the target drew and the target's next token, rewinds past the rest (their
-KV slots are written over later, their reserved blocks let go) and offers the cache only
-blocks of kept tokens. A draft follows every token, so a speculating step is scheduled
+prefix that its rows kept (`verification`) and the next row's token, rewinds past the
+rest (their KV slots are written over later, their reserved blocks let go) and offers
+the cache only blocks of kept tokens. A draft follows every token, so a speculating step is scheduled
 only once the tokens of the steps before it are on the host (the policy chooses
 speculation per batch size where that has measured cheaper per token).
 
@@ -49,6 +49,7 @@ from hybridd.engine.detokenizer import IncrementalDetokenizer, Tokenizer
 from hybridd.engine.prompt import prompt_length_refusal
 from hybridd.engine.sequence import Sequence, SequenceStatus
 from hybridd.engine.speculation.speculator import Speculator
+from hybridd.engine.speculation.verification import DraftDistribution
 from hybridd.engine.stop_criteria import StopCriteria
 from hybridd.log import get_logger
 from hybridd.model.step_inputs import HostStepInputs
@@ -99,6 +100,9 @@ class ScheduledBatch:
     # A verify step: each sequence's draft tokens (its rows are its last token and these,
     # in order, each with logits); None for other steps.
     drafts: list[list[int]] | None = None
+    # A verify step of a drafter with distributions: per sequence, the draft tokens its rows
+    # score by the rejection rule (`verification.DraftDistribution`); None for other drafters.
+    draft_distributions: list[DraftDistribution | None] | None = None
     # Scheduled while speculation was chosen for its batch size (a verify step, or a
     # decode step of it that found no drafts): its time is measured for that choice.
     speculating: bool = False
@@ -336,9 +340,10 @@ class Scheduler:
         if chunks:
             batch = self._mixed_batch(step_id, decodes, chunks)
         else:
-            drafts = self._drafts(decodes) if speculating else []
-            if any(drafts):
-                batch = self._verify_batch(step_id, decodes, drafts)
+            drafts, distributions = self._drafts(decodes) if speculating else ([], [])
+            # A draft token its grammar refused is still scored by the rule (`verification`).
+            if any(drafts) or any(d is not None and d.tokens for d in distributions):
+                batch = self._verify_batch(step_id, decodes, drafts, distributions)
             else:
                 batch = self._decode_batch(step_id, decodes)
             batch.speculating = speculating
@@ -362,8 +367,8 @@ class Scheduler:
 
     def postprocess_verify(self, batch: ScheduledBatch, row_tokens: list[int]) -> tuple[
             list[Sequence], list[list[tuple[int, str, int]]]]:
-        """A verify step's draws (one per row): each sequence keeps the longest prefix of
-        its draft that the target drew, and the target's token after it (`Speculator`).
+        """A verify step's tokens (one per row): each sequence keeps the longest prefix of
+        its draft that its rows kept, and the row's token after it (`Speculator`).
         Returns the sequences that finished, and for each sequence the (token, text, row)
         it appended, in order (a stop ends it early: the rest are dropped)."""
         assert batch.drafts is not None and self.speculator is not None
@@ -386,6 +391,9 @@ class Scheduler:
             for j, token in enumerate(kept):
                 done = self._append(seq, token)
                 entries.append((token, seq.new_text, first_row + j))
+                if not done and seq.grammar_ended:  # its structured output is complete
+                    self._finish(seq, "stop", token)
+                    done = True
                 if done:
                     finished.append(seq)
                     break
@@ -429,9 +437,10 @@ class Scheduler:
             return None
         return True
 
-    def _drafts(self, seqs: list[Sequence]) -> list[list[int]]:
+    def _drafts(self, seqs: list[Sequence]) -> tuple[list[list[int]], list[DraftDistribution | None]]:
         """Each decode row's draft tokens: within its max_tokens and max_model_len (a kept
-        draft never passes them), the verify step's rows, and the KV blocks free now."""
+        draft never passes them), the verify step's rows, its grammar, and the KV blocks
+        free now; and what its rows score by the rejection rule, for a drafter with distributions."""
         assert self.speculator is not None
         spare_rows = max(0, self.max_verify_rows - len(seqs))
         per_seq = spare_rows // max(1, len(seqs))
@@ -439,14 +448,21 @@ class Scheduler:
         for seq in seqs:
             left = min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - len(seq)) - 1
             room.append(max(0, min(left, per_seq, self.speculator.max_tokens)))
-        drafts = self.speculator.drafts(seqs, room)
+        proposed = self.speculator.drafts(seqs, room)
+        drafts = [draft for draft, _ in proposed]
+        distributions = [distribution for _, distribution in proposed]
         bm = self.block_manager
         for i, (seq, draft) in enumerate(zip(seqs, drafts, strict=True)):
             if draft:
-                drafts[i] = draft[:bm.reserve(seq, seq.last_position + len(draft))]
-        return drafts
+                fits = bm.reserve(seq, seq.last_position + len(draft))
+                if fits < len(draft):
+                    drafts[i] = draft[:fits]
+                    if distributions[i] is not None:
+                        distributions[i] = distributions[i].shortened(fits)
+        return drafts, distributions
 
-    def _verify_batch(self, step_id: int, seqs: list[Sequence], drafts: list[list[int]]) -> ScheduledBatch:
+    def _verify_batch(self, step_id: int, seqs: list[Sequence], drafts: list[list[int]],
+                      distributions: list[DraftDistribution | None]) -> ScheduledBatch:
         """A verify step: a decode row for each sequence's last token and one for each of
         its draft tokens, at the positions after it, each with logits. Every input is on
         the host (speculation waits for tokens in flight)."""
@@ -462,7 +478,8 @@ class Scheduler:
             self._verifying.add(seq.request_id)
         inputs = HostStepInputs.decode(tokens, positions, tables, bm.block_size, table_width=self.block_table_width)
         return ScheduledBatch(BatchKind.VERIFY, step_id, seqs, inputs, None, None,
-                              num_decode_rows=len(tokens), drafts=drafts)
+                              num_decode_rows=len(tokens), drafts=drafts,
+                              draft_distributions=distributions if any(distributions) else None)
 
     def _ends_when_landed(self, seq: Sequence) -> bool:
         """The token in flight takes the sequence to max_tokens or max_model_len. Stop

@@ -18,6 +18,8 @@ which may still be on its way: once `Launched` is in (the GPU runs the forward),
 pipeline `settle`s (the caller retires every step in flight, which advances each
 sequence's grammar), fills the rows' masks on the host while the forward runs, copies
 them to the device and only then enqueues the sampling. Batches without one never wait.
+A verify step's rows are sampled by `verification.sample_verify_rows`, a constrained
+sequence's rows each under its grammar's mask after the draft tokens before it.
 
 A prefill that forks sequences (a request's `n`) samples each fork from its row's
 logits and copies the prompt's partly filled KV blocks for the forks on the same
@@ -48,7 +50,7 @@ from hybridd.engine.sampler import Logprobs, Sampler, SamplingTensors
 from hybridd.errors import EngineDeadError
 from hybridd.engine.scheduler import ScheduledBatch
 from hybridd.engine.speculation.drafter import HiddenStateDrafter
-from hybridd.engine.speculation.verification import verify_sampling_tensors
+from hybridd.engine.speculation.verification import sample_verify_rows, verify_sampling_tensors
 from hybridd.model.kv_cache import copy_blocks
 from hybridd.runtime.serving_stream import ServingStream
 from hybridd.runtime.step_buffers import StepBuffers
@@ -167,9 +169,13 @@ class StepPipeline:
             logits = logits.index_select(0, self._to_device(torch.tensor(batch.sample_rows, dtype=torch.int64)))
         n_rows = logits.shape[0]
         out = self.ring[batch.step_id % RING_STEPS, :n_rows]
-        _, logprobs = self.sampler.sample(logits, tensors, out,
-                                          with_logprobs=any(seq.params.logprobs for seq in batch.sampled_seqs),
-                                          allowed=self._allowed(batch))
+        with_logprobs = any(seq.params.logprobs for seq in batch.sampled_seqs)
+        if batch.is_verify:
+            _, logprobs = sample_verify_rows(self.sampler, logits, tensors, batch.seqs, batch.drafts,
+                                             batch.draft_distributions, out, with_logprobs, self._allowed(batch))
+        else:
+            _, logprobs = self.sampler.sample(logits, tensors, out, with_logprobs=with_logprobs,
+                                              allowed=self._allowed(batch))
         host = torch.empty(n_rows, dtype=torch.int64, pin_memory=self.cuda)
         host_logprobs = None if logprobs is None else Logprobs.empty_like(logprobs, pin_memory=self.cuda)
         # The next step's forward writes over the hidden states once this stream marks its
@@ -217,7 +223,7 @@ class StepPipeline:
         if self.settle is not None:
             self.settle()
         mark("masks_begin")
-        mask = self.token_masks.fill(seqs)
+        mask = self.token_masks.fill_verify(seqs, batch.drafts) if batch.is_verify else self.token_masks.fill(seqs)
         mark("masks_filled")
         return None if mask is None else self._to_device(mask)
 

@@ -19,12 +19,11 @@ that still does not fit, or that would pass the draft's positions, gets no draft
 Each token is drawn from the draft's logits by the request's own sampler (`Sampler`:
 penalties, temperature, top-k/top-p) with the noise the target uses at that position
 (keyed by the request's seed and the token's position), so a greedy request's draft is
-the draft's argmax and a sampled request's is the draft's own sample coupled to the
-target's: wherever the two distributions agree the draft is the target's draw, the
-one the verify step accepts (verification accepts a draft token iff the target drew
-it, which keeps the output the target's token for token). `Draft.probabilities` is, for
-sampled requests, the distribution each token was drawn from, the softmax of the
-processed draft logits (`Sampler.processed_logits`: the request's temperature applied).
+the draft's argmax and a sampled request's a draw from the draft's distribution, which
+verification scores by the rejection rule (`verification`: its own uniforms and residual
+noise are keyed apart from this noise). `Draft.probabilities` is, for sampled requests,
+the distribution each token was drawn from, the softmax of the processed draft logits
+(`Sampler.processed_logits`: the request's temperature applied).
 
 Where its forwards run is the `DraftForward` it is given. In the daemon the drafter
 lives in the graph generator (`draft_runner`: the draft model on the target's device,

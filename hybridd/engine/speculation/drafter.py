@@ -4,20 +4,19 @@ A drafter looks at sequences whose every token is on the host and proposes, for
 each, up to the number of tokens it is asked for: the continuation it guesses the
 target will produce. It never changes a sequence. `Draft.probabilities` is how likely
 the drafter found each token (a draft model's distribution at each position); a
-drafter that proposes tokens deterministically (prompt lookup) leaves it None, which
+drafter that proposes tokens deterministically (prompt lookup), or whose sampled tokens
+are to be kept only where the target drew them (an EAGLE-3 head), leaves it None, which
 verification treats as a point mass on the proposed token. Either way verification
 keeps the target's distribution exactly (`verification`), so a drafter can be wrong
 as often as it likes and costs only speed.
 
-Today every draft is verified by the coupled draw (`verification`): a draft token is
-kept while it equals the token the target itself draws there, so the output is the
-target's own, token for token, whatever the drafter. A draft model that samples its
-tokens with the sampler's noise of the same (seed, position) (`gumbel_noise`) draws the
-target's token whenever its distribution is close to the target's, which keeps its
-acceptance near that of rejection sampling; a drafter that needs the general rule
-(min(1, p/q), `verification.rejection_sample`) returns its `probabilities`, and the
-verify step then hands the rows' processed distributions (`Sampler.processed_logits`)
-to that rule (to be wired with the first such drafter).
+How a verify step keeps draft tokens (`verification`): a sampled row scores a draft
+token with a distribution by the rejection rule (kept with probability min(1, p/q), else
+a token from norm(max(p - q, 0))); a token without one (a point mass), and any greedy
+row, by the target's own draw there (kept iff the target drew it, which is that rule for
+a point mass, and keeps the output the target's own, token for token). A drafter that
+samples its tokens returns each one's distribution in `probabilities`, the one it drew
+it from; the rule needs the tokens to be draws from it, whatever noise drew them.
 
 A drafter with state per sequence (an index of its tokens, a draft model's KV cache)
 keys it by `Sequence.request_id` and lets go of it in `release`; the scheduler calls

@@ -28,7 +28,11 @@ size in float32.
 
 Tokens are drawn from the head's logits, scattered into the target's vocabulary, by the
 request's own sampler with the target's noise at each position (as the draft model's
-are, `draft_model`): a greedy request's draft is the head's argmax.
+are, `draft_model`): a greedy request's draft is the head's argmax, and a sampled
+request's is the target's own draw wherever the two distributions agree. Its drafts
+carry no distribution: a verify step keeps a draft token iff the target drew it
+(`verification`), so the output is the one without speculation, seeded sampling too,
+token for token.
 
 Where it runs: in the process of the runner that feeds it (the in-process engine), on
 the CPU, eagerly.
@@ -165,14 +169,11 @@ class Eagle3Drafter:
             # States consumed but the last pair's, which a proposal over the same tokens reruns.
             track.hidden, track.hidden_start = track.hidden[n - 2 - track.hidden_start:], n - 2
         tokens: list[list[int]] = [[] for _ in rows]
-        probabilities: list[list[torch.Tensor]] = [[] for _ in rows]
         active = list(range(len(rows)))
         while True:
             drawn = self._draw(head.compute_logits(normed), [drafted[a] for a in active], [tokens[a] for a in active])
-            for a, (token, probs) in zip(active, drawn, strict=True):
+            for a, token in zip(active, drawn, strict=True):
                 tokens[a].append(token)
-                if probs is not None:
-                    probabilities[a].append(probs)
             still = [j for j, a in enumerate(active) if len(tokens[a]) < counts[a]]
             if not still:
                 break
@@ -184,14 +185,13 @@ class Eagle3Drafter:
                                            [tracks[a].blocks for a in active], self.block_size).on(head.device)
             normed, hidden = head(inputs, self.kv, hidden, torch.tensor(positions, device=head.device))
         for a, i in enumerate(rows):
-            probs = torch.stack(probabilities[a]).cpu() if probabilities[a] else None
-            drafts[i] = Draft(tokens[a], probs)
+            drafts[i] = Draft(tokens[a])
         return drafts
 
     def _draw(self, draft_logits: torch.Tensor, seqs: list[Sequence],
-              drafted: list[list[int]]) -> list[tuple[int, torch.Tensor | None]]:
+              drafted: list[list[int]]) -> list[int]:
         """Each row's next draft token (a target id), drawn as the target draws the token
-        at its position, and for a sampled request its draft distribution."""
+        at its position."""
         logits = draft_logits.new_full((draft_logits.shape[0], self.vocab_size), float("-inf"))
         logits[:, self.head.draft_to_target] = draft_logits
         tensors = SamplingTensors.build(
@@ -199,12 +199,7 @@ class Eagle3Drafter:
             [len(seq) + len(d) for seq, d in zip(seqs, drafted, strict=True)], self.vocab_size, logits.device,
             [seq.prompt_token_ids for seq in seqs],
             [seq.output_token_ids + d for seq, d in zip(seqs, drafted, strict=True)])
-        tokens = self.sampler(logits, tensors).tolist()
-        if tensors.all_greedy:
-            return [(token, None) for token in tokens]
-        probs = torch.softmax(Sampler.processed_logits(logits, tensors), dim=-1)
-        return [(token, None if seq.params.greedy else probs[row])
-                for row, (token, seq) in enumerate(zip(tokens, seqs, strict=True))]
+        return self.sampler(logits, tensors).tolist()
 
     def _reserve(self, track: _Track, num_tokens: int, keep: set[str]) -> bool:
         """Blocks of the head's KV for `num_tokens` positions of `track`, taken from sequences
