@@ -431,19 +431,34 @@ def test_prompt_too_long_once_tokenized_is_refused_alike_on_the_loop_and_the_thr
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a nice value per thread is Linux's")
 def test_intake_thread_runs_below_the_serving_loop():
     """Tokenizing runs at a lower CPU priority than the thread that created the
-    intake (the serving loop): on a host with no idle core it takes what serving leaves."""
+    intake (the serving loop), whatever that thread's own priority (a daemon started
+    under `nice` too): on a host with no idle core it takes what serving leaves."""
     from hybridd.model import load_tokenizer
-    from hybridd.workers.intake import INTAKE_NICENESS, Intake
+    from hybridd.workers.intake import LOWEST_PRIORITY, Intake, intake_niceness
+
+    tokenizer = load_tokenizer(Path(hybridd.__file__).parent / "assets" / "tiny-shakespeare")
 
     def niceness() -> int:
         return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
 
-    intake = Intake(load_tokenizer(Path(hybridd.__file__).parent / "assets" / "tiny-shakespeare"), max_model_len=64)
-    try:
-        assert intake.submit(niceness).result(timeout=REPLY_TIMEOUT_S) == max(niceness(), INTAKE_NICENESS)
-        assert niceness() < INTAKE_NICENESS
-    finally:
-        intake.close()
+    def intake_beside_a_loop_at(loop: int | None) -> tuple[int, int]:
+        """(the loop's, the intake thread's) nice values, the loop's raised to `loop` first."""
+        if loop is not None:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), loop)
+        intake = Intake(tokenizer, max_model_len=64)
+        try:
+            return niceness(), intake.submit(niceness).result(timeout=REPLY_TIMEOUT_S)
+        finally:
+            intake.close()
+
+    results = []
+    for loop in (None, min(LOWEST_PRIORITY - 1, niceness() + 5)):  # a thread's nice value only goes up
+        worker = threading.Thread(target=lambda loop=loop: results.append(intake_beside_a_loop_at(loop)))
+        worker.start()
+        worker.join(timeout=REPLY_TIMEOUT_S)
+    assert len(results) == 2, results
+    for loop_nice, intake_nice in results:
+        assert intake_nice == intake_niceness(loop_nice) and intake_nice > loop_nice, results
 
 
 @pytest.mark.slow

@@ -90,19 +90,28 @@ def _array_items(raw: msgspec.Raw) -> int | None:
     return None if width is None or len(head) < 1 + width else int.from_bytes(head[1 : 1 + width], "big")
 
 
-# The intake's thread runs at this nice value: when the host has fewer free cores than
-# runnable threads, the scheduler serves the loop and the model's threads first, so a
-# client's long prompts take the CPU time the serving leaves, not the serving's time.
+# The intake's thread runs this many nice levels below the thread that starts it (the
+# serving loop; at most Linux's lowest priority, 19): when the host has fewer free cores
+# than runnable threads, the scheduler serves the loop and the model's threads first, so
+# a client's long prompts take the CPU time the serving leaves, not the serving's time.
+# Relative, so that a daemon started under `nice` keeps its intake below its loop.
 INTAKE_NICENESS = 10
+LOWEST_PRIORITY = 19
+
+
+def intake_niceness(loop_niceness: int) -> int:
+    """The intake thread's nice value beside a serving loop at `loop_niceness`."""
+    return min(LOWEST_PRIORITY, loop_niceness + INTAKE_NICENESS)
 
 
 def _lower_priority() -> None:
-    """Lower the calling thread's CPU priority (Linux: a nice value per thread)."""
+    """Lower the calling thread's CPU priority below that of the thread it was started by,
+    whose nice value it inherits (Linux: a nice value per thread)."""
     if not hasattr(os, "setpriority") or not sys.platform.startswith("linux"):
         return
     tid = threading.get_native_id()
     try:
-        os.setpriority(os.PRIO_PROCESS, tid, max(os.getpriority(os.PRIO_PROCESS, tid), INTAKE_NICENESS))
+        os.setpriority(os.PRIO_PROCESS, tid, intake_niceness(os.getpriority(os.PRIO_PROCESS, tid)))
     except OSError:  # a seccomp'd container may refuse it: the thread then runs at the loop's priority
         pass
 
