@@ -380,8 +380,8 @@ class Config:
                 unit = " s" if declared.unit == "s" else ""
                 raise ConfigError(f"{f.name} must be at most {declared.at_most:g}{unit}, got {value!r}")
         if self.speculative_drafter == "draft_model" and not draft_model_dir(self):
-            raise ConfigError(f"speculative_drafter draft_model needs speculative_draft_model (a directory); only "
-                              f"the embedded model has a draft of its own")
+            raise ConfigError("speculative_drafter draft_model needs speculative_draft_model (a directory); only "
+                              "the embedded model has a draft of its own")
         if self.speculative_drafter == "eagle3" and not eagle3_head_dir(self):
             raise ConfigError("speculative_drafter eagle3 needs speculative_eagle3_head (a directory); only the "
                               "embedded model has a head of its own")

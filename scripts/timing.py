@@ -112,9 +112,7 @@ def copy_bandwidth(nbytes: int = 4 << 30) -> float:
     dst = torch.empty_like(src)
     for _ in range(3):
         dst.copy_(src)
-    seconds = median_time(lambda: dst.copy_(src), 10, cuda=True)
-    del src, dst
-    return nbytes / seconds
+    return nbytes / median_time(lambda: dst.copy_(src), 10, cuda=True)
 
 
 def matmul_rate(n: int = 8192) -> float:

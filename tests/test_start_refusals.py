@@ -115,7 +115,7 @@ def test_bad_model_directories_are_refused_naming_the_path(tmp_path, breakage, m
     breakage(model)
     done, elapsed = _start("--runtime-dir", str(tmp_path / "run"), "--model", str(model))
     assert done.returncode == exit_codes.USAGE, done.stderr
-    assert done.stderr.startswith(f"hybridd: cannot start: ") and str(model) in done.stderr
+    assert done.stderr.startswith("hybridd: cannot start: ") and str(model) in done.stderr
     assert message in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert elapsed < REFUSAL_BOUND_S

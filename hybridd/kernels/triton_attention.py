@@ -566,7 +566,7 @@ _MAX_BUCKET_BATCH = 512
 def _compile_decode_plans(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor, scale: float
 ) -> None:
-    h, kvh, page, width = q.shape[1], k_cache.shape[2], k_cache.shape[1], block_tables.shape[1]
+    kvh, page, width = k_cache.shape[2], k_cache.shape[1], block_tables.shape[1]
     key = ("decode", q.device, q.dtype, tuple(q.shape[1:]), tuple(k_cache.shape[1:]), width, pdl.enabled(q.device))
     if not first_eager_call(key, q.device):
         return
