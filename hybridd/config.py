@@ -621,21 +621,20 @@ def resolve_dtype(config: Config, device: torch.device) -> torch.dtype:
     return getattr(torch, config.dtype)
 
 
+def _with_embedded_default(config: Config, configured: str, embedded: Path) -> str:
+    """`configured`, else `embedded` with the embedded model ("" with another model)."""
+    if configured:
+        return configured
+    return str(embedded) if Path(config.model).resolve() == EMBEDDED_MODEL else ""
+
+
 def eagle3_head_dir(config: Config) -> str:
     """The EAGLE-3 head's directory: speculative_eagle3_head, else the embedded model's
     head with the embedded model ("" with another model)."""
-    if config.speculative_eagle3_head:
-        return config.speculative_eagle3_head
-    if Path(config.model).resolve() == EMBEDDED_MODEL:
-        return str(EMBEDDED_EAGLE3_HEAD)
-    return ""
+    return _with_embedded_default(config, config.speculative_eagle3_head, EMBEDDED_EAGLE3_HEAD)
 
 
 def draft_model_dir(config: Config) -> str:
     """The draft model's directory: speculative_draft_model, else the embedded model's
     draft with the embedded model ("" with another model)."""
-    if config.speculative_draft_model:
-        return config.speculative_draft_model
-    if Path(config.model).resolve() == EMBEDDED_MODEL:
-        return str(EMBEDDED_DRAFT_MODEL)
-    return ""
+    return _with_embedded_default(config, config.speculative_draft_model, EMBEDDED_DRAFT_MODEL)
