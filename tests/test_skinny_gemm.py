@@ -4,6 +4,8 @@ bf16 for every projection of Llama-2-7B and Llama-3-8B (tests marked `gpu`)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -185,6 +187,17 @@ def test_every_shape_on_every_gpu_gets_a_config_up_to_32_rows(n, k, multiprocess
         config = triton_gemm.config_for(m, n, k, multiprocessors)
         assert config is not None and config.block_n in (64, 128) and config.split_k in (1, 2), (m, config)
         assert config.block_k * config.split_k <= max(k, 2 * config.block_k), (m, config)
+
+
+@pytest.mark.parametrize(("n", "k"), [(6144, 4096), (4096, 14336), (128256, 4096), (4096, 64), (48, 96)])
+def test_a_float32_weight_streams_the_bytes_of_the_bf16_config_a_stage(n, k):
+    """A float32 model on CUDA (the exact path of the daemon tests) took the bf16 rule's
+    seven stages of 128 columns: 280 KiB of shared memory, past an H100's 227, so no
+    step compiled. Its stages hold the bf16 config's bytes instead."""
+    for m in range(1, 33):
+        bf16, fp32 = triton_gemm.config_for(m, n, k, 132, 2), triton_gemm.config_for(m, n, k, 132, 4)
+        assert fp32.block_k * 4 == bf16.block_k * 2, (m, bf16, fp32)
+        assert dataclasses.replace(fp32, block_k=bf16.block_k) == bf16, (m, bf16, fp32)
 
 
 def test_torch_kernels_keep_plain_linear():

@@ -283,11 +283,16 @@ _PREFILL_PLANS: tuple[tuple[int, PrefillPlan], ...] = (
 _LONG_PREFILL_PLAN = PrefillPlan(block_m=64, block_n=64, num_warps=4, num_stages=2)
 
 # The KV split of a step with few query tiles over a long context (a prompt's tail after a
-# cached prefix, a chunk late in a long prompt). Unmeasured first values, to be set by
-# `pytest -m gpu tests/test_gpu_kernels.py -k split_prefill_attention_timings` (it times
-# every split count at the shapes that need them):
-# programs with keys to read the split aims for, per multiprocessor;
+# cached prefix, a chunk late in a long prompt), measured on an H100 by
+# `pytest -m gpu tests/test_gpu_kernels.py -k split_prefill_attention_timings` (every
+# split count at the shapes that need them; docs/lab/kernels.md, "Split-KV prefill"):
+# programs with keys to read the split aims for, per multiprocessor, rounded down to a
+# power of two: four for tiles of up to 32 query rows (a 64-token tail after 1,936
+# cached tokens: 68 µs unsplit, 33 at 4 splits, 38 at 5), two for 64-row tiles (a
+# 256-token chunk at context 1,792: 77 µs unsplit, 52 at 2, 62 at 4; a 1,024-token step
+# is fastest unsplit);
 SPLIT_PROGRAMS_PER_SM = 4
+LONG_TILE_SPLIT_PROGRAMS_PER_SM = 2
 # the most programs a split grid may have, per multiprocessor: a program of a padding
 # tile slot still starts and reads the step's bounds before it exits, and one of a split
 # that a short context leaves without keys reads its tile's positions too;
@@ -317,8 +322,9 @@ def prefill_plan(tokens: int, heads: int = 1, max_context: int = 0, seqs: int = 
     keys, on `sms` multiprocessors.
 
     The query tiles are split over the keys when a prompt's tiles alone leave the GPU
-    idle: enough splits for SPLIT_PROGRAMS_PER_SM programs a multiprocessor (counting one
-    sequence's tiles: the bucket's other rows are mostly padding), no more than the whole
+    idle: enough splits for SPLIT_PROGRAMS_PER_SM programs a multiprocessor
+    (LONG_TILE_SPLIT_PROGRAMS_PER_SM for 64-row tiles; counting one sequence's tiles: the
+    bucket's other rows are mostly padding), a power of two, no more than the whole
     grid, every tile slot and padding sequence's included, allows (SPLIT_GRID_PER_SM), nor
     than `max_context` has runs of MIN_SPLIT_KEYS. The bucket fixes the split count; each
     program sizes its run from its tile's context at replay."""
@@ -329,8 +335,10 @@ def prefill_plan(tokens: int, heads: int = 1, max_context: int = 0, seqs: int = 
             break
     tiles = triton.cdiv(tokens, plan.block_m)
     grid = (tiles + seqs + 1) * heads
-    splits = min(triton.cdiv(SPLIT_PROGRAMS_PER_SM * sms, tiles * heads), max(1, SPLIT_GRID_PER_SM * sms // grid),
+    per_sm = SPLIT_PROGRAMS_PER_SM if plan.block_m <= 32 else LONG_TILE_SPLIT_PROGRAMS_PER_SM
+    splits = min(per_sm * sms // (tiles * heads), max(1, SPLIT_GRID_PER_SM * sms // grid),
                  triton.cdiv(max_context, MIN_SPLIT_KEYS), MAX_SPLITS)
+    splits = 1 << (max(1, splits).bit_length() - 1)  # a power of two: whole key tiles a split
     min_split = triton.cdiv(MIN_SPLIT_KEYS, plan.block_n) * plan.block_n
     return dataclasses.replace(plan, splits=max(1, splits), min_split=min_split)
 
