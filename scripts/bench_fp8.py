@@ -11,8 +11,7 @@
   the FP8 candidates (`candidates`: the tensor-core kernel converting to bf16 or to
   float16, the CUDA-core kernel up to 8 rows, then their neighbours while `--budget-s`
   lasts). GB/s on the bytes each must read (FP8: weight and scales) against the copy
-  bandwidth (the target: >= 0.85); `best` per product (for o and down, whose inputs are
-  not normalised, the fastest form that keeps the activations in bf16), which `--table`
+  bandwidth (the target: >= 0.85); `best` per product (the fastest form), which `--table`
   turns into the table `triton_gemm.config_for` takes FP8 configs from.
 - `prefill`: each projection at 128-2,048 rows through both prefill candidates
   (`scaled_mm`: per-token quantization + torch._scaled_mm; `dequant`: the Triton GEMM
@@ -96,8 +95,6 @@ def count_for(nbytes: int) -> int:
 
 # The FP8 decode forms that round the activations to float16, and the projections whose
 # input is normalised (RMSNorm), which alone `best` may give a float16 form.
-F16_KERNELS = ("dot_f16", "dot_f16_t")
-NORMALISED_INPUTS = ("qkv", "gate_up")
 # Decode launches a captured graph replays back to back: the kernels' own time, no host launch.
 GRAPH_LAUNCHES = 20
 # Bytes the launches of one graph cycle over at least, so that no launch finds its weight in
@@ -276,12 +273,6 @@ def summarise(out: dict, copy_bw: float) -> dict:
             print(f"decode {key}: no candidate ran", flush=True)
             continue
         best = timed[0]
-        # The float16 forms round the activations to float16, which overflows past 65504:
-        # only the normalised inputs of qkv and gate_up are sure to stay far below.
-        exact = next((c for c in timed if c["config"]["kernel"] not in F16_KERNELS), None)
-        if key.split(".")[1] not in NORMALISED_INPUTS and exact is not None and exact is not best:
-            row["fastest_any"] = best["config"]
-            best = exact
         bf16_s = row.get("bf16_s", float("nan"))
         row |= {"best": best["config"], "fp8_s": best["s"], "fp8_GBps": best["GBps"],
                 "fp8_x_copy_bw": best["x_copy_bw"], "rule_s": rule.get("s"), "bf16_GBps": 2 * n * k / bf16_s / 1e9,

@@ -35,8 +35,9 @@ def fp8_operands(m: int, n: int, k: int, bias: bool, seed: int, activations: str
 
 
 def as_kernel_reads(x: torch.Tensor, kernel: str) -> torch.Tensor:
-    """x as `kernel` multiplies it: rounded to float16 by the float16 forms."""
-    return x.to(torch.float16).to(x.dtype) if kernel in F16 else x
+    """x as `kernel` multiplies it: scaled by 2^-4, rounded to float16 and scaled back by
+    the float16 forms."""
+    return ((x.float() * 2.0**-4).to(torch.float16).float() * 16).to(x.dtype) if kernel in F16 else x
 
 
 # ---------------------------------------------------------------- E4M3 conversions, every code
@@ -94,6 +95,27 @@ def test_decode_kernel_equals_the_emulated_product(kernel, m, n, k, split, bias,
         return
     assert out is not None and out.shape == (m, n) and out.dtype == DTYPE
     reads = x if activations != "none" else as_kernel_reads(x, kernel)  # FP8 activations are exact in float16
+    assert rel(out, fp8.linear(reads, w, b)) < TOL
+
+
+@pytest.mark.parametrize("kernel", F16)
+@pytest.mark.parametrize("m", [1, 5])
+def test_float16_forms_take_activations_past_float16s_range(kernel, m):
+    """A down projection's input may pass 65504 (massive activations), where a plain
+    float16 rounding is infinite: the float16 forms scale the activations by 2^-4 first,
+    so activations up to 2^20 give the exact form's product (E4M3 weights and bf16
+    activations are both float16 values once scaled)."""
+    x, w, b = fp8_operands(m, 40, 96, True, seed=m)
+    x = x * 1e5
+    x[:, 0] = 2.0**20 - 2.0**12  # the largest magnitude kept, near 2^20
+    x[:, 1] = 3e-4  # and a small one, still exact
+    x = x.to(DTYPE)
+    assert x.float().abs().max() > 65504
+    out = triton_gemm.launch(x, w, b, GemmConfig(16, 32, 1, kernel=kernel))
+    assert torch.isfinite(out.float()).all()
+    reads = as_kernel_reads(x, kernel)
+    if DTYPE == torch.bfloat16:
+        assert torch.equal(reads, x)  # bf16 activations are float16 values once scaled
     assert rel(out, fp8.linear(reads, w, b)) < TOL
 
 

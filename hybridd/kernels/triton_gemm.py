@@ -76,7 +76,7 @@ class GemmConfig:
     tile_m: bool = False
     # How an FP8 weight's tile is multiplied (one of KERNELS): "dot" converts it to the
     # activation dtype for the tensor cores; "dot_f16" converts it to float16 (one hardware
-    # conversion a pair) and rounds the activations to float16 as well; "dot_t" and
+    # conversion a pair) and the activations, scaled by 2^-4, as well; "dot_t" and
     # "dot_f16_t" are those with W the tensor cores' second operand (its FP8 tile read from
     # shared memory in 8-byte pieces where the first operand's layout takes 2); "fma"
     # multiplies on the CUDA cores in float32, up to FMA_ROWS rows (no padding to 16), each
@@ -106,7 +106,8 @@ def _multiply_add(acc, w_rows, x_ptr, offs_m, k_idx, mask_m, mask_n, stride_xm, 
     once, so it is evicted first.
 
     MODE 1 ("dot_f16"): both in float16 instead (FP8 E4M3 exactly, one conversion a pair
-    on sm89+; the activations rounded, see `GemmConfig.kernel`); MODE 3 and 4 ("dot_t",
+    on sm89+; the activations scaled by 2^-4, exact from 2^-13 to 2^20, see
+    `GemmConfig.kernel`); MODE 3 and 4 ("dot_t",
     "dot_f16_t"): those of 0 and 1 with acc [BLOCK_M, BLOCK_N] += x @ W.T."""
     a_ptrs = x_ptr + offs_m[:, None] * stride_xm + k_idx[None, :]
     if EVEN_K:
@@ -125,12 +126,17 @@ def _multiply_add(acc, w_rows, x_ptr, offs_m, k_idx, mask_m, mask_n, stride_xm, 
     if NORM_WEIGHT:
         a = (a.to(tl.float32) * inv_rms[:, None]).to(dt)
         a = (a.to(tl.float32) * g.to(tl.float32)[None, :]).to(dt)
+    if MODE == 1 or MODE == 4:
+        # Scaled by 2^-4 on the way to float16 (the epilogue scales back): a bf16 value
+        # from 2^-13 to 2^20 in magnitude is then a float16 exactly, where unscaled ones
+        # past 65504 (a down projection's input may reach them) would overflow.
+        a = (a.to(tl.float32) * 0.0625).to(tl.float16)
     if MODE == 1:  # the mode numbers: KERNELS' indices
-        return tl.dot(w.to(tl.float16), tl.trans(a.to(tl.float16)), acc)
+        return tl.dot(w.to(tl.float16), tl.trans(a), acc)
     elif MODE == 3:  # acc [BLOCK_M, BLOCK_N]: W the tensor cores' second operand
         return tl.dot(a.to(dt), tl.trans(w.to(dt)), acc)
     elif MODE == 4:
-        return tl.dot(a.to(tl.float16), tl.trans(w.to(tl.float16)), acc)
+        return tl.dot(a, tl.trans(w.to(tl.float16)), acc)
     else:
         return tl.dot(w.to(dt), tl.trans(a.to(dt)), acc)
 
@@ -390,6 +396,8 @@ def _skinny_gemm_kernel(
                                 dt, g_ptr, inv_rms, NORM_WEIGHT, MODE)
     if MODE >= 3:
         acc = tl.trans(acc)
+    if MODE == 1 or MODE == 4:
+        acc = acc * 16.0  # the float16 forms' activations were scaled by 2^-4
     if NORM and not NORM_WEIGHT:
         # The norm's weight is folded into W (`LlamaModel.fold_norms`): what is left of it
         # is one scale per row, which commutes with the product and with the split sum.
