@@ -172,6 +172,10 @@ class GraphStepRunner:
         device = self.buffers.logits.device
         self.buffers.write(batch.inputs)
         self.runner.run(batch.is_prefill, batch.num_tokens, batch.num_rows)
+        if self.buffers.logits.is_cuda:
+            # The step ran on the runner's serving stream: the logits are read, and the next
+            # step's inputs written, on this one (unordered, a step read inputs half written).
+            torch.cuda.synchronize()
         logits = self.buffers.logits[:batch.num_rows]
         if batch.selects_rows:
             logits = logits.index_select(0, torch.tensor(batch.sample_rows, device=device))
