@@ -22,6 +22,9 @@ from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
 
+import msgpack
+import zmq
+
 import hybridd
 from hybridd import Client
 
@@ -139,3 +142,30 @@ def daemon_endpoint(args) -> Iterator[str]:
         return
     with running() as daemon:
         yield daemon.endpoint
+
+
+# ----------------------------------------------------------------------------- the raw wire (SPEC.md), for the wire tools
+
+
+def pack(value) -> bytes:
+    return msgpack.packb(value, use_bin_type=True)
+
+
+def dealer(context: zmq.Context, endpoint: str) -> zmq.Socket:
+    """A DEALER connected to `endpoint`: one session of its own."""
+    socket = context.socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.connect(endpoint)
+    return socket
+
+
+def status_of(context: zmq.Context, endpoint: str, timeout_s: float = 30.0) -> dict:
+    """The daemon's `status`, asked on a session of its own."""
+    socket = dealer(context, endpoint)
+    try:
+        socket.send(pack({"v": 1, "type": "status", "id": "tool-status"}))
+        if not socket.poll(int(timeout_s * 1000)):
+            raise TimeoutError(f"no status reply within {timeout_s} s")
+        return msgpack.unpackb(socket.recv())["status"]
+    finally:
+        socket.close()
