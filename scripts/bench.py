@@ -157,20 +157,11 @@ def on_empty_compile_caches(fn):
     """fn() with Triton's and Inductor's caches in a new directory (removed afterwards), as
     the workers spawned meanwhile will find them: a start there is a first start on the
     host (it compiles every kernel)."""
-    import shutil
+    from unittest import mock
 
-    saved = {name: os.environ.get(name) for name in COMPILE_CACHE_VARS}
-    root = Path(tempfile.mkdtemp(prefix="hybridd-caches-"))
-    os.environ.update({name: str(root / name.lower()) for name in COMPILE_CACHE_VARS})
-    try:
+    with tempfile.TemporaryDirectory(prefix="hybridd-caches-", ignore_cleanup_errors=True) as root, \
+            mock.patch.dict(os.environ, {name: f"{root}/{name.lower()}" for name in COMPILE_CACHE_VARS}):
         return fn()
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-        shutil.rmtree(root, ignore_errors=True)
 
 
 class HybriddServer:
@@ -532,17 +523,15 @@ def hf_generation_config(hf, max_new_tokens: int):
     import copy
 
     config = copy.deepcopy(hf.generation_config)
-    config.do_sample = False
     for name in ("temperature", "top_p", "top_k"):
         if hasattr(config, name):
             setattr(config, name, None)
     # Like ignore_eos: always max_new_tokens tokens. generate() fills unset fields from the
     # model's own generation config, so EOS is removed there too.
     hf.generation_config.eos_token_id = None
-    config.eos_token_id = None
-    config.pad_token_id = 0
-    config.max_new_tokens = max_new_tokens
-    config.min_new_tokens = None
+    for name, value in {"do_sample": False, "eos_token_id": None, "pad_token_id": 0, "max_new_tokens": max_new_tokens,
+                        "min_new_tokens": None}.items():
+        setattr(config, name, value)
     return config
 
 
@@ -554,17 +543,14 @@ def hf_timed_generate(hf, ids: list[int], max_new_tokens: int, config) -> Stream
     from transformers.generation.streamers import BaseStreamer
 
     class Stamps(BaseStreamer):
-        def __init__(self, record: StreamRecord):
-            self.record = record
-            self.prompt_seen = False
+        prompt_seen = False
 
         def put(self, value):
             now = time.perf_counter()
-            if not self.prompt_seen:  # generate() first puts the prompt
-                self.prompt_seen = True
-                return
-            self.record.times.append(now)
-            self.record.tokens += 1
+            if self.prompt_seen:  # generate() first puts the prompt
+                record.times.append(now)
+                record.tokens += 1
+            self.prompt_seen = True
 
         def end(self):
             pass
@@ -578,7 +564,7 @@ def hf_timed_generate(hf, ids: list[int], max_new_tokens: int, config) -> Stream
     if device.type == "cuda":
         torch.cuda.synchronize()
     record = StreamRecord(time.perf_counter())
-    hf.generate(input_ids=input_ids, attention_mask=mask, generation_config=config, streamer=Stamps(record))
+    hf.generate(input_ids=input_ids, attention_mask=mask, generation_config=config, streamer=Stamps())
     return record
 
 
@@ -798,16 +784,17 @@ def render_table(results: dict) -> str:
         lines.append(f"copy bw {fmt(dev.get('copy_bandwidth_Bps'), 1e-12)} TB/s  {dev.get('matmul_dtype')} matmul "
                      f"{fmt(dev.get('matmul_flops'), 1e-12, 1)} TFLOP/s  weights {fmt(fl.get('weight_bytes'), 1e-9)} GB  "
                      f"decode floor {fmt(fl.get('decode_floor_s'), 1e3)} ms")
-    lines.append("")
-    head = (f"{'figure (ms)':18s} | {'hybridd':>8s} | {'floor':>7s} | {'x floor':>7s} | {'hyb-eager':>9s} | "
-            f"{'HF eager':>8s} | {'HF static':>9s} | {'/hyb-eag':>8s} | {'/HF-eag':>7s} | {'/HF-stat':>8s}")
-    lines += [head, "-" * len(head)]
+    # (title, key, width, in the row's unit (else a ratio)) of each column after the figure's name.
+    columns = (("hybridd", "hybridd", 8, True), ("floor", "floor", 7, True), ("x floor", "x_floor", 7, False),
+               ("hyb-eager", "hybridd_eager", 9, True), ("HF eager", "hf_eager", 8, True),
+               ("HF static", "hf_static", 9, True), ("/hyb-eag", "hybridd_over_hybridd_eager", 8, False),
+               ("/HF-eag", "hybridd_over_hf_eager", 7, False), ("/HF-stat", "hybridd_over_hf_static", 8, False))
+    head = f"{'figure (ms)':18s} | " + " | ".join(f"{title:>{width}s}" for title, _, width, _ in columns)
+    lines += ["", head, "-" * len(head)]
     for r in rows:
         s = 1e3 if r["unit"] == "s" else 1.0
-        lines.append(f"{r['figure']:18s} | {fmt(r['hybridd'], s):>8s} | {fmt(r['floor'], s):>7s} | "
-                     f"{fmt(r['x_floor']):>7s} | {fmt(r['hybridd_eager'], s):>9s} | {fmt(r['hf_eager'], s):>8s} | "
-                     f"{fmt(r['hf_static'], s):>9s} | {fmt(r['hybridd_over_hybridd_eager']):>8s} | "
-                     f"{fmt(r['hybridd_over_hf_eager']):>7s} | {fmt(r['hybridd_over_hf_static']):>8s}")
+        lines.append(f"{r['figure']:18s} | " + " | ".join(f"{fmt(r[key], s if scaled else 1.0):>{width}s}"
+                                                           for _, key, width, scaled in columns))
     hy = results.get("hybridd", {})
     conc = hy.get("concurrency")
     if conc:
@@ -818,10 +805,10 @@ def render_table(results: dict) -> str:
                          f"{fmt(ratio(c['itl_p99_s'], c['itl_p50_s'])):>7s} | {fmt(c['ttft_median_s'], 1e3):>11s}")
     bc = hy.get("background_capture")
     if bc:
-        lines.append("")
         def p(key):
-            return (f"{fmt(g(bc, key, 'p50_s'), 1e3)}/{fmt(g(bc, key, 'p99_s'), 1e3)} ms (n={g(bc, key, 'n')})")
+            return f"{fmt(g(bc, key, 'p50_s'), 1e3)}/{fmt(g(bc, key, 'p99_s'), 1e3)} ms (n={g(bc, key, 'n')})"
 
+        lines.append("")
         lines.append(f"ITL p50/p99 during prefill capture {p('during')}, first {bc.get('early_s')} s after ready "
                      f"{p('early')}, steady {p('steady')}")
         lines.append(f"  capture window {fmt(bc.get('capture_window_s'))} s ({bc.get('prefill_buckets_captured')}/"
@@ -845,20 +832,15 @@ def render_table(results: dict) -> str:
         per = ", ".join(f"{b['kind'][0]}{b['size']}:{fmt(b['bytes'], 2**-20, 0)}" for b in gm["buckets"] if b["captured"])
         lines.append(f"graph memory: measured {fmt(gm['graph_bytes'], 2**-20, 1)} MiB, pool "
                      f"{fmt(gm['graph_pool_bytes'], 2**-20, 1)} MiB; per bucket MiB {per}")
-    bd = results.get("breakdown")
+    from scripts.bench_breakdown import render as render_breakdown
+
+    bd, bd8 = results.get("breakdown"), results.get("breakdown_fp8")
     if bd:
-        from scripts.bench_breakdown import render as render_breakdown
-
         lines += ["", f"where the step goes ({g(bd, 'decode_b1', 'source') or '-'}; each category against its own "
-                      f"floor: bytes / copy bandwidth or FLOPs / matmul rate)"]
-        lines += render_breakdown(bd)
-    bd8 = results.get("breakdown_fp8")
+                      f"floor: bytes / copy bandwidth or FLOPs / matmul rate)", *render_breakdown(bd)]
     if bd8:
-        from scripts.bench_breakdown import render as render_breakdown
-
         lines += ["", f"where the FP8 model's step goes (weights {fmt(bd8.get('weight_bytes'), 1e-9)} GB; GEMM floors "
-                      f"on the FP8 bytes)"]
-        lines += render_breakdown(bd8)
+                      f"on the FP8 bytes)", *render_breakdown(bd8)]
     f8 = results.get("fp8") or {}
     if f8.get("fp8_over_bf16"):
         lines += ["", f"{'FP8 against bf16 (ms)':26s} | {'bf16':>8s} | {'fp8':>8s} | {'fp8/bf16':>8s}"]
@@ -868,11 +850,10 @@ def render_table(results: dict) -> str:
         for label, keys, over in figures:
             lines.append(f"{label:26s} | {fmt(g(f8, 'bf16', *keys), 1e3):>8s} | {fmt(g(f8, 'fp8', *keys), 1e3):>8s} | "
                          f"{fmt(f8['fp8_over_bf16'].get(over)):>8s}")
-        key = f"decode_tokens_per_s_{FP8_STREAMS}"
-        lines.append(f"{f'{FP8_STREAMS} streams (decode tok/s)':26s} | "
-                     f"{fmt(g(f8, 'bf16', 'concurrency', str(FP8_STREAMS), 'decode_tokens_per_s'), 1, 0):>8s} | "
-                     f"{fmt(g(f8, 'fp8', 'concurrency', str(FP8_STREAMS), 'decode_tokens_per_s'), 1, 0):>8s} | "
-                     f"{fmt(f8['fp8_over_bf16'].get(key)):>8s}")
+        streams = [fmt(g(f8, dtype, "concurrency", str(FP8_STREAMS), "decode_tokens_per_s"), 1, 0)
+                   for dtype in ("bf16", "fp8")]
+        lines.append(f"{f'{FP8_STREAMS} streams (decode tok/s)':26s} | {streams[0]:>8s} | {streams[1]:>8s} | "
+                     f"{fmt(f8['fp8_over_bf16'].get(f'decode_tokens_per_s_{FP8_STREAMS}')):>8s}")
     for name, (_, what, _) in VARIANTS.items():
         vs = g(results, name, "vs_off")
         if vs:
@@ -905,15 +886,13 @@ def render_table(results: dict) -> str:
     if hs.get("warmup_s") is not None:
         lines.append(f"HF static warm-up (compile) {fmt(hs['warmup_s'], 1, 1)} s: {hs.get('compile')}")
     lines += ["", "targets (BENCHMARKS.md):"]
-    for t in targets:
-        flag = {True: "MET ", False: "MISS", None: "n/a "}[t["met"]]
-        lines.append(f"  [{flag}] {t['target']}: {fmt(t['value'], 1, 3)} (goal {t['goal']})")
+    lines += [f"  [{ {True: 'MET ', False: 'MISS', None: 'n/a '}[t['met']]}] {t['target']}: {fmt(t['value'], 1, 3)} "
+              f"(goal {t['goal']})" for t in targets]
     if meta.get("skipped"):
         lines += ["", "skipped: " + "; ".join(f"{k} ({v})" for k, v in meta["skipped"].items())]
     if meta.get("errors"):
         lines += ["errors: " + "; ".join(f"{k}: {v.splitlines()[-1] if v else v}" for k, v in meta["errors"].items())]
-    for note in meta.get("notes", []):
-        lines.append(f"note: {note}")
+    lines += [f"note: {note}" for note in meta.get("notes", [])]
     lines.append("parts (s): " + ", ".join(f"{k} {v:.1f}" for k, v in meta["part_s"].items())
                  + f"; total {meta.get('total_s', 0):.1f}")
     return "\n".join(lines)

@@ -13,7 +13,6 @@ import contextlib
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -104,14 +103,19 @@ class Daemon:
         return out
 
     def close(self, timeout: float = 60.0) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        stop(self.process, timeout)
         shutil.rmtree(self.base, ignore_errors=True)
+
+
+def stop(process: subprocess.Popen, timeout: float) -> None:
+    """SIGTERM (a daemon drains), SIGKILL where it has not exited within `timeout` s."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
 
 
 @contextlib.contextmanager
