@@ -113,6 +113,18 @@ class SdkClient:
     def stream(self, prompt, max_tokens, timeout=300.0) -> StreamRecord:
         return timed_stream(self._client, prompt, max_tokens, timeout)[0]
 
+    def ttft(self, ids: list[int], max_tokens: int) -> float:
+        record = self.stream(ids, max_tokens)
+        if record.ttft is None:
+            raise RuntimeError("hybridd streamed no token")
+        return record.ttft
+
+    def gaps(self, ids: list[int], max_tokens: int) -> list[float]:
+        record = self.stream(ids, max_tokens)
+        if record.tokens != max_tokens:
+            raise RuntimeError(f"hybridd streamed {record.tokens} tokens, expected {max_tokens}")
+        return record.gaps
+
     def streams(self, prompts, max_tokens, timeout=300.0) -> list[StreamRecord]:
         return concurrent_streams(self.endpoint, prompts, max_tokens, timeout)
 
@@ -164,20 +176,15 @@ def on_empty_compile_caches(fn):
         return fn()
 
 
-class HybriddServer:
+class HybriddServer(Daemon):
     """The real daemon (`hybridd start`) on `model` with `overrides` as its settings; its
-    start split by the lifecycle phases its log records."""
+    start split by the lifecycle phases its log records (logged at info)."""
 
     def __init__(self, model: Path, device: str, ready_timeout: float, **overrides):
         self.compile_caches_at_spawn = compile_cache_entries()
-        self.daemon = Daemon({"model": str(model), "device": device, **overrides, "log_level": "info"},
-                             ready_timeout=ready_timeout)
-        self.spawned, self.health_ok = self.daemon.spawned, self.daemon.ready
-        self.events = self.daemon.phases()
-
-    @property
-    def endpoint(self) -> str:
-        return self.daemon.endpoint
+        super().__init__({"model": str(model), "device": device, **overrides, "log_level": "info"}, ready_timeout)
+        self.health_ok = self.ready
+        self.events = self.phases()
 
     def first(self, worker: str, phase: str) -> float | None:
         """When `worker` first reported `phase`, on this process's perf_counter clock."""
@@ -200,9 +207,6 @@ class HybriddServer:
             "compile_cache_files_at_spawn": self.compile_caches_at_spawn,
             "phases": [{"t_s": t, "worker": w, "phase": p, "detail": d} for t, w, p, d in self.events],
         }
-
-    def close(self) -> None:
-        self.daemon.close()
 
 
 # ----------------------------------------------------------------------------- hybridd measurements
@@ -238,22 +242,6 @@ def measure_itl(stream_fn, prompt_len: int, tokens: int, runs: int, vocab: int, 
         per_run.append({"p50_s": percentile(g, 50), "p99_s": percentile(g, 99), "n": len(g),
                         "slowest": [[i, g[i]] for i in slowest(g, SLOWEST_GAPS)]})
     return {**itl_summary(gaps), "prompt_tokens": prompt_len, "tokens": tokens, "runs": per_run}
-
-
-def hybridd_stream_fns(client: SdkClient):
-    def ttft(ids: list[int], max_tokens: int) -> float:
-        record = client.stream(ids, max_tokens)
-        if record.ttft is None:
-            raise RuntimeError("hybridd streamed no token")
-        return record.ttft
-
-    def gaps(ids: list[int], max_tokens: int) -> list[float]:
-        record = client.stream(ids, max_tokens)
-        if record.tokens != max_tokens:
-            raise RuntimeError(f"hybridd streamed {record.tokens} tokens, expected {max_tokens}")
-        return record.gaps
-
-    return ttft, gaps
 
 
 def measure_concurrency(client: SdkClient, levels, prompt_len: int, tokens: int, vocab: int,
@@ -375,16 +363,6 @@ def start_server(args, model: Path, graphs: bool = True, **overrides) -> Hybridd
 
 
 @contextlib.contextmanager
-def serving(args, model: Path, **overrides) -> Iterator[str]:
-    """The endpoint of a daemon (start_server) for the block."""
-    server = start_server(args, model, **overrides)
-    try:
-        yield server.endpoint
-    finally:
-        server.close()
-
-
-@contextlib.contextmanager
 def sdk_on_server(args, model: Path, result: dict, graphs: bool = True,
                   **overrides) -> Iterator[tuple[HybriddServer, SdkClient]]:
     """A daemon (start_server) and the SDK on it; its settings, start and client in `result`."""
@@ -417,7 +395,7 @@ def run_variant(args, model: Path, vocab: int, deadline: float, result: dict, ba
     """The graphs-on daemon again with `overrides` in its config: TTFT and batch-1 ITL
     at the client, divided by the same figures of this run's `hybridd` part."""
     with sdk_on_server(args, model, result, **overrides) as (_, client):
-        measure_batch1(hybridd_stream_fns(client), BESIDE_TTFT_LENGTHS, args, vocab, random.Random(4), deadline,
+        measure_batch1((client.ttft, client.gaps), BESIDE_TTFT_LENGTHS, args, vocab, random.Random(4), deadline,
                        result)
     result["vs_off"] = beside_comparison(result, base)
 
@@ -449,7 +427,7 @@ def run_fp8(args, model: Path, vocab: int, deadline: float, result: dict) -> Non
         part = result[name] = {}
         rng = random.Random(11)  # the same prompts for both
         with sdk_on_server(args, model, part, **overrides) as (_, client):
-            measure_batch1(hybridd_stream_fns(client), lengths, args, vocab, rng, deadline, part)
+            measure_batch1((client.ttft, client.gaps), lengths, args, vocab, rng, deadline, part)
             part["concurrency"] = measure_concurrency(client, (FP8_STREAMS,), ITL_PROMPT, args.concurrency_tokens,
                                                       vocab, rng)
             part["quantization"] = client.status().get("quantization")
@@ -483,7 +461,7 @@ def run_hybridd(args, model: Path, vocab: int, graphs: bool, deadline: float, re
         if graphs:
             result["background_capture"] = measure_during_capture(
                 client, server, vocab, rng, tokens=16 if args.quick else 64, max_s=10 if args.quick else 40)
-        measure_batch1(hybridd_stream_fns(client), TTFT_LENGTHS, args, vocab, rng, deadline, result)
+        measure_batch1((client.ttft, client.gaps), TTFT_LENGTHS, args, vocab, rng, deadline, result)
         if not graphs:
             return
         result["concurrency"] = measure_concurrency(client, CONCURRENCY, ITL_PROMPT, args.concurrency_tokens,
@@ -1076,8 +1054,8 @@ def main(argv: list[str] | None = None) -> int:
 
         def on_daemon(name: str, measure, **overrides) -> None:
             def run(_):
-                with serving(args, state["model"], **overrides) as endpoint:
-                    return measure(endpoint)
+                with start_server(args, state["model"], **overrides) as server:
+                    return measure(server.endpoint)
 
             part(name, run, needs=("model", "vocab"))
 
@@ -1092,8 +1070,8 @@ def main(argv: list[str] | None = None) -> int:
             from scripts.bench_structured import measure_structured, structured_checkpoint
 
             model = structured_checkpoint(state["model"], Path(str(state["model"]) + "-bpe"))
-            with serving(args, model) as endpoint:
-                return measure_structured(endpoint, model, args.itl_tokens, args.ttft_reps)
+            with start_server(args, model) as server:
+                return measure_structured(server.endpoint, model, args.itl_tokens, args.ttft_reps)
 
         part("structured", structured, needs=("model", "vocab"))
 

@@ -52,7 +52,8 @@ def flags(settings: dict) -> list[str]:
 
 
 class Daemon:
-    """`hybridd start` with `settings`, in this process's environment."""
+    """`hybridd start` with `settings`, in this process's environment; a context manager
+    that closes it."""
 
     def __init__(self, settings: dict, ready_timeout: float = 300.0):
         self.base = Path(tempfile.mkdtemp(prefix="hd-"))
@@ -69,6 +70,12 @@ class Daemon:
         except BaseException:
             self.close()
             raise
+
+    def __enter__(self) -> Daemon:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     @property
     def endpoint(self) -> str:
@@ -118,14 +125,9 @@ def stop(process: subprocess.Popen, timeout: float) -> None:
             process.wait()
 
 
-@contextlib.contextmanager
-def running(settings: dict | None = None, ready_timeout: float = 300.0) -> Iterator[Daemon]:
-    """A ready daemon for the block (the embedded model unless `settings` name one)."""
-    daemon = Daemon({"compile_sampler": False, "log_level": "warning", **(settings or {})}, ready_timeout)
-    try:
-        yield daemon
-    finally:
-        daemon.close()
+def running(settings: dict | None = None, ready_timeout: float = 300.0) -> Daemon:
+    """A ready daemon for a `with` block (the embedded model unless `settings` name one)."""
+    return Daemon({"compile_sampler": False, "log_level": "warning", **(settings or {})}, ready_timeout)
 
 
 def argument_parser(description: str | None):
