@@ -431,18 +431,13 @@ def run_fp8(args, model: Path, vocab: int, deadline: float, result: dict) -> Non
             part["concurrency"] = measure_concurrency(client, (FP8_STREAMS,), ITL_PROMPT, args.concurrency_tokens,
                                                       vocab, rng)
             part["quantization"] = client.status().get("quantization")
-    bf16, fp8 = result["bf16"], result["fp8"]
-    over = {"itl_p50": ratio(g(fp8, "itl", "p50_s"), g(bf16, "itl", "p50_s")),
-            "itl_p99": ratio(g(fp8, "itl", "p99_s"), g(bf16, "itl", "p99_s")),
-            f"decode_tokens_per_s_{FP8_STREAMS}": ratio(
-                g(fp8, "concurrency", str(FP8_STREAMS), "decode_tokens_per_s"),
-                g(bf16, "concurrency", str(FP8_STREAMS), "decode_tokens_per_s")),
-            "after_weights_to_ready": ratio(g(fp8, "startup", "after_weights_to_ready_s"),
-                                            g(bf16, "startup", "after_weights_to_ready_s"))}
-    for n in lengths:
-        over[f"ttft_{n}"] = ratio(g(fp8, "ttft_s", str(n), "median_s"), g(bf16, "ttft_s", str(n), "median_s"))
+    figures = {"itl_p50": ("itl", "p50_s"), "itl_p99": ("itl", "p99_s"),
+               f"decode_tokens_per_s_{FP8_STREAMS}": ("concurrency", str(FP8_STREAMS), "decode_tokens_per_s"),
+               "after_weights_to_ready": ("startup", "after_weights_to_ready_s"),
+               **{f"ttft_{n}": ("ttft_s", str(n), "median_s") for n in lengths}}
     result["ttft_lengths"] = list(lengths)
-    result["fp8_over_bf16"] = over
+    result["fp8_over_bf16"] = {name: ratio(g(result["fp8"], *keys), g(result["bf16"], *keys))
+                               for name, keys in figures.items()}
 
 
 def run_capture_evict(args, model: Path, vocab: int, notes: list[str]) -> dict:
@@ -912,19 +907,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.itl_tokens = 32 if args.quick else ITL_TOKENS
     args.itl_runs = 1 if args.quick else 2
     args.concurrency_tokens = 16 if args.quick else 128
+
+    def parts(flag: str, text: str, empty_ok: bool) -> set[str]:
+        named = {s.strip() for s in text.split(",") if s.strip()}
+        unknown = sorted(named - SKIPPABLE)
+        if unknown or not (named or empty_ok):
+            p.error(f"{flag}: unknown part(s) {', '.join(unknown) or '(none named)'}; the parts are "
+                    f"{', '.join(sorted(SKIPPABLE))}")
+        return named
+
     if args.skip is None:
         args.skip = ",".join(PRESET_SKIP.get(args.preset, ()))
-    args.skip_set = {s.strip() for s in args.skip.split(",") if s.strip()}
-    unknown = sorted(args.skip_set - SKIPPABLE)
-    if unknown:
-        p.error(f"--skip: unknown part(s) {', '.join(unknown)}; the parts are {', '.join(sorted(SKIPPABLE))}")
+    args.skip_set = parts("--skip", args.skip, True)
     if args.parts is not None:
-        wanted = {s.strip() for s in args.parts.split(",") if s.strip()}
-        unknown = sorted(wanted - SKIPPABLE)
-        if unknown or not wanted:
-            p.error(f"--parts: unknown part(s) {', '.join(unknown) or '(none named)'}; the parts are "
-                    f"{', '.join(sorted(SKIPPABLE))}")
-        args.skip_set = set(SKIPPABLE) - wanted
+        args.skip_set = set(SKIPPABLE) - parts("--parts", args.parts, False)
     return args
 
 
@@ -945,12 +941,10 @@ def main(argv: list[str] | None = None) -> int:
         "device": args.device, "quick": args.quick, "budget_s": args.budget_s, "skipped": {}, "errors": {},
         "notes": [], "part_s": {}, "git": git_rev(), "source_sha256": source_digest(),
     }
-    try:
+    with contextlib.suppress(ImportError):
         import transformers
 
         meta["transformers"] = transformers.__version__
-    except ImportError:
-        pass
     results: dict[str, Any] = {"meta": meta}
     estimates = ESTIMATE_S_7B if args.preset in LARGE_PRESETS and args.device == "cuda" else ESTIMATE_S_SMALL
     skip = args.skip_set
