@@ -4,7 +4,8 @@ drained with SIGTERM at the end (killed if it will not stop).
 
 Its lifecycle phases come from its own log (`--log-format json`), each with the time
 the supervisor logged it, so a start can be split into its phases without a hook into
-the daemon.
+the daemon. Beside it, what the wire tools share of the raw protocol (SPEC.md): a
+message packed (`pack`), a session of its own (`dealer`), the daemon's `status_of`.
 """
 
 from __future__ import annotations
@@ -150,7 +151,7 @@ def daemon_endpoint(args) -> Iterator[str]:
         yield daemon.endpoint
 
 
-# ----------------------------------------------------------------------------- the raw wire (SPEC.md), for the wire tools
+# ----------------------------------------------------------------------------- the raw wire, for the wire tools
 
 
 def pack(value) -> bytes:
