@@ -113,6 +113,18 @@ class SdkClient:
     def stream(self, prompt, max_tokens, timeout=300.0) -> StreamRecord:
         return timed_stream(self._client, prompt, max_tokens, timeout)[0]
 
+    def ttft(self, ids: list[int], max_tokens: int) -> float:
+        record = self.stream(ids, max_tokens)
+        if record.ttft is None:
+            raise RuntimeError("hybridd streamed no token")
+        return record.ttft
+
+    def gaps(self, ids: list[int], max_tokens: int) -> list[float]:
+        record = self.stream(ids, max_tokens)
+        if record.tokens != max_tokens:
+            raise RuntimeError(f"hybridd streamed {record.tokens} tokens, expected {max_tokens}")
+        return record.gaps
+
     def streams(self, prompts, max_tokens, timeout=300.0) -> list[StreamRecord]:
         return concurrent_streams(self.endpoint, prompts, max_tokens, timeout)
 
@@ -157,36 +169,22 @@ def on_empty_compile_caches(fn):
     """fn() with Triton's and Inductor's caches in a new directory (removed afterwards), as
     the workers spawned meanwhile will find them: a start there is a first start on the
     host (it compiles every kernel)."""
-    import shutil
+    from unittest import mock
 
-    saved = {name: os.environ.get(name) for name in COMPILE_CACHE_VARS}
-    root = Path(tempfile.mkdtemp(prefix="hybridd-caches-"))
-    os.environ.update({name: str(root / name.lower()) for name in COMPILE_CACHE_VARS})
-    try:
+    with tempfile.TemporaryDirectory(prefix="hybridd-caches-", ignore_cleanup_errors=True) as root, \
+            mock.patch.dict(os.environ, {name: f"{root}/{name.lower()}" for name in COMPILE_CACHE_VARS}):
         return fn()
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-        shutil.rmtree(root, ignore_errors=True)
 
 
-class HybriddServer:
+class HybriddServer(Daemon):
     """The real daemon (`hybridd start`) on `model` with `overrides` as its settings; its
-    start split by the lifecycle phases its log records."""
+    start split by the lifecycle phases its log records (logged at info)."""
 
     def __init__(self, model: Path, device: str, ready_timeout: float, **overrides):
         self.compile_caches_at_spawn = compile_cache_entries()
-        self.daemon = Daemon({"model": str(model), "device": device, **overrides, "log_level": "info"},
-                             ready_timeout=ready_timeout)
-        self.spawned, self.health_ok = self.daemon.spawned, self.daemon.ready
-        self.events = self.daemon.phases()
-
-    @property
-    def endpoint(self) -> str:
-        return self.daemon.endpoint
+        super().__init__({"model": str(model), "device": device, **overrides, "log_level": "info"}, ready_timeout)
+        self.health_ok = self.ready
+        self.events = self.phases()
 
     def first(self, worker: str, phase: str) -> float | None:
         """When `worker` first reported `phase`, on this process's perf_counter clock."""
@@ -209,9 +207,6 @@ class HybriddServer:
             "compile_cache_files_at_spawn": self.compile_caches_at_spawn,
             "phases": [{"t_s": t, "worker": w, "phase": p, "detail": d} for t, w, p, d in self.events],
         }
-
-    def close(self) -> None:
-        self.daemon.close()
 
 
 # ----------------------------------------------------------------------------- hybridd measurements
@@ -247,22 +242,6 @@ def measure_itl(stream_fn, prompt_len: int, tokens: int, runs: int, vocab: int, 
         per_run.append({"p50_s": percentile(g, 50), "p99_s": percentile(g, 99), "n": len(g),
                         "slowest": [[i, g[i]] for i in slowest(g, SLOWEST_GAPS)]})
     return {**itl_summary(gaps), "prompt_tokens": prompt_len, "tokens": tokens, "runs": per_run}
-
-
-def hybridd_stream_fns(client: SdkClient):
-    def ttft(ids: list[int], max_tokens: int) -> float:
-        record = client.stream(ids, max_tokens)
-        if record.ttft is None:
-            raise RuntimeError("hybridd streamed no token")
-        return record.ttft
-
-    def gaps(ids: list[int], max_tokens: int) -> list[float]:
-        record = client.stream(ids, max_tokens)
-        if record.tokens != max_tokens:
-            raise RuntimeError(f"hybridd streamed {record.tokens} tokens, expected {max_tokens}")
-        return record.gaps
-
-    return ttft, gaps
 
 
 def measure_concurrency(client: SdkClient, levels, prompt_len: int, tokens: int, vocab: int,
@@ -384,16 +363,6 @@ def start_server(args, model: Path, graphs: bool = True, **overrides) -> Hybridd
 
 
 @contextlib.contextmanager
-def serving(args, model: Path, **overrides) -> Iterator[str]:
-    """The endpoint of a daemon (start_server) for the block."""
-    server = start_server(args, model, **overrides)
-    try:
-        yield server.endpoint
-    finally:
-        server.close()
-
-
-@contextlib.contextmanager
 def sdk_on_server(args, model: Path, result: dict, graphs: bool = True,
                   **overrides) -> Iterator[tuple[HybriddServer, SdkClient]]:
     """A daemon (start_server) and the SDK on it; its settings, start and client in `result`."""
@@ -426,7 +395,7 @@ def run_variant(args, model: Path, vocab: int, deadline: float, result: dict, ba
     """The graphs-on daemon again with `overrides` in its config: TTFT and batch-1 ITL
     at the client, divided by the same figures of this run's `hybridd` part."""
     with sdk_on_server(args, model, result, **overrides) as (_, client):
-        measure_batch1(hybridd_stream_fns(client), BESIDE_TTFT_LENGTHS, args, vocab, random.Random(4), deadline,
+        measure_batch1((client.ttft, client.gaps), BESIDE_TTFT_LENGTHS, args, vocab, random.Random(4), deadline,
                        result)
     result["vs_off"] = beside_comparison(result, base)
 
@@ -458,22 +427,17 @@ def run_fp8(args, model: Path, vocab: int, deadline: float, result: dict) -> Non
         part = result[name] = {}
         rng = random.Random(11)  # the same prompts for both
         with sdk_on_server(args, model, part, **overrides) as (_, client):
-            measure_batch1(hybridd_stream_fns(client), lengths, args, vocab, rng, deadline, part)
+            measure_batch1((client.ttft, client.gaps), lengths, args, vocab, rng, deadline, part)
             part["concurrency"] = measure_concurrency(client, (FP8_STREAMS,), ITL_PROMPT, args.concurrency_tokens,
                                                       vocab, rng)
             part["quantization"] = client.status().get("quantization")
-    bf16, fp8 = result["bf16"], result["fp8"]
-    over = {"itl_p50": ratio(g(fp8, "itl", "p50_s"), g(bf16, "itl", "p50_s")),
-            "itl_p99": ratio(g(fp8, "itl", "p99_s"), g(bf16, "itl", "p99_s")),
-            f"decode_tokens_per_s_{FP8_STREAMS}": ratio(
-                g(fp8, "concurrency", str(FP8_STREAMS), "decode_tokens_per_s"),
-                g(bf16, "concurrency", str(FP8_STREAMS), "decode_tokens_per_s")),
-            "after_weights_to_ready": ratio(g(fp8, "startup", "after_weights_to_ready_s"),
-                                            g(bf16, "startup", "after_weights_to_ready_s"))}
-    for n in lengths:
-        over[f"ttft_{n}"] = ratio(g(fp8, "ttft_s", str(n), "median_s"), g(bf16, "ttft_s", str(n), "median_s"))
+    figures = {"itl_p50": ("itl", "p50_s"), "itl_p99": ("itl", "p99_s"),
+               f"decode_tokens_per_s_{FP8_STREAMS}": ("concurrency", str(FP8_STREAMS), "decode_tokens_per_s"),
+               "after_weights_to_ready": ("startup", "after_weights_to_ready_s"),
+               **{f"ttft_{n}": ("ttft_s", str(n), "median_s") for n in lengths}}
     result["ttft_lengths"] = list(lengths)
-    result["fp8_over_bf16"] = over
+    result["fp8_over_bf16"] = {name: ratio(g(result["fp8"], *keys), g(result["bf16"], *keys))
+                               for name, keys in figures.items()}
 
 
 def run_capture_evict(args, model: Path, vocab: int, notes: list[str]) -> dict:
@@ -492,7 +456,7 @@ def run_hybridd(args, model: Path, vocab: int, graphs: bool, deadline: float, re
         if graphs:
             result["background_capture"] = measure_during_capture(
                 client, server, vocab, rng, tokens=16 if args.quick else 64, max_s=10 if args.quick else 40)
-        measure_batch1(hybridd_stream_fns(client), TTFT_LENGTHS, args, vocab, rng, deadline, result)
+        measure_batch1((client.ttft, client.gaps), TTFT_LENGTHS, args, vocab, rng, deadline, result)
         if not graphs:
             return
         result["concurrency"] = measure_concurrency(client, CONCURRENCY, ITL_PROMPT, args.concurrency_tokens,
@@ -532,17 +496,15 @@ def hf_generation_config(hf, max_new_tokens: int):
     import copy
 
     config = copy.deepcopy(hf.generation_config)
-    config.do_sample = False
     for name in ("temperature", "top_p", "top_k"):
         if hasattr(config, name):
             setattr(config, name, None)
     # Like ignore_eos: always max_new_tokens tokens. generate() fills unset fields from the
     # model's own generation config, so EOS is removed there too.
     hf.generation_config.eos_token_id = None
-    config.eos_token_id = None
-    config.pad_token_id = 0
-    config.max_new_tokens = max_new_tokens
-    config.min_new_tokens = None
+    for name, value in {"do_sample": False, "eos_token_id": None, "pad_token_id": 0, "max_new_tokens": max_new_tokens,
+                        "min_new_tokens": None}.items():
+        setattr(config, name, value)
     return config
 
 
@@ -554,17 +516,14 @@ def hf_timed_generate(hf, ids: list[int], max_new_tokens: int, config) -> Stream
     from transformers.generation.streamers import BaseStreamer
 
     class Stamps(BaseStreamer):
-        def __init__(self, record: StreamRecord):
-            self.record = record
-            self.prompt_seen = False
+        prompt_seen = False
 
         def put(self, value):
             now = time.perf_counter()
-            if not self.prompt_seen:  # generate() first puts the prompt
-                self.prompt_seen = True
-                return
-            self.record.times.append(now)
-            self.record.tokens += 1
+            if self.prompt_seen:  # generate() first puts the prompt
+                record.times.append(now)
+                record.tokens += 1
+            self.prompt_seen = True
 
         def end(self):
             pass
@@ -578,7 +537,7 @@ def hf_timed_generate(hf, ids: list[int], max_new_tokens: int, config) -> Stream
     if device.type == "cuda":
         torch.cuda.synchronize()
     record = StreamRecord(time.perf_counter())
-    hf.generate(input_ids=input_ids, attention_mask=mask, generation_config=config, streamer=Stamps(record))
+    hf.generate(input_ids=input_ids, attention_mask=mask, generation_config=config, streamer=Stamps())
     return record
 
 
@@ -798,16 +757,17 @@ def render_table(results: dict) -> str:
         lines.append(f"copy bw {fmt(dev.get('copy_bandwidth_Bps'), 1e-12)} TB/s  {dev.get('matmul_dtype')} matmul "
                      f"{fmt(dev.get('matmul_flops'), 1e-12, 1)} TFLOP/s  weights {fmt(fl.get('weight_bytes'), 1e-9)} GB  "
                      f"decode floor {fmt(fl.get('decode_floor_s'), 1e3)} ms")
-    lines.append("")
-    head = (f"{'figure (ms)':18s} | {'hybridd':>8s} | {'floor':>7s} | {'x floor':>7s} | {'hyb-eager':>9s} | "
-            f"{'HF eager':>8s} | {'HF static':>9s} | {'/hyb-eag':>8s} | {'/HF-eag':>7s} | {'/HF-stat':>8s}")
-    lines += [head, "-" * len(head)]
+    # (title, key, width, in the row's unit (else a ratio)) of each column after the figure's name.
+    columns = (("hybridd", "hybridd", 8, True), ("floor", "floor", 7, True), ("x floor", "x_floor", 7, False),
+               ("hyb-eager", "hybridd_eager", 9, True), ("HF eager", "hf_eager", 8, True),
+               ("HF static", "hf_static", 9, True), ("/hyb-eag", "hybridd_over_hybridd_eager", 8, False),
+               ("/HF-eag", "hybridd_over_hf_eager", 7, False), ("/HF-stat", "hybridd_over_hf_static", 8, False))
+    head = f"{'figure (ms)':18s} | " + " | ".join(f"{title:>{width}s}" for title, _, width, _ in columns)
+    lines += ["", head, "-" * len(head)]
     for r in rows:
         s = 1e3 if r["unit"] == "s" else 1.0
-        lines.append(f"{r['figure']:18s} | {fmt(r['hybridd'], s):>8s} | {fmt(r['floor'], s):>7s} | "
-                     f"{fmt(r['x_floor']):>7s} | {fmt(r['hybridd_eager'], s):>9s} | {fmt(r['hf_eager'], s):>8s} | "
-                     f"{fmt(r['hf_static'], s):>9s} | {fmt(r['hybridd_over_hybridd_eager']):>8s} | "
-                     f"{fmt(r['hybridd_over_hf_eager']):>7s} | {fmt(r['hybridd_over_hf_static']):>8s}")
+        lines.append(f"{r['figure']:18s} | " + " | ".join(f"{fmt(r[key], s if scaled else 1.0):>{width}s}"
+                                                           for _, key, width, scaled in columns))
     hy = results.get("hybridd", {})
     conc = hy.get("concurrency")
     if conc:
@@ -818,10 +778,10 @@ def render_table(results: dict) -> str:
                          f"{fmt(ratio(c['itl_p99_s'], c['itl_p50_s'])):>7s} | {fmt(c['ttft_median_s'], 1e3):>11s}")
     bc = hy.get("background_capture")
     if bc:
-        lines.append("")
         def p(key):
-            return (f"{fmt(g(bc, key, 'p50_s'), 1e3)}/{fmt(g(bc, key, 'p99_s'), 1e3)} ms (n={g(bc, key, 'n')})")
+            return f"{fmt(g(bc, key, 'p50_s'), 1e3)}/{fmt(g(bc, key, 'p99_s'), 1e3)} ms (n={g(bc, key, 'n')})"
 
+        lines.append("")
         lines.append(f"ITL p50/p99 during prefill capture {p('during')}, first {bc.get('early_s')} s after ready "
                      f"{p('early')}, steady {p('steady')}")
         lines.append(f"  capture window {fmt(bc.get('capture_window_s'))} s ({bc.get('prefill_buckets_captured')}/"
@@ -845,20 +805,15 @@ def render_table(results: dict) -> str:
         per = ", ".join(f"{b['kind'][0]}{b['size']}:{fmt(b['bytes'], 2**-20, 0)}" for b in gm["buckets"] if b["captured"])
         lines.append(f"graph memory: measured {fmt(gm['graph_bytes'], 2**-20, 1)} MiB, pool "
                      f"{fmt(gm['graph_pool_bytes'], 2**-20, 1)} MiB; per bucket MiB {per}")
-    bd = results.get("breakdown")
+    from scripts.bench_breakdown import render as render_breakdown
+
+    bd, bd8 = results.get("breakdown"), results.get("breakdown_fp8")
     if bd:
-        from scripts.bench_breakdown import render as render_breakdown
-
         lines += ["", f"where the step goes ({g(bd, 'decode_b1', 'source') or '-'}; each category against its own "
-                      f"floor: bytes / copy bandwidth or FLOPs / matmul rate)"]
-        lines += render_breakdown(bd)
-    bd8 = results.get("breakdown_fp8")
+                      f"floor: bytes / copy bandwidth or FLOPs / matmul rate)", *render_breakdown(bd)]
     if bd8:
-        from scripts.bench_breakdown import render as render_breakdown
-
         lines += ["", f"where the FP8 model's step goes (weights {fmt(bd8.get('weight_bytes'), 1e-9)} GB; GEMM floors "
-                      f"on the FP8 bytes)"]
-        lines += render_breakdown(bd8)
+                      f"on the FP8 bytes)", *render_breakdown(bd8)]
     f8 = results.get("fp8") or {}
     if f8.get("fp8_over_bf16"):
         lines += ["", f"{'FP8 against bf16 (ms)':26s} | {'bf16':>8s} | {'fp8':>8s} | {'fp8/bf16':>8s}"]
@@ -868,11 +823,10 @@ def render_table(results: dict) -> str:
         for label, keys, over in figures:
             lines.append(f"{label:26s} | {fmt(g(f8, 'bf16', *keys), 1e3):>8s} | {fmt(g(f8, 'fp8', *keys), 1e3):>8s} | "
                          f"{fmt(f8['fp8_over_bf16'].get(over)):>8s}")
-        key = f"decode_tokens_per_s_{FP8_STREAMS}"
-        lines.append(f"{f'{FP8_STREAMS} streams (decode tok/s)':26s} | "
-                     f"{fmt(g(f8, 'bf16', 'concurrency', str(FP8_STREAMS), 'decode_tokens_per_s'), 1, 0):>8s} | "
-                     f"{fmt(g(f8, 'fp8', 'concurrency', str(FP8_STREAMS), 'decode_tokens_per_s'), 1, 0):>8s} | "
-                     f"{fmt(f8['fp8_over_bf16'].get(key)):>8s}")
+        streams = [fmt(g(f8, dtype, "concurrency", str(FP8_STREAMS), "decode_tokens_per_s"), 1, 0)
+                   for dtype in ("bf16", "fp8")]
+        lines.append(f"{f'{FP8_STREAMS} streams (decode tok/s)':26s} | {streams[0]:>8s} | {streams[1]:>8s} | "
+                     f"{fmt(f8['fp8_over_bf16'].get(f'decode_tokens_per_s_{FP8_STREAMS}')):>8s}")
     for name, (_, what, _) in VARIANTS.items():
         vs = g(results, name, "vs_off")
         if vs:
@@ -905,15 +859,13 @@ def render_table(results: dict) -> str:
     if hs.get("warmup_s") is not None:
         lines.append(f"HF static warm-up (compile) {fmt(hs['warmup_s'], 1, 1)} s: {hs.get('compile')}")
     lines += ["", "targets (BENCHMARKS.md):"]
-    for t in targets:
-        flag = {True: "MET ", False: "MISS", None: "n/a "}[t["met"]]
-        lines.append(f"  [{flag}] {t['target']}: {fmt(t['value'], 1, 3)} (goal {t['goal']})")
+    lines += [f"  [{ {True: 'MET ', False: 'MISS', None: 'n/a '}[t['met']]}] {t['target']}: {fmt(t['value'], 1, 3)} "
+              f"(goal {t['goal']})" for t in targets]
     if meta.get("skipped"):
         lines += ["", "skipped: " + "; ".join(f"{k} ({v})" for k, v in meta["skipped"].items())]
     if meta.get("errors"):
         lines += ["errors: " + "; ".join(f"{k}: {v.splitlines()[-1] if v else v}" for k, v in meta["errors"].items())]
-    for note in meta.get("notes", []):
-        lines.append(f"note: {note}")
+    lines += [f"note: {note}" for note in meta.get("notes", [])]
     lines.append("parts (s): " + ", ".join(f"{k} {v:.1f}" for k, v in meta["part_s"].items())
                  + f"; total {meta.get('total_s', 0):.1f}")
     return "\n".join(lines)
@@ -955,19 +907,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.itl_tokens = 32 if args.quick else ITL_TOKENS
     args.itl_runs = 1 if args.quick else 2
     args.concurrency_tokens = 16 if args.quick else 128
+
+    def parts(flag: str, text: str, empty_ok: bool) -> set[str]:
+        named = {s.strip() for s in text.split(",") if s.strip()}
+        unknown = sorted(named - SKIPPABLE)
+        if unknown or not (named or empty_ok):
+            p.error(f"{flag}: unknown part(s) {', '.join(unknown) or '(none named)'}; the parts are "
+                    f"{', '.join(sorted(SKIPPABLE))}")
+        return named
+
     if args.skip is None:
         args.skip = ",".join(PRESET_SKIP.get(args.preset, ()))
-    args.skip_set = {s.strip() for s in args.skip.split(",") if s.strip()}
-    unknown = sorted(args.skip_set - SKIPPABLE)
-    if unknown:
-        p.error(f"--skip: unknown part(s) {', '.join(unknown)}; the parts are {', '.join(sorted(SKIPPABLE))}")
+    args.skip_set = parts("--skip", args.skip, True)
     if args.parts is not None:
-        wanted = {s.strip() for s in args.parts.split(",") if s.strip()}
-        unknown = sorted(wanted - SKIPPABLE)
-        if unknown or not wanted:
-            p.error(f"--parts: unknown part(s) {', '.join(unknown) or '(none named)'}; the parts are "
-                    f"{', '.join(sorted(SKIPPABLE))}")
-        args.skip_set = set(SKIPPABLE) - wanted
+        args.skip_set = set(SKIPPABLE) - parts("--parts", args.parts, False)
     return args
 
 
@@ -988,12 +941,10 @@ def main(argv: list[str] | None = None) -> int:
         "device": args.device, "quick": args.quick, "budget_s": args.budget_s, "skipped": {}, "errors": {},
         "notes": [], "part_s": {}, "git": git_rev(), "source_sha256": source_digest(),
     }
-    try:
+    with contextlib.suppress(ImportError):
         import transformers
 
         meta["transformers"] = transformers.__version__
-    except ImportError:
-        pass
     results: dict[str, Any] = {"meta": meta}
     estimates = ESTIMATE_S_7B if args.preset in LARGE_PRESETS and args.device == "cuda" else ESTIMATE_S_SMALL
     skip = args.skip_set
@@ -1097,8 +1048,8 @@ def main(argv: list[str] | None = None) -> int:
 
         def on_daemon(name: str, measure, **overrides) -> None:
             def run(_):
-                with serving(args, state["model"], **overrides) as endpoint:
-                    return measure(endpoint)
+                with start_server(args, state["model"], **overrides) as server:
+                    return measure(server.endpoint)
 
             part(name, run, needs=("model", "vocab"))
 
@@ -1113,8 +1064,8 @@ def main(argv: list[str] | None = None) -> int:
             from scripts.bench_structured import measure_structured, structured_checkpoint
 
             model = structured_checkpoint(state["model"], Path(str(state["model"]) + "-bpe"))
-            with serving(args, model) as endpoint:
-                return measure_structured(endpoint, model, args.itl_tokens, args.ttft_reps)
+            with start_server(args, model) as server:
+                return measure_structured(server.endpoint, model, args.itl_tokens, args.ttft_reps)
 
         part("structured", structured, needs=("model", "vocab"))
 

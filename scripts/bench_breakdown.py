@@ -145,19 +145,19 @@ def summarize(steps: list[list[tuple[str, float]]], num_layers: int, step_s: flo
     per_cat: dict[str, dict] = {}
     unlisted: dict[str, dict] = {}
     by_name: dict[str, dict] = {}
+
+    def charge(table: dict, key: str, seconds: float, count: str, **fields) -> None:
+        entry = table.setdefault(key, {**fields, count: 0, "time_s": 0.0})
+        entry[count] += 1
+        entry["time_s"] += seconds / n
+
     for kernels in steps:
         step_labels = labels if labels is not None else attribute([k for k, _ in kernels], -1)[0]
         for (name, seconds), category in zip(kernels, step_labels):
-            c = per_cat.setdefault(category, {"time_s": 0.0, "kernels": 0})
-            c["time_s"] += seconds / n
-            c["kernels"] += 1
-            k = by_name.setdefault(name, {"name": name, "category": category, "count": 0, "time_s": 0.0})
-            k["count"] += 1
-            k["time_s"] += seconds / n
+            charge(per_cat, category, seconds, "kernels")
+            charge(by_name, name, seconds, "count", name=name, category=category)
             if classify(name) is None:
-                u = unlisted.setdefault(name, {"name": name, "count": 0, "time_s": 0.0})
-                u["count"] += 1
-                u["time_s"] += seconds / n
+                charge(unlisted, name, seconds, "count", name=name)
     kernel_s = sum(c["time_s"] for c in per_cat.values())
     per_cat["gaps"] = {"time_s": max(0.0, step_s - kernel_s), "kernels": 0}
     categories = {}

@@ -45,8 +45,6 @@ SHAPES = {
 }
 DECODE_ROWS = (1, 4, 8, 16, 32)
 PREFILL_ROWS = (128, 512, 2048)
-# Bytes of weights each timed rotation reads at least (the H100's L2 is 50 MB).
-ROTATION_BYTES = 512 << 20
 # Where the GEMMs run and in which activation dtype (`--device`; bf16 on the GPU, float32
 # in Triton's interpreter, whose bf16 products are wrong).
 DEVICE = "cuda"
@@ -86,11 +84,6 @@ def bf16_copies(n: int, k: int, count: int):
 
     base = torch.randn(n, k, device=DEVICE, dtype=activation_dtype()) * 0.02
     return [base.clone() for _ in range(count)]
-
-
-def count_for(nbytes: int) -> int:
-    """Copies of a weight of `nbytes` that one timed rotation cycles over (4 on the CPU)."""
-    return max(4, min(64, -(-ROTATION_BYTES // nbytes))) if DEVICE == "cuda" else 4
 
 
 # The FP8 decode forms that round the activations to float16, and the projections whose

@@ -27,6 +27,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from scripts.daemon import stop
+
 READY_TIMEOUT_S = 120.0
 
 
@@ -135,14 +137,11 @@ class Gateway:
         except OSError:
             return False
 
-    def _body(self, ids: list[int], max_tokens: int) -> dict[str, Any]:
-        return {"model": self.model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-                "ignore_eos": True}
-
     def stream(self, ids: list[int], max_tokens: int) -> tuple[float, list[float]]:
         """(TTFT, arrival times of the events that carry text) of one streamed completion,
         read with the lean client."""
-        sent, events = self.sse.post("/v1/completions", self._body(ids, max_tokens))
+        sent, events = self.sse.post("/v1/completions", {"model": self.model, "prompt": ids, "max_tokens": max_tokens,
+                                                         "temperature": 0, "stream": True, "ignore_eos": True})
         first, times = None, []
         for at, text in _text_events(events):
             first = first or at
@@ -155,13 +154,7 @@ class Gateway:
     def close(self) -> None:
         if hasattr(self, "sse"):
             self.sse.close()
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(20)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        stop(self.process, 20)
 
 
 def _sdk_stream(client: Any, ids: list[int], max_tokens: int) -> tuple[float, list[float]]:

@@ -4,7 +4,8 @@ drained with SIGTERM at the end (killed if it will not stop).
 
 Its lifecycle phases come from its own log (`--log-format json`), each with the time
 the supervisor logged it, so a start can be split into its phases without a hook into
-the daemon.
+the daemon. Beside it, what the wire tools share of the raw protocol (SPEC.md): a
+message packed (`pack`), a session of its own (`dealer`), the daemon's `status_of`.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import contextlib
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -21,6 +21,9 @@ import time
 from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
+
+import msgpack
+import zmq
 
 import hybridd
 from hybridd import Client
@@ -50,7 +53,8 @@ def flags(settings: dict) -> list[str]:
 
 
 class Daemon:
-    """`hybridd start` with `settings`, in this process's environment."""
+    """`hybridd start` with `settings`, in this process's environment; a context manager
+    that closes it."""
 
     def __init__(self, settings: dict, ready_timeout: float = 300.0):
         self.base = Path(tempfile.mkdtemp(prefix="hd-"))
@@ -67,6 +71,12 @@ class Daemon:
         except BaseException:
             self.close()
             raise
+
+    def __enter__(self) -> Daemon:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     @property
     def endpoint(self) -> str:
@@ -101,24 +111,24 @@ class Daemon:
         return out
 
     def close(self, timeout: float = 60.0) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        stop(self.process, timeout)
         shutil.rmtree(self.base, ignore_errors=True)
 
 
-@contextlib.contextmanager
-def running(settings: dict | None = None, ready_timeout: float = 300.0) -> Iterator[Daemon]:
-    """A ready daemon for the block (the embedded model unless `settings` name one)."""
-    daemon = Daemon({"compile_sampler": False, "log_level": "warning", **(settings or {})}, ready_timeout)
-    try:
-        yield daemon
-    finally:
-        daemon.close()
+def stop(process: subprocess.Popen, timeout: float) -> None:
+    """SIGTERM (a daemon drains), SIGKILL where it has not exited within `timeout` s."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def running(settings: dict | None = None, ready_timeout: float = 300.0) -> Daemon:
+    """A ready daemon for a `with` block (the embedded model unless `settings` name one)."""
+    return Daemon({"compile_sampler": False, "log_level": "warning", **(settings or {})}, ready_timeout)
 
 
 def argument_parser(description: str | None):
@@ -139,3 +149,30 @@ def daemon_endpoint(args) -> Iterator[str]:
         return
     with running() as daemon:
         yield daemon.endpoint
+
+
+# ----------------------------------------------------------------------------- the raw wire, for the wire tools
+
+
+def pack(value) -> bytes:
+    return msgpack.packb(value, use_bin_type=True)
+
+
+def dealer(context: zmq.Context, endpoint: str) -> zmq.Socket:
+    """A DEALER connected to `endpoint`: one session of its own."""
+    socket = context.socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.connect(endpoint)
+    return socket
+
+
+def status_of(context: zmq.Context, endpoint: str, timeout_s: float = 30.0) -> dict:
+    """The daemon's `status`, asked on a session of its own."""
+    socket = dealer(context, endpoint)
+    try:
+        socket.send(pack({"v": 1, "type": "status", "id": "tool-status"}))
+        if not socket.poll(int(timeout_s * 1000)):
+            raise TimeoutError(f"no status reply within {timeout_s} s")
+        return msgpack.unpackb(socket.recv())["status"]
+    finally:
+        socket.close()

