@@ -51,11 +51,11 @@ from hybridd.protocol.messages import (
 )
 from hybridd.workers.admission import Admission
 from hybridd.workers.client_messages import ClientSockets
-from hybridd.workers.client_requests import request_key
 from hybridd.workers.intake import Intake
 from hybridd.workers.loop_exit import LoopExit, Terminated, stop_signals_from
 from hybridd.workers.replies import Replies
 from hybridd.workers.reply_rings import ReplyRings
+from hybridd.workers.request_endings import RequestEndings
 from hybridd.workers.status_report import StatusReport
 from hybridd.workers.supervisor_link import SupervisorLink
 
@@ -85,6 +85,7 @@ class ContextGenerator:
         # The parts that face the clients, made once the core is (`start`).
         self.replies: Replies | None = None
         self.admission: Admission | None = None
+        self.endings: RequestEndings | None = None
         self.client_sockets: ClientSockets | None = None
         self.report: StatusReport | None = None
         self.stop = False
@@ -168,6 +169,7 @@ class ContextGenerator:
         self._deliver = self.replies.deliver  # bound once: the loop and the pipeline's hooks call it every step
         self.admission = Admission(config, ready, self.core, self.replies, self.intake, self.grammars, self.tokenizer,
                                    self.chat_stops, state=lambda: self.state, expect_step=self._expect_step)
+        self.endings = RequestEndings(self.core, self.admission, self.replies)
         self.client_sockets = ClientSockets(self.intake, self.replies, self._on_request)
         self.client_sockets.bind(config)
         self.client, self.tcp = self.client_sockets.client, self.client_sockets.tcp
@@ -238,7 +240,8 @@ class ContextGenerator:
                     self.client_sockets.read(channel)
             if self.intake.fileno() in events:
                 self.admission.encoded_prompts()
-            self._serve_sessions()
+            for identity in self.replies.serve_sessions():  # a disconnect, an over-size frame, a peer that died
+                self.endings.end_session(identity)
             if self.ctl.socket in events and not self.core.inflight:
                 while (message := self.ctl.recv(timeout_ms=0)) is not None:
                     self._on_control(message)
@@ -247,10 +250,11 @@ class ContextGenerator:
                 last_alive_check = now
                 if not self._graph_alive():
                     raise EngineDeadError("graph generator died")
-                self._expire_timeouts(now)
+                self.endings.expire(now)
             self._deliver(self.core.step())
-            if self.state == "draining":
-                self._check_drain()
+            if self.state == "draining" and self.endings.drained(self.drain_deadline):
+                self.loop_exit.commanded("drain")
+                self.stop = True
             self.rings.end_batch()
 
     def _launched(self) -> None:
@@ -294,7 +298,7 @@ class ContextGenerator:
         elif isinstance(request, GenerateRequest):
             self.admission.generate(identity, request, received)
         elif isinstance(request, CancelRequest):
-            self._end(request_key(identity, request.target), "cancelled")
+            self.endings.cancel(identity, request.target)
         elif isinstance(request, StatusRequest):
             self.replies.send(identity, StatusReply(id=request.id, status=self.report.status(), v=request.v))
         elif isinstance(request, HealthRequest):
@@ -305,35 +309,7 @@ class ContextGenerator:
         elif isinstance(request, AttachRingRequest):
             self.replies.attach_ring(channel, identity, request, tcp=channel is self.tcp)
 
-    def _serve_sessions(self) -> None:
-        """Flush outboxes; cancel the requests of sessions that ended."""
-        for identity in self.replies.serve_sessions():
-            self.admission.end_session(identity)
-            self.replies.end_session(identity)
-
-    # ------------------------------------------------ cancel, timeouts, drain
-    def _expire_timeouts(self, now: float) -> None:
-        self.admission.expire(now)
-        self.core.expire(now)
-        self._deliver(self.core.take_outputs())
-
-    def _end(self, key: str, reason: str) -> None:
-        """Stop every unfinished sequence of a request (cancel, drain); its final goes out now."""
-        if key in self.admission:
-            self.admission.end(key, reason)
-            return
-        if self.core.abort(key, reason) is not None:
-            self._deliver(self.core.take_outputs())
-
-    def fail_all(self, code: ErrorCode, message: str) -> None:
-        """A terminal error for every request still in flight (engine death, shutdown)."""
-        if self.replies is not None:
-            self.replies.fail_all(code, message)
-        if self.admission is not None:
-            self.admission.fail_all(code, message)
-        if self.replies is not None:
-            self.replies.flush()
-
+    # ------------------------------------------------------------ supervisor
     def _supervisor_commands(self) -> None:
         while (command := self.link.poll_command()) is not None:
             if isinstance(command, Drain):
@@ -350,15 +326,10 @@ class ContextGenerator:
         self.link.phase("draining", f"draining {in_flight} requests")
         self.log.info("draining", requests=in_flight, timeout_s=timeout_s)
 
-    def _check_drain(self) -> None:
-        requests = self.replies.requests
-        if (requests or self.admission.pending or self.replies.pending) and time.monotonic() < self.drain_deadline:
-            return
-        for key in list(requests) + list(self.admission.pending):
-            self._end(key, "cancelled")
-        self.core.drain()
-        self.loop_exit.commanded("drain")
-        self.stop = True
+    def fail_all(self, code: ErrorCode, message: str) -> None:
+        """A terminal error for every request still in flight (engine death, shutdown)."""
+        if self.endings is not None:
+            self.endings.fail_all(code, message)
 
     def close(self) -> None:
         try:
