@@ -13,19 +13,21 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from hybridd.config import Config, resolve_dtype
 from hybridd.engine.core import EngineCore
-from hybridd.engine.speculation.speculator import Speculator
 from hybridd.ipc.channel import Channel
 from hybridd.protocol import control
 from hybridd.version import __version__
 from hybridd.workers.admission import Admission
 from hybridd.workers.intake import Intake
 from hybridd.workers.replies import Replies
+
+if TYPE_CHECKING:
+    import torch
+
+    from hybridd.engine.speculation.speculator import Speculator
 
 
 class StatusReport:
