@@ -5,29 +5,36 @@ configured, which only clients holding an allowed CURVE key may reach. Each has 
 sessions (`ClientSessions`), tracked from before it binds: a client already waiting
 connects the moment the socket exists.
 
-A message is read here as far as the session it came from and its decoding: one from a
-connection that chose its own routing id, or from a session that has ended, is refused
-unexecuted; a large frame is screened by its byte counts before it is decoded (the
-intake refuses a prompt that cannot fit); what is left is handed on, decoded or as the
-protocol error that says why it could not be, with the time it was received.
+A message is read here, and handed to the part that serves it. One from a connection
+that chose its own routing id, or from a session that has ended, is refused unexecuted;
+a large frame is screened by its byte counts before it is decoded (the intake refuses a
+prompt that cannot fit); one that cannot be decoded is answered with the protocol error
+that says why, and counted (`rejected`, SPEC §6). A generate goes to admission, a cancel
+to the request endings, status and health to the status report, a ring to the replies.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 from hybridd.config import Config
 from hybridd.ipc.channel import CLIENT_SOCKET_MODE, Channel, PeerProtocolError, bind_ipc_endpoint
 from hybridd.protocol import codec
 from hybridd.protocol.errors import ErrorCode, ProtocolError
-from hybridd.protocol.messages import ErrorReply, Request
+from hybridd.protocol.limits import PROTOCOL_VERSION
+from hybridd.protocol.messages import (
+    AttachRingRequest, CancelRequest, ErrorReply, GenerateRequest, HealthReply, HealthRequest, Request, StatusReply,
+    StatusRequest,
+)
 from hybridd.runtime.step_trace import mark
+from hybridd.workers.admission import Admission
 from hybridd.workers.client_requests import attribution, decode_request
 from hybridd.workers.client_sessions import ClientSessions, client_chosen, socket_options
 from hybridd.workers.intake import Intake
 from hybridd.workers.replies import TCP_PREFIX, Replies
+from hybridd.workers.request_endings import RequestEndings
+from hybridd.workers.status_report import StatusReport
 
 # Frames larger than this are screened by their byte counts before they are decoded
 # (decoding a 4 MiB frame of non-ASCII text takes milliseconds of the loop's time).
@@ -35,14 +42,15 @@ SCREEN_FRAMES_OVER_BYTES = 64 * 1024
 # Messages read from one socket in a turn of the serving loop, at most.
 MESSAGES_PER_TURN = 256
 
-OnRequest = Callable[[Channel, bytes, Request | ProtocolError, float], None]
-
 
 class ClientSockets:
-    def __init__(self, intake: Intake, replies: Replies, on_request: OnRequest) -> None:
+    def __init__(self, intake: Intake, admission: Admission, endings: RequestEndings, report: StatusReport,
+                 replies: Replies) -> None:
         self.intake = intake
+        self.admission = admission
+        self.endings = endings
+        self.report = report
         self.replies = replies
-        self.on_request = on_request  # a message read from a live session, decoded or refused
         self._auth = None
         self.client: Channel | None = None
         self.tcp: Channel | None = None
@@ -117,7 +125,37 @@ class ClientSockets:
                     request = screen_error
                 else:
                     request = decode_request(frame)
-            self.on_request(channel, identity, request, now)
+            self._on_request(channel, identity, request, now)
+
+    def _on_request(self, channel: Channel, identity: bytes, request: Request | ProtocolError,
+                    received: float) -> None:
+        if isinstance(request, ProtocolError):
+            channel.count_rejected(request)
+            # The id only if the message had a valid one (SPEC: "" otherwise, never a prefix).
+            self.replies.error(identity, request.request_id or "", request.code, request.message, request.field,
+                               v=request.version or PROTOCOL_VERSION)
+        elif isinstance(request, GenerateRequest):
+            self.admission.generate(identity, request, received)
+        elif isinstance(request, CancelRequest):
+            self.endings.cancel(identity, request.target)
+        elif isinstance(request, StatusRequest):
+            self.replies.send(identity, StatusReply(id=request.id, status=self.report.status(), v=request.v))
+        elif isinstance(request, HealthRequest):
+            # ok only in the supervisor's `ready`: this process serves a moment before the
+            # supervisor hears of it, and a client that waited for ok reads the state next.
+            state = self.report.lifecycle_state()
+            self.replies.send(identity, HealthReply(id=request.id, state=state, ok=state == "ready", v=request.v))
+        elif isinstance(request, AttachRingRequest):
+            self.replies.attach_ring(channel, identity, request, tcp=channel is self.tcp)
+
+    def rejected(self) -> dict[str, int]:
+        """Messages refused while being read (SPEC §6) since the worker started, by code."""
+        counts: dict[str, int] = {}
+        for channel in (self.client, self.tcp):
+            if channel is not None:
+                for code, n in channel.stats.rejected.items():
+                    counts[code] = counts.get(code, 0) + n
+        return {"total": sum(counts.values()), **counts}
 
     def close(self) -> None:
         for channel in (self.client, self.tcp):

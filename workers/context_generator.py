@@ -43,12 +43,8 @@ from hybridd.ipc.channel import Channel
 from hybridd.ipc.posix_shm import pid_alive
 from hybridd.ipc.shared_arena import SharedArena
 from hybridd.protocol import codec, control
-from hybridd.protocol.errors import ErrorCode, ProtocolError
-from hybridd.protocol.limits import PROTOCOL_VERSION
+from hybridd.protocol.errors import ErrorCode
 from hybridd.protocol.supervisor import Drain, SupervisorInfo
-from hybridd.protocol.messages import (
-    AttachRingRequest, CancelRequest, GenerateRequest, HealthReply, HealthRequest, Request, StatusReply, StatusRequest,
-)
 from hybridd.workers.admission import Admission
 from hybridd.workers.client_messages import ClientSockets
 from hybridd.workers.intake import Intake
@@ -170,12 +166,12 @@ class ContextGenerator:
         self.admission = Admission(config, ready, self.core, self.replies, self.intake, self.grammars, self.tokenizer,
                                    self.chat_stops, state=lambda: self.state, expect_step=self._expect_step)
         self.endings = RequestEndings(self.core, self.admission, self.replies)
-        self.client_sockets = ClientSockets(self.intake, self.replies, self._on_request)
+        self.report = StatusReport(config, self.device, ready, self.core, self.speculator, self.intake, self.admission,
+                                   self.replies, rejected=lambda: self.client_sockets.rejected(),
+                                   started=self.started, supervised=self.supervised, state=lambda: self.state)
+        self.client_sockets = ClientSockets(self.intake, self.admission, self.endings, self.report, self.replies)
         self.client_sockets.bind(config)
         self.client, self.tcp = self.client_sockets.client, self.client_sockets.tcp
-        self.report = StatusReport(config, self.device, ready, self.core, self.speculator, self.intake, self.admission,
-                                   self.replies, [self.client, self.tcp], started=self.started,
-                                   supervised=self.supervised, state=lambda: self.state)
         self.state = "ready"
         self.link.phase("ready", "serving")
         self.log.info("serving", endpoint=config.client_endpoint, kv_blocks=ready.num_kv_blocks)
@@ -286,28 +282,6 @@ class ContextGenerator:
             self._expect_until = now + window
             mark("expect_send")
             self.ctl.send(control.Expect())
-
-    # ---------------------------------------------------------------- clients
-    def _on_request(self, channel: Channel, identity: bytes, request: Request | ProtocolError,
-                    received: float) -> None:
-        if isinstance(request, ProtocolError):
-            channel.count_rejected(request)
-            # The id only if the message had a valid one (SPEC: "" otherwise, never a prefix).
-            self.replies.error(identity, request.request_id or "", request.code, request.message, request.field,
-                               v=request.version or PROTOCOL_VERSION)
-        elif isinstance(request, GenerateRequest):
-            self.admission.generate(identity, request, received)
-        elif isinstance(request, CancelRequest):
-            self.endings.cancel(identity, request.target)
-        elif isinstance(request, StatusRequest):
-            self.replies.send(identity, StatusReply(id=request.id, status=self.report.status(), v=request.v))
-        elif isinstance(request, HealthRequest):
-            # ok only in the supervisor's `ready`: this process serves a moment before the
-            # supervisor hears of it, and a client that waited for ok reads the state next.
-            state = self.report.lifecycle_state()
-            self.replies.send(identity, HealthReply(id=request.id, state=state, ok=state == "ready", v=request.v))
-        elif isinstance(request, AttachRingRequest):
-            self.replies.attach_ring(channel, identity, request, tcp=channel is self.tcp)
 
     # ------------------------------------------------------------ supervisor
     def _supervisor_commands(self) -> None:

@@ -5,7 +5,8 @@ It gathers what the serving process's parts count: the lifecycle state (the
 supervisor's word, which the supervisor's `SupervisorInfo` commands bring, unless the
 process is draining), the model and device, the graph generator's buckets and memory
 (its `Stats` messages), the KV blocks and the prefix cache, requests, steps,
-speculation, latencies and metrics, messages refused while being read, and reply rings.
+speculation, latencies and metrics, messages refused while being read (counted by the
+client sockets), and reply rings.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from typing import TYPE_CHECKING, Any
 
 from hybridd.config import Config, resolve_dtype
 from hybridd.engine.core import EngineCore
-from hybridd.ipc.channel import Channel
 from hybridd.protocol import control
 from hybridd.version import __version__
 from hybridd.workers.admission import Admission
@@ -32,8 +32,8 @@ if TYPE_CHECKING:
 
 class StatusReport:
     def __init__(self, config: Config, device: torch.device, ready: control.Ready, core: EngineCore,
-                 speculator: Speculator | None, intake: Intake, admission: Admission, replies: Replies,
-                 channels: list[Channel | None], *, started: float, supervised: bool,
+                 speculator: Speculator | None, intake: Intake, admission: Admission, replies: Replies, *,
+                 rejected: Callable[[], dict[str, int]], started: float, supervised: bool,
                  state: Callable[[], str]) -> None:
         self.config = config
         self.device = device
@@ -44,7 +44,7 @@ class StatusReport:
         self.intake = intake
         self.admission = admission
         self.replies = replies
-        self.channels = channels  # the client sockets (the TCP one None when not configured)
+        self.rejected = rejected  # the client sockets' count of messages refused while being read
         self.started = started
         self.supervised = supervised  # False only for a pair started without a supervisor (tests)
         self.state = state  # the serving process's own state
@@ -83,7 +83,7 @@ class StatusReport:
             "max_model_len": self.ready.max_model_len,
             "max_prompt_chars": self.intake.max_prompt_chars,
             "vocab_size": self.ready.vocab_size,
-            "rejected": self._rejected(),
+            "rejected": self.rejected(),
             "tokens_per_s": self.core.throughput.per_second(),
             "endpoints": {"ipc": self.config.client_endpoint, "tcp": self.config.tcp_endpoint or None},
             "restarts": info.get("workers", {}).get("context", {}).get("restarts", 0),
@@ -122,12 +122,3 @@ class StatusReport:
         if "draft_model" in self.graph_stats:  # its KV arena and graphs, in the graph generator
             speculation["draft_model"] = self.graph_stats["draft_model"]
         return speculation
-
-    def _rejected(self) -> dict[str, int]:
-        """Messages refused while being read (SPEC §6) since the worker started, by code."""
-        counts: dict[str, int] = {}
-        for channel in self.channels:
-            if channel is not None:
-                for code, n in channel.stats.rejected.items():
-                    counts[code] = counts.get(code, 0) + n
-        return {"total": sum(counts.values()), **counts}
