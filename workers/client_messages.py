@@ -44,6 +44,8 @@ MESSAGES_PER_TURN = 256
 
 
 class ClientSockets:
+    """The client ROUTER sockets (`client`, and `tcp` when configured) and their messages."""
+
     def __init__(self, intake: Intake, admission: Admission, endings: RequestEndings, report: StatusReport,
                  replies: Replies) -> None:
         self.intake = intake
@@ -56,6 +58,7 @@ class ClientSockets:
         self.tcp: Channel | None = None
 
     def bind(self, config: Config) -> None:
+        """Bind the client sockets, each one's sessions tracked from before it binds."""
         self.client = bind_ipc_endpoint(
             config.client_endpoint.removeprefix("ipc://"), decoder=codec.REQUESTS, name="client",
             options=socket_options("ipc"), mode=CLIENT_SOCKET_MODE,

@@ -20,6 +20,8 @@ from hybridd.workers.replies import Replies
 
 
 class RequestEndings:
+    """Ends client requests early, waiting (in admission) or running (in the core)."""
+
     def __init__(self, core: EngineCore, admission: Admission, replies: Replies) -> None:
         self.core = core
         self.admission = admission

@@ -31,6 +31,8 @@ if TYPE_CHECKING:
 
 
 class StatusReport:
+    """The `status` reply's fields and the lifecycle state, read from the serving process's parts."""
+
     def __init__(self, config: Config, device: torch.device, ready: control.Ready, core: EngineCore,
                  speculator: Speculator | None, intake: Intake, admission: Admission, replies: Replies, *,
                  rejected: Callable[[], dict[str, int]], started: float, supervised: bool,
