@@ -78,6 +78,11 @@ class PendingPrompt:
         )
 
 
+def request_key(identity: bytes, request_id: str) -> str:
+    """The core's id of a client's request: request ids are unique within a session only."""
+    return f"{identity.hex()}:{request_id}"
+
+
 def field_first(field: str, message: str) -> str:
     """SPEC: an error's message names the field first."""
     return message if message.startswith(f"{field}:") else f"{field}: {message}"
