@@ -98,7 +98,16 @@ class GraphHeadForward:
 
     def __call__(self, inputs: HostStepInputs, rope: np.ndarray,
                  hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        step, t, rows = self.step, inputs.num_tokens, inputs.num_logit_rows
+        rows = inputs.num_logit_rows
+        self.write(inputs, rope, hidden)
+        self.runner.run(inputs.is_prefill, inputs.num_tokens, rows)
+        out = self.runner.buffers.logits[:rows]
+        vocab = self.step.draft_vocab_size
+        return out[:, :vocab], out[:, vocab:].to(self.step.dtype)
+
+    def write(self, inputs: HostStepInputs, rope: np.ndarray, hidden: torch.Tensor) -> None:
+        """A step's inputs into the runner's buffers and the head step's own (on the serving stream)."""
+        step, t = self.step, inputs.num_tokens
         with self.runner.serving.entered():
             self.runner.buffers.write(inputs)
             positions = torch.from_numpy(np.asarray(rope, dtype=np.int64))
@@ -106,10 +115,6 @@ class GraphHeadForward:
                 positions = positions.pin_memory()
             step.rope_positions[:t].copy_(positions, non_blocking=True)
             (step.states if inputs.is_prefill else step.hidden)[:t].copy_(hidden)
-        self.runner.run(inputs.is_prefill, t, rows)
-        out = self.runner.buffers.logits[:rows]
-        vocab = step.draft_vocab_size
-        return out[:, :vocab], out[:, vocab:].to(step.dtype)
 
 
 def eagle3_runner(head: Eagle3Head, kv: KVCache, plan: BucketPlan, max_tokens: int, *,
