@@ -263,7 +263,8 @@ class DraftModelDrafter:
         return {"total": cache.num_blocks, "free": cache.num_free, "block_size": cache.block_size}
 
 
-def catch_up_parts(lengths: list[int], max_tokens: int | None, max_seqs: int | None) -> list[list[tuple[int, int, int]]]:
+def catch_up_parts(lengths: list[int], max_tokens: int | None,
+                   max_seqs: int | None) -> list[list[tuple[int, int, int]]]:
     """The prefill-shaped forwards that take sequences of `lengths` new tokens each, in
     order, at most `max_tokens` tokens and `max_seqs` sequences to a forward (None: any):
     per forward, its (sequence, offset into its new tokens, tokens) parts. A sequence
