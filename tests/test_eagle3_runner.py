@@ -6,7 +6,8 @@ are the in-process reference's (`Eagle3Drafter` over `EagerHeadForward`), token 
 token, greedy and seeded, over verify steps that keep part of each draft, with a
 prompt whose catch-up takes several forwards (longer than the step buffers hold), rows
 whose token the context generator did not have yet (-1) and a fork. Finished sequences
-are let go on both sides."""
+are let go on both sides; a `Step` that names rows past its own is logged, and its
+sequences draft again once new states come."""
 
 from __future__ import annotations
 
@@ -106,3 +107,14 @@ def test_a_sequence_only_observed_is_let_go_too(setup):
     served.drafter.release(seq.request_id)
     served.drafter.propose([Sequence("next", [5, 6], GREEDY)], [1])
     assert served.messages[-1].released == ["quiet"] and "quiet" not in served.runner.drafter.tracks
+
+
+def test_rows_named_past_the_step_are_not_kept_and_the_sequence_drafts_again(setup):
+    served = ServedEagle3(setup["head"], 16, BLOCK, MAX_TOKENS)
+    seq = Sequence("s", [5, 6, 7, 8], GREEDY)
+    rows = [control.HiddenRows(request_id="s", start=0, row=2, tokens=[5, 6, 7])]
+    served.observe(rows, torch.randn(4, 192))  # rows 2..4 of a step of 4
+    assert "s" not in served.runner.drafter.tracks
+    assert served.drafter.propose([seq], [2])[0].tokens == []
+    served.observe([control.HiddenRows(request_id="s", start=0, row=0, tokens=[5, 6, 7])], torch.randn(4, 192))
+    assert len(served.drafter.propose([seq], [2])[0]) == 2

@@ -252,7 +252,14 @@ class GraphGenerator:
         head = load_eagle3_head(path, model.config, config.model, model.embed_tokens, max_model_len,
                                 dtype=model.dtype, device=self.device)
         tokens = self._drafter_kv_tokens(max_model_len)
-        kv = head.allocate_kv(blocks_for(tokens, config.block_size), config.block_size)
+        blocks, spec = blocks_for(tokens, config.block_size), head.spec
+        need = (blocks + 1) * config.block_size * 2 * spec.num_kv_heads * spec.head_dim * head.dtype.itemsize
+        free = self._free_memory_bytes()
+        if free is not None and need > free:
+            raise ModelLoadError(f"speculative_eagle3_head {path}: its KV cache of {tokens} tokens needs "
+                                 f"{need / 2**30:.2f} GiB, and {max(free, 0) / 2**30:.2f} GiB is left beside "
+                                 f"the weights; lower max_batch or max_model_len")
+        kv = head.allocate_kv(blocks, config.block_size)
         self.log.info("eagle3_head_loaded", path=path, aux_layers=list(head.spec.aux_layers),
                       draft_vocab=head.spec.draft_vocab_size, dtype=_dtype_name(head.dtype), kv_tokens=tokens)
         return head, kv

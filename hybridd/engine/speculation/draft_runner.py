@@ -159,14 +159,22 @@ class DraftRunner:
         next one writes over them)."""
         if not (step.hidden or step.forks) or not isinstance(self.drafter, HiddenStateDrafter):
             return
-        if hidden is None:
-            raise ValueError("a step names rows of hidden states and the step buffers hold none")
-        with self.runner.serving.entered():
+        try:
+            rows = 0 if hidden is None else min(step.n_tokens, hidden.shape[0])
             for entry in step.hidden:
-                self.drafter.observe(entry.request_id, entry.start, entry.tokens,
-                                     hidden[entry.row:entry.row + len(entry.tokens)])
-            for fork in step.forks:
-                self.drafter.fork(fork.parent, fork.child)
+                if entry.row + len(entry.tokens) > rows:
+                    raise ValueError(f"step {step.step}: rows {entry.row}..{entry.row + len(entry.tokens) - 1} of "
+                                     f"sequence {entry.request_id!r} past the step's {rows}")
+            with self.runner.serving.entered():
+                for entry in step.hidden:
+                    self.drafter.observe(entry.request_id, entry.start, entry.tokens,
+                                         hidden[entry.row:entry.row + len(entry.tokens)])
+                for fork in step.forks:
+                    self.drafter.fork(fork.parent, fork.child)
+        except Exception as exc:  # those sequences draft once new states come: a drafter costs speed only
+            log.error("hidden_states_not_kept", error=f"{type(exc).__name__}: {str(exc)[:300]}")
+            for request_id in [entry.request_id for entry in step.hidden] + [fork.child for fork in step.forks]:
+                self.drafter.release(request_id)
 
     def draft(self, message: control.Draft) -> control.Drafted | None:
         """Drafts for the message's sequences (see the module docstring). A message that
