@@ -24,7 +24,9 @@ taken for another sequence), the head starts its context over at the first state
 (`origin`): it attends to the pairs from there on, at their true positions. A sequence
 keeps at most `max_pending` states not yet consumed (a long prompt, steps while the
 policy does not speculate), its oldest dropped first: each costs 3 x the model's hidden
-size in float32.
+size in the head's dtype. They are kept in a buffer per sequence with room for a step's
+rows after them (`STATE_ROOM`), written in place: a step costs a copy of its own rows,
+not of the sequence's states.
 
 Tokens are drawn from the head's logits, scattered into the target's vocabulary, by the
 request's own sampler with the target's noise at each position (as the draft model's
@@ -108,16 +110,47 @@ class EagerHeadForward:
         return head.compute_logits(normed), out
 
 
+# Rows a sequence's state buffer has room for past its states when it is (re)made: a
+# step's rows are written in place, and the buffer is remade only when they reach its end.
+STATE_ROOM = 64
+
+
 @dataclass
 class _Track:
     """One sequence as the drafter knows it (see the module docstring)."""
 
     tokens: list[int] = field(default_factory=list)  # as the target processed them, from position 0
-    hidden: torch.Tensor | None = None  # target states of positions hidden_start .. len(tokens) - 1
+    # Target states of positions hidden_start .. len(tokens) - 1: rows lo..hi of `states`.
+    states: torch.Tensor | None = None
+    lo: int = 0
+    hi: int = 0
     hidden_start: int = 0
     blocks: list[int] = field(default_factory=list)  # the head's KV
     paired: list[int] = field(default_factory=list)  # x_0..x_c: the head's KV holds positions origin..c-1
     origin: int = 0  # the first position whose pair the head's KV holds (at its slot 0)
+
+    @property
+    def hidden(self) -> torch.Tensor | None:
+        return None if self.states is None else self.states[self.lo:self.hi]
+
+    def keep_states(self, rows: torch.Tensor, start: int) -> None:
+        """The states from position `start` on are `rows` (the ones before it are kept)."""
+        kept = start - self.hidden_start if self.states is not None else 0
+        if self.states is None or not 0 <= kept <= self.hi - self.lo:  # not contiguous: start over
+            kept, self.hidden_start = 0, start
+        n = len(rows)
+        if self.states is None or self.lo + kept + n > len(self.states):
+            fresh = rows.new_empty((kept + n + max(n, STATE_ROOM), rows.shape[1]))
+            if kept:
+                fresh[:kept].copy_(self.states[self.lo:self.lo + kept])
+            self.states, self.lo = fresh, 0
+        self.hi = self.lo + kept + n
+        self.states[self.lo + kept:self.hi].copy_(rows)
+
+    def drop_states(self, count: int) -> None:
+        """Forget the oldest `count` states."""
+        self.lo += count
+        self.hidden_start += count
 
 
 def _agrees(known: list[int], tokens: list[int], lo: int, hi: int) -> bool:
@@ -167,19 +200,16 @@ class Eagle3Drafter:
             track.tokens.extend([-1] * (start - len(track.tokens)))
         del track.tokens[start:]
         track.tokens.extend(tokens)
-        if track.hidden is None or not track.hidden_start <= start <= track.hidden_start + len(track.hidden):
-            track.hidden, track.hidden_start = hidden.clone(), start
-        else:
-            track.hidden = torch.cat([track.hidden[:start - track.hidden_start], hidden])
-        if len(track.hidden) > self.max_pending:
-            track.hidden_start += len(track.hidden) - self.max_pending
-            track.hidden = track.hidden[-self.max_pending:].clone()
+        track.keep_states(hidden, start)
+        if track.hi - track.lo > self.max_pending:
+            track.drop_states(track.hi - track.lo - self.max_pending)
 
     def fork(self, parent: str, child: str) -> None:
         track = self.tracks.get(parent)
         if track is not None:
-            hidden = None if track.hidden is None else track.hidden.clone()
-            self.tracks[child] = _Track(list(track.tokens), hidden, track.hidden_start)
+            child_track = self.tracks[child] = _Track(list(track.tokens))
+            if track.states is not None:
+                child_track.keep_states(track.hidden, track.hidden_start)
 
     @torch.inference_mode()
     def propose(self, seqs: Seq[Sequence], max_tokens: Seq[int]) -> list[Draft]:
@@ -219,7 +249,7 @@ class Eagle3Drafter:
             n = len(seq)
             track.paired = list(seq.token_ids)  # its own list: a served sequence's tokens grow in place
             # States consumed but the last pair's, which a proposal over the same tokens reruns.
-            track.hidden, track.hidden_start = track.hidden[n - 2 - track.hidden_start:], n - 2
+            track.drop_states(n - 2 - track.hidden_start)
         tokens: list[list[int]] = [[] for _ in rows]
         active = list(range(len(rows)))
         while True:
