@@ -103,6 +103,7 @@ def test_the_heads_captured_steps_equal_its_eager_steps_bitwise():
     for n in (1, 2, 3):
         steps.append((HostStepInputs.decode([7 + i for i in range(n)], lengths[:n], tables[:n], BLOCK),
                        torch.randn(n, width, generator=g).to("cuda", torch.bfloat16)))
+    torch.cuda.synchronize()  # the inputs, made on the default stream, before the runners' streams read them
     for inputs, hidden in steps:
         rope = inputs.positions.astype(np.int64)
         rows = inputs.num_logit_rows
@@ -142,8 +143,10 @@ def test_the_heads_drafts_equal_its_eager_runners_with_no_eager_step_in_steady_s
         for seq, a, r in zip(seqs[0], start, rows, strict=True):
             named.append(control.HiddenRows(request_id=seq.request_id, start=a, row=at, tokens=r))
             at += len(r)
+        hidden = torch.cat(states)
+        torch.cuda.synchronize()  # made on the default stream; the runners copy it on theirs
         for s in served:
-            s.observe(named, torch.cat(states))
+            s.observe(named, hidden)
 
     process([0] * len(prompts), prompts)
     for group in seqs:
