@@ -285,8 +285,10 @@ class Config:
                                            meaning="The EAGLE-3 head of speculative_drafter eagle3: a local directory "
                                                    "in the published format (config.json of LlamaForCausalLMEagle3, "
                                                    "model.safetensors) trained for this model; a head whose sizes do "
-                                                   "not fit the model is refused at start. It runs on the CPU in "
-                                                   "float32, with a KV cache of its own.")
+                                                   "not fit the model is refused at start. It runs in the graph "
+                                                   "generator beside the model, on its device and in its dtype (float32 "
+                                                   "on the CPU), with a KV cache and CUDA graphs of its own, within "
+                                                   "graph_memory_budget_mb.")
     # ---- CUDA graphs and kernels
     use_cuda_graphs: bool = setting(True, section="kernels",
                                     meaning="Replay the captured CUDA graphs; false runs every step eagerly.")

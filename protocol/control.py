@@ -9,8 +9,10 @@ the step is enqueued on the GPU; it sends `Stats` when they change. A request th
 arrives while no step is in flight is announced with `Expect`, so that the graph
 generator is awake when its `Step` comes. With a draft model (speculative_drafter
 draft_model) the context generator asks for draft tokens with `Draft` and the graph
-generator, which runs the draft model, answers `Drafted`. These messages
-carry no `id`: the channel is point-to-point and `step` numbers order the pipeline.
+generator, which runs the draft model, answers `Drafted`; with an EAGLE-3 head
+(speculative_drafter eagle3) the same, and each `Step` also names the rows of the
+model's hidden states the head keeps (`HiddenRows`). These messages carry no `id`: the
+channel is point-to-point and `step` numbers order the pipeline.
 """
 
 from __future__ import annotations
@@ -56,17 +58,39 @@ class ReadyAck(Message, tag="ready_ack"):
     """Context generator → graph generator: every arena in `Ready` is mapped."""
 
 
+class HiddenRows(Fields):
+    """Rows of a step whose hidden states an EAGLE-3 head in the graph generator keeps:
+    the rows from `row` on, one per token of `tokens`, are those of sequence `request_id`
+    at positions `start`, `start + 1`, ...; a token of -1 is the sequence's own there,
+    not yet on the context generator's host (its drafts bring it)."""
+
+    request_id: str
+    start: Count
+    row: Count
+    tokens: list[Annotated[int, Meta(ge=-1, le=MAX_TOKEN_ID)]]
+
+
+class Fork(Fields):
+    """Sequence `child` shares the tokens of `parent` so far (a fork of its prompt)."""
+
+    parent: str
+    child: str
+
+
 class Step(Message, tag="step"):
     """Context generator → graph generator: run step `step` on the inputs now in the arena.
 
     `n_real` sequences and `n_tokens` tokens are real; the graph generator's runner picks
-    the captured bucket and pads the rest.
+    the captured bucket and pads the rest. With an EAGLE-3 head, `hidden` names the rows
+    of the step's hidden states the head keeps and `forks` the sequences forked after it.
     """
 
     step: Count
     kind: StepKind
     n_real: Count
     n_tokens: Count
+    hidden: list[HiddenRows] = []
+    forks: list[Fork] = []
 
 
 class Expect(Message, tag="expect"):

@@ -93,7 +93,7 @@ def test_verify_steps_replay_decode_graphs_equal_to_eager():
 
 
 def _draft_runner(model, use_graphs: bool):
-    from hybridd.engine.speculation.draft_runner import DraftRunner
+    from hybridd.engine.speculation.draft_runner import draft_model_runner
     from hybridd.model import KVCache
     from hybridd.model.kv_cache import blocks_for
     from hybridd.runtime.buckets import BucketPlan
@@ -104,8 +104,8 @@ def _draft_runner(model, use_graphs: bool):
     buffers = StepBuffers.allocate(256, plan.max_rows, blocks_for(model.max_positions, 16), vocab, "cuda")
     kv = KVCache.allocate(model.config, 512, 16, model.dtype, "cuda")
     probabilities = torch.zeros(plan.max_batch, vocab, device="cuda")
-    runner = DraftRunner(model, kv, buffers, plan, probabilities, use_graphs=use_graphs,
-                         memory_budget_bytes=1 << 30, stream=None)
+    runner = draft_model_runner(model, kv, buffers, plan, probabilities, use_graphs=use_graphs,
+                                memory_budget_bytes=1 << 30, stream=None)
     runner.runner.capture_decode_graphs()
     runner.runner.warm_up_prefill()
     return runner

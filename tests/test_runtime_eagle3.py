@@ -3,16 +3,20 @@ the model's hidden states in the head's layers into the shared step buffers, the
 generator hands them to the head, and the daemon with speculative_drafter eagle3 gives
 the in-process engine's output without speculation, greedy alone and seeded n > 1 beside
 it, with drafts verified. The head is a random one in the published format, for the
-embedded model (`tests/eagle3_reference.py`)."""
+embedded model (`tests/eagle3_reference.py`). A head whose KV cache cannot fit beside the
+weights is refused at start, naming it."""
 
 from __future__ import annotations
 
 import os
 
+import time
+
 import pytest
 import torch
 from transformers import AutoConfig
 
+from hybridd import exit_codes
 from hybridd.config import EMBEDDED_MODEL
 from hybridd.engine.generate import generate
 from hybridd.model import load_model
@@ -20,6 +24,8 @@ from hybridd.model.tokenizer import load_tokenizer
 from hybridd.protocol.messages import SamplingParams
 from tests.eagle3_reference import ReferenceEagle3, head_config
 from tests.engine_pair import EnginePair
+from tests.host_load import on_this_host
+from tests.test_start_refusals import _start
 
 pytestmark = pytest.mark.slow
 DEVICE = os.environ.get("HYBRIDD_TEST_DEVICE", "cpu")
@@ -52,7 +58,13 @@ def test_eagle3_in_the_daemon_equals_the_engine_without_speculation(pair):
                client.send({"type": "generate", "prompt_token_ids": prompts[1], "sampling": sampled,
                             "stream": False})]
         finals = [client.collect(rid)[0] for rid in ids]
-        status = client.request({"type": "status"})["status"]["speculation"]
+        # The head's KV arena and graphs, from the graph generator's counters (sent about once a second).
+        deadline = time.monotonic() + on_this_host(30)
+        while True:
+            status = client.request({"type": "status"})["status"]["speculation"]
+            if "eagle3" in status or time.monotonic() > deadline:
+                break
+            client.request({"type": "health"}, timeout=0.2)  # a round trip between looks
     finally:
         client.close()
     (plain_greedy,), (plain_sampled,) = (generate(model, [p], SamplingParams(**s))
@@ -61,3 +73,14 @@ def test_eagle3_in_the_daemon_equals_the_engine_without_speculation(pair):
     got = [c["token_ids"] for c in sorted(finals[1]["choices"], key=lambda c: c["index"])]
     assert got == [list(seq.output_token_ids) for seq in plain_sampled]
     assert status["drafter"] == "eagle3" and status["verify_steps"] > 0 and status["draft_tokens"] > 0, status
+    assert status["eagle3"]["buckets"], status  # the head's steps, run by the graph generator
+
+
+def test_a_head_whose_kv_cache_cannot_fit_is_refused_at_start(tmp_path):
+    # The device's free memory as the graph generator reads it: less than the head's KV cache.
+    done, _ = _start("--runtime-dir", str(tmp_path / "run"), "--no-compile-sampler", "--speculative-drafter",
+                     "eagle3", timeout=300, env={"HYBRIDD_TEST_FREE_MEMORY_BYTES": str(1 << 20)})
+    assert done.returncode == exit_codes.STARTUP_FAILED, done.stderr[-4000:]
+    errors = [line for line in done.stderr.splitlines() if "[error" in line]
+    assert len(errors) == 1 and "speculative_eagle3_head" in errors[0] and "its KV cache of" in errors[0], errors
+    assert done.stderr.count("spawned workers") == 1

@@ -27,6 +27,7 @@ from hybridd.config import EMBEDDED_EAGLE3_HEAD, EMBEDDED_MODEL, Config, ConfigE
 from hybridd.eagle3_head import Eagle3HeadError, read_head
 from hybridd.engine.sequence import Sequence
 from hybridd.engine.speculation.eagle3 import Eagle3Drafter, load_eagle3_drafter
+from hybridd.engine.speculation.graph_drafter import GraphDrafter
 from hybridd.engine.speculation.policy import SpeculationPolicy
 from hybridd.engine.speculation.registry import make_drafter
 from hybridd.engine.speculation.speculator import Speculator
@@ -280,10 +281,11 @@ def test_a_step_hands_over_only_the_rows_kept(setup):
         assert a.tokens[a.hidden_start:] == b.tokens[b.hidden_start:] == prompts[int(rid)][a.hidden_start:]
 
 
-def test_registry_loads_the_head_with_the_models_embedding(setup):
-    drafter = make_drafter("eagle3", eagle3_head=str(setup["dirs"]["shared"]), model=str(setup["target_dir"]),
-                           max_positions=256, head_kv_tokens=512)
-    assert isinstance(drafter, Eagle3Drafter)
+def test_the_drafter_loads_the_head_with_the_models_embedding(setup):
+    drafter = load_eagle3_drafter(str(setup["dirs"]["shared"]), str(setup["target_dir"]), max_positions=256,
+                                  kv_tokens=512)
+    assert isinstance(drafter, Eagle3Drafter) and isinstance(make_drafter("eagle3", exchange=lambda m: None,
+                                                                          notify=lambda m: None), GraphDrafter)
     torch.testing.assert_close(drafter.head.embed_tokens.weight, setup["target"].embed_tokens.weight)
 
 

@@ -20,13 +20,13 @@ from typing import Any
 import torch
 import zmq
 
-from hybridd.config import Config, eagle3_head_dir, resolve_device
+from hybridd.config import Config, resolve_device
 from hybridd.engine.block_manager import BlockManager
 from hybridd.engine.core import EngineCore
 from hybridd.engine.grammar import GrammarCompiler
 from hybridd.engine.sampler import Sampler
 from hybridd.engine.scheduler import Scheduler
-from hybridd.engine.speculation.drafter import HiddenStateDrafter
+from hybridd.engine.speculation.graph_drafter import GraphDrafter
 from hybridd.engine.speculation.policy import SpeculationPolicy
 from hybridd.engine.speculation.registry import make_drafter
 from hybridd.engine.speculation.speculator import Speculator
@@ -131,12 +131,7 @@ class ContextGenerator:
         )
         drafter = make_drafter(config.speculative_drafter, config.speculative_ngram_min, config.speculative_ngram_max,
                                self.pipeline.exchange_draft, self.ctl.send,
-                               None if self.draft_arena is None else self.draft_arena.tensors["probabilities"],
-                               eagle3_head=eagle3_head_dir(config), model=config.model,
-                               max_positions=ready.max_model_len,
-                               # Room for a full batch of the longest sequences, within 64K tokens.
-                               head_kv_tokens=min(ready.max_batch * (ready.max_model_len
-                                                                     + config.num_speculative_tokens), 1 << 16))
+                               None if self.draft_arena is None else self.draft_arena.tensors["probabilities"])
         k = config.num_speculative_tokens
         self.speculator = None if drafter is None else Speculator(
             drafter, k, SpeculationPolicy(k, adaptive=config.speculative_adaptive))
@@ -154,7 +149,7 @@ class ContextGenerator:
             eos_token_ids=ready.eos_token_ids,
             tokenizer=self.tokenizer,
         )
-        if isinstance(drafter, HiddenStateDrafter):
+        if isinstance(drafter, GraphDrafter) and drafter.hidden_states_kept:  # an EAGLE-3 head's
             self.pipeline.feed_hidden_states(drafter)
         self.grammars = GrammarCompiler(self.tokenizer, vocab_size, ready.eos_token_ids,
                                         timeout_s=config.structured_compile_timeout_s,

@@ -10,7 +10,10 @@ graphs are captured by the runner's background thread after ready.
 With a draft model (speculative_drafter draft_model) it also loads the draft, its KV
 arena and step buffers, and captures its graphs the same way (`DraftRunner`, under a
 share of the graph memory budget); it answers `Draft` messages with `Drafted`, the
-draft distributions in the shared `draft` arena.
+draft distributions in the shared `draft` arena. With an EAGLE-3 head (speculative_drafter
+eagle3) the same, the head on the model's device and in its dtype (`eagle3_runner`),
+and after each step's forward the rows of the model's hidden states its `Step` names
+go to the head.
 """
 
 from __future__ import annotations
@@ -25,12 +28,13 @@ import zmq
 
 from hybridd import environment
 from hybridd.config import Config, draft_model_dir, eagle3_head_dir, resolve_device, resolve_dtype
-from hybridd.eagle3_head import read_head
-from hybridd.engine.speculation.draft_runner import DraftRunner, DraftServer
+from hybridd.engine.speculation.draft_runner import DraftServer, draft_model_runner
+from hybridd.engine.speculation.eagle3_runner import HeadGeometry, eagle3_runner
 from hybridd.log import configure, get_logger
 from hybridd.kernels.choices import KernelChoices
 from hybridd.model import KVCache, ModelConfig, ModelLoadError, load_model
 from hybridd.model.kv_cache import blocks_for, kv_arena_shape, kv_bytes_per_block
+from hybridd.model.eagle3 import Eagle3Head, load_eagle3_head
 from hybridd.model.llama import LlamaModel
 from hybridd.runtime import gc_pauses
 from hybridd.runtime.buckets import BucketPlan
@@ -116,13 +120,14 @@ class GraphGenerator:
         self.max_model_len = max_model_len
         # Before the KV cache is sized from the memory left: the draft's weights and KV come first.
         draft_model, draft_kv = self._load_draft(dtype, choices, max_model_len)
+        head, head_kv = self._load_head(model, max_model_len)
         self.plan = BucketPlan.create(config.decode_buckets, config.prefill_buckets, config.max_prefill_seqs,
                                       mixed_tokens=min(config.chunk_tokens, config.max_prefill_tokens))
         block_size = config.block_size
         num_blocks = self._num_kv_blocks(model, block_size)
         self.plan = self._fit_batch(model, num_blocks * kv_bytes_per_block(mc, block_size, model.dtype))
         max_tokens, blocks_per_seq = geometry(config.max_prefill_tokens, self.plan.max_batch, max_model_len, block_size)
-        aux_layers = self._drafter_layers(mc)
+        aux_layers = () if head is None else head.spec.aux_layers  # the hidden states the head reads
         step_layout = buffer_layout(max_tokens, self.plan.max_rows, blocks_per_seq, mc.vocab_size,
                                     (len(aux_layers) * mc.hidden_size, model.dtype) if aux_layers else None)
         kv_shape = kv_arena_shape(mc, num_blocks, block_size)
@@ -134,7 +139,9 @@ class GraphGenerator:
         self.kv_cache = KVCache(self.kv_arena["kv_cache"], block_size)
         self.buffers = StepBuffers(dict(self.step_arena.tensors), max_tokens, blocks_per_seq)
         budget = config.graph_memory_budget_mb << 20
-        draft_budget = 0 if draft_model is None else self._draft_budget(budget, model, draft_model)
+        drafter_config = draft_model.config if draft_model is not None else \
+            HeadGeometry.of(head.spec) if head is not None else None
+        draft_budget = 0 if drafter_config is None else self._draft_budget(budget, model, drafter_config)
         self.runner = GraphRunner(
             model, self.kv_cache, self.buffers, self.plan,
             use_graphs=config.use_cuda_graphs,
@@ -149,9 +156,12 @@ class GraphGenerator:
                 ArenaLayout({"probabilities": ((self.plan.max_batch, mc.vocab_size), "float32")}), self.device)
             draft_buffers = StepBuffers.allocate(max_tokens, self.plan.max_rows, blocks_per_seq,
                                                  draft_model.config.vocab_size, self.device)
-            self.draft = DraftRunner(draft_model, draft_kv, draft_buffers, self.plan,
-                                     self.draft_arena["probabilities"], use_graphs=config.use_cuda_graphs,
-                                     memory_budget_bytes=draft_budget, stream=self.runner.stream)
+            self.draft = draft_model_runner(draft_model, draft_kv, draft_buffers, self.plan,
+                                            self.draft_arena["probabilities"], use_graphs=config.use_cuda_graphs,
+                                            memory_budget_bytes=draft_budget, stream=self.runner.stream)
+        elif head is not None:
+            self.draft = eagle3_runner(head, head_kv, self.plan, max_tokens, use_graphs=config.use_cuda_graphs,
+                                       memory_budget_bytes=draft_budget, stream=self.runner.stream)
         self.inputs_ready = InterprocessEvent.create(self.device)
         self.logits_ready = InterprocessEvent.create(self.device)
 
@@ -170,10 +180,9 @@ class GraphGenerator:
         self.link.phase("capturing", "compiling the prefill kernels")
         self.runner.warm_up_prefill()
         if self.draft is not None:
-            self.link.phase("capturing", "capturing the draft model's decode graphs", 0, total)
-            self.draft.capture(
-                progress=lambda done, n: self.link.phase("capturing", "capturing the draft model's decode graphs",
-                                                         done, n))
+            what = f"capturing the {'draft model' if draft_model is not None else 'EAGLE-3 head'}'s decode graphs"
+            self.link.phase("capturing", what, 0, total)
+            self.draft.capture(progress=lambda done, n: self.link.phase("capturing", what, done, n))
         arenas = {"kv": self.kv_arena.manifest(), "step": self.step_arena.manifest()}
         if self.draft_arena is not None:
             arenas["draft"] = self.draft_arena.manifest()
@@ -199,12 +208,6 @@ class GraphGenerator:
         self.log.info("ready_sent", kv_blocks=num_blocks, block_size=block_size, max_model_len=max_model_len,
                       quantization=quantization.get("description", "none"))
 
-    def _drafter_layers(self, model_config: ModelConfig) -> tuple[int, ...]:
-        """The layers whose hidden states the drafter reads (an EAGLE-3 head's), or none."""
-        if self.config.speculative_drafter != "eagle3":
-            return ()
-        return read_head(eagle3_head_dir(self.config), model_config.raw).aux_layers
-
     def _load_draft(self, dtype: torch.dtype, choices: KernelChoices,
                     max_model_len: int) -> tuple[LlamaModel | None, KVCache | None]:
         """The draft model (speculative_drafter draft_model) on this device, and its KV
@@ -218,7 +221,7 @@ class GraphGenerator:
         self.link.phase("loading", f"loading the draft model {path}")
         draft = load_model(path, dtype=dtype, device=self.device, max_positions=max_model_len, kernels=choices)
         block_size = config.block_size
-        tokens = min(config.max_batch * (max_model_len + config.num_speculative_tokens), MAX_DRAFT_KV_TOKENS)
+        tokens = self._drafter_kv_tokens(max_model_len)
         blocks = blocks_for(tokens, block_size)
         need = (blocks + 1) * kv_bytes_per_block(draft.config, block_size, draft.dtype)
         free = self._free_memory_bytes()
@@ -231,13 +234,43 @@ class GraphGenerator:
                       kv_bytes=need)
         return draft, kv
 
-    def _draft_budget(self, budget: int, model: LlamaModel, draft: LlamaModel) -> int:
-        """The draft's share of the graph memory budget: its part of the two models'
+    def _drafter_kv_tokens(self, max_model_len: int) -> int:
+        """The tokens of a drafter's KV cache (a draft model's, an EAGLE-3 head's): a full
+        batch of the longest sequences and their drafts, within MAX_DRAFT_KV_TOKENS."""
+        config = self.config
+        return min(config.max_batch * (max_model_len + config.num_speculative_tokens), MAX_DRAFT_KV_TOKENS)
+
+    def _load_head(self, model: LlamaModel, max_model_len: int) -> tuple[Eagle3Head | None, KVCache | None]:
+        """The EAGLE-3 head (speculative_drafter eagle3) on the model's device and in its
+        dtype, embedding with the model's embedding where it has none of its own, and its
+        KV cache (as a draft model's is sized, `_drafter_kv_tokens`)."""
+        config = self.config
+        if config.speculative_drafter != "eagle3":
+            return None, None
+        path = eagle3_head_dir(config)
+        self.link.phase("loading", f"loading the EAGLE-3 head {path}")
+        head = load_eagle3_head(path, model.config, config.model, model.embed_tokens, max_model_len,
+                                dtype=model.dtype, device=self.device)
+        tokens = self._drafter_kv_tokens(max_model_len)
+        blocks, spec = blocks_for(tokens, config.block_size), head.spec
+        need = (blocks + 1) * config.block_size * 2 * spec.num_kv_heads * spec.head_dim * head.dtype.itemsize
+        free = self._free_memory_bytes()
+        if free is not None and need > free:
+            raise ModelLoadError(f"speculative_eagle3_head {path}: its KV cache of {tokens} tokens needs "
+                                 f"{need / 2**30:.2f} GiB, and {max(free, 0) / 2**30:.2f} GiB is left beside "
+                                 f"the weights; lower max_batch or max_model_len")
+        kv = head.allocate_kv(blocks, config.block_size)
+        self.log.info("eagle3_head_loaded", path=path, aux_layers=list(head.spec.aux_layers),
+                      draft_vocab=head.spec.draft_vocab_size, dtype=_dtype_name(head.dtype), kv_tokens=tokens)
+        return head, kv
+
+    def _draft_budget(self, budget: int, model: LlamaModel, drafter: ModelConfig | HeadGeometry) -> int:
+        """The drafter's share of the graph memory budget: its part of the model's and its
         activations at the largest prefill bucket."""
         elem = torch.finfo(model.dtype).bits // 8
         tokens, rows = self.plan.max_prefill_tokens, self.plan.max_rows
         ours = activation_bytes(model.config, tokens, rows, elem)
-        theirs = activation_bytes(draft.config, tokens, rows, elem)
+        theirs = activation_bytes(drafter, tokens, rows, elem)  # type: ignore[arg-type]
         return budget * theirs // (ours + theirs)
 
     def _free_memory_bytes(self) -> int | None:
@@ -339,8 +372,9 @@ class GraphGenerator:
                 self.kv_arena.unlink_name()
                 self.step_arena.unlink_name()
                 self.runner.start_background_capture()
-                if self.draft is not None:
+                if self.draft_arena is not None:
                     self.draft_arena.unlink_name()
+                if self.draft is not None:
                     self.draft.start_background_capture()
                 self.link.phase("ready", "serving")
             elif isinstance(message, control.Shutdown):
@@ -361,11 +395,13 @@ class GraphGenerator:
         self.link.steps += 1
         mark("launched_send")
         self.ctl.send(control.Launched(step=step.step))
+        if self.draft is not None:  # before the next step's forward writes over the hidden states
+            self.draft.observe(step, self.buffers.aux_hidden)
 
     def _draft(self, message: control.Draft) -> None:
-        """Drafts for the context generator's sequences (`DraftRunner`); none without a draft model."""
+        """Drafts for the context generator's sequences (`DraftRunner`); none without a drafter here."""
         if self.draft is None:
-            self.log.error("draft_without_a_draft_model")
+            self.log.error("draft_without_a_drafter")
             if message.sequences:
                 self.ctl.send(control.Drafted(draft=message.draft, failed=True))
             return
@@ -376,7 +412,7 @@ class GraphGenerator:
     def _stats(self) -> dict[str, Any]:
         stats = self.runner.snapshot()
         if self.draft is not None:
-            stats["draft_model"] = self.draft.snapshot()
+            stats[self.config.speculative_drafter] = self.draft.snapshot()
         return stats
 
     def close(self) -> None:

@@ -121,6 +121,7 @@ class StatusReport:
             return {"drafter": "none"}
         speculation = {"drafter": self.speculator.drafter.name, "num_speculative_tokens": self.speculator.max_tokens,
                        **self.speculator.stats.to_dict(), "ms_per_token": self.speculator.policy.snapshot()}
-        if "draft_model" in self.graph_stats:  # its KV arena and graphs, in the graph generator
-            speculation["draft_model"] = self.graph_stats["draft_model"]
+        name = self.speculator.drafter.name
+        if name in self.graph_stats:  # a draft model's or an EAGLE-3 head's KV arena and graphs, in the graph generator
+            speculation[name] = self.graph_stats[name]
         return speculation

@@ -1,6 +1,10 @@
 """Handing a step's target hidden states to the drafter that reads them
 (`HiddenStateDrafter`, EAGLE-3): the rows of each sequence of the step, with the tokens
-they were computed over and the position of the first.
+they were computed over and the position of the first. In this process (`feed`, the
+in-process engine) the states themselves are handed over; in the daemon the head runs in
+the graph generator, beside the states, and the context generator names each step's
+rows (`step_rows`, sent with the `Step`), which the graph generator hands to the head
+from its own `aux_hidden` (`DraftRunner.observe`).
 
 A verify step's rows are a sequence's last token and its draft tokens; any other step's
 are the ones `query_start_loc` delimits (one per decode row, a chunk per prompt). Of a
@@ -18,6 +22,7 @@ import torch
 
 from hybridd.engine.scheduler import ScheduledBatch
 from hybridd.engine.speculation.drafter import HiddenStateDrafter
+from hybridd.protocol import control
 
 
 def _segments(batch: ScheduledBatch) -> list[tuple[int, int]]:
@@ -63,3 +68,21 @@ def feed(drafter: HiddenStateDrafter, batch: ScheduledBatch, hidden: torch.Tenso
         drafter.observe(seq.request_id, start, tokens, states)
     for row, fork in batch.forks:
         drafter.fork(batch.seqs[row].request_id, fork.request_id)
+
+
+def step_rows(batch: ScheduledBatch, keep: int) -> tuple[list[control.HiddenRows], list[control.Fork]]:
+    """The rows of the step's hidden states a head keeping `keep` states per sequence reads
+    (each sequence's last `keep`), as `control.Step` names them, and the step's forks. A
+    decode row's token still on the device is -1: the graph generator learns it with the
+    sequence's tokens."""
+    inputs = batch.inputs
+    rows = []
+    for seq, (first, count) in zip(batch.seqs, _segments(batch), strict=True):
+        if seq.is_finished:
+            continue
+        skip = max(0, count - keep)
+        rows.append(control.HiddenRows(request_id=seq.request_id, start=int(inputs.positions[first]) + skip,
+                                       row=first + skip, tokens=inputs.input_ids[first + skip:first + count].tolist()))
+    forks = [control.Fork(parent=batch.seqs[row].request_id, child=fork.request_id) for row, fork in batch.forks]
+    return rows, forks
+

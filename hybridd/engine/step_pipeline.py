@@ -27,10 +27,10 @@ stream, after the forward and before the next step's inputs are marked ready. Ba
 with a row that asked for logprobs compute them right after the tokens and bring them
 to the host with the tokens; other batches do no logprob work at all.
 
-With a drafter that reads the model's hidden states (EAGLE-3), each step's rows of them
-(`StepBuffers.aux_hidden`, written by the forward) are copied to the host with the
-tokens, before the next step's forward can overwrite them, and handed to the drafter
-when the step is collected (`hidden_states.feed`), when its input tokens are known.
+With a drafter that reads the model's hidden states (an EAGLE-3 head, which runs in the
+graph generator beside them), each `Step` names the rows of them the head keeps
+(`hidden_states.step_rows`); the graph generator copies them from its step buffers
+(`StepBuffers.aux_hidden`, written by the forward) before the next step's forward.
 """
 
 from __future__ import annotations
@@ -43,13 +43,13 @@ from dataclasses import dataclass, field
 import torch
 
 from hybridd.engine.grammar import TokenMasks
-from hybridd.engine.hidden_states import feed, wanted_rows
+from hybridd.engine.hidden_states import step_rows
 from hybridd.engine.prompt_logprobs import PromptLogprobRows
 from hybridd.engine.prompt_logprobs import compute as compute_prompt_logprobs
 from hybridd.engine.sampler import Logprobs, Sampler, SamplingTensors
 from hybridd.errors import EngineDeadError
 from hybridd.engine.scheduler import ScheduledBatch
-from hybridd.engine.speculation.drafter import HiddenStateDrafter
+from hybridd.engine.speculation.graph_drafter import GraphDrafter
 from hybridd.engine.speculation.verification import sample_verify_rows, verify_sampling_tensors
 from hybridd.model.kv_cache import copy_blocks
 from hybridd.runtime.serving_stream import ServingStream
@@ -71,8 +71,6 @@ class InflightStep:
     done: torch.cuda.Event | None  # the copy to the host; None on the CPU (already there)
     host_logprobs: Logprobs | None = None  # pinned host copies, when a row asked for logprobs
     prompt_logprobs: list[PromptLogprobRows] = field(default_factory=list)  # on the host already
-    aux_hidden: torch.Tensor | None = None  # the rows' hidden states for the drafter, on the host
-    aux_keep: int | None = None  # each sequence's last this-many rows only are in aux_hidden
 
 
 class StepPipeline:
@@ -92,7 +90,7 @@ class StepPipeline:
         settle: Callable[[], None] | None = None,
     ):
         self.buffers = buffers
-        self.hidden_drafter: HiddenStateDrafter | None = None  # see feed_hidden_states
+        self.hidden_drafter: GraphDrafter | None = None  # see feed_hidden_states
         self.kv_cache = kv_cache  # the KV arena [layers, 2, blocks + 1, ...], for copying forked blocks
         self.ctl = ctl
         self.sampler = sampler
@@ -120,8 +118,9 @@ class StepPipeline:
         self._greedy_tensors: dict[int, SamplingTensors] = {}
         self.token_masks = TokenMasks(self.vocab_size, buffers.max_seqs, pin_memory=self.cuda)
 
-    def feed_hidden_states(self, drafter: HiddenStateDrafter) -> None:
-        """Hand every step's rows of the model's hidden states to `drafter` (EAGLE-3)."""
+    def feed_hidden_states(self, drafter: GraphDrafter) -> None:
+        """Name every step's rows of the model's hidden states to the graph generator's
+        drafter that reads them (`drafter` is its side here: EAGLE-3)."""
         if self.buffers.aux_hidden is None:
             raise EngineDeadError("the drafter reads the model's hidden states and the graph generator's step "
                                   "buffers hold none")
@@ -144,10 +143,14 @@ class StepPipeline:
             self._gather_inputs(batch, n_tokens)
         self.inputs_ready.record(self.stream)
         mark("inputs_ready")
+        hidden, forks = [], []
+        if self.hidden_drafter is not None:
+            hidden, forks = step_rows(batch, self.hidden_drafter.hidden_states_kept)
+            self.hidden_drafter.observed([entry.request_id for entry in hidden] + [fork.child for fork in forks])
         mark("step_send")  # before the send: the peer may take it before this process runs on
         self.ctl.send(control.Step(
             step=batch.step_id, kind="prefill" if batch.is_prefill else "decode",
-            n_real=batch.num_rows, n_tokens=n_tokens,
+            n_real=batch.num_rows, n_tokens=n_tokens, hidden=hidden, forks=forks,
         ))
         # Sampling runs after the forward on the GPU, and its tokens go straight into
         # the ring that the next step's inputs gather from.
@@ -178,16 +181,6 @@ class StepPipeline:
                                               allowed=self._allowed(batch))
         host = torch.empty(n_rows, dtype=torch.int64, pin_memory=self.cuda)
         host_logprobs = None if logprobs is None else Logprobs.empty_like(logprobs, pin_memory=self.cuda)
-        # The next step's forward writes over the hidden states once this stream marks its
-        # inputs ready: their rows are copied on this stream first (on a GPU, to the device,
-        # and to the host on the copy stream).
-        rows, keep = None, None
-        if self.hidden_drafter is not None:
-            keep = self.hidden_drafter.max_pending
-            wanted = wanted_rows(batch, keep)
-            rows = (self.buffers.aux_hidden[:n_tokens].clone() if wanted is None else
-                    self.buffers.aux_hidden.index_select(0, self._to_device(torch.tensor(wanted))))
-        aux = rows
         done = None
         if self.cuda:
             # The copy to the host runs on its own stream, so that the next step's
@@ -199,10 +192,6 @@ class StepPipeline:
                 host.copy_(out, non_blocking=True)
                 if logprobs is not None:
                     logprobs.to(host_logprobs)
-                if rows is not None:
-                    rows.record_stream(self.copy_stream)
-                    aux = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
-                    aux.copy_(rows, non_blocking=True)
                 done = torch.cuda.Event()
                 done.record(self.copy_stream)
         else:
@@ -213,7 +202,7 @@ class StepPipeline:
         # Rare (a request that asks for its prompt's logprobs): computed and brought to
         # the host now, before the next step overwrites the logits.
         prompt = compute_prompt_logprobs(self.buffers.logits[:batch.num_logit_rows], batch) if batch.prompt_rows else []
-        return InflightStep(batch, host, done, host_logprobs, prompt, aux, keep)
+        return InflightStep(batch, host, done, host_logprobs, prompt)
 
     def _allowed(self, batch: ScheduledBatch) -> torch.Tensor | None:
         """The rows' allowed-token bitmask on the device, when a row is constrained."""
@@ -319,10 +308,7 @@ class StepPipeline:
 
     def collect(self, step: InflightStep) -> list[int]:
         """The step's sampled tokens on the host (waits only for this step's own copy);
-        their logprobs, when computed, are then in `step.host_logprobs`; its hidden states
-        go to the drafter that reads them."""
+        their logprobs, when computed, are then in `step.host_logprobs`."""
         if step.done is not None:
             step.done.synchronize()
-        if step.aux_hidden is not None and self.hidden_drafter is not None:
-            feed(self.hidden_drafter, step.batch, step.aux_hidden, step.aux_keep)
         return step.host_tokens.tolist()

@@ -14,7 +14,8 @@ every step, and padding on the device seven more kernels before every graph.
 
 With a drafter that reads the model's hidden states (EAGLE-3), `aux_hidden` [max_tokens,
 3 x hidden] holds every row's residual stream in the drafter's layers, written by the
-step's forward (inside its graph) and read by the context generator after `logits_ready`.
+step's forward (inside its graph) and copied, the rows each `Step` names, by the head
+beside it in the graph generator before the next step's forward.
 """
 
 from __future__ import annotations

@@ -5,10 +5,11 @@ target's own.
 
 One concept per module: `drafter` (what a drafter is, the protocol every drafter
 implements), `ngram` (prompt lookup, which needs no model), `draft_model` (a small model
-with the target's tokenizer decodes the drafts, with a KV cache of its own), `draft_runner`
-(that model in the graph generator: its KV arena, step buffers and graphs),
-`graph_drafter` (the context generator's side of it: drafts asked for over the control
-socket), `verification` (how the
+with the target's tokenizer decodes the drafts, with a KV cache of its own), `eagle3` (an
+EAGLE-3 head over the target's hidden states, with a KV cache of its own), `draft_runner`
+(a drafter with a model in the graph generator: its KV arena, step buffers and graphs),
+`eagle3_runner` (the EAGLE-3 head there), `graph_drafter` (the context generator's side
+of them: drafts asked for over the control socket), `verification` (how the
 target's rows accept a draft: exactly the target's distribution), `policy` (k per
 sequence and speculation on or off per batch size, from measured acceptance and step
 costs), `stats` (drafts proposed and accepted, per position), `speculator` (the three

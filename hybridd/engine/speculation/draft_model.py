@@ -223,34 +223,20 @@ class DraftModelDrafter:
 
     def _catch_up(self, pending: list[list[int]], tables: list[list[int]], starts: list[int]) -> torch.Tensor:
         """Each cache's missing tokens `pending[i]` (from position `starts[i]`) into it, in
-        as few prefill-shaped forwards as the forward takes; the logits of each sequence's
-        last token [len(pending), V]."""
-        budget = self.forward.max_tokens or sum(map(len, pending))
-        width = self.forward.max_seqs or len(pending)
-        done = [0] * len(pending)
+        as few prefill-shaped forwards as the forward takes (`catch_up_parts`); the logits
+        of each sequence's last token [len(pending), V]."""
+        forwards = catch_up_parts([len(p) for p in pending], self.forward.max_tokens, self.forward.max_seqs)
         last: list[torch.Tensor | None] = [None] * len(pending)
-        first = 0
-        while first < len(pending):
-            parts: list[tuple[int, int, int]] = []  # (sequence, offset into its pending, tokens)
-            room, i = budget, first
-            while i < len(pending) and room > 0 and len(parts) < width:
-                take = min(room, len(pending[i]) - done[i])
-                parts.append((i, done[i], take))
-                room -= take
-                done[i] += take
-                if done[i] < len(pending[i]):
-                    break
-                i += 1
+        for parts in forwards:
             inputs = HostStepInputs.prefill([pending[s][o:o + n] for s, o, n in parts],
                                             [tables[s] for s, _, _ in parts], self.cache.block_size,
                                             [starts[s] + o for s, o, _ in parts])
             logits = self.forward(inputs)
-            if first == 0 and i == len(pending) and len(parts) == len(pending):
+            if len(forwards) == 1:
                 return logits  # the usual case: one forward took every sequence whole
             for row, (s, o, n) in enumerate(parts):
                 if o + n == len(pending[s]):
                     last[s] = logits[row].clone()  # the next forward writes over the logits
-            first = i
         return torch.stack(last)  # type: ignore[arg-type]
 
     def _draw(self, logits: torch.Tensor, seqs: list[DraftedSequence],
@@ -271,3 +257,34 @@ class DraftModelDrafter:
 
     def release(self, request_id: str) -> None:
         self.cache.release(request_id)
+
+    def kv_blocks(self) -> dict[str, int]:
+        cache = self.cache
+        return {"total": cache.num_blocks, "free": cache.num_free, "block_size": cache.block_size}
+
+
+def catch_up_parts(lengths: list[int], max_tokens: int | None,
+                   max_seqs: int | None) -> list[list[tuple[int, int, int]]]:
+    """The prefill-shaped forwards that take sequences of `lengths` new tokens each, in
+    order, at most `max_tokens` tokens and `max_seqs` sequences to a forward (None: any):
+    per forward, its (sequence, offset into its new tokens, tokens) parts. A sequence
+    longer than a forward takes is split over several, each part after the last."""
+    budget = max_tokens or sum(lengths)
+    width = max_seqs or len(lengths)
+    done = [0] * len(lengths)
+    forwards = []
+    first = 0
+    while first < len(lengths):
+        parts: list[tuple[int, int, int]] = []
+        room, i = budget, first
+        while i < len(lengths) and room > 0 and len(parts) < width:
+            take = min(room, lengths[i] - done[i])
+            parts.append((i, done[i], take))
+            room -= take
+            done[i] += take
+            if done[i] < lengths[i]:
+                break
+            i += 1
+        forwards.append(parts)
+        first = i
+    return forwards

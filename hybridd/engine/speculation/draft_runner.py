@@ -1,8 +1,9 @@
-"""The draft model in the graph generator: its weights on the target's device, its KV
-arena, its step buffers, and its graphs, through a `GraphRunner` of its own (decode
-graphs per batch bucket captured before ready, the catch-up's prefill and mixed buckets
-in the background, under its share of the graph memory budget, replayed on the
-target's serving stream). Without CUDA the same runner runs every step eagerly.
+"""A drafter in the graph generator: the draft model (or an EAGLE-3 head, `eagle3_runner`)
+on the target's device, its KV arena, its step buffers, and its graphs, through a
+`GraphRunner` of its own (decode graphs per batch bucket captured before ready, the
+catch-up's prefill and mixed buckets in the background, under its share of the graph
+memory budget, replayed on the target's serving stream). Without CUDA the same runner
+runs every step eagerly.
 
 The context generator asks for drafts with a `control.Draft` message (`graph_drafter`
 is its side): per sequence, the tokens the graph generator has not seen yet (a
@@ -14,12 +15,11 @@ code as the in-process reference, over `GraphForward`) and answers `control.Draf
 with the tokens; a sampled request's draft distributions go into the shared
 `probabilities` region (a row per draft token), since no tensor travels through ZeroMQ.
 
-The seam for another kind of drafter is `DraftServer`, what the graph generator asks of
-this runner: anything that captures its graphs, answers a `control.Draft` with a
-`control.Drafted` and reports its state can take this runner's place (a head that reads
-the target's hidden states would read them from the target's runner, in this process,
-and keep its KV and graphs as this one does); the context generator's side and the
-protocol stay as they are.
+`DraftRunner` serves any drafter whose forwards run through its graph runner (a
+`ServedDrafter`): the draft model's (`draft_model_runner`) and an EAGLE-3 head's, which
+is also handed the rows of the target's hidden states each `Step` names (`observe`),
+from the target's step buffers in this process. `DraftServer` is what the graph
+generator asks of it.
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ from typing import Protocol
 import torch
 
 from hybridd.engine.sampler import Sampler
-from hybridd.engine.speculation.draft_model import DraftModelDrafter
+from hybridd.engine.speculation.draft_model import DraftedSequence, DraftModelDrafter
+from hybridd.engine.speculation.drafter import Draft, HiddenStateDrafter
 from hybridd.log import get_logger
 from hybridd.model.kv_cache import KVCache
 from hybridd.model.llama import LlamaModel
@@ -63,8 +64,24 @@ class DraftServer(Protocol):
         """The answer to a `Draft` (None: it asks for nothing, and gets no answer)."""
         ...
 
+    def observe(self, step: control.Step, hidden: torch.Tensor | None) -> None:
+        """The rows `step` names of its hidden states `hidden`, for a drafter that reads them."""
+        ...
+
     def snapshot(self) -> dict:
         """Its part of the status: KV, graphs, counters."""
+        ...
+
+
+class ServedDrafter(Protocol):
+    """A drafter whose forwards run through a `DraftRunner`'s graph runner."""
+
+    def propose(self, seqs: list[DraftedSequence], max_tokens: list[int]) -> list[Draft]: ...
+
+    def release(self, request_id: str) -> None: ...
+
+    def kv_blocks(self) -> dict[str, int]:
+        """Its KV cache's blocks: total, free, block_size."""
         ...
 
 
@@ -108,17 +125,13 @@ class _Tokens:
 
 
 class DraftRunner:
-    def __init__(self, model: LlamaModel, kv_cache: KVCache, buffers: StepBuffers, plan: BucketPlan,
-                 probabilities: torch.Tensor, *, use_graphs: bool, memory_budget_bytes: int,
-                 stream: torch.cuda.Stream | None) -> None:
-        """`kv_cache`: the draft's arena; `buffers`: its step buffers (sized for `plan`);
-        `probabilities`: the shared region [rows, V] for sampled drafts' distributions;
-        `stream`: the target's serving stream, which the draft's steps run on too."""
-        self.model = model
-        self.runner = GraphRunner(model, kv_cache, buffers, plan, use_graphs=use_graphs,
-                                  memory_budget_bytes=memory_budget_bytes, stream=stream)
-        self.drafter = DraftModelDrafter(model, kv_cache.num_blocks, kv_cache.block_size,
-                                         sampler=Sampler(compile=False), forward=GraphForward(self.runner))
+    def __init__(self, drafter: ServedDrafter, runner: GraphRunner, kv_cache: KVCache,
+                 probabilities: torch.Tensor | None) -> None:
+        """`runner`: the graph runner `drafter`'s forwards run through, on `kv_cache` (its
+        arena); `probabilities`: the shared region [rows, V] for sampled drafts'
+        distributions (None: the drafter gives none)."""
+        self.drafter = drafter
+        self.runner = runner
         self.kv_cache = kv_cache
         self.probabilities = probabilities
         self.sequences: dict[str, _Tokens] = {}
@@ -126,7 +139,7 @@ class DraftRunner:
         self.draft_tokens = 0
 
     def capture(self, progress: Callable[[int, int], None] | None = None) -> None:
-        """The draft model's decode graphs, one per batch bucket (largest first), and its
+        """The drafter's decode graphs, one per batch bucket (largest first), and its
         prefill kernels compiled: its catch-up forwards' graphs come in the background."""
         self.runner.capture_decode_graphs(progress=progress)
         self.runner.warm_up_prefill()
@@ -139,6 +152,29 @@ class DraftRunner:
 
     def serve_from_this_thread(self) -> None:
         self.runner.serve_from_this_thread()
+
+    def observe(self, step: control.Step, hidden: torch.Tensor | None) -> None:
+        """The rows `step` names of the target's hidden states `hidden`, and its forks, to
+        the drafter (on the serving stream, after the step's forward: copied before the
+        next one writes over them)."""
+        if not (step.hidden or step.forks) or not isinstance(self.drafter, HiddenStateDrafter):
+            return
+        try:
+            rows = 0 if hidden is None else min(step.n_tokens, hidden.shape[0])
+            for entry in step.hidden:
+                if entry.row + len(entry.tokens) > rows:
+                    raise ValueError(f"step {step.step}: rows {entry.row}..{entry.row + len(entry.tokens) - 1} of "
+                                     f"sequence {entry.request_id!r} past the step's {rows}")
+            with self.runner.serving.entered():
+                for entry in step.hidden:
+                    self.drafter.observe(entry.request_id, entry.start, entry.tokens,
+                                         hidden[entry.row:entry.row + len(entry.tokens)])
+                for fork in step.forks:
+                    self.drafter.fork(fork.parent, fork.child)
+        except Exception as exc:  # those sequences draft once new states come: a drafter costs speed only
+            log.error("hidden_states_not_kept", error=f"{type(exc).__name__}: {str(exc)[:300]}")
+            for request_id in [entry.request_id for entry in step.hidden] + [fork.child for fork in step.forks]:
+                self.drafter.release(request_id)
 
     def draft(self, message: control.Draft) -> control.Drafted | None:
         """Drafts for the message's sequences (see the module docstring). A message that
@@ -173,7 +209,7 @@ class DraftRunner:
             drafts = self.drafter.propose(seqs, wanted)
             rows, row = [], 0
             for draft in drafts:
-                if draft.probabilities is None:
+                if draft.probabilities is None or self.probabilities is None:
                     rows.append(-1)
                     continue
                 n = len(draft)
@@ -183,7 +219,7 @@ class DraftRunner:
                 self.probabilities[row:row + n].copy_(draft.probabilities)
                 rows.append(row)
                 row += n
-            if self.probabilities.device.type == "cuda":
+            if self.probabilities is not None and self.probabilities.device.type == "cuda":
                 torch.cuda.current_stream().synchronize()  # the reader maps this memory in another process
         return [draft.tokens for draft in drafts], rows
 
@@ -202,12 +238,11 @@ class DraftRunner:
         return seq
 
     def snapshot(self) -> dict:
-        """The draft model's part of the graph generator's status: its KV arena, its
-        graphs (as the target's are reported), what it drafted."""
-        cache = self.drafter.cache
+        """The drafter's part of the graph generator's status: its KV arena, its graphs
+        (as the target's are reported), what it drafted."""
         graphs = self.runner.snapshot()
         return {
-            "kv_blocks": {"total": cache.num_blocks, "free": cache.num_free, "block_size": cache.block_size},
+            "kv_blocks": self.drafter.kv_blocks(),
             "kv_bytes": self.kv_cache.arena.numel() * self.kv_cache.arena.element_size(),
             "sequences": len(self.sequences),
             "drafts": self.drafts,
@@ -216,3 +251,16 @@ class DraftRunner:
             "memory_budget_bytes": graphs["memory_budget_bytes"],
             "buckets": graphs["buckets"],
         }
+
+
+def draft_model_runner(model: LlamaModel, kv_cache: KVCache, buffers: StepBuffers, plan: BucketPlan,
+                       probabilities: torch.Tensor, *, use_graphs: bool, memory_budget_bytes: int,
+                       stream: torch.cuda.Stream | None) -> DraftRunner:
+    """The draft model served: `kv_cache` its arena; `buffers` its step buffers (sized for
+    `plan`); `probabilities` the shared region [rows, V] for sampled drafts'
+    distributions; `stream` the target's serving stream, which the draft's steps run on too."""
+    runner = GraphRunner(model, kv_cache, buffers, plan, use_graphs=use_graphs,
+                         memory_budget_bytes=memory_budget_bytes, stream=stream)
+    drafter = DraftModelDrafter(model, kv_cache.num_blocks, kv_cache.block_size, sampler=Sampler(compile=False),
+                                forward=GraphForward(runner))
+    return DraftRunner(drafter, runner, kv_cache, probabilities)

@@ -24,7 +24,9 @@ taken for another sequence), the head starts its context over at the first state
 (`origin`): it attends to the pairs from there on, at their true positions. A sequence
 keeps at most `max_pending` states not yet consumed (a long prompt, steps while the
 policy does not speculate), its oldest dropped first: each costs 3 x the model's hidden
-size in float32.
+size in the head's dtype. They are kept in a buffer per sequence with room for a step's
+rows after them (`STATE_ROOM`), written in place: a step costs a copy of its own rows,
+not of the sequence's states.
 
 Tokens are drawn from the head's logits, scattered into the target's vocabulary, by the
 request's own sampler with the target's noise at each position (as the draft model's
@@ -34,8 +36,15 @@ carry no distribution: a verify step keeps a draft token iff the target drew it
 (`verification`), so the output is the one without speculation, seeded sampling too,
 token for token.
 
-Where it runs: in the process of the runner that feeds it (the in-process engine), on
-the CPU, eagerly.
+Where its forwards run is the `HeadForward` it is given. In the daemon the drafter lives
+in the graph generator, on the model's device and in its dtype (`eagle3_runner`: the
+head's KV arena, step buffers and CUDA graphs per bucket), fed the rows of the model's
+hidden states each `Step` names, straight from the step buffers; the context generator
+asks it for drafts as it asks a draft model (`graph_drafter`). A decode row whose token
+the context generator did not have yet arrives as -1: the sequence's own token there,
+which its drafts bring. In this process (`EagerHeadForward`, the default) it is the
+in-process engine's drafter, on the CPU in float32, and the reference the daemon's is
+tested against: the same code, forwards run eagerly on a KV cache of its own.
 """
 
 from __future__ import annotations
@@ -43,19 +52,67 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
+from typing import Protocol
 
+import numpy as np
 import torch
 
 from hybridd.engine.sampler import Sampler, SamplingTensors
 from hybridd.engine.sequence import Sequence
+from hybridd.engine.speculation.draft_model import catch_up_parts
 from hybridd.engine.speculation.drafter import NO_DRAFT, Draft
 from hybridd.log import get_logger
 from hybridd.model.config import ModelConfig
 from hybridd.model.eagle3 import Eagle3Head, load_eagle3_head
-from hybridd.model.kv_cache import blocks_for
+from hybridd.model.kv_cache import KVCache, blocks_for
 from hybridd.model.step_inputs import HostStepInputs
 
 log = get_logger(__name__)
+
+# The most target states a sequence keeps not yet consumed (see the module docstring).
+MAX_PENDING_STATES = 256
+
+
+class HeadForward(Protocol):
+    """One forward of the head over a step's inputs, on its KV cache. `rope` [T] holds the
+    rows' positions in their sequences; `hidden` is, for a prefill-shaped step, the
+    target's states [T, 3 x target hidden] (mixed down inside), for a decode step the
+    head's previous outputs [T, hidden]. Returns, for the step's logits rows, the head's
+    logits [R, draft vocab] in float32 and its output before the final norm [R, hidden],
+    valid until the next forward."""
+
+    max_tokens: int | None  # the most tokens one forward takes (None: any)
+    max_seqs: int | None  # the most sequences one forward takes (None: any)
+
+    def __call__(self, inputs: HostStepInputs, rope: np.ndarray,
+                 hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+class EagerHeadForward:
+    """The head's forwards in this process, eagerly, on a KV cache of its own."""
+
+    max_tokens = None
+    max_seqs = None
+
+    def __init__(self, head: Eagle3Head, num_blocks: int, block_size: int) -> None:
+        self.head = head
+        self.kv: KVCache = head.allocate_kv(num_blocks, block_size)
+
+    def __call__(self, inputs: HostStepInputs, rope: np.ndarray,
+                 hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        head = self.head
+        step = inputs.on(head.device)
+        if step.is_prefill:
+            hidden = head.combine(hidden)
+        normed, out = head(step, self.kv, hidden, torch.from_numpy(np.asarray(rope, dtype=np.int64)).to(head.device))
+        if step.is_prefill:  # a row per sequence: its last
+            normed, out = normed.index_select(0, step.logits_indices), out.index_select(0, step.logits_indices)
+        return head.compute_logits(normed), out
+
+
+# Rows a sequence's state buffer has room for past its states when it is (re)made: a
+# step's rows are written in place, and the buffer is remade only when they reach its end.
+STATE_ROOM = 64
 
 
 @dataclass
@@ -63,11 +120,48 @@ class _Track:
     """One sequence as the drafter knows it (see the module docstring)."""
 
     tokens: list[int] = field(default_factory=list)  # as the target processed them, from position 0
-    hidden: torch.Tensor | None = None  # target states of positions hidden_start .. len(tokens) - 1
+    # Target states of positions hidden_start .. len(tokens) - 1: rows lo..hi of `states`.
+    states: torch.Tensor | None = None
+    lo: int = 0
+    hi: int = 0
     hidden_start: int = 0
     blocks: list[int] = field(default_factory=list)  # the head's KV
     paired: list[int] = field(default_factory=list)  # x_0..x_c: the head's KV holds positions origin..c-1
     origin: int = 0  # the first position whose pair the head's KV holds (at its slot 0)
+
+    @property
+    def hidden(self) -> torch.Tensor | None:
+        return None if self.states is None else self.states[self.lo:self.hi]
+
+    def keep_states(self, rows: torch.Tensor, start: int) -> None:
+        """The states from position `start` on are `rows` (the ones before it are kept)."""
+        kept = start - self.hidden_start if self.states is not None else 0
+        if self.states is None or not 0 <= kept <= self.hi - self.lo:  # not contiguous: start over
+            kept, self.hidden_start = 0, start
+        n = len(rows)
+        if self.states is None or self.lo + kept + n > len(self.states):
+            fresh = rows.new_empty((kept + n + max(n, STATE_ROOM), rows.shape[1]))
+            if kept:
+                fresh[:kept].copy_(self.states[self.lo:self.lo + kept])
+            self.states, self.lo = fresh, 0
+        self.hi = self.lo + kept + n
+        self.states[self.lo + kept:self.hi].copy_(rows)
+
+    def drop_states(self, count: int) -> None:
+        """Forget the oldest `count` states."""
+        self.lo += count
+        self.hidden_start += count
+
+
+def _agrees(known: list[int], tokens: list[int], lo: int, hi: int) -> bool:
+    """Whether `known[lo:hi]` are `tokens[lo:hi]`, a -1 standing for the token of `tokens`
+    there (filled in)."""
+    for i in range(lo, hi):
+        if known[i] != tokens[i]:
+            if known[i] != -1:
+                return False
+            known[i] = tokens[i]
+    return True
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -82,11 +176,15 @@ class Eagle3Drafter:
     name = "eagle3"
 
     def __init__(self, head: Eagle3Head, num_blocks: int, block_size: int = 16,
-                 sampler: Sampler | None = None, max_pending: int = 256) -> None:
+                 sampler: Sampler | None = None, max_pending: int = MAX_PENDING_STATES,
+                 forward: HeadForward | None = None) -> None:
+        """`forward` runs the head's steps on its KV cache of `num_blocks` blocks (default:
+        eagerly in this process, `EagerHeadForward`)."""
         self.head = head
         self.max_pending = max_pending
         self.aux_layers: tuple[int, ...] = head.spec.aux_layers
-        self.kv = head.allocate_kv(num_blocks, block_size)
+        self.forward = forward if forward is not None else EagerHeadForward(head, num_blocks, block_size)
+        self.num_blocks = num_blocks
         self.block_size = block_size
         self.sampler = sampler or Sampler(compile=False)
         self.vocab_size = head.spec.vocab_size
@@ -97,24 +195,21 @@ class Eagle3Drafter:
         track = self.tracks.get(request_id)
         if track is None:
             track = self.tracks[request_id] = _Track()
-        hidden = hidden.to(self.head.device, torch.float32)
+        hidden = hidden.to(self.head.device, self.head.dtype)
         if start > len(track.tokens):  # positions never seen here (a prefix from the cache): unknown
             track.tokens.extend([-1] * (start - len(track.tokens)))
         del track.tokens[start:]
         track.tokens.extend(tokens)
-        if track.hidden is None or not track.hidden_start <= start <= track.hidden_start + len(track.hidden):
-            track.hidden, track.hidden_start = hidden.clone(), start
-        else:
-            track.hidden = torch.cat([track.hidden[:start - track.hidden_start], hidden])
-        if len(track.hidden) > self.max_pending:
-            track.hidden_start += len(track.hidden) - self.max_pending
-            track.hidden = track.hidden[-self.max_pending:].clone()
+        track.keep_states(hidden, start)
+        if track.hi - track.lo > self.max_pending:
+            track.drop_states(track.hi - track.lo - self.max_pending)
 
     def fork(self, parent: str, child: str) -> None:
         track = self.tracks.get(parent)
         if track is not None:
-            hidden = None if track.hidden is None else track.hidden.clone()
-            self.tracks[child] = _Track(list(track.tokens), hidden, track.hidden_start)
+            child_track = self.tracks[child] = _Track(list(track.tokens))
+            if track.states is not None:
+                child_track.keep_states(track.hidden, track.hidden_start)
 
     @torch.inference_mode()
     def propose(self, seqs: Seq[Sequence], max_tokens: Seq[int]) -> list[Draft]:
@@ -130,7 +225,7 @@ class Eagle3Drafter:
                 continue
             self.tracks.move_to_end(seq.request_id)
             # The target's states of positions hidden_start..n-2 must be of these tokens.
-            if len(track.tokens) < n - 1 or track.tokens[track.hidden_start:n - 1] != tokens[track.hidden_start:n - 1]:
+            if len(track.tokens) < n - 1 or not _agrees(track.tokens, tokens, track.hidden_start, n - 1):
                 continue
             # The head's KV holds pairs origin..c-1; it needs the target's states for c..n-2.
             c = min(max(_common_prefix(track.paired, tokens) - 1, track.origin), n - 2)
@@ -149,44 +244,57 @@ class Eagle3Drafter:
             return drafts
         drafted = [seqs[i] for i in rows]
         tracks = [self.tracks[seq.request_id] for seq in drafted]
-        head = self.head
-        pending = [seq.token_ids[c + 1:] for seq, c in zip(drafted, starts, strict=True)]
-        states = torch.cat([t.hidden[c - t.hidden_start:len(seq) - 1 - t.hidden_start]
-                            for t, seq, c in zip(tracks, drafted, starts, strict=True)])
-        # Positions in the head's KV count from each track's origin; RoPE reads the true ones.
-        inputs = HostStepInputs.prefill(pending, [t.blocks for t in tracks], self.block_size,
-                                        [c - t.origin for c, t in zip(starts, tracks, strict=True)])
-        origins = torch.tensor([t.origin for t in tracks], dtype=torch.int64)
-        rope = torch.from_numpy(inputs.positions) + origins.repeat_interleave(
-            torch.tensor([len(p) for p in pending]))
-        inputs = inputs.on(head.device)
-        normed, hidden = head(inputs, self.kv, head.combine(states), rope.to(head.device))
-        last = inputs.logits_indices
-        normed, hidden = normed.index_select(0, last), hidden.index_select(0, last)
+        logits, hidden = self._catch_up(drafted, tracks, starts)
         for track, seq in zip(tracks, drafted, strict=True):
             n = len(seq)
-            track.paired = seq.token_ids
+            track.paired = list(seq.token_ids)  # its own list: a served sequence's tokens grow in place
             # States consumed but the last pair's, which a proposal over the same tokens reruns.
-            track.hidden, track.hidden_start = track.hidden[n - 2 - track.hidden_start:], n - 2
+            track.drop_states(n - 2 - track.hidden_start)
         tokens: list[list[int]] = [[] for _ in rows]
         active = list(range(len(rows)))
         while True:
-            drawn = self._draw(head.compute_logits(normed), [drafted[a] for a in active], [tokens[a] for a in active])
+            drawn = self._draw(logits, [drafted[a] for a in active], [tokens[a] for a in active])
             for a, token in zip(active, drawn, strict=True):
                 tokens[a].append(token)
             still = [j for j, a in enumerate(active) if len(tokens[a]) < counts[a]]
             if not still:
                 break
             active = [active[j] for j in still]
+            # Its own list of rows: the next forward writes over the last one's outputs.
             hidden = hidden.index_select(0, torch.tensor(still, dtype=torch.int64, device=hidden.device))
             positions = [len(drafted[a]) - 2 + len(tokens[a]) for a in active]
             inputs = HostStepInputs.decode([tokens[a][-1] for a in active],
                                            [p - tracks[a].origin for p, a in zip(positions, active, strict=True)],
-                                           [tracks[a].blocks for a in active], self.block_size).on(head.device)
-            normed, hidden = head(inputs, self.kv, hidden, torch.tensor(positions, device=head.device))
+                                           [tracks[a].blocks for a in active], self.block_size)
+            logits, hidden = self.forward(inputs, np.asarray(positions, dtype=np.int64), hidden)
         for a, i in enumerate(rows):
             drafts[i] = Draft(tokens[a])
         return drafts
+
+    def _catch_up(self, drafted: list[Sequence], tracks: list[_Track],
+                  starts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pairs each head KV lacks (positions starts[i]..n-2: the target's state there
+        and the next token) into it, in as few prefill-shaped forwards as the forward
+        takes; each sequence's last row's (logits, output)."""
+        pending = [seq.token_ids[c + 1:] for seq, c in zip(drafted, starts, strict=True)]
+        states = [t.hidden[c - t.hidden_start:len(seq) - 1 - t.hidden_start]
+                  for t, seq, c in zip(tracks, drafted, starts, strict=True)]
+        forwards = catch_up_parts([len(p) for p in pending], self.forward.max_tokens, self.forward.max_seqs)
+        last: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(pending)
+        for parts in forwards:
+            # Positions in the head's KV count from each track's origin; RoPE reads the true ones.
+            inputs = HostStepInputs.prefill([pending[s][o:o + n] for s, o, n in parts],
+                                            [tracks[s].blocks for s, _, _ in parts], self.block_size,
+                                            [starts[s] + o - tracks[s].origin for s, o, _ in parts])
+            rope = inputs.positions.astype(np.int64) + np.repeat([tracks[s].origin for s, _, _ in parts],
+                                                                 [n for _, _, n in parts])
+            logits, hidden = self.forward(inputs, rope, torch.cat([states[s][o:o + n] for s, o, n in parts]))
+            if len(forwards) == 1:
+                return logits, hidden  # the usual case: one forward took every sequence whole
+            for row, (s, o, n) in enumerate(parts):
+                if o + n == len(pending[s]):  # the next forward writes over these rows
+                    last[s] = (logits[row].clone(), hidden[row].clone())
+        return torch.stack([r[0] for r in last]), torch.stack([r[1] for r in last])  # type: ignore[index]
 
     def _draw(self, draft_logits: torch.Tensor, seqs: list[Sequence],
               drafted: list[list[int]]) -> list[int]:
@@ -222,6 +330,9 @@ class Eagle3Drafter:
         track = self.tracks.pop(request_id, None)
         if track is not None:
             self._drop_kv(track)
+
+    def kv_blocks(self) -> dict[str, int]:
+        return {"total": self.num_blocks, "free": len(self._free), "block_size": self.block_size}
 
 
 def load_eagle3_drafter(head_dir: str, model_dir: str, max_positions: int | None = None, kv_tokens: int = 1 << 16,

@@ -13,11 +13,17 @@ for the drafts), within the control channel's message size. The draft distributi
 sampled requests are read from the shared `probabilities` region, where the graph
 generator wrote them before answering. An answer that says the draft failed leaves
 every sequence of the message undrafted this time and sent whole the next.
+
+A drafter that reads the model's hidden states (an EAGLE-3 head) keeps at most
+`hidden_states_kept` of them per sequence; the step pipeline names each step's rows of
+them to the graph generator (`hidden_states.step_rows`) and tells this side which
+sequences the graph generator now keeps states for (`observed`), so that each is let go
+there when it finishes, drafted for or not.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Seq
 
 import torch
@@ -35,14 +41,16 @@ MAX_RELEASED = 256
 
 class GraphDrafter:
     def __init__(self, exchange: Callable[[control.Draft], control.Drafted], notify: Callable[[control.Draft], None],
-                 probabilities: torch.Tensor, name: str = "draft_model") -> None:
+                 probabilities: torch.Tensor | None, name: str = "draft_model", hidden_states_kept: int = 0) -> None:
         """`exchange` sends a `Draft` and returns its `Drafted`; `notify` sends one that
         asks for nothing (no answer comes); `probabilities` is the shared region [rows, V]
-        of the draft distributions."""
+        of the draft distributions (None: the drafter has none); `hidden_states_kept`: see
+        the module docstring (0: the drafter reads no hidden states)."""
         self.exchange = exchange
         self.notify = notify
         self.probabilities = probabilities
         self.name = name
+        self.hidden_states_kept = hidden_states_kept
         self._sent: dict[str, int] = {}  # tokens of each sequence the graph generator has
         self._released: list[str] = []
         self._messages = 0
@@ -67,7 +75,8 @@ class GraphDrafter:
         if reply is None:
             return drafts
         for i, tokens, row in zip(asked, reply.tokens, reply.rows, strict=True):
-            probabilities = None if row < 0 else self.probabilities[row:row + len(tokens)].clone()
+            probabilities = None if row < 0 or self.probabilities is None else \
+                self.probabilities[row:row + len(tokens)].clone()
             drafts[i] = Draft(list(tokens), probabilities)
         return drafts
 
@@ -111,6 +120,11 @@ class GraphDrafter:
                     self._sent.pop(entry.request_id, None)
                 return None
         return reply
+
+    def observed(self, request_ids: Iterable[str]) -> None:
+        """The graph generator now keeps hidden states of these sequences."""
+        for request_id in request_ids:
+            self._sent.setdefault(request_id, 0)
 
     def release(self, request_id: str) -> None:
         if self._sent.pop(request_id, None) is None:
