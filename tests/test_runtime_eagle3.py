@@ -9,7 +9,6 @@ weights is refused at start, naming it."""
 from __future__ import annotations
 
 import os
-
 import time
 
 import pytest
