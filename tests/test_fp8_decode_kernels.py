@@ -1,5 +1,5 @@
 """The FP8 decode kernels the skinny GEMM can run (`GemmConfig.kernel`: the tensor-core
-forms dot, dot_t, dot_f16, dot_f16_t and the CUDA-core fma) against the emulated
+forms dot, dot_f16, dot_f16_t and the CUDA-core fma) against the emulated
 numerics (`hybridd.kernels.fp8.linear`), with every epilogue the FP8 path uses; the
 measured table `config_for` takes FP8 configs from; the E4M3 conversions the kernels
 rely on, on every code. On the CPU through Triton's interpreter in float32 on small
@@ -23,7 +23,7 @@ from hybridd.kernels.triton_gemm import FoldedNorm, GemmConfig  # noqa: E402
 TOL = 1e-2 if CUDA else 1e-5
 # The kernels that round the activations to float16 (their reference rounds them too).
 F16 = ("dot_f16", "dot_f16_t")
-NEW_KERNELS = ("dot_t", "dot_f16", "dot_f16_t", "fma")
+NEW_KERNELS = ("dot_f16", "dot_f16_t", "fma")
 
 
 def fp8_operands(m: int, n: int, k: int, bias: bool, seed: int, activations: str = "none"):
@@ -198,7 +198,7 @@ def test_other_kernels_take_fp8_weights_only():
     x = torch.randn(2, 64, dtype=DTYPE, device=DEVICE)
     with pytest.raises(ValueError, match="the fma kernel multiplies FP8 weights only"):
         triton_gemm.launch(x, torch.randn(32, 64, dtype=DTYPE, device=DEVICE), None, GemmConfig(16, 32, kernel="fma"))
-    with pytest.raises(ValueError, match="kernel must be one of dot, dot_f16, fma, dot_t, dot_f16_t, got 'mma'"):
+    with pytest.raises(ValueError, match="kernel must be one of dot, dot_f16, fma, dot_f16_t, got 'mma'"):
         GemmConfig(16, 32, kernel="mma")
     with pytest.raises(ValueError, match="the dot_f16 kernel takes decode's rows only"):
         GemmConfig(16, 32, block_m=16, tile_m=True, kernel="dot_f16")

@@ -55,7 +55,7 @@ from hybridd.kernels.rotary import RotaryArgs
 from hybridd.kernels.triton_quantize import quantize_tokens
 
 MAX_ROWS = 32
-KERNELS = ("dot", "dot_f16", "fma", "dot_t", "dot_f16_t")
+KERNELS = ("dot", "dot_f16", "fma", "dot_f16_t")
 FMA_ROWS = 8
 _INTERPRET = environment.flag("TRITON_INTERPRET")
 # Float32 partials and per-tile counters for split-K, per (device, stream, capturing).
@@ -76,9 +76,9 @@ class GemmConfig:
     tile_m: bool = False
     # How an FP8 weight's tile is multiplied (one of KERNELS): "dot" converts it to the
     # activation dtype for the tensor cores; "dot_f16" converts it to float16 (one hardware
-    # conversion a pair) and the activations, scaled by 2^-4, as well; "dot_t" and
-    # "dot_f16_t" are those with W the tensor cores' second operand (its FP8 tile read from
-    # shared memory in 8-byte pieces where the first operand's layout takes 2); "fma"
+    # conversion a pair) and the activations, scaled by 2^-4, as well; "dot_f16_t" is that
+    # with W the tensor cores' second operand (its FP8 tile read from shared memory in
+    # 8-byte pieces where the first operand's layout takes 2); "fma"
     # multiplies on the CUDA cores in float32, up to FMA_ROWS rows (no padding to 16), each
     # thread summing its own K columns until the end (num_stages > 1: each weight tile
     # loaded a step ahead).
@@ -107,8 +107,8 @@ def _multiply_add(acc, w_rows, x_ptr, offs_m, k_idx, mask_m, mask_n, stride_xm, 
 
     MODE 1 ("dot_f16"): both in float16 instead (FP8 E4M3 exactly, one conversion a pair
     on sm89+; the activations scaled by 2^-4, exact from 2^-13 to 2^20, see
-    `GemmConfig.kernel`); MODE 3 and 4 ("dot_t",
-    "dot_f16_t"): those of 0 and 1 with acc [BLOCK_M, BLOCK_N] += x @ W.T."""
+    `GemmConfig.kernel`); MODE 3 ("dot_f16_t"): that of 1 with acc [BLOCK_M, BLOCK_N] +=
+    x @ W.T."""
     a_ptrs = x_ptr + offs_m[:, None] * stride_xm + k_idx[None, :]
     if EVEN_K:
         w = tl.load(w_rows + k_idx[None, :], mask=mask_n[:, None], other=0.0, eviction_policy="evict_first")
@@ -126,7 +126,7 @@ def _multiply_add(acc, w_rows, x_ptr, offs_m, k_idx, mask_m, mask_n, stride_xm, 
     if NORM_WEIGHT:
         a = (a.to(tl.float32) * inv_rms[:, None]).to(dt)
         a = (a.to(tl.float32) * g.to(tl.float32)[None, :]).to(dt)
-    if MODE == 1 or MODE == 4:
+    if MODE == 1 or MODE == 3:
         # Scaled by 2^-4 on the way to float16 (the epilogue scales back): a bf16 value
         # from 2^-13 to 2^20 in magnitude is then a float16 exactly, where unscaled ones
         # past 65504 (a down projection's input may reach them) would overflow.
@@ -134,8 +134,6 @@ def _multiply_add(acc, w_rows, x_ptr, offs_m, k_idx, mask_m, mask_n, stride_xm, 
     if MODE == 1:  # the mode numbers: KERNELS' indices
         return tl.dot(w.to(tl.float16), tl.trans(a), acc)
     elif MODE == 3:  # acc [BLOCK_M, BLOCK_N]: W the tensor cores' second operand
-        return tl.dot(a.to(dt), tl.trans(w.to(dt)), acc)
-    elif MODE == 4:
         return tl.dot(a, tl.trans(w.to(tl.float16)), acc)
     else:
         return tl.dot(w.to(dt), tl.trans(a.to(dt)), acc)
@@ -396,7 +394,7 @@ def _skinny_gemm_kernel(
                                 dt, g_ptr, inv_rms, NORM_WEIGHT, MODE)
     if MODE >= 3:
         acc = tl.trans(acc)
-    if MODE == 1 or MODE == 4:
+    if MODE == 1 or MODE == 3:
         acc = acc * 16.0  # the float16 forms' activations were scaled by 2^-4
     if NORM and not NORM_WEIGHT:
         # The norm's weight is folded into W (`LlamaModel.fold_norms`): what is left of it

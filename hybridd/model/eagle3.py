@@ -183,7 +183,7 @@ def load_eagle3_head(head_dir: str | Path, target: ModelConfig, target_dir: str 
                     continue
                 tensor = handle.get_tensor(stored)
                 if name == "d2t":
-                    head.draft_to_target.add_(tensor.to(torch.int64))
+                    head.draft_to_target.add_(tensor.to(head.draft_to_target.device, torch.int64))
                 elif name in params:
                     params[name].copy_(tensor)
                 else:
