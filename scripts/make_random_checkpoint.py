@@ -109,11 +109,13 @@ def make_eagle3_head(out: Path, target_dir: Path, seed: int = 0, dtype: torch.dt
         "num_key_value_heads": kv_heads, "head_dim": head_dim, "num_hidden_layers": 1,
         "rms_norm_eps": target.get("rms_norm_eps", 1e-5), "vocab_size": vocab, "draft_vocab_size": draft,
         "target_hidden_size": hidden, "max_position_embeddings": target.get("max_position_embeddings", 2048),
-        "rope_theta": target.get("rope_theta", 10000.0), "tie_word_embeddings": False,
+        "rope_theta": (target.get("rope_parameters") or {}).get("rope_theta", target.get("rope_theta", 10000.0)),
+        "tie_word_embeddings": False,
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
-    if target.get("rope_scaling"):
-        config["rope_scaling"] = target["rope_scaling"]
+    for rope in ("rope_parameters", "rope_scaling"):  # transformers >= 5 writes the first, theta inside
+        if target.get(rope):
+            config[rope] = target[rope]
     layers = target["num_hidden_layers"]
     if layers < 3:  # the default layers (2, L // 2, L - 3) need three: name ones it has
         config["eagle_config"] = {"use_aux_hidden_state": True,
