@@ -276,6 +276,7 @@ def test_speculation_parts(tmp_path):
     assert replay["acceptance_100"]["measured_acceptance"] == 1.0, replay
     # The EAGLE-3 head's draft work, at every batch and k, and the replay figures with its cost.
     head = steps["eagle3_head"]
+    assert "error" not in head, head
     assert head["head"]["draft_vocab_size"] < head["head"]["vocab_size"]  # a draft vocabulary mapped by d2t
     assert all(head[f"batch_{b}"][f"k{k}"]["head_draft_s"] > 0 for b in (1, 4, 16) for k in (1, 2, 4, 8)), head
     for a in (0, 50, 75, 80, 100):
