@@ -75,7 +75,7 @@ LATE_VARIANTS = ("hybridd_poll", "hybridd_no_wake")
 ESTIMATE_S_7B = {"ceilings": 8, "checkpoint": 60, "breakdown": 45, "hybridd_eager": 50, "hybridd": 110,
                  "capture_evict": 60, "hf_eager": 45, "hf_static": 60, "mixed_load": 60,
                  "prefix_reuse": 45, "structured": 150, "speculation": 90,
-                 "speculation_steps": 90, "breakdown_fp8": 45,
+                 "speculation_steps": 110, "breakdown_fp8": 45,
                  "fp8": 120} | dict.fromkeys(VARIANTS, 60)
 ESTIMATE_S_SMALL = {"ceilings": 3, "checkpoint": 5, "breakdown": 10, "hybridd_eager": 12, "hybridd": 20,
                     "capture_evict": 20, "hf_eager": 8, "hf_static": 60, "mixed_load": 30,

@@ -13,7 +13,11 @@ runner's decode graphs): (a) a verify step's time for k = 1..8 draft tokens at b
 1, 4, 16 against the one-row decode step of that batch; (b) time per output token at
 batch 1 with `ReplayDrafter`, a bench-only drafter that replays the model's recorded
 greedy continuation with each token right with a set probability (0, 50, 80, 100 %),
-against decoding without speculation.
+against decoding without speculation; (c) the EAGLE-3 head's own draft work per verify
+step (`measure_head_drafts`): a random head of the target's shape (`make_eagle3_head`)
+loaded by the product's loader and served by `eagle3_runner` as the graph generator
+serves it, at batch 1, 4, 16 and k = 1..8; and beside each replay figure the time per
+token with that head's cost added (`s_per_token_with_head`, derived).
 
     python -m scripts.bench --out /tmp/spec --device cpu --model hybridd/assets/tiny-shakespeare \
         --parts checkpoint,speculation                                # the embedded model
@@ -327,13 +331,163 @@ def measure_replay(model, kv, buffers, runner, num_blocks: int, tokens: int, k: 
     return out
 
 
+def build_head_runner(head_dir: Path, model, target_runner, max_model_len: int, num_blocks: int,
+                      catch_up_tokens: int, block_size: int = 16):
+    """The EAGLE-3 head in `head_dir` as the graph generator serves it: loaded by the
+    product's loader on the model's device and in its dtype (embedding with the model's),
+    its KV arena of `num_blocks` blocks, `eagle3_runner` over the daemon's default buckets
+    (max_batch 32) on the target's serving stream, graphs on CUDA: the decode buckets
+    captured as before ready, then the background thread's prefill and mixed buckets up to
+    the one that holds `catch_up_tokens` (the largest catch-up timed), waited for (up to a
+    minute) and the thread stopped before any timing, so that the timed drafts replay
+    graphs as a warm daemon's do (the larger buckets, the prompts' catch-up, untimed, may
+    run eagerly)."""
+    from hybridd.engine.speculation.eagle3_runner import eagle3_runner
+    from hybridd.model.eagle3 import load_eagle3_head
+    from hybridd.runtime.buckets import DEFAULT_DECODE_BUCKETS, DEFAULT_PREFILL_BUCKETS, BucketPlan
+    from hybridd.runtime.step_buffers import geometry
+
+    head = load_eagle3_head(head_dir, model.config, None, model.embed_tokens, max_model_len,
+                            dtype=model.dtype, device=model.device)
+    plan = BucketPlan.create(DEFAULT_DECODE_BUCKETS, DEFAULT_PREFILL_BUCKETS, 8, mixed_tokens=256)
+    max_tokens, _ = geometry(plan.max_prefill_tokens, plan.max_batch, max_model_len, block_size)
+    cuda = model.device.type == "cuda"
+    draft = eagle3_runner(head, head.allocate_kv(num_blocks, block_size), plan, max_tokens, use_graphs=cuda,
+                          memory_budget_bytes=1 << 30, stream=target_runner.stream)
+    draft.capture()
+    if cuda:
+        draft.start_background_capture()
+        limit = min((b for b in plan.prefill if b >= catch_up_tokens), default=plan.prefill[-1])
+        deadline = time.monotonic() + 60
+        try:
+            while time.monotonic() < deadline and not all(
+                    b["captured"] or b["disabled"] for b in draft.runner.snapshot()["buckets"]
+                    if b["kind"] != "decode" and b["size"] <= limit):
+                time.sleep(0.1)
+        finally:
+            draft.stop_background_capture()
+    return head, draft
+
+
+def time_head_drafts(draft, vocab: int, k: int, batch: int, context: int, reps: int, states, warm: int = 3) -> dict:
+    """Median seconds of the head's work for one verify step of `batch` sequences drafting
+    `k` tokens each, driven by the control messages the graph generator gets: the verify
+    step's rows of the target's states kept (`observe`: the last token and the k drafts),
+    then a `Draft` of each sequence's new tokens (every draft kept and one more: the
+    longest catch-up a step of k leaves, k + 1 rows), answered by the head's catch-up
+    forward and its k - 1 chained single-token steps. The sequences start from a prompt
+    of `context` tokens whose states were kept as a prefill's (and drafted once, untimed);
+    `states` [rows, 3 x hidden] stand for the target's hidden states (random)."""
+    import torch
+
+    from hybridd.protocol import control
+    from hybridd.protocol.messages import SamplingParams
+
+    rng = random.Random(1000 * batch + k)
+    params = SamplingParams(max_tokens=context + (warm + reps + 2) * (k + 1), temperature=0.0, ignore_eos=True)
+    ids = [f"head-b{batch}-k{k}-{s}" for s in range(batch)]
+    sent: dict[str, control.DraftSequence] = {}
+    lengths: dict[str, int] = {}
+    for rid in ids:
+        prompt = [rng.randrange(3, vocab) for _ in range(context)]
+        draft.observe(control.Step(step=0, kind="prefill", n_real=1, n_tokens=context,
+                                   hidden=[control.HiddenRows(request_id=rid, start=0, row=0, tokens=prompt)]),
+                      states)
+        sent[rid] = control.DraftSequence(request_id=rid, first=0, tokens=[*prompt, rng.randrange(3, vocab)], count=k,
+                                          prompt_len=context, params=params, seed=0)
+        lengths[rid] = context + 1
+    cuda = states.is_cuda
+    verify: control.Step | None = None
+    times, eager = [], 0
+    for i in range(warm + reps + 1):  # the first: the prompts' catch-up
+        before = _eager_runs(draft)
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        if verify is not None:
+            draft.observe(verify, states)
+        reply = draft.draft(control.Draft(draft=i, sequences=list(sent.values())))
+        if cuda:
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+        if reply is None or reply.failed or [len(t) for t in reply.tokens] != [k] * batch:
+            raise RuntimeError(f"the EAGLE-3 head drafted {reply and reply.tokens} for {batch} x {k} tokens")
+        if i > warm:
+            times.append(seconds)
+            eager += _eager_runs(draft) - before
+        rows = []
+        for s, (rid, tokens) in enumerate(zip(ids, reply.tokens, strict=True)):
+            n = lengths[rid]
+            last = sent[rid].tokens[-1]
+            rows.append(control.HiddenRows(request_id=rid, start=n - 1, row=s * (k + 1), tokens=[last, *tokens]))
+            sent[rid] = control.DraftSequence(request_id=rid, first=n, tokens=[*tokens, rng.randrange(3, vocab)],
+                                              count=k)
+            lengths[rid] = n + k + 1
+        verify = control.Step(step=i + 1, kind="decode", n_real=batch, n_tokens=batch * (k + 1), hidden=rows)
+    draft.draft(control.Draft(draft=warm + reps + 1, released=ids))
+    return {"head_draft_s": statistics.median(times), "catch_up_rows": k + 1, "eager_forwards": eager}
+
+
+def _eager_runs(draft) -> int:
+    return sum(b["eager_runs"] for b in draft.runner.snapshot()["buckets"])
+
+
+def measure_head_drafts(head_dir: Path, model, target_runner, context: int, reps: int,
+                        ks: tuple[int, ...] = VERIFY_KS, batches: tuple[int, ...] = VERIFY_BATCHES,
+                        warm: int = 3) -> dict:
+    """The EAGLE-3 head's draft work per verify step (`time_head_drafts`, after `warm`
+    untimed ones) per batch and k."""
+    import torch
+
+    longest = context + (warm + reps + 2) * (max(ks) + 1)
+    blocks = max(batches) * (longest // 16 + 2)
+    head, draft = build_head_runner(head_dir, model, target_runner, model.config.max_model_len, blocks,
+                                    max(batches) * (max(ks) + 1))
+    spec = head.spec
+    states = torch.randn((max(context, max(batches) * (max(ks) + 1)), 3 * spec.target_hidden_size),
+                         dtype=head.dtype, device=head.device)
+    out: dict[str, Any] = {
+        "head": {"hidden_size": spec.hidden_size, "intermediate_size": spec.intermediate_size,
+                 "num_heads": spec.num_heads, "num_kv_heads": spec.num_kv_heads,
+                 "draft_vocab_size": spec.draft_vocab_size, "vocab_size": spec.vocab_size,
+                 "dtype": str(head.dtype).removeprefix("torch."), "graphs": draft.runner.use_graphs},
+        "context_tokens": context,
+    }
+    for batch in batches:
+        out[f"batch_{batch}"] = {f"k{k}": time_head_drafts(draft, spec.vocab_size, k, batch, context, reps, states,
+                                                            warm) for k in ks}
+    return out
+
+
+def add_head_cost(replay: dict, head: dict) -> None:
+    """Beside each replay figure, the time per token had its drafts cost the head's work:
+    derived from two measurements of this run, s_per_token + head_draft_s(k, batch 1) /
+    mean acceptance length (each verify step gains that many tokens, and costs one draft)."""
+    k = replay["k"]
+    head_s = head.get(f"batch_{replay['batch']}", {}).get(f"k{k}", {}).get("head_draft_s")
+    if head_s is None:
+        return
+    replay["with_head"] = (f"derived: s_per_token + eagle3_head.batch_{replay['batch']}.k{k}.head_draft_s "
+                           f"({head_s:.6g} s) / mean_acceptance_length, both measured in this run")
+    for acceptance in ACCEPTANCES:
+        row = replay[f"acceptance_{int(acceptance * 100)}"]
+        length = row["mean_acceptance_length"]
+        if length:
+            row["s_per_token_with_head"] = row["s_per_token"] + head_s / length
+            row["over_plain_with_head"] = ratio(row["s_per_token_with_head"], replay["plain_s_per_token"])
+
+
 def measure_speculation_steps(model: Path, device: str, tokens: int, k: int = 4, reps: int = 20,
-                              quick: bool = False) -> dict:
-    """The in-process part: verify-step times, then time per token with the replay drafter
+                              quick: bool = False, head_dir: Path | None = None) -> dict:
+    """The in-process part: verify-step times, time per token with the replay drafter, the
+    EAGLE-3 head's draft work (a random head of the model's shape written to `head_dir`,
+    default beside the model: `<model>-eagle3-random`) and the replay figures with it
     (`quick`: k = 1, 2, 4, 8 at a 128-token context, for the CPU)."""
     import gc
 
     import torch
+
+    from scripts.make_random_checkpoint import make_eagle3_head
 
     max_rows = max(VERIFY_BATCHES) * (max(VERIFY_KS) + 1)
     model_obj, kv, buffers, runner, num_blocks = build_runtime(model, device, max_rows, 1024)
@@ -341,8 +495,15 @@ def measure_speculation_steps(model: Path, device: str, tokens: int, k: int = 4,
     try:
         steps = (measure_verify_steps(runner, buffers, 128, reps, (1, 2, 4, 8)) if quick
                  else measure_verify_steps(runner, buffers, reps=reps))
-        return {"verify_steps": steps,
-                "replay": measure_replay(model_obj, kv, buffers, runner, num_blocks, tokens, k)}
+        replay = measure_replay(model_obj, kv, buffers, runner, num_blocks, tokens, k)
+        try:
+            head_dir = make_eagle3_head(head_dir or model.parent / f"{model.name}-eagle3-random", model, device=device)
+            head = (measure_head_drafts(head_dir, model_obj, runner, 128, reps, (1, 2, 4, 8), warm=1) if quick
+                    else measure_head_drafts(head_dir, model_obj, runner, 512, reps))
+        except Exception as exc:  # the figures above stand without the head's
+            head = {"error": f"{type(exc).__name__}: {str(exc)[:500]}"}
+        add_head_cost(replay, head)
+        return {"verify_steps": steps, "replay": replay, "eagle3_head": head}
     finally:
         del model_obj, kv, buffers, runner
         gc.collect()

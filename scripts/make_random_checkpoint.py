@@ -10,6 +10,11 @@ is needed to serve them.
     python -m scripts.make_random_checkpoint --preset llama2-7b --out /tmp/llama2-7b-random
     python -m scripts.make_random_checkpoint --preset llama3-8b --out /tmp/llama3-8b-random
     python -m scripts.make_random_checkpoint --describe /tmp/llama3-8b-random   # "Llama-3-8B shape, random weights"
+    python -m scripts.make_random_checkpoint --preset llama3-8b --out /tmp/llama3-8b-random \
+        --eagle3-head /tmp/llama3-8b-random-eagle3   # and a random EAGLE-3 head for it
+
+An EAGLE-3 head (`make_eagle3_head`) is written in the published format (`hybridd.eagle3_head`)
+for a checkpoint's shape: a speculative decoding bench times its draft steps at the real sizes.
 """
 
 from __future__ import annotations
@@ -39,6 +44,9 @@ PRESETS = {
 SHAPE_NAMES = {"llama2-7b": "Llama-2-7B", "llama3-8b": "Llama-3-8B", "llama-1b": "Llama-1B", "small": "small",
                "tiny": "tiny"}
 MARKER = "hybridd-random.json"  # written beside the weights: the preset, seed and init they came from
+# The published Llama-3 EAGLE-3 heads draft from the 32000 most frequent of the target's 128256 ids.
+EAGLE3_DRAFT_VOCAB = 32000
+HEAD_MARKER = "hybridd-random-eagle3.json"  # beside a head's weights: the target, seed and draft vocabulary
 
 
 def make_checkpoint(
@@ -75,6 +83,84 @@ def make_checkpoint(
     return out
 
 
+def make_eagle3_head(out: Path, target_dir: Path, seed: int = 0, dtype: torch.dtype = torch.bfloat16,
+                     device: str = "cpu", draft_vocab: int | None = None) -> Path:
+    """A random EAGLE-3 head for the checkpoint in `target_dir`, in the published format
+    (config.json, model.safetensors with d2t and t2d), of the shape the published
+    Llama-3.1-8B head has for its target: hidden size, attention heads, KV heads and MLP
+    width the target's, no embedding of its own (it embeds with the target's), and a draft
+    vocabulary of `draft_vocab` ids (default: EAGLE3_DRAFT_VOCAB, at most a quarter of the
+    target's) that map to a random sorted subset of the target's ids; it reads the target
+    layers heads read by default (layers 0, L // 2, L - 1 of a target of fewer than 3
+    layers, named in its eagle_config). Matrices are drawn
+    from N(0, 0.02), norms are ones; written once per target, seed and draft vocabulary."""
+    from safetensors.torch import save_file
+
+    target = json.loads((Path(target_dir) / "config.json").read_text())
+    vocab, hidden = target["vocab_size"], target["hidden_size"]
+    draft = draft_vocab or min(EAGLE3_DRAFT_VOCAB, vocab // 4)
+    heads = target["num_attention_heads"]
+    kv_heads = target.get("num_key_value_heads", heads)
+    head_dim = target.get("head_dim") or hidden // heads
+    inter = target["intermediate_size"]
+    config = {
+        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_act": "silu",
+        "hidden_size": hidden, "intermediate_size": inter, "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads, "head_dim": head_dim, "num_hidden_layers": 1,
+        "rms_norm_eps": target.get("rms_norm_eps", 1e-5), "vocab_size": vocab, "draft_vocab_size": draft,
+        "target_hidden_size": hidden, "max_position_embeddings": target.get("max_position_embeddings", 2048),
+        "rope_theta": (target.get("rope_parameters") or {}).get("rope_theta", target.get("rope_theta", 10000.0)),
+        "tie_word_embeddings": False,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+    for rope in ("rope_parameters", "rope_scaling"):  # transformers >= 5 writes the first, theta inside
+        if target.get(rope):
+            config[rope] = target[rope]
+    layers = target["num_hidden_layers"]
+    if layers < 3:  # the default layers (2, L // 2, L - 3) need three: name ones it has
+        config["eagle_config"] = {"use_aux_hidden_state": True,
+                                  "eagle_aux_hidden_state_layer_ids": [0, layers // 2, layers - 1]}
+    marker = {"target": str(Path(target_dir).resolve()), "target_marker": _read_marker(Path(target_dir)),
+              "seed": seed, "config": config}
+    out.mkdir(parents=True, exist_ok=True)
+    if (out / "model.safetensors").is_file() and (out / HEAD_MARKER).is_file():
+        if json.loads((out / HEAD_MARKER).read_text()) == marker:
+            return out
+    shapes = {
+        "fc.weight": (hidden, 3 * hidden),
+        "midlayer.self_attn.q_proj.weight": (heads * head_dim, 2 * hidden),
+        "midlayer.self_attn.k_proj.weight": (kv_heads * head_dim, 2 * hidden),
+        "midlayer.self_attn.v_proj.weight": (kv_heads * head_dim, 2 * hidden),
+        "midlayer.self_attn.o_proj.weight": (hidden, heads * head_dim),
+        "midlayer.mlp.gate_proj.weight": (inter, hidden),
+        "midlayer.mlp.up_proj.weight": (inter, hidden),
+        "midlayer.mlp.down_proj.weight": (hidden, inter),
+        "lm_head.weight": (draft, hidden),
+    }
+    generator = torch.Generator(device=device).manual_seed(seed)
+    state = {name: torch.empty(shape, dtype=torch.float32, device=device).normal_(0.0, 0.02, generator=generator)
+             .to(dtype).cpu() for name, shape in shapes.items()}
+    for norm in ("midlayer.input_layernorm", "midlayer.hidden_norm", "midlayer.post_attention_layernorm", "norm"):
+        state[f"{norm}.weight"] = torch.ones(hidden, dtype=dtype)
+    # Draft id d is the target's d + d2t[d]: a sorted subset of the target's ids, as trained heads keep.
+    chosen = torch.randperm(vocab, generator=torch.Generator().manual_seed(seed))[:draft].sort().values
+    state["d2t"] = chosen - torch.arange(draft)
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[chosen] = True
+    state["t2d"] = t2d
+    save_file(state, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    (out / HEAD_MARKER).write_text(json.dumps(marker))
+    return out
+
+
+def _read_marker(model_dir: Path) -> dict | None:
+    try:
+        return json.loads((model_dir / MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def describe(model_dir: Path) -> str:
     """A checkpoint as a reader should see it named: "Llama-3-8B shape, random weights"
     for one this script wrote, else its directory's name."""
@@ -109,6 +195,8 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--init", choices=("normal", "scaled"), default="normal")
+    parser.add_argument("--eagle3-head", type=Path, metavar="DIR",
+                        help="also write a random EAGLE-3 head for the checkpoint to DIR")
     args = parser.parse_args()
     if args.describe is not None:
         print(describe(args.describe))
@@ -117,6 +205,8 @@ def main() -> int:
         parser.error("--out is required (or --describe DIR)")
     path = make_checkpoint(args.out, args.preset, args.seed, device=args.device, init=args.init)
     print(path)
+    if args.eagle3_head is not None:
+        print(make_eagle3_head(args.eagle3_head, path, args.seed, device=args.device))
     return 0
 
 

@@ -250,7 +250,8 @@ def test_fp8_gemm_bench_runs(tmp_path):
 def test_speculation_parts(tmp_path):
     """The speculative decoding parts, small: tokens/s with and without speculation in one
     daemon, verify-step times and time per token at set acceptances with the replay drafter
-    (whose output must equal decoding without speculation at every acceptance)."""
+    (whose output must equal decoding without speculation at every acceptance), the EAGLE-3
+    head's draft work and the replay figures with it."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.run(
         [sys.executable, "-m", "scripts.bench", "--out", str(tmp_path / "out"), "--device", "cpu", "--preset", "tiny",
@@ -273,3 +274,11 @@ def test_speculation_parts(tmp_path):
     assert replay["acceptance_100"]["mean_acceptance_length"] > replay["acceptance_0"]["mean_acceptance_length"] == 1
     # The target made predictable: every draft of the recorded continuation is kept.
     assert replay["acceptance_100"]["measured_acceptance"] == 1.0, replay
+    # The EAGLE-3 head's draft work, at every batch and k, and the replay figures with its cost.
+    head = steps["eagle3_head"]
+    assert "error" not in head, head
+    assert head["head"]["draft_vocab_size"] < head["head"]["vocab_size"]  # a draft vocabulary mapped by d2t
+    assert all(head[f"batch_{b}"][f"k{k}"]["head_draft_s"] > 0 for b in (1, 4, 16) for k in (1, 2, 4, 8)), head
+    for a in (0, 50, 75, 80, 100):
+        row = replay[f"acceptance_{a}"]
+        assert row["s_per_token_with_head"] > row["s_per_token"] > 0, row
