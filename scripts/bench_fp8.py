@@ -138,7 +138,7 @@ def candidates(m: int, n: int, k: int, multiprocessors: int) -> list:
         while -(-n // block_n) * split < 4 * multiprocessors and k // (2 * split) >= 1024:
             split *= 2
         first.append(GemmConfig(block_n, 256, split, 4, 2, kernel="fma"))  # 2 stages: a tile loaded ahead
-    return first + [replace(rule, kernel=kernel) for kernel in ("dot_f16_t", "dot_f16", "dot_t")]
+    return first + [replace(rule, kernel=kernel) for kernel in ("dot_f16_t", "dot_f16")]
 
 
 def neighbours(bases: list, m: int) -> list:
