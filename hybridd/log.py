@@ -3,8 +3,9 @@
 One line per event on stderr, rendered for a console or as JSON (`log_format`). The
 level and the format can change after loggers were bound (module-level loggers, a
 worker applying its configuration, SIGHUP reloading the level): both are read at each
-event. Records of the standard `logging` module (libraries such as transformers) and
-`warnings` go through the same chain, so that in JSON mode every line is JSON.
+event. Records of the standard `logging` module (libraries such as transformers),
+`warnings` and the exceptions Python cannot raise (`sys.unraisablehook`) go through the
+same chain, so that in JSON mode every line is JSON.
 """
 
 from __future__ import annotations
@@ -104,7 +105,19 @@ def configure(level: str | None = None, json: bool | None = None) -> None:
     )
     root.handlers[:] = [_ToStructlog()]
     logging.captureWarnings(True)
+    sys.unraisablehook = _log_unraisable
     _configured = True
+
+
+def _log_unraisable(unraisable) -> None:
+    """An exception Python cannot raise (in a finalizer, a `__del__`, an atexit callback),
+    which it would print as lines of its own: one error event instead."""
+    try:
+        structlog.get_logger().bind(component="python").error(
+            "exception_ignored", where=f"{unraisable.err_msg or 'Exception ignored in'}: {unraisable.object!r}",
+            exc_info=(unraisable.exc_type, unraisable.exc_value, unraisable.exc_traceback))
+    except Exception:  # noqa: BLE001 (the interpreter may be shutting down: its own printer then)
+        sys.__unraisablehook__(unraisable)
 
 
 def get_logger(component: str, **bound) -> structlog.stdlib.BoundLogger:

@@ -90,7 +90,9 @@ def test_a_stopped_serving_loop_is_caught_and_in_flight_requests_end_with_engine
         assert second["context"]["pid"] != first["context"]["pid"]
         assert second["graph"]["pid"] != first["graph"]["pid"]
         assert second["context"]["restarts"] == 1
-    records = [json.loads(line) for line in log_path.read_text().splitlines()]  # every line is JSON
+    lines = log_path.read_text().splitlines()
+    assert all(line.startswith("{") for line in lines), "\n".join(lines[-60:])  # every line is JSON
+    records = [json.loads(line) for line in lines]
     failures = [r for r in records if r["event"] == "worker failed" and r["component"] == "supervisor"]
     assert [(r["worker"], r["reason"]) for r in failures] == [
         (worker, f"{worker} generator missed heartbeats for {heartbeat_timeout_s:g} s (hung)")]

@@ -36,3 +36,30 @@ def test_a_record_and_its_newline_go_out_in_one_write():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     calls = ast.literal_eval(out.stdout)
     assert len(calls) == 1 and calls[0].endswith("\n") and '"one record"' in calls[0], calls
+
+
+def test_an_exception_python_cannot_raise_is_logged_as_one_json_event():
+    """An exception in a finalizer, a __del__ or an atexit callback (Python prints it as
+    "Exception ignored in ...", not through the logger) is an event like any other, so
+    that in JSON mode every line of a worker's output is JSON (once, a worker's exit
+    printed such a line into the daemon's JSON log)."""
+    import json
+
+    code = (
+        "import atexit\n"
+        "from hybridd.log import configure\n"
+        "configure('info', json=True)\n"
+        "def fail(): raise RuntimeError('exit callback failed')\n"
+        "atexit.register(fail)\n"
+        "class Broken:\n"
+        "    def __del__(self): raise ValueError('del failed')\n"
+        "Broken()\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    lines = out.stderr.splitlines()
+    assert lines and all(line.startswith("{") for line in lines), out.stderr
+    events = [json.loads(line) for line in lines]
+    ignored = [e for e in events if e["event"] == "exception_ignored"]
+    assert len(ignored) == 2, events
+    assert any("del failed" in e["exception"] for e in ignored) and any("exit callback failed" in e["exception"]
+                                                                      for e in ignored), ignored
