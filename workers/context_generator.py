@@ -350,4 +350,7 @@ def main(config: dict[str, Any], ctl_endpoint: str, supervised: bool = True) -> 
         worker.fail_all(ErrorCode.ENGINE_DEAD, f"the engine died: {type(exc).__name__}: {exc}")
         raise
     finally:
+        # On the way out already (a dead engine, a drain): a SIGTERM now, the supervisor's
+        # for the same failure, would raise Terminated inside close() or an atexit callback.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         worker.close()
