@@ -10,7 +10,7 @@ completes, so a stream never shows a replacement character mid-way.
 For a tokenizer backed by the `tokenizers` library (a "fast" tokenizer that does not
 clean up tokenization spaces), that library's `DecodeStream` runs the method in Rust,
 token by token; other tokenizers take two Python-side decodes a token
-(`python scripts/bench_detokenizer.py` compares the two). A decode step detokenizes one
+(docs/lab/experiments.md, "bench_detokenizer", compares the two). A decode step detokenizes one
 token per sequence on the context generator's critical path.
 """
 

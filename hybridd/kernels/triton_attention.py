@@ -62,8 +62,7 @@ class DecodePlan:
 
 
 # The programs a batch-1 call aims for, read when a plan is made (so when a graph is
-# captured); `scripts/bench_gemm.py --decode-step`'s `attn` variants time others in the
-# whole step.
+# captured); docs/lab/design_choices.md has what others measured in the whole step.
 BATCH1_PROGRAMS = 1024
 # Warps, pipeline stages and tile (tokens) of a batch-1 program.
 BATCH1_WARPS = 1
@@ -78,7 +77,7 @@ def decode_plan(batch: int, kv_heads: int, max_tokens: int) -> DecodePlan:
 
     Above batch 1, enough programs to fill the GPU hide each one's latency, and a split
     that reads 64-token tiles streams the cache best; a single split saves the merge but
-    leaves most of the GPU idle on short batches (`scripts/bench_attention.py --sweep`).
+    leaves most of the GPU idle on short batches (docs/lab/design_choices.md, the H200 sweep).
 
     At batch 1 the attention is bound by each program's chain of dependent steps, not by
     its read, so many small programs run it shortest: one warp and one 16-token tile (a
@@ -269,7 +268,7 @@ class PrefillPlan:
     min_split: int = 256
 
 
-# (most tokens in the step, its plan), from `scripts/bench_attention.py --prefill-sweep`
+# (most tokens in the step, its plan), from the prefill sweep
 # (docs/lab/kernels.md, "Prefill attention tiles"):
 # up to 128 tokens the kernel is bound by each program's latency, not by the GPU's
 # throughput, so short steps run more programs of shorter query tiles (at 128 tokens,

@@ -123,7 +123,7 @@ class HostStepInputs(StepFields[np.ndarray]):
         """A prefill step of whole prompts (or of their tails from `start_positions`);
         the logits of each sequence's last `logit_rows[i]` tokens (default: its last).
         A first token waits for this work, so it is a few numpy calls over all the tokens
-        at once (`scripts/bench_step_inputs.py` times it), not a loop over them."""
+        at once (docs/lab/experiments.md, "bench_step_inputs", timed it), not a loop over them."""
         n = len(prompts)
         starts = start_positions or [0] * n
         lengths = [len(prompt) for prompt in prompts]
