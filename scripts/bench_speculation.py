@@ -399,6 +399,11 @@ def time_head_drafts(draft, vocab: int, k: int, batch: int, context: int, reps: 
     cuda = states.is_cuda
     verify: control.Step | None = None
     times, eager = [], 0
+    if cuda:
+        # The graph generator's serving thread drafts with the serving stream as its own, so
+        # that the head's sampling is ordered with its forwards: this thread does too.
+        caller = torch.cuda.current_stream()
+        torch.cuda.set_stream(draft.runner.stream)
     for i in range(warm + reps + 1):  # the first: the prompts' catch-up
         before = _eager_runs(draft)
         if cuda:
@@ -425,6 +430,8 @@ def time_head_drafts(draft, vocab: int, k: int, batch: int, context: int, reps: 
             lengths[rid] = n + k + 1
         verify = control.Step(step=i + 1, kind="decode", n_real=batch, n_tokens=batch * (k + 1), hidden=rows)
     draft.draft(control.Draft(draft=warm + reps + 1, released=ids))
+    if cuda:
+        torch.cuda.set_stream(caller)
     return {"head_draft_s": statistics.median(times), "catch_up_rows": k + 1, "eager_forwards": eager}
 
 

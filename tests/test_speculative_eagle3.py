@@ -188,6 +188,48 @@ def test_drafts_follow_the_kept_tokens(setup):
     assert not drafter.tracks and len(drafter._free) == 128
 
 
+def test_drafts_of_different_lengths_chain_on_the_device(setup):
+    """A batch whose sequences draft different numbers of tokens: each sequence's draft is
+    the head's own chain (the published modeling's), and every draft step after the first
+    takes its input tokens as a tensor the drafter drew (the host reads the drafts once,
+    at the end), not from the host's inputs."""
+    hf = setup["hf"]
+    drafter = _drafter(setup, "trained", block_size=4)
+    fed = []
+
+    class Recording(type(drafter.forward)):
+        def __call__(self, inputs, rope, hidden, tokens=None):
+            if not inputs.is_prefill:
+                fed.append((tokens, inputs.input_ids.copy()))
+            return super().__call__(inputs, rope, hidden, tokens)
+
+    drafter.forward.__class__ = Recording
+    seqs, counts = [], [4, 2, 3]
+    for i, (prompt, count) in enumerate(zip(setup["prompts"][:3], counts, strict=True)):
+        seq = Sequence(f"s{i}", prompt, GREEDY)
+        seq.output_token_ids = [7 + i]
+        drafter.observe(seq.request_id, 0, prompt, target_aux(hf, prompt))
+        seqs.append(seq)
+    drafts = drafter.propose(seqs, counts)
+    for seq, draft, count in zip(seqs, drafts, counts, strict=True):
+        chain, _ = setup["heads"]["trained"].draft(target_aux(hf, seq.token_ids[:-1]), seq.token_ids, count)
+        assert draft.tokens == chain
+    assert [len(ids) for _, ids in fed] == [3, 2, 1]  # the rows still drafting, step by step
+    assert all(isinstance(tokens, torch.Tensor) and not ids.any() for tokens, ids in fed)
+
+
+def test_penalised_greedy_identical(setup):
+    """Penalties count the draft tokens drafted so far (the drafter reads them each step)."""
+    target, prompts = setup["target"], setup["prompts"][:3]
+    params = SamplingParams(max_tokens=30, temperature=0.0, repetition_penalty=1.3, frequency_penalty=0.5,
+                            ignore_eos=True)
+    plain, _ = run_engine(target, prompts, params)
+    speculator = speculating(setup)
+    got, _ = run_engine(target, prompts, params, speculator)
+    assert got == plain
+    assert speculator.stats.draft_tokens > 0
+
+
 def test_greedy_identical_single_and_batched(setup):
     target, prompts = setup["target"], setup["prompts"]
     plain, _ = run_engine(target, prompts, GREEDY)

@@ -41,6 +41,7 @@ same pipeline runs as fused Triton kernels (`sampling_kernels`).
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence as Seq
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -157,6 +158,16 @@ class SamplingTensors:
             do_sort=any(0 < p.top_k < vocab_size or p.top_p < 1.0 for p in params),
             vocab_size=vocab_size,
         )
+
+    def moved(self, device: torch.device | str) -> SamplingTensors:
+        """These tensors (built on the host) on `device`, copied through pinned memory
+        without a host wait: a pageable copy would wait for the device's stream."""
+        device = torch.device(device)
+        if device.type != "cuda":
+            return self
+        return dataclasses.replace(self, **{
+            f.name: value.pin_memory().to(device, non_blocking=True)
+            for f in dataclasses.fields(self) if isinstance(value := getattr(self, f.name), torch.Tensor)})
 
     @classmethod
     def from_sequences(

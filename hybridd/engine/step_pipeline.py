@@ -35,7 +35,6 @@ graph generator beside them), each `Step` names the rows of them the head keeps
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -259,14 +258,7 @@ class StepPipeline:
         return self._move(build())
 
     def _move(self, tensors: SamplingTensors) -> SamplingTensors:
-        if not self.cuda:
-            return tensors
-        moved = {
-            f.name: self._to_device(getattr(tensors, f.name))
-            for f in dataclasses.fields(tensors)
-            if isinstance(getattr(tensors, f.name), torch.Tensor)
-        }
-        return dataclasses.replace(tensors, **moved)
+        return tensors.moved(self.device) if self.cuda else tensors
 
     def exchange_draft(self, message: control.Draft) -> control.Drafted:
         """Ask the graph generator, which runs the draft model, for drafts; its answer

@@ -13,7 +13,9 @@ A proposal for a batch of sequences, each with tokens x_0..x_{n-1} of which the 
 has processed all but the last: one prefill-shaped forward of the head over the pairs
 its KV lacks (positions c..n-2: state at i, token x_{i+1}), whose last row gives draft
 token 1; then k - 1 batched decode forwards, each over the head's previous output and
-the token it drafted, one position on. Those speculative positions' KV is written over
+the token it drafted, one position on. The drafted tokens stay on the device from one
+forward to the next; the host reads them once, after the last (with penalties, which
+count them, after each). Those speculative positions' KV is written over
 by the next proposal, which reruns position n - 1 onwards from the target's states; the
 states consumed are dropped. Like the draft model's cache, the record follows tokens,
 not steps: verification, preemption (the target recomputes: its new states replace the
@@ -49,6 +51,7 @@ tested against: the same code, forwards run eagerly on a KV cache of its own.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
@@ -77,15 +80,17 @@ class HeadForward(Protocol):
     """One forward of the head over a step's inputs, on its KV cache. `rope` [T] holds the
     rows' positions in their sequences; `hidden` is, for a prefill-shaped step, the
     target's states [T, 3 x target hidden] (mixed down inside), for a decode step the
-    head's previous outputs [T, hidden]. Returns, for the step's logits rows, the head's
-    logits [R, draft vocab] in float32 and its output before the final norm [R, hidden],
-    valid until the next forward."""
+    head's previous outputs [T, hidden]. `tokens` [T] (on the head's device), where given,
+    are the step's input tokens in place of `inputs`' own: a draft step's tokens, which
+    the host has not read. Returns, for the step's logits rows, the head's logits
+    [R, draft vocab] in float32 and its output before the final norm [R, hidden], valid
+    until the next forward."""
 
     max_tokens: int | None  # the most tokens one forward takes (None: any)
     max_seqs: int | None  # the most sequences one forward takes (None: any)
 
-    def __call__(self, inputs: HostStepInputs, rope: np.ndarray,
-                 hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def __call__(self, inputs: HostStepInputs, rope: np.ndarray, hidden: torch.Tensor,
+                 tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 class EagerHeadForward:
@@ -98,10 +103,12 @@ class EagerHeadForward:
         self.head = head
         self.kv: KVCache = head.allocate_kv(num_blocks, block_size)
 
-    def __call__(self, inputs: HostStepInputs, rope: np.ndarray,
-                 hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, inputs: HostStepInputs, rope: np.ndarray, hidden: torch.Tensor,
+                 tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         head = self.head
         step = inputs.on(head.device)
+        if tokens is not None:
+            step = dataclasses.replace(step, input_ids=tokens.to(step.input_ids.dtype))
         if step.is_prefill:
             hidden = head.combine(hidden)
         normed, out = head(step, self.kv, hidden, torch.from_numpy(np.asarray(rope, dtype=np.int64)).to(head.device))
@@ -151,6 +158,11 @@ class _Track:
         """Forget the oldest `count` states."""
         self.lo += count
         self.hidden_start += count
+
+
+def _on_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` without a host wait (pinned, then copied)."""
+    return tensor.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else tensor
 
 
 def _agrees(known: list[int], tokens: list[int], lo: int, hi: int) -> bool:
@@ -250,25 +262,44 @@ class Eagle3Drafter:
             track.paired = list(seq.token_ids)  # its own list: a served sequence's tokens grow in place
             # States consumed but the last pair's, which a proposal over the same tokens reruns.
             track.drop_states(n - 2 - track.hidden_start)
-        tokens: list[list[int]] = [[] for _ in rows]
+        # Each draft step's tokens stay on the device and feed the next forward there; the
+        # host reads them once, at the end (a read per step would leave the GPU idle while
+        # the host prepares the next one). Penalties count the tokens drafted so far, so a
+        # batch with them reads each step's (`_draw`).
+        penalised = any(seq.params.has_penalties for seq in drafted)
+        tokens: list[list[int]] = [[] for _ in rows]  # read per step only where penalised
+        made = [0] * len(rows)
+        drawn: list[tuple[list[int], torch.Tensor]] = []  # per forward: its rows and their tokens
         active = list(range(len(rows)))
         while True:
-            drawn = self._draw(logits, [drafted[a] for a in active], [tokens[a] for a in active])
-            for a, token in zip(active, drawn, strict=True):
-                tokens[a].append(token)
-            still = [j for j, a in enumerate(active) if len(tokens[a]) < counts[a]]
+            step_tokens = self._draw(logits, [drafted[a] for a in active], [len(drafted[a]) + made[a] for a in active],
+                                     [tokens[a] for a in active] if penalised else None)
+            drawn.append((active, step_tokens))
+            if penalised:
+                for a, token in zip(active, step_tokens.tolist(), strict=True):
+                    tokens[a].append(token)
+            for a in active:
+                made[a] += 1
+            still = [j for j, a in enumerate(active) if made[a] < counts[a]]
             if not still:
                 break
-            active = [active[j] for j in still]
-            # Its own list of rows: the next forward writes over the last one's outputs.
-            hidden = hidden.index_select(0, torch.tensor(still, dtype=torch.int64, device=hidden.device))
-            positions = [len(drafted[a]) - 2 + len(tokens[a]) for a in active]
-            inputs = HostStepInputs.decode([tokens[a][-1] for a in active],
+            if len(still) < len(active):
+                # Its own list of rows: the next forward writes over the last one's outputs.
+                index = _on_device(torch.tensor(still, dtype=torch.int64), hidden.device)
+                hidden, step_tokens = hidden.index_select(0, index), step_tokens.index_select(0, index)
+                active = [active[j] for j in still]
+            positions = [len(drafted[a]) - 2 + made[a] for a in active]
+            inputs = HostStepInputs.decode([0] * len(active),
                                            [p - tracks[a].origin for p, a in zip(positions, active, strict=True)],
                                            [tracks[a].blocks for a in active], self.block_size)
-            logits, hidden = self.forward(inputs, np.asarray(positions, dtype=np.int64), hidden)
+            logits, hidden = self.forward(inputs, np.asarray(positions, dtype=np.int64), hidden, step_tokens)
+        drafted_tokens: list[list[int]] = [[] for _ in rows]
+        read = iter(torch.cat([t for _, t in drawn]).tolist())
+        for step_rows, _ in drawn:
+            for a in step_rows:
+                drafted_tokens[a].append(next(read))
         for a, i in enumerate(rows):
-            drafts[i] = Draft(tokens[a])
+            drafts[i] = Draft(drafted_tokens[a])
         return drafts
 
     def _catch_up(self, drafted: list[Sequence], tracks: list[_Track],
@@ -296,18 +327,17 @@ class Eagle3Drafter:
                     last[s] = (logits[row].clone(), hidden[row].clone())
         return torch.stack([r[0] for r in last]), torch.stack([r[1] for r in last])  # type: ignore[index]
 
-    def _draw(self, draft_logits: torch.Tensor, seqs: list[Sequence],
-              drafted: list[list[int]]) -> list[int]:
-        """Each row's next draft token (a target id), drawn as the target draws the token
-        at its position."""
+    def _draw(self, draft_logits: torch.Tensor, seqs: list[Sequence], positions: list[int],
+              drafted: list[list[int]] | None) -> torch.Tensor:
+        """Each row's next draft token (a target id, on the device), drawn as the target
+        draws the token at its position (`positions`); `drafted`, each row's draft tokens
+        so far, where a row has penalties (they count them)."""
         logits = draft_logits.new_full((draft_logits.shape[0], self.vocab_size), float("-inf"))
         logits[:, self.head.draft_to_target] = draft_logits
-        tensors = SamplingTensors.build(
-            [seq.params for seq in seqs], [seq.seed for seq in seqs],
-            [len(seq) + len(d) for seq, d in zip(seqs, drafted, strict=True)], self.vocab_size, logits.device,
-            [seq.prompt_token_ids for seq in seqs],
-            [seq.output_token_ids + d for seq, d in zip(seqs, drafted, strict=True)])
-        return self.sampler(logits, tensors).tolist()
+        outputs = None if drafted is None else [seq.output_token_ids + d for seq, d in zip(seqs, drafted, strict=True)]
+        tensors = SamplingTensors.build([seq.params for seq in seqs], [seq.seed for seq in seqs], positions,
+                                        self.vocab_size, "cpu", [seq.prompt_token_ids for seq in seqs], outputs)
+        return self.sampler(logits, tensors.moved(logits.device))
 
     def _reserve(self, track: _Track, num_tokens: int, keep: set[str]) -> bool:
         """Blocks of the head's KV for `num_tokens` positions of `track`, taken from sequences

@@ -96,20 +96,25 @@ class GraphHeadForward:
         self.max_tokens = runner.buffers.max_tokens
         self.max_seqs = runner.buffers.max_seqs
 
-    def __call__(self, inputs: HostStepInputs, rope: np.ndarray,
-                 hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, inputs: HostStepInputs, rope: np.ndarray, hidden: torch.Tensor,
+                 tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         rows = inputs.num_logit_rows
-        self.write(inputs, rope, hidden)
+        self.write(inputs, rope, hidden, tokens)
         self.runner.run(inputs.is_prefill, inputs.num_tokens, rows)
         out = self.runner.buffers.logits[:rows]
         vocab = self.step.draft_vocab_size
         return out[:, :vocab], out[:, vocab:].to(self.step.dtype)
 
-    def write(self, inputs: HostStepInputs, rope: np.ndarray, hidden: torch.Tensor) -> None:
-        """A step's inputs into the runner's buffers and the head step's own (on the serving stream)."""
+    def write(self, inputs: HostStepInputs, rope: np.ndarray, hidden: torch.Tensor,
+              tokens: torch.Tensor | None = None) -> None:
+        """A step's inputs into the runner's buffers and the head step's own (on the serving
+        stream, which the drafter's thread has made its own: `hidden` and `tokens`, made
+        on it, are ready in its order); `tokens`, on the device, in place of `inputs`'."""
         step, t = self.step, inputs.num_tokens
         with self.runner.serving.entered():
             self.runner.buffers.write(inputs)
+            if tokens is not None:
+                self.runner.buffers.input_ids[:t].copy_(tokens)
             positions = torch.from_numpy(np.asarray(rope, dtype=np.int64))
             if step.device.type == "cuda":  # a pageable copy would wait for the stream
                 positions = positions.pin_memory()
