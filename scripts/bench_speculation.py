@@ -257,26 +257,13 @@ def measure_verify_steps(runner, buffers, context: int = 512, reps: int = 20, ks
     return out
 
 
-def make_predictable(model, seed: int = 7) -> None:
-    """Bench only: give the random-weight target a greedy continuation that no rounding
-    changes, so that a recorded continuation stays the target's own under any step shape
-    (random weights give near-flat logits whose argmax flips between a one-row step's
-    kernels and a verify step's, and a replayed continuation then stops matching). The
-    attention and MLP outputs are scaled down (the residual stream stays the token's
-    embedding) and each LM-head row v becomes the embedding of the token perm(v) follows,
-    so token t is followed by perm(t) by a margin of about sqrt(hidden) standard
-    deviations. The shapes, and so every kernel's time, are unchanged."""
-    import torch
+def make_predictable(model) -> None:
+    """Bench only: hybridd's model given the predictable checkpoint's weights in place
+    (`make_predictable_weights`: token t followed by perm(t) by a wide margin)."""
+    from scripts.make_random_checkpoint import make_predictable_weights
 
-    head, embed = model.lm_head.weight, model.embed_tokens.weight
-    if head.data_ptr() == embed.data_ptr():
-        raise ValueError("make_predictable needs an untied LM head")
-    with torch.no_grad():
-        for layer in model.layers:
-            layer.o_proj.weight.mul_(1e-3)
-            layer.down_proj.weight.mul_(1e-3)
-        perm = torch.randperm(embed.shape[0], generator=torch.Generator().manual_seed(seed)).to(embed.device)
-        head[perm] = (embed.float() * model.norm.weight.float()).to(head.dtype)
+    make_predictable_weights(model.embed_tokens.weight, model.lm_head.weight, model.norm.weight,
+                             [w for layer in model.layers for w in (layer.o_proj.weight, layer.down_proj.weight)])
 
 
 def measure_replay(model, kv, buffers, runner, num_blocks: int, tokens: int, k: int, batch: int = 1) -> dict:
