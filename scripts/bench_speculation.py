@@ -113,6 +113,30 @@ def _run_streams(clients, prompts, tokens: int, speculative: bool) -> float:
     return time.perf_counter() - start
 
 
+# Fractions of the copied continuation replaced by random tokens (`chain_prompt`). With k = 4
+# and the policy's per-sequence draft length, 0.2 gives about 3 tokens a verify step.
+CORRUPTIONS = (0.0, 0.1, 0.2, 0.3, 0.5, 1.0)
+
+
+def chain_prompt(rng: random.Random, perm: list[int], corruption: float, tokens: int, prefix: int = 32) -> list[int]:
+    """A batch-1 prompt for a predictable target (token t followed by perm[t]) that prompt
+    lookup drafts at a set acceptance: a random prefix, the target's own continuation from
+    a start token x0 (x0, perm[x0], ...; `tokens` + 8 long, no repeat, no id below 3), a
+    fraction `corruption` of its positions replaced by other random tokens, then x0 again.
+    The target continues with perm[x0], ..., which the drafter finds wherever the copy is intact."""
+    vocab = len(perm)
+    while True:
+        chain = [rng.randrange(3, vocab)]
+        while len(chain) < tokens + 9 and perm[chain[-1]] >= 3 and perm[chain[-1]] not in chain:
+            chain.append(perm[chain[-1]])
+        if len(chain) == tokens + 9:
+            break
+    copy = chain[:-1]
+    for i in rng.sample(range(len(copy)), round(corruption * len(copy))):
+        copy[i] = 3 + (copy[i] - 3 + rng.randrange(1, vocab - 3)) % (vocab - 3)  # another id, >= 3
+    return [rng.randrange(3, vocab) for _ in range(prefix)] + copy + chain[:1]
+
+
 # ----------------------------------------------------------------------------- in this process
 
 
