@@ -78,8 +78,8 @@ def make_predictable_weights(embed, head, norm, out_projections, seed: int = PRE
 
 
 def make_checkpoint(
-    out: Path, preset: str, seed: int = 0, dtype: torch.dtype = torch.bfloat16, device: str = "cuda", init: str = "normal",
-    predictable: bool = False,
+    out: Path, preset: str, seed: int = 0, dtype: torch.dtype = torch.bfloat16, device: str = "cuda",
+    init: str = "normal", predictable: bool = False,
 ) -> Path:
     """`init`: "normal" draws every matrix from N(0, 0.02); "scaled" also divides the output
     projections (o_proj, down_proj) by sqrt(2 * layers), the GPT-2/Megatron residual

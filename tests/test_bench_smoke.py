@@ -32,7 +32,8 @@ def bench_out(tmp_path_factory):
     proc = subprocess.run(
         [sys.executable, "-m", "scripts.bench", "--out", str(out / "out"), "--device", "cpu",
          "--preset", "tiny", "--quick", "--checkpoint-dir", str(out / "ckpt"), "--skip",
-         "mixed_load,prefix_reuse,structured,speculation,speculation_steps,breakdown_fp8,fp8", "--budget-s",
+         "mixed_load,prefix_reuse,structured,speculation,speculation_steps,speculation_client,breakdown_fp8,fp8",
+         "--budget-s",
          str(int(on_this_host(200)))],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=on_this_host(300),
     )
@@ -48,7 +49,8 @@ def test_json_has_every_figure(bench_out):
     cuda_only = {"hf_static", "hybridd_no_mps", "hybridd_no_pdl", "hybridd_unfused", "hybridd_poll", "hybridd_no_wake"}
     # Their own runs below.
     assert set(r["meta"]["skipped"]) == cuda_only | {"mixed_load", "prefix_reuse", "structured", "speculation",
-                                                     "speculation_steps", "breakdown_fp8", "fp8"}
+                                                     "speculation_steps", "speculation_client", "breakdown_fp8",
+                                                     "fp8"}
     assert r["meta"]["shape"] == "tiny shape, random float32 weights"
     assert r["device"]["copy_bandwidth_Bps"] > 0 and r["device"]["matmul_flops"] > 0
     floors = r["floors"]
