@@ -14,7 +14,9 @@ empty compile caches, ITL during background capture, TTFT at 10-500 tokens, batc
 1-32 streams, graph memory, what the HTTP gateway adds: bench_gateway.py), VARIANTS (one
 setting changed), `capture_evict` (bench_capture.py), `mixed_load` and `prefix_reuse`
 (bench_mixed.py), `structured` (bench_structured.py), `speculation` and
-`speculation_steps` (bench_speculation.py), `breakdown_fp8` and `fp8` (the model
+`speculation_steps` (bench_speculation.py), `speculation_client` (a daemon with prompt
+lookup against one without, on the preset's weights made predictable, at set acceptance
+lengths and 32 streams), `breakdown_fp8` and `fp8` (the model
 quantized to FP8: its steps against the FP8 floor; a bf16 and an FP8 daemon on the same
 weights), and the peers on the same weights: `hf_eager`, `hf_static` (transformers
 `generate()`, static cache and torch.compile). A part is skipped, the reason recorded,
@@ -75,12 +77,12 @@ LATE_VARIANTS = ("hybridd_poll", "hybridd_no_wake")
 ESTIMATE_S_7B = {"ceilings": 8, "checkpoint": 60, "breakdown": 45, "hybridd_eager": 50, "hybridd": 110,
                  "capture_evict": 60, "hf_eager": 45, "hf_static": 60, "mixed_load": 60,
                  "prefix_reuse": 45, "structured": 150, "speculation": 90,
-                 "speculation_steps": 110, "breakdown_fp8": 45,
+                 "speculation_steps": 110, "speculation_client": 200, "breakdown_fp8": 45,
                  "fp8": 120} | dict.fromkeys(VARIANTS, 60)
 ESTIMATE_S_SMALL = {"ceilings": 3, "checkpoint": 5, "breakdown": 10, "hybridd_eager": 12, "hybridd": 20,
                     "capture_evict": 20, "hf_eager": 8, "hf_static": 60, "mixed_load": 30,
                     "prefix_reuse": 30, "structured": 60, "speculation": 60,
-                    "speculation_steps": 60, "breakdown_fp8": 10,
+                    "speculation_steps": 60, "speculation_client": 60, "breakdown_fp8": 10,
                     "fp8": 30} | dict.fromkeys(VARIANTS, 20)
 # What --skip may name: the parts, and the HTTP gateway's figures inside the hybridd part.
 SKIPPABLE = frozenset(ESTIMATE_S_7B) | {"gateway"}
@@ -111,7 +113,10 @@ class SdkClient:
         self.kind = f"sdk (hybridd.Client.stream: {path}; AsyncClient.stream for concurrent streams)"
 
     def stream(self, prompt, max_tokens, timeout=300.0) -> StreamRecord:
-        return timed_stream(self._client, prompt, max_tokens, timeout)[0]
+        return self.stream_tokens(prompt, max_tokens, timeout)[0]
+
+    def stream_tokens(self, prompt, max_tokens, timeout=300.0) -> tuple[StreamRecord, list[int]]:
+        return timed_stream(self._client, prompt, max_tokens, timeout)
 
     def ttft(self, ids: list[int], max_tokens: int) -> float:
         record = self.stream(ids, max_tokens)
@@ -440,6 +445,63 @@ def run_fp8(args, model: Path, vocab: int, deadline: float, result: dict) -> Non
                                for name, keys in figures.items()}
 
 
+SPEC_STREAMS = 32
+
+
+def run_speculation_client(args, result: dict) -> None:
+    """Speculative decoding at the client on the preset's predictable checkpoint: a daemon
+    without speculation (`plain`), then one with prompt lookup (`ngram`; k and the adaptive
+    policy as the daemon's defaults), the same prompts to both. At batch 1, greedy, per
+    corruption r of `chain_prompt`: time per output token (first token to last, over
+    tokens - 1; median of `reps` requests after one unmeasured) and the mean acceptance
+    length from the daemon's status counters; then SPEC_STREAMS concurrent streams of
+    random prompts. `rows`: each r's figures over the plain daemon's, and whether both
+    daemons gave the same tokens (and the plain one the target's own continuation)."""
+    from hybridd.config import Config
+    from scripts.bench_speculation import CORRUPTIONS, chain_prompt
+    from scripts.make_random_checkpoint import PRESETS, predictable_perm
+
+    if args.model is not None:
+        raise ValueError("speculation_client needs random weights of a preset (--preset), not --model")
+    model, vocab = make_model(args, predictable=True), PRESETS[args.preset]["vocab_size"]
+    perm, rng = predictable_perm(vocab).tolist(), random.Random(9)
+    tokens, reps = (16, 2) if args.quick else (128, 5)
+    prompts = {r: [chain_prompt(rng, perm, r, tokens) for _ in range(reps + 1)] for r in CORRUPTIONS}
+    outputs: dict[tuple[str, float], list[list[int]]] = {}
+    for name, overrides in (("plain", {}), ("ngram", {"speculative_drafter": "ngram"})):
+        part = result[name] = {}
+        with sdk_on_server(args, model, part, **overrides) as (_, client):
+            for r, batch in prompts.items():
+                client.stream_tokens(batch[0], tokens)  # unmeasured: the policy meets this r first
+                before = client.status().get("speculation", {})
+                runs = [client.stream_tokens(ids, tokens) for ids in batch[1:]]
+                after = client.status().get("speculation", {})
+                seconds = [(rec.times[-1] - rec.times[0]) / (rec.tokens - 1) for rec, _ in runs]
+                outputs[name, r] = [out for _, out in runs]
+                row = part[f"corruption_{round(r * 100)}"] = {"s_per_token": statistics.median(seconds),
+                                                               "samples_s": seconds}
+                if name == "ngram":
+                    row.update({key: after.get(key, 0) - before.get(key, 0)
+                                for key in ("drafts", "draft_tokens", "accepted_tokens", "verify_steps")})
+                    row["mean_acceptance_length"] = 1 + row["accepted_tokens"] / row["drafts"] if row["drafts"] else 1.0
+            part["streams"] = measure_concurrency(client, (SPEC_STREAMS,), ITL_PROMPT, args.concurrency_tokens,
+                                                  vocab, random.Random(12))[str(SPEC_STREAMS)]
+            part["speculation"] = {k: v for k, v in client.status().get("speculation", {}).items()
+                                   if k != "ms_per_token"}
+    result["policy"] = {"num_speculative_tokens": g(result, "ngram", "speculation", "num_speculative_tokens"),
+                        "speculative_adaptive": Config().speculative_adaptive, "tokens": tokens, "reps": reps}
+    result["rows"] = [{
+        "corruption": r, "mean_acceptance_length": g(result, "ngram", f"corruption_{round(r * 100)}",
+                                                       "mean_acceptance_length"),
+        "over_plain": ratio(*(g(result, n, f"corruption_{round(r * 100)}", "s_per_token") for n in ("ngram", "plain"))),
+        "same_tokens": outputs["ngram", r] == outputs["plain", r],
+        "plain_follows_target": all(out == [perm[ids[-1]]] + [perm[t] for t in out[:-1]]
+                                    for ids, out in zip(prompts[r][1:], outputs["plain", r])),
+    } for r in CORRUPTIONS]
+    result["streams_ratio"] = ratio(g(result, "ngram", "streams", "tokens_per_s"),
+                                    g(result, "plain", "streams", "tokens_per_s"))
+
+
 def run_capture_evict(args, model: Path, vocab: int, notes: list[str]) -> dict:
     """Prefill graphs captured while a decode stream runs, forced by a small graph budget
     and demand for the evicted bucket (scripts/bench_capture.py)."""
@@ -618,14 +680,14 @@ def floors(params: int, elem_bytes: int, ceilings: dict) -> dict:
             "prefill_floor_s": {str(n): max(decode, 2 * params * n / flops) for n in TTFT_LENGTHS}}
 
 
-def make_model(args) -> Path:
+def make_model(args, predictable: bool = False) -> Path:
     import torch
 
     from scripts import make_random_checkpoint as mrc
 
     base = args.checkpoint_dir or Path(tempfile.gettempdir())
-    out = Path(base) / f"hybridd-{args.preset}-normal-random"
-    path = mrc.make_checkpoint(out, args.preset, seed=0, device=args.device)
+    out = Path(base) / f"hybridd-{args.preset}-{'predictable' if predictable else 'normal'}-random"
+    path = mrc.make_checkpoint(out, args.preset, seed=0, device=args.device, predictable=predictable)
     gc.collect()
     if args.device == "cuda":
         torch.cuda.empty_cache()
@@ -720,6 +782,16 @@ def build_report(results: dict) -> tuple[list[dict], list[dict]]:
                "<= 0.75", worst, 0.75)
         target(f"FP8 start to ready after weights are loaded (s; {cache_state(g(f8, 'fp8', 'startup') or {})})",
                "<= 20 s", g(f8, "fp8", "startup", "after_weights_to_ready_s"), 20.0)
+    sc = results.get("speculation_client") or {}
+    if sc.get("rows"):
+        near3 = min(sc["rows"], key=lambda r: abs((r["mean_acceptance_length"] or 0) - 3))
+        target(f"speculation at the client, batch 1: time per token / plain at mean acceptance length "
+               f"{fmt(near3['mean_acceptance_length'])} (nearest 3)", "<= 0.40", near3["over_plain"], 0.40)
+        last = sc["rows"][-1]
+        target(f"speculation at the client, batch 1: time per token / plain, all drafts random (mean acceptance "
+               f"length {fmt(last['mean_acceptance_length'])})", "<= 1.10", last["over_plain"], 1.10)
+        target(f"speculation at the client, {SPEC_STREAMS} streams: tokens/s plain / ngram", "<= 1.00",
+               ratio(*(g(sc, n, "streams", "tokens_per_s") for n in ("plain", "ngram"))), 1.0)
     if hy.get("gateway"):
         added = g(hy, "gateway", "added_ttft_p50_s")
         target("HTTP gateway: TTFT p50 added vs the SDK over its socket (ms)", "<= 0.3 ms",
@@ -827,6 +899,22 @@ def render_table(results: dict) -> str:
                    for dtype in ("bf16", "fp8")]
         lines.append(f"{f'{FP8_STREAMS} streams (decode tok/s)':26s} | {streams[0]:>8s} | {streams[1]:>8s} | "
                      f"{fmt(f8['fp8_over_bf16'].get(f'decode_tokens_per_s_{FP8_STREAMS}')):>8s}")
+    sc = results.get("speculation_client") or {}
+    if sc.get("rows"):
+        pol = sc.get("policy", {})
+        lines += ["", f"speculation at the client, batch 1, ngram k={pol.get('num_speculative_tokens')} adaptive "
+                      f"{pol.get('speculative_adaptive')}:",
+                  "corrupted | accept len | plain ms | ngram ms | /plain | same tokens"]
+        for row in sc["rows"]:
+            key = f"corruption_{round(row['corruption'] * 100)}"
+            lines.append(f"{row['corruption']:>9.2f} | {fmt(row['mean_acceptance_length']):>10s} | "
+                         f"{fmt(g(sc, 'plain', key, 's_per_token'), 1e3, 3):>8s} | "
+                         f"{fmt(g(sc, 'ngram', key, 's_per_token'), 1e3, 3):>8s} | "
+                         f"{fmt(row['over_plain'], 1, 3):>6s} | "
+                         f"{row['same_tokens'] and row['plain_follows_target']}")
+        lines.append(f"{SPEC_STREAMS} streams tokens/s: plain {fmt(g(sc, 'plain', 'streams', 'tokens_per_s'), 1, 0)}, "
+                     f"ngram {fmt(g(sc, 'ngram', 'streams', 'tokens_per_s'), 1, 0)} "
+                     f"(x{fmt(sc.get('streams_ratio'), 1, 3)})")
     for name, (_, what, _) in VARIANTS.items():
         vs = g(results, name, "vs_off")
         if vs:
@@ -1078,6 +1166,7 @@ def main(argv: list[str] | None = None) -> int:
             state["model"], args.device, 16 if args.quick else 64, reps=3 if args.quick else 20,
             quick=args.quick or args.device != "cuda"),
             needs=("model", "vocab"))
+        part("speculation_client", lambda out: run_speculation_client(args, out))
         part("hf_eager", lambda out: run_hf(args, state["model"], vocab(), "eager", deadline, shared, out),
              needs=("model", "vocab"))
         part("hf_static", lambda out: run_hf(args, state["model"], vocab(), "static", deadline, shared, out),

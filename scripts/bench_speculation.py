@@ -113,6 +113,30 @@ def _run_streams(clients, prompts, tokens: int, speculative: bool) -> float:
     return time.perf_counter() - start
 
 
+# Fractions of the copied continuation replaced by random tokens (`chain_prompt`). With k = 4
+# and the policy's per-sequence draft length, 0.2 gives about 3 tokens a verify step.
+CORRUPTIONS = (0.0, 0.1, 0.2, 0.3, 0.5, 1.0)
+
+
+def chain_prompt(rng: random.Random, perm: list[int], corruption: float, tokens: int, prefix: int = 32) -> list[int]:
+    """A batch-1 prompt for a predictable target (token t followed by perm[t]) that prompt
+    lookup drafts at a set acceptance: a random prefix, the target's own continuation from
+    a start token x0 (x0, perm[x0], ...; `tokens` + 8 long, no repeat, no id below 3), a
+    fraction `corruption` of its positions replaced by other random tokens, then x0 again.
+    The target continues with perm[x0], ..., which the drafter finds wherever the copy is intact."""
+    vocab = len(perm)
+    while True:
+        chain = [rng.randrange(3, vocab)]
+        while len(chain) < tokens + 9 and perm[chain[-1]] >= 3 and perm[chain[-1]] not in chain:
+            chain.append(perm[chain[-1]])
+        if len(chain) == tokens + 9:
+            break
+    copy = chain[:-1]
+    for i in rng.sample(range(len(copy)), round(corruption * len(copy))):
+        copy[i] = 3 + (copy[i] - 3 + rng.randrange(1, vocab - 3)) % (vocab - 3)  # another id, >= 3
+    return [rng.randrange(3, vocab) for _ in range(prefix)] + copy + chain[:1]
+
+
 # ----------------------------------------------------------------------------- in this process
 
 
@@ -257,26 +281,13 @@ def measure_verify_steps(runner, buffers, context: int = 512, reps: int = 20, ks
     return out
 
 
-def make_predictable(model, seed: int = 7) -> None:
-    """Bench only: give the random-weight target a greedy continuation that no rounding
-    changes, so that a recorded continuation stays the target's own under any step shape
-    (random weights give near-flat logits whose argmax flips between a one-row step's
-    kernels and a verify step's, and a replayed continuation then stops matching). The
-    attention and MLP outputs are scaled down (the residual stream stays the token's
-    embedding) and each LM-head row v becomes the embedding of the token perm(v) follows,
-    so token t is followed by perm(t) by a margin of about sqrt(hidden) standard
-    deviations. The shapes, and so every kernel's time, are unchanged."""
-    import torch
+def make_predictable(model) -> None:
+    """Bench only: hybridd's model given the predictable checkpoint's weights in place
+    (`make_predictable_weights`: token t followed by perm(t) by a wide margin)."""
+    from scripts.make_random_checkpoint import make_predictable_weights
 
-    head, embed = model.lm_head.weight, model.embed_tokens.weight
-    if head.data_ptr() == embed.data_ptr():
-        raise ValueError("make_predictable needs an untied LM head")
-    with torch.no_grad():
-        for layer in model.layers:
-            layer.o_proj.weight.mul_(1e-3)
-            layer.down_proj.weight.mul_(1e-3)
-        perm = torch.randperm(embed.shape[0], generator=torch.Generator().manual_seed(seed)).to(embed.device)
-        head[perm] = (embed.float() * model.norm.weight.float()).to(head.dtype)
+    make_predictable_weights(model.embed_tokens.weight, model.lm_head.weight, model.norm.weight,
+                             [w for layer in model.layers for w in (layer.o_proj.weight, layer.down_proj.weight)])
 
 
 def measure_replay(model, kv, buffers, runner, num_blocks: int, tokens: int, k: int, batch: int = 1) -> dict:

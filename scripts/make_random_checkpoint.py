@@ -12,9 +12,12 @@ is needed to serve them.
     python -m scripts.make_random_checkpoint --describe /tmp/llama3-8b-random   # "Llama-3-8B shape, random weights"
     python -m scripts.make_random_checkpoint --preset llama3-8b --out /tmp/llama3-8b-random \
         --eagle3-head /tmp/llama3-8b-random-eagle3   # and a random EAGLE-3 head for it
+    python -m scripts.make_random_checkpoint --preset llama3-8b --out /tmp/llama3-8b-predictable --predictable
 
 An EAGLE-3 head (`make_eagle3_head`) is written in the published format (`hybridd.eagle3_head`)
 for a checkpoint's shape: a speculative decoding bench times its draft steps at the real sizes.
+`--predictable` writes weights whose greedy continuation of token t is perm(t)
+(`make_predictable_weights`): speculative decoding benches set their acceptance with it.
 """
 
 from __future__ import annotations
@@ -47,19 +50,49 @@ MARKER = "hybridd-random.json"  # written beside the weights: the preset, seed a
 # The published Llama-3 EAGLE-3 heads draft from the 32000 most frequent of the target's 128256 ids.
 EAGLE3_DRAFT_VOCAB = 32000
 HEAD_MARKER = "hybridd-random-eagle3.json"  # beside a head's weights: the target, seed and draft vocabulary
+PREDICTABLE_SEED = 7  # the seed of a predictable checkpoint's permutation (`predictable_perm`)
+
+
+def predictable_perm(vocab: int, seed: int = PREDICTABLE_SEED):
+    """The token a predictable target follows each token with: token t by perm[t]."""
+    return torch.randperm(vocab, generator=torch.Generator().manual_seed(seed))
+
+
+def make_predictable_weights(embed, head, norm, out_projections, seed: int = PREDICTABLE_SEED) -> None:
+    """Bench only: give a random-weight target a greedy continuation that no rounding
+    changes, so that a recorded continuation stays the target's own under any step shape
+    (random weights give near-flat logits whose argmax flips between a one-row step's
+    kernels and a verify step's, and a replayed continuation then stops matching). The
+    attention and MLP outputs (`out_projections`: each layer's o_proj and down_proj
+    weights) are scaled down, so the residual stream stays the token's embedding, and
+    the LM-head row perm[t] becomes the embedding of t times the final norm's weight, so
+    token t is followed by perm[t] (`predictable_perm`) by a margin of about sqrt(hidden)
+    standard deviations. The shapes, and so every kernel's time, are unchanged."""
+    if head.data_ptr() == embed.data_ptr():
+        raise ValueError("make_predictable_weights needs an untied LM head")
+    with torch.no_grad():
+        for weight in out_projections:
+            weight.mul_(1e-3)
+        perm = predictable_perm(embed.shape[0], seed).to(embed.device)
+        head[perm] = (embed.float() * norm.float()).to(head.dtype)
 
 
 def make_checkpoint(
-    out: Path, preset: str, seed: int = 0, dtype: torch.dtype = torch.bfloat16, device: str = "cuda", init: str = "normal"
+    out: Path, preset: str, seed: int = 0, dtype: torch.dtype = torch.bfloat16, device: str = "cuda",
+    init: str = "normal", predictable: bool = False,
 ) -> Path:
     """`init`: "normal" draws every matrix from N(0, 0.02); "scaled" also divides the output
     projections (o_proj, down_proj) by sqrt(2 * layers), the GPT-2/Megatron residual
-    scaling, so that the random network is not chaotic and bf16 noise is not amplified."""
+    scaling, so that the random network is not chaotic and bf16 noise is not amplified.
+    `predictable`: then `make_predictable_weights` (greedy decoding follows t with perm[t])."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     out.mkdir(parents=True, exist_ok=True)
+    marker = {"preset": preset, "seed": seed, "init": init}
+    if predictable:
+        marker["predictable_seed"] = PREDICTABLE_SEED
     if (out / "config.json").is_file() and (out / MARKER).is_file():
-        if json.loads((out / MARKER).read_text()) == {"preset": preset, "seed": seed, "init": init}:
+        if json.loads((out / MARKER).read_text()) == marker:
             return out
     config = LlamaConfig(**PRESETS[preset], rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, dtype=str(dtype).removeprefix("torch."))
     torch.manual_seed(seed)
@@ -76,9 +109,14 @@ def make_checkpoint(
             if init == "scaled" and name.endswith(("o_proj.weight", "down_proj.weight")):
                 std /= (2 * config.num_hidden_layers) ** 0.5
             param.normal_(0.0, std, generator=generator)
+        if predictable:
+            inner = model.model
+            make_predictable_weights(inner.embed_tokens.weight, model.lm_head.weight, inner.norm.weight,
+                                     [w for layer in inner.layers
+                                      for w in (layer.self_attn.o_proj.weight, layer.mlp.down_proj.weight)])
     model.save_pretrained(out, max_shard_size="4GB")
     save_synthetic_tokenizer(out, config.vocab_size)
-    (out / MARKER).write_text(json.dumps({"preset": preset, "seed": seed, "init": init}))
+    (out / MARKER).write_text(json.dumps(marker))
     del model
     return out
 
@@ -165,10 +203,12 @@ def describe(model_dir: Path) -> str:
     """A checkpoint as a reader should see it named: "Llama-3-8B shape, random weights"
     for one this script wrote, else its directory's name."""
     try:
-        preset = json.loads((Path(model_dir) / MARKER).read_text())["preset"]
+        marker = json.loads((Path(model_dir) / MARKER).read_text())
+        preset = marker["preset"]
     except (OSError, ValueError, KeyError, TypeError):
         return Path(model_dir).name
-    return f"{SHAPE_NAMES.get(preset, preset)} shape, random weights"
+    return f"{SHAPE_NAMES.get(preset, preset)} shape, random weights" + (
+        " made predictable" if "predictable_seed" in marker else "")
 
 
 def save_synthetic_tokenizer(out: Path, vocab_size: int) -> None:
@@ -195,6 +235,8 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--init", choices=("normal", "scaled"), default="normal")
+    parser.add_argument("--predictable", action="store_true",
+                        help="greedy decoding follows each token t with a fixed perm(t) (speculative decoding benches)")
     parser.add_argument("--eagle3-head", type=Path, metavar="DIR",
                         help="also write a random EAGLE-3 head for the checkpoint to DIR")
     args = parser.parse_args()
@@ -203,7 +245,8 @@ def main() -> int:
         return 0
     if args.out is None:
         parser.error("--out is required (or --describe DIR)")
-    path = make_checkpoint(args.out, args.preset, args.seed, device=args.device, init=args.init)
+    path = make_checkpoint(args.out, args.preset, args.seed, device=args.device, init=args.init,
+                           predictable=args.predictable)
     print(path)
     if args.eagle3_head is not None:
         print(make_eagle3_head(args.eagle3_head, path, args.seed, device=args.device))

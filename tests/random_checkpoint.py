@@ -11,10 +11,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def make_checkpoint(out: Path, preset: str, init: str = "normal", device: str | None = None) -> Path:
+def make_checkpoint(out: Path, preset: str, init: str = "normal", device: str | None = None,
+                    predictable: bool = False) -> Path:
     """The checkpoint of `preset` under `out` (written unless it is there already)."""
     command = [sys.executable, "-m", "scripts.make_random_checkpoint", "--preset", preset, "--out", str(out),
-               "--init", init]
+               "--init", init, *(["--predictable"] if predictable else [])]
     if device is not None:
         command += ["--device", device]
     proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)

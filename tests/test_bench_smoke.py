@@ -32,7 +32,8 @@ def bench_out(tmp_path_factory):
     proc = subprocess.run(
         [sys.executable, "-m", "scripts.bench", "--out", str(out / "out"), "--device", "cpu",
          "--preset", "tiny", "--quick", "--checkpoint-dir", str(out / "ckpt"), "--skip",
-         "mixed_load,prefix_reuse,structured,speculation,speculation_steps,breakdown_fp8,fp8", "--budget-s",
+         "mixed_load,prefix_reuse,structured,speculation,speculation_steps,speculation_client,breakdown_fp8,fp8",
+         "--budget-s",
          str(int(on_this_host(200)))],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=on_this_host(300),
     )
@@ -48,7 +49,8 @@ def test_json_has_every_figure(bench_out):
     cuda_only = {"hf_static", "hybridd_no_mps", "hybridd_no_pdl", "hybridd_unfused", "hybridd_poll", "hybridd_no_wake"}
     # Their own runs below.
     assert set(r["meta"]["skipped"]) == cuda_only | {"mixed_load", "prefix_reuse", "structured", "speculation",
-                                                     "speculation_steps", "breakdown_fp8", "fp8"}
+                                                     "speculation_steps", "speculation_client", "breakdown_fp8",
+                                                     "fp8"}
     assert r["meta"]["shape"] == "tiny shape, random float32 weights"
     assert r["device"]["copy_bandwidth_Bps"] > 0 and r["device"]["matmul_flops"] > 0
     floors = r["floors"]
@@ -282,3 +284,35 @@ def test_speculation_parts(tmp_path):
     for a in (0, 50, 75, 80, 100):
         row = replay[f"acceptance_{a}"]
         assert row["s_per_token_with_head"] > row["s_per_token"] > 0, row
+
+
+def test_speculation_client_part(tmp_path):
+    """Speculative decoding at the client, small: a daemon with prompt lookup against one
+    without on the preset's predictable checkpoint, time per token at batch 1 for each
+    corruption of the copied continuation (the acceptance length it gives measured by the
+    daemon's counters), and 32 streams; both daemons gave the target's own tokens."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run(
+        [sys.executable, "-m", "scripts.bench", "--out", str(tmp_path / "out"), "--device", "cpu", "--preset", "tiny",
+         "--quick", "--checkpoint-dir", str(tmp_path / "ckpt"), "--parts", "speculation_client",
+         "--budget-s", str(int(on_this_host(200)))],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=on_this_host(300),
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    r = json.loads((tmp_path / "out" / "bench.json").read_text())
+    assert r["meta"]["errors"] == {}, r["meta"]["errors"]
+    sc = r["speculation_client"]
+    assert sc["policy"] == {"num_speculative_tokens": 4, "speculative_adaptive": True, "tokens": 16, "reps": 2}
+    assert sc["plain"]["speculation"] == {"drafter": "none"} and sc["ngram"]["speculation"]["drafter"] == "ngram"
+    rows = sc["rows"]
+    assert [row["corruption"] for row in rows] == [0.0, 0.1, 0.2, 0.3, 0.5, 1.0]
+    assert all(row["same_tokens"] and row["plain_follows_target"] and row["over_plain"] > 0 for row in rows), rows
+    # An intact copy is drafted and kept; random drafts are not.
+    assert sc["ngram"]["corruption_0"]["drafts"] > 0 and rows[0]["mean_acceptance_length"] > 2, rows
+    assert rows[-1]["mean_acceptance_length"] < 1.5, rows
+    for name in ("plain", "ngram"):
+        assert len(sc[name]["corruption_0"]["samples_s"]) == 2 and sc[name]["streams"]["tokens"] == 32 * 16
+    assert sc["streams_ratio"] > 0
+    names = [t["target"] for t in r["targets"] if t["target"].startswith("speculation at the client")]
+    assert len(names) == 3 and all(t["value"] is not None for t in r["targets"] if t["target"] in names)
+    assert "speculation at the client, batch 1, ngram k=4" in (tmp_path / "out" / "bench_table.txt").read_text()
