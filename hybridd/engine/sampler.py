@@ -48,6 +48,7 @@ import torch
 
 from hybridd import environment
 from hybridd.protocol.messages import SamplingParams
+from hybridd.engine.device_copy import to_device
 from hybridd.engine.sequence import Sequence
 from hybridd.engine.token_bitmask import apply_token_bitmask
 from hybridd.log import get_logger
@@ -160,13 +161,11 @@ class SamplingTensors:
         )
 
     def moved(self, device: torch.device | str) -> SamplingTensors:
-        """These tensors (built on the host) on `device`, copied through pinned memory
-        without a host wait: a pageable copy would wait for the device's stream."""
-        device = torch.device(device)
-        if device.type != "cuda":
+        """These tensors (built on the host) on `device`, without a host wait (`device_copy`)."""
+        if torch.device(device).type != "cuda":
             return self
         return dataclasses.replace(self, **{
-            f.name: value.pin_memory().to(device, non_blocking=True)
+            f.name: to_device(value, device)
             for f in dataclasses.fields(self) if isinstance(value := getattr(self, f.name), torch.Tensor)})
 
     @classmethod

@@ -45,6 +45,7 @@ from hybridd.engine.grammar import TokenMasks
 from hybridd.engine.hidden_states import step_rows
 from hybridd.engine.prompt_logprobs import PromptLogprobRows
 from hybridd.engine.prompt_logprobs import compute as compute_prompt_logprobs
+from hybridd.engine.device_copy import to_device
 from hybridd.engine.sampler import Logprobs, Sampler, SamplingTensors
 from hybridd.errors import EngineDeadError
 from hybridd.engine.scheduler import ScheduledBatch
@@ -235,10 +236,7 @@ class StepPipeline:
         ids.copy_(torch.where(src_step >= 0, gathered, ids))
 
     def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
-        # Pageable host-to-device copies synchronize the stream; pinned ones do not.
-        if not self.cuda:
-            return tensor
-        return tensor.pin_memory().to(self.device, non_blocking=True)
+        return to_device(tensor, self.device)
 
     def _sampling_tensors(self, batch: ScheduledBatch) -> SamplingTensors:
         seqs = batch.sampled_seqs

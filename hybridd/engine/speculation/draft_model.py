@@ -35,6 +35,7 @@ tested against: the same code, forwards run eagerly on a KV cache of its own.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
@@ -42,6 +43,7 @@ from typing import Protocol
 
 import torch
 
+from hybridd.engine.device_copy import to_device
 from hybridd.engine.sampler import Sampler, SamplingTensors
 from hybridd.engine.speculation.drafter import NO_DRAFT, Draft
 from hybridd.model.kv_cache import KVCache, blocks_for
@@ -71,12 +73,14 @@ class DraftedSequence(Protocol):
 
 class DraftForward(Protocol):
     """One forward of the draft model over a step's inputs, on its KV cache: the logits of
-    the step's logits rows, valid until the next forward."""
+    the step's logits rows, valid until the next forward. `tokens` [T] (on the model's
+    device), where given, are the step's input tokens in place of `inputs`' own: a draft
+    step's tokens, which the host has not read."""
 
     max_tokens: int | None  # the most tokens one forward takes (None: any)
     max_seqs: int | None  # the most sequences one forward takes (None: any)
 
-    def __call__(self, inputs: HostStepInputs) -> torch.Tensor: ...
+    def __call__(self, inputs: HostStepInputs, tokens: torch.Tensor | None = None) -> torch.Tensor: ...
 
 
 class EagerForward:
@@ -89,8 +93,11 @@ class EagerForward:
         self.model = model
         self.kv = KVCache.allocate(model.config, num_blocks, block_size, model.dtype, model.device)
 
-    def __call__(self, inputs: HostStepInputs) -> torch.Tensor:
-        return self.model.forward_logits(inputs.on(self.model.device), self.kv)
+    def __call__(self, inputs: HostStepInputs, tokens: torch.Tensor | None = None) -> torch.Tensor:
+        step = inputs.on(self.model.device)
+        if tokens is not None:
+            step = dataclasses.replace(step, input_ids=tokens.to(step.input_ids.dtype))
+        return self.model.forward_logits(step, self.kv)
 
 
 @dataclass
@@ -198,27 +205,46 @@ class DraftModelDrafter:
         logits = self._catch_up(pending, [c.blocks for c in cached], starts)
         for c, seq in zip(cached, seqs_drafted, strict=True):
             c.tokens = list(seq.token_ids)  # its own list: the draft tokens are appended to it
-        tokens: list[list[int]] = [[] for _ in rows]
+        # Each draft step's tokens stay on the device and feed the next forward there; the
+        # host reads them once, at the end (a read per step would leave the GPU idle while
+        # the host prepares the next one). Penalties count the tokens drafted so far, so a
+        # batch with them reads each step's.
+        penalised = any(seq.params.has_penalties for seq in seqs_drafted)
+        tokens: list[list[int]] = [[] for _ in rows]  # read per step only where penalised
         probabilities: list[list[torch.Tensor]] = [[] for _ in rows]
+        made = [0] * len(rows)
+        drawn: list[tuple[list[int], torch.Tensor]] = []  # per forward: its rows and their tokens
         active = list(range(len(rows)))
         while True:
-            drawn = self._draw(logits, [seqs_drafted[a] for a in active], [tokens[a] for a in active])
-            for a, (token, probs) in zip(active, drawn, strict=True):
-                tokens[a].append(token)
-                if probs is not None:
-                    probabilities[a].append(probs)
-            active = [a for a in active if len(tokens[a]) < counts[a]]
-            if not active:
+            step_seqs = [seqs_drafted[a] for a in active]
+            step_tokens, probs = self._draw(logits, step_seqs, [len(seqs_drafted[a]) + made[a] for a in active],
+                                            [tokens[a] for a in active] if penalised else None)
+            drawn.append((active, step_tokens))
+            for j, (a, seq) in enumerate(zip(active, step_seqs, strict=True)):
+                made[a] += 1
+                if probs is not None and not seq.params.greedy:
+                    probabilities[a].append(probs[j])
+            if penalised:
+                for a, token in zip(active, step_tokens.tolist(), strict=True):
+                    tokens[a].append(token)
+            still = [j for j, a in enumerate(active) if made[a] < counts[a]]
+            if not still:
                 break
+            if len(still) < len(active):
+                step_tokens = step_tokens.index_select(0, to_device(torch.tensor(still), step_tokens.device))
+                active = [active[j] for j in still]
             # The newest draft token of each sequence that drafts on, into its cache.
-            step_tokens = [tokens[a][-1] for a in active]
-            positions = [len(cached[a].tokens) for a in active]
-            inputs = HostStepInputs.decode(step_tokens, positions, [cached[a].blocks for a in active], block_size)
-            logits = self.forward(inputs)
-            for a, token in zip(active, step_tokens, strict=True):
-                cached[a].tokens.append(token)
+            positions = [len(cached[a].tokens) + made[a] - 1 for a in active]
+            inputs = HostStepInputs.decode([0] * len(active), positions, [cached[a].blocks for a in active], block_size)
+            logits = self.forward(inputs, step_tokens)
+        drafted: list[list[int]] = [[] for _ in rows]
+        read = iter(torch.cat([t for _, t in drawn]).tolist())
+        for step_rows, _ in drawn:
+            for a in step_rows:
+                drafted[a].append(next(read))
         for a, i in enumerate(rows):
-            drafts[i] = Draft(tokens[a], torch.stack(probabilities[a]) if probabilities[a] else None)
+            cached[a].tokens.extend(drafted[a][:-1])  # every draft token but the last went through a forward
+            drafts[i] = Draft(drafted[a], torch.stack(probabilities[a]) if probabilities[a] else None)
         return drafts
 
     def _catch_up(self, pending: list[list[int]], tables: list[list[int]], starts: list[int]) -> torch.Tensor:
@@ -239,21 +265,20 @@ class DraftModelDrafter:
                     last[s] = logits[row].clone()  # the next forward writes over the logits
         return torch.stack(last)  # type: ignore[arg-type]
 
-    def _draw(self, logits: torch.Tensor, seqs: list[DraftedSequence],
-              drafted: list[list[int]]) -> list[tuple[int, torch.Tensor | None]]:
-        """Each row's next draft token, drawn as the target draws the token at its position
-        (see the module docstring), and for a sampled request its draft distribution."""
-        tensors = SamplingTensors.build(
-            [seq.params for seq in seqs], [seq.seed for seq in seqs],
-            [len(seq) + len(d) for seq, d in zip(seqs, drafted, strict=True)], self.vocab_size, self.device,
-            [seq.prompt_token_ids for seq in seqs],
-            [seq.output_token_ids + d for seq, d in zip(seqs, drafted, strict=True)])
-        tokens = self.sampler(logits, tensors).tolist()
+    def _draw(self, logits: torch.Tensor, seqs: list[DraftedSequence], positions: list[int],
+              drafted: list[list[int]] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Each row's next draft token (on the device), drawn as the target draws the token at
+        its position (`positions`; see the module docstring), and unless every row is greedy
+        the rows' draft distributions (a sampled row's is its own); `drafted`, each row's
+        draft tokens so far, where a row has penalties (they count them)."""
+        outputs = None if drafted is None else [seq.output_token_ids + d for seq, d in zip(seqs, drafted, strict=True)]
+        tensors = SamplingTensors.build([seq.params for seq in seqs], [seq.seed for seq in seqs], positions,
+                                        self.vocab_size, "cpu", [seq.prompt_token_ids for seq in seqs],
+                                        outputs).moved(self.device)
+        tokens = self.sampler(logits, tensors)
         if tensors.all_greedy:
-            return [(token, None) for token in tokens]
-        probs = torch.softmax(Sampler.processed_logits(logits, tensors), dim=-1)
-        return [(token, None if seq.params.greedy else probs[row])
-                for row, (token, seq) in enumerate(zip(tokens, seqs, strict=True))]
+            return tokens, None
+        return tokens, torch.softmax(Sampler.processed_logits(logits, tensors), dim=-1)
 
     def release(self, request_id: str) -> None:
         self.cache.release(request_id)

@@ -94,10 +94,12 @@ class GraphForward:
         self.max_tokens = runner.buffers.max_tokens
         self.max_seqs = runner.buffers.max_seqs
 
-    def __call__(self, inputs: HostStepInputs) -> torch.Tensor:
+    def __call__(self, inputs: HostStepInputs, tokens: torch.Tensor | None = None) -> torch.Tensor:
         rows = inputs.num_logit_rows
         with self.runner.serving.entered():
             self.runner.buffers.write(inputs)
+            if tokens is not None:
+                self.runner.buffers.input_ids[:inputs.num_tokens].copy_(tokens)
         self.runner.run(inputs.is_prefill, inputs.num_tokens, rows)
         return self.runner.buffers.logits[:rows]
 

@@ -60,6 +60,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from hybridd.engine.device_copy import to_device
 from hybridd.engine.sampler import Sampler, SamplingTensors
 from hybridd.engine.sequence import Sequence
 from hybridd.engine.speculation.draft_model import catch_up_parts
@@ -158,11 +159,6 @@ class _Track:
         """Forget the oldest `count` states."""
         self.lo += count
         self.hidden_start += count
-
-
-def _on_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on `device` without a host wait (pinned, then copied)."""
-    return tensor.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else tensor
 
 
 def _agrees(known: list[int], tokens: list[int], lo: int, hi: int) -> bool:
@@ -285,7 +281,7 @@ class Eagle3Drafter:
                 break
             if len(still) < len(active):
                 # Its own list of rows: the next forward writes over the last one's outputs.
-                index = _on_device(torch.tensor(still, dtype=torch.int64), hidden.device)
+                index = to_device(torch.tensor(still, dtype=torch.int64), hidden.device)
                 hidden, step_tokens = hidden.index_select(0, index), step_tokens.index_select(0, index)
                 active = [active[j] for j in still]
             positions = [len(drafted[a]) - 2 + made[a] for a in active]
