@@ -24,8 +24,6 @@ class CheckedGraphRunner:
         self.verify_steps = 0
 
     def launch(self, batch):
-        from hybridd.engine.sampler import SamplingTensors
-        from hybridd.engine.speculation.verification import verify_sampling_tensors
         from hybridd.engine.step_pipeline import InflightStep
 
         rows = batch.num_rows
@@ -44,11 +42,7 @@ class CheckedGraphRunner:
             assert shape.graph, f"a verify step of {rows} rows ran eagerly"
         if batch.selects_rows:
             logits = logits.index_select(0, torch.tensor(batch.sample_rows, device=logits.device))
-        seqs = batch.sampled_seqs
-        vocab = logits.shape[-1]
-        tensors = (verify_sampling_tensors(seqs, batch.drafts, vocab, "cuda") if batch.drafts is not None
-                   else SamplingTensors.from_sequences(seqs, vocab, "cuda"))
-        tokens, _ = self.sampler.sample(logits, tensors)
+        tokens, _ = self.sampler.sample(logits, batch.sampling_tensors(logits.shape[-1], "cuda"))
         return InflightStep(batch, tokens.cpu(), None)
 
     @staticmethod
