@@ -42,8 +42,8 @@ from typing import Protocol
 
 import torch
 
-from hybridd.engine.sampler import Sampler, SamplingTensors
-from hybridd.engine.speculation.drafter import NO_DRAFT, Draft
+from hybridd.engine.sampler import Sampler
+from hybridd.engine.speculation.drafter import NO_DRAFT, Draft, draft_sampling_tensors
 from hybridd.model.kv_cache import KVCache, blocks_for
 from hybridd.model.llama import LlamaModel
 from hybridd.model.step_inputs import HostStepInputs
@@ -243,11 +243,7 @@ class DraftModelDrafter:
               drafted: list[list[int]]) -> list[tuple[int, torch.Tensor | None]]:
         """Each row's next draft token, drawn as the target draws the token at its position
         (see the module docstring), and for a sampled request its draft distribution."""
-        tensors = SamplingTensors.build(
-            [seq.params for seq in seqs], [seq.seed for seq in seqs],
-            [len(seq) + len(d) for seq, d in zip(seqs, drafted, strict=True)], self.vocab_size, self.device,
-            [seq.prompt_token_ids for seq in seqs],
-            [seq.output_token_ids + d for seq, d in zip(seqs, drafted, strict=True)])
+        tensors = draft_sampling_tensors(seqs, drafted, self.vocab_size, self.device)
         tokens = self.sampler(logits, tensors).tolist()
         if tensors.all_greedy:
             return [(token, None) for token in tokens]

@@ -44,6 +44,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from hybridd.engine.sampler import SamplingTensors
 from hybridd.engine.sequence import Sequence
 
 
@@ -60,6 +61,19 @@ class Draft:
 
 
 NO_DRAFT = Draft([])
+
+
+def draft_sampling_tensors(seqs: Seq[Sequence], drafted: Seq[list[int]], vocab_size: int,
+                           device: torch.device | str) -> SamplingTensors:
+    """Sampling tensors for each sequence's next draft token after the `drafted[i]` it has
+    drafted so far: the request's own parameters, seed and penalties at the position the
+    token takes, those drafted tokens counted as its output, so that a drafter that samples
+    draws each token as the target draws the token at that position."""
+    return SamplingTensors.build(
+        [seq.params for seq in seqs], [seq.seed for seq in seqs],
+        [len(seq) + len(d) for seq, d in zip(seqs, drafted, strict=True)], vocab_size, device,
+        [seq.prompt_token_ids for seq in seqs],
+        [seq.output_token_ids + d for seq, d in zip(seqs, drafted, strict=True)])
 
 
 class Drafter(Protocol):

@@ -57,10 +57,10 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from hybridd.engine.sampler import Sampler, SamplingTensors
+from hybridd.engine.sampler import Sampler
 from hybridd.engine.sequence import Sequence
 from hybridd.engine.speculation.draft_model import catch_up_parts
-from hybridd.engine.speculation.drafter import NO_DRAFT, Draft
+from hybridd.engine.speculation.drafter import NO_DRAFT, Draft, draft_sampling_tensors
 from hybridd.log import get_logger
 from hybridd.model.config import ModelConfig
 from hybridd.model.eagle3 import Eagle3Head, load_eagle3_head
@@ -302,11 +302,7 @@ class Eagle3Drafter:
         at its position."""
         logits = draft_logits.new_full((draft_logits.shape[0], self.vocab_size), float("-inf"))
         logits[:, self.head.draft_to_target] = draft_logits
-        tensors = SamplingTensors.build(
-            [seq.params for seq in seqs], [seq.seed for seq in seqs],
-            [len(seq) + len(d) for seq, d in zip(seqs, drafted, strict=True)], self.vocab_size, logits.device,
-            [seq.prompt_token_ids for seq in seqs],
-            [seq.output_token_ids + d for seq, d in zip(seqs, drafted, strict=True)])
+        tensors = draft_sampling_tensors(seqs, drafted, self.vocab_size, logits.device)
         return self.sampler(logits, tensors).tolist()
 
     def _reserve(self, track: _Track, num_tokens: int, keep: set[str]) -> bool:
