@@ -17,7 +17,7 @@ from hybridd.engine.block_manager import BlockManager
 from hybridd.engine.core import EngineCore
 from hybridd.engine.in_process_runner import InProcessRunner
 from hybridd.engine.scheduler import Scheduler
-from hybridd.engine.speculation.draft_runner import draft_model_runner
+from hybridd.engine.speculation.draft_runner import DraftRunner, draft_model_runner
 from hybridd.engine.speculation.eagle3 import MAX_PENDING_STATES
 from hybridd.engine.speculation.eagle3_runner import eagle3_runner
 from hybridd.engine.speculation.drafter import Draft, HiddenStateDrafter
@@ -183,27 +183,22 @@ def structured_through_daemon(client, tokenizer, case: str, max_tokens: int = 48
     return choice["token_ids"], choice["text"], choice["finish_reason"]
 
 
-class ServedDraftModel:
-    """The draft model as the graph generator serves it (`DraftRunner`: a graph runner of
-    its own, eager on the CPU, over its KV arena and step buffers of `max_tokens` tokens)
-    and the context generator's drafter over it (`drafter`), in this process; every
-    message encoded and decoded as on the control socket (`messages`: those received)."""
+def served_bucket_plan(max_batch: int) -> BucketPlan:
+    """The buckets of a drafter served in this process: decode buckets up to `max_batch`
+    sequences, a few prefill and mixed ones."""
+    decode = [b for b in (1, 2, 4, 8, 16, 32, 64, 128) if b < max_batch] + [max_batch]
+    return BucketPlan.create(decode, [16, 32, 64], max_prefill_seqs=2, mixed_tokens=64)
 
-    def __init__(self, model, num_blocks: int, block_size: int, max_tokens: int = 64, max_batch: int = 8) -> None:
-        """Decode buckets up to `max_batch` sequences; draft distributions for up to 16 draft
-        tokens each (the in-process engine's verify steps are not held to max_batch rows)."""
-        decode = [b for b in (1, 2, 4, 8, 16, 32, 64, 128) if b < max_batch] + [max_batch]
-        plan = BucketPlan.create(decode, [16, 32, 64], max_prefill_seqs=2, mixed_tokens=64)
-        vocab = model.config.vocab_size
-        buffers = StepBuffers.allocate(max(max_tokens, plan.max_prefill_tokens), plan.max_rows,
-                                       blocks_for(model.max_positions, block_size), vocab, model.device)
-        kv = KVCache.allocate(model.config, num_blocks, block_size, model.dtype, model.device)
-        probabilities = torch.zeros(16 * plan.max_batch, vocab, device=model.device)
-        self.runner = draft_model_runner(model, kv, buffers, plan, probabilities, use_graphs=True,
-                                         memory_budget_bytes=1 << 30, stream=None)
-        self.runner.runner.capture_decode_graphs()
+
+class ServedOverControlSocket:
+    """A drafter's runner (`runner`) served in this process to the context generator's
+    drafter over it: every message encoded and decoded as on the control socket
+    (`messages`: the `Draft`s received)."""
+
+    runner: DraftRunner
+
+    def __init__(self) -> None:
         self.messages: list[control.Draft] = []
-        self.drafter = GraphDrafter(self._exchange, self._notify, probabilities)
 
     def _notify(self, message: control.Draft) -> None:
         received = codec.CONTROL.decode(codec.encode(message))
@@ -216,23 +211,41 @@ class ServedDraftModel:
         return codec.CONTROL.decode(codec.encode(self.runner.draft(received)))
 
 
-class ServedEagle3:
+class ServedDraftModel(ServedOverControlSocket):
+    """The draft model as the graph generator serves it (`DraftRunner`: a graph runner of
+    its own, eager on the CPU, over its KV arena and step buffers of `max_tokens` tokens)
+    and the context generator's drafter over it (`drafter`), in this process."""
+
+    def __init__(self, model, num_blocks: int, block_size: int, max_tokens: int = 64, max_batch: int = 8) -> None:
+        """Decode buckets up to `max_batch` sequences; draft distributions for up to 16 draft
+        tokens each (the in-process engine's verify steps are not held to max_batch rows)."""
+        super().__init__()
+        plan = served_bucket_plan(max_batch)
+        vocab = model.config.vocab_size
+        buffers = StepBuffers.allocate(max(max_tokens, plan.max_prefill_tokens), plan.max_rows,
+                                       blocks_for(model.max_positions, block_size), vocab, model.device)
+        kv = KVCache.allocate(model.config, num_blocks, block_size, model.dtype, model.device)
+        probabilities = torch.zeros(16 * plan.max_batch, vocab, device=model.device)
+        self.runner = draft_model_runner(model, kv, buffers, plan, probabilities, use_graphs=True,
+                                         memory_budget_bytes=1 << 30, stream=None)
+        self.runner.runner.capture_decode_graphs()
+        self.drafter = GraphDrafter(self._exchange, self._notify, probabilities)
+
+
+class ServedEagle3(ServedOverControlSocket):
     """An EAGLE-3 head as the graph generator serves it (`eagle3_runner`: a graph runner
     of its own over its KV arena and step buffers of `max_tokens` tokens, graphs captured
     on CUDA, eager on the CPU) and the context generator's drafter over it (`drafter`),
-    in this process; every message encoded and decoded as on the control socket
-    (`messages`: the `Draft`s received). `observe` names rows of a step's hidden states
-    as a `Step` does."""
+    in this process. `observe` names rows of a step's hidden states as a `Step` does."""
 
     def __init__(self, head, num_blocks: int, block_size: int, max_tokens: int = 64, max_batch: int = 8,
                  use_graphs: bool = True) -> None:
-        decode = [b for b in (1, 2, 4, 8, 16, 32, 64, 128) if b < max_batch] + [max_batch]
-        plan = BucketPlan.create(decode, [16, 32, 64], max_prefill_seqs=2, mixed_tokens=64)
+        super().__init__()
+        plan = served_bucket_plan(max_batch)
         self.runner = eagle3_runner(head, head.allocate_kv(num_blocks, block_size), plan,
                                     max(max_tokens, plan.max_prefill_tokens), use_graphs=use_graphs,
                                     memory_budget_bytes=1 << 30, stream=None)
         self.runner.runner.capture_decode_graphs()
-        self.messages: list[control.Draft] = []
         self.drafter = GraphDrafter(self._exchange, self._notify, None, "eagle3",
                                     hidden_states_kept=MAX_PENDING_STATES)
 
@@ -242,13 +255,3 @@ class ServedEagle3:
         step = control.Step(step=0, kind="prefill", n_real=1, n_tokens=len(hidden), hidden=rows, forks=forks or [])
         self.drafter.observed([r.request_id for r in rows] + [f.child for f in forks or []])
         self.runner.observe(codec.CONTROL.decode(codec.encode(step)), hidden)
-
-    def _notify(self, message: control.Draft) -> None:
-        received = codec.CONTROL.decode(codec.encode(message))
-        self.messages.append(received)
-        assert self.runner.draft(received) is None  # no answer
-
-    def _exchange(self, message: control.Draft) -> control.Drafted:
-        received = codec.CONTROL.decode(codec.encode(message))
-        self.messages.append(received)
-        return codec.CONTROL.decode(codec.encode(self.runner.draft(received)))
