@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from collections import Counter
+from collections.abc import Callable
 
 import torch
 
@@ -80,6 +82,34 @@ def repetitive_prompts(lengths: tuple[int, ...], seed: int = 1, vocab: int = 320
         passage = torch.randint(3, vocab, (length,), generator=g).tolist()
         prompts.append(passage + passage[: length // 2] + passage)
     return prompts
+
+
+def keep_drafts(groups: list[list], drafts: list[list[Draft]], kept: int) -> None:
+    """Each sequence of `groups` as after a verify step that kept the first `kept` tokens
+    of its draft (`drafts[g][i]` for sequence i of group g) and then drew a token of its
+    own (one the drafts rarely guess)."""
+    for group, group_drafts in zip(groups, drafts, strict=True):
+        for seq, draft in zip(group, group_drafts, strict=True):
+            seq.output_token_ids += draft.tokens[:kept] + [(seq.token_ids[-1] + 7) % 4000 + 3]
+
+
+def no_eager_step_once_captured(graph_runner, rounds: Callable[[], None], what: str) -> None:
+    """`graph_runner`'s background capture run until every bucket but the decode ones is
+    captured or disabled (within 300 s), then `rounds`: none of its steps runs eagerly, and
+    no bucket was disabled (`what` names the steps in the failure)."""
+    stats = graph_runner.stats
+    graph_runner.start_background_capture()
+    try:
+        deadline = time.monotonic() + 300
+        while not all(s.captured or s.disabled for (kind, _), s in stats.items() if kind != "decode"):
+            assert time.monotonic() < deadline, [s.to_dict() for s in stats.values()]
+            time.sleep(0.1)
+        eager_runs = {key: s.eager_runs for key, s in stats.items()}
+        rounds()
+        assert {key: s.eager_runs for key, s in stats.items()} == eager_runs, f"a {what} step ran eagerly"
+        assert all(s.disabled is None for s in stats.values()), [s.to_dict() for s in stats.values()]
+    finally:
+        graph_runner.stop_background_capture()
 
 
 class ReplayDrafter:

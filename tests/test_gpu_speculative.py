@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.speculation_helpers import repetitive_prompts
+from tests.speculation_helpers import keep_drafts, no_eager_step_once_captured, repetitive_prompts
 from tests.test_gpu_graph_runner import load_model_for_runner, make_runner
 
 pytestmark = pytest.mark.gpu
@@ -111,8 +111,6 @@ def test_draft_model_graphs_replay_equal_to_eager_with_no_eager_step_in_steady_s
     graphs, captured per batch bucket, and its catch-up's prefill and mixed graphs,
     captured in the background, draft what its eager runner drafts, greedy, token for
     token; once the background capture is done, no draft step runs eagerly."""
-    import time
-
     from hybridd.config import EMBEDDED_DRAFT_MODEL
     from hybridd.engine.sequence import Sequence
     from hybridd.engine.speculation.graph_drafter import GraphDrafter
@@ -130,23 +128,8 @@ def test_draft_model_graphs_replay_equal_to_eager_with_no_eager_step_in_steady_s
         for r in range(first, first + n):
             got = [d.propose(s, [4] * len(s)) for d, s in zip(drafters, seqs, strict=True)]
             assert [d.tokens for d in got[0]] == [d.tokens for d in got[1]], r
-            for group, drafts in zip(seqs, got, strict=True):
-                for seq, draft in zip(group, drafts, strict=True):
-                    kept = draft.tokens[:r % 4]
-                    seq.output_token_ids += kept + [(seq.token_ids[-1] + 7) % 4000 + 3]
+            keep_drafts(seqs, got, r % 4)
 
     rounds(6, 0)
-    stats = graphs.runner.stats
-    assert sum(s.replays for (kind, _), s in stats.items() if kind == "decode") > 0
-    graphs.runner.start_background_capture()
-    try:
-        deadline = time.monotonic() + 300
-        while not all(s.captured or s.disabled for (kind, _), s in stats.items() if kind != "decode"):
-            assert time.monotonic() < deadline, [s.to_dict() for s in stats.values()]
-            time.sleep(0.1)
-        eager_runs = {key: s.eager_runs for key, s in stats.items()}
-        rounds(6, 6)
-        assert {key: s.eager_runs for key, s in stats.items()} == eager_runs, "a draft step ran eagerly"
-        assert all(s.disabled is None for s in stats.values()), [s.to_dict() for s in stats.values()]
-    finally:
-        graphs.runner.stop_background_capture()
+    assert sum(s.replays for (kind, _), s in graphs.runner.stats.items() if kind == "decode") > 0
+    no_eager_step_once_captured(graphs.runner, lambda: rounds(6, 6), "draft")
