@@ -36,7 +36,7 @@ tested against: the same code, forwards run eagerly on a KV cache of its own.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence as Seq
+from collections.abc import Callable, Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -223,21 +223,16 @@ class DraftModelDrafter:
 
     def _catch_up(self, pending: list[list[int]], tables: list[list[int]], starts: list[int]) -> torch.Tensor:
         """Each cache's missing tokens `pending[i]` (from position `starts[i]`) into it, in
-        as few prefill-shaped forwards as the forward takes (`catch_up_parts`); the logits
-        of each sequence's last token [len(pending), V]."""
-        forwards = catch_up_parts([len(p) for p in pending], self.forward.max_tokens, self.forward.max_seqs)
-        last: list[torch.Tensor | None] = [None] * len(pending)
-        for parts in forwards:
-            inputs = HostStepInputs.prefill([pending[s][o:o + n] for s, o, n in parts],
-                                            [tables[s] for s, _, _ in parts], self.cache.block_size,
-                                            [starts[s] + o for s, o, _ in parts])
-            logits = self.forward(inputs)
-            if len(forwards) == 1:
-                return logits  # the usual case: one forward took every sequence whole
-            for row, (s, o, n) in enumerate(parts):
-                if o + n == len(pending[s]):
-                    last[s] = logits[row].clone()  # the next forward writes over the logits
-        return torch.stack(last)  # type: ignore[arg-type]
+        as few prefill-shaped forwards as the forward takes (`catch_up`); the logits of
+        each sequence's last token [len(pending), V]."""
+
+        def forward(parts: list[tuple[int, int, int]]) -> tuple[torch.Tensor]:
+            return (self.forward(HostStepInputs.prefill([pending[s][o:o + n] for s, o, n in parts],
+                                                        [tables[s] for s, _, _ in parts], self.cache.block_size,
+                                                        [starts[s] + o for s, o, _ in parts])),)
+
+        (logits,) = catch_up([len(p) for p in pending], self.forward.max_tokens, self.forward.max_seqs, forward)
+        return logits
 
     def _draw(self, logits: torch.Tensor, seqs: list[DraftedSequence],
               drafted: list[list[int]]) -> list[tuple[int, torch.Tensor | None]]:
@@ -257,6 +252,23 @@ class DraftModelDrafter:
     def kv_blocks(self) -> dict[str, int]:
         cache = self.cache
         return {"total": cache.num_blocks, "free": cache.num_free, "block_size": cache.block_size}
+
+
+def catch_up(lengths: list[int], max_tokens: int | None, max_seqs: int | None,
+             forward: Callable[[list[tuple[int, int, int]]], tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
+    """A drafter's catch-up over sequences of `lengths` new tokens: `forward` run on each of
+    the prefill-shaped forwards that take them (`catch_up_parts`: its parts), and of each
+    of its outputs (rows in the parts' order), each sequence's last row [len(lengths), ...]."""
+    forwards = catch_up_parts(lengths, max_tokens, max_seqs)
+    last: list[tuple[torch.Tensor, ...] | None] = [None] * len(lengths)
+    for parts in forwards:
+        outputs = forward(parts)
+        if len(forwards) == 1:
+            return outputs  # the usual case: one forward took every sequence whole
+        for row, (s, o, n) in enumerate(parts):
+            if o + n == lengths[s]:  # the next forward writes over these rows
+                last[s] = tuple(output[row].clone() for output in outputs)
+    return tuple(torch.stack(rows) for rows in zip(*last))  # type: ignore[misc]
 
 
 def catch_up_parts(lengths: list[int], max_tokens: int | None,

@@ -59,7 +59,7 @@ import torch
 
 from hybridd.engine.sampler import Sampler
 from hybridd.engine.sequence import Sequence
-from hybridd.engine.speculation.draft_model import catch_up_parts
+from hybridd.engine.speculation.draft_model import catch_up
 from hybridd.engine.speculation.drafter import NO_DRAFT, Draft, draft_sampling_tensors
 from hybridd.log import get_logger
 from hybridd.model.config import ModelConfig
@@ -279,22 +279,18 @@ class Eagle3Drafter:
         pending = [seq.token_ids[c + 1:] for seq, c in zip(drafted, starts, strict=True)]
         states = [t.hidden[c - t.hidden_start:len(seq) - 1 - t.hidden_start]
                   for t, seq, c in zip(tracks, drafted, starts, strict=True)]
-        forwards = catch_up_parts([len(p) for p in pending], self.forward.max_tokens, self.forward.max_seqs)
-        last: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(pending)
-        for parts in forwards:
+
+        def forward(parts: list[tuple[int, int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
             # Positions in the head's KV count from each track's origin; RoPE reads the true ones.
             inputs = HostStepInputs.prefill([pending[s][o:o + n] for s, o, n in parts],
                                             [tracks[s].blocks for s, _, _ in parts], self.block_size,
                                             [starts[s] + o - tracks[s].origin for s, o, _ in parts])
             rope = inputs.positions.astype(np.int64) + np.repeat([tracks[s].origin for s, _, _ in parts],
                                                                  [n for _, _, n in parts])
-            logits, hidden = self.forward(inputs, rope, torch.cat([states[s][o:o + n] for s, o, n in parts]))
-            if len(forwards) == 1:
-                return logits, hidden  # the usual case: one forward took every sequence whole
-            for row, (s, o, n) in enumerate(parts):
-                if o + n == len(pending[s]):  # the next forward writes over these rows
-                    last[s] = (logits[row].clone(), hidden[row].clone())
-        return torch.stack([r[0] for r in last]), torch.stack([r[1] for r in last])  # type: ignore[index]
+            return self.forward(inputs, rope, torch.cat([states[s][o:o + n] for s, o, n in parts]))
+
+        logits, hidden = catch_up([len(p) for p in pending], self.forward.max_tokens, self.forward.max_seqs, forward)
+        return logits, hidden
 
     def _draw(self, draft_logits: torch.Tensor, seqs: list[Sequence],
               drafted: list[list[int]]) -> list[int]:
