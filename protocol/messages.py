@@ -316,22 +316,6 @@ def _current_messages(messages: list[ChatMessageV3] | None) -> list[ChatMessage]
     return None if messages is None else [ChatMessage(**msgspec.structs.asdict(m)) for m in messages]
 
 
-class _GenerateRequestV3(Message, tag="generate"):
-    id: RequestId
-    prompt: Prompt | None = None
-    prompt_token_ids: PromptTokenIds | None = None
-    messages: Annotated[list[ChatMessageV3], Meta(max_length=MAX_CHAT_MESSAGES)] | None = None
-    sampling: SamplingParamsV3 | None = None
-    stream: bool | None = True
-    timeout_s: Annotated[float, Meta(gt=0.0, le=MAX_TIMEOUT_S)] | None = None
-    cache_salt: CacheSalt | None = None
-
-    def current(self) -> GenerateRequest:
-        return GenerateRequest(id=self.id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
-                               messages=_current_messages(self.messages), sampling=_current_sampling(self.sampling),
-                               stream=self.stream, timeout_s=self.timeout_s, cache_salt=self.cache_salt, v=self.v)
-
-
 class _GenerateRequestV2(Message, tag="generate"):
     id: RequestId
     prompt: Prompt | None = None
@@ -345,6 +329,15 @@ class _GenerateRequestV2(Message, tag="generate"):
         return GenerateRequest(id=self.id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
                                messages=_current_messages(self.messages), sampling=_current_sampling(self.sampling),
                                stream=self.stream, timeout_s=self.timeout_s, v=self.v)
+
+
+class _GenerateRequestV3(_GenerateRequestV2, tag="generate"):
+    """Version 3: version 2's generate and its `cache_salt`."""
+
+    cache_salt: CacheSalt | None = None
+
+    def current(self) -> GenerateRequest:
+        return msgspec.structs.replace(super().current(), cache_salt=self.cache_salt)
 
 
 class _GenerateRequestV1(Message, tag="generate"):

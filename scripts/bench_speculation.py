@@ -181,8 +181,6 @@ class GraphStepRunner:
     def launch(self, batch):
         import torch
 
-        from hybridd.engine.sampler import SamplingTensors
-        from hybridd.engine.speculation.verification import verify_sampling_tensors
         from hybridd.engine.step_pipeline import InflightStep
 
         device = self.buffers.logits.device
@@ -195,12 +193,7 @@ class GraphStepRunner:
         logits = self.buffers.logits[:batch.num_rows]
         if batch.selects_rows:
             logits = logits.index_select(0, torch.tensor(batch.sample_rows, device=device))
-        seqs = batch.sampled_seqs
-        if batch.drafts is not None:
-            tensors = verify_sampling_tensors(seqs, batch.drafts, self.vocab, device)
-        else:
-            tensors = SamplingTensors.from_sequences(seqs, self.vocab, device)
-        tokens, _ = self.sampler.sample(logits, tensors)
+        tokens, _ = self.sampler.sample(logits, batch.sampling_tensors(self.vocab, device))
         return InflightStep(batch, tokens.cpu(), None)
 
     @staticmethod

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from collections import Counter
+from collections.abc import Callable
 
 import torch
 
@@ -17,7 +19,7 @@ from hybridd.engine.block_manager import BlockManager
 from hybridd.engine.core import EngineCore
 from hybridd.engine.in_process_runner import InProcessRunner
 from hybridd.engine.scheduler import Scheduler
-from hybridd.engine.speculation.draft_runner import draft_model_runner
+from hybridd.engine.speculation.draft_runner import DraftRunner, draft_model_runner
 from hybridd.engine.speculation.eagle3 import MAX_PENDING_STATES
 from hybridd.engine.speculation.eagle3_runner import eagle3_runner
 from hybridd.engine.speculation.drafter import Draft, HiddenStateDrafter
@@ -80,6 +82,34 @@ def repetitive_prompts(lengths: tuple[int, ...], seed: int = 1, vocab: int = 320
         passage = torch.randint(3, vocab, (length,), generator=g).tolist()
         prompts.append(passage + passage[: length // 2] + passage)
     return prompts
+
+
+def keep_drafts(groups: list[list], drafts: list[list[Draft]], kept: int) -> None:
+    """Each sequence of `groups` as after a verify step that kept the first `kept` tokens
+    of its draft (`drafts[g][i]` for sequence i of group g) and then drew a token of its
+    own (one the drafts rarely guess)."""
+    for group, group_drafts in zip(groups, drafts, strict=True):
+        for seq, draft in zip(group, group_drafts, strict=True):
+            seq.output_token_ids += draft.tokens[:kept] + [(seq.token_ids[-1] + 7) % 4000 + 3]
+
+
+def no_eager_step_once_captured(graph_runner, rounds: Callable[[], None], what: str) -> None:
+    """`graph_runner`'s background capture run until every bucket but the decode ones is
+    captured or disabled (within 300 s), then `rounds`: none of its steps runs eagerly, and
+    no bucket was disabled (`what` names the steps in the failure)."""
+    stats = graph_runner.stats
+    graph_runner.start_background_capture()
+    try:
+        deadline = time.monotonic() + 300
+        while not all(s.captured or s.disabled for (kind, _), s in stats.items() if kind != "decode"):
+            assert time.monotonic() < deadline, [s.to_dict() for s in stats.values()]
+            time.sleep(0.1)
+        eager_runs = {key: s.eager_runs for key, s in stats.items()}
+        rounds()
+        assert {key: s.eager_runs for key, s in stats.items()} == eager_runs, f"a {what} step ran eagerly"
+        assert all(s.disabled is None for s in stats.values()), [s.to_dict() for s in stats.values()]
+    finally:
+        graph_runner.stop_background_capture()
 
 
 class ReplayDrafter:
@@ -183,27 +213,22 @@ def structured_through_daemon(client, tokenizer, case: str, max_tokens: int = 48
     return choice["token_ids"], choice["text"], choice["finish_reason"]
 
 
-class ServedDraftModel:
-    """The draft model as the graph generator serves it (`DraftRunner`: a graph runner of
-    its own, eager on the CPU, over its KV arena and step buffers of `max_tokens` tokens)
-    and the context generator's drafter over it (`drafter`), in this process; every
-    message encoded and decoded as on the control socket (`messages`: those received)."""
+def served_bucket_plan(max_batch: int) -> BucketPlan:
+    """The buckets of a drafter served in this process: decode buckets up to `max_batch`
+    sequences, a few prefill and mixed ones."""
+    decode = [b for b in (1, 2, 4, 8, 16, 32, 64, 128) if b < max_batch] + [max_batch]
+    return BucketPlan.create(decode, [16, 32, 64], max_prefill_seqs=2, mixed_tokens=64)
 
-    def __init__(self, model, num_blocks: int, block_size: int, max_tokens: int = 64, max_batch: int = 8) -> None:
-        """Decode buckets up to `max_batch` sequences; draft distributions for up to 16 draft
-        tokens each (the in-process engine's verify steps are not held to max_batch rows)."""
-        decode = [b for b in (1, 2, 4, 8, 16, 32, 64, 128) if b < max_batch] + [max_batch]
-        plan = BucketPlan.create(decode, [16, 32, 64], max_prefill_seqs=2, mixed_tokens=64)
-        vocab = model.config.vocab_size
-        buffers = StepBuffers.allocate(max(max_tokens, plan.max_prefill_tokens), plan.max_rows,
-                                       blocks_for(model.max_positions, block_size), vocab, model.device)
-        kv = KVCache.allocate(model.config, num_blocks, block_size, model.dtype, model.device)
-        probabilities = torch.zeros(16 * plan.max_batch, vocab, device=model.device)
-        self.runner = draft_model_runner(model, kv, buffers, plan, probabilities, use_graphs=True,
-                                         memory_budget_bytes=1 << 30, stream=None)
-        self.runner.runner.capture_decode_graphs()
+
+class ServedOverControlSocket:
+    """A drafter's runner (`runner`) served in this process to the context generator's
+    drafter over it: every message encoded and decoded as on the control socket
+    (`messages`: the `Draft`s received)."""
+
+    runner: DraftRunner
+
+    def __init__(self) -> None:
         self.messages: list[control.Draft] = []
-        self.drafter = GraphDrafter(self._exchange, self._notify, probabilities)
 
     def _notify(self, message: control.Draft) -> None:
         received = codec.CONTROL.decode(codec.encode(message))
@@ -216,23 +241,41 @@ class ServedDraftModel:
         return codec.CONTROL.decode(codec.encode(self.runner.draft(received)))
 
 
-class ServedEagle3:
+class ServedDraftModel(ServedOverControlSocket):
+    """The draft model as the graph generator serves it (`DraftRunner`: a graph runner of
+    its own, eager on the CPU, over its KV arena and step buffers of `max_tokens` tokens)
+    and the context generator's drafter over it (`drafter`), in this process."""
+
+    def __init__(self, model, num_blocks: int, block_size: int, max_tokens: int = 64, max_batch: int = 8) -> None:
+        """Decode buckets up to `max_batch` sequences; draft distributions for up to 16 draft
+        tokens each (the in-process engine's verify steps are not held to max_batch rows)."""
+        super().__init__()
+        plan = served_bucket_plan(max_batch)
+        vocab = model.config.vocab_size
+        buffers = StepBuffers.allocate(max(max_tokens, plan.max_prefill_tokens), plan.max_rows,
+                                       blocks_for(model.max_positions, block_size), vocab, model.device)
+        kv = KVCache.allocate(model.config, num_blocks, block_size, model.dtype, model.device)
+        probabilities = torch.zeros(16 * plan.max_batch, vocab, device=model.device)
+        self.runner = draft_model_runner(model, kv, buffers, plan, probabilities, use_graphs=True,
+                                         memory_budget_bytes=1 << 30, stream=None)
+        self.runner.runner.capture_decode_graphs()
+        self.drafter = GraphDrafter(self._exchange, self._notify, probabilities)
+
+
+class ServedEagle3(ServedOverControlSocket):
     """An EAGLE-3 head as the graph generator serves it (`eagle3_runner`: a graph runner
     of its own over its KV arena and step buffers of `max_tokens` tokens, graphs captured
     on CUDA, eager on the CPU) and the context generator's drafter over it (`drafter`),
-    in this process; every message encoded and decoded as on the control socket
-    (`messages`: the `Draft`s received). `observe` names rows of a step's hidden states
-    as a `Step` does."""
+    in this process. `observe` names rows of a step's hidden states as a `Step` does."""
 
     def __init__(self, head, num_blocks: int, block_size: int, max_tokens: int = 64, max_batch: int = 8,
                  use_graphs: bool = True) -> None:
-        decode = [b for b in (1, 2, 4, 8, 16, 32, 64, 128) if b < max_batch] + [max_batch]
-        plan = BucketPlan.create(decode, [16, 32, 64], max_prefill_seqs=2, mixed_tokens=64)
+        super().__init__()
+        plan = served_bucket_plan(max_batch)
         self.runner = eagle3_runner(head, head.allocate_kv(num_blocks, block_size), plan,
                                     max(max_tokens, plan.max_prefill_tokens), use_graphs=use_graphs,
                                     memory_budget_bytes=1 << 30, stream=None)
         self.runner.runner.capture_decode_graphs()
-        self.messages: list[control.Draft] = []
         self.drafter = GraphDrafter(self._exchange, self._notify, None, "eagle3",
                                     hidden_states_kept=MAX_PENDING_STATES)
 
@@ -242,13 +285,3 @@ class ServedEagle3:
         step = control.Step(step=0, kind="prefill", n_real=1, n_tokens=len(hidden), hidden=rows, forks=forks or [])
         self.drafter.observed([r.request_id for r in rows] + [f.child for f in forks or []])
         self.runner.observe(codec.CONTROL.decode(codec.encode(step)), hidden)
-
-    def _notify(self, message: control.Draft) -> None:
-        received = codec.CONTROL.decode(codec.encode(message))
-        self.messages.append(received)
-        assert self.runner.draft(received) is None  # no answer
-
-    def _exchange(self, message: control.Draft) -> control.Drafted:
-        received = codec.CONTROL.decode(codec.encode(message))
-        self.messages.append(received)
-        return codec.CONTROL.decode(codec.encode(self.runner.draft(received)))

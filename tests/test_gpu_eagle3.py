@@ -122,12 +122,10 @@ def test_the_heads_captured_steps_equal_its_eager_steps_bitwise():
 
 @torch.inference_mode()
 def test_the_heads_drafts_equal_its_eager_runners_with_no_eager_step_in_steady_state():
-    import time
-
     from hybridd.engine.sequence import Sequence
     from hybridd.protocol import control
     from hybridd.protocol.messages import SamplingParams
-    from tests.speculation_helpers import ServedEagle3, repetitive_prompts
+    from tests.speculation_helpers import ServedEagle3, keep_drafts, no_eager_step_once_captured, repetitive_prompts
 
     model, head = _embedded_model_and_head()
     served = [ServedEagle3(head, 256, BLOCK), ServedEagle3(head, 256, BLOCK, use_graphs=False)]
@@ -159,24 +157,9 @@ def test_the_heads_drafts_equal_its_eager_runners_with_no_eager_step_in_steady_s
             assert [d.tokens for d in got[0]] == [d.tokens for d in got[1]], r
             process([len(seq) - 1 for seq in seqs[0]], [[seq.token_ids[-1], *d.tokens] for seq, d in
                                                         zip(seqs[0], got[0], strict=True)])
-            for group, drafts in zip(seqs, got, strict=True):
-                for seq, draft in zip(group, drafts, strict=True):
-                    kept = draft.tokens[:r % 4]
-                    seq.output_token_ids += kept + [(seq.token_ids[-1] + 7) % 4000 + 3]
+            keep_drafts(seqs, got, r % 4)
 
     rounds(6, 0)
-    stats = served[0].runner.runner.stats
-    assert sum(s.replays for (kind, _), s in stats.items() if kind == "decode") > 0
+    assert sum(s.replays for (kind, _), s in served[0].runner.runner.stats.items() if kind == "decode") > 0
     assert served[0].runner.drafts > 0
-    served[0].runner.start_background_capture()
-    try:
-        deadline = time.monotonic() + 300
-        while not all(s.captured or s.disabled for (kind, _), s in stats.items() if kind != "decode"):
-            assert time.monotonic() < deadline, [s.to_dict() for s in stats.values()]
-            time.sleep(0.1)
-        eager_runs = {key: s.eager_runs for key, s in stats.items()}
-        rounds(6, 6)
-        assert {key: s.eager_runs for key, s in stats.items()} == eager_runs, "a head step ran eagerly"
-        assert all(s.disabled is None for s in stats.values()), [s.to_dict() for s in stats.values()]
-    finally:
-        served[0].runner.stop_background_capture()
+    no_eager_step_once_captured(served[0].runner.runner, lambda: rounds(6, 6), "head")

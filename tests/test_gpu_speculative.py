@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.speculation_helpers import repetitive_prompts
+from tests.speculation_helpers import keep_drafts, no_eager_step_once_captured, repetitive_prompts
 from tests.test_gpu_graph_runner import load_model_for_runner, make_runner
 
 pytestmark = pytest.mark.gpu
@@ -24,8 +24,6 @@ class CheckedGraphRunner:
         self.verify_steps = 0
 
     def launch(self, batch):
-        from hybridd.engine.sampler import SamplingTensors
-        from hybridd.engine.speculation.verification import verify_sampling_tensors
         from hybridd.engine.step_pipeline import InflightStep
 
         rows = batch.num_rows
@@ -44,11 +42,7 @@ class CheckedGraphRunner:
             assert shape.graph, f"a verify step of {rows} rows ran eagerly"
         if batch.selects_rows:
             logits = logits.index_select(0, torch.tensor(batch.sample_rows, device=logits.device))
-        seqs = batch.sampled_seqs
-        vocab = logits.shape[-1]
-        tensors = (verify_sampling_tensors(seqs, batch.drafts, vocab, "cuda") if batch.drafts is not None
-                   else SamplingTensors.from_sequences(seqs, vocab, "cuda"))
-        tokens, _ = self.sampler.sample(logits, tensors)
+        tokens, _ = self.sampler.sample(logits, batch.sampling_tensors(logits.shape[-1], "cuda"))
         return InflightStep(batch, tokens.cpu(), None)
 
     @staticmethod
@@ -117,8 +111,6 @@ def test_draft_model_graphs_replay_equal_to_eager_with_no_eager_step_in_steady_s
     graphs, captured per batch bucket, and its catch-up's prefill and mixed graphs,
     captured in the background, draft what its eager runner drafts, greedy, token for
     token; once the background capture is done, no draft step runs eagerly."""
-    import time
-
     from hybridd.config import EMBEDDED_DRAFT_MODEL
     from hybridd.engine.sequence import Sequence
     from hybridd.engine.speculation.graph_drafter import GraphDrafter
@@ -136,23 +128,8 @@ def test_draft_model_graphs_replay_equal_to_eager_with_no_eager_step_in_steady_s
         for r in range(first, first + n):
             got = [d.propose(s, [4] * len(s)) for d, s in zip(drafters, seqs, strict=True)]
             assert [d.tokens for d in got[0]] == [d.tokens for d in got[1]], r
-            for group, drafts in zip(seqs, got, strict=True):
-                for seq, draft in zip(group, drafts, strict=True):
-                    kept = draft.tokens[:r % 4]
-                    seq.output_token_ids += kept + [(seq.token_ids[-1] + 7) % 4000 + 3]
+            keep_drafts(seqs, got, r % 4)
 
     rounds(6, 0)
-    stats = graphs.runner.stats
-    assert sum(s.replays for (kind, _), s in stats.items() if kind == "decode") > 0
-    graphs.runner.start_background_capture()
-    try:
-        deadline = time.monotonic() + 300
-        while not all(s.captured or s.disabled for (kind, _), s in stats.items() if kind != "decode"):
-            assert time.monotonic() < deadline, [s.to_dict() for s in stats.values()]
-            time.sleep(0.1)
-        eager_runs = {key: s.eager_runs for key, s in stats.items()}
-        rounds(6, 6)
-        assert {key: s.eager_runs for key, s in stats.items()} == eager_runs, "a draft step ran eagerly"
-        assert all(s.disabled is None for s in stats.values()), [s.to_dict() for s in stats.values()]
-    finally:
-        graphs.runner.stop_background_capture()
+    assert sum(s.replays for (kind, _), s in graphs.runner.stats.items() if kind == "decode") > 0
+    no_eager_step_once_captured(graphs.runner, lambda: rounds(6, 6), "draft")

@@ -19,7 +19,6 @@ import time
 import pytest
 import torch
 
-from hybridd import exit_codes
 from hybridd.config import EMBEDDED_MODEL
 from hybridd.engine.generate import generate
 from hybridd.model import load_model
@@ -30,7 +29,7 @@ from tests.host_load import on_this_host
 from tests.speculation_helpers import (STRUCTURED_CASES, build_tiny_draft, repetitive_prompts,
                                         structured_through_daemon, structured_without_speculation,
                                         valid_structured_output)
-from tests.test_start_refusals import _start
+from tests.test_start_refusals import refused_at_start
 from tests.tiny_models import build_tiny_model
 
 pytestmark = pytest.mark.slow
@@ -174,9 +173,6 @@ def test_structured_output_is_drafted_for_and_equals_the_engine_without_speculat
 
 def test_a_draft_whose_kv_cache_cannot_fit_is_refused_at_start(tmp_path):
     # The device's free memory as the graph generator reads it: less than the draft's KV cache.
-    done, _ = _start("--runtime-dir", str(tmp_path / "run"), "--no-compile-sampler", "--speculative-drafter",
-                     "draft_model", timeout=300, env={"HYBRIDD_TEST_FREE_MEMORY_BYTES": str(1 << 20)})
-    assert done.returncode == exit_codes.STARTUP_FAILED, done.stderr[-4000:]
-    errors = [line for line in done.stderr.splitlines() if "[error" in line]
-    assert len(errors) == 1 and "speculative_draft_model" in errors[0] and "its KV cache of" in errors[0], errors
-    assert done.stderr.count("spawned workers") == 1
+    error = refused_at_start(tmp_path, "--speculative-drafter", "draft_model",
+                             env={"HYBRIDD_TEST_FREE_MEMORY_BYTES": str(1 << 20)})
+    assert "speculative_draft_model" in error and "its KV cache of" in error, error

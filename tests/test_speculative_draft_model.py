@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections import Counter
 
 import msgspec
 import pytest
@@ -31,9 +30,9 @@ from hybridd.engine.speculation.speculator import Speculator
 from hybridd.model import load_model
 from hybridd.model.tokenizer import load_tokenizer
 from hybridd.protocol.messages import SamplingParams, StructuredOutput
-from tests.speculation_helpers import (ServedDraftModel, build_tiny_draft, repetitive_prompts, run_engine,
-                                      sampled_tokens_by_position)
-from tests.test_speculative_sampling import SIGNIFICANCE, chi_square_p
+from tests.speculation_helpers import ServedDraftModel, build_tiny_draft, repetitive_prompts, run_engine
+from tests.test_speculative_sampling import (SIGNIFICANCE, assert_distributed_alike, chi_square_p,
+                                             draws_with_and_without)
 from tests.test_start_refusals import REFUSAL_BOUND_S, _start
 from tests.tiny_models import build_tiny_model
 
@@ -195,21 +194,11 @@ def test_shipped_draft_acceptance_on_the_embedded_model(embedded):
 
 
 def test_sampled_tokens_are_distributed_as_without_speculation(embedded):
-    """Seeds disjoint between the two runs, so that the test does not lean on the
-    draft's draws being coupled to the target's by seed."""
     model, _, scene = embedded
-    requests, n, tokens = 4, 16, 6
-
-    def draws(first_seed: int, speculator: Speculator | None) -> list[Counter]:
-        return sampled_tokens_by_position(model, scene, speculator, first_seed, requests, n, tokens)
-
     speculator = shipped_draft(3)
-    with_speculation = draws(10_000, speculator)
-    without = draws(0, None)
+    with_speculation, without = draws_with_and_without(model, scene, speculator, requests=4, n=16, tokens=6)
     assert 0 < speculator.stats.accepted_tokens < speculator.stats.draft_tokens, speculator.stats.to_dict()
-    for position in range(1, tokens):  # draws after kept drafts
-        p = chi_square_p(with_speculation[position], without[position])
-        assert p > SIGNIFICANCE, (position, p)
+    assert_distributed_alike(with_speculation, without)
     assert chi_square_p(with_speculation[1], without[2]) < SIGNIFICANCE  # the test has teeth
 
 
@@ -262,23 +251,15 @@ def test_constrained_sampled_tokens_are_distributed_as_without_speculation(embed
     tokenizer = load_tokenizer(EMBEDDED_MODEL)
     structured = StructuredOutput(regex="[a-z ]{12}")
     compiler = GrammarCompiler(tokenizer, model.config.vocab_size, [tokenizer.eos_token_id])
-    requests, n, tokens = 4, 16, 4
     try:
         grammar = compiler.compile(structured)
-
-        def draws(first_seed: int, speculator: Speculator | None) -> list[Counter]:
-            return sampled_tokens_by_position(model, scene, speculator, first_seed, requests, n, tokens,
-                                              structured, grammar)
-
         speculator = shipped_draft(3)
-        with_speculation = draws(10_000, speculator)
-        without = draws(0, None)
+        with_speculation, without = draws_with_and_without(model, scene, speculator, requests=4, n=16, tokens=4,
+                                                           structured=structured, grammar=grammar)
     finally:
         compiler.close()
     assert 0 < speculator.stats.accepted_tokens < speculator.stats.draft_tokens, speculator.stats.to_dict()
-    for position in range(tokens):
-        p = chi_square_p(with_speculation[position], without[position])
-        assert p > SIGNIFICANCE, (position, p)
+    assert_distributed_alike(with_speculation, without, first=0)
 
 
 def test_a_draft_with_another_vocabulary_is_refused_at_start(tmp_path):

@@ -74,21 +74,32 @@ def always(k: int) -> Speculator:
     return Speculator(NgramDrafter(1, 4), k, SpeculationPolicy(k, adaptive=False, initial_acceptance=0.9))
 
 
-def test_sampled_tokens_are_distributed_as_without_speculation(embedded):
-    model, _, prompt = embedded
-    requests, n, tokens = 4, 16, 6
+def draws_with_and_without(model, prompt: list[int], speculator: Speculator, requests: int, n: int, tokens: int,
+                           structured=None, grammar=None) -> tuple[list[Counter], list[Counter]]:
+    """The tokens drawn at each position (`sampled_tokens_by_position`) with `speculator`
+    and without speculation, on seeds disjoint between the two runs, so that the test does
+    not lean on the draws being coupled by seed."""
+    with_speculation = sampled_tokens_by_position(model, prompt, speculator, 10_000, requests, n, tokens,
+                                                  structured, grammar)
+    without = sampled_tokens_by_position(model, prompt, None, 0, requests, n, tokens, structured, grammar)
+    return with_speculation, without
 
-    def draws(first_seed: int, speculator: Speculator | None) -> list[Counter]:
-        return sampled_tokens_by_position(model, prompt, speculator, first_seed, requests, n, tokens)
 
-    speculator = always(4)
-    with_speculation = draws(10_000, speculator)
-    without = draws(0, None)
-    assert speculator.stats.accepted_tokens > 0.2 * speculator.stats.drafts  # drafts were kept, and cut
-    assert speculator.stats.accepted_tokens < speculator.stats.draft_tokens
-    for position in range(1, tokens):  # draws after kept drafts
+def assert_distributed_alike(with_speculation: list[Counter], without: list[Counter], first: int = 1) -> None:
+    """The draws at each position from `first` on (1: those after kept drafts) pass the
+    two-sample chi-square test at SIGNIFICANCE."""
+    for position in range(first, len(without)):
         p = chi_square_p(with_speculation[position], without[position])
         assert p > SIGNIFICANCE, (position, p)
+
+
+def test_sampled_tokens_are_distributed_as_without_speculation(embedded):
+    model, _, prompt = embedded
+    speculator = always(4)
+    with_speculation, without = draws_with_and_without(model, prompt, speculator, requests=4, n=16, tokens=6)
+    assert speculator.stats.accepted_tokens > 0.2 * speculator.stats.drafts  # drafts were kept, and cut
+    assert speculator.stats.accepted_tokens < speculator.stats.draft_tokens
+    assert_distributed_alike(with_speculation, without)
     # The test has teeth: the draws one position apart are told apart.
     assert chi_square_p(with_speculation[1], without[2]) < SIGNIFICANCE
 

@@ -33,6 +33,18 @@ def _start(*args: str, timeout: float = 60, env: dict[str, str] | None = None) -
     return done, time.monotonic() - started
 
 
+def refused_at_start(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> str:
+    """The one error line of a `hybridd start` with `args` (its runtime directory in
+    `tmp_path`, the sampler not compiled) that ends with STARTUP_FAILED, its workers
+    spawned once."""
+    done, _ = _start("--runtime-dir", str(tmp_path / "run"), "--no-compile-sampler", *args, timeout=300, env=env)
+    assert done.returncode == exit_codes.STARTUP_FAILED, done.stderr[-4000:]
+    errors = [line for line in done.stderr.splitlines() if "[error" in line]
+    assert len(errors) == 1, errors
+    assert done.stderr.count("spawned workers") == 1
+    return errors[0]
+
+
 def _model_copy(tmp_path: Path) -> Path:
     model = tmp_path / "model"
     shutil.copytree(EMBEDDED_MODEL, model)
@@ -184,9 +196,6 @@ def test_a_max_batch_that_cannot_fit_is_lowered_with_a_warning(tmp_path):
 
 def test_no_memory_for_a_batch_of_one_ends_the_daemon_once_with_one_line(tmp_path):
     # Room for the KV cache (64 blocks of the embedded model, 128 KiB each in float32) and a few bytes more.
-    done, _ = _start("--runtime-dir", str(tmp_path / "run"), "--no-compile-sampler", "--num-kv-blocks", "64",
-                     timeout=300, env={"HYBRIDD_TEST_FREE_MEMORY_BYTES": str(64 * 131072 + 1024)})
-    assert done.returncode == exit_codes.STARTUP_FAILED, done.stderr[-4000:]
-    errors = [line for line in done.stderr.splitlines() if "[error" in line]
-    assert len(errors) == 1 and "max_batch: not even a batch of 1 fits" in errors[0], errors
-    assert done.stderr.count("spawned workers") == 1
+    error = refused_at_start(tmp_path, "--num-kv-blocks", "64",
+                             env={"HYBRIDD_TEST_FREE_MEMORY_BYTES": str(64 * 131072 + 1024)})
+    assert "max_batch: not even a batch of 1 fits" in error, error

@@ -35,7 +35,6 @@ from hybridd.errors import EngineDeadError
 from hybridd.log import configure, get_logger
 from hybridd.model import ModelConfig, load_tokenizer
 from hybridd.model.config import chat_stop_strings
-from hybridd.runtime import gc_pauses
 from hybridd.runtime.step_buffers import StepBuffers, geometry
 from hybridd.serving_metrics import ServingMetrics
 from hybridd.runtime.step_trace import StepTracer, mark
@@ -54,6 +53,7 @@ from hybridd.workers.reply_rings import ReplyRings
 from hybridd.workers.request_endings import RequestEndings
 from hybridd.workers.status_report import StatusReport
 from hybridd.workers.supervisor_link import SupervisorLink
+from hybridd.workers.worker_life import start_and_serve
 
 PIPELINE_DEPTH = 2  # steps in flight: the host schedules one step ahead of the GPU
 READY_TIMEOUT_S = 3600.0
@@ -331,12 +331,7 @@ def main(config: dict[str, Any], ctl_endpoint: str, supervised: bool = True) -> 
         stop_signals_from(os.getppid(), get_logger("context_generator", pid=os.getpid()))
     worker = ContextGenerator(cfg, ctl_endpoint, supervised)
     try:
-        with worker.link.starting_up():
-            worker.start()
-        frozen = gc_pauses.freeze_start_up()
-        worker.log.debug("start-up objects frozen out of the cyclic collector", objects=frozen)
-        with worker.loop_exit.watch():
-            worker.serve()
+        start_and_serve(worker)
     except EngineDeadError as exc:
         worker.log.error("engine_dead", error=exc.message)
         worker.fail_all(ErrorCode.ENGINE_DEAD, f"the engine died: {exc.message}")

@@ -36,7 +36,6 @@ from hybridd.model import KVCache, ModelConfig, ModelLoadError, load_model
 from hybridd.model.kv_cache import blocks_for, kv_arena_shape, kv_bytes_per_block
 from hybridd.model.eagle3 import Eagle3Head, load_eagle3_head
 from hybridd.model.llama import LlamaModel
-from hybridd.runtime import gc_pauses
 from hybridd.runtime.buckets import BucketPlan
 from hybridd.runtime.graph_memory import activation_bytes, batch_bytes
 from hybridd.runtime.graph_runner import GraphRunner
@@ -51,6 +50,7 @@ from hybridd.protocol import codec, control
 from hybridd.protocol.errors import ProtocolError
 from hybridd.workers.loop_exit import LoopExit
 from hybridd.workers.supervisor_link import SupervisorLink
+from hybridd.workers.worker_life import start_and_serve
 
 CPU_DEFAULT_KV_BLOCKS = 512
 # Test hook (README, Troubleshooting): seconds to stall in the weight load, in the
@@ -433,11 +433,6 @@ def main(config: dict[str, Any], ctl_endpoint: str) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor decides; SIGTERM ends us
     worker = GraphGenerator(cfg, ctl_endpoint)
     try:
-        with worker.link.starting_up():
-            worker.start()
-        frozen = gc_pauses.freeze_start_up()
-        worker.log.debug("start-up objects frozen out of the cyclic collector", objects=frozen)
-        with worker.loop_exit.watch():
-            worker.serve()
+        start_and_serve(worker)
     finally:
         worker.close()

@@ -15,10 +15,10 @@ import torch
 from hybridd.engine.grammar import TokenMasks
 from hybridd.engine.hidden_states import feed, wanted_rows
 from hybridd.engine.prompt_logprobs import compute as compute_prompt_logprobs
-from hybridd.engine.sampler import Logprobs, Sampler, SamplingTensors
+from hybridd.engine.sampler import Logprobs, Sampler
 from hybridd.engine.scheduler import ScheduledBatch
 from hybridd.engine.speculation.drafter import HiddenStateDrafter
-from hybridd.engine.speculation.verification import sample_verify_rows, verify_sampling_tensors
+from hybridd.engine.speculation.verification import sample_verify_rows
 from hybridd.engine.step_pipeline import InflightStep
 from hybridd.model.kv_cache import KVCache, copy_blocks
 from hybridd.model.llama import LlamaModel
@@ -55,10 +55,7 @@ class InProcessRunner:
         if batch.selects_rows:
             logits = logits.index_select(0, torch.tensor(batch.sample_rows, dtype=torch.int64, device=self.device))
         seqs = batch.sampled_seqs
-        if batch.drafts is not None:  # a verify step: every row is sampled
-            tensors = verify_sampling_tensors(seqs, batch.drafts, logits.shape[-1], self.device)
-        else:
-            tensors = SamplingTensors.from_sequences(seqs, logits.shape[-1], self.device)
+        tensors = batch.sampling_tensors(logits.shape[-1], self.device)
         allowed = None
         if any(seq.grammar is not None for seq in seqs):
             rows = logits.shape[0]

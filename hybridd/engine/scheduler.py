@@ -47,9 +47,10 @@ import torch
 from hybridd.engine.block_manager import BlockManager
 from hybridd.engine.detokenizer import IncrementalDetokenizer, Tokenizer
 from hybridd.engine.prompt import prompt_length_refusal
+from hybridd.engine.sampler import SamplingTensors
 from hybridd.engine.sequence import Sequence, SequenceStatus
 from hybridd.engine.speculation.speculator import Speculator
-from hybridd.engine.speculation.verification import DraftDistribution
+from hybridd.engine.speculation.verification import DraftDistribution, verify_sampling_tensors
 from hybridd.engine.stop_criteria import StopCriteria
 from hybridd.log import get_logger
 from hybridd.model.step_inputs import HostStepInputs
@@ -161,6 +162,14 @@ class ScheduledBatch:
         if self.is_verify:  # every row is sampled, in order
             return False
         return bool(self.forks or self.partial_rows) or self.num_logit_rows != len(self.seqs)
+
+    def sampling_tensors(self, vocab_size: int, device: torch.device | str = "cpu") -> SamplingTensors:
+        """The sampling tensors of the rows the step samples: a verify step's every row, at
+        its draft token's position (`verify_sampling_tensors`); else each sampled
+        sequence's next token."""
+        if self.drafts is not None:
+            return verify_sampling_tensors(self.sampled_seqs, self.drafts, vocab_size, device)
+        return SamplingTensors.from_sequences(self.sampled_seqs, vocab_size, device)
 
     @property
     def inputs_on_device(self) -> bool:

@@ -50,7 +50,7 @@ from hybridd.engine.sampler import Logprobs, Sampler, SamplingTensors
 from hybridd.errors import EngineDeadError
 from hybridd.engine.scheduler import ScheduledBatch
 from hybridd.engine.speculation.graph_drafter import GraphDrafter
-from hybridd.engine.speculation.verification import sample_verify_rows, verify_sampling_tensors
+from hybridd.engine.speculation.verification import sample_verify_rows
 from hybridd.model.kv_cache import copy_blocks
 from hybridd.runtime.serving_stream import ServingStream
 from hybridd.runtime.step_buffers import StepBuffers
@@ -240,20 +240,14 @@ class StepPipeline:
 
     def _sampling_tensors(self, batch: ScheduledBatch) -> SamplingTensors:
         seqs = batch.sampled_seqs
-
-        def build() -> SamplingTensors:
-            if batch.drafts is not None:  # a verify step: every row is sampled, at its draft token's position
-                return verify_sampling_tensors(seqs, batch.drafts, self.vocab_size, "cpu")
-            return SamplingTensors.from_sequences(seqs, self.vocab_size, "cpu")
-
         if all(s.params.greedy and not s.params.has_penalties for s in seqs):
             # Greedy rows read none of the per-row values: reuse one set per row count
             # instead of copying eight small tensors to the device every step.
             n = batch.num_rows if batch.drafts is not None else len(seqs)
             if n not in self._greedy_tensors:
-                self._greedy_tensors[n] = self._move(build())
+                self._greedy_tensors[n] = self._move(batch.sampling_tensors(self.vocab_size))
             return self._greedy_tensors[n]
-        return self._move(build())
+        return self._move(batch.sampling_tensors(self.vocab_size))
 
     def _move(self, tensors: SamplingTensors) -> SamplingTensors:
         return tensors.moved(self.device) if self.cuda else tensors

@@ -37,15 +37,15 @@ from __future__ import annotations
 
 import dataclasses
 from collections import OrderedDict
-from collections.abc import Sequence as Seq
+from collections.abc import Callable, Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
 from hybridd.engine.device_copy import to_device
-from hybridd.engine.sampler import Sampler, SamplingTensors
-from hybridd.engine.speculation.drafter import NO_DRAFT, Draft
+from hybridd.engine.sampler import Sampler
+from hybridd.engine.speculation.drafter import NO_DRAFT, Draft, draft_sampling_tensors
 from hybridd.model.kv_cache import KVCache, blocks_for
 from hybridd.model.llama import LlamaModel
 from hybridd.model.step_inputs import HostStepInputs
@@ -249,21 +249,16 @@ class DraftModelDrafter:
 
     def _catch_up(self, pending: list[list[int]], tables: list[list[int]], starts: list[int]) -> torch.Tensor:
         """Each cache's missing tokens `pending[i]` (from position `starts[i]`) into it, in
-        as few prefill-shaped forwards as the forward takes (`catch_up_parts`); the logits
-        of each sequence's last token [len(pending), V]."""
-        forwards = catch_up_parts([len(p) for p in pending], self.forward.max_tokens, self.forward.max_seqs)
-        last: list[torch.Tensor | None] = [None] * len(pending)
-        for parts in forwards:
-            inputs = HostStepInputs.prefill([pending[s][o:o + n] for s, o, n in parts],
-                                            [tables[s] for s, _, _ in parts], self.cache.block_size,
-                                            [starts[s] + o for s, o, _ in parts])
-            logits = self.forward(inputs)
-            if len(forwards) == 1:
-                return logits  # the usual case: one forward took every sequence whole
-            for row, (s, o, n) in enumerate(parts):
-                if o + n == len(pending[s]):
-                    last[s] = logits[row].clone()  # the next forward writes over the logits
-        return torch.stack(last)  # type: ignore[arg-type]
+        as few prefill-shaped forwards as the forward takes (`catch_up`); the logits of
+        each sequence's last token [len(pending), V]."""
+
+        def forward(parts: list[tuple[int, int, int]]) -> tuple[torch.Tensor]:
+            return (self.forward(HostStepInputs.prefill([pending[s][o:o + n] for s, o, n in parts],
+                                                        [tables[s] for s, _, _ in parts], self.cache.block_size,
+                                                        [starts[s] + o for s, o, _ in parts])),)
+
+        (logits,) = catch_up([len(p) for p in pending], self.forward.max_tokens, self.forward.max_seqs, forward)
+        return logits
 
     def _draw(self, logits: torch.Tensor, seqs: list[DraftedSequence], positions: list[int],
               drafted: list[list[int]] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -271,10 +266,7 @@ class DraftModelDrafter:
         its position (`positions`; see the module docstring), and unless every row is greedy
         the rows' draft distributions (a sampled row's is its own); `drafted`, each row's
         draft tokens so far, where a row has penalties (they count them)."""
-        outputs = None if drafted is None else [seq.output_token_ids + d for seq, d in zip(seqs, drafted, strict=True)]
-        tensors = SamplingTensors.build([seq.params for seq in seqs], [seq.seed for seq in seqs], positions,
-                                        self.vocab_size, "cpu", [seq.prompt_token_ids for seq in seqs],
-                                        outputs).moved(self.device)
+        tensors = draft_sampling_tensors(seqs, positions, drafted, self.vocab_size, self.device)
         tokens = self.sampler(logits, tensors)
         if tensors.all_greedy:
             return tokens, None
@@ -286,6 +278,23 @@ class DraftModelDrafter:
     def kv_blocks(self) -> dict[str, int]:
         cache = self.cache
         return {"total": cache.num_blocks, "free": cache.num_free, "block_size": cache.block_size}
+
+
+def catch_up(lengths: list[int], max_tokens: int | None, max_seqs: int | None,
+             forward: Callable[[list[tuple[int, int, int]]], tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
+    """A drafter's catch-up over sequences of `lengths` new tokens: `forward` run on each of
+    the prefill-shaped forwards that take them (`catch_up_parts`: its parts), and of each
+    of its outputs (rows in the parts' order), each sequence's last row [len(lengths), ...]."""
+    forwards = catch_up_parts(lengths, max_tokens, max_seqs)
+    last: list[tuple[torch.Tensor, ...] | None] = [None] * len(lengths)
+    for parts in forwards:
+        outputs = forward(parts)
+        if len(forwards) == 1:
+            return outputs  # the usual case: one forward took every sequence whole
+        for row, (s, o, n) in enumerate(parts):
+            if o + n == lengths[s]:  # the next forward writes over these rows
+                last[s] = tuple(output[row].clone() for output in outputs)
+    return tuple(torch.stack(rows) for rows in zip(*last))  # type: ignore[misc]
 
 
 def catch_up_parts(lengths: list[int], max_tokens: int | None,

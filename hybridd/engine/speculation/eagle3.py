@@ -61,10 +61,10 @@ import numpy as np
 import torch
 
 from hybridd.engine.device_copy import to_device
-from hybridd.engine.sampler import Sampler, SamplingTensors
+from hybridd.engine.sampler import Sampler
 from hybridd.engine.sequence import Sequence
-from hybridd.engine.speculation.draft_model import catch_up_parts
-from hybridd.engine.speculation.drafter import NO_DRAFT, Draft
+from hybridd.engine.speculation.draft_model import catch_up
+from hybridd.engine.speculation.drafter import NO_DRAFT, Draft, draft_sampling_tensors
 from hybridd.log import get_logger
 from hybridd.model.config import ModelConfig
 from hybridd.model.eagle3 import Eagle3Head, load_eagle3_head
@@ -306,22 +306,18 @@ class Eagle3Drafter:
         pending = [seq.token_ids[c + 1:] for seq, c in zip(drafted, starts, strict=True)]
         states = [t.hidden[c - t.hidden_start:len(seq) - 1 - t.hidden_start]
                   for t, seq, c in zip(tracks, drafted, starts, strict=True)]
-        forwards = catch_up_parts([len(p) for p in pending], self.forward.max_tokens, self.forward.max_seqs)
-        last: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(pending)
-        for parts in forwards:
+
+        def forward(parts: list[tuple[int, int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
             # Positions in the head's KV count from each track's origin; RoPE reads the true ones.
             inputs = HostStepInputs.prefill([pending[s][o:o + n] for s, o, n in parts],
                                             [tracks[s].blocks for s, _, _ in parts], self.block_size,
                                             [starts[s] + o - tracks[s].origin for s, o, _ in parts])
             rope = inputs.positions.astype(np.int64) + np.repeat([tracks[s].origin for s, _, _ in parts],
                                                                  [n for _, _, n in parts])
-            logits, hidden = self.forward(inputs, rope, torch.cat([states[s][o:o + n] for s, o, n in parts]))
-            if len(forwards) == 1:
-                return logits, hidden  # the usual case: one forward took every sequence whole
-            for row, (s, o, n) in enumerate(parts):
-                if o + n == len(pending[s]):  # the next forward writes over these rows
-                    last[s] = (logits[row].clone(), hidden[row].clone())
-        return torch.stack([r[0] for r in last]), torch.stack([r[1] for r in last])  # type: ignore[index]
+            return self.forward(inputs, rope, torch.cat([states[s][o:o + n] for s, o, n in parts]))
+
+        logits, hidden = catch_up([len(p) for p in pending], self.forward.max_tokens, self.forward.max_seqs, forward)
+        return logits, hidden
 
     def _draw(self, draft_logits: torch.Tensor, seqs: list[Sequence], positions: list[int],
               drafted: list[list[int]] | None) -> torch.Tensor:
@@ -330,10 +326,8 @@ class Eagle3Drafter:
         so far, where a row has penalties (they count them)."""
         logits = draft_logits.new_full((draft_logits.shape[0], self.vocab_size), float("-inf"))
         logits[:, self.head.draft_to_target] = draft_logits
-        outputs = None if drafted is None else [seq.output_token_ids + d for seq, d in zip(seqs, drafted, strict=True)]
-        tensors = SamplingTensors.build([seq.params for seq in seqs], [seq.seed for seq in seqs], positions,
-                                        self.vocab_size, "cpu", [seq.prompt_token_ids for seq in seqs], outputs)
-        return self.sampler(logits, tensors.moved(logits.device))
+        tensors = draft_sampling_tensors(seqs, positions, drafted, self.vocab_size, logits.device)
+        return self.sampler(logits, tensors)
 
     def _reserve(self, track: _Track, num_tokens: int, keep: set[str]) -> bool:
         """Blocks of the head's KV for `num_tokens` positions of `track`, taken from sequences
