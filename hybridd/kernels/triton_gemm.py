@@ -637,19 +637,22 @@ def fp8_rule_config(m: int, n: int, k: int, multiprocessors: int) -> GemmConfig 
     """`rule_config` for an FP8 weight [n, k] at m rows, from its 64-row weight tiles
     per multiprocessor (`waves`, N / 64 over the multiprocessors) and the row count.
 
-    Every form multiplies in float16 (`GemmConfig.kernel`): the conversion from E4M3
-    costs less than bf16's, which no product measured faster. By rows:
+    Every form multiplies in float16 (`GemmConfig.kernel`): E4M3 converts to it one
+    instruction a pair, and no product measured a bf16-converting form faster. By rows:
 
     - one row, where the 64-row tiles are at most one wave or more than three: the CUDA
-      cores (`fma`), 16-row tiles of 256 columns, each tile loaded when used (no
-      prefetch), K split in powers of two until the programs fill the multiprocessors
-      `_FMA_WAVES` times over; between one and three waves, the config of 2-16 rows;
+      cores (`fma`: no activation padded to 16 rows, the weight straight into
+      registers), 16-row tiles of 256 columns, each tile loaded when used (no prefetch),
+      K split in powers of two until the programs fill the multiprocessors `_FMA_WAVES`
+      times over; between one and three waves the config of 2-16 rows (there the sweep
+      timed the fma form only with prefetch, and it lost);
     - 2-16 rows (a 16-row activation tile): up to one wave, W the tensor cores' first
-      operand in 32-row tiles of 256 columns, seven stages deep up to half a wave and
-      six up to one (as the bf16 rule's); above, 64-row tiles with W the second operand
-      (`dot_f16_t`), 256 columns four deep up to two waves and 128 columns four deep up
-      to three; beyond three waves, W the first operand in 32-row tiles of 256 columns
-      four deep;
+      operand in 32-row tiles of 256 columns (twice the programs of 64-row tiles, so
+      that every multiprocessor streams), seven stages deep up to half a wave and six up
+      to one (as the bf16 rule's); above, 64-row tiles with W the second operand
+      (`dot_f16_t`, its shared-memory reads 8 bytes wide), 256 columns four deep up to
+      two waves and 128 columns four deep up to three; beyond three waves, W the first
+      operand in 32-row tiles of 256 columns four deep;
     - 17-32 rows (a 32-row activation tile): W the first operand in 64-row tiles, 256
       columns four deep with K split in two up to half a wave (the programs then fill
       the multiprocessors), five deep up to one wave; above, 128 columns four deep,
