@@ -1,18 +1,18 @@
 """The FP8 GEMMs alone on the GPU, against the copy bandwidth and the matmul rates.
 
     python -m scripts.bench_fp8 --out fp8_gemm.json --parts decode     # the decode sweep, <= 150 s on an H100
-    python -m scripts.bench_fp8 --table fp8_gemm.json    # its winners into hybridd/kernels/fp8_decode_table.py
     python -m scripts.bench_fp8 --out fp8_gemm.json --parts prefill --quick
     python -m scripts.bench_fp8 --out x.json --device cpu --shapes tiny --quick   # smoke: Triton's interpreter
 
 - `decode`: the skinny GEMM at 1-32 rows on each projection of the Llama-2-7B and
   Llama-3-8B shapes, each launch timed inside a CUDA graph (20 launches back to back on
   weight copies that overflow the L2 cache, replayed): the bf16 weight's rule config, and
-  the FP8 candidates (`candidates`: the tensor-core kernel converting to bf16 or to
-  float16, the CUDA-core kernel up to 8 rows, then their neighbours while `--budget-s`
-  lasts). GB/s on the bytes each must read (FP8: weight and scales) against the copy
-  bandwidth (the target: >= 0.85); `best` per product (the fastest form), which `--table`
-  turns into the table `triton_gemm.config_for` takes FP8 configs from.
+  the FP8 candidates (`candidates`: the FP8 rule's config, the tensor-core kernel
+  converting to bf16 or to float16, the CUDA-core kernel up to 8 rows, then their
+  neighbours while `--budget-s` lasts). GB/s on the bytes each must read (FP8: weight and
+  scales) against the copy bandwidth (the target: >= 0.85); per product the fastest form
+  (`best`) and the FP8 rule's time (`rule_s`), against which `triton_gemm.fp8_rule_config`
+  is checked (tests/data/fp8_decode_sweep.json holds the summary of the H100 sweep).
 - `prefill`: each projection at 128-2,048 rows through both prefill candidates
   (`scaled_mm`: per-token quantization + torch._scaled_mm; `dequant`: the Triton GEMM
   converting the weight in registers) and cuBLAS bf16: TFLOP/s, and per row count the
@@ -122,23 +122,29 @@ def graph_time(launch, copies) -> float:
 
 def candidates(m: int, n: int, k: int, multiprocessors: int) -> list:
     """The first configs to time for an FP8 weight [n, k] at m rows, the likelier first:
-    the rule's tensor-core config; up to FMA_ROWS rows, a CUDA-core config whose programs
-    fill the GPU four times over; the rule's config in its other three forms (W converted
-    to bf16 or to float16, the first or the second operand)."""
+    the FP8 rule's config (`triton_gemm.fp8_rule_config`); up to FMA_ROWS rows, a
+    CUDA-core config whose programs fill the GPU four times over; the bf16 rule's tiles
+    (256-column steps where it takes 128: the same weight bytes a stage) in the three
+    tensor-core forms (W converted to bf16 or to float16, the first or the second
+    operand)."""
     from dataclasses import replace
 
     from hybridd.kernels import triton_gemm
     from hybridd.kernels.triton_gemm import GemmConfig
 
-    rule = triton_gemm.rule_config(m, n, k, multiprocessors, weight_bytes=1)
-    first = [rule]
+    first = [triton_gemm.rule_config(m, n, k, multiprocessors, weight_bytes=1)]
     if m <= triton_gemm.FMA_ROWS:
         block_n = 16 if m <= 2 else 8
         split = 1
         while -(-n // block_n) * split < 4 * multiprocessors and k // (2 * split) >= 1024:
             split *= 2
-        first.append(GemmConfig(block_n, 256, split, 4, 2, kernel="fma"))  # 2 stages: a tile loaded ahead
-    return first + [replace(rule, kernel=kernel) for kernel in ("dot_f16_t", "dot_f16")]
+        fma = GemmConfig(block_n, 256, split, 4, 1, kernel="fma")  # 1 stage: each tile loaded when used
+        first += [fma] if fma not in first else []
+    tiles = triton_gemm.rule_config(m, n, k, multiprocessors, weight_bytes=2)
+    if tiles.block_k == 128:
+        tiles = replace(tiles, block_k=256)
+    forms = [replace(tiles, kernel=kernel) for kernel in ("dot_f16_t", "dot_f16", "dot")]
+    return first + [c for c in forms if c not in first]
 
 
 def neighbours(bases: list, m: int) -> list:
@@ -283,28 +289,6 @@ def summarise(out: dict, copy_bw: float) -> dict:
     return out
 
 
-def write_table(bench_json: Path) -> Path:
-    """hybridd/kernels/fp8_decode_table.py from a bench run's JSON: each product's fastest config."""
-    result = json.loads(bench_json.read_text())
-    winners = {}
-    for row in result.get("decode", {}).values():
-        if "best" not in row:
-            continue
-        c = row["best"]
-        winners[(row["n"], row["k"], row["rows"])] = (c["kernel"], c["block_n"], c["block_k"], c["split_k"],
-                                                      c["num_warps"], c["num_stages"])
-    path = Path(__file__).resolve().parent.parent / "hybridd" / "kernels" / "fp8_decode_table.py"
-    text = path.read_text()
-    head = text[:text.index("DEVICE = ")]
-    lines = [f'    {key!r}: ("{kernel}", {", ".join(map(str, rest))}),'
-             for key, (kernel, *rest) in sorted(winners.items())]
-    path.write_text(head + f"DEVICE = {json.dumps(result['device'])}  # the GPU the winners were measured on\n"
-                    "# (n, k, rows): (kernel, block_n, block_k, split_k, num_warps, num_stages)\n"
-                    "WINNERS: dict[tuple[int, int, int], tuple[str, int, int, int, int, int]] = {"
-                    + ("\n" + "\n".join(lines) + "\n" if lines else "") + "}\n")
-    return path
-
-
 def bench_prefill(shapes: dict, iters: int, rows: tuple[int, ...]) -> dict:
     import torch
     import torch.nn.functional as F
@@ -371,8 +355,6 @@ def fp8_matmul_rate(n: int = 8192) -> float:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="the JSON written")
-    parser.add_argument("--table", type=Path, metavar="JSON", help="write hybridd/kernels/fp8_decode_table.py from "
-                        "a run's JSON (each decode product's fastest config) and exit")
     parser.add_argument("--shapes", default="llama2-7b,llama3-8b", help="comma list of " + ", ".join(SHAPES))
     parser.add_argument("--quick", action="store_true", help="fewer iterations and row counts, no config sweep")
     parser.add_argument("--parts", default="decode,prefill", help="comma list of decode, prefill")
@@ -381,11 +363,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget-s", type=float, default=95.0,
                         help="seconds the decode part may take: the neighbours of the first candidates while it lasts")
     args = parser.parse_args(argv)
-    if args.table is not None:
-        print(f"wrote {write_table(args.table)}")
-        return 0
     if args.out is None:
-        parser.error("--out is required (or --table)")
+        parser.error("--out is required")
     global DEVICE
     DEVICE = args.device
     if DEVICE == "cpu":

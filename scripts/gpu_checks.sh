@@ -21,8 +21,8 @@ if [ "${1:-}" = fp8 ]; then
     #    both prefill candidates against the emulated numerics, a Llama-1B-shaped FP8 model
     #    against the emulated reference and through captured graphs (fp8_tests.log);
     # 2. the FP8 GEMMs alone (scripts/bench_fp8.py): decode GB/s on the FP8 bytes against the
-    #    copy bandwidth (each decode form's first config; the full sweep that fills the
-    #    decode table: see the script), both prefill candidates' TFLOP/s and which wins
+    #    copy bandwidth (each decode form's first config; the full sweep the FP8 config
+    #    rule is checked against: see the script), both prefill candidates' TFLOP/s and which wins
     #    (fp8_gemm.json, fp8_gemm.log);
     # 3. the bench's FP8 parts: the FP8 model's decode steps at batch 1 and 32 against their
     #    floors, and bf16 against FP8 daemons on the same weights (TTFT 128-2000 tokens, ITL

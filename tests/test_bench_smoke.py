@@ -241,7 +241,8 @@ def test_fp8_gemm_bench_runs(tmp_path):
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     r = json.loads(out.read_text())
     assert set(r["decode"]) == {f"tiny.{p}.m{m}" for p in ("qkv", "o", "gate_up", "down") for m in (1, 17)}
-    assert all(d["fp8_s"] > 0 and d["bf16_s"] > 0 and d["fp8_x_copy_bw"] > 0 for d in r["decode"].values())
+    assert all(d["fp8_s"] > 0 and d["bf16_s"] > 0 and d["fp8_x_copy_bw"] > 0 and d["rule_s"] >= d["fp8_s"]
+               for d in r["decode"].values())
     prefill = r["prefill"]
     assert set(prefill["projections"]) == {f"tiny.{p}.m40" for p in ("qkv", "o", "gate_up", "down")}
     assert all(p["scaled_mm_s"] > 0 and p["dequant_s"] > 0 and p["bf16_cublas_s"] > 0

@@ -143,18 +143,6 @@ def test_the_description_says_where_prefill_quantizes_activations():
     assert "activations FP8 per token;" in Quantization(activations="dynamic").describe(True)
 
 
-def test_fp8_weights_stream_as_many_bytes_a_stage_as_bf16():
-    """The rule's config for an FP8 weight (where no measured winner is) takes 256 columns
-    a step where bf16's takes 128 (the same weight bytes in flight); the 17-32-row steps
-    of 256 columns stay."""
-    for m, (n, k) in [(1, LLAMA2_7B["qkv"]), (1, LLAMA2_7B["o"]), (24, LLAMA3_8B["qkv"]), (24, LLAMA3_8B["down"])]:
-        bf16 = triton_gemm.rule_config(m, n, k, 132)
-        fp8_config = triton_gemm.rule_config(m, n, k, 132, weight_bytes=1)
-        assert fp8_config.block_k == (256 if bf16.block_k == 128 else bf16.block_k)
-        assert (fp8_config.block_n, fp8_config.split_k, fp8_config.num_stages) == (
-            bf16.block_n, bf16.split_k, bf16.num_stages)
-
-
 # ---------------------------------------------------------------- the tiny model, Triton against torch
 
 
@@ -323,13 +311,18 @@ gemm = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "b_ptr": "*bf16", "y_ptr": "*bf16
         "count_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "k_per_split": "i32", "split_k": "i32",
         "stride_xm": "i32", "stride_ym": "i32", "w_scale_ptr": "*fp32"}
 out = {}
-# Each decode kernel form at the rule's config (the CUDA-core one at its own tile), and
-# what `config_for` gives (the measured table's winner, where it has one).
-decode = [(f"{kernel}_m{m}", m, replace(triton_gemm.rule_config(m, 4096, 4096, 132, 1), kernel=kernel))
+# Each decode kernel form at the rule's tensor-core tiles (the CUDA-core one at its own
+# tile), and every config `config_for` gives the Llama-2-7B and Llama-3-8B projections.
+decode = [(f"{kernel}_m{m}", m, replace(triton_gemm.rule_config(max(m, 2), 4096, 4096, 132, 1), kernel=kernel))
           for m in (1, 32) for kernel in ("dot", "dot_f16", "dot_f16_t")]
 decode += [(f"fma_m{m}_s{s}", m, triton_gemm.GemmConfig(16 if m <= 2 else 8, 256, 1, 4, s, kernel="fma"))
            for m in (1, 4, 8) for s in (1, 2)]
-decode += [(f"config_for_m{m}", m, triton_gemm.config_for(m, 4096, 4096, 132, 1)) for m in (1, 4, 8, 16, 32)]
+rule = {}
+for n, k in ((12288, 4096), (4096, 4096), (22016, 4096), (4096, 11008), (6144, 4096), (28672, 4096), (4096, 14336)):
+    for m in (1, 4, 32):
+        c = triton_gemm.config_for(m, n, k, 132, 1)
+        rule.setdefault((c, triton_gemm.block_m_of(c, m)), (f"config_for_{n}x{k}_m{m}", m, c))
+decode += list(rule.values())
 for name, m, c in decode:
     flags = dict(HAS_BIAS=False, SPLIT=False, EVEN_K=True, BLOCK_M=triton_gemm.block_m_of(c, m), BLOCK_N=c.block_n,
                  BLOCK_K=c.block_k, INTERPRET=False, PDL=False, W_SCALE=True,

@@ -189,6 +189,37 @@ def test_every_shape_on_every_gpu_gets_a_config_up_to_32_rows(n, k, multiprocess
         assert config.block_k * config.split_k <= max(k, 2 * config.block_k), (m, config)
 
 
+# An H100's shared memory a block may take.
+H100_SHARED_BYTES = 227 * 1024
+
+
+def pipeline_bytes(config: GemmConfig, m: int, weight_bytes: int) -> int:
+    """The shared memory a config's software pipeline takes at most: each stage a weight
+    tile and an activation tile (float32 activations for a float32 weight, else 16-bit).
+    Triton's own figure for the sm_90 kernel is at most this (a stage less, plus an
+    activation tile where wgmma takes it; tests/test_fp8_kernels.py compiles the FP8
+    configs for Hopper and checks the compiler's)."""
+    activation_bytes = 4 if weight_bytes == 4 else 2
+    block_m = triton_gemm.block_m_of(config, m)
+    return config.num_stages * config.block_k * (config.block_n * weight_bytes + block_m * activation_bytes)
+
+
+@pytest.mark.parametrize("multiprocessors", [46, 108, 114, 132, 142])
+@pytest.mark.parametrize("weight_bytes", [1, 2, 4])
+def test_every_config_fits_an_h100s_shared_memory(weight_bytes, multiprocessors):
+    """The float32 weight's seven stages of 128 columns took 280 KiB of shared memory,
+    past an H100's 227, so no step compiled: every config the rules give (bf16, float32,
+    FP8), on the Llama, Qwen2 and small shapes at 1-32 rows, fits."""
+    shapes = [(12288, 4096), (4096, 4096), (22016, 4096), (4096, 11008), (6144, 4096), (28672, 4096),
+              (4096, 14336), (128256, 4096), (4608, 3584), (3584, 3584), (37888, 3584), (3584, 18944),
+              (152064, 3584), (3072, 2048), (16384, 2048), (2048, 8192), (48, 96), (4096, 64)]
+    for n, k in shapes:
+        for m in range(1, 33):
+            config = triton_gemm.config_for(m, n, k, multiprocessors, weight_bytes)
+            assert pipeline_bytes(config, m, weight_bytes) <= H100_SHARED_BYTES, (n, k, m, config)
+    assert pipeline_bytes(GemmConfig(64, 128, 1, 4, 7), 16, 4) == 280 * 1024  # the defect's config
+
+
 @pytest.mark.parametrize(("n", "k"), [(6144, 4096), (4096, 14336), (128256, 4096), (4096, 64), (48, 96)])
 def test_a_float32_weight_streams_the_bytes_of_the_bf16_config_a_stage(n, k):
     """A float32 model on CUDA (the exact path of the daemon tests) took the bf16 rule's

@@ -3,7 +3,7 @@ the two prefill candidates.
 
 - Up to `triton_gemm.MAX_ROWS` rows (decode): the skinny GEMM with the FP8 weight
   converted in registers and the scales in its epilogue (`hybridd/kernels/triton_gemm.py`;
-  its form and tiles per shape and row count from the measured `fp8_decode_table`);
+  its form and tiles per shape and row count from `triton_gemm.fp8_rule_config`);
   bound by reading the FP8 bytes.
 - More rows (prefill): one of two candidates, chosen by `KernelChoices.fp8_prefill`
   (`PREFILL`), to be settled by measurement (scripts/bench_fp8.py) and the loser deleted:

@@ -16,8 +16,8 @@ holds both rotate-half partners.
 A launch's config (`config_for`) follows from the product's shape, its row count and the
 device's multiprocessor count alone, so every GPU and every Llama-family shape gets one;
 the rule reproduces the configs that sweeps of the Llama-2-7B and Llama-3-8B shapes on an
-H200 chose (docs/lab/kernels.md, "Kernels alone"). An FP8 weight's config comes from the
-winners a GPU sweep measured (`fp8_decode_table`), where there are any.
+H200 chose (docs/lab/kernels.md, "Kernels alone"); an FP8 weight's rule of its own
+(`fp8_rule_config`), those an H100 sweep chose.
 
 FP8 weights (`hybridd.kernels.fp8.Fp8Weight`): the kernel loads the FP8 tile, converts it
 in registers and multiplies it in one of the forms `GemmConfig.kernel` names: on the
@@ -38,7 +38,6 @@ the same kernel tiles the rows too: the FP8-weight × bf16 prefill GEMM
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -577,29 +576,10 @@ _SPLIT_MIN_COLUMNS = 6144
 def config_for(m: int, n: int, k: int, multiprocessors: int, weight_bytes: int = 2) -> GemmConfig | None:
     """The config of an [m, k] @ [n, k].T product on a GPU of `multiprocessors`
     multiprocessors, for a weight of `weight_bytes` bytes an element (2: the model's
-    dtype; 1: FP8); None above MAX_ROWS rows (cuBLAS, or for FP8 the prefill GEMM, takes
-    those). An FP8 product takes the measured winner (`measured_fp8_config`) where the
-    table has one, else the rule (`rule_config`). A function of the shape and the row
-    count alone: fixed for each captured bucket."""
-    if weight_bytes == 1 and 1 <= m <= MAX_ROWS:
-        measured = measured_fp8_config(m, n, k)
-        if measured is not None:
-            return measured
+    dtype; 1: FP8, `fp8_rule_config`): `rule_config`'s; None above MAX_ROWS rows (cuBLAS,
+    or for FP8 the prefill GEMM, takes those). A function of the shape and the row count
+    alone: fixed for each captured bucket."""
     return rule_config(m, n, k, multiprocessors, weight_bytes)
-
-
-def measured_fp8_config(m: int, n: int, k: int) -> GemmConfig | None:
-    """The winner `fp8_decode_table` holds for the smallest measured row count >= m, of
-    the measured shape nearest (N, K) by their ratios; None where it has none."""
-    from hybridd.kernels import fp8_decode_table
-
-    rows = sorted({r for (_, _, r) in fp8_decode_table.WINNERS if r >= m})
-    if not rows:
-        return None
-    shapes = [(nn, kk) for (nn, kk, r) in fp8_decode_table.WINNERS if r == rows[0]]
-    nn, kk = min(shapes, key=lambda s: (abs(math.log(s[0] / n)) + abs(math.log(s[1] / k)), s))
-    kernel, block_n, block_k, split_k, num_warps, num_stages = fp8_decode_table.WINNERS[(nn, kk, rows[0])]
-    return GemmConfig(block_n, block_k, split_k, num_warps, num_stages, kernel=kernel)
 
 
 def rule_config(m: int, n: int, k: int, multiprocessors: int, weight_bytes: int = 2) -> GemmConfig | None:
@@ -617,14 +597,14 @@ def rule_config(m: int, n: int, k: int, multiprocessors: int, weight_bytes: int 
       deep pipeline, 256-column steps four deep, with K split in two where each half
       still streams at least `_SPLIT_MIN_COLUMNS` columns (Llama-3-8B's down, not
       Llama-2-7B's);
-    - an FP8 weight streams 256-column steps where the rule gives 128: each stage then
-      moves the weight bytes of the tuned bf16 config (the 17-32-row steps of 256 columns
-      stay, their activation tile filling the shared memory); a float32 weight streams
-      half the columns, the same bytes a stage.
+    - a float32 weight streams half the columns, the same bytes a stage;
+    - an FP8 weight has a rule of its own (`fp8_rule_config`).
 
     What each choice measured against its alternatives is in docs/lab/kernels.md."""
     if not 1 <= m <= MAX_ROWS:
         return None
+    if weight_bytes == 1:
+        return fp8_rule_config(m, n, k, multiprocessors)
     tall = m > 16
     if n >= 128 * multiprocessors * (7 / 4 if tall else 4):
         config = GemmConfig(128, 128, 1, 4, 4)
@@ -639,14 +619,75 @@ def rule_config(m: int, n: int, k: int, multiprocessors: int, weight_bytes: int 
             config = GemmConfig(64, 128, 1, 4, 6)
         else:
             config = GemmConfig(64, 128, 1, 4, 4)
-    if weight_bytes == 1 and config.block_k == 128:
-        config = replace(config, block_k=256)
-    elif weight_bytes == 4:
+    if weight_bytes == 4:
         # A float32 model (the tests' exact path on CUDA): half the columns a step, so
         # that each stage holds the bytes of the bf16 config (seven stages of 128 float32
         # columns need 280 KiB of shared memory, past an H100's 227).
         config = replace(config, block_k=config.block_k // 2)
     return config
+
+
+# The CUDA-core form at one row splits K until its programs fill the multiprocessors this
+# many times over, each split at least `_FMA_SPLIT_MIN_COLUMNS` columns.
+_FMA_WAVES = 4
+_FMA_SPLIT_MIN_COLUMNS = 1024
+
+
+def fp8_rule_config(m: int, n: int, k: int, multiprocessors: int) -> GemmConfig | None:
+    """`rule_config` for an FP8 weight [n, k] at m rows, from its 64-row weight tiles
+    per multiprocessor (`waves`, N / 64 over the multiprocessors) and the row count.
+
+    Every form multiplies in float16 (`GemmConfig.kernel`): E4M3 converts to it one
+    instruction a pair, and no product measured a bf16-converting form faster. By rows:
+
+    - one row, where the 64-row tiles are at most one wave or more than three: the CUDA
+      cores (`fma`: no activation padded to 16 rows, the weight straight into
+      registers), 16-row tiles of 256 columns, each tile loaded when used (no prefetch),
+      K split in powers of two until the programs fill the multiprocessors `_FMA_WAVES`
+      times over; between one and three waves the config of 2-16 rows (there the sweep
+      timed the fma form only with prefetch, and it lost);
+    - 2-16 rows (a 16-row activation tile): up to one wave, W the tensor cores' first
+      operand in 32-row tiles of 256 columns (twice the programs of 64-row tiles, so
+      that every multiprocessor streams), seven stages deep up to half a wave and six up
+      to one (as the bf16 rule's); above, 64-row tiles with W the second operand
+      (`dot_f16_t`, its shared-memory reads 8 bytes wide), 256 columns four deep up to
+      two waves and 128 columns four deep up to three; beyond three waves, W the first
+      operand in 32-row tiles of 256 columns four deep;
+    - 17-32 rows (a 32-row activation tile): W the first operand in 64-row tiles, 256
+      columns four deep with K split in two up to half a wave (the programs then fill
+      the multiprocessors), five deep up to one wave; above, 128 columns four deep,
+      except between two and three waves: W the second operand, 256 columns three deep.
+
+    Each band's config is the one an H100 sweep of the Llama-2-7B and Llama-3-8B
+    projections at 1-32 rows timed near the fastest at each of the band's products; the
+    bands above one wave hold one measured shape each (Llama-2-7B's qkv, its gate_up,
+    Llama-3-8B's gate_up), so their bounds lie between those. The per-product times
+    against the fastest, and the sweep's command, are in docs/lab/kernels.md ("FP8
+    decode configs: a rule instead of the table")."""
+    if not 1 <= m <= MAX_ROWS:
+        return None
+    tiles = triton.cdiv(n, 64)
+    waves = tiles / multiprocessors
+    if m == 1 and (waves <= 1 or waves > 3):
+        programs, split = triton.cdiv(n, 16), 1
+        while programs * split < _FMA_WAVES * multiprocessors and k // (2 * split) >= _FMA_SPLIT_MIN_COLUMNS:
+            split *= 2
+        return GemmConfig(16, 256, split, 4, 1, kernel="fma")
+    if m <= 16:
+        if waves <= 1:
+            return GemmConfig(32, 256, 1, 4, 7 if 2 * tiles <= multiprocessors else 6, kernel="dot_f16")
+        if waves <= 2:
+            return GemmConfig(64, 256, 1, 4, 4, kernel="dot_f16_t")
+        if waves <= 3:
+            return GemmConfig(64, 128, 1, 4, 4, kernel="dot_f16_t")
+        return GemmConfig(32, 256, 1, 4, 4, kernel="dot_f16")
+    if 2 * tiles <= multiprocessors:
+        return GemmConfig(64, 256, 2, 4, 4, kernel="dot_f16")
+    if waves <= 1:
+        return GemmConfig(64, 256, 1, 4, 5, kernel="dot_f16")
+    if 2 < waves <= 3:
+        return GemmConfig(64, 256, 1, 4, 3, kernel="dot_f16_t")
+    return GemmConfig(64, 128, 1, 4, 4, kernel="dot_f16")
 
 
 @functools.cache
