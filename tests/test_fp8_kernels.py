@@ -211,7 +211,7 @@ def test_fp8_model_on_the_triton_kernels_equals_the_torch_kernels(fp8_model_dir,
 
     monkeypatch.setattr(triton_gemm, "launch", counting_launch)
     # Small tiles: the interpreter's time goes with the tile's size.
-    monkeypatch.setattr(triton_gemm, "config_for", lambda m, n, k, mps, weight_bytes=2:
+    monkeypatch.setattr(triton_gemm, "config_for", lambda m, n, k, mps, weight_bytes=2, shared_bytes=None:
                         GemmConfig(16, 32, 2 if k > 64 else 1, kernel=decode if weight_bytes == 1 else "dot")
                         if m <= 32 else None)
     monkeypatch.setattr(triton_fp8, "prefill_config", lambda m, n, mps: GemmConfig(32, 32, block_m=32, tile_m=True))

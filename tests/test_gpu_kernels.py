@@ -327,7 +327,7 @@ def _fused_against_torch(tiny_model_dir, enabled, monkeypatch, shapes, prompts=P
              for name in shapes}
     # Configs that fit the tiny model's shapes, for the projections named only.
     monkeypatch.setattr(triton_gemm, "config_for",
-                        lambda m, n, k, multiprocessors, weight_bytes=2: table.get((n, k), [(0, None)])[0][1] if m <= 32 else None)
+                        lambda m, n, k, multiprocessors, weight_bytes=2, shared_bytes=None: table.get((n, k), [(0, None)])[0][1] if m <= 32 else None)
     launched = []
     real_launch = triton_gemm.launch
 

@@ -193,15 +193,7 @@ def test_every_shape_on_every_gpu_gets_a_config_up_to_32_rows(n, k, multiprocess
 H100_SHARED_BYTES = 227 * 1024
 
 
-def pipeline_bytes(config: GemmConfig, m: int, weight_bytes: int) -> int:
-    """The shared memory a config's software pipeline takes at most: each stage a weight
-    tile and an activation tile (float32 activations for a float32 weight, else 16-bit).
-    Triton's own figure for the sm_90 kernel is at most this (a stage less, plus an
-    activation tile where wgmma takes it; tests/test_fp8_kernels.py compiles the FP8
-    configs for Hopper and checks the compiler's)."""
-    activation_bytes = 4 if weight_bytes == 4 else 2
-    block_m = triton_gemm.block_m_of(config, m)
-    return config.num_stages * config.block_k * (config.block_n * weight_bytes + block_m * activation_bytes)
+pipeline_bytes = triton_gemm.pipeline_bytes  # pinned by the defect's figure below
 
 
 @pytest.mark.parametrize("multiprocessors", [46, 108, 114, 132, 142])
@@ -218,6 +210,25 @@ def test_every_config_fits_an_h100s_shared_memory(weight_bytes, multiprocessors)
             config = triton_gemm.config_for(m, n, k, multiprocessors, weight_bytes)
             assert pipeline_bytes(config, m, weight_bytes) <= H100_SHARED_BYTES, (n, k, m, config)
     assert pipeline_bytes(GemmConfig(64, 128, 1, 4, 7), 16, 4) == 280 * 1024  # the defect's config
+
+
+@pytest.mark.parametrize("weight_bytes", [1, 2, 4])
+def test_a_gpu_with_less_shared_memory_gets_shallower_pipelines(weight_bytes):
+    """A GPU whose blocks get 99 KiB of shared memory (an L40S) took the 227-KiB GPUs'
+    seven-stage pipelines, which do not compile there: the stages are cut to what fits,
+    and nothing else changes; with 227 KiB nothing is cut."""
+    l40s = 99 * 1024
+    for n, k in [(12288, 4096), (4096, 4096), (4096, 11008), (6144, 4096), (28672, 4096), (4096, 14336)]:
+        for m in range(1, 33):
+            full = triton_gemm.config_for(m, n, k, 142, weight_bytes)
+            assert triton_gemm.config_for(m, n, k, 142, weight_bytes, H100_SHARED_BYTES) == full
+            cut = triton_gemm.config_for(m, n, k, 142, weight_bytes, l40s)
+            assert pipeline_bytes(cut, m, weight_bytes) <= l40s, (n, k, m, cut)
+            assert dataclasses.replace(cut, num_stages=full.num_stages) == full
+            if pipeline_bytes(full, m, weight_bytes) > l40s:
+                assert pipeline_bytes(dataclasses.replace(cut, num_stages=cut.num_stages + 1), m, weight_bytes) > l40s
+    assert triton_gemm.config_for(4, 4096, 4096, 142, 2).num_stages == 7  # a cut happens on this shape
+    assert triton_gemm.config_for(4, 4096, 4096, 142, 2, l40s).num_stages < 7
 
 
 @pytest.mark.parametrize(("n", "k"), [(6144, 4096), (4096, 14336), (128256, 4096), (4096, 64), (48, 96)])
@@ -490,7 +501,7 @@ def test_rotary_dispatch_takes_the_rule_config(monkeypatch):
     assert triton_gemm.config_of(7, w).block_n == 64
     assert rotary_skinny(x, w, b, r) is None
     assert bool((r.k_cache == SENTINEL).all())
-    monkeypatch.setattr(triton_gemm, "config_for", lambda m, n, k, multiprocessors, weight_bytes=2: GemmConfig(16, 32, split_k=2)
+    monkeypatch.setattr(triton_gemm, "config_for", lambda m, n, k, multiprocessors, weight_bytes=2, shared_bytes=None: GemmConfig(16, 32, split_k=2)
                         if m <= triton_gemm.MAX_ROWS else None)
     q, k_rot, v = rotary_skinny(x, w, b, r)
     assert q.shape == (7, heads, d) and k_rot.shape == (7, kv_heads, d) and v.shape == (7, kv_heads, d)

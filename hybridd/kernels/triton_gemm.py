@@ -573,13 +573,32 @@ _INTERPRETER_MULTIPROCESSORS = 132
 _SPLIT_MIN_COLUMNS = 6144
 
 
-def config_for(m: int, n: int, k: int, multiprocessors: int, weight_bytes: int = 2) -> GemmConfig | None:
+def config_for(m: int, n: int, k: int, multiprocessors: int, weight_bytes: int = 2,
+               shared_bytes: int | None = None) -> GemmConfig | None:
     """The config of an [m, k] @ [n, k].T product on a GPU of `multiprocessors`
     multiprocessors, for a weight of `weight_bytes` bytes an element (2: the model's
     dtype; 1: FP8, `fp8_rule_config`): `rule_config`'s; None above MAX_ROWS rows (cuBLAS,
     or for FP8 the prefill GEMM, takes those). A function of the shape and the row count
-    alone: fixed for each captured bucket."""
-    return rule_config(m, n, k, multiprocessors, weight_bytes)
+    alone: fixed for each captured bucket. With `shared_bytes` (the shared memory a block
+    may take on the GPU), a pipeline deeper than fits keeps fewer stages: the rules were
+    measured on GPUs of 227 KiB, and a kernel that asks for more than the GPU has does not
+    compile (an L40S or an RTX card gives a block 99 KiB)."""
+    config = rule_config(m, n, k, multiprocessors, weight_bytes)
+    if config is None or shared_bytes is None:
+        return config
+    stages = config.num_stages
+    while stages > 1 and pipeline_bytes(replace(config, num_stages=stages), m, weight_bytes) > shared_bytes:
+        stages -= 1
+    return replace(config, num_stages=stages)
+
+
+def pipeline_bytes(config: GemmConfig, m: int, weight_bytes: int) -> int:
+    """The shared memory a config's software pipeline takes at most: each stage a weight
+    tile and an activation tile (float32 activations for a float32 weight, else 16-bit).
+    Triton's own figure is at most this (a stage less, plus an activation tile where the
+    tensor cores take it from shared memory)."""
+    activation_bytes = 4 if weight_bytes == 4 else 2
+    return config.num_stages * config.block_k * (config.block_n * weight_bytes + block_m_of(config, m) * activation_bytes)
 
 
 def rule_config(m: int, n: int, k: int, multiprocessors: int, weight_bytes: int = 2) -> GemmConfig | None:
@@ -691,6 +710,16 @@ def fp8_rule_config(m: int, n: int, k: int, multiprocessors: int) -> GemmConfig 
 
 
 @functools.cache
+def _shared_bytes(device: torch.device) -> int | None:
+    """The shared memory a block may take on `device` (None where no GPU is: the
+    interpreter has no limit)."""
+    if device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return getattr(torch.cuda.get_device_properties(index), "shared_memory_per_block_optin", None)
+
+
+@functools.cache
 def _multiprocessors(device: torch.device) -> int:
     if device.type != "cuda":
         return _INTERPRETER_MULTIPROCESSORS
@@ -701,7 +730,7 @@ def _multiprocessors(device: torch.device) -> int:
 def config_of(m: int, weight: torch.Tensor | Fp8Weight) -> GemmConfig | None:
     """`config_for` an [m, K] input to `weight` [N, K] on the weight's device."""
     w = weight.weight if isinstance(weight, Fp8Weight) else weight
-    return config_for(m, *w.shape, _multiprocessors(w.device), w.element_size())
+    return config_for(m, *w.shape, _multiprocessors(w.device), w.element_size(), _shared_bytes(w.device))
 
 
 def _compile_every_bucket(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torch.Tensor | None,
