@@ -4,8 +4,10 @@
 back to back (max_tokens 1, each new): A's ITL during ÷ alone, B's TTFT during ÷ alone.
 `prefix_reuse`: a long prompt's TTFT cold, repeated, and sharing all but its last 64
 tokens; a chat of turns each adding the reply and new tokens: the last turn's TTFT ÷
-the first's. Targets (issue: no prompt stalls a stream): ITL p50 <= 1.5x, p99 <= 2.5x,
-long-prompt TTFT <= 1.3x; shared-prefix TTFT <= 0.2x cold; last turn <= 1.5x first.
+the first's; and the longest prompt the daemon takes (`max_model_len` - 1 tokens, in
+chunks: its TTFT and first token) beside one token more, refused naming the length.
+Targets: ITL p50 <= 1.5x, p99 <= 2.5x, long-prompt TTFT <= 1.3x; shared-prefix TTFT
+<= 0.2x cold; last turn <= 1.5x first.
 """
 
 from __future__ import annotations
@@ -72,6 +74,7 @@ def measure_prefix_reuse(endpoint: str, vocab: int, long_prompt: int, turn_token
             repeated.append(timed_stream(client, prompt, 1)[0].ttft)
             tail = random_prompt(rng, SHARED_TAIL, vocab)
             shared.append(timed_stream(client, prompt[:-SHARED_TAIL] + tail, 1)[0].ttft)
+        longest = longest_prompt(client, rng, vocab)
         history: list[int] = []
         for _ in range(turns):  # each turn: the history, the last reply, new tokens
             history += random_prompt(rng, turn_tokens, vocab)
@@ -83,11 +86,29 @@ def measure_prefix_reuse(endpoint: str, vocab: int, long_prompt: int, turn_token
     out = {"long_prompt_tokens": long_prompt, "turn_tokens": turn_tokens, "turns": turns,
            "ttft_cold": ttft_summary(cold), "ttft_repeated": ttft_summary(repeated),
            "ttft_shared_prefix": ttft_summary(shared), "chat_ttft_s": chat,
-           "chat_history_tokens": len(history)}
+           "chat_history_tokens": len(history), "longest_prompt": longest}
     cold_s = statistics.median(cold)
     out["repeated_ratio"] = ratio(statistics.median(repeated), cold_s)
     out["shared_prefix_ratio"] = ratio(statistics.median(shared), cold_s)
     out["chat_last_over_first"] = ratio(chat[-1], chat[0])
     out["targets_met"] = {"shared prefix <= 0.2x cold": at_most(out["shared_prefix_ratio"], 0.2),
-                          "last turn <= 1.5x first": at_most(out["chat_last_over_first"], 1.5)}
+                          "last turn <= 1.5x first": at_most(out["chat_last_over_first"], 1.5),
+                          "max_model_len prompt served, one more refused": longest["served"] and longest["refused"]}
     return out
+
+
+def longest_prompt(client, rng: random.Random, vocab: int) -> dict:
+    """A prompt of `max_model_len` - 1 tokens (room for one generated token): its TTFT and
+    whether a token came; and one of `max_model_len` + 1, which must be refused with an
+    error that names the model's length."""
+    from hybridd.errors import HybriddError
+
+    limit = int(client.status()["max_model_len"])
+    record, tokens = timed_stream(client, random_prompt(rng, limit - 1, vocab), 1)
+    try:
+        timed_stream(client, random_prompt(rng, limit + 1, vocab), 1)
+        refusal = None
+    except HybriddError as exc:
+        refusal = str(exc)
+    return {"max_model_len": limit, "ttft_s": record.ttft, "served": len(tokens) == 1,
+            "refused": refusal is not None and str(limit) in refusal, "refusal": refusal}

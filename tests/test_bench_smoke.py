@@ -191,6 +191,8 @@ def test_mixed_load_prefix_reuse_and_structured_parts(tmp_path):
     # tests' to say (tests/test_runtime_prefix_cache.py, by the tokens the daemon reports),
     # not a timing on a shared host.
     assert reuse["repeated_ratio"] > 0 and reuse["shared_prefix_ratio"] > 0
+    longest = reuse["longest_prompt"]
+    assert longest["served"] and longest["refused"] and longest["ttft_s"] > 0, longest
     structured = r["structured"]
     assert structured["batch_1"]["itl_schema"]["n"] == 2 * 3 * 31  # two passes of 3 prompts, 32 tokens each
     assert structured["streams_32"]["itl_schema"]["n"] == 2 * 32 * 31
