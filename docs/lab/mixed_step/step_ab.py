@@ -1,0 +1,93 @@
+"""A 256-row prefill step (the mixed step's size) with its projections on cuBLAS against a
+Triton tiled GEMM (64x128 tiles, so that o/down fill the GPU), in captured graphs."""
+import json, sys, time, torch, triton, triton.language as tl
+sys.path.insert(0, ".")  # run from the repository root
+from scripts.timing import captured_runner, prefill_step, stepper, median_time
+from hybridd.model import load_model
+from hybridd.kernels import triton_gemm, selection
+
+@triton.jit
+def mm(a_ptr, b_ptr, c_ptr, r_ptr, M, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+       GROUP: tl.constexpr, ADD: tl.constexpr):
+    pid = tl.program_id(0)
+    npm = tl.cdiv(M, BM); npn = tl.cdiv(N, BN)
+    width = GROUP * npm
+    gid = pid // width
+    first_n = gid * GROUP
+    gsize = min(npn - first_n, GROUP)
+    pid_n = first_n + (pid % width) % gsize
+    pid_m = (pid % width) // gsize
+    rm = pid_m * BM + tl.arange(0, BM); rn = pid_n * BN + tl.arange(0, BN); rk = tl.arange(0, BK)
+    a = a_ptr + rm[:, None] * K + rk[None, :]
+    b = b_ptr + rn[:, None] * K + rk[None, :]
+    acc = tl.zeros((BM, BN), tl.float32)
+    for k in range(0, K, BK):
+        x = tl.load(a, mask=(rm[:, None] < M) & (rk[None, :] + k < K), other=0.)
+        w = tl.load(b, mask=(rn[:, None] < N) & (rk[None, :] + k < K), other=0.)
+        acc = tl.dot(x, tl.trans(w), acc)
+        a += BK; b += BK
+    c = c_ptr + rm[:, None] * N + rn[None, :]
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    if ADD:
+        acc += tl.load(r_ptr + rm[:, None] * N + rn[None, :], mask=mask, other=0.).to(tl.float32)
+    tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=mask)
+
+CFG = {}  # set from argv: BM BN BK warps stages
+def tiled(x, w, out=None, residual=None):
+    m, k = x.shape; n = w.shape[0]
+    out = torch.empty(m, n, device=x.device, dtype=x.dtype) if out is None else out
+    bm, bn, bk, nw, ns = CFG["cfg"]
+    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
+    mm[grid](x, w, out, out if residual is None else residual, m, n, k, BM=bm, BN=bn, BK=bk, GROUP=8,
+             ADD=residual is not None, num_warps=nw, num_stages=ns)
+    return out
+
+orig_linear = triton_gemm.linear
+def patched_linear(x, weight, bias=None):
+    if x.is_cuda and x.shape[0] > triton_gemm.MAX_ROWS and bias is None and weight.dtype == torch.bfloat16:
+        return tiled(x.contiguous(), weight)
+    return orig_linear(x, weight, bias)
+orig_linear_add = selection.TritonKernels.linear_add
+def patched_linear_add(self, x, weight, bias, base):
+    from hybridd.kernels.residual_stream import ResidualStream
+    if self.norms_folded and x.shape[0] > triton_gemm.MAX_ROWS and bias is None and base.is_contiguous() \
+            and weight.dtype == torch.bfloat16:
+        tiled(x.contiguous(), weight, out=base, residual=base)
+        return ResidualStream(base)
+    return orig_linear_add(self, x, weight, bias, base)
+
+orig_config_for = triton_gemm.config_for
+def tile_config_for(m, n, k, multiprocessors, weight_bytes=2, shared_bytes=None):
+    if m > triton_gemm.MAX_ROWS and weight_bytes == 2:
+        bn, bk, bm, nw, ns = CFG["skinny"]
+        return triton_gemm.GemmConfig(bn, bk, 1, nw, ns, block_m=bm, tile_m=True)
+    return orig_config_for(m, n, k, multiprocessors, weight_bytes, shared_bytes)
+
+model_dir, out = sys.argv[1], sys.argv[2]
+cfgs = [(64, 128, 64, 4, 4), (64, 128, 64, 8, 4), (128, 128, 64, 8, 3), (64, 256, 64, 8, 3)]
+model = load_model(model_dir, dtype=torch.bfloat16, device="cuda")
+res = {}
+for rows in (128, 256, 512):
+    skinny = [(128, 64, 64, 4, 4), (128, 64, 128, 8, 3), (64, 64, 64, 4, 4)]
+    for variant in ["cublas"] + [f"tiled{c}" for c in cfgs] + [f"skinny{c}" for c in skinny]:
+        triton_gemm.config_for = orig_config_for
+        if variant.startswith("skinny"):
+            CFG["skinny"] = eval(variant[6:]); triton_gemm.config_for = tile_config_for
+            triton_gemm.linear = orig_linear; selection.TritonKernels.linear_add = orig_linear_add
+        elif variant == "cublas":
+            triton_gemm.linear = orig_linear; selection.TritonKernels.linear_add = orig_linear_add
+        else:
+            CFG["cfg"] = eval(variant[5:])
+            triton_gemm.linear = patched_linear; selection.TritonKernels.linear_add = patched_linear_add
+        try:
+            runner = captured_runner(model, [1], [rows], width=64)
+        except Exception as e:
+            print(rows, variant, "failed", repr(e)[:300], flush=True); continue
+        step = prefill_step(rows, list(range(rows // 16 + 1)))
+        run = stepper(runner, step)
+        t = median_time(run, 30, True, stream=runner.stream, per_round=5)
+        captured = runner.stats[("prefill", rows)].captured
+        res[f"{rows}.{variant}"] = {"ms": t * 1e3, "captured": captured}
+        print(rows, variant, f"{t*1e3:.3f} ms", "captured" if captured else "EAGER", flush=True)
+        del runner; torch.cuda.empty_cache()
+json.dump(res, open(out, "w"), indent=1)
