@@ -86,8 +86,6 @@ def bf16_copies(n: int, k: int, count: int):
     return [base.clone() for _ in range(count)]
 
 
-# The FP8 decode forms that round the activations to float16, and the projections whose
-# input is normalised (RMSNorm), which alone `best` may give a float16 form.
 # Decode launches a captured graph replays back to back: the kernels' own time, no host launch.
 GRAPH_LAUNCHES = 20
 # Bytes the launches of one graph cycle over at least, so that no launch finds its weight in
