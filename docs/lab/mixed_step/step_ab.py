@@ -1,36 +1,12 @@
 """A 256-row prefill step (the mixed step's size) with its projections on cuBLAS against a
 Triton tiled GEMM (64x128 tiles, so that o/down fill the GPU), in captured graphs."""
-import json, sys, time, torch, triton, triton.language as tl
+import json, pathlib, sys, torch, triton
 sys.path.insert(0, ".")  # run from the repository root
 from scripts.timing import captured_runner, prefill_step, stepper, median_time
 from hybridd.model import load_model
 from hybridd.kernels import triton_gemm, selection
-
-@triton.jit
-def mm(a_ptr, b_ptr, c_ptr, r_ptr, M, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-       GROUP: tl.constexpr, ADD: tl.constexpr):
-    pid = tl.program_id(0)
-    npm = tl.cdiv(M, BM); npn = tl.cdiv(N, BN)
-    width = GROUP * npm
-    gid = pid // width
-    first_n = gid * GROUP
-    gsize = min(npn - first_n, GROUP)
-    pid_n = first_n + (pid % width) % gsize
-    pid_m = (pid % width) // gsize
-    rm = pid_m * BM + tl.arange(0, BM); rn = pid_n * BN + tl.arange(0, BN); rk = tl.arange(0, BK)
-    a = a_ptr + rm[:, None] * K + rk[None, :]
-    b = b_ptr + rn[:, None] * K + rk[None, :]
-    acc = tl.zeros((BM, BN), tl.float32)
-    for k in range(0, K, BK):
-        x = tl.load(a, mask=(rm[:, None] < M) & (rk[None, :] + k < K), other=0.)
-        w = tl.load(b, mask=(rn[:, None] < N) & (rk[None, :] + k < K), other=0.)
-        acc = tl.dot(x, tl.trans(w), acc)
-        a += BK; b += BK
-    c = c_ptr + rm[:, None] * N + rn[None, :]
-    mask = (rm[:, None] < M) & (rn[None, :] < N)
-    if ADD:
-        acc += tl.load(r_ptr + rm[:, None] * N + rn[None, :], mask=mask, other=0.).to(tl.float32)
-    tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=mask)
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from gemm_tiles import mm  # noqa: E402
 
 CFG = {}  # set from argv: BM BN BK warps stages
 def tiled(x, w, out=None, residual=None):
