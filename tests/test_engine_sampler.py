@@ -329,3 +329,30 @@ def test_sample_gives_the_tokens_and_logprobs_of_the_separate_calls(compile):
     for name in ("sampled", "top_values", "top_ids"):
         assert torch.equal(getattr(lp, name), getattr(separate, name)), name
     assert sampler.sample(logits, t)[1] is None
+
+
+def test_cache_builds_greedy_rows_once_per_row_count_and_others_every_time():
+    """`SamplingTensorCache`: rows that read no per-row value (greedy, no penalties) share
+    one set per row count; a sampled row or a penalty makes every call build its own, and a
+    greedy set sampled from gives the argmax as a freshly built one does."""
+    from hybridd.engine.sampler import SamplingTensorCache
+
+    cache, built = SamplingTensorCache("cpu"), []
+
+    def counted(params):
+        def make():
+            built.append(len(params))
+            return build(params)
+        return make
+
+    greedy = [SamplingParams(temperature=0.0)] * 3
+    first = cache.get(greedy, 3, counted(greedy))
+    assert cache.get(greedy, 3, counted(greedy)) is first and built == [3]
+    assert cache.get(greedy, 5, counted(greedy)) is not first and built == [3, 3]  # a verify step's rows
+    for params in ([SamplingParams(temperature=0.0, repetition_penalty=1.3)] * 3,
+                   [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7)]):
+        a, b = cache.get(params, len(params), counted(params)), cache.get(params, len(params), counted(params))
+        assert a is not b
+    assert built == [3, 3, 3, 3, 2, 2]
+    logits = torch.randn(3, V)
+    assert torch.equal(Sampler(compile=False)(logits, first), logits.argmax(-1))

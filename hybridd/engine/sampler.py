@@ -40,7 +40,7 @@ same pipeline runs as fused Triton kernels (`sampling_kernels`).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence as Seq
+from collections.abc import Callable, Iterable, Sequence as Seq
 import dataclasses
 from dataclasses import dataclass
 
@@ -195,6 +195,26 @@ class SamplingTensors:
         index = tokens.to(torch.int64).view(-1, 1)
         ones = torch.ones_like(index, dtype=torch.int32) if in_flight is None else in_flight.to(torch.int32).view(-1, 1)
         self.output_counts.scatter_add_(1, index, ones)
+
+
+class SamplingTensorCache:
+    """The sampling tensors of rows that read none of their per-row values (greedy, no
+    penalties): one set per row count, built once and kept on `device`, so that a step or
+    a draft step of such rows copies nothing to the device; other rows' tensors are built
+    and moved each time."""
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = device
+        self._sets: dict[int, SamplingTensors] = {}
+
+    def get(self, params: Seq[SamplingParams], rows: int, build: Callable[[], SamplingTensors]) -> SamplingTensors:
+        """The tensors of `rows` rows sampled with `params` (one per sequence; a verify step
+        has more rows than sequences), `build()` where they are not cached."""
+        if not all(p.greedy and not p.has_penalties for p in params):
+            return build().moved(self.device)
+        if rows not in self._sets:
+            self._sets[rows] = build().moved(self.device)
+        return self._sets[rows]
 
 
 def float32_parameters(params: SamplingParams) -> dict[str, float]:

@@ -46,7 +46,7 @@ from hybridd.engine.hidden_states import step_rows
 from hybridd.engine.prompt_logprobs import PromptLogprobRows
 from hybridd.engine.prompt_logprobs import compute as compute_prompt_logprobs
 from hybridd.engine.device_copy import to_device
-from hybridd.engine.sampler import Logprobs, Sampler, SamplingTensors
+from hybridd.engine.sampler import Logprobs, Sampler, SamplingTensorCache, SamplingTensors
 from hybridd.errors import EngineDeadError
 from hybridd.engine.scheduler import ScheduledBatch
 from hybridd.engine.speculation.graph_drafter import GraphDrafter
@@ -115,7 +115,7 @@ class StepPipeline:
         self.inputs_ready = InterprocessEvent.from_handle(ready.events.get("inputs_ready", b""), device)
         self.logits_ready = InterprocessEvent.from_handle(ready.events.get("logits_ready", b""), device)
         self.ring = torch.zeros((RING_STEPS, buffers.max_seqs), dtype=torch.int64, device=device)
-        self._greedy_tensors: dict[int, SamplingTensors] = {}
+        self.sampling_tensors = SamplingTensorCache(device)
         self.token_masks = TokenMasks(self.vocab_size, buffers.max_seqs, pin_memory=self.cuda)
 
     def feed_hidden_states(self, drafter: GraphDrafter) -> None:
@@ -239,18 +239,9 @@ class StepPipeline:
         return to_device(tensor, self.device)
 
     def _sampling_tensors(self, batch: ScheduledBatch) -> SamplingTensors:
-        seqs = batch.sampled_seqs
-        if all(s.params.greedy and not s.params.has_penalties for s in seqs):
-            # Greedy rows read none of the per-row values: reuse one set per row count
-            # instead of copying eight small tensors to the device every step.
-            n = batch.num_rows if batch.drafts is not None else len(seqs)
-            if n not in self._greedy_tensors:
-                self._greedy_tensors[n] = self._move(batch.sampling_tensors(self.vocab_size))
-            return self._greedy_tensors[n]
-        return self._move(batch.sampling_tensors(self.vocab_size))
-
-    def _move(self, tensors: SamplingTensors) -> SamplingTensors:
-        return tensors.moved(self.device) if self.cuda else tensors
+        rows = batch.num_rows if batch.drafts is not None else len(batch.sampled_seqs)
+        return self.sampling_tensors.get([s.params for s in batch.sampled_seqs], rows,
+                                         lambda: batch.sampling_tensors(self.vocab_size))
 
     def exchange_draft(self, message: control.Draft) -> control.Drafted:
         """Ask the graph generator, which runs the draft model, for drafts; its answer

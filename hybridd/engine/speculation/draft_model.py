@@ -44,7 +44,7 @@ from typing import Protocol
 import torch
 
 from hybridd.engine.device_copy import to_device
-from hybridd.engine.sampler import Sampler
+from hybridd.engine.sampler import Sampler, SamplingTensorCache
 from hybridd.engine.speculation.drafter import NO_DRAFT, Draft, draft_sampling_tensors
 from hybridd.model.kv_cache import KVCache, blocks_for
 from hybridd.model.llama import LlamaModel
@@ -173,6 +173,7 @@ class DraftModelDrafter:
         self.sampler = sampler or Sampler(compile=False)
         self.vocab_size = model.config.vocab_size
         self.device = model.device
+        self.sampling_tensors = SamplingTensorCache(model.device)
 
     @torch.inference_mode()
     def propose(self, seqs: Seq[DraftedSequence], max_tokens: Seq[int]) -> list[Draft]:
@@ -266,7 +267,7 @@ class DraftModelDrafter:
         its position (`positions`; see the module docstring), and unless every row is greedy
         the rows' draft distributions (a sampled row's is its own); `drafted`, each row's
         draft tokens so far, where a row has penalties (they count them)."""
-        tensors = draft_sampling_tensors(seqs, positions, drafted, self.vocab_size, self.device)
+        tensors = draft_sampling_tensors(self.sampling_tensors, seqs, positions, drafted, self.vocab_size)
         tokens = self.sampler(logits, tensors)
         if tensors.all_greedy:
             return tokens, None

@@ -44,7 +44,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from hybridd.engine.sampler import SamplingTensors
+from hybridd.engine.sampler import SamplingTensorCache, SamplingTensors
 from hybridd.engine.sequence import Sequence
 
 
@@ -63,16 +63,20 @@ class Draft:
 NO_DRAFT = Draft([])
 
 
-def draft_sampling_tensors(seqs: Seq[Sequence], positions: Seq[int], drafted: Seq[list[int]] | None,
-                           vocab_size: int, device: torch.device | str) -> SamplingTensors:
+def draft_sampling_tensors(cache: SamplingTensorCache, seqs: Seq[Sequence], positions: Seq[int],
+                           drafted: Seq[list[int]] | None, vocab_size: int) -> SamplingTensors:
     """Sampling tensors for each sequence's next draft token, at `positions[i]`: the
     request's own parameters, seed and penalties, so that a drafter that samples draws each
     token as the target draws the token at that position. `drafted`, each sequence's draft
     tokens so far, counted as its output, where a row has penalties (None: no row has).
-    Built on the host and copied to `device` without a wait (`SamplingTensors.moved`)."""
-    outputs = None if drafted is None else [seq.output_token_ids + d for seq, d in zip(seqs, drafted, strict=True)]
-    return SamplingTensors.build([seq.params for seq in seqs], [seq.seed for seq in seqs], positions, vocab_size,
-                                 "cpu", [seq.prompt_token_ids for seq in seqs], outputs).moved(device)
+    Built on the host and copied to the cache's device without a wait, or the cache's set
+    where every row is greedy without penalties (`SamplingTensorCache`)."""
+    def build() -> SamplingTensors:
+        outputs = None if drafted is None else [seq.output_token_ids + d for seq, d in zip(seqs, drafted, strict=True)]
+        return SamplingTensors.build([seq.params for seq in seqs], [seq.seed for seq in seqs], positions, vocab_size,
+                                     "cpu", [seq.prompt_token_ids for seq in seqs], outputs)
+
+    return cache.get([seq.params for seq in seqs], len(seqs), build)
 
 
 class Drafter(Protocol):

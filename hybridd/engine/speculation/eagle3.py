@@ -61,7 +61,7 @@ import numpy as np
 import torch
 
 from hybridd.engine.device_copy import to_device
-from hybridd.engine.sampler import Sampler
+from hybridd.engine.sampler import Sampler, SamplingTensorCache
 from hybridd.engine.sequence import Sequence
 from hybridd.engine.speculation.draft_model import catch_up
 from hybridd.engine.speculation.drafter import NO_DRAFT, Draft, draft_sampling_tensors
@@ -195,6 +195,7 @@ class Eagle3Drafter:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.sampler = sampler or Sampler(compile=False)
+        self.sampling_tensors = SamplingTensorCache(head.device)
         self.vocab_size = head.spec.vocab_size
         self._free = list(range(num_blocks - 1, -1, -1))
         self.tracks: OrderedDict[str, _Track] = OrderedDict()  # least recently drafted for first
@@ -326,7 +327,7 @@ class Eagle3Drafter:
         so far, where a row has penalties (they count them)."""
         logits = draft_logits.new_full((draft_logits.shape[0], self.vocab_size), float("-inf"))
         logits[:, self.head.draft_to_target] = draft_logits
-        tensors = draft_sampling_tensors(seqs, positions, drafted, self.vocab_size, logits.device)
+        tensors = draft_sampling_tensors(self.sampling_tensors, seqs, positions, drafted, self.vocab_size)
         return self.sampler(logits, tensors)
 
     def _reserve(self, track: _Track, num_tokens: int, keep: set[str]) -> bool:
