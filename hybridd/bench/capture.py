@@ -12,7 +12,7 @@ last trigger sent to its first token + the capture's duration + 50 ms. Gaps insi
 counted window are "during", gaps outside every window "steady"; gaps overlapping a
 trigger's own prefill or an uncounted window are left out.
 
-    python -m scripts.bench_capture --replan < at_ready.json
+    python -m hybridd.bench.capture --replan < at_ready.json
 
 prints the budget the phase restarts the daemon with for a status taken at ready
 (`{"status": ..., "x_bucket": ..., "need_y_bytes": ..., "budget_mb": ...}`),
@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from scripts.timing import StreamRecord, itl_summary, random_prompt, ratio
+from hybridd.bench.timing import StreamRecord, itl_summary, random_prompt, ratio
 
 MiB = 1 << 20
 SMALL = 16  # the bucket of the decode stream's own prompts
