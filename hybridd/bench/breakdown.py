@@ -23,7 +23,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from hybridd.bench.timing import BLOCK, captured_runner, decode_step, device_ceilings, median_time, prefill_step, stepper
+from hybridd.bench.timing import (BLOCK, captured_runner, decode_step, device_ceilings, median_time, prefill_step,
+                                  stepper)
 
 CONTEXT = 512
 DECODE_BATCHES = (1, 32)

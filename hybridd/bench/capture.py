@@ -51,7 +51,8 @@ def plan_budget(model: Path, cuda: bool, max_prefill_seqs: int, max_tokens: int)
 
     config = ModelConfig.from_dir(model)
     elem = 2 if cuda else 4
-    # Decode graphs measured on the H200 take a few MiB; allow 8 MiB there, the estimate on the CPU.
+    # On CUDA the decode graphs share the pool and take far less than the activation estimate (the
+    # per-bucket `graph memory` lines in docs/lab/bench_history.md): a fixed allowance; the estimate on the CPU.
     decode = 8 * MiB if cuda else sum(activation_bytes(config, b, b, elem) for b in DECODE_BUCKETS)
     fixed = decode + activation_bytes(config, SMALL, max_prefill_seqs, elem)
     for x, y in PAIRS:

@@ -1,6 +1,6 @@
 """The FP8 GEMMs alone on the GPU, against the copy bandwidth and the matmul rates.
 
-    python -m hybridd.bench.fp8 --out fp8_gemm.json --parts decode     # the decode sweep, <= 150 s on an H100
+    python -m hybridd.bench.fp8 --out fp8_gemm.json --parts decode  # the decode sweep (docs/lab/benchmarks.md)
     python -m hybridd.bench.fp8 --out fp8_gemm.json --parts prefill --quick
     python -m hybridd.bench.fp8 --out x.json --device cpu --shapes tiny --quick   # smoke: Triton's interpreter
 
