@@ -2,7 +2,7 @@
 
     python docs/performance_plot.py RUN.json [RUN.json ...] --png docs/performance.png
 
-Each RUN.json is a `bench.json` written by `scripts/bench.py` (one GPU, one model
+Each RUN.json is a `bench.json` written by `hybridd bench` (one GPU, one model
 shape). A panel shows, as horizontal bars, the inter-token latency (p50, at the client)
 of hybridd and of the peers measured in the same run, the decode floor of that card (the
 weights' bytes over its measured copy bandwidth) as a dashed line, and, on the panel
@@ -67,10 +67,10 @@ def load(path: Path) -> dict:
     except json.JSONDecodeError as exc:
         raise NotABenchResult(f"{path}: not JSON ({exc.msg}, line {exc.lineno})") from exc
     if not isinstance(results, dict):
-        raise NotABenchResult(f"{path}: expected a JSON object written by scripts/bench.py")
+        raise NotABenchResult(f"{path}: expected a JSON object written by `hybridd bench`")
     missing = [key for key in ("meta", "device", "floors", "hybridd") if key not in results]
     if missing:
-        raise NotABenchResult(f"{path}: not a bench result of scripts/bench.py (no {', '.join(missing)})")
+        raise NotABenchResult(f"{path}: not a bench result of `hybridd bench` (no {', '.join(missing)})")
     return results
 
 
@@ -136,7 +136,7 @@ def draw(runs: list[dict], png: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("runs", nargs="+", type=Path, help="bench.json files of scripts/bench.py")
+    parser.add_argument("runs", nargs="+", type=Path, help="bench.json files of `hybridd bench`")
     parser.add_argument("--png", type=Path, required=True, help="where to write the plot")
     args = parser.parse_args(argv)
     try:

@@ -1,7 +1,8 @@
-"""The `hybridd` command: start, stop, status, generate, keygen.
+"""The `hybridd` command: start, stop, status, generate, keygen, bench.
 
 `start` runs the supervisor in the foreground (what systemd runs); the other commands
-talk to a running daemon through the client SDK or its pid file. Command output goes
+talk to a running daemon through the client SDK or its pid file, but `bench`, which
+hands its arguments to the benchmark (hybridd/bench/, imported only when it runs). Command output goes
 to stdout, one-line errors to stderr, logs (structlog) to stderr.
 """
 
@@ -518,6 +519,16 @@ def keygen(directory: str, name: str) -> None:
         os.umask(old_umask)
     os.chmod(public_file, 0o644)
     click.echo(f"public key: {public_file}\nsecret key: {secret_file}")
+
+
+# The benchmark parses its own arguments (`--help` included): click passes them through untouched.
+@main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True}, add_help_option=False)
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def bench(args: tuple[str, ...]) -> None:
+    """Benchmark hybridd against its peers and the hardware floor (`hybridd bench --help`)."""
+    from hybridd.bench.cli import main as bench_main
+
+    sys.exit(bench_main(list(args)))
 
 
 if __name__ == "__main__":

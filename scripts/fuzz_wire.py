@@ -35,8 +35,8 @@ from typing import Any
 import msgpack
 import zmq
 
-from scripts import daemon
-from scripts.daemon import dealer, pack
+from hybridd.bench import daemon
+from hybridd.bench.daemon import dealer, pack
 
 ERROR_CODES = {"malformed", "too_large", "unsupported_version", "invalid_request", "overloaded", "draining",
                "engine_dead", "timeout", "cancelled", "not_found", "internal"}

@@ -8,8 +8,8 @@
 #    `openai` client and no GPU: CI runs them);
 #    tests/test_gpu_kernels.py whole (its unmarked tests run on the CPU too: here in bf16);
 # 2. the two-process end-to-end tests over CUDA IPC (HYBRIDD_TEST_DEVICE=cuda);
-# 3. the bench's device and breakdown parts (`python -m scripts.bench`): where the decode
-#    and prefill steps go against their floors.
+# 3. the bench's device and breakdown parts (`hybridd bench`, here `python3 -m hybridd.bench`):
+#    where the decode and prefill steps go against their floors.
 set -uo pipefail
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -20,7 +20,7 @@ if [ "${1:-}" = fp8 ]; then
     # 1. the FP8 GPU tests: the kernels on the Llama-2-7B and Llama-3-8B projection shapes and
     #    both prefill candidates against the emulated numerics, a Llama-1B-shaped FP8 model
     #    against the emulated reference and through captured graphs (fp8_tests.log);
-    # 2. the FP8 GEMMs alone (scripts/bench_fp8.py): decode GB/s on the FP8 bytes against the
+    # 2. the FP8 GEMMs alone (hybridd/bench/fp8.py): decode GB/s on the FP8 bytes against the
     #    copy bandwidth (each decode form's first config; the full sweep the FP8 config
     #    rule is checked against: see the script), both prefill candidates' TFLOP/s and which wins
     #    (fp8_gemm.json, fp8_gemm.log);
@@ -30,9 +30,9 @@ if [ "${1:-}" = fp8 ]; then
     preset=${HYBRIDD_FP8_PRESET:-llama2-7b}
     timeout 110 python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/test_fp8_kernels.py \
         tests/test_gpu_fp8_model.py 2>&1 | tee "$OUT/fp8_tests.log" || status=1
-    timeout 110 python3 -m scripts.bench_fp8 --out "$OUT/fp8_gemm.json" --quick --budget-s 45 2>&1 \
+    timeout 110 python3 -m hybridd.bench.fp8 --out "$OUT/fp8_gemm.json" --quick --budget-s 45 2>&1 \
         | tee "$OUT/fp8_gemm.log" || status=1
-    timeout 250 python3 -m scripts.bench --out "$OUT/fp8-$preset" --preset "$preset" \
+    timeout 250 python3 -m hybridd.bench --out "$OUT/fp8-$preset" --preset "$preset" \
         --parts ceilings,checkpoint,breakdown_fp8,fp8 --budget-s 240 2>&1 | tee "$OUT/fp8_bench.log" || status=1
     exit $status
 fi
@@ -43,12 +43,12 @@ timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_kernels.py -
     2>&1 | tee "$OUT/gpu_kernels.log" || status=1
 HYBRIDD_TEST_DEVICE=cuda timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_runtime_decoupled.py \
     2>&1 | tee "$OUT/gpu_e2e.log" || status=1
-timeout 300 python3 -m scripts.bench --out "$OUT/bench" --parts ceilings,checkpoint,breakdown \
+timeout 300 python3 -m hybridd.bench --out "$OUT/bench" --parts ceilings,checkpoint,breakdown \
     --budget-s 280 2>&1 | tee "$OUT/bench.log" || status=1
-# 4. chunked prefill and the prefix cache on the 7B and 8B shapes (scripts/bench_mixed.py):
+# 4. chunked prefill and the prefix cache on the 7B and 8B shapes (hybridd/bench/mixed.py):
 #    a stream's ITL while another client sends 2,000-token prompts, and cached-prefix TTFTs.
 for preset in llama2-7b llama3-8b; do
-    timeout 280 python3 -m scripts.bench --out "$OUT/mixed-$preset" --preset "$preset" \
+    timeout 280 python3 -m hybridd.bench --out "$OUT/mixed-$preset" --preset "$preset" \
         --parts checkpoint,mixed_load,prefix_reuse --budget-s 260 2>&1 | tee "$OUT/mixed-$preset.log" || status=1
 done
 exit $status

@@ -37,8 +37,8 @@ from zmq.utils.monitor import parse_monitor_message
 
 from hybridd.stats import percentile
 
-from scripts import daemon
-from scripts.daemon import pack
+from hybridd.bench import daemon
+from hybridd.bench.daemon import pack
 
 PROMPTS = ["ROMEO:", "JULIET:", "First Citizen:", "KING HENRY:", "O, what a", "To be, or not"]
 MAX_TOKENS = [8, 16, 32]

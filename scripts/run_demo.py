@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 
 import hybridd
-from scripts.daemon import running
+from hybridd.bench.daemon import running
 
 
 def main() -> int:

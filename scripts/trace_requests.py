@@ -11,7 +11,7 @@ all on one clock (CLOCK_MONOTONIC). `milestones.json` and the printed table give
 milestone's median offset from the send; the inter-token gaps are given at the client
 and as the context generator sent the chunks. `--client-spin` has the client poll its
 socket (`alternate`: every other request, reported apart as `milestones-spin.json`).
-`--kernels` writes the profiler's traces too (`python -m scripts.bench_breakdown
+`--kernels` writes the profiler's traces too (`python -m hybridd.bench.breakdown
 --trace` reads them); the profiler slows the host path, so the marks are then not the
 untraced timings.
 """
@@ -30,8 +30,8 @@ from pathlib import Path
 import zmq
 
 from hybridd.protocol import codec
-from scripts.daemon import Daemon, dealer
-from scripts.make_random_checkpoint import make_checkpoint
+from hybridd.bench.daemon import Daemon, dealer
+from hybridd.bench.random_checkpoint import make_checkpoint
 
 
 class RawClient:

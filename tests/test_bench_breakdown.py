@@ -1,4 +1,4 @@
-"""The kernel classifier of the bench's breakdown (`python -m scripts.bench_breakdown
+"""The kernel classifier of the bench's breakdown (`python -m hybridd.bench.breakdown
 --trace`) on kernel names as the PyTorch profiler reports them on the H200 (cuBLAS,
 Triton, PyTorch's own kernels), the attribution of GEMMs to projections by their
 position in a step and the time a kernel adds under PDL, each from a profiler trace
@@ -24,7 +24,7 @@ def breakdown(tmp_path: Path, kernels: list[tuple[str, float, float]], *args: st
     trace = tmp_path / "trace-graph-1.json"
     trace.write_text(json.dumps({"traceEvents": [{"ph": "X", "cat": "kernel", "name": name, "ts": start, "dur": dur}
                                                  for name, start, dur in kernels]}))
-    done = subprocess.run([sys.executable, "-m", "scripts.bench_breakdown", "--trace", str(trace), *args],
+    done = subprocess.run([sys.executable, "-m", "hybridd.bench.breakdown", "--trace", str(trace), *args],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout)
@@ -107,7 +107,7 @@ def test_overlapping_kernels_count_only_the_time_they_add(tmp_path):
                                             (["--layers", "2"], "--model or --trace is required"),
                                             (["--trace", "t.json", "--layers", "2", "--steps", "0"], "--steps")])
 def test_a_wrong_invocation_is_named(args, says):
-    done = subprocess.run([sys.executable, "-m", "scripts.bench_breakdown", *args], cwd=ROOT, capture_output=True,
+    done = subprocess.run([sys.executable, "-m", "hybridd.bench.breakdown", *args], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 2 and says in done.stderr, done.stderr
 

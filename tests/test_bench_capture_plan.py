@@ -1,4 +1,4 @@
-"""The forced-capture phase's budget (`python -m scripts.bench_capture --replan`, the
+"""The forced-capture phase's budget (`python -m hybridd.bench.capture --replan`, the
 figures at ready as JSON on stdin): after the captures at ready, the budget must let Y
 in once X is evicted, and never hold X and Y together."""
 
@@ -18,7 +18,7 @@ MiB = 1 << 20
 def replanned_budget_mb(status: dict, x_bucket: dict, need_y: int, budget_mb: int) -> int | None:
     """The budget the tool prints for these figures at ready (None: the budget in force stands)."""
     at_ready = {"status": status, "x_bucket": x_bucket, "need_y_bytes": need_y, "budget_mb": budget_mb}
-    done = subprocess.run([sys.executable, "-m", "scripts.bench_capture", "--replan"], input=json.dumps(at_ready),
+    done = subprocess.run([sys.executable, "-m", "hybridd.bench.capture", "--replan"], input=json.dumps(at_ready),
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
@@ -64,7 +64,7 @@ def test_a_looser_budget_is_tightened_so_that_x_and_y_never_fit_together():
 
 
 def test_figures_that_are_not_the_phases_are_refused_by_name():
-    done = subprocess.run([sys.executable, "-m", "scripts.bench_capture", "--replan"], input='{"status": {}}',
+    done = subprocess.run([sys.executable, "-m", "hybridd.bench.capture", "--replan"], input='{"status": {}}',
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     assert "a JSON object with status, x_bucket, need_y_bytes and budget_mb" in done.stderr, done.stderr

@@ -1,4 +1,4 @@
-"""Smoke test of the benchmark (`python -m scripts.bench`): the whole benchmark on the CPU with a tiny random model
+"""Smoke test of the benchmark (`python -m hybridd.bench`): the whole benchmark on the CPU with a tiny random model
 (`--device cpu --preset tiny --quick`), run as a subprocess as the lead runs it on the GPU;
 checks that it finishes and that bench.json has every expected figure, and that the
 plotting step reads it."""
@@ -30,7 +30,7 @@ def bench_out(tmp_path_factory):
         (cache / "left-by-an-earlier-run").write_text("")
         env[name] = str(cache)
     proc = subprocess.run(
-        [sys.executable, "-m", "scripts.bench", "--out", str(out / "out"), "--device", "cpu",
+        [sys.executable, "-m", "hybridd.bench", "--out", str(out / "out"), "--device", "cpu",
          "--preset", "tiny", "--quick", "--checkpoint-dir", str(out / "ckpt"), "--skip",
          "mixed_load,prefix_reuse,structured,speculation,speculation_steps,speculation_client,breakdown_fp8,fp8",
          "--budget-s",
@@ -150,7 +150,7 @@ def test_plot(bench_out, tmp_path):
 def test_an_unknown_part_to_skip_is_named():
     """A part's old name (hybridd_mps became hybridd_no_mps) or a typo is refused before
     any work, not silently measured."""
-    result = subprocess.run([sys.executable, "-m", "scripts.bench", "--device", "cpu", "--out",
+    result = subprocess.run([sys.executable, "-m", "hybridd.bench", "--device", "cpu", "--out",
                              "/nonexistent/never-written", "--skip", "gateway,hybridd_mps"],
                             capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert result.returncode == 2, result.stderr
@@ -159,11 +159,19 @@ def test_an_unknown_part_to_skip_is_named():
 
 
 def test_an_unknown_part_to_run_is_named():
-    result = subprocess.run([sys.executable, "-m", "scripts.bench", "--device", "cpu", "--out",
+    """Through `hybridd bench`: the command hands every argument to the bench's own parser."""
+    result = subprocess.run([sys.executable, "-m", "hybridd.cli", "bench", "--device", "cpu", "--out",
                              "/nonexistent/never-written", "--parts", "ceilings,bench_gemm"],
                             capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert result.returncode == 2, result.stderr
     assert "--parts: unknown part(s) bench_gemm; the parts are" in result.stderr
+
+
+def test_hybridd_bench_help_is_the_bench_s_own():
+    result = subprocess.run([sys.executable, "-m", "hybridd.cli", "bench", "--help"], capture_output=True, text=True,
+                            cwd=ROOT, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("usage: hybridd bench") and "--budget-s" in result.stdout
 
 
 def test_mixed_load_prefix_reuse_and_structured_parts(tmp_path):
@@ -172,7 +180,7 @@ def test_mixed_load_prefix_reuse_and_structured_parts(tmp_path):
     ITL under a JSON schema against unconstrained at batch 1 and 32 streams."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.run(
-        [sys.executable, "-m", "scripts.bench", "--out", str(tmp_path / "out"), "--device", "cpu", "--preset", "tiny",
+        [sys.executable, "-m", "hybridd.bench", "--out", str(tmp_path / "out"), "--device", "cpu", "--preset", "tiny",
          "--quick", "--checkpoint-dir", str(tmp_path / "ckpt"), "--parts",
          "ceilings,checkpoint,mixed_load,prefix_reuse,structured",
          "--long-prompt", "300", "--turn-tokens", "40", "--budget-s", str(int(on_this_host(200)))],
@@ -207,7 +215,7 @@ def test_fp8_parts(tmp_path):
     each figure of the FP8 one over the other's, and the targets they feed."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.run(
-        [sys.executable, "-m", "scripts.bench", "--out", str(tmp_path / "out"), "--device", "cpu", "--preset", "tiny",
+        [sys.executable, "-m", "hybridd.bench", "--out", str(tmp_path / "out"), "--device", "cpu", "--preset", "tiny",
          "--quick", "--checkpoint-dir", str(tmp_path / "ckpt"), "--parts", "ceilings,checkpoint,breakdown_fp8,fp8",
          "--long-prompt", "300", "--budget-s", str(int(on_this_host(200)))],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=on_this_host(300),
@@ -232,12 +240,12 @@ def test_fp8_parts(tmp_path):
 
 
 def test_fp8_gemm_bench_runs(tmp_path):
-    """scripts/bench_fp8.py end to end on the CPU (its kernels in Triton's interpreter, tiny
+    """hybridd/bench/fp8.py end to end on the CPU (its kernels in Triton's interpreter, tiny
     shapes): every figure the GPU run reports is there, each prefill row count names a
     winner. The numbers are the GPU's to give."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
     out = tmp_path / "fp8_gemm.json"
-    proc = subprocess.run([sys.executable, "-m", "scripts.bench_fp8", "--out", str(out), "--device", "cpu",
+    proc = subprocess.run([sys.executable, "-m", "hybridd.bench.fp8", "--out", str(out), "--device", "cpu",
                            "--shapes", "tiny", "--quick"], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=on_this_host(300))
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
@@ -259,7 +267,7 @@ def test_speculation_parts(tmp_path):
     head's draft work and the replay figures with it."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.run(
-        [sys.executable, "-m", "scripts.bench", "--out", str(tmp_path / "out"), "--device", "cpu", "--preset", "tiny",
+        [sys.executable, "-m", "hybridd.bench", "--out", str(tmp_path / "out"), "--device", "cpu", "--preset", "tiny",
          "--quick", "--checkpoint-dir", str(tmp_path / "ckpt"),
          "--parts", "ceilings,checkpoint,speculation,speculation_steps", "--budget-s", str(int(on_this_host(300)))],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=on_this_host(400),
@@ -296,7 +304,7 @@ def test_speculation_client_part(tmp_path):
     daemon's counters), and 32 streams; both daemons gave the target's own tokens."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.run(
-        [sys.executable, "-m", "scripts.bench", "--out", str(tmp_path / "out"), "--device", "cpu", "--preset", "tiny",
+        [sys.executable, "-m", "hybridd.bench", "--out", str(tmp_path / "out"), "--device", "cpu", "--preset", "tiny",
          "--quick", "--checkpoint-dir", str(tmp_path / "ckpt"), "--parts", "speculation_client",
          "--budget-s", str(int(on_this_host(200)))],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=on_this_host(300),

@@ -1,7 +1,7 @@
 """On the GPU: the model runtime in bf16 against transformers on a Llama-2-7B-shaped
 random checkpoint (teacher-forced top-1 agreement and logits' relative error).
 
-The checkpoint is made once per machine by scripts/make_random_checkpoint.py into
+The checkpoint is made once per machine by hybridd/bench/random_checkpoint.py into
 $HYBRIDD_GPU_CHECKPOINT (default /tmp/hybridd-llama2-7b-random).
 """
 

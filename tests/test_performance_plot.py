@@ -24,7 +24,7 @@ def test_the_page_plot_is_drawn_from_the_committed_runs(tmp_path):
 
 @pytest.mark.parametrize(("content", "says"), [(None, "cannot read it"), ("not json", "not JSON"),
                                                ("[1]", "expected a JSON object"),
-                                               ('{"meta": {}}', "not a bench result of scripts/bench.py")])
+                                               ('{"meta": {}}', "not a bench result of `hybridd bench`")])
 def test_a_file_that_is_not_a_bench_result_is_refused_by_name(tmp_path, content, says):
     path = tmp_path / "bench.json"
     if content is not None:

@@ -1,4 +1,4 @@
-"""scripts/make_random_checkpoint.py names the checkpoints it writes by their shape, so
+"""hybridd/bench/random_checkpoint.py names the checkpoints it writes by their shape, so
 that a benchmark's table says which model it timed, not the directory it was written to."""
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def test_another_directory_is_named_by_its_name(tmp_path):
 
 
 def test_neither_a_checkpoint_nor_a_name_to_give_is_refused_by_name():
-    proc = subprocess.run([sys.executable, "-m", "scripts.make_random_checkpoint"], cwd=ROOT, capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "hybridd.bench.random_checkpoint"], cwd=ROOT, capture_output=True,
                           text=True)
     assert proc.returncode == 2 and "--out is required (or --describe DIR)" in proc.stderr
 

@@ -1,4 +1,4 @@
-"""Plot the results of scripts/bench.py for a reader: one row of panels per model shape.
+"""Plot the results of `hybridd bench` for a reader: one row of panels per model shape.
 
     python docs/lab/benchmarks_plot.py OUT/llama2-7b/bench.json [OUT/llama3-8b/bench.json ...] \\
         [--png docs/lab/benchmarks.png] [--theirs paper.json]
@@ -267,13 +267,13 @@ def read_object(parser: argparse.ArgumentParser, path: Path) -> dict:
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         parser.error(f"{path}: not JSON: {exc}")
     if not isinstance(value, dict):
-        parser.error(f"{path}: expected a JSON object as scripts/bench.py writes, got {type(value).__name__}")
+        parser.error(f"{path}: expected a JSON object as `hybridd bench` writes, got {type(value).__name__}")
     return value
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("json", type=Path, nargs="+", help="bench.json files written by scripts/bench.py")
+    parser.add_argument("json", type=Path, nargs="+", help="bench.json files written by `hybridd bench`")
     parser.add_argument("--png", type=Path, help="output image (default: next to the first JSON, bench.png)")
     parser.add_argument("--theirs", type=Path, help="published TTFT figures of others, labelled as theirs")
     args = parser.parse_args(argv)

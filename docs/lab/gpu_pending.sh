@@ -23,13 +23,13 @@ tests)
         -k prompt_logprobs > /tmp/o/prompt_logprobs.log 2>&1; save prompt_logprobs $?
     timeout 90 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_fp8_decode_kernels.py tests/test_skinny_gemm.py \
         > /tmp/o/gpu_fp8.log 2>&1; save gpu_fp8 $?
-    timeout 150 python3 -m scripts.bench_fp8 --out /tmp/o/fp8_gemm.json --parts decode > /tmp/o/fp8_gemm.log 2>&1
+    timeout 150 python3 -m hybridd.bench.fp8 --out /tmp/o/fp8_gemm.json --parts decode > /tmp/o/fp8_gemm.log 2>&1
     save fp8_rule $? ;;
 spec)
-    timeout 560 python3 -m scripts.bench --out /tmp/o/s8 --preset llama3-8b \
+    timeout 560 python3 -m hybridd.bench --out /tmp/o/s8 --preset llama3-8b \
         --parts checkpoint,speculation_steps,speculation_client --budget-s 540 > /tmp/o/s8.log 2>&1; save s8 $? ;;
 steps)
-    timeout 250 python3 -m scripts.bench --out /tmp/o/f7 --preset llama2-7b --parts ceilings,checkpoint,breakdown_fp8 \
+    timeout 250 python3 -m hybridd.bench --out /tmp/o/f7 --preset llama2-7b --parts ceilings,checkpoint,breakdown_fp8 \
         --budget-s 240 > /tmp/o/f7.log 2>&1; save f7 $?
     timeout 250 python3 docs/lab/mixed_step/step_ab.py /tmp/hybridd-llama2-7b-normal-random /tmp/o/step_ab.json \
         > /tmp/o/step_ab.log 2>&1; save step_ab $?

@@ -6,7 +6,7 @@ the two prefill candidates.
   its form and tiles per shape and row count from `triton_gemm.fp8_rule_config`);
   bound by reading the FP8 bytes.
 - More rows (prefill): one of two candidates, chosen by `KernelChoices.fp8_prefill`
-  (`PREFILL`), to be settled by measurement (scripts/bench_fp8.py) and the loser deleted:
+  (`PREFILL`), to be settled by measurement (hybridd/bench/fp8.py) and the loser deleted:
   - `scaled_mm`: FP8 × FP8 on the tensor cores, `torch._scaled_mm` with rowwise scales:
     each token's activations are quantized to FP8 with a scale of their own
     (`triton_quantize.quantize_tokens`), each output channel has the weight's. The

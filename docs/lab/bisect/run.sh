@@ -4,7 +4,7 @@
 set -x
 source scripts/device_env.sh >/dev/null
 CK=/tmp/ck7b
-[ -d $CK ] || python3 -m scripts.make_random_checkpoint --preset ${PRESET:-llama2-7b} --out $CK > /dev/null
+[ -d $CK ] || python3 -m hybridd.bench.random_checkpoint --preset ${PRESET:-llama2-7b} --out $CK > /dev/null
 ROOT=$PWD
 for spec in "$@"; do
   c=${spec%%:*}; extra=""; [ "$spec" != "$c" ] && extra=$(echo ${spec#*:} | tr '+' ' ')

@@ -2,7 +2,7 @@
 Triton tiled GEMM (64x128 tiles, so that o/down fill the GPU), in captured graphs."""
 import json, pathlib, sys, torch, triton
 sys.path.insert(0, ".")  # run from the repository root
-from scripts.timing import captured_runner, prefill_step, stepper, median_time
+from hybridd.bench.timing import captured_runner, prefill_step, stepper, median_time
 from hybridd.model import load_model
 from hybridd.kernels import triton_gemm, selection
 sys.path.insert(0, str(pathlib.Path(__file__).parent))

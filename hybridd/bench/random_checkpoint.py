@@ -7,12 +7,12 @@ hybridd load it. The tokenizer is a synthetic word-level one over the preset's
 vocabulary size (32000 or 128256 ids): benchmarks send token ids, and no real tokenizer
 is needed to serve them.
 
-    python -m scripts.make_random_checkpoint --preset llama2-7b --out /tmp/llama2-7b-random
-    python -m scripts.make_random_checkpoint --preset llama3-8b --out /tmp/llama3-8b-random
-    python -m scripts.make_random_checkpoint --describe /tmp/llama3-8b-random   # "Llama-3-8B shape, random weights"
-    python -m scripts.make_random_checkpoint --preset llama3-8b --out /tmp/llama3-8b-random \
+    python -m hybridd.bench.random_checkpoint --preset llama2-7b --out /tmp/llama2-7b-random
+    python -m hybridd.bench.random_checkpoint --preset llama3-8b --out /tmp/llama3-8b-random
+    python -m hybridd.bench.random_checkpoint --describe /tmp/llama3-8b-random   # "Llama-3-8B shape, random weights"
+    python -m hybridd.bench.random_checkpoint --preset llama3-8b --out /tmp/llama3-8b-random \
         --eagle3-head /tmp/llama3-8b-random-eagle3   # and a random EAGLE-3 head for it
-    python -m scripts.make_random_checkpoint --preset llama3-8b --out /tmp/llama3-8b-predictable --predictable
+    python -m hybridd.bench.random_checkpoint --preset llama3-8b --out /tmp/llama3-8b-predictable --predictable
 
 An EAGLE-3 head (`make_eagle3_head`) is written in the published format (`hybridd.eagle3_head`)
 for a checkpoint's shape: a speculative decoding bench times its draft steps at the real sizes.

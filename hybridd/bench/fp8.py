@@ -1,8 +1,8 @@
 """The FP8 GEMMs alone on the GPU, against the copy bandwidth and the matmul rates.
 
-    python -m scripts.bench_fp8 --out fp8_gemm.json --parts decode     # the decode sweep, <= 150 s on an H100
-    python -m scripts.bench_fp8 --out fp8_gemm.json --parts prefill --quick
-    python -m scripts.bench_fp8 --out x.json --device cpu --shapes tiny --quick   # smoke: Triton's interpreter
+    python -m hybridd.bench.fp8 --out fp8_gemm.json --parts decode  # the decode sweep (docs/lab/benchmarks.md)
+    python -m hybridd.bench.fp8 --out fp8_gemm.json --parts prefill --quick
+    python -m hybridd.bench.fp8 --out x.json --device cpu --shapes tiny --quick   # smoke: Triton's interpreter
 
 - `decode`: the skinny GEMM at 1-32 rows on each projection of the Llama-2-7B and
   Llama-3-8B shapes, each launch timed inside a CUDA graph (20 launches back to back on
@@ -36,7 +36,7 @@ import sys
 import time
 from pathlib import Path
 
-from scripts.timing import device_ceilings, median_time
+from hybridd.bench.timing import device_ceilings, median_time
 
 SHAPES = {
     "llama2-7b": {"qkv": (12288, 4096), "o": (4096, 4096), "gate_up": (22016, 4096), "down": (4096, 11008)},

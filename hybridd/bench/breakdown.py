@@ -1,7 +1,7 @@
 """Where one step's time goes: its kernels by category, each against its own floor.
 
-    python -m scripts.bench_breakdown --model DIR [--device cuda] [--out breakdown.json]
-    python -m scripts.bench_breakdown --trace DIR/trace-graph-*.json --layers 32 --steps 8
+    python -m hybridd.bench.breakdown --model DIR [--device cuda] [--out breakdown.json]
+    python -m hybridd.bench.breakdown --trace DIR/trace-graph-*.json --layers 32 --steps 8
 
 The bench's `breakdown` part. The decode graphs for batch 1 and 32 (512 tokens of
 context) and the 16- and 128-token prefill graphs are captured as the daemon captures
@@ -23,7 +23,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from scripts.timing import BLOCK, captured_runner, decode_step, device_ceilings, median_time, prefill_step, stepper
+from hybridd.bench.timing import (BLOCK, captured_runner, decode_step, device_ceilings, median_time, prefill_step,
+                                  stepper)
 
 CONTEXT = 512
 DECODE_BATCHES = (1, 32)

@@ -12,7 +12,7 @@ last trigger sent to its first token + the capture's duration + 50 ms. Gaps insi
 counted window are "during", gaps outside every window "steady"; gaps overlapping a
 trigger's own prefill or an uncounted window are left out.
 
-    python -m scripts.bench_capture --replan < at_ready.json
+    python -m hybridd.bench.capture --replan < at_ready.json
 
 prints the budget the phase restarts the daemon with for a status taken at ready
 (`{"status": ..., "x_bucket": ..., "need_y_bytes": ..., "budget_mb": ...}`),
@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from scripts.timing import StreamRecord, itl_summary, random_prompt, ratio
+from hybridd.bench.timing import StreamRecord, itl_summary, random_prompt, ratio
 
 MiB = 1 << 20
 SMALL = 16  # the bucket of the decode stream's own prompts
@@ -51,7 +51,8 @@ def plan_budget(model: Path, cuda: bool, max_prefill_seqs: int, max_tokens: int)
 
     config = ModelConfig.from_dir(model)
     elem = 2 if cuda else 4
-    # Decode graphs measured on the H200 take a few MiB; allow 8 MiB there, the estimate on the CPU.
+    # On CUDA the decode graphs share the pool and take far less than the activation estimate (the
+    # per-bucket `graph memory` lines in docs/lab/bench_history.md): a fixed allowance; the estimate on the CPU.
     decode = 8 * MiB if cuda else sum(activation_bytes(config, b, b, elem) for b in DECODE_BUCKETS)
     fixed = decode + activation_bytes(config, SMALL, max_prefill_seqs, elem)
     for x, y in PAIRS:

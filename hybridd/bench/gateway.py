@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from scripts.daemon import stop
+from hybridd.bench.daemon import stop
 
 READY_TIMEOUT_S = 120.0
 

@@ -19,9 +19,9 @@ loaded by the product's loader and served by `eagle3_runner` as the graph genera
 serves it, at batch 1, 4, 16 and k = 1..8; and beside each replay figure the time per
 token with that head's cost added (`s_per_token_with_head`, derived).
 
-    python -m scripts.bench --out /tmp/spec --device cpu --model hybridd/assets/tiny-shakespeare \
+    python -m hybridd.bench --out /tmp/spec --device cpu --model hybridd/assets/tiny-shakespeare \
         --parts checkpoint,speculation                                # the embedded model
-    python -m scripts.bench --out $OUT/spec --preset llama2-7b --parts checkpoint,speculation,speculation_steps
+    python -m hybridd.bench --out $OUT/spec --preset llama2-7b --parts checkpoint,speculation,speculation_steps
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from scripts.timing import ratio
+from hybridd.bench.timing import ratio
 
 # Per-token acceptance of the replay drafter; at k = 4, 0.75 gives a mean acceptance length of 3.05
 # (EAGLE-3's reported figure for Llama-3.1-8B on MT-bench is about 3).
@@ -277,7 +277,7 @@ def measure_verify_steps(runner, buffers, context: int = 512, reps: int = 20, ks
 def make_predictable(model) -> None:
     """Bench only: hybridd's model given the predictable checkpoint's weights in place
     (`make_predictable_weights`: token t followed by perm(t) by a wide margin)."""
-    from scripts.make_random_checkpoint import make_predictable_weights
+    from hybridd.bench.random_checkpoint import make_predictable_weights
 
     make_predictable_weights(model.embed_tokens.weight, model.lm_head.weight, model.norm.weight,
                              [w for layer in model.layers for w in (layer.o_proj.weight, layer.down_proj.weight)])
@@ -498,7 +498,7 @@ def measure_speculation_steps(model: Path, device: str, tokens: int, k: int = 4,
 
     import torch
 
-    from scripts.make_random_checkpoint import make_eagle3_head
+    from hybridd.bench.random_checkpoint import make_eagle3_head
 
     max_rows = max(VERIFY_BATCHES) * (max(VERIFY_KS) + 1)
     model_obj, kv, buffers, runner, num_blocks = build_runtime(model, device, max_rows, 1024)

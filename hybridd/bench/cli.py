@@ -1,20 +1,23 @@
 """hybridd against its peers and the hardware floor, in one command, on the same weights.
 
-    python -m scripts.bench --out $OUT/llama2-7b --budget-s 470                      # H200: Llama-2-7B shape, bf16
-    python -m scripts.bench --out $OUT/llama3-8b --preset llama3-8b --budget-s 470   # H200: Llama-3-8B shape
-    python -m scripts.bench --out $OUT --model /path/to/hf   # any local Hugging Face directory
-    python -m scripts.bench --out /tmp/b --device cpu --preset tiny --quick   # CI smoke, seconds
-    python -m scripts.bench --out $OUT/fp8 --parts ceilings,checkpoint,breakdown_fp8,fp8   # FP8 against bf16
+The benchmark's entry point (`hybridd bench ...`, or `python -m hybridd.bench ...`), its
+arguments, its parts and their order, and the report it writes (bench.json, the table):
+
+    hybridd bench --out $OUT/llama2-7b --budget-s 470                      # Llama-2-7B shape, bf16
+    hybridd bench --out $OUT/llama3-8b --preset llama3-8b --budget-s 470   # Llama-3-8B shape
+    hybridd bench --out $OUT --model /path/to/hf   # any local Hugging Face directory
+    hybridd bench --out /tmp/b --device cpu --preset tiny --quick   # CI smoke, seconds
+    hybridd bench --out $OUT/fp8 --parts ceilings,checkpoint,breakdown_fp8,fp8   # FP8 against bf16
 
 Parts, in order: `ceilings` (copy bandwidth, matmul rate: the floors), `checkpoint`
 (random weights of the preset's shape unless `--model`), `breakdown` (each step's
-kernels by category: bench_breakdown.py); then the real daemon (`hybridd start`), measured
+kernels by category: breakdown.py); then the real daemon (`hybridd start`), measured
 at the client through the SDK: `hybridd_eager` (graphs off), `hybridd` (start phases on
 empty compile caches, ITL during background capture, TTFT at 10-500 tokens, batch-1 ITL,
-1-32 streams, graph memory, what the HTTP gateway adds: bench_gateway.py), VARIANTS (one
-setting changed), `capture_evict` (bench_capture.py), `mixed_load` and `prefix_reuse`
-(bench_mixed.py), `structured` (bench_structured.py), `speculation` and
-`speculation_steps` (bench_speculation.py), `speculation_client` (a daemon with prompt
+1-32 streams, graph memory, what the HTTP gateway adds: gateway.py), VARIANTS (one
+setting changed), `capture_evict` (capture.py), `mixed_load` and `prefix_reuse`
+(mixed.py), `structured` (structured.py), `speculation` and
+`speculation_steps` (speculation.py), `speculation_client` (a daemon with prompt
 lookup against one without, on the preset's weights made predictable, at set acceptance
 lengths and 32 streams), `breakdown_fp8` and `fp8` (the model
 quantized to FP8: its steps against the FP8 floor; a bf16 and an FP8 daemon on the same
@@ -46,11 +49,12 @@ from pathlib import Path
 from typing import Any
 
 from hybridd.stats import percentile, slowest
-from scripts.daemon import Daemon
-from scripts.timing import (StreamRecord, concurrent_streams, device_ceilings, itl_summary, random_prompt, ratio,
+from hybridd.bench.daemon import Daemon
+from hybridd.bench.timing import (StreamRecord, concurrent_streams, device_ceilings, itl_summary, random_prompt, ratio,
                             timed_stream, ttft_summary)
 
-ROOT = Path(__file__).resolve().parent.parent
+# The checkout (or site-packages) the package runs from: git and the source digest read it.
+ROOT = Path(__file__).resolve().parent.parent.parent
 
 TTFT_LENGTHS = (10, 32, 128, 256, 500)
 ITL_PROMPT = 128
@@ -458,8 +462,8 @@ def run_speculation_client(args, result: dict) -> None:
     random prompts. `rows`: each r's figures over the plain daemon's, and whether both
     daemons gave the same tokens (and the plain one the target's own continuation)."""
     from hybridd.config import Config
-    from scripts.bench_speculation import CORRUPTIONS, chain_prompt
-    from scripts.make_random_checkpoint import PRESETS, predictable_perm
+    from hybridd.bench.speculation import CORRUPTIONS, chain_prompt
+    from hybridd.bench.random_checkpoint import PRESETS, predictable_perm
 
     if args.model is not None:
         raise ValueError("speculation_client needs random weights of a preset (--preset), not --model")
@@ -504,8 +508,8 @@ def run_speculation_client(args, result: dict) -> None:
 
 def run_capture_evict(args, model: Path, vocab: int, notes: list[str]) -> dict:
     """Prefill graphs captured while a decode stream runs, forced by a small graph budget
-    and demand for the evicted bucket (scripts/bench_capture.py)."""
-    from scripts.bench_capture import measure_capture_under_eviction
+    and demand for the evicted bucket (hybridd/bench/capture.py)."""
+    from hybridd.bench.capture import measure_capture_under_eviction
 
     return measure_capture_under_eviction(open_client, model, args.device == "cuda", vocab, args.quick,
                                           lambda **overrides: start_server(args, model, **overrides), notes)
@@ -528,7 +532,7 @@ def run_hybridd(args, model: Path, vocab: int, graphs: bool, deadline: float, re
         result["status"] = {k: v for k, v in status.items() if k != "buckets"}
         if "gateway" in args.skip_set:
             return
-        from scripts.bench_gateway import measure_gateway
+        from hybridd.bench.gateway import measure_gateway
 
         result["gateway"] = measure_gateway(server.endpoint, str(model), prompt_len=ITL_PROMPT,
                                             ttft_reps=args.ttft_reps, itl_tokens=args.itl_tokens,
@@ -683,7 +687,7 @@ def floors(params: int, elem_bytes: int, ceilings: dict) -> dict:
 def make_model(args, predictable: bool = False) -> Path:
     import torch
 
-    from scripts import make_random_checkpoint as mrc
+    from hybridd.bench import random_checkpoint as mrc
 
     base = args.checkpoint_dir or Path(tempfile.gettempdir())
     out = Path(base) / f"hybridd-{args.preset}-{'predictable' if predictable else 'normal'}-random"
@@ -877,7 +881,7 @@ def render_table(results: dict) -> str:
         per = ", ".join(f"{b['kind'][0]}{b['size']}:{fmt(b['bytes'], 2**-20, 0)}" for b in gm["buckets"] if b["captured"])
         lines.append(f"graph memory: measured {fmt(gm['graph_bytes'], 2**-20, 1)} MiB, pool "
                      f"{fmt(gm['graph_pool_bytes'], 2**-20, 1)} MiB; per bucket MiB {per}")
-    from scripts.bench_breakdown import render as render_breakdown
+    from hybridd.bench.breakdown import render as render_breakdown
 
     bd, bd8 = results.get("breakdown"), results.get("breakdown_fp8")
     if bd:
@@ -963,7 +967,7 @@ def render_table(results: dict) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="hybridd bench", description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--model", type=Path, help="local HF directory (default: random weights of --preset)")
     p.add_argument("--preset", default=None, choices=("llama2-7b", "llama3-8b", "llama-1b", "small", "tiny"),
@@ -1141,7 +1145,7 @@ def main(argv: list[str] | None = None) -> int:
 
             part(name, run, needs=("model", "vocab"))
 
-        from scripts.bench_mixed import measure_mixed_load, measure_prefix_reuse
+        from hybridd.bench.mixed import measure_mixed_load, measure_prefix_reuse
 
         on_daemon("mixed_load", lambda endpoint: measure_mixed_load(
             endpoint, vocab(), args.long_prompt, args.itl_tokens, args.ttft_reps))
@@ -1149,7 +1153,7 @@ def main(argv: list[str] | None = None) -> int:
             endpoint, vocab(), args.long_prompt, args.turn_tokens, 8, args.ttft_reps))
 
         def structured(_):
-            from scripts.bench_structured import measure_structured, structured_checkpoint
+            from hybridd.bench.structured import measure_structured, structured_checkpoint
 
             model = structured_checkpoint(state["model"], Path(str(state["model"]) + "-bpe"))
             with start_server(args, model) as server:
@@ -1157,7 +1161,7 @@ def main(argv: list[str] | None = None) -> int:
 
         part("structured", structured, needs=("model", "vocab"))
 
-        from scripts.bench_speculation import measure_speculation, measure_speculation_steps
+        from hybridd.bench.speculation import measure_speculation, measure_speculation_steps
 
         on_daemon("speculation", lambda endpoint: measure_speculation(
             endpoint, state["model"], vocab(), 16 if args.quick else 64, 1 if args.quick else 3),
@@ -1189,7 +1193,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def model_shape_name(args) -> str:
     """The model as a reader should see it named: its shape and weights, or its directory's name."""
-    from scripts.make_random_checkpoint import SHAPE_NAMES, describe
+    from hybridd.bench.random_checkpoint import SHAPE_NAMES, describe
 
     dtype = "bf16" if args.device == "cuda" else "float32"
     if args.model is not None:
@@ -1198,12 +1202,12 @@ def model_shape_name(args) -> str:
 
 
 def run_breakdown_subprocess(args, model: Path, ceilings: dict, deadline: float, quantization: str = "none") -> dict:
-    """scripts/bench_breakdown.py in its own process (the model quantized as
+    """hybridd/bench/breakdown.py in its own process (the model quantized as
     `quantization` says): the model it loads and the graphs it captures are gone,
     whatever happens, before the daemons start."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "breakdown.json"
-        cmd = [sys.executable, "-m", "scripts.bench_breakdown", "--model", str(model), "--device",
+        cmd = [sys.executable, "-m", "hybridd.bench.breakdown", "--model", str(model), "--device",
                args.device, "--out", str(out), "--copy-bandwidth", repr(ceilings["copy_bandwidth_Bps"]),
                "--matmul-flops", repr(ceilings["matmul_flops"]), "--steps", "2" if args.device == "cpu" else "20",
                "--quantization", quantization]
@@ -1211,7 +1215,7 @@ def run_breakdown_subprocess(args, model: Path, ceilings: dict, deadline: float,
         timeout = max(60.0, deadline - time.perf_counter())
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
         if proc.returncode != 0 or not out.is_file():
-            raise RuntimeError(f"bench_breakdown.py exited {proc.returncode}: {proc.stderr[-3000:]}")
+            raise RuntimeError(f"hybridd.bench.breakdown exited {proc.returncode}: {proc.stderr[-3000:]}")
         return json.loads(out.read_text())
 
 
@@ -1238,6 +1242,3 @@ def source_digest() -> str:
         digest.update(str(path.relative_to(ROOT)).encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()[:12]
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from scripts.timing import at_most, concurrent_streams, itl_summary, random_prompt, ratio, ttft_summary
+from hybridd.bench.timing import at_most, concurrent_streams, itl_summary, random_prompt, ratio, ttft_summary
 
 STREAMS = 32
 PROMPT = 64

@@ -16,7 +16,7 @@ import random
 import statistics
 import threading
 
-from scripts.timing import at_most, itl_summary, random_prompt, ratio, timed_stream, ttft_summary
+from hybridd.bench.timing import at_most, itl_summary, random_prompt, ratio, timed_stream, ttft_summary
 
 SHARED_TAIL = 64  # tokens a "shared prefix" prompt differs in, at its end
 
