@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks and measurements this code still waits for, in three device calls of at
+# The GPU checks and measurements this code still waits for, in four device calls of at
 # most ~9 minutes each on an H100 (one part a call). The device returns at most 8 files a
 # call: everything is bundled in $OUT/o.tgz, rewritten after each step so that a cut call
 # keeps what ran. Carry .whl.
@@ -7,6 +7,9 @@
 #                                          # on the device, prompt logprobs on CUDA, the FP8 rule
 #     bash docs/lab/gpu_pending.sh spec    # speculation's goal on the Llama-3-8B shape: the head's
 #                                          # cost in process, prompt lookup at the client, 32 streams
+#     bash docs/lab/gpu_pending.sh house   # the code before the house change (da36c39) against this
+#                                          # tree: TTFT 10-500 tokens, batch-1 ITL, 32 streams, twice
+#                                          # each, alternating (carry .bisect/trees/da36c39 too)
 #     bash docs/lab/gpu_pending.sh steps   # where the FP8 decode step and the 256-row mixed step
 #                                          # spend their time (docs/lab/benchmarks.md, last entries)
 source scripts/device_env.sh > /dev/null 2>&1
@@ -28,6 +31,9 @@ tests)
 spec)
     timeout 560 python3 -m hybridd.bench --out /tmp/o/s8 --preset llama3-8b \
         --parts checkpoint,speculation_steps,speculation_client --budget-s 540 > /tmp/o/s8.log 2>&1; save s8 $? ;;
+house)
+    REPS=15 timeout 540 bash docs/lab/bisect/run.sh da36c39 head da36c39 head > /tmp/o/house.log 2>&1; rc=$?
+    cp $OUT/bisect.jsonl /tmp/o/ 2>/dev/null; save house $rc ;;
 steps)
     timeout 250 python3 -m hybridd.bench --out /tmp/o/f7 --preset llama2-7b --parts ceilings,checkpoint,breakdown_fp8 \
         --budget-s 240 > /tmp/o/f7.log 2>&1; save f7 $?
