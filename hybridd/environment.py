@@ -80,6 +80,10 @@ VARIABLES: dict[str, Variable] = _declare(
     Variable("TRITON_INTERPRET", bool, False, "Triton's own switch: run the Triton kernels in its CPU interpreter. "
              "hybridd reads it to keep the kernels' launch choices the interpreter can run; the test suite sets "
              "it.", "triton"),
+    Variable("TRITON_CACHE_DIR", str, None, "Triton's own: where it keeps compiled kernels (else ~/.triton/cache). "
+             "The bench counts the files there to tell a first start from a later one.", "triton"),
+    Variable("TORCHINDUCTOR_CACHE_DIR", str, None, "PyTorch Inductor's own: where it keeps compiled code (else "
+             "torchinductor_USER in the temporary directory). The bench counts its files like Triton's.", "triton"),
     Variable(TEST_PREFIX + "FREE_MEMORY_BYTES", int, None, "A test hook: the graph generator takes this for the "
              "device's free memory when it fits max_batch beside the weights and the KV cache.", "tests"),
     Variable(TEST_PREFIX + "SLOW_LOAD_S", float, 0.0, "A test hook: the graph generator sleeps this many seconds "
@@ -152,6 +156,11 @@ def export(values: Mapping[str, str]) -> dict[str, str | None]:
     previous = {key: os.environ.get(key) for key in values}
     os.environ.update(values)
     return previous
+
+
+def export_defaults(values: Mapping[str, str]) -> dict[str, str | None]:
+    """`export` of the `values` whose variables are unset; returns what it replaced, for `restore`."""
+    return export({key: value for key, value in values.items() if key not in os.environ})
 
 
 def restore(previous: Mapping[str, str | None]) -> None:

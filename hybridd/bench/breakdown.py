@@ -23,6 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from hybridd import environment
 from hybridd.bench.timing import (BLOCK, captured_runner, decode_step, device_ceilings, median_time, prefill_step,
                                   stepper)
 
@@ -398,9 +399,7 @@ def main() -> int:
     else:
         ceilings = device_ceilings(args.device)
     if args.device == "cpu":
-        import os
-
-        os.environ.setdefault("TRITON_INTERPRET", "1")
+        environment.export_defaults({"TRITON_INTERPRET": "1"})
     result = run_breakdown(args.model, args.device, ceilings, steps=args.steps, quantization=args.quantization)
     args.out.write_text(json.dumps(result, indent=2))
     print("\n".join(render(result)))

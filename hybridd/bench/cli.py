@@ -48,6 +48,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from hybridd import environment
 from hybridd.stats import percentile, slowest
 from hybridd.bench.daemon import Daemon
 from hybridd.bench.timing import (StreamRecord, concurrent_streams, device_ceilings, itl_summary, random_prompt, ratio,
@@ -164,8 +165,8 @@ def compile_cache_entries() -> dict[str, int]:
     import getpass
 
     dirs = {
-        "triton": os.environ.get("TRITON_CACHE_DIR") or os.path.expanduser("~/.triton/cache"),
-        "inductor": os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+        "triton": environment.get("TRITON_CACHE_DIR") or os.path.expanduser("~/.triton/cache"),
+        "inductor": environment.get("TORCHINDUCTOR_CACHE_DIR")
         or os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}"),
     }
     return {name: sum(len(files) for _, _, files in os.walk(d)) for name, d in dirs.items()}
@@ -178,11 +179,12 @@ def on_empty_compile_caches(fn):
     """fn() with Triton's and Inductor's caches in a new directory (removed afterwards), as
     the workers spawned meanwhile will find them: a start there is a first start on the
     host (it compiles every kernel)."""
-    from unittest import mock
-
-    with tempfile.TemporaryDirectory(prefix="hybridd-caches-", ignore_cleanup_errors=True) as root, \
-            mock.patch.dict(os.environ, {name: f"{root}/{name.lower()}" for name in COMPILE_CACHE_VARS}):
-        return fn()
+    with tempfile.TemporaryDirectory(prefix="hybridd-caches-", ignore_cleanup_errors=True) as root:
+        previous = environment.export({name: f"{root}/{name.lower()}" for name in COMPILE_CACHE_VARS})
+        try:
+            return fn()
+        finally:
+            environment.restore(previous)
 
 
 class HybriddServer(Daemon):
@@ -1019,9 +1021,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.device == "cpu":
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # as tests/conftest.py: no kernel compiles on the CPU
+        environment.export_defaults({"TRITON_INTERPRET": "1"})  # as tests/conftest.py: no kernel compiles on the CPU
     if not args.verbose:
-        os.environ.setdefault("HYBRIDD_LOG_LEVEL", "warning")  # inherited by the spawned workers
+        environment.export_defaults({"HYBRIDD_LOG_LEVEL": "warning"})  # inherited by the spawned workers
     args.out.mkdir(parents=True, exist_ok=True)
     t_begin = time.perf_counter()
     deadline = t_begin + args.budget_s

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -26,7 +25,7 @@ import msgpack
 import zmq
 
 import hybridd
-from hybridd import Client
+from hybridd import Client, environment
 
 _CONSOLE_SCRIPT = Path(sys.executable).parent / "hybridd"
 
@@ -60,11 +59,11 @@ class Daemon:
         self.base = Path(tempfile.mkdtemp(prefix="hd-"))
         self.runtime_dir = self.base / "run"
         self.log_path = self.base / "daemon.log"
-        environment = {k: v for k, v in os.environ.items() if k != "NOTIFY_SOCKET"}
+        child_environment = {k: v for k, v in environment.snapshot().items() if k != "NOTIFY_SOCKET"}
         settings = {"log_level": "info", **settings, "log_format": "json", "runtime_dir": self.runtime_dir}
         self.spawned_wall, self.spawned = time.time(), time.perf_counter()
         with open(self.log_path, "wb") as log:
-            self.process = subprocess.Popen([*start_command(), *flags(settings)], env=environment, stdout=log,
+            self.process = subprocess.Popen([*start_command(), *flags(settings)], env=child_environment, stdout=log,
                                             stderr=subprocess.STDOUT)
         try:
             self.ready = self._wait_ready(ready_timeout)

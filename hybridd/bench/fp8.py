@@ -36,6 +36,7 @@ import sys
 import time
 from pathlib import Path
 
+from hybridd import environment
 from hybridd.bench.timing import device_ceilings, median_time
 
 SHAPES = {
@@ -366,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     global DEVICE
     DEVICE = args.device
     if DEVICE == "cpu":
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
+        environment.export_defaults({"TRITON_INTERPRET": "1"})  # before any kernel module is imported
     import torch
 
     if DEVICE == "cuda" and not torch.cuda.is_available():
