@@ -192,7 +192,8 @@ class Config:
                               meaning="Tokens per block of the paged KV cache.")
     num_kv_blocks: int = setting(0, section="batching", unit="blocks", at_least=0,
                                  meaning="Blocks in the KV cache; 0 sizes it from kv_cache_memory_fraction on "
-                                         "CUDA, and is 512 on the CPU.")
+                                         "CUDA, and on the CPU from the bytes of 512 blocks in the model's dtype "
+                                         "(512 blocks, or more of an FP8 cache's).")
     kv_cache_memory_fraction: float = setting(0.5, section="batching", unit="fraction", allowed="0 < x < 1",
                                               meaning="With num_kv_blocks = 0 on CUDA, the share of the GPU's free "
                                                       "memory, after the weights, that the KV cache takes.")
