@@ -374,6 +374,6 @@ def test_model_on_the_triton_kernels_over_an_fp8_cache_equals_the_torch_kernels(
     model.fold_norms()
     logits, kv = run()
     assert rel(logits, ref_logits) < TOL
-    assert torch.equal(kv.arena.float(), ref_kv.arena.float()) or rel(dequantize_heads(kv.arena, kv.scales),
-                                                                      dequantize_heads(ref_kv.arena, ref_kv.scales)) < TOL
+    # The caches as read back: a k rounded apart in float32 may land one FP8 step apart.
+    assert rel(dequantize_heads(kv.arena, kv.scales), dequantize_heads(ref_kv.arena, ref_kv.scales)) < TOL
     assert "norm" in fusions and "residual" in fusions and "rotary" not in fusions
