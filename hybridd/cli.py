@@ -354,6 +354,7 @@ def format_status(status: dict[str, Any]) -> str:
         elapsed = f" ({phase['elapsed_s']:.1f} s)" if isinstance(phase.get("elapsed_s"), int | float) else ""
         lines.append(f"{name:<10} {phase.get('phase', '-')}: {phase.get('detail') or '-'}{progress}{elapsed}")
     model = f"model      {get('model', '-')}  dtype {get('dtype', '-')}  device {get('device', '-')}"
+    model += f"  kv {get('kv_cache_dtype')}" if get("kv_cache_dtype") not in (None, get("dtype")) else ""
     model += f"  max_model_len {get('max_model_len')}" if get("max_model_len") else ""
     lines.append(model + (f"  quantization {get('quantization').get('method', '?')}"
                           if isinstance(get("quantization"), dict) else ""))

@@ -192,10 +192,19 @@ class Config:
                               meaning="Tokens per block of the paged KV cache.")
     num_kv_blocks: int = setting(0, section="batching", unit="blocks", at_least=0,
                                  meaning="Blocks in the KV cache; 0 sizes it from kv_cache_memory_fraction on "
-                                         "CUDA, and is 512 on the CPU.")
+                                         "CUDA, and on the CPU from the bytes of 512 blocks in the model's dtype "
+                                         "(512 blocks, or more of an FP8 cache's).")
     kv_cache_memory_fraction: float = setting(0.5, section="batching", unit="fraction", allowed="0 < x < 1",
                                               meaning="With num_kv_blocks = 0 on CUDA, the share of the GPU's free "
                                                       "memory, after the weights, that the KV cache takes.")
+    kv_cache_dtype: str = setting("auto", section="batching", choices=("auto", "fp8"),
+                                  meaning="How the KV cache stores keys and values: auto in the model's dtype; fp8 "
+                                          "as FP8 E4M3 with one float32 scale per token and KV head (the head "
+                                          "vector's absmax / 448, no calibration), about half the bytes a block, "
+                                          "so the same memory holds about twice the blocks. With fp8 the qkv "
+                                          "projection's `rotary` fusion is not used (a separate kernel quantizes "
+                                          "and writes the cache); a draft model's and an EAGLE-3 head's own KV "
+                                          "caches stay in the model's dtype.")
     max_model_len: int = setting(0, section="batching", unit="tokens", at_least=0,
                                  meaning="The longest sequence, prompt and generated tokens together; 0 is the "
                                          "model's own limit, which a larger value is cut to.")
@@ -621,6 +630,13 @@ def resolve_dtype(config: Config, device: torch.device) -> torch.dtype:
     if config.dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return getattr(torch, config.dtype)
+
+
+def resolve_kv_cache_dtype(config: Config, model_dtype: torch.dtype) -> torch.dtype:
+    """The dtype the KV cache stores keys and values in: the model's (`auto`), or FP8 E4M3."""
+    import torch
+
+    return torch.float8_e4m3fn if config.kv_cache_dtype == "fp8" else model_dtype
 
 
 def _with_embedded_default(config: Config, configured: str, embedded: Path) -> str:

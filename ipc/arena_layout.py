@@ -23,6 +23,7 @@ DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
     "float32": torch.float32,
     "float64": torch.float64,
+    "float8_e4m3fn": torch.float8_e4m3fn,
     "int8": torch.int8,
     "uint8": torch.uint8,
     "int16": torch.int16,

@@ -212,7 +212,8 @@ def test_mixed_load_prefix_reuse_and_structured_parts(tmp_path):
 def test_fp8_parts(tmp_path):
     """The FP8 parts, small: the breakdown of the model quantized at load (its GEMM floors
     on the FP8 bytes), and a bf16 (here float32) and an FP8 daemon on the same weights,
-    each figure of the FP8 one over the other's, and the targets they feed."""
+    each figure of the FP8 one over the other's, and the targets they feed; then FP8
+    weights with an FP8 KV cache, its decode figures over the FP8 daemon's and more blocks."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.run(
         [sys.executable, "-m", "hybridd.bench", "--out", str(tmp_path / "out"), "--device", "cpu", "--preset", "tiny",
@@ -233,10 +234,17 @@ def test_fp8_parts(tmp_path):
         assert set(f8[name]["ttft_s"]) == {"128", "300"} and f8[name]["itl"]["n"] == 31
         assert f8[name]["concurrency"]["32"]["decode_tokens_per_s"] > 0
     assert all(v > 0 for v in f8["fp8_over_bf16"].values()), f8["fp8_over_bf16"]
+    kv = f8["fp8_kv"]
+    assert kv["kv_cache_dtype"] == "float8_e4m3fn" and f8["fp8"]["kv_cache_dtype"] == "float32"
+    assert kv["itl"]["n"] == 31 and kv["concurrency"]["32"]["decode_tokens_per_s"] > 0
+    assert kv["kv_blocks"] > 3 * f8["fp8"]["kv_blocks"]  # float32 head vectors against FP8 ones and their scales
+    assert set(f8["fp8_kv_over_fp8"]) == {"itl_p50", "itl_p99", "decode_tokens_per_s_32"}
+    assert all(v > 0 for v in f8["fp8_kv_over_fp8"].values()), f8["fp8_kv_over_fp8"]
     names = {t["target"].split(" (")[0] for t in r["targets"]}
     assert {"FP8 decode GPU step, batch 1, context 512", "FP8 / bf16 ITL p50, batch 1",
             "FP8 start to ready after weights are loaded"} <= names
-    assert "FP8 against bf16" in (tmp_path / "out" / "bench_table.txt").read_text()
+    table = (tmp_path / "out" / "bench_table.txt").read_text()
+    assert "FP8 against bf16" in table and "FP8 KV cache" in table
 
 
 def test_fp8_gemm_bench_runs(tmp_path):

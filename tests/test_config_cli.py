@@ -67,6 +67,7 @@ def test_config_file_from_environment_and_boolean_and_list_flags(toml):
         ("", {"HYBRIDD_BOGUS": "1"}, [], "environment (HYBRIDD_*): unknown setting HYBRIDD_BOGUS"),
         ('gemm_fusions = "norm,gelu"\n', {}, [],
          f"{{file}}: gemm_fusions must be a comma list of {', '.join(gemm_fusions.KNOWN)} or 'none', got 'norm,gelu'"),
+        ('kv_cache_dtype = "int8"\n', {}, [], "{file}: kv_cache_dtype must be one of auto, fp8, got 'int8'"),
         ("", {"HYBRIDD_GEMM_FUSIONS": ""}, [], "environment variable HYBRIDD_GEMM_FUSIONS: gemm_fusions must be"),
         ("", {"HYBRIDD_PDL": "maybe"}, [], "environment variable HYBRIDD_PDL: setting 'pdl' expects bool"),
         ("", {}, ["--max-batch", "x"], "command-line flag --max-batch: setting 'max_batch' expects int, got 'x'"),

@@ -38,14 +38,15 @@ def load_model_for_runner():
     return m
 
 
-def make_runner(model, use_graphs: bool, budget: int = 4 << 30, prefill=PREFILL, mixed_tokens: int | None = None):
+def make_runner(model, use_graphs: bool, budget: int = 4 << 30, prefill=PREFILL, mixed_tokens: int | None = None,
+                kv_dtype: torch.dtype = torch.bfloat16):
     from hybridd.model import KVCache
     from hybridd.runtime.buckets import BucketPlan
     from hybridd.runtime.graph_runner import GraphRunner
     from hybridd.runtime.step_buffers import StepBuffers
 
     plan = BucketPlan.create(list(DECODE), list(prefill), max_prefill_seqs=4, mixed_tokens=mixed_tokens)
-    kv = KVCache.allocate(model.config, 40 * 64, BLOCK, torch.bfloat16, "cuda")
+    kv = KVCache.allocate(model.config, 40 * 64, BLOCK, kv_dtype, "cuda")
     buffers = StepBuffers.allocate(plan.max_prefill_tokens, plan.max_rows, 64, model.config.vocab_size, "cuda")
     return GraphRunner(model, kv, buffers, plan, use_graphs=use_graphs, memory_budget_bytes=budget)
 
@@ -167,6 +168,32 @@ def test_every_bucket_graph_equals_eager_bitwise(model):
     assert {b for k, b in used if k == "decode"} == set(DECODE)
     snapshot = graphs.snapshot()
     assert snapshot["graph_bytes"] <= 4 << 30
+
+
+@torch.inference_mode()
+def test_fp8_kv_cache_graphs_equal_eager_bitwise(model):
+    """With an FP8 KV cache (`kv_cache_dtype = "fp8"`): the scale arena is a fixed buffer
+    like the values', so the captured decode and prefill graphs give the eager path's
+    logits, values and scales bit for bit over prefills and decode replays."""
+    graphs = make_runner(model, True, prefill=(64, 512), kv_dtype=torch.float8_e4m3fn)
+    eager = make_runner(model, False, prefill=(64, 512), kv_dtype=torch.float8_e4m3fn)
+    graphs.capture_decode_graphs()
+    for size in (64, 512):
+        assert graphs._capture("prefill", size)
+    seqs = Seqs(8, seed=3)
+    for i in range(8):  # 5 to 299 tokens each: the 64- and 512-token buckets
+        shape, got, ref = run_both(graphs, eager, seqs.prefill_step([i]))
+        assert shape.graph and torch.equal(got, ref), f"prefill bucket {shape.bucket}"
+    g = torch.Generator().manual_seed(5)
+    for n in [1, 3, 8, 5, 2, 8, 1] * 3:
+        idx = torch.randperm(8, generator=g)[:n].tolist()
+        shape, got, ref = run_both(graphs, eager, seqs.decode_step(idx))
+        assert shape.graph and torch.equal(got, ref), f"decode bucket {shape.bucket} with {n} rows"
+    real = graphs.kv_cache.num_blocks
+    assert torch.equal(graphs.kv_cache.arena[:, :, :real].view(torch.uint8),
+                       eager.kv_cache.arena[:, :, :real].view(torch.uint8))
+    assert torch.equal(graphs.kv_cache.scales[:, :, :real], eager.kv_cache.scales[:, :, :real])
+    assert graphs.kv_cache.scales[:, :, :real].ne(1).any()  # the graphs wrote scales
 
 
 @torch.inference_mode()

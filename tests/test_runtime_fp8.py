@@ -1,7 +1,7 @@
 """`hybridd start --quantization fp8` on the CPU: the daemon serves the embedded model with
 FP8 weights token for token as the FP8 model decodes in-process, and says so: `status`
 (and `hybridd status`), the start-up log and the gateway's `/v1/models` name the
-quantization."""
+quantization; status and the log name the KV cache's dtype (the model's, by default)."""
 
 from __future__ import annotations
 
@@ -38,4 +38,6 @@ def test_fp8_daemon_serves_the_fp8_model_and_reports_its_quantization():
         models = httpx.get(daemon.url + "/v1/models", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30)
         assert models.status_code == 200, models.text
         assert [card["quantization"] for card in models.json()["data"]] == ["fp8"]
-        assert "fp8 e4m3 weights" in daemon.log_path.read_text(errors="replace")
+        log = daemon.log_path.read_text(errors="replace")
+        assert "fp8 e4m3 weights" in log
+        assert "kv_cache_dtype=float32" in log and status["kv_cache_dtype"] == "float32"  # the model's: auto

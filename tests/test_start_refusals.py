@@ -96,6 +96,7 @@ def _no_tokenizer(model: Path) -> None:
     (["--num-speculative-tokens", "0"], "num_speculative_tokens must be >= 1, got 0"),
     (["--num-speculative-tokens", "17"], "num_speculative_tokens must be at most 16, got 17"),
     (["--speculative-drafter", "eagle"], "speculative_drafter must be one of none, ngram, draft_model, eagle3, got 'eagle'"),
+    (["--kv-cache-dtype", "int8"], "kv_cache_dtype must be one of auto, fp8, got 'int8'"),
     (["--speculative-ngram-min", "3", "--speculative-ngram-max", "2"],
      "speculative_ngram_min (3) must be at most speculative_ngram_max (2)"),
     (["--model", "/nonexistent"], "model /nonexistent: no such directory"),

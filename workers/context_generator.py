@@ -30,6 +30,7 @@ from hybridd.engine.speculation.graph_drafter import GraphDrafter
 from hybridd.engine.speculation.policy import SpeculationPolicy
 from hybridd.engine.speculation.registry import make_drafter
 from hybridd.engine.speculation.speculator import Speculator
+from hybridd.model.kv_cache import KVCache
 from hybridd.engine.step_pipeline import StepPipeline
 from hybridd.errors import EngineDeadError
 from hybridd.log import configure, get_logger
@@ -126,7 +127,8 @@ class ContextGenerator:
         self.pipeline = StepPipeline(
             ready, self.buffers, self.ctl, sampler, self.device,
             on_control=self._on_control, peer_alive=self._graph_alive,
-            kv_cache=self.kv_arena.tensors["kv_cache"], while_launching=self._while_launching,
+            kv_cache=KVCache(self.kv_arena["kv_cache"], ready.block_size, self.kv_arena.tensors.get("kv_scales")),
+            while_launching=self._while_launching,
             while_waiting=self.link.heartbeat, settle=self._settle,
         )
         drafter = make_drafter(config.speculative_drafter, config.speculative_ngram_min, config.speculative_ngram_max,

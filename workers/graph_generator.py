@@ -27,13 +27,15 @@ import torch
 import zmq
 
 from hybridd import environment
-from hybridd.config import Config, draft_model_dir, eagle3_head_dir, resolve_device, resolve_dtype
+from hybridd.config import (
+    Config, draft_model_dir, eagle3_head_dir, resolve_device, resolve_dtype, resolve_kv_cache_dtype,
+)
 from hybridd.engine.speculation.draft_runner import DraftServer, draft_model_runner
 from hybridd.engine.speculation.eagle3_runner import HeadGeometry, eagle3_runner
 from hybridd.log import configure, get_logger
 from hybridd.kernels.choices import KernelChoices
 from hybridd.model import KVCache, ModelConfig, ModelLoadError, load_model
-from hybridd.model.kv_cache import blocks_for, kv_arena_shape, kv_bytes_per_block
+from hybridd.model.kv_cache import blocks_for, is_fp8, kv_arena_shape, kv_bytes_per_block, kv_scales_shape
 from hybridd.model.eagle3 import Eagle3Head, load_eagle3_head
 from hybridd.model.llama import LlamaModel
 from hybridd.runtime.buckets import BucketPlan
@@ -124,19 +126,23 @@ class GraphGenerator:
         self.plan = BucketPlan.create(config.decode_buckets, config.prefill_buckets, config.max_prefill_seqs,
                                       mixed_tokens=min(config.chunk_tokens, config.max_prefill_tokens))
         block_size = config.block_size
-        num_blocks = self._num_kv_blocks(model, block_size)
-        self.plan = self._fit_batch(model, num_blocks * kv_bytes_per_block(mc, block_size, model.dtype))
+        kv_dtype = resolve_kv_cache_dtype(config, model.dtype)
+        num_blocks = self._num_kv_blocks(model, block_size, kv_dtype)
+        self.plan = self._fit_batch(model, num_blocks * kv_bytes_per_block(mc, block_size, kv_dtype))
         max_tokens, blocks_per_seq = geometry(config.max_prefill_tokens, self.plan.max_batch, max_model_len, block_size)
         aux_layers = () if head is None else head.spec.aux_layers  # the hidden states the head reads
         step_layout = buffer_layout(max_tokens, self.plan.max_rows, blocks_per_seq, mc.vocab_size,
                                     (len(aux_layers) * mc.hidden_size, model.dtype) if aux_layers else None)
         kv_shape = kv_arena_shape(mc, num_blocks, block_size)
 
-        self.kv_arena = SharedArena.create(ArenaLayout({"kv_cache": (kv_shape, _dtype_name(model.dtype))}), self.device)
+        kv_layout = {"kv_cache": (kv_shape, _dtype_name(kv_dtype))}
+        if is_fp8(kv_dtype):  # fixed buffers beside the values, as the graphs capture them
+            kv_layout["kv_scales"] = (kv_scales_shape(mc, num_blocks, block_size), "float32")
+        self.kv_arena = SharedArena.create(ArenaLayout(kv_layout), self.device)
         self.step_arena = SharedArena.create(
             ArenaLayout({name: (shape, _dtype_name(dt)) for name, (shape, dt) in step_layout.items()}), self.device
         )
-        self.kv_cache = KVCache(self.kv_arena["kv_cache"], block_size)
+        self.kv_cache = KVCache(self.kv_arena["kv_cache"], block_size, self.kv_arena.tensors.get("kv_scales"))
         self.buffers = StepBuffers(dict(self.step_arena.tensors), max_tokens, blocks_per_seq)
         budget = config.graph_memory_budget_mb << 20
         drafter_config = draft_model.config if draft_model is not None else \
@@ -206,7 +212,7 @@ class GraphGenerator:
             pid=os.getpid(),
         ))
         self.log.info("ready_sent", kv_blocks=num_blocks, block_size=block_size, max_model_len=max_model_len,
-                      quantization=quantization.get("description", "none"))
+                      kv_cache_dtype=_dtype_name(kv_dtype), quantization=quantization.get("description", "none"))
 
     def _load_draft(self, dtype: torch.dtype, choices: KernelChoices,
                     max_model_len: int) -> tuple[LlamaModel | None, KVCache | None]:
@@ -316,15 +322,20 @@ class GraphGenerator:
             return plan.within(fitting[-1])
         return plan
 
-    def _num_kv_blocks(self, model, block_size: int) -> int:
+    def _num_kv_blocks(self, model, block_size: int, kv_dtype: torch.dtype) -> int:
+        """`num_kv_blocks`, else the blocks of `kv_dtype` that the KV budget holds: the
+        `kv_cache_memory_fraction` of the free memory on CUDA, on the CPU the bytes of
+        `CPU_DEFAULT_KV_BLOCKS` blocks in the model's dtype (so an FP8 cache has about
+        twice the blocks there too)."""
         config = self.config
         if config.num_kv_blocks:
             return config.num_kv_blocks
         if self.device.type != "cuda":
-            return CPU_DEFAULT_KV_BLOCKS
+            budget = CPU_DEFAULT_KV_BLOCKS * kv_bytes_per_block(model.config, block_size, model.dtype)
+            return budget // kv_bytes_per_block(model.config, block_size, kv_dtype)
         free, _ = torch.cuda.mem_get_info(self.device)
         budget = int(free * config.kv_cache_memory_fraction)
-        return max(16, budget // kv_bytes_per_block(model.config, block_size, model.dtype))
+        return max(16, budget // kv_bytes_per_block(model.config, block_size, kv_dtype))
 
     def serve(self) -> None:
         self.runner.serve_from_this_thread()

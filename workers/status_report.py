@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from hybridd.config import Config, resolve_dtype
+from hybridd.config import Config, resolve_dtype, resolve_kv_cache_dtype
 from hybridd.engine.core import EngineCore
 from hybridd.protocol import control
 from hybridd.version import __version__
@@ -72,6 +72,8 @@ class StatusReport:
             "model": self.config.model,
             "dtype": str(resolve_dtype(self.config, self.device)).removeprefix("torch."),
             "device": str(self.device),
+            "kv_cache_dtype": str(resolve_kv_cache_dtype(self.config, resolve_dtype(self.config, self.device)))
+            .removeprefix("torch."),
             "quantization": self.ready.quantization or None,
             "workers": info.get("workers", {"context": {"pid": os.getpid(), "restarts": 0},
                                             "graph": {"pid": self.ready.pid, "restarts": 0}}),

@@ -21,7 +21,7 @@ setting changed), `capture_evict` (capture.py), `mixed_load` and `prefix_reuse`
 lookup against one without, on the preset's weights made predictable, at set acceptance
 lengths and 32 streams), `breakdown_fp8` and `fp8` (the model
 quantized to FP8: its steps against the FP8 floor; a bf16 and an FP8 daemon on the same
-weights), and the peers on the same weights: `hf_eager`, `hf_static` (transformers
+weights, and FP8 weights with an FP8 KV cache), and the peers on the same weights: `hf_eager`, `hf_static` (transformers
 `generate()`, static cache and torch.compile). A part is skipped, the reason recorded,
 where `--budget-s` would be exceeded; a failure is recorded and the run goes on;
 bench.json is rewritten after every part. docs/lab/benchmarks.md reads the figures;
@@ -83,12 +83,12 @@ ESTIMATE_S_7B = {"ceilings": 8, "checkpoint": 60, "breakdown": 45, "hybridd_eage
                  "capture_evict": 60, "hf_eager": 45, "hf_static": 60, "mixed_load": 60,
                  "prefix_reuse": 45, "structured": 150, "speculation": 90,
                  "speculation_steps": 110, "speculation_client": 200, "breakdown_fp8": 45,
-                 "fp8": 120} | dict.fromkeys(VARIANTS, 60)
+                 "fp8": 170} | dict.fromkeys(VARIANTS, 60)
 ESTIMATE_S_SMALL = {"ceilings": 3, "checkpoint": 5, "breakdown": 10, "hybridd_eager": 12, "hybridd": 20,
                     "capture_evict": 20, "hf_eager": 8, "hf_static": 60, "mixed_load": 30,
                     "prefix_reuse": 30, "structured": 60, "speculation": 60,
                     "speculation_steps": 60, "speculation_client": 60, "breakdown_fp8": 10,
-                    "fp8": 30} | dict.fromkeys(VARIANTS, 20)
+                    "fp8": 45} | dict.fromkeys(VARIANTS, 20)
 # What --skip may name: the parts, and the HTTP gateway's figures inside the hybridd part.
 SKIPPABLE = frozenset(ESTIMATE_S_7B) | {"gateway"}
 LARGE_PRESETS = ("llama2-7b", "llama3-8b")
@@ -432,16 +432,26 @@ def run_fp8(args, model: Path, vocab: int, deadline: float, result: dict) -> Non
     """The graphs-on daemon in the model's dtype (`bf16`), then with `quantization = "fp8"`
     (`fp8`), on the same weights and prompts: start (after the weights), TTFT at
     FP8_TTFT_LENGTHS and `--long-prompt` tokens, batch-1 ITL and FP8_STREAMS streams;
-    `fp8_over_bf16` divides each figure of `fp8` by `bf16`'s."""
+    `fp8_over_bf16` divides each figure of `fp8` by `bf16`'s. Then FP8 weights with an FP8
+    KV cache (`fp8_kv`, `kv_cache_dtype = "fp8"`): batch-1 ITL and FP8_STREAMS streams,
+    `fp8_kv_over_fp8` each of its figures over `fp8`'s (what halving the KV read gains)."""
     lengths = (*[n for n in FP8_TTFT_LENGTHS if n < args.long_prompt], args.long_prompt)
-    for name, overrides in (("bf16", {}), ("fp8", {"quantization": "fp8"})):
+    for name, overrides in (("bf16", {}), ("fp8", {"quantization": "fp8"}),
+                            ("fp8_kv", {"quantization": "fp8", "kv_cache_dtype": "fp8"})):
         part = result[name] = {}
-        rng = random.Random(11)  # the same prompts for both
+        rng = random.Random(11)  # the same prompts for all three
         with sdk_on_server(args, model, part, **overrides) as (_, client):
-            measure_batch1((client.ttft, client.gaps), lengths, args, vocab, rng, deadline, part)
+            if name == "fp8_kv":  # decode figures only: the KV read is what changed
+                part["itl"] = measure_itl(client.gaps, ITL_PROMPT, args.itl_tokens, args.itl_runs, vocab, rng,
+                                          deadline)
+            else:
+                measure_batch1((client.ttft, client.gaps), lengths, args, vocab, rng, deadline, part)
             part["concurrency"] = measure_concurrency(client, (FP8_STREAMS,), ITL_PROMPT, args.concurrency_tokens,
                                                       vocab, rng)
-            part["quantization"] = client.status().get("quantization")
+            status = client.status()
+            part["quantization"] = status.get("quantization")
+            part["kv_cache_dtype"] = status.get("kv_cache_dtype")
+            part["kv_blocks"] = g(status, "kv_blocks", "total")
     figures = {"itl_p50": ("itl", "p50_s"), "itl_p99": ("itl", "p99_s"),
                f"decode_tokens_per_s_{FP8_STREAMS}": ("concurrency", str(FP8_STREAMS), "decode_tokens_per_s"),
                "after_weights_to_ready": ("startup", "after_weights_to_ready_s"),
@@ -449,6 +459,9 @@ def run_fp8(args, model: Path, vocab: int, deadline: float, result: dict) -> Non
     result["ttft_lengths"] = list(lengths)
     result["fp8_over_bf16"] = {name: ratio(g(result["fp8"], *keys), g(result["bf16"], *keys))
                                for name, keys in figures.items()}
+    decode = ("itl_p50", "itl_p99", f"decode_tokens_per_s_{FP8_STREAMS}")
+    result["fp8_kv_over_fp8"] = {name: ratio(g(result["fp8_kv"], *figures[name]), g(result["fp8"], *figures[name]))
+                                 for name in decode}
 
 
 SPEC_STREAMS = 32
@@ -905,6 +918,19 @@ def render_table(results: dict) -> str:
                    for dtype in ("bf16", "fp8")]
         lines.append(f"{f'{FP8_STREAMS} streams (decode tok/s)':26s} | {streams[0]:>8s} | {streams[1]:>8s} | "
                      f"{fmt(f8['fp8_over_bf16'].get(f'decode_tokens_per_s_{FP8_STREAMS}')):>8s}")
+    if f8.get("fp8_kv_over_fp8"):
+        over = f8["fp8_kv_over_fp8"]
+        lines += ["", f"{'FP8 KV cache (ms)':26s} | {'fp8':>8s} | {'fp8+kv':>8s} | {'kv/fp8':>8s}"]
+        for label, keys, name in (("ITL p50 (b=1)", ("itl", "p50_s"), "itl_p50"),
+                                  ("ITL p99 (b=1)", ("itl", "p99_s"), "itl_p99")):
+            ours, theirs = fmt(g(f8, "fp8", *keys), 1e3), fmt(g(f8, "fp8_kv", *keys), 1e3)
+            lines.append(f"{label:26s} | {ours:>8s} | {theirs:>8s} | {fmt(over.get(name)):>8s}")
+        streams = [fmt(g(f8, name, "concurrency", str(FP8_STREAMS), "decode_tokens_per_s"), 1, 0)
+                   for name in ("fp8", "fp8_kv")]
+        lines.append(f"{f'{FP8_STREAMS} streams (decode tok/s)':26s} | {streams[0]:>8s} | {streams[1]:>8s} | "
+                     f"{fmt(over.get(f'decode_tokens_per_s_{FP8_STREAMS}')):>8s}")
+        blocks = [fmt(g(f8, name, "kv_blocks"), 1, 0) for name in ("fp8", "fp8_kv")]
+        lines.append(f"{'KV blocks':26s} | {blocks[0]:>8s} | {blocks[1]:>8s} |")
     sc = results.get("speculation_client") or {}
     if sc.get("rows"):
         pol = sc.get("policy", {})

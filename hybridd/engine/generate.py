@@ -7,6 +7,8 @@ use it; the two-process runtime is checked against the model it wraps.
 
 from __future__ import annotations
 
+import torch
+
 from hybridd.engine.block_manager import BlockManager
 from hybridd.engine.core import EngineCore
 from hybridd.engine.grammar import CompiledGrammar
@@ -30,16 +32,19 @@ def generate(
     grammar: CompiledGrammar | None = None,
     speculator: Speculator | None = None,
     max_batch: int | None = None,
+    kv_dtype: torch.dtype | None = None,
 ) -> list[list[Sequence]]:
     """Run every prompt with `params` to its end (under `grammar`, the compiled
     `params.structured`, when given), speculating with `speculator` when given; returns
     the finished requests' sequences, one list per prompt (`params.n` sequences each).
-    `max_batch` (default: every sequence at once) bounds the batch."""
+    `max_batch` (default: every sequence at once) bounds the batch. `kv_dtype` (default:
+    the model's) is the KV cache's dtype where no `kv_cache` is given."""
     lengths = [len(p) + params.max_tokens for p in prompts]
     model.check_sequence_length(max(lengths, default=0))
     manager_blocks = sum(params.n * blocks_for(n, block_size) for n in lengths)
     if kv_cache is None:
-        kv_cache = KVCache.allocate(model.config, manager_blocks + 1, block_size, model.dtype, model.device)
+        kv_cache = KVCache.allocate(model.config, manager_blocks + 1, block_size, kv_dtype or model.dtype,
+                                   model.device)
     blocks = BlockManager(kv_cache.num_blocks, block_size, watermark=0.0)
     max_batch = max_batch or max(1, len(prompts) * params.n)
     k = speculator.max_tokens if speculator is not None else 0
@@ -64,8 +69,10 @@ def greedy_generate(
     max_new_tokens: int,
     block_size: int = 16,
     kv_cache: KVCache | None = None,
+    kv_dtype: torch.dtype | None = None,
 ) -> list[list[int]]:
     """Greedy decoding of each prompt for exactly `max_new_tokens` tokens (no stop at
     EOS); returns the new tokens."""
     params = SamplingParams(max_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)
-    return [list(seqs[0].output_token_ids) for seqs in generate(model, prompts, params, block_size, kv_cache)]
+    return [list(seqs[0].output_token_ids)
+            for seqs in generate(model, prompts, params, block_size, kv_cache, kv_dtype=kv_dtype)]

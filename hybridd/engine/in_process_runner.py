@@ -20,7 +20,7 @@ from hybridd.engine.scheduler import ScheduledBatch
 from hybridd.engine.speculation.drafter import HiddenStateDrafter
 from hybridd.engine.speculation.verification import sample_verify_rows
 from hybridd.engine.step_pipeline import InflightStep
-from hybridd.model.kv_cache import KVCache, copy_blocks
+from hybridd.model.kv_cache import KVCache
 from hybridd.model.llama import LlamaModel
 
 
@@ -50,7 +50,7 @@ class InProcessRunner:
             wanted = wanted_rows(batch, keep)
             feed(self.hidden_drafter, batch, aux if wanted is None else aux[wanted], keep)
         if batch.kv_copies:  # forks' copies of the prompt's last block, once this step wrote it
-            copy_blocks(self.kv_cache.arena, batch.kv_copies)
+            self.kv_cache.copy_blocks(batch.kv_copies)
         prompt = compute_prompt_logprobs(logits, batch) if batch.prompt_rows else []
         if batch.selects_rows:
             logits = logits.index_select(0, torch.tensor(batch.sample_rows, dtype=torch.int64, device=self.device))

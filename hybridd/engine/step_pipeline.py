@@ -51,7 +51,7 @@ from hybridd.errors import EngineDeadError
 from hybridd.engine.scheduler import ScheduledBatch
 from hybridd.engine.speculation.graph_drafter import GraphDrafter
 from hybridd.engine.speculation.verification import sample_verify_rows
-from hybridd.model.kv_cache import copy_blocks
+from hybridd.model.kv_cache import KVCache
 from hybridd.runtime.serving_stream import ServingStream
 from hybridd.runtime.step_buffers import StepBuffers
 from hybridd.runtime.step_trace import mark
@@ -84,14 +84,14 @@ class StepPipeline:
         on_control: Callable[[control.ControlMessage], None],
         peer_alive: Callable[[], bool],
         launch_timeout_s: float = 60.0,
-        kv_cache: torch.Tensor | None = None,
+        kv_cache: KVCache | None = None,
         while_launching: Callable[[], None] | None = None,
         while_waiting: Callable[[], None] | None = None,
         settle: Callable[[], None] | None = None,
     ):
         self.buffers = buffers
         self.hidden_drafter: GraphDrafter | None = None  # see feed_hidden_states
-        self.kv_cache = kv_cache  # the KV arena [layers, 2, blocks + 1, ...], for copying forked blocks
+        self.kv_cache = kv_cache  # the KV arena (and an FP8 cache's scales), for copying forked blocks
         self.ctl = ctl
         self.sampler = sampler
         self.device = device
@@ -220,7 +220,7 @@ class StepPipeline:
         """Fill forked sequences' blocks from the prompt's, in every layer (one copy each way)."""
         if self.kv_cache is None:
             raise RuntimeError("forking sequences needs the KV arena")
-        copy_blocks(self.kv_cache, copies)
+        self.kv_cache.copy_blocks(copies)
 
     def _gather_inputs(self, batch: ScheduledBatch, n_tokens: int) -> None:
         """Input tokens still on the device come from the ring of sampled tokens."""

@@ -4,6 +4,10 @@ block tables.
 
 This is the CPU path and the reference for the GPU kernels. Every bound is read from
 device tensors and every shape is fixed by the step's bucket, so it is graph-safe.
+
+With an FP8 cache every function takes the layer's scale caches `k_scale`, `v_scale`
+[blocks, page, KVH] (`hybridd/model/kv_cache.py`): the write quantizes each head vector,
+the attention reads keys and values back as float32 value times scale.
 """
 
 from __future__ import annotations
@@ -13,20 +17,32 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from hybridd.kernels.kv_quantize import dequantize_heads, quantize_heads
+
 if TYPE_CHECKING:  # the step's tensors are read by attribute; the model owns their type
     from hybridd.model.step_inputs import StepInputs
 
 
 def write_kv(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> None:
-    """Store k, v [T, kv_heads, d] at their slots; slot -1 lands in the scratch block."""
-    flat_k = k_cache.view(-1, *k_cache.shape[2:])
-    flat_v = v_cache.view(-1, *v_cache.shape[2:])
-    scratch = flat_k.shape[0] - 1
+    """Store k, v [T, kv_heads, d] at their slots (FP8 with their scales where the cache
+    has scales); slot -1 lands in the scratch block."""
+    scratch = k_cache.shape[0] * k_cache.shape[1] - 1
     slots = torch.where(slot_mapping >= 0, slot_mapping, scratch).long()
-    flat_k.index_copy_(0, slots, k)
-    flat_v.index_copy_(0, slots, v)
+    for cache, scales, x in ((k_cache, k_scale, k), (v_cache, v_scale, v)):
+        if scales is not None:
+            x, x_scale = quantize_heads(x)
+            scales.view(-1, scales.shape[2]).index_copy_(0, slots, x_scale)
+            # index_copy_ has no float8 kernel: the bytes are copied.
+            cache, x = cache.view(torch.uint8), x.view(torch.uint8)
+        cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, x.to(cache.dtype))
+
+
+def _read(cache: torch.Tensor, scales: torch.Tensor | None, index) -> torch.Tensor:
+    """float32 head vectors of `cache[index]` (times their scales in an FP8 cache)."""
+    return dequantize_heads(cache[index], None if scales is None else scales[index])
 
 
 # Rows a call of `prefill_attention` gathers keys for at once: each row reads its
@@ -48,7 +64,7 @@ def sequence_of_rows(query_start_loc: torch.Tensor, num_tokens: int) -> torch.Te
 
 def prefill_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, step: StepInputs, scale: float,
-    sliding_window: int | None = None,
+    sliding_window: int | None = None, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Each query row of a packed step over its sequence's paged context: the keys at
     positions up to its own (and within `sliding_window` W: itself and the W - 1 before
@@ -57,13 +73,13 @@ def prefill_attention(
     chunk of a prompt after earlier chunks, or one decode row. q [T, H, d], caches
     [blocks, page, KVH, d] -> [T, H, d]. Padding rows (past the last sequence) give 0."""
     if q.device.type == "cpu":
-        return _prefill_attention_by_sequence(q, k_cache, v_cache, step, scale, sliding_window)
-    return prefill_attention_graph_safe(q, k_cache, v_cache, step, scale, sliding_window)
+        return _prefill_attention_by_sequence(q, k_cache, v_cache, step, scale, sliding_window, k_scale, v_scale)
+    return prefill_attention_graph_safe(q, k_cache, v_cache, step, scale, sliding_window, k_scale, v_scale)
 
 
 def prefill_attention_graph_safe(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, step: StepInputs, scale: float,
-    sliding_window: int | None = None,
+    sliding_window: int | None = None, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`prefill_attention` with every bound read on the device (a captured graph's torch
     path): each row gathers its sequence's whole table width, `_ROWS_PER_GATHER` rows at
@@ -81,10 +97,10 @@ def prefill_attention_graph_safe(
     for lo in range(0, t if num_seqs else 0, _ROWS_PER_GATHER):
         rows = slice(lo, min(lo + _ROWS_PER_GATHER, t))
         n = rows.stop - lo
-        keys = k_cache[tables[rows]].reshape(n, width, kvh, d)
-        values = v_cache[tables[rows]].reshape(n, width, kvh, d)
+        keys = _read(k_cache, k_scale, tables[rows]).reshape(n, width, kvh, d)
+        values = _read(v_cache, v_scale, tables[rows]).reshape(n, width, kvh, d)
         qg = q[rows].view(n, kvh, h // kvh, d)
-        scores = torch.einsum("rkgd,rskd->rkgs", qg.float(), keys.float()) * scale
+        scores = torch.einsum("rkgd,rskd->rkgs", qg.float(), keys) * scale
         pos = step.positions[rows, None]
         visible = (key_index[None, :] <= pos) & real[rows, None]
         if sliding_window is not None:
@@ -92,14 +108,14 @@ def prefill_attention_graph_safe(
         scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
         # Padding rows see no key: their probabilities are 0, not NaN.
         probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
-        o = torch.einsum("rkgs,rskd->rkgd", probs, values.float())
+        o = torch.einsum("rkgs,rskd->rkgd", probs, values)
         out[rows] = o.reshape(n, h, d).to(q.dtype)
     return out
 
 
 def _prefill_attention_by_sequence(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, step: StepInputs, scale: float,
-    sliding_window: int | None,
+    sliding_window: int | None, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
 ) -> torch.Tensor:
     """`prefill_attention` on the CPU, where no graph is captured and the host may read the
     step's bounds: each sequence's keys are gathered once, up to its last row's position,
@@ -115,8 +131,8 @@ def _prefill_attention_by_sequence(
         positions = step.positions[lo:hi]
         last = int(positions.max())
         blocks = step.block_tables[i, : last // block_size + 1]
-        keys = k_cache[blocks].reshape(-1, kvh, d)[: last + 1]
-        values = v_cache[blocks].reshape(-1, kvh, d)[: last + 1]
+        keys = _read(k_cache, k_scale, blocks).reshape(-1, kvh, d)[: last + 1]
+        values = _read(v_cache, v_scale, blocks).reshape(-1, kvh, d)[: last + 1]
         key_index = torch.arange(last + 1)
         visible = key_index[None, :] <= positions[:, None]
         if sliding_window is not None:
@@ -141,6 +157,8 @@ def decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query per sequence over its paged context (its last `sliding_window` tokens
     when given). q [B, H, d] -> [B, H, d]."""
@@ -150,15 +168,15 @@ def decode_attention(
     if q.device.type == "cpu":  # no graphs on the CPU: only the blocks the lengths reach
         block_tables = block_tables[:, :_blocks_reached(seq_lens - 1, block_size)]
     width = block_tables.shape[1] * block_size
-    keys = k_cache[block_tables].reshape(b, width, kvh, d)
-    values = v_cache[block_tables].reshape(b, width, kvh, d)
+    keys = _read(k_cache, k_scale, block_tables).reshape(b, width, kvh, d)
+    values = _read(v_cache, v_scale, block_tables).reshape(b, width, kvh, d)
     qg = q.view(b, kvh, h // kvh, d)
-    scores = torch.einsum("bkgd,bskd->bkgs", qg.float(), keys.float()) * scale
+    scores = torch.einsum("bkgd,bskd->bkgs", qg.float(), keys) * scale
     key_index = torch.arange(width, device=q.device)[None, :]
     valid = key_index < seq_lens[:, None]
     if sliding_window is not None:
         valid &= key_index >= seq_lens[:, None] - sliding_window
     scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    out = torch.einsum("bkgs,bskd->bkgd", probs, values.float())
+    out = torch.einsum("bkgs,bskd->bkgd", probs, values)
     return out.reshape(b, h, d).to(q.dtype)

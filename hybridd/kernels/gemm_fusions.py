@@ -12,6 +12,8 @@ epilogue (`hybridd/kernels/triton_gemm.py`): the daemon's `gemm_fusions` setting
   down_proj's products to the stream and the kernels after qkv and gate/up (RoPE with
   the KV write, SiLU·mul) apply the row scales;
 - `rotary`: RoPE of q and k and the KV-cache write, in the qkv projection's epilogue;
+  not with an FP8 KV cache (`kv_cache_dtype = "fp8"`), whose write quantizes each head:
+  there the separate RoPE kernel (`triton_ops.rotary_write_kv`) writes the cache;
 
 or `none`. The fused kernels round in other places than the separate ones (the folded
 weights, the product scaled after the sum); top-1 stays the same. The default, both, is

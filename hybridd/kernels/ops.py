@@ -49,10 +49,13 @@ def rotary_write_kv(
     slot_mapping: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """RoPE of q and k, then the rotated k and v stored at their slots; returns (q, k) rotated."""
+    """RoPE of q and k, then the rotated k and v stored at their slots (quantized, with an
+    FP8 cache's scales); returns (q, k) rotated."""
     q, k = rotary(positions, q, k, cos, sin)
-    attention.write_kv(k_cache, v_cache, k, v, slot_mapping)
+    attention.write_kv(k_cache, v_cache, k, v, slot_mapping, k_scale, v_scale)
     return q, k
 
 
@@ -104,7 +107,8 @@ class ComposedSteps:
             q_weight, k_weight, qk_eps = rotary.qk_norm
             q, k = self.rms_norm(q, q_weight, qk_eps), self.rms_norm(k, k_weight, qk_eps)
         q, k = self.rotary_write_kv(
-            rotary.positions, q, k, v, rotary.k_cache, rotary.v_cache, rotary.slot_mapping, rotary.cos, rotary.sin
+            rotary.positions, q, k, v, rotary.k_cache, rotary.v_cache, rotary.slot_mapping, rotary.cos, rotary.sin,
+            **rotary.scales,
         )
         return q, k, v, base
 

@@ -15,7 +15,8 @@ class RotaryArgs:
     head_dim], and its rotated k and its v go to the paged caches at `slot_mapping[m]`
     (-1: nowhere), laid out as `triton_ops.rotary_write_kv` stores them. `qk_norm`, where
     the model has one (Qwen3), is (q's weight [d], k's weight [d], eps): an RMSNorm over each
-    head of q and of k before the rotation."""
+    head of q and of k before the rotation. With an FP8 cache, `k_scale` and `v_scale`
+[blocks + 1, page, kv_heads] take each stored head vector's scale."""
 
     num_heads: int
     num_kv_heads: int
@@ -27,6 +28,13 @@ class RotaryArgs:
     cos: torch.Tensor
     sin: torch.Tensor
     qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
+
+    @property
+    def scales(self) -> dict[str, torch.Tensor]:
+        """The keyword arguments of a KV write that an FP8 cache adds (none otherwise)."""
+        return {} if self.k_scale is None else {"k_scale": self.k_scale, "v_scale": self.v_scale}
 
     def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [T, H, d], k and v [T, KVH, d]: views of a fused qkv projection's output [T, q + 2 kv]."""

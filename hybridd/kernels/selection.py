@@ -18,7 +18,8 @@ class TritonKernels(ComposedSteps):
     (prefill over the packed step, decode over block tables; no sliding window) and the
     projections of a few token rows (cuBLAS for more rows). Where a step's projection runs
     on the skinny kernel, its neighbours named in `choices.fusions` run inside it: the
-    residual add and the norm, RoPE with the KV write. Where it runs on cuBLAS with the
+    residual add and the norm, RoPE with the KV write (not with an FP8 KV cache: the
+    separate RoPE kernel quantizes the cache). Where it runs on cuBLAS with the
     norms folded, cuBLAS adds o's and down's products to the stream, and RoPE and SiLU·mul
     apply the norm's row scales.
 
@@ -117,7 +118,9 @@ class TritonKernels(ComposedSteps):
             q, k, v = self.norm_rotary_write_kv(stream.base, eps, q, k, v, rotary)
             return q, k, v, stream.base
         x, base, norm = self._input(stream, norm_weight, eps, weight)
-        fuse_rotary = "rotary" in self.fusions
+        # The epilogue writes the cache in the model's dtype: an FP8 cache is written by the
+        # separate kernel, which quantizes.
+        fuse_rotary = "rotary" in self.fusions and rotary.k_scale is None
         qkv = self._gemm.skinny(x, weight, bias, norm=norm, rotary=rotary if fuse_rotary else None)
         if qkv is None:
             fuse_rotary = False
@@ -125,7 +128,7 @@ class TritonKernels(ComposedSteps):
         q, k, v = rotary.split_qkv(qkv)
         if not fuse_rotary:
             q, k = self.rotary_write_kv(rotary.positions, q, k, v, rotary.k_cache, rotary.v_cache,
-                                        rotary.slot_mapping, rotary.cos, rotary.sin)
+                                        rotary.slot_mapping, rotary.cos, rotary.sin, **rotary.scales)
         return q, k, v, base
 
     def norm_gate_up(self, stream, norm_weight, eps, weight):

@@ -26,6 +26,15 @@ thousands of keys. Its bucket's plan then splits each tile's keys over several p
 at replay, writes its partial output and log-sum-exp, and, as in decode, the last of a
 tile's splits to finish merges them. Splits without keys (a short context) exit, and a
 tile whose keys fit one run is written by that run's program directly.
+
+An FP8 cache (`hybridd/model/kv_cache.py`) is read as it is stored: each tile's FP8 keys
+and values are converted to the query's dtype (exact: E4M3 fits in bfloat16 and float32)
+for the tensor-core products, and the per-(token, kv head) scales are applied to the
+products' vectors instead of to the tile: the scores' columns times the key scales, the
+probabilities times the value scales before they weigh the values. That is two vector
+multiplies a tile where dequantizing would be two [tile, head_dim] ones, and the same
+numbers as the dequantized cache up to float32 rounding. A layer's caches are contiguous,
+so a key's scale is at its value offset / head_dim in the scale cache.
 """
 
 from __future__ import annotations
@@ -95,24 +104,41 @@ def decode_plan(batch: int, kv_heads: int, max_tokens: int) -> DecodePlan:
 
 
 @triton.jit
-def _decode_tile(
-    q, kc_ptr, vc_ptr, bt_row, kvh, tok0, end, scale, m_i, l_i, acc,
-    stride_c_blk, stride_c_tok, stride_c_head,
-    HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, TILE: tl.constexpr, PRECISION: tl.constexpr,
-):
+def _load_kv(kc_ptr, vc_ptr, ks_ptr, vs_ptr, off, valid, dt, HEAD_DIM: tl.constexpr, FP8: tl.constexpr):
+    """A tile's keys and values [tokens, HEAD_DIM] at offsets `off` in dtype `dt`, and with
+    FP8 their scales [tokens] (1.0 otherwise)."""
     d = tl.arange(0, HEAD_DIM)
+    k = tl.load(kc_ptr + off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+    v = tl.load(vc_ptr + off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+    if FP8:
+        k_scale = tl.load(ks_ptr + off // HEAD_DIM, mask=valid, other=0.0)
+        v_scale = tl.load(vs_ptr + off // HEAD_DIM, mask=valid, other=0.0)
+        return k.to(dt), v.to(dt), k_scale, v_scale
+    return k, v, 1.0, 1.0
+
+
+@triton.jit
+def _decode_tile(
+    q, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_row, kvh, tok0, end, scale, m_i, l_i, acc,
+    stride_c_blk, stride_c_tok, stride_c_head,
+    HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, TILE: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
+):
     toks = tok0 + tl.arange(0, TILE)
     valid = toks < end
     blk = tl.load(bt_row + toks // PAGE, mask=valid, other=0).to(tl.int64)
     off = blk * stride_c_blk + (toks % PAGE) * stride_c_tok + kvh * stride_c_head
-    k = tl.load(kc_ptr + off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-    v = tl.load(vc_ptr + off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+    k, v, k_scale, v_scale = _load_kv(kc_ptr, vc_ptr, ks_ptr, vs_ptr, off, valid, q.dtype, HEAD_DIM, FP8)
+    if FP8:
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * (k_scale * scale)[None, :]
+    else:
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
     s = tl.where(valid[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     p = tl.exp(s - m_new[:, None])
     alpha = tl.exp(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, axis=1)
+    if FP8:
+        p = p * v_scale[None, :]
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return m_new, l_i, acc
 
@@ -143,11 +169,11 @@ def _merge_splits(out_ptr, part_o_ptr, part_lse_ptr, b, kvh, stride_ob, stride_o
 
 @triton.jit
 def _decode_kernel(
-    q_ptr, kc_ptr, vc_ptr, bt_ptr, len_ptr, out_ptr, part_o_ptr, part_lse_ptr, ticket_ptr, scale,
+    q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, len_ptr, out_ptr, part_o_ptr, part_lse_ptr, ticket_ptr, scale,
     stride_qb, stride_qh, stride_ob, stride_oh, stride_c_blk, stride_c_tok, stride_c_head, stride_bt,
     GROUP: tl.constexpr, MERGE_ROWS: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE: tl.constexpr, TILE: tl.constexpr, NUM_SPLITS: tl.constexpr, NUM_HEADS: tl.constexpr,
-    KV_HEADS: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
+    KV_HEADS: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_predecessor(PDL)
     b = tl.program_id(0).to(tl.int64)
@@ -171,15 +197,15 @@ def _decode_kernel(
         tok0 = start
         while tok0 < end:
             m_i, l_i, acc = _decode_tile(
-                q, kc_ptr, vc_ptr, bt_row, kvh, tok0, end, scale, m_i, l_i, acc,
-                stride_c_blk, stride_c_tok, stride_c_head, HEAD_DIM, PAGE, TILE, PRECISION,
+                q, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_row, kvh, tok0, end, scale, m_i, l_i, acc,
+                stride_c_blk, stride_c_tok, stride_c_head, HEAD_DIM, PAGE, TILE, PRECISION, FP8,
             )
             tok0 += TILE
     else:
         for tok0 in tl.range(start, end, TILE):
             m_i, l_i, acc = _decode_tile(
-                q, kc_ptr, vc_ptr, bt_row, kvh, tok0, end, scale, m_i, l_i, acc,
-                stride_c_blk, stride_c_tok, stride_c_head, HEAD_DIM, PAGE, TILE, PRECISION,
+                q, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_row, kvh, tok0, end, scale, m_i, l_i, acc,
+                stride_c_blk, stride_c_tok, stride_c_head, HEAD_DIM, PAGE, TILE, PRECISION, FP8,
             )
     has = l_i > 0
     out = tl.where(has[:, None], acc / tl.where(has, l_i, 1.0)[:, None], 0.0)
@@ -210,14 +236,18 @@ def decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
     plan: DecodePlan | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q [B, H, d], caches [blocks, page, KVH, d] -> [B, H, d]; same contract as the torch path."""
+    """q [B, H, d], caches [blocks, page, KVH, d] (FP8 with their scales [blocks, page, KVH])
+    -> [B, H, d]; same contract as the torch path."""
+    fp8 = _check_fp8_caches(k_cache, v_cache, k_scale, v_scale)
     b, h, d = q.shape
     kvh = k_cache.shape[2]
     page = k_cache.shape[1]
     group = h // kvh
     if plan is None:
-        _compile_decode_plans(q, k_cache, v_cache, block_tables, scale)
+        _compile_decode_plans(q, k_cache, v_cache, block_tables, scale, k_scale, v_scale)
         plan = decode_plan(b, kvh, block_tables.shape[1] * page)
     splits = plan.splits
     out = torch.empty_like(q)
@@ -232,7 +262,8 @@ def decode_attention(
     # The merge holds MERGE_ROWS heads' partials in registers, at most 4096 floats.
     merge_rows = min(triton.next_power_of_2(group), 1 << (max(1, 4096 // (splits * d)).bit_length() - 1))
     _decode_kernel[(b, kvh, splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, part_o, part_lse, tickets, scale,
+        q, k_cache, v_cache, k_scale if fp8 else k_cache, v_scale if fp8 else v_cache, block_tables, seq_lens, out,
+        part_o, part_lse, tickets, scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         # The group's query rows padded to the 16 rows of a tensor-core tile: the KV read is
@@ -241,10 +272,22 @@ def decode_attention(
         TILE=plan.tile, NUM_SPLITS=splits, NUM_HEADS=h, KV_HEADS=kvh,
         # float32 caches get true float32 products, not TF32 (bf16 ignores this).
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        INTERPRET=_INTERPRET, num_warps=plan.num_warps, num_stages=plan.num_stages,
+        INTERPRET=_INTERPRET, FP8=fp8, num_warps=plan.num_warps, num_stages=plan.num_stages,
         **pdl.launch_args(q.device),
     )
     return out
+
+
+def _check_fp8_caches(k_cache, v_cache, k_scale, v_scale) -> bool:
+    """Whether the caches are FP8 (they then need contiguous scales, one per token and kv
+    head, and must be contiguous: a key's scale is found from its value offset)."""
+    if k_scale is None:
+        return False
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous() and k_scale.is_contiguous()
+            and v_scale.is_contiguous()) or k_scale.shape != k_cache.shape[:3] or v_scale.shape != v_cache.shape[:3]:
+        raise ValueError(f"an FP8 KV cache needs contiguous caches and scales [blocks, page, kv_heads], got caches "
+                         f"{tuple(k_cache.shape)} and scales {tuple(k_scale.shape)}")
+    return True
 
 
 _LOG2E = 1.4426950408889634
@@ -344,19 +387,20 @@ def prefill_plan(tokens: int, heads: int = 1, max_context: int = 0, seqs: int = 
 
 @triton.jit
 def _prefill_tile(
-    q, kc_ptr, vc_ptr, bt_row, kvh, n0, pos_q, end, qk_scale, m_i, l_i, acc,
+    q, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_row, kvh, n0, pos_q, end, qk_scale, m_i, l_i, acc,
     stride_c_blk, stride_c_tok, stride_c_head,
-    HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
 ):
-    d = tl.arange(0, HEAD_DIM)
     toks = n0 + tl.arange(0, BLOCK_N)
     kvalid = toks < end
     blk = tl.load(bt_row + toks // PAGE, mask=kvalid, other=0).to(tl.int64)
     off = blk * stride_c_blk + (toks % PAGE) * stride_c_tok + kvh * stride_c_head
-    k = tl.load(kc_ptr + off[:, None] + d[None, :], mask=kvalid[:, None], other=0.0)
-    v = tl.load(vc_ptr + off[:, None] + d[None, :], mask=kvalid[:, None], other=0.0)
+    k, v, k_scale, v_scale = _load_kv(kc_ptr, vc_ptr, ks_ptr, vs_ptr, off, kvalid, q.dtype, HEAD_DIM, FP8)
     visible = (toks[None, :] <= pos_q[:, None]) & kvalid[None, :]
-    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+    if FP8:
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * (k_scale * qk_scale)[None, :]
+    else:
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
     s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     # Rows that see no key of this tile yet keep m = -inf; subtract 0 for them instead.
@@ -364,16 +408,18 @@ def _prefill_tile(
     p = tl.exp2(s - m_safe[:, None])
     alpha = tl.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, axis=1)
+    if FP8:
+        p = p * v_scale[None, :]
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return m_new, l_i, acc
 
 
 @triton.jit
 def _prefill_keys(
-    q, kc_ptr, vc_ptr, bt_row, kvh, start, end, pos_q, qk_scale,
+    q, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_row, kvh, start, end, pos_q, qk_scale,
     stride_c_blk, stride_c_tok, stride_c_head,
     HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
+    PRECISION: tl.constexpr, INTERPRET: tl.constexpr, FP8: tl.constexpr,
 ):
     """The tile's running max, sum and unnormalised output (base 2) over keys [start, end)."""
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -383,15 +429,15 @@ def _prefill_keys(
         n0 = start
         while n0 < end:
             m_i, l_i, acc = _prefill_tile(
-                q, kc_ptr, vc_ptr, bt_row, kvh, n0, pos_q, end, qk_scale, m_i, l_i, acc,
-                stride_c_blk, stride_c_tok, stride_c_head, HEAD_DIM, PAGE, BLOCK_N, PRECISION,
+                q, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_row, kvh, n0, pos_q, end, qk_scale, m_i, l_i, acc,
+                stride_c_blk, stride_c_tok, stride_c_head, HEAD_DIM, PAGE, BLOCK_N, PRECISION, FP8,
             )
             n0 += BLOCK_N
     else:
         for n0 in tl.range(start, end, BLOCK_N):
             m_i, l_i, acc = _prefill_tile(
-                q, kc_ptr, vc_ptr, bt_row, kvh, n0, pos_q, end, qk_scale, m_i, l_i, acc,
-                stride_c_blk, stride_c_tok, stride_c_head, HEAD_DIM, PAGE, BLOCK_N, PRECISION,
+                q, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_row, kvh, n0, pos_q, end, qk_scale, m_i, l_i, acc,
+                stride_c_blk, stride_c_tok, stride_c_head, HEAD_DIM, PAGE, BLOCK_N, PRECISION, FP8,
             )
     return m_i, l_i, acc
 
@@ -439,12 +485,12 @@ def _merge_prefill_splits(
 # step of any size reuses the bucket's compiled kernel instead of compiling one while serving.
 @triton.jit(do_not_specialize=["num_tokens", "num_seqs", "num_splits", "min_split"])
 def _prefill_kernel(
-    q_ptr, kc_ptr, vc_ptr, bt_ptr, pos_ptr, qsl_ptr, out_ptr, part_o_ptr, part_lse_ptr, ticket_ptr,
+    q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, pos_ptr, qsl_ptr, out_ptr, part_o_ptr, part_lse_ptr, ticket_ptr,
     qk_scale, num_tokens, num_seqs, num_splits, min_split,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_c_blk, stride_c_tok, stride_c_head, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, SEQS_PAD: tl.constexpr, NUM_HEADS: tl.constexpr, SPLIT: tl.constexpr,
-    PRECISION: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
+    PRECISION: tl.constexpr, INTERPRET: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_predecessor(PDL)
     pid = tl.program_id(0)
@@ -490,8 +536,8 @@ def _prefill_kernel(
                         other=0.0)
             bt_row = bt_ptr + tl.where(is_real, seq, 0).to(tl.int64) * stride_bt
             m_i, l_i, acc = _prefill_keys(
-                q, kc_ptr, vc_ptr, bt_row, kvh, start, end, pos_q, qk_scale, stride_c_blk, stride_c_tok,
-                stride_c_head, HEAD_DIM, PAGE, BLOCK_M, BLOCK_N, PRECISION, INTERPRET,
+                q, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_row, kvh, start, end, pos_q, qk_scale, stride_c_blk,
+                stride_c_tok, stride_c_head, HEAD_DIM, PAGE, BLOCK_M, BLOCK_N, PRECISION, INTERPRET, FP8,
             )
             out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
             out_rows = out_ptr + rows64[:, None] * stride_ot + h * stride_oh + d[None, :]
@@ -526,11 +572,12 @@ def _seqs_pad(seqs: int) -> int:
 
 def prefill_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, step: StepInputs, scale: float,
-    plan: PrefillPlan | None = None,
+    plan: PrefillPlan | None = None, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Each query row of a packed step over its sequence's paged context, up to its own
-    position. q [T, H, d], caches [blocks, page, KVH, d] -> [T, H, d]; same contract as
-    the torch path (without a sliding window)."""
+    position. q [T, H, d], caches [blocks, page, KVH, d] (FP8 with their scales [blocks,
+    page, KVH]) -> [T, H, d]; same contract as the torch path (without a sliding window)."""
+    fp8 = _check_fp8_caches(k_cache, v_cache, k_scale, v_scale)
     t, h, d = q.shape
     kvh = k_cache.shape[2]
     out = torch.empty((t, h, d), dtype=q.dtype, device=q.device)
@@ -538,7 +585,7 @@ def prefill_attention(
         return out
     seqs = step.query_start_loc.shape[0] - 1
     if plan is None:
-        _compile_prefill_plans(q, k_cache, v_cache, step, scale)
+        _compile_prefill_plans(q, k_cache, v_cache, step, scale, k_scale, v_scale)
         plan = prefill_plan(t, h, step.block_tables.shape[1] * k_cache.shape[1], seqs, multiprocessors(q.device))
     tiles = triton.cdiv(t, plan.block_m) + seqs + 1
     if plan.splits > 1:
@@ -550,14 +597,15 @@ def prefill_attention(
     else:
         part_o = part_lse = tickets = out
     _prefill_kernel[(tiles, h, plan.splits)](
-        q, k_cache, v_cache, step.block_tables, step.positions, step.query_start_loc, out, part_o, part_lse, tickets,
+        q, k_cache, v_cache, k_scale if fp8 else k_cache, v_scale if fp8 else v_cache, step.block_tables,
+        step.positions, step.query_start_loc, out, part_o, part_lse, tickets,
         scale * _LOG2E, t, seqs, plan.splits, plan.min_split,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), step.block_tables.stride(0),
         GROUP=h // kvh, HEAD_DIM=d, PAGE=k_cache.shape[1], BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
         SEQS_PAD=_seqs_pad(seqs), NUM_HEADS=h, SPLIT=plan.splits > 1,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        INTERPRET=_INTERPRET, num_warps=plan.num_warps, num_stages=plan.num_stages,
+        INTERPRET=_INTERPRET, FP8=fp8, num_warps=plan.num_warps, num_stages=plan.num_stages,
         **pdl.launch_args(q.device),
     )
     return out
@@ -571,16 +619,19 @@ _MAX_BUCKET_BATCH = 512
 
 
 def _compile_decode_plans(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor, scale: float
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor, scale: float,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> None:
     kvh, page, width = k_cache.shape[2], k_cache.shape[1], block_tables.shape[1]
-    key = ("decode", q.device, q.dtype, tuple(q.shape[1:]), tuple(k_cache.shape[1:]), width, pdl.enabled(q.device))
+    key = ("decode", q.device, q.dtype, k_cache.dtype, tuple(q.shape[1:]), tuple(k_cache.shape[1:]), width,
+           pdl.enabled(q.device))
     if not first_eager_call(key, q.device):
         return
     plans = {decode_plan(b, kvh, width * page) for b in range(1, _MAX_BUCKET_BATCH + 1)}
     empty = torch.zeros(1, dtype=torch.int32, device=q.device)
     for plan in plans:
-        decode_attention(q[:1], k_cache, v_cache, block_tables[:1], empty, scale, plan=plan)
+        decode_attention(q[:1], k_cache, v_cache, block_tables[:1], empty, scale, plan=plan, k_scale=k_scale,
+                         v_scale=v_scale)
 
 
 def _aligned_as(t: torch.Tensor, n: int) -> torch.Tensor:
@@ -591,13 +642,14 @@ def _aligned_as(t: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def _compile_prefill_plans(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, step: StepInputs, scale: float
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, step: StepInputs, scale: float,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> None:
     """Every plan a bucket can pick (each query tile height, split and not where a context
     can be split), for every padding of the sequence count up to this step's: an eager
     prefill (a bucket not captured yet) has its own count of sequences."""
     seqs = step.query_start_loc.shape[0] - 1
-    key = ("prefill", q.device, q.dtype, tuple(q.shape[1:]), tuple(k_cache.shape[1:]), seqs,
+    key = ("prefill", q.device, q.dtype, k_cache.dtype, tuple(q.shape[1:]), tuple(k_cache.shape[1:]), seqs,
            step.block_tables.shape[1], pdl.enabled(q.device))
     if not first_eager_call(key, q.device):
         return
@@ -621,4 +673,4 @@ def _compile_prefill_plans(
                 is_prefill=True,
             )
             q_rows = torch.zeros((tokens, *q.shape[1:]), dtype=q.dtype, device=q.device)
-            prefill_attention(q_rows, k_cache, v_cache, dummy, scale, plan=plan)
+            prefill_attention(q_rows, k_cache, v_cache, dummy, scale, plan=plan, k_scale=k_scale, v_scale=v_scale)

@@ -103,12 +103,43 @@ def _rope_rows(base, stride_h, heads, mask, c1, c2, s1, s2, HALF: tl.constexpr, 
 
 
 @triton.jit
+def _round_e4m3(y):
+    """y (float32, within +-448) rounded to the nearest float8 E4M3 value, ties to even, as
+    float32: the value's own binade's spacing (2^-9 below the normal range) added and taken
+    away at 2^23 times it. The conversion to float8 after is then exact, on the GPU as in
+    Triton's interpreter (whose own rounding conversion is wrong near a binade's top)."""
+    bits = y.to(tl.int32, bitcast=True)
+    e = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)
+    magic = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True) * 8388608.0
+    return (tl.abs(y) + magic - magic) * tl.where(y < 0, -1.0, 1.0)
+
+
+@triton.jit
+def _store_heads(c_ptr, s_ptr, cache, scale_at, x1, x2, mask, HALF: tl.constexpr, FP8: tl.constexpr):
+    """Head vectors (two halves [heads, HALF] each) to the cache at offsets `cache`; with
+    FP8, each quantized as `kv_quantize.quantize_heads` does, its scale to `s_ptr + scale_at`."""
+    if FP8:
+        x1f = x1.to(tl.float32)
+        x2f = x2.to(tl.float32)
+        absmax = tl.maximum(tl.max(tl.abs(x1f), axis=1), tl.max(tl.abs(x2f), axis=1))
+        scale = tl.where(absmax > 0, tl.math.div_rn(absmax, 448.0), 1.0)  # division rounded as torch's
+        y1 = tl.minimum(tl.maximum(tl.math.div_rn(x1f, scale[:, None]), -448.0), 448.0)
+        y2 = tl.minimum(tl.maximum(tl.math.div_rn(x2f, scale[:, None]), -448.0), 448.0)
+        tl.store(c_ptr + cache, _round_e4m3(y1).to(c_ptr.dtype.element_ty), mask=mask)
+        tl.store(c_ptr + cache + HALF, _round_e4m3(y2).to(c_ptr.dtype.element_ty), mask=mask)
+        tl.store(s_ptr + scale_at, scale, mask=tl.max(mask.to(tl.int32), axis=1) > 0)
+    else:
+        tl.store(c_ptr + cache, x1, mask=mask)
+        tl.store(c_ptr + cache + HALF, x2, mask=mask)
+
+
+@triton.jit
 def _rotary_write_kv_kernel(
-    pos_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr, kc_ptr, vc_ptr,
+    pos_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     x_ptr, v_out_ptr, n_cols, eps,
     HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, KV_PAD: tl.constexpr, HALF: tl.constexpr,
-    ROW_NORM: tl.constexpr, BLOCK_X: tl.constexpr, PDL: tl.constexpr,
+    ROW_NORM: tl.constexpr, BLOCK_X: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr,
 ):
     """One token's share of its heads: program (t, c) takes q heads [c * HEADS, (c + 1) *
     HEADS) and k, v heads [c * KV_HEADS, (c + 1) * KV_HEADS) (HEADS and KV_HEADS are the
@@ -152,8 +183,8 @@ def _rotary_write_kv_kernel(
     # Slot -1 (bucket padding) writes nothing to the cache.
     cmask = kmask & (slot >= 0)
     cache = slot * (all_kv_heads * 2 * HALF) + row
-    tl.store(kc_ptr + cache, k1, mask=cmask)
-    tl.store(kc_ptr + cache + HALF, k2, mask=cmask)
+    scale_at = slot * all_kv_heads + hk
+    _store_heads(kc_ptr, ks_ptr, cache, scale_at, k1, k2, cmask, HALF, FP8)
     v_row = v_ptr + t * stride_vt + hk[:, None] * stride_vh + offs[None, :]
     if ROW_NORM:
         v1 = (tl.load(v_row, mask=kmask, other=0.0).to(tl.float32) * row_scale).to(dt)
@@ -164,8 +195,7 @@ def _rotary_write_kv_kernel(
     else:
         v1 = tl.load(v_row, mask=cmask, other=0.0)
         v2 = tl.load(v_row + HALF, mask=cmask, other=0.0)
-    tl.store(vc_ptr + cache, v1, mask=cmask)
-    tl.store(vc_ptr + cache + HALF, v2, mask=cmask)
+    _store_heads(vc_ptr, vs_ptr, cache, scale_at, v1, v2, cmask, HALF, FP8)
 
 
 def rotary_write_kv(
@@ -178,10 +208,14 @@ def rotary_write_kv(
     slot_mapping: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """RoPE of q [T, H, d] and k [T, KVH, d], and the rotated k with v stored in the paged
-    caches at their slots, in one launch; returns the rotated (q, k). Slot -1 writes nothing."""
-    q_out, k_out, _ = _rotary_write_kv(positions, q, k, v, k_cache, v_cache, slot_mapping, cos, sin, None, 0.0)
+    caches at their slots (an FP8 cache: quantized, their scales in `k_scale`, `v_scale`),
+    in one launch; returns the rotated (q, k). Slot -1 writes nothing."""
+    q_out, k_out, _ = _rotary_write_kv(positions, q, k, v, k_cache, v_cache, slot_mapping, cos, sin, None, 0.0,
+                                       k_scale, v_scale)
     return q_out, k_out
 
 
@@ -195,10 +229,10 @@ def norm_rotary_write_kv(
     cache gets the scaled k and v."""
     _check_norm_rows("x", x, q.shape[0])
     return _rotary_write_kv(rotary.positions, q, k, v, rotary.k_cache, rotary.v_cache, rotary.slot_mapping,
-                            rotary.cos, rotary.sin, x, eps)
+                            rotary.cos, rotary.sin, x, eps, rotary.k_scale, rotary.v_scale)
 
 
-def _rotary_write_kv(positions, q, k, v, k_cache, v_cache, slot_mapping, cos, sin, x, eps):
+def _rotary_write_kv(positions, q, k, v, k_cache, v_cache, slot_mapping, cos, sin, x, eps, k_scale=None, v_scale=None):
     t, h, d = q.shape
     kvh = k.shape[1]
     for name, rows in (("q", q), ("k", k), ("v", v)):
@@ -206,6 +240,9 @@ def _rotary_write_kv(positions, q, k, v, k_cache, v_cache, slot_mapping, cos, si
             raise ValueError(f"{name} must be contiguous in its head dimension, got strides {rows.stride()}")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("the KV caches of a layer must be contiguous")
+    fp8 = k_scale is not None
+    if fp8 and not (k_scale.is_contiguous() and v_scale.is_contiguous()):
+        raise ValueError("the KV scale caches of a layer must be contiguous")
     q_out = torch.empty((t, h, d), dtype=q.dtype, device=q.device)
     k_out = torch.empty((t, kvh, d), dtype=k.dtype, device=k.device)
     v_out = None if x is None else torch.empty((t, kvh, d), dtype=v.dtype, device=v.device)
@@ -214,11 +251,12 @@ def _rotary_write_kv(positions, q, k, v, k_cache, v_cache, slot_mapping, cos, si
     if t:
         _rotary_write_kv_kernel[(t, splits)](
             positions, slot_mapping, q, k, v, cos, sin, q_out, k_out, k_cache, v_cache,
+            k_scale if fp8 else k_cache, v_scale if fp8 else v_cache,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             q if x is None else x, q if v_out is None else v_out, n_cols, eps,
             HEADS=h // splits, KV_HEADS=kvh // splits, HEADS_PAD=triton.next_power_of_2(h // splits),
             KV_PAD=triton.next_power_of_2(kvh // splits),
-            HALF=d // 2, ROW_NORM=x is not None, BLOCK_X=triton.next_power_of_2(max(n_cols, 1)),
+            HALF=d // 2, ROW_NORM=x is not None, BLOCK_X=triton.next_power_of_2(max(n_cols, 1)), FP8=fp8,
             num_warps=ROTARY_WARPS, **pdl.launch_args(q.device),
         )
     return q_out, k_out, v_out

@@ -68,15 +68,17 @@ class DecoderLayer(nn.Module):
     ) -> ResidualStream:
         t = stream.base.shape[0]
         k_cache, v_cache = kv_cache.layer(self.index)
+        scales = kv_cache.layer_scales(self.index)
         qk_norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if hasattr(self, "q_norm") else None
         rotary = RotaryArgs(self.num_heads, self.num_kv_heads, self.head_dim, step.positions, step.slot_mapping,
-                            k_cache, v_cache, *rope, qk_norm)
+                            k_cache, v_cache, *rope, qk_norm, **scales)
         norm = self.input_layernorm
         q, k, v, base = ops.norm_qkv(stream, norm.weight, norm.eps, self.qkv_proj.operand, self.qkv_proj.bias, rotary)
         if step.is_prefill:
-            o = ops.prefill_attention(q, k_cache, v_cache, step, self.scale, **self.window)
+            o = ops.prefill_attention(q, k_cache, v_cache, step, self.scale, **self.window, **scales)
         else:
-            o = ops.decode_attention(q, k_cache, v_cache, step.block_tables, step.seq_lens, self.scale, **self.window)
+            o = ops.decode_attention(q, k_cache, v_cache, step.block_tables, step.seq_lens, self.scale,
+                                     **self.window, **scales)
         stream = ops.linear_add(o.reshape(t, self.q_size), self.o_proj.operand, self.o_proj.bias, base)
         norm = self.post_attention_layernorm
         return ops.mlp(stream, norm.weight, norm.eps, self.gate_up_proj.operand, self.down_proj.operand)
