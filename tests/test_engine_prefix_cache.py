@@ -54,6 +54,22 @@ def test_a_block_key_covers_every_token_before_it_and_the_salt():
         extend_block_hashes([], tokens, BS, 4, None)
 
 
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_extending_the_chain_in_one_pass_keys_each_block_as_block_hash_does(block_size):
+    """The keys of several blocks at once, from any point of the chain, are the chain of
+    `block_hash` over each block (ids up to the 64-bit range, a salt): keys in the cache
+    stay the same whatever the number of blocks keyed at a time."""
+    tokens = [(i * 2_654_435_761) % (1 << 40) for i in range(8 * block_size + 3)]
+    for salt in (None, "tenant-a"):
+        expected = [chain_root(salt)]
+        for index in range(8):
+            expected.append(block_hash(expected[-1], tokens[index * block_size:(index + 1) * block_size]))
+        for start in (0, 1, 5, 8):
+            keys = expected[1:start + 1]
+            extend_block_hashes(keys, tokens, block_size, 8, salt)
+            assert keys == expected[1:]
+
+
 # ---------------------------------------------------------------- the block manager
 
 

@@ -3,6 +3,7 @@ runner code on the CPU (where a "graph" replays the same step body eagerly)."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
@@ -197,6 +198,20 @@ def test_uncaptured_buckets_run_eagerly_and_count(model):
     assert runner.plan_step(True, 20, 3) == StepShape(True, 64, plan.max_prefill_seqs, True, 64)
     assert runner.plan_step(True, 20, 5) == StepShape(True, 64, plan.max_rows, True, 64)
     assert not runner.plan_step(True, 20, plan.max_rows + 1).graph
+
+
+def test_the_snapshot_lists_every_bucket_with_every_field(model):
+    """`status` reads the buckets from the graph generator's snapshot: each bucket's every
+    field, as the dataclass holds them (captured, counted, disabled ones alike)."""
+    runner = make_runner(model)
+    run_step(runner, StepInputs.decode([5, 6, 7], [3, 4, 5], [[0], [1], [2]], BLOCK))
+    runner._capture("prefill", 64)
+    runner.stats[("decode", 8)].disabled = "over the memory budget"
+    buckets = runner.snapshot()["buckets"]
+    assert buckets == [dataclasses.asdict(stats) for stats in runner.stats.values()]
+    assert {"kind": "decode", "size": 4, "eager_runs": 1}.items() <= buckets[2].items()
+    assert any(b["kind"] == "prefill" and b["size"] == 64 and b["captured"] for b in buckets)
+    assert any(b["disabled"] == "over the memory budget" for b in buckets)
 
 
 def test_prefill_pads_into_larger_bucket_only_when_cheap(model):

@@ -93,10 +93,9 @@ class BlockManager:
         blocks found in the cache, short of its last token."""
         if not self.enable_prefix_caching:
             return []
-        tokens = seq.token_ids
-        most = (len(tokens) - 1) // self.block_size
+        most = (len(seq) - 1) // self.block_size
         if len(seq.block_hashes) < most:
-            extend_block_hashes(seq.block_hashes, tokens, self.block_size, most, seq.cache_salt)
+            extend_block_hashes(seq.block_hashes, seq.token_ids, self.block_size, most, seq.cache_salt)
         hits = []
         for key in seq.block_hashes[:most]:
             block = self._cached.get(key)

@@ -40,6 +40,7 @@ from __future__ import annotations
 import enum
 from collections import deque
 from collections.abc import Collection
+from functools import cached_property
 from dataclasses import dataclass, field
 
 import torch
@@ -124,10 +125,12 @@ class ScheduledBatch:
     def num_tokens(self) -> int:
         return self.inputs.num_tokens
 
-    @property
+    @cached_property
     def sampled_seqs(self) -> list[Sequence]:
         """The sequences that get a token from this step: the rows that end a prompt or
-        decode, then the forks."""
+        decode, then the forks. Known once the batch is built (its rows, partial rows and
+        forks are not changed after), it is listed once: a step reads it several times
+        between its scheduling and its retirement."""
         return [seq for row, seq in enumerate(self.seqs) if row not in self.partial_rows] + [
             seq for _, seq in self.forks]
 
