@@ -4,7 +4,7 @@ The configuration's values are checked by `Config.validate`; here, what they poi
 the runtime directory (creatable, socket paths short enough), the model directory (it
 exists, is a directory, `config.json` parses and names a supported architecture and
 no quantization but FP8's,
-weights and a tokenizer are there), the CURVE key files (readable, a secret key where
+weights and a tokenizer are there), FP8 (weights or KV cache) on a GPU without FP8, the CURVE key files (readable, a secret key where
 one is needed) and the HTTP API key file (readable, not empty); a CUDA device that is
 not there (no usable GPU, an index out of range); settings that cannot serve together
 (a KV cache that cannot hold one max_model_len sequence, a max_batch its KV blocks can
@@ -50,6 +50,7 @@ def check(config: Config) -> None:
     if config.http_api_key_file:
         check_api_key_file(Path(config.http_api_key_file))
     check_device(config.device)
+    check_fp8_device(config, model_config)
 
 
 def check_device(device: str) -> None:
@@ -66,6 +67,47 @@ def check_device(device: str) -> None:
     count = torch.cuda.device_count()
     if index >= count:
         raise PreflightError(f"device {device}: this host has {count} CUDA device(s), cuda:0 to cuda:{count - 1}")
+
+
+# FP8 E4M3 in Triton and torch._scaled_mm: Ada (8.9), Hopper and newer.
+FP8_CAPABILITY = (8, 9)
+
+
+def fp8_uses(config: Config, model_config: dict) -> list[str]:
+    """What in the configuration asks for FP8 on the device: FP8 weights (the setting or an
+    FP8 checkpoint) and an FP8 KV cache."""
+    uses = []
+    checkpoint = quantization.from_config(model_config, "config.json")
+    if quantization.resolve(config.quantization, checkpoint) is not None:
+        uses.append("an FP8 checkpoint" if checkpoint is not None else "quantization fp8")
+    if config.kv_cache_dtype == "fp8":
+        uses.append("kv_cache_dtype fp8")
+    return uses
+
+
+def check_fp8_device(config: Config, model_config: dict) -> None:
+    """FP8 on a CUDA device that has no FP8 would fail in the workers, where the kernels
+    compile; the CPU emulates FP8's numerics and needs no check."""
+    uses = fp8_uses(config, model_config)
+    if not uses or config.device == "cpu":
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        return  # auto runs on the CPU; a configured CUDA device was refused by check_device
+    index = int(config.device.partition(":")[2] or 0) if config.device.startswith("cuda") else 0
+    check_fp8_capability(f"cuda:{index}", torch.cuda.get_device_name(index), torch.cuda.get_device_capability(index),
+                         uses)
+
+
+def check_fp8_capability(device: str, name: str, capability: tuple[int, int], uses: list[str]) -> None:
+    """Refuse `uses` (what asks for FP8) on a GPU of compute `capability` older than FP8_CAPABILITY."""
+    if uses and tuple(capability) < FP8_CAPABILITY:
+        need = ".".join(map(str, FP8_CAPABILITY))
+        verb = "need" if len(uses) > 1 else "needs"
+        raise PreflightError(f"{' and '.join(uses)} {verb} FP8 on the GPU (compute capability {need} and newer: Ada, "
+                             f"Hopper, Blackwell); {device} is {name} ({capability[0]}.{capability[1]}): use "
+                             f"quantization none and kv_cache_dtype auto, or --device cpu")
 
 
 def model_max_len(model_config: dict) -> int | None:

@@ -92,3 +92,35 @@ def test_ctrl_c_in_generate_exits_130_with_one_line(daemon):
             process.wait()
     assert process.returncode == exit_codes.INTERRUPTED, stderr.decode()
     assert stderr.decode() == "hybridd: interrupted\n"
+
+
+@pytest.mark.parametrize(("uses", "capability", "refused"), [
+    (["quantization fp8"], (8, 0), True),
+    (["kv_cache_dtype fp8"], (8, 6), True),
+    (["quantization fp8", "kv_cache_dtype fp8"], (8, 9), False),
+    (["quantization fp8"], (9, 0), False),
+    ([], (7, 5), False),
+])
+def test_fp8_on_a_gpu_without_fp8_is_refused_naming_the_setting_and_the_gpu(uses, capability, refused):
+    """FP8 weights or an FP8 KV cache need FP8 E4M3 on the device (compute capability 8.9,
+    Ada, and newer): on an older GPU the kernels would fail to compile in the workers, so
+    the preflight refuses naming what asked for FP8 and the GPU (the CPU emulates FP8: no
+    check there). The rule is checked here on each capability; `hybridd start` calls it
+    with the configured device's."""
+    from hybridd.preflight import PreflightError, check_fp8_capability
+
+    if not refused:
+        check_fp8_capability("cuda:0", "NVIDIA A100-SXM4-80GB", capability, uses)
+        return
+    with pytest.raises(PreflightError) as error:
+        check_fp8_capability("cuda:0", "NVIDIA A100-SXM4-80GB", capability, uses)
+    message = str(error.value)
+    assert uses[0] in message and "NVIDIA A100-SXM4-80GB" in message and f"{capability[0]}.{capability[1]}" in message
+    assert "8.9" in message and "\n" not in message
+
+
+def test_fp8_settings_start_on_the_cpu(tmp_path):
+    """On the CPU FP8 is emulated: the settings pass the preflight (printed, not started)."""
+    done, _ = _hybridd("start", "--runtime-dir", str(tmp_path / "run"), "--device", "cpu", "--quantization", "fp8",
+                       "--kv-cache-dtype", "fp8", "--print-config")
+    assert done.returncode == 0, done.stderr
