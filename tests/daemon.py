@@ -25,7 +25,26 @@ import hybridd
 from hybridd import Client
 from tests.host_load import on_this_host
 
-HYBRIDD = str(Path(sys.executable).parent / "hybridd")
+
+
+def _hybridd_command() -> str:
+    """The `hybridd` console script beside this Python; where the package runs from a
+    checkout without being installed (the GPU machine: PYTHONPATH names it), a script of
+    the same two lines written once to the temporary directory."""
+    installed = Path(sys.executable).parent / "hybridd"
+    if installed.exists():
+        return str(installed)
+    launcher = Path(tempfile.gettempdir()) / f"hybridd-launcher-{os.getuid()}" / "hybridd"
+    if not launcher.exists():
+        launcher.parent.mkdir(parents=True, exist_ok=True)
+        partial = launcher.with_suffix(f".{os.getpid()}")
+        partial.write_text(f"#!{sys.executable}\nimport sys\nfrom hybridd.cli import main\nsys.exit(main())\n")
+        partial.chmod(0o755)
+        partial.replace(launcher)
+    return str(launcher)
+
+
+HYBRIDD = _hybridd_command()
 STARTUP_TIMEOUT_S = 300.0  # a busy 2-core host can take minutes to start the daemon
 
 

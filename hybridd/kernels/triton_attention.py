@@ -106,15 +106,21 @@ def decode_plan(batch: int, kv_heads: int, max_tokens: int) -> DecodePlan:
 @triton.jit
 def _load_kv(kc_ptr, vc_ptr, ks_ptr, vs_ptr, off, valid, dt, HEAD_DIM: tl.constexpr, FP8: tl.constexpr):
     """A tile's keys and values [tokens, HEAD_DIM] at offsets `off` in dtype `dt`, and with
-    FP8 their scales [tokens] (1.0 otherwise)."""
+    FP8 their scales [tokens] (1.0 otherwise). One return: Triton's code generator visits
+    what follows a return inside a compile-time branch too, so an early return there would
+    give the function two return types."""
     d = tl.arange(0, HEAD_DIM)
     k = tl.load(kc_ptr + off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
     v = tl.load(vc_ptr + off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
     if FP8:
         k_scale = tl.load(ks_ptr + off // HEAD_DIM, mask=valid, other=0.0)
         v_scale = tl.load(vs_ptr + off // HEAD_DIM, mask=valid, other=0.0)
-        return k.to(dt), v.to(dt), k_scale, v_scale
-    return k, v, 1.0, 1.0
+        k = k.to(dt)
+        v = v.to(dt)
+    else:
+        k_scale = 1.0
+        v_scale = 1.0
+    return k, v, k_scale, v_scale
 
 
 @triton.jit

@@ -134,6 +134,10 @@ def _multiply_add(acc, w_rows, x_ptr, offs_m, k_idx, mask_m, mask_n, stride_xm, 
         return tl.dot(w.to(tl.float16), tl.trans(a), acc)
     elif MODE == 3:  # acc [BLOCK_M, BLOCK_N]: W the tensor cores' second operand
         return tl.dot(a, tl.trans(w.to(tl.float16)), acc)
+    elif dt == tl.float32:
+        # float32 activations mean float32 products, as torch's matmul gives them by
+        # default, not Triton's default TF32 (a 10-bit mantissa).
+        return tl.dot(w.to(dt), tl.trans(a.to(dt)), acc, input_precision="ieee")
     else:
         return tl.dot(w.to(dt), tl.trans(a.to(dt)), acc)
 

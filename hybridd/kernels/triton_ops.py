@@ -13,9 +13,14 @@ import torch
 import triton
 import triton.language as tl
 
+from hybridd import environment
 from hybridd.kernels import pdl
 from hybridd.kernels.pdl import wait_for_predecessor
 from hybridd.kernels.rotary import RotaryArgs
+
+# Triton's interpreter converts float32 to float8 wrongly near a binade's top: there the
+# KV write rounds first (`_round_e4m3`); the GPU's own conversion rounds correctly.
+_INTERPRET = environment.flag("TRITON_INTERPRET")
 
 # Programs per token of RoPE with the KV write: each takes an equal share of the token's
 # q heads and of its k and v heads (the largest count up to this that divides both),
@@ -115,7 +120,17 @@ def _round_e4m3(y):
 
 
 @triton.jit
-def _store_heads(c_ptr, s_ptr, cache, scale_at, x1, x2, mask, HALF: tl.constexpr, FP8: tl.constexpr):
+def _to_e4m3(y, INTERPRET: tl.constexpr):
+    """y (float32, within +-448) as float8 E4M3, rounded to nearest, ties to even: the GPU's
+    own conversion (`cvt.rn.satfinite`), or in the interpreter `_round_e4m3` first."""
+    if INTERPRET:
+        y = _round_e4m3(y)
+    return y.to(tl.float8e4nv)
+
+
+@triton.jit
+def _store_heads(c_ptr, s_ptr, cache, scale_at, x1, x2, mask, HALF: tl.constexpr, FP8: tl.constexpr,
+                 INTERPRET: tl.constexpr):
     """Head vectors (two halves [heads, HALF] each) to the cache at offsets `cache`; with
     FP8, each quantized as `kv_quantize.quantize_heads` does, its scale to `s_ptr + scale_at`."""
     if FP8:
@@ -125,8 +140,8 @@ def _store_heads(c_ptr, s_ptr, cache, scale_at, x1, x2, mask, HALF: tl.constexpr
         scale = tl.where(absmax > 0, tl.math.div_rn(absmax, 448.0), 1.0)  # division rounded as torch's
         y1 = tl.minimum(tl.maximum(tl.math.div_rn(x1f, scale[:, None]), -448.0), 448.0)
         y2 = tl.minimum(tl.maximum(tl.math.div_rn(x2f, scale[:, None]), -448.0), 448.0)
-        tl.store(c_ptr + cache, _round_e4m3(y1).to(c_ptr.dtype.element_ty), mask=mask)
-        tl.store(c_ptr + cache + HALF, _round_e4m3(y2).to(c_ptr.dtype.element_ty), mask=mask)
+        tl.store(c_ptr + cache, _to_e4m3(y1, INTERPRET), mask=mask)
+        tl.store(c_ptr + cache + HALF, _to_e4m3(y2, INTERPRET), mask=mask)
         tl.store(s_ptr + scale_at, scale, mask=tl.max(mask.to(tl.int32), axis=1) > 0)
     else:
         tl.store(c_ptr + cache, x1, mask=mask)
@@ -139,7 +154,7 @@ def _rotary_write_kv_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     x_ptr, v_out_ptr, n_cols, eps,
     HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, KV_PAD: tl.constexpr, HALF: tl.constexpr,
-    ROW_NORM: tl.constexpr, BLOCK_X: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr,
+    ROW_NORM: tl.constexpr, BLOCK_X: tl.constexpr, FP8: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
 ):
     """One token's share of its heads: program (t, c) takes q heads [c * HEADS, (c + 1) *
     HEADS) and k, v heads [c * KV_HEADS, (c + 1) * KV_HEADS) (HEADS and KV_HEADS are the
@@ -184,7 +199,7 @@ def _rotary_write_kv_kernel(
     cmask = kmask & (slot >= 0)
     cache = slot * (all_kv_heads * 2 * HALF) + row
     scale_at = slot * all_kv_heads + hk
-    _store_heads(kc_ptr, ks_ptr, cache, scale_at, k1, k2, cmask, HALF, FP8)
+    _store_heads(kc_ptr, ks_ptr, cache, scale_at, k1, k2, cmask, HALF, FP8, INTERPRET)
     v_row = v_ptr + t * stride_vt + hk[:, None] * stride_vh + offs[None, :]
     if ROW_NORM:
         v1 = (tl.load(v_row, mask=kmask, other=0.0).to(tl.float32) * row_scale).to(dt)
@@ -195,7 +210,7 @@ def _rotary_write_kv_kernel(
     else:
         v1 = tl.load(v_row, mask=cmask, other=0.0)
         v2 = tl.load(v_row + HALF, mask=cmask, other=0.0)
-    _store_heads(vc_ptr, vs_ptr, cache, scale_at, v1, v2, cmask, HALF, FP8)
+    _store_heads(vc_ptr, vs_ptr, cache, scale_at, v1, v2, cmask, HALF, FP8, INTERPRET)
 
 
 def rotary_write_kv(
@@ -257,7 +272,7 @@ def _rotary_write_kv(positions, q, k, v, k_cache, v_cache, slot_mapping, cos, si
             HEADS=h // splits, KV_HEADS=kvh // splits, HEADS_PAD=triton.next_power_of_2(h // splits),
             KV_PAD=triton.next_power_of_2(kvh // splits),
             HALF=d // 2, ROW_NORM=x is not None, BLOCK_X=triton.next_power_of_2(max(n_cols, 1)), FP8=fp8,
-            num_warps=ROTARY_WARPS, **pdl.launch_args(q.device),
+            INTERPRET=_INTERPRET, num_warps=ROTARY_WARPS, **pdl.launch_args(q.device),
         )
     return q_out, k_out, v_out
 
