@@ -7,7 +7,10 @@ and on a GPU that failure stops every graph capture. Triton compiles for a targe
 given, to cubin with the ptxas it ships, with no driver (`tests/gpu_compile.py`), so the
 kernel variants the product launches are compiled here for sm_90 (H100, H200) and, where
 they run there too, sm_80 (A100): paged attention and the KV write over a model-dtype and
-an FP8 KV cache (FP8 needs sm_89 and newer), the skinny GEMM in bf16 and float32.
+an FP8 KV cache (FP8 needs sm_89 and newer); the skinny GEMM in bf16 and float32, and with
+the configs its rules give at the Llama projections for bf16 and FP8 weights (every form:
+dot, dot_f16, dot_f16_t, fma) with the norm and residual fusions; the activations' FP8
+quantization, the norm and SiLU·mul kernels.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from hybridd.kernels import triton_gemm
 from tests.daemon import clean_env
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -34,6 +38,23 @@ def _pointers(fp8: bool) -> dict[str, str]:
     return {"kc_ptr": cache, "vc_ptr": cache, "ks_ptr": scales, "vs_ptr": scales, "bt_ptr": "i32", "len_ptr": "i32",
             "pos_ptr": "i32", "qsl_ptr": "i32", "slot_ptr": "i32", "part_o_ptr": "fp32", "part_lse_ptr": "fp32",
             "ticket_ptr": "i32", "cos_ptr": "fp32", "sin_ptr": "fp32"}
+
+
+GEMM = "hybridd.kernels.triton_gemm:_skinny_gemm_kernel"
+
+
+def _gemm_pointers(dtype: str, weight: str) -> dict[str, str]:
+    pointers = {name: dtype for name in ("x_ptr", "b_ptr", "y_ptr", "kc_ptr", "vc_ptr", "res_ptr", "g_ptr")}
+    return pointers | {"w_ptr": weight, "ws_ptr": "fp32", "count_ptr": "i32", "pos_ptr": "i32", "slot_ptr": "i32",
+                       "cos_ptr": "fp32", "sin_ptr": "fp32", "stats_ptr": "fp32", "stats_out_ptr": "fp32",
+                       "w_scale_ptr": "fp32", "x_scale_ptr": "fp32"}
+
+
+def _skinny(overrides: dict) -> dict:
+    """The skinny GEMM's constexprs: a plain product but for `overrides`."""
+    return dict(HAS_BIAS=False, SPLIT=False, EVEN_K=True, INTERPRET=False, PDL=False, ROTARY=False, HEADS=1,
+                KV_HEADS=1, HALF=64, NORM=False, STATS_PAD=16, RESIDUAL=False, W_SCALE=False, X_SCALE=False,
+                NORM_WEIGHT=False, FMA_PREFETCH=False) | overrides
 
 
 def _cases() -> list[dict]:
@@ -64,15 +85,32 @@ def _cases() -> list[dict]:
                 INTERPRET=False, PDL=False,
             ), _pointers(fp8), targets)
     for dtype in ("bf16", "fp32"):
-        pointers = {name: dtype for name in ("x_ptr", "w_ptr", "b_ptr", "y_ptr", "kc_ptr", "vc_ptr", "res_ptr", "g_ptr")}
-        pointers |= {"ws_ptr": "fp32", "count_ptr": "i32", "pos_ptr": "i32", "slot_ptr": "i32", "cos_ptr": "fp32",
-                     "sin_ptr": "fp32", "stats_ptr": "fp32", "stats_out_ptr": "fp32", "w_scale_ptr": "fp32",
-                     "x_scale_ptr": "fp32"}
-        add(f"skinny-{dtype}", "hybridd.kernels.triton_gemm:_skinny_gemm_kernel", dict(
-            HAS_BIAS=False, SPLIT=False, EVEN_K=True, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, INTERPRET=False, PDL=False,
-            ROTARY=False, HEADS=1, KV_HEADS=1, HALF=64, NORM=False, STATS_PAD=16, RESIDUAL=False, W_SCALE=False,
-            X_SCALE=False, NORM_WEIGHT=False, MODE=0, FMA_PREFETCH=False,  # MODE 0: "dot", `triton_gemm.KERNELS`
-        ), pointers, (80, 90), num_stages=3)
+        add(f"skinny-{dtype}", GEMM, _skinny(dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, MODE=0)),
+            _gemm_pointers(dtype, dtype), (80, 90), num_stages=3)
+    # The configs the product's rules give at the Llama shapes (H100: 132 multiprocessors),
+    # bf16 and FP8 weights, 1 and 16 rows, with the norm and residual fusions.
+    for (n, k) in ((12288, 4096), (4096, 4096), (22016, 4096), (4096, 11008)):
+        for m in (1, 16):
+            for fp8 in (False, True):
+                config = (triton_gemm.fp8_rule_config if fp8 else triton_gemm.rule_config)(m, n, k, 132)
+                if config is None or (config.kernel == "fma" and m > triton_gemm.FMA_ROWS):
+                    continue
+                constexprs = _skinny(dict(
+                    BLOCK_M=triton_gemm.block_m_of(config, m), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+                    SPLIT=config.split_k > 1, EVEN_K=k % config.block_k == 0, W_SCALE=fp8,
+                    MODE=triton_gemm.KERNELS.index(config.kernel),
+                    FMA_PREFETCH=config.kernel == "fma" and config.num_stages > 1,
+                    NORM=n != 4096, NORM_WEIGHT=fp8 and n != 4096, STATS_PAD=32, RESIDUAL=n == 4096))
+                add(f"skinny-{'fp8' if fp8 else 'bf16'}-{n}x{k}-m{m}-{config.kernel}", GEMM, constexprs,
+                    _gemm_pointers("bf16", "fp8e4nv" if fp8 else "bf16"), (90,), num_warps=config.num_warps,
+                    num_stages=config.num_stages)
+    add("quantize-tokens", "hybridd.kernels.triton_quantize:_quantize_tokens_kernel",
+        dict(STATIC=False, BLOCK=4096, STATIC_PAD=4, FP8_MAX=448.0, PDL=False),
+        {"q_ptr": "fp8e4nv", "scale_ptr": "fp32", "static_ptr": "fp32"}, (90,))
+    add("rms-norm-residual", "hybridd.kernels.triton_ops:_rms_norm_kernel",
+        dict(HAS_RESIDUAL=True, BLOCK=4096, PDL=False), {}, (80, 90))
+    add("silu-mul-norm", "hybridd.kernels.triton_ops:_silu_and_mul_kernel",
+        dict(BLOCK=1024, ROW_NORM=True, BLOCK_H=4096, PDL=False), {}, (80, 90))
     return cases
 
 
