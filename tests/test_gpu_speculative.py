@@ -8,24 +8,24 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hybridd.engine.in_process_runner import LandedSteps
 from tests.speculation_helpers import keep_drafts, no_eager_step_once_captured, repetitive_prompts
 from tests.test_gpu_graph_runner import load_model_for_runner, make_runner
 
 pytestmark = pytest.mark.gpu
 
 
-class CheckedGraphRunner:
+class CheckedGraphRunner(LandedSteps):
     """The engine core's runner over a graph runner in this process, which runs every
     step a second time eagerly on the same padded inputs (its own runner, its own KV
     cache kept in step) and checks that the logits are the graph's."""
 
     def __init__(self, graphs, eager, sampler) -> None:
-        self.graphs, self.eager, self.sampler = graphs, eager, sampler
+        super().__init__(sampler, torch.device("cuda"))
+        self.graphs, self.eager = graphs, eager
         self.verify_steps = 0
 
     def launch(self, batch):
-        from hybridd.engine.step_pipeline import InflightStep
-
         rows = batch.num_rows
         with torch.cuda.stream(self.graphs.stream):
             self.graphs.buffers.write(batch.inputs)
@@ -40,18 +40,7 @@ class CheckedGraphRunner:
         if batch.is_verify:
             self.verify_steps += 1
             assert shape.graph, f"a verify step of {rows} rows ran eagerly"
-        if batch.selects_rows:
-            logits = logits.index_select(0, torch.tensor(batch.sample_rows, device=logits.device))
-        tokens, _ = self.sampler.sample(logits, batch.sampling_tensors(logits.shape[-1], "cuda"))
-        return InflightStep(batch, tokens.cpu(), None)
-
-    @staticmethod
-    def landed(step) -> bool:
-        return True
-
-    @staticmethod
-    def collect(step) -> list[int]:
-        return step.host_tokens.tolist()
+        return self.sample(batch, logits)
 
 
 @torch.inference_mode()

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridd.bench.timing import ratio
+from hybridd.engine.in_process_runner import LandedSteps
 
 # Per-token acceptance of the replay drafter; at k = 4, 0.75 gives a mean acceptance length of 3.05
 # (EAGLE-3's reported figure for Llama-3.1-8B on MT-bench is about 3).
@@ -171,38 +172,24 @@ class ReplayDrafter:
         pass
 
 
-class GraphStepRunner:
+class GraphStepRunner(LandedSteps):
     """Bench only: the engine core's runner over the graph runner in this process (its
-    decode graphs replayed for decode and verify steps), sampling with the daemon's sampler."""
+    decode graphs replayed for decode and verify steps), sampling as the in-process runner does."""
 
     def __init__(self, runner, buffers, sampler, vocab: int) -> None:
-        self.runner, self.buffers, self.sampler, self.vocab = runner, buffers, sampler, vocab
+        super().__init__(sampler, buffers.logits.device)
+        self.runner, self.buffers = runner, buffers
 
     def launch(self, batch):
         import torch
 
-        from hybridd.engine.step_pipeline import InflightStep
-
-        device = self.buffers.logits.device
         self.buffers.write(batch.inputs)
         self.runner.run(batch.is_prefill, batch.num_tokens, batch.num_rows)
         if self.buffers.logits.is_cuda:
             # The step ran on the runner's serving stream: the logits are read, and the next
             # step's inputs written, on this one (unordered, a step read inputs half written).
             torch.cuda.synchronize()
-        logits = self.buffers.logits[:batch.num_rows]
-        if batch.selects_rows:
-            logits = logits.index_select(0, torch.tensor(batch.sample_rows, device=device))
-        tokens, _ = self.sampler.sample(logits, batch.sampling_tensors(self.vocab, device))
-        return InflightStep(batch, tokens.cpu(), None)
-
-    @staticmethod
-    def landed(step) -> bool:
-        return True
-
-    @staticmethod
-    def collect(step) -> list[int]:
-        return step.host_tokens.tolist()
+        return self.sample(batch, self.buffers.logits[:batch.num_rows])
 
 
 def build_runtime(model_dir: Path, device: str, max_rows: int, max_model_len: int, block_size: int = 16):

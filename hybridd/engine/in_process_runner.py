@@ -24,33 +24,18 @@ from hybridd.model.kv_cache import KVCache
 from hybridd.model.llama import LlamaModel
 
 
-class InProcessRunner:
-    def __init__(self, model: LlamaModel, kv_cache: KVCache, sampler: Sampler | None = None,
-                 hidden_drafter: HiddenStateDrafter | None = None) -> None:
-        self.model = model
-        self.hidden_drafter = hidden_drafter
-        self.kv_cache = kv_cache
-        self.sampler = sampler or Sampler(compile=False)
-        self.device = model.device
+class LandedSteps:
+    """A step's logits to its landed step, for runners whose steps land at once (this
+    module's, and the bench's and tests' runners over a graph runner in process): the
+    prompt's logprobs, the sampled rows under their allowed-token masks, a verify step's
+    rows by the rejection rule, the logprobs on the host."""
+
+    def __init__(self, sampler: Sampler, device: torch.device) -> None:
+        self.sampler = sampler
+        self.device = device
         self.token_masks: TokenMasks | None = None  # made for the first constrained batch
 
-    @torch.inference_mode()
-    def launch(self, batch: ScheduledBatch) -> InflightStep:
-        if batch.inputs_on_device:
-            raise RuntimeError("the in-process runner takes steps whose input tokens are on the host "
-                               "(drive its core with pipeline_depth=1)")
-        inputs = batch.inputs.on(self.device)
-        if self.hidden_drafter is None:
-            logits = self.model.forward_logits(inputs, self.kv_cache)
-        else:
-            hidden, aux = self.model.forward_aux(inputs, self.kv_cache, self.hidden_drafter.aux_layers)
-            logits = self.model.compute_logits(hidden, inputs.logits_indices)
-            # As the daemon's pipeline: only the rows the drafter keeps are handed over.
-            keep = self.hidden_drafter.max_pending
-            wanted = wanted_rows(batch, keep)
-            feed(self.hidden_drafter, batch, aux if wanted is None else aux[wanted], keep)
-        if batch.kv_copies:  # forks' copies of the prompt's last block, once this step wrote it
-            self.kv_cache.copy_blocks(batch.kv_copies)
+    def sample(self, batch: ScheduledBatch, logits: torch.Tensor) -> InflightStep:
         prompt = compute_prompt_logprobs(logits, batch) if batch.prompt_rows else []
         if batch.selects_rows:
             logits = logits.index_select(0, torch.tensor(batch.sample_rows, dtype=torch.int64, device=self.device))
@@ -81,3 +66,31 @@ class InProcessRunner:
     @staticmethod
     def collect(step: InflightStep) -> list[int]:
         return step.host_tokens.tolist()
+
+
+class InProcessRunner(LandedSteps):
+    def __init__(self, model: LlamaModel, kv_cache: KVCache, sampler: Sampler | None = None,
+                 hidden_drafter: HiddenStateDrafter | None = None) -> None:
+        super().__init__(sampler or Sampler(compile=False), model.device)
+        self.model = model
+        self.hidden_drafter = hidden_drafter
+        self.kv_cache = kv_cache
+
+    @torch.inference_mode()
+    def launch(self, batch: ScheduledBatch) -> InflightStep:
+        if batch.inputs_on_device:
+            raise RuntimeError("the in-process runner takes steps whose input tokens are on the host "
+                               "(drive its core with pipeline_depth=1)")
+        inputs = batch.inputs.on(self.device)
+        if self.hidden_drafter is None:
+            logits = self.model.forward_logits(inputs, self.kv_cache)
+        else:
+            hidden, aux = self.model.forward_aux(inputs, self.kv_cache, self.hidden_drafter.aux_layers)
+            logits = self.model.compute_logits(hidden, inputs.logits_indices)
+            # As the daemon's pipeline: only the rows the drafter keeps are handed over.
+            keep = self.hidden_drafter.max_pending
+            wanted = wanted_rows(batch, keep)
+            feed(self.hidden_drafter, batch, aux if wanted is None else aux[wanted], keep)
+        if batch.kv_copies:  # forks' copies of the prompt's last block, once this step wrote it
+            self.kv_cache.copy_blocks(batch.kv_copies)
+        return self.sample(batch, logits)
