@@ -101,15 +101,17 @@ def test_quantize_tokens_rounds_as_torch_converts():
 
 
 @pytest.mark.parametrize(("m", "n", "k", "bias"), [(40, 48, 96, True), (70, 50, 200, False), (33, 64, 64, True)])
-def test_prefill_candidates_equal_their_emulated_numerics(m, n, k, bias):
-    """More rows than decode's: `dequant` is the emulated product itself (activations in
-    the model dtype); `scaled_mm` quantizes each token's activations to FP8 first, the
-    numerics of `fp8.linear` with activations per token, on shapes torch._scaled_mm takes
+def test_prefill_kernels_equal_their_emulated_numerics(m, n, k, bias):
+    """More rows than decode's: the Triton GEMM that converts the weight in registers is
+    the emulated product itself (with the weight's scheme); `prefill_scaled_mm`, which a
+    prefill runs, quantizes each token's activations to FP8 first, the numerics of
+    `fp8.product` for more than DECODE_ROWS rows, on shapes torch._scaled_mm takes
     (multiples of 16) and on those it does not (the Triton kernel then)."""
     x, w, b = fp8_operands(m, n, k, bias, seed=m + n + k)
     small = GemmConfig(16, 32, block_m=16, tile_m=True)
     assert rel(triton_fp8.prefill_dequant(x, w, b, small), fp8.linear(x, w, b)) < TOL
-    assert rel(triton_fp8.prefill_scaled_mm(x, w, b), fp8.linear(x, triton_fp8.dynamic(w), b)) < TOL
+    assert rel(triton_fp8.prefill_scaled_mm(x, w, b), fp8.linear(x, fp8.dynamic(w), b)) < TOL
+    assert rel(triton_fp8.linear(x, w, b), fp8.product(x, w, b)) < TOL
 
 
 def test_fp8_operands_are_checked():
@@ -123,24 +125,31 @@ def test_fp8_operands_are_checked():
         triton_gemm.launch(x, w._replace(activations="dynamic"), None, GemmConfig(16, 32), norm=FoldedNorm(1e-5, sums))
     with pytest.raises(ValueError, match=r"the norm weight of a product over 64 columns must be \[64\]"):
         triton_gemm.launch(x, w, None, GemmConfig(16, 32), norm=FoldedNorm(1e-5, sums, torch.ones(63)))
-    with pytest.raises(ValueError, match="fp8_prefill must be one of scaled_mm, dequant, got 'cublas'"):
-        KernelChoices(fp8_prefill="cublas")
     with pytest.raises(ValueError, match="a config that tiles the rows needs its block_m and no split of K"):
         GemmConfig(16, 32, split_k=2, block_m=16, tile_m=True)
 
 
 def test_the_description_says_where_prefill_quantizes_activations():
-    """The `scaled_mm` prefill rounds activations to FP8 per token where the scheme keeps
-    them in the model dtype: the status line says so; `dequant` and a checkpoint's own
-    activation scheme need no such note."""
-    from hybridd.kernels.selection import select_kernels
+    """A prefill on the GPU rounds activations to FP8 per token where the scheme keeps
+    them in the model dtype: the status line says so; a checkpoint's own activation scheme
+    needs no such note."""
     from hybridd.quantization import Quantization
 
-    assert select_kernels("cpu", KernelChoices("triton")).fp8_prefill_per_token
-    assert not select_kernels("cpu", KernelChoices("triton", fp8_prefill="dequant")).fp8_prefill_per_token
-    assert "activations in the model dtype (FP8 per token in prefill)" in Quantization().describe(True)
-    assert "activations in the model dtype;" in Quantization().describe(False)
-    assert "activations FP8 per token;" in Quantization(activations="dynamic").describe(True)
+    assert "activations in the model dtype (FP8 per token in prefill);" in Quantization().describe()
+    assert "activations FP8 per token;" in Quantization(activations="dynamic").describe()
+
+
+def test_the_kernels_numerics_follow_the_row_count():
+    """`fp8.product`, the GPU kernels' numerics: up to DECODE_ROWS rows (the skinny GEMM)
+    the activations stay as the scheme says; more rows (the FP8 × FP8 prefill) are
+    quantized per token; a checkpoint's static scheme is kept at every row count."""
+    for m in (1, fp8.DECODE_ROWS, fp8.DECODE_ROWS + 1, 70):
+        x, w, b = fp8_operands(m, 48, 64, True, seed=m)
+        per_token = fp8.linear(x, fp8.dynamic(w), b)
+        assert not torch.equal(fp8.linear(x, w, b), per_token), m  # the two numerics differ here
+        assert torch.equal(fp8.product(x, w, b), fp8.linear(x, w, b) if m <= fp8.DECODE_ROWS else per_token), m
+        static = w._replace(activations="static", input_scale=torch.tensor([0.05], device=x.device))
+        assert torch.equal(fp8.product(x, static, b), fp8.linear(x, static, b)), m
 
 
 # ---------------------------------------------------------------- the tiny model, Triton against torch
@@ -161,7 +170,7 @@ PROMPTS = [[5, 9, 3, 17, 2, 8, 11], [4, 30, 99] * 10, [7, 8]]  # a 42-token pref
 def _logits(model, prompts, decode_steps: int = 3, prefill_activations: str = "none"):
     """Logits of a prefill of `prompts` and `decode_steps` decode steps; the prefill's
     projections quantize their activations as `prefill_activations` says (the torch
-    reference of the `scaled_mm` candidate: "dynamic")."""
+    reference of the FP8 × FP8 prefill: "dynamic")."""
     from hybridd.model import KVCache, StepInputs
 
     kv = KVCache.allocate(model.config, 32, 4, DTYPE, DEVICE)
@@ -180,16 +189,15 @@ def _logits(model, prompts, decode_steps: int = 3, prefill_activations: str = "n
 
 
 @torch.inference_mode()
-@pytest.mark.parametrize(("prefill", "decode"), [("dequant", "dot"), ("scaled_mm", "dot"), ("dequant", "fma"),
-                                                 ("dequant", "dot_f16_t")])
-def test_fp8_model_on_the_triton_kernels_equals_the_torch_kernels(fp8_model_dir, prefill, decode, monkeypatch):
+@pytest.mark.parametrize("decode", ["dot", "fma", "dot_f16_t"])
+def test_fp8_model_on_the_triton_kernels_equals_the_torch_kernels(fp8_model_dir, decode, monkeypatch):
     """The tiny model quantized to FP8 at load, its norms with random weights, through the
     Triton kernel set with every fusion (the norm applied on the activation side, RoPE
     with the KV write and the residual add in the projections' epilogues) against the
-    torch kernel set on the same weights: a 42-token prefill (the prefill candidate) and
+    torch kernel set on the same weights: a 42-token prefill (FP8 × FP8) and
     three decode steps (the skinny kernel). Logits and caches equal the torch path's up
-    to the order of float32 sums; for `scaled_mm` the torch path's prefill quantizes its
-    activations per token, as that candidate does. The decode steps (3 rows) run on the
+    to the order of float32 sums, the torch path's prefill quantizing its activations per
+    token, as the FP8 × FP8 prefill does (`fp8.product`). The decode steps (3 rows) run on the
     `decode` kernel form: the rule's tensor-core one, the CUDA-core one, or the float16
     one with W as the tensor cores' second operand (its activations rounded to float16:
     within float16's rounding of the float32 activations here)."""
@@ -215,8 +223,8 @@ def test_fp8_model_on_the_triton_kernels_equals_the_torch_kernels(fp8_model_dir,
                         GemmConfig(16, 32, 2 if k > 64 else 1, kernel=decode if weight_bytes == 1 else "dot")
                         if m <= 32 else None)
     monkeypatch.setattr(triton_fp8, "prefill_config", lambda m, n, mps: GemmConfig(32, 32, block_m=32, tile_m=True))
-    ref_logits, ref_kv = _logits(model, PROMPTS, prefill_activations="dynamic" if prefill == "scaled_mm" else "none")
-    model.kernels = select_kernels(DEVICE, KernelChoices("triton", fp8_prefill=prefill))
+    ref_logits, ref_kv = _logits(model, PROMPTS, prefill_activations="dynamic")
+    model.kernels = select_kernels(DEVICE, KernelChoices("triton"))
     model.fold_norms()
     assert model.layers[0].input_layernorm.weight.float().std() > 0  # an FP8 model keeps its norms
     logits, kv = _logits(model, PROMPTS)
@@ -257,13 +265,15 @@ def test_skinny_fp8_model_shapes(shapes, m):
 @pytest.mark.gpu
 @pytest.mark.parametrize("shapes", [LLAMA2_7B, LLAMA3_8B], ids=["llama2-7b", "llama3-8b"])
 @pytest.mark.parametrize("m", [33, 500, 2048])
-def test_prefill_candidates_model_shapes(shapes, m):
-    """Both prefill candidates on every projection of the two shapes, from just past the
-    skinny kernel's rows to a long prompt, against their emulated numerics."""
+def test_prefill_kernels_model_shapes(shapes, m):
+    """Both prefill kernels (the FP8 × FP8 product a prefill runs and the Triton GEMM it
+    falls back to) on every projection of the two shapes, from just past the skinny
+    kernel's rows to a long prompt, against their emulated numerics."""
     for name, (n, k) in shapes.items():
         x, w, b = fp8_operands(m, n, k, False, seed=m + n)
         assert rel(triton_fp8.prefill_dequant(x, w, b), fp8.linear(x, w, b)) < TOL, name
-        assert rel(triton_fp8.prefill_scaled_mm(x, w, b), fp8.linear(x, triton_fp8.dynamic(w), b)) < TOL, name
+        assert rel(triton_fp8.prefill_scaled_mm(x, w, b), fp8.linear(x, fp8.dynamic(w), b)) < TOL, name
+        assert rel(triton_fp8.linear(x, w, b), fp8.product(x, w, b)) < TOL, name
 
 
 # ---------------------------------------------------------------- compiled for Hopper, on any host

@@ -193,8 +193,7 @@ class GraphGenerator:
         if self.draft_arena is not None:
             arenas["draft"] = self.draft_arena.manifest()
         scheme = model.quantization
-        per_token = getattr(model.kernels, "fp8_prefill_per_token", False)
-        quantization = {} if scheme is None else scheme.facts() | {"description": scheme.describe(per_token)}
+        quantization = {} if scheme is None else scheme.facts() | {"description": scheme.describe()}
         self.ctl.send(control.Ready(
             arenas=arenas,
             events={"inputs_ready": self.inputs_ready.ipc_handle(), "logits_ready": self.logits_ready.ipc_handle()},

@@ -13,11 +13,12 @@
   scales) against the copy bandwidth (the target: >= 0.85); per product the fastest form
   (`best`) and the FP8 rule's time (`rule_s`), against which `triton_gemm.fp8_rule_config`
   is checked (tests/data/fp8_decode_sweep.json holds the summary of the H100 sweep).
-- `prefill`: each projection at 128-2,048 rows through both prefill candidates
-  (`scaled_mm`: per-token quantization + torch._scaled_mm; `dequant`: the Triton GEMM
-  converting the weight in registers) and cuBLAS bf16: TFLOP/s, and per row count the
-  candidate whose four projections together take least (`winner`): the measurement
-  that settles `KernelChoices.fp8_prefill`. Timed from the host, launches overlapping.
+- `prefill`: each projection at 128-2,048 rows through both FP8 prefill kernels
+  (`scaled_mm`: per-token quantization + torch._scaled_mm, the one a prefill runs;
+  `dequant`: the Triton GEMM converting the weight in registers, its fallback for shapes
+  torch._scaled_mm does not take) and cuBLAS bf16: TFLOP/s, and per row count the kernel
+  whose four projections together take least (`winner`): the measurement that chose
+  `scaled_mm`. Timed from the host, launches overlapping.
 
 Weights rotate over enough copies to exceed the L2 cache, so each launch reads its
 weight from memory as in a model's step. On the CPU (`--device cpu`, the kernels in
@@ -292,7 +293,7 @@ def bench_prefill(shapes: dict, iters: int, rows: tuple[int, ...]) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from hybridd.kernels import triton_fp8, triton_gemm, triton_quantize
+    from hybridd.kernels import fp8, triton_fp8, triton_gemm, triton_quantize
 
     out, totals = {}, {}
     for shape_name, projections in shapes.items():
@@ -307,7 +308,7 @@ def bench_prefill(shapes: dict, iters: int, rows: tuple[int, ...]) -> dict:
                     "dequant": rotated_time(lambda w: triton_fp8.prefill_dequant(x, w), f8, iters),
                     "bf16_cublas": rotated_time(lambda w: F.linear(x, w), b16, iters),
                 }
-                q, s = triton_quantize.quantize_tokens(x, triton_fp8.dynamic(f8[0]))
+                q, s = triton_quantize.quantize_tokens(x, fp8.dynamic(f8[0]))
                 w0 = f8[0]
                 times["scaled_mm_without_quantize"] = rotated_time(
                     lambda w: torch._scaled_mm(q, w.weight.t(), scale_a=s[:, None], scale_b=w.scale[None, :],
@@ -330,10 +331,10 @@ def bench_prefill(shapes: dict, iters: int, rows: tuple[int, ...]) -> dict:
                 torch.cuda.empty_cache()
     winners = {}
     for key, total in totals.items():
-        fp8 = {c: total[c] for c in ("scaled_mm", "dequant")}
-        best = min(fp8, key=fp8.get)
+        kernels = {c: total[c] for c in ("scaled_mm", "dequant")}
+        best = min(kernels, key=kernels.get)
         winners[key] = {"winner": best, **{f"{c}_layer_s": t for c, t in total.items()},
-                        "winner_over_bf16": fp8[best] / total["bf16_cublas"]}
+                        "winner_over_bf16": kernels[best] / total["bf16_cublas"]}
     return {"projections": out, "layer": winners}
 
 

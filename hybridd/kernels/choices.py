@@ -11,24 +11,17 @@ from dataclasses import dataclass
 from hybridd.kernels import gemm_fusions
 
 BACKENDS = ("auto", "triton", "torch")
-# How the Triton kernels multiply FP8 weights by more rows than the skinny GEMM takes
-# (`hybridd.kernels.triton_fp8`): FP8 x FP8 through torch._scaled_mm, or the Triton GEMM
-# that converts the weight in registers. Two candidates until the GPU measures them.
-FP8_PREFILL = ("scaled_mm", "dequant")
 
 
 @dataclass(frozen=True)
 class KernelChoices:
     """`backend`: "auto" (Triton on CUDA, torch elsewhere), "triton" or "torch";
     `fusions`: a subset of `gemm_fusions.KNOWN`; `pdl`: launch the fused kernels with
-    programmatic dependent launch where the device supports it (`pdl.supported`);
-    `fp8_prefill`: the product of FP8 weights with more rows than decode's (one of
-    FP8_PREFILL; the one place that chooses it)."""
+    programmatic dependent launch where the device supports it (`pdl.supported`)."""
 
     backend: str = "auto"
     fusions: frozenset[str] = gemm_fusions.parse(gemm_fusions.DEFAULT)
     pdl: bool = True
-    fp8_prefill: str = "scaled_mm"
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -37,8 +30,6 @@ class KernelChoices:
             raise ValueError(f"fusions must be a frozenset of {', '.join(gemm_fusions.KNOWN)}, got {self.fusions!r}")
         if not isinstance(self.pdl, bool):
             raise ValueError(f"pdl must be a bool, got {self.pdl!r}")
-        if self.fp8_prefill not in FP8_PREFILL:
-            raise ValueError(f"fp8_prefill must be one of {', '.join(FP8_PREFILL)}, got {self.fp8_prefill!r}")
 
     @classmethod
     def from_settings(cls, backend: str = "auto", gemm_fusions_setting: str = gemm_fusions.DEFAULT,

@@ -28,8 +28,9 @@ class TritonKernels(ComposedSteps):
     scales per output row) and the kernel applies the whole norm to the activations it
     loads (`FoldedNorm.weight`; not where the checkpoint quantizes the activations: their
     scale is taken from the normalised row, so the norm runs first). More rows go to the
-    prefill candidate `choices.fp8_prefill` with the norm and the residual add as separate
-    kernels: no product of more rows adds into the stream or applies row scales after."""
+    FP8 × FP8 prefill (`triton_fp8.prefill_scaled_mm`) with the norm and the residual add
+    as separate kernels: no product of more rows adds into the stream or applies row scales
+    after."""
 
     name = "triton"
 
@@ -56,12 +57,6 @@ class TritonKernels(ComposedSteps):
         # theirs being folded into those projections, so the projections may apply them.
         self.norms_folded = False
 
-    @property
-    def fp8_prefill_per_token(self) -> bool:
-        """Whether FP8 projections of more rows than decode's quantize their activations
-        to FP8 per token (the `scaled_mm` prefill), whatever the model's scheme says."""
-        return self.choices.fp8_prefill == "scaled_mm"
-
     def launches(self, num_tokens: int) -> contextlib.AbstractContextManager:
         """The launch settings of a step of `num_tokens` rows: without programmatic
         dependent launch where the choices turn it off or the step's projections run on
@@ -71,12 +66,11 @@ class TritonKernels(ComposedSteps):
         return contextlib.nullcontext()
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """`triton_gemm.linear` (an FP8 weight: `triton_fp8.linear` with this set's prefill
-        candidate) under this kernel set's launch settings for x's rows (it is also called
-        outside a step's `launches`: the LM head)."""
+        """`triton_gemm.linear` (an FP8 weight: `triton_fp8.linear`) under this kernel set's
+        launch settings for x's rows (it is also called outside a step's `launches`: the LM head)."""
         with self.launches(x.shape[0]):
             if isinstance(weight, Fp8Weight):
-                return self._fp8.linear(x, weight, bias, self.choices.fp8_prefill)
+                return self._fp8.linear(x, weight, bias)
             return self._gemm.linear(x, weight, bias)
 
     def linear_silu_and_mul(self, x: torch.Tensor, weight: torch.Tensor | Fp8Weight) -> torch.Tensor:

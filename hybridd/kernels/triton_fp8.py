@@ -5,20 +5,18 @@ the two prefill candidates.
   converted in registers and the scales in its epilogue (`hybridd/kernels/triton_gemm.py`;
   its form and tiles per shape and row count from `triton_gemm.fp8_rule_config`);
   bound by reading the FP8 bytes.
-- More rows (prefill): one of two candidates, chosen by `KernelChoices.fp8_prefill`
-  (`PREFILL`), to be settled by measurement (hybridd/bench/fp8.py) and the loser deleted:
-  - `scaled_mm`: FP8 × FP8 on the tensor cores, `torch._scaled_mm` with rowwise scales:
-    each token's activations are quantized to FP8 with a scale of their own
-    (`triton_quantize.quantize_tokens`), each output channel has the weight's. The
-    activations are rounded to FP8 here even where the checkpoint leaves them in the
-    model dtype (the numerics of `fp8.linear` with `activations="dynamic"`);
-  - `dequant`: FP8 weights × activations in the model dtype, the same Triton kernel as
-    decode tiling the rows too (`GemmConfig.tile_m`): the numerics of decode and of
-    the torch reference.
+- More rows (prefill): FP8 × FP8 on the tensor cores, `torch._scaled_mm` with rowwise
+  scales (`prefill_scaled_mm`): each token's activations are quantized to FP8 with a
+  scale of their own (`triton_quantize.quantize_tokens`), each output channel has the
+  weight's. The activations are rounded to FP8 here even where the checkpoint leaves
+  them in the model dtype (`fp8.product`'s numerics): the weight converted in registers
+  against bf16 activations, the other candidate measured, ran at 0.4-0.5 × bf16's rate
+  at 512-2,048 rows and was dropped as a choice (docs/lab/benchmarks.md, "FP8 weights on
+  the H100").
 
 Products `torch._scaled_mm` does not take (N or K not multiples of 16, an fp16 output on
-CUDA) run the `scaled_mm` numerics on the Triton kernel: quantized activations, FP8
-products, the same scales.
+CUDA) run the same numerics on the Triton kernel (`prefill_dequant`): quantized
+activations, FP8 products, the same scales.
 """
 
 from __future__ import annotations
@@ -27,8 +25,7 @@ import torch
 import triton
 
 from hybridd.kernels import pdl, triton_gemm
-from hybridd.kernels.choices import FP8_PREFILL as PREFILL
-from hybridd.kernels.fp8 import Fp8Weight
+from hybridd.kernels.fp8 import Fp8Weight, dynamic
 from hybridd.kernels.launch_variants import first_eager_call
 from hybridd.kernels.triton_gemm import GemmConfig
 from hybridd.kernels.triton_quantize import quantize_tokens
@@ -36,12 +33,6 @@ from hybridd.kernels.triton_quantize import quantize_tokens
 # The `dequant` prefill GEMM's columns per step: each stage of a 128 x 128 tile holds
 # 16 KiB of FP8 weight and 32 KiB of bf16 activations, three stages deep.
 _PREFILL_BLOCK_K = 128
-
-
-def dynamic(weight: Fp8Weight) -> Fp8Weight:
-    """The weight as the FP8 × FP8 product takes it: activations quantized per token,
-    unless the checkpoint states how."""
-    return weight if weight.activations != "none" else weight._replace(activations="dynamic")
 
 
 def prefill_configs() -> list[GemmConfig]:
@@ -120,14 +111,8 @@ def prefill_scaled_mm(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | N
     return y if bias is None else y.add_(bias)
 
 
-_PREFILL = {"scaled_mm": prefill_scaled_mm, "dequant": prefill_dequant}
-
-
-def linear(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = None,
-           prefill: str = "scaled_mm") -> torch.Tensor:
+def linear(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ W.T (+ bias) for an FP8 weight: the skinny kernel up to MAX_ROWS rows,
-    else the `prefill` candidate (one of PREFILL)."""
-    if prefill not in PREFILL:
-        raise ValueError(f"prefill must be one of {', '.join(PREFILL)}, got {prefill!r}")
+    else `prefill_scaled_mm`."""
     y = triton_gemm.skinny(x, weight, bias)
-    return _PREFILL[prefill](x, weight, bias) if y is None else y
+    return prefill_scaled_mm(x, weight, bias) if y is None else y

@@ -47,13 +47,14 @@ import triton.language as tl
 
 from hybridd import environment
 from hybridd.kernels import pdl, split_scratch
-from hybridd.kernels.fp8 import FP8_DTYPE, Fp8Weight
+from hybridd.kernels.fp8 import DECODE_ROWS, FP8_DTYPE, Fp8Weight
 from hybridd.kernels.launch_variants import first_eager_call
 from hybridd.kernels.pdl import wait_for_predecessor
 from hybridd.kernels.rotary import RotaryArgs
 from hybridd.kernels.triton_quantize import quantize_tokens
 
-MAX_ROWS = 32
+# The most rows the skinny GEMM takes: the FP8 numerics' decode rows (`fp8.product`).
+MAX_ROWS = DECODE_ROWS
 KERNELS = ("dot", "dot_f16", "fma", "dot_f16_t")
 FMA_ROWS = 8
 _INTERPRET = environment.flag("TRITON_INTERPRET")
