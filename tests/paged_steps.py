@@ -76,3 +76,32 @@ def dense_causal(q, spans, contexts, scale, sliding_window=None):
         out[row:row + rows] = torch.einsum("hqk,khd->qhd", probs, v)
         row += rows
     return out
+
+
+def step_kv(spans, contexts, pad, heads):
+    """The step's own keys and values [T, KVH, d] (each sequence's rows at their positions,
+    from `contexts`; padding rows 0), as the fused qkv projection leaves them: strided
+    views of one [T, (heads + 2 KVH) d] tensor."""
+    keys0 = contexts[0][0]
+    kv_heads, d = keys0.shape[1], keys0.shape[2]
+    t = sum(rows for _, rows in spans) + pad
+    qkv = torch.zeros(t, (heads + 2 * kv_heads) * d, dtype=keys0.dtype, device=keys0.device)
+    _, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    k, v = k.view(t, kv_heads, d), v.view(t, kv_heads, d)
+    row = 0
+    for (start, rows), (keys, values) in zip(spans, contexts, strict=True):
+        k[row:row + rows] = keys[start:start + rows]
+        v[row:row + rows] = values[start:start + rows]
+        row += rows
+    return k, v
+
+
+def poison_step_slots(step, k_cache, v_cache, spans):
+    """Copies of the caches whose slots of the step's own rows hold NaN: attention that
+    reads the step's keys and values from the step, not the cache, is unchanged."""
+    k_cache, v_cache = k_cache.clone(), v_cache.clone()
+    real = sum(rows for _, rows in spans)
+    slots = step.slot_mapping[:real].long()
+    for cache in (k_cache, v_cache):
+        cache.view(-1, *cache.shape[2:])[slots] = float("nan")
+    return k_cache, v_cache

@@ -20,7 +20,7 @@ from hybridd.model.config import RopeConfig
 from hybridd.kernels.rotary import RotaryArgs
 from hybridd.model.rope import cos_sin_table
 from hybridd.model.step_inputs import StepInputs
-from tests.paged_steps import dense_causal, paged_step
+from tests.paged_steps import dense_causal, paged_step, poison_step_slots, step_kv
 from tests.triton_target import CUDA, DEVICE, DTYPE, rel, require_triton
 
 require_triton()
@@ -202,6 +202,30 @@ def test_prefill_attention_matches_reference_with_padding(heads, kv_heads):
         out = triton_attention.prefill_attention(q, kc, vc, step, d**-0.5, plan=plan)
         assert not out.isnan().any()
         assert rel(out, ref) < (2e-2 if CUDA else 1e-5), plan
+
+
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (8, 2)])
+def test_prefill_attention_reads_the_steps_own_keys_from_the_step(heads, kv_heads):
+    """Given the step's k and v (strided, as the fused projection leaves them), the
+    kernel reads each sequence's keys from its first row in the step on from them, and
+    the earlier ones through the block table: with the cache's copies of the step's keys
+    made NaN the output still follows the reference (whole prompts, a later chunk,
+    decode rows, padding; one and several key splits)."""
+    g = torch.Generator(device=DEVICE).manual_seed(heads + 7)
+    d = 64
+    spans = [(0, 1), (0, 70), (41, 5), (130, 1), (7, 33)]
+    step, q, kc, vc, contexts = paged_step(g, DEVICE, DTYPE, spans, heads, kv_heads, d, pad=11, padded_seqs=2)
+    ref = ref_attention.prefill_attention(q, kc, vc, step, d**-0.5)
+    k, v = step_kv(spans, contexts, 11, heads)
+    poisoned = poison_step_slots(step, kc, vc, spans)
+    plans = [None, triton_attention.PrefillPlan(block_m=16, block_n=16, num_warps=2, num_stages=1),
+             triton_attention.PrefillPlan(block_m=16, block_n=32, num_warps=4, num_stages=2, splits=3, min_split=32)]
+    for plan in plans:
+        out = triton_attention.prefill_attention(q, *poisoned, step, d**-0.5, plan=plan, k=k, v=v)
+        assert not out.isnan().any(), plan
+        assert rel(out, ref) < (2e-2 if CUDA else 1e-5), plan
+    # Without the step's keys, the poisoned copies are read: the test would see a kernel that ignores k, v.
+    assert triton_attention.prefill_attention(q, *poisoned, step, d**-0.5).isnan().any()
 
 
 def sdpa_causal(q, spans, contexts, scale):

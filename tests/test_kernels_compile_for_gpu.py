@@ -37,7 +37,7 @@ def _pointers(fp8: bool) -> dict[str, str]:
     scales = "fp32" if fp8 else cache
     return {"kc_ptr": cache, "vc_ptr": cache, "ks_ptr": scales, "vs_ptr": scales, "bt_ptr": "i32", "len_ptr": "i32",
             "pos_ptr": "i32", "qsl_ptr": "i32", "slot_ptr": "i32", "part_o_ptr": "fp32", "part_lse_ptr": "fp32",
-            "ticket_ptr": "i32", "cos_ptr": "fp32", "sin_ptr": "fp32"}
+            "ticket_ptr": "i32", "cos_ptr": "fp32", "sin_ptr": "fp32", "k_ptr": "bf16", "v_ptr": "bf16"}
 
 
 GEMM = "hybridd.kernels.triton_gemm:_skinny_gemm_kernel"
@@ -74,10 +74,11 @@ def _cases() -> list[dict]:
                 GROUP=group, MERGE_ROWS=min(group, 4), ROWS=16, HEAD_DIM=128, PAGE=16, TILE=64, NUM_SPLITS=splits,
                 NUM_HEADS=32, KV_HEADS=32 // group, PRECISION="tf32", INTERPRET=False, FP8=fp8, PDL=False,
             ), _pointers(fp8), targets, num_stages=3)
-        for split in (False, True):
-            add(f"prefill-{cache}-split{int(split)}", f"{ATTENTION}:_prefill_kernel", dict(
+        # The step's own keys from the step (FRESH) where the cache holds them as they are.
+        for split, fresh in ((False, False), (True, False), (False, True), (True, True))[:4 if not fp8 else 2]:
+            add(f"prefill-{cache}-split{int(split)}-fresh{int(fresh)}", f"{ATTENTION}:_prefill_kernel", dict(
                 GROUP=4, HEAD_DIM=128, PAGE=16, BLOCK_M=64, BLOCK_N=64, SEQS_PAD=16, NUM_HEADS=32, SPLIT=split,
-                PRECISION="tf32", INTERPRET=False, FP8=fp8, PDL=False,
+                PRECISION="tf32", INTERPRET=False, FP8=fp8, FRESH=fresh, PDL=False,
             ), _pointers(fp8), targets)
         for row_norm in (False, True):
             add(f"kv-write-{cache}-norm{int(row_norm)}", "hybridd.kernels.triton_ops:_rotary_write_kv_kernel", dict(

@@ -65,13 +65,16 @@ def sequence_of_rows(query_start_loc: torch.Tensor, num_tokens: int) -> torch.Te
 def prefill_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, step: StepInputs, scale: float,
     sliding_window: int | None = None, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+    k: torch.Tensor | None = None, v: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Each query row of a packed step over its sequence's paged context: the keys at
     positions up to its own (and within `sliding_window` W: itself and the W - 1 before
     it), read through the sequence's block table. The step's own KV is in the cache
     already (written by slot mapping), so a sequence's rows may start at any position: a
     chunk of a prompt after earlier chunks, or one decode row. q [T, H, d], caches
-    [blocks, page, KVH, d] -> [T, H, d]. Padding rows (past the last sequence) give 0."""
+    [blocks, page, KVH, d] -> [T, H, d]. Padding rows (past the last sequence) give 0.
+    `k`, `v`, the step's own keys and values, are the GPU kernel's to read where it can
+    (`triton_attention.prefill_attention`); this reference reads every key from the cache."""
     if q.device.type == "cpu":
         return _prefill_attention_by_sequence(q, k_cache, v_cache, step, scale, sliding_window, k_scale, v_scale)
     return prefill_attention_graph_safe(q, k_cache, v_cache, step, scale, sliding_window, k_scale, v_scale)

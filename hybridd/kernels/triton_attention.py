@@ -12,9 +12,12 @@ either way. The grid depends only on the batch bucket, the kv heads and the spli
 all fixed per captured graph.
 
 Prefill: each program handles a tile of one sequence's query rows for one head and walks
-that sequence's keys through its block table up to the tile's last position, so a
-sequence's rows may start anywhere (a prompt's later chunk, or a decode row in a mixed
-step): the step's own KV is in the cache already. Which sequence and tile a program has
+that sequence's keys up to the tile's last position, so a sequence's rows may start
+anywhere (a prompt's later chunk, or a decode row in a mixed step): the keys of earlier
+steps through its block table, the step's own from the step's k and v as the projection
+left them (their rows are consecutive positions), which needs no block table load before
+each tile's keys; a cold prompt's keys are all its own. (An FP8 cache is read for the
+step's keys too: attention then sees them quantized, as later steps will.) Which sequence and tile a program has
 comes from `query_start_loc` on the device, so the grid depends only on the bucket's token
 and sequence counts. Masking follows the torch reference (`hybridd/kernels/attention.py`):
 key position <= query position; padding rows after the last sequence give 0.
@@ -397,11 +400,36 @@ def _prefill_tile(
     stride_c_blk, stride_c_tok, stride_c_head,
     HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
 ):
+    """A tile of keys from the paged cache, through the block table."""
     toks = n0 + tl.arange(0, BLOCK_N)
     kvalid = toks < end
     blk = tl.load(bt_row + toks // PAGE, mask=kvalid, other=0).to(tl.int64)
     off = blk * stride_c_blk + (toks % PAGE) * stride_c_tok + kvh * stride_c_head
     k, v, k_scale, v_scale = _load_kv(kc_ptr, vc_ptr, ks_ptr, vs_ptr, off, kvalid, q.dtype, HEAD_DIM, FP8)
+    return _prefill_update(q, k, v, k_scale, v_scale, toks, kvalid, pos_q, qk_scale, m_i, l_i, acc, PRECISION, FP8)
+
+
+@triton.jit
+def _prefill_fresh_tile(
+    q, k_ptr, v_ptr, kvh, n0, first_pos, first_row, pos_q, end, qk_scale, m_i, l_i, acc,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """A tile of the step's own keys: the one at position p is the step's row
+    first_row + p - first_pos (a sequence's rows are consecutive positions)."""
+    toks = n0 + tl.arange(0, BLOCK_N)
+    kvalid = toks < end
+    rows = (first_row + toks - first_pos).to(tl.int64)
+    d = tl.arange(0, HEAD_DIM)
+    k = tl.load(k_ptr + rows[:, None] * stride_kt + kvh * stride_kh + d[None, :], mask=kvalid[:, None], other=0.0)
+    v = tl.load(v_ptr + rows[:, None] * stride_vt + kvh * stride_vh + d[None, :], mask=kvalid[:, None], other=0.0)
+    return _prefill_update(q, k, v, 1.0, 1.0, toks, kvalid, pos_q, qk_scale, m_i, l_i, acc, PRECISION, False)
+
+
+@triton.jit
+def _prefill_update(q, k, v, k_scale, v_scale, toks, kvalid, pos_q, qk_scale, m_i, l_i, acc,
+                    PRECISION: tl.constexpr, FP8: tl.constexpr):
+    """The running max, sum and unnormalised output (base 2) with one tile of keys folded in."""
     visible = (toks[None, :] <= pos_q[:, None]) & kvalid[None, :]
     if FP8:
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * (k_scale * qk_scale)[None, :]
@@ -422,29 +450,48 @@ def _prefill_tile(
 
 @triton.jit
 def _prefill_keys(
-    q, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_row, kvh, start, end, pos_q, qk_scale,
-    stride_c_blk, stride_c_tok, stride_c_head,
+    q, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_row, k_ptr, v_ptr, kvh, start, end, first_pos, first_row, pos_q, qk_scale,
+    stride_c_blk, stride_c_tok, stride_c_head, stride_kt, stride_kh, stride_vt, stride_vh,
     HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr, INTERPRET: tl.constexpr, FP8: tl.constexpr,
+    PRECISION: tl.constexpr, INTERPRET: tl.constexpr, FP8: tl.constexpr, FRESH: tl.constexpr,
 ):
-    """The tile's running max, sum and unnormalised output (base 2) over keys [start, end)."""
+    """The tile's running max, sum and unnormalised output (base 2) over keys [start, end):
+    with FRESH, those before the sequence's first row in this step (`first_pos`) from the
+    paged cache and the rest from the step's own keys; else all from the cache."""
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    cached_end = end
+    if FRESH:
+        cached_end = tl.minimum(end, first_pos)
     if INTERPRET:
         n0 = start
-        while n0 < end:
+        while n0 < cached_end:
             m_i, l_i, acc = _prefill_tile(
-                q, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_row, kvh, n0, pos_q, end, qk_scale, m_i, l_i, acc,
+                q, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_row, kvh, n0, pos_q, cached_end, qk_scale, m_i, l_i, acc,
                 stride_c_blk, stride_c_tok, stride_c_head, HEAD_DIM, PAGE, BLOCK_N, PRECISION, FP8,
             )
             n0 += BLOCK_N
+        if FRESH:
+            n0 = tl.maximum(start, first_pos)
+            while n0 < end:
+                m_i, l_i, acc = _prefill_fresh_tile(
+                    q, k_ptr, v_ptr, kvh, n0, first_pos, first_row, pos_q, end, qk_scale, m_i, l_i, acc,
+                    stride_kt, stride_kh, stride_vt, stride_vh, HEAD_DIM, BLOCK_N, PRECISION,
+                )
+                n0 += BLOCK_N
     else:
-        for n0 in tl.range(start, end, BLOCK_N):
+        for n0 in tl.range(start, cached_end, BLOCK_N):
             m_i, l_i, acc = _prefill_tile(
-                q, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_row, kvh, n0, pos_q, end, qk_scale, m_i, l_i, acc,
+                q, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_row, kvh, n0, pos_q, cached_end, qk_scale, m_i, l_i, acc,
                 stride_c_blk, stride_c_tok, stride_c_head, HEAD_DIM, PAGE, BLOCK_N, PRECISION, FP8,
             )
+        if FRESH:
+            for n0 in tl.range(tl.maximum(start, first_pos), end, BLOCK_N):
+                m_i, l_i, acc = _prefill_fresh_tile(
+                    q, k_ptr, v_ptr, kvh, n0, first_pos, first_row, pos_q, end, qk_scale, m_i, l_i, acc,
+                    stride_kt, stride_kh, stride_vt, stride_vh, HEAD_DIM, BLOCK_N, PRECISION,
+                )
     return m_i, l_i, acc
 
 
@@ -491,12 +538,13 @@ def _merge_prefill_splits(
 # step of any size reuses the bucket's compiled kernel instead of compiling one while serving.
 @triton.jit(do_not_specialize=["num_tokens", "num_seqs", "num_splits", "min_split"])
 def _prefill_kernel(
-    q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, pos_ptr, qsl_ptr, out_ptr, part_o_ptr, part_lse_ptr, ticket_ptr,
-    qk_scale, num_tokens, num_seqs, num_splits, min_split,
+    q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, k_ptr, v_ptr, bt_ptr, pos_ptr, qsl_ptr, out_ptr, part_o_ptr, part_lse_ptr,
+    ticket_ptr, qk_scale, num_tokens, num_seqs, num_splits, min_split,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_c_blk, stride_c_tok, stride_c_head, stride_bt,
+    stride_kt, stride_kh, stride_vt, stride_vh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, SEQS_PAD: tl.constexpr, NUM_HEADS: tl.constexpr, SPLIT: tl.constexpr,
-    PRECISION: tl.constexpr, INTERPRET: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr,
+    PRECISION: tl.constexpr, INTERPRET: tl.constexpr, FP8: tl.constexpr, FRESH: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_predecessor(PDL)
     pid = tl.program_id(0)
@@ -522,8 +570,12 @@ def _prefill_kernel(
         rows = row0 + tl.arange(0, BLOCK_M)
         rvalid = rows < seq_end
         pos_q = tl.load(pos_ptr + rows, mask=rvalid & is_real, other=-1)
-        # A row sees its sequence's keys at positions up to its own, all in the paged cache.
+        # A row sees its sequence's keys at positions up to its own: those of earlier steps
+        # in the paged cache, this step's in the cache too and (FRESH) in the step's k, v.
         hi = tl.max(pos_q, axis=0) + 1
+        first_pos = hi
+        if FRESH:
+            first_pos = tl.load(pos_ptr + seq_start, mask=is_real, other=0)
         # Split `split` reads keys [split * run, (split + 1) * run): whole key tiles, at
         # least `min_split` keys, as few runs as `num_splits` allows; splits past the last
         # run exit.
@@ -542,8 +594,9 @@ def _prefill_kernel(
                         other=0.0)
             bt_row = bt_ptr + tl.where(is_real, seq, 0).to(tl.int64) * stride_bt
             m_i, l_i, acc = _prefill_keys(
-                q, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_row, kvh, start, end, pos_q, qk_scale, stride_c_blk,
-                stride_c_tok, stride_c_head, HEAD_DIM, PAGE, BLOCK_M, BLOCK_N, PRECISION, INTERPRET, FP8,
+                q, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_row, k_ptr, v_ptr, kvh, start, end, first_pos, seq_start,
+                pos_q, qk_scale, stride_c_blk, stride_c_tok, stride_c_head, stride_kt, stride_kh, stride_vt, stride_vh,
+                HEAD_DIM, PAGE, BLOCK_M, BLOCK_N, PRECISION, INTERPRET, FP8, FRESH,
             )
             out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
             out_rows = out_ptr + rows64[:, None] * stride_ot + h * stride_oh + d[None, :]
@@ -579,11 +632,23 @@ def _seqs_pad(seqs: int) -> int:
 def prefill_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, step: StepInputs, scale: float,
     plan: PrefillPlan | None = None, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+    k: torch.Tensor | None = None, v: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Each query row of a packed step over its sequence's paged context, up to its own
     position. q [T, H, d], caches [blocks, page, KVH, d] (FP8 with their scales [blocks,
-    page, KVH]) -> [T, H, d]; same contract as the torch path (without a sliding window)."""
+    page, KVH]) -> [T, H, d]; same contract as the torch path (without a sliding window).
+    `k`, `v` [T, KVH, d]: the step's own keys and values as written to the cache; where
+    given (and the cache holds them as they are, not in FP8), each sequence's keys from its
+    first row in the step on are read from them, without the block table."""
     fp8 = _check_fp8_caches(k_cache, v_cache, k_scale, v_scale)
+    fresh = k is not None and v is not None and not fp8 and k.dtype == k_cache.dtype == v.dtype
+    if fresh and (k.shape[0] < q.shape[0] or k.shape[1:] != k_cache.shape[2:] or v.shape != k.shape
+                  or k.stride(2) != 1 or v.stride(2) != 1):
+        raise ValueError(f"the step's keys and values must be [T, kv_heads, head_dim] with unit stride in head_dim, "
+                         f"got {tuple(k.shape)} and {tuple(v.shape)} for q {tuple(q.shape)}")
+    if not fresh:
+        k = v = None
+
     t, h, d = q.shape
     kvh = k_cache.shape[2]
     out = torch.empty((t, h, d), dtype=q.dtype, device=q.device)
@@ -591,7 +656,7 @@ def prefill_attention(
         return out
     seqs = step.query_start_loc.shape[0] - 1
     if plan is None:
-        _compile_prefill_plans(q, k_cache, v_cache, step, scale, k_scale, v_scale)
+        _compile_prefill_plans(q, k_cache, v_cache, step, scale, k_scale, v_scale, k, v)
         plan = prefill_plan(t, h, step.block_tables.shape[1] * k_cache.shape[1], seqs, multiprocessors(q.device))
     tiles = triton.cdiv(t, plan.block_m) + seqs + 1
     if plan.splits > 1:
@@ -603,15 +668,17 @@ def prefill_attention(
     else:
         part_o = part_lse = tickets = out
     _prefill_kernel[(tiles, h, plan.splits)](
-        q, k_cache, v_cache, k_scale if fp8 else k_cache, v_scale if fp8 else v_cache, step.block_tables,
+        q, k_cache, v_cache, k_scale if fp8 else k_cache, v_scale if fp8 else v_cache, k if fresh else k_cache,
+        v if fresh else v_cache, step.block_tables,
         step.positions, step.query_start_loc, out, part_o, part_lse, tickets,
         scale * _LOG2E, t, seqs, plan.splits, plan.min_split,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), step.block_tables.stride(0),
+        *((k.stride(0), k.stride(1), v.stride(0), v.stride(1)) if fresh else (0, 0, 0, 0)),
         GROUP=h // kvh, HEAD_DIM=d, PAGE=k_cache.shape[1], BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
         SEQS_PAD=_seqs_pad(seqs), NUM_HEADS=h, SPLIT=plan.splits > 1,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        INTERPRET=_INTERPRET, FP8=fp8, num_warps=plan.num_warps, num_stages=plan.num_stages,
+        INTERPRET=_INTERPRET, FP8=fp8, FRESH=fresh, num_warps=plan.num_warps, num_stages=plan.num_stages,
         **pdl.launch_args(q.device),
     )
     return out
@@ -647,16 +714,25 @@ def _aligned_as(t: torch.Tensor, n: int) -> torch.Tensor:
     return torch.zeros(n + shift, dtype=t.dtype, device=t.device)[shift:]
 
 
+def _like(t: torch.Tensor | None, rows: int) -> torch.Tensor | None:
+    """`rows` rows of zeros laid out as t (its strides, its alignment to 16 bytes)."""
+    if t is None:
+        return None
+    size = (rows - 1) * t.stride(0) + sum((n - 1) * st for n, st in zip(t.shape[1:], t.stride()[1:])) + 1
+    return torch.as_strided(_aligned_as(t, size), (rows, *t.shape[1:]), t.stride())
+
+
 def _compile_prefill_plans(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, step: StepInputs, scale: float,
     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+    k: torch.Tensor | None = None, v: torch.Tensor | None = None,
 ) -> None:
     """Every plan a bucket can pick (each query tile height, split and not where a context
     can be split), for every padding of the sequence count up to this step's: an eager
     prefill (a bucket not captured yet) has its own count of sequences."""
     seqs = step.query_start_loc.shape[0] - 1
     key = ("prefill", q.device, q.dtype, k_cache.dtype, tuple(q.shape[1:]), tuple(k_cache.shape[1:]), seqs,
-           step.block_tables.shape[1], pdl.enabled(q.device))
+           step.block_tables.shape[1], pdl.enabled(q.device), None if k is None else (k.stride(), v.stride()))
     if not first_eager_call(key, q.device):
         return
     plans = list(dict.fromkeys([plan for _, plan in _PREFILL_PLANS] + [_LONG_PREFILL_PLAN]))
@@ -679,4 +755,5 @@ def _compile_prefill_plans(
                 is_prefill=True,
             )
             q_rows = torch.zeros((tokens, *q.shape[1:]), dtype=q.dtype, device=q.device)
-            prefill_attention(q_rows, k_cache, v_cache, dummy, scale, plan=plan, k_scale=k_scale, v_scale=v_scale)
+            prefill_attention(q_rows, k_cache, v_cache, dummy, scale, plan=plan, k_scale=k_scale, v_scale=v_scale,
+                              k=_like(k, tokens), v=_like(v, tokens))

@@ -75,7 +75,7 @@ class DecoderLayer(nn.Module):
         norm = self.input_layernorm
         q, k, v, base = ops.norm_qkv(stream, norm.weight, norm.eps, self.qkv_proj.operand, self.qkv_proj.bias, rotary)
         if step.is_prefill:
-            o = ops.prefill_attention(q, k_cache, v_cache, step, self.scale, **self.window, **scales)
+            o = ops.prefill_attention(q, k_cache, v_cache, step, self.scale, **self.window, **scales, k=k, v=v)
         else:
             o = ops.decode_attention(q, k_cache, v_cache, step.block_tables, step.seq_lens, self.scale,
                                      **self.window, **scales)
