@@ -5,7 +5,8 @@
 # keeps what ran. Carry .whl.
 #     bash docs/lab/gpu_pending.sh tests   # correctness first: what failed on the H100 at 296beb6
 #                                          # (prompt logprobs on CUDA, the FP8 KV cache's kernels and
-#                                          # graphs, the EAGLE-3 daemon tests), then the GPU tests again
+#                                          # graphs, the EAGLE-3 daemon tests), the prefill attention
+#                                          # and FP8 kernels, then the GPU tests again
 #     bash docs/lab/gpu_pending.sh fp8     # bf16, FP8 and FP8 + FP8 KV daemons on the Llama-2-7B
 #                                          # shape, and where the FP8 decode step spends its time
 #     bash docs/lab/gpu_pending.sh spec    # speculation's goal on the Llama-3-8B shape: the head's
@@ -29,6 +30,8 @@ tests)
         > /tmp/o/kv_fp8_graphs.log 2>&1; save kv_fp8_graphs $?
     HYBRIDD_TEST_DEVICE=cuda timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_runtime_eagle3.py \
         > /tmp/o/rt.log 2>&1; save rt $?
+    timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_kernels.py -k prefill_attention \
+        tests/test_fp8_kernels.py > /tmp/o/attn_fp8.log 2>&1; save attn_fp8 $?
     timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_eagle3.py tests/test_gpu_speculative.py \
         tests/test_fp8_decode_kernels.py tests/test_skinny_gemm.py > /tmp/o/gpu.log 2>&1; save gpu $? ;;
 fp8)
