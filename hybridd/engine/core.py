@@ -215,7 +215,12 @@ class EngineCore:
             self._retire(self.inflight.popleft())
 
     def take_outputs(self) -> EngineOutputs:
-        outputs, self._outputs = self._outputs, EngineOutputs()
+        """The outputs since the last take, to be read before the next call into the core.
+        An empty one stays the one being filled: the loop takes outputs several times a
+        step, mostly empty, and makes a new one only when it hands out a full one."""
+        outputs = self._outputs
+        if outputs:
+            self._outputs = EngineOutputs()
         return outputs
 
     def drain(self) -> None:
