@@ -445,8 +445,8 @@ def test_deferred_registration_schedules_exactly_as_registering_at_once(seed):
             if batch is not None:
                 _stepped(model, batch, sampled)
                 bm.register_deferred()  # what the next use of the block manager does first
-                trace.append((batch.kind, [(s.request_id, list(s.block_table), s.num_cached_tokens) for s in batch.seqs],
-                              sorted(bm._cached.items())))
+                rows = [(seq.request_id, list(seq.block_table), seq.num_cached_tokens) for seq in batch.seqs]
+                trace.append((batch.kind, rows, sorted(bm._cached.items())))
             if pending is not None:
                 sched.postprocess(pending, sampled[pending.step_id])
             pending = batch

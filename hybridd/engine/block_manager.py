@@ -110,13 +110,13 @@ class BlockManager:
             return []
         hashes = seq.block_hashes
         if not hashes:
-            extend_block_hashes(hashes, seq.token_ids, self.block_size, 1, seq.cache_salt)
+            extend_block_hashes(hashes, self._tokens(seq, 1), self.block_size, 1, seq.cache_salt)
         cached = self._cached
         block = cached.get(hashes[0])
         if block is None:
             return []
         if len(hashes) < most:
-            extend_block_hashes(hashes, seq.token_ids, self.block_size, most, seq.cache_salt)
+            extend_block_hashes(hashes, self._tokens(seq, most), self.block_size, most, seq.cache_salt)
         hits = [block]
         for key in hashes[1:most]:
             block = cached.get(key)
@@ -152,7 +152,7 @@ class BlockManager:
             raise RuntimeError(f"{seq.request_id} needs {max(fresh, 0) + revived} blocks, {self.num_free} free")
         for block in hits:
             self._hold(block)
-        seq.block_table = hits + [self._take() for _ in range(fresh)]
+        seq.block_table = hits + self._take_many(fresh) if fresh > 0 else hits
         self._registered[seq.request_id] = len(hits)
         cached_tokens = len(hits) * self.block_size
         if seq.status is SequenceStatus.WAITING:
@@ -244,13 +244,18 @@ class BlockManager:
         """How many of `seq`'s first blocks are full, written and of tokens on the host."""
         return min(seq.num_computed_tokens, len(seq), len(seq.block_table) * self.block_size) // self.block_size
 
+    def _tokens(self, seq: Sequence, blocks: int) -> list[int]:
+        """A list that begins with `seq`'s tokens of its first `blocks` blocks: its prompt
+        when they are all in it (`token_ids` copies prompt and output into a new list)."""
+        return seq.prompt_token_ids if blocks * self.block_size <= seq.num_prompt_tokens else seq.token_ids
+
     def _register(self, seq: Sequence, full: int) -> None:
         """Index `seq`'s blocks from the first not offered yet up to `full` by their keys."""
         start = self._registered.get(seq.request_id, 0)
         if full <= start:
             return
         if len(seq.block_hashes) < full:
-            extend_block_hashes(seq.block_hashes, seq.token_ids, self.block_size, full, seq.cache_salt)
+            extend_block_hashes(seq.block_hashes, self._tokens(seq, full), self.block_size, full, seq.cache_salt)
         for index in range(start, full):
             block = seq.block_table[index]
             key = seq.block_hashes[index]
@@ -283,13 +288,20 @@ class BlockManager:
             del self._free[block_id]
             self._refs[block_id] = 1
 
+    def _take_many(self, count: int) -> list[int]:
+        """`count` fresh blocks: the least recently used free ones, evicted from the cache."""
+        self.register_deferred()
+        free, key_of, cached, refs = self._free, self._key_of, self._cached, self._refs
+        taken = []
+        for _ in range(count):
+            block_id, _ = free.popitem(last=False)
+            key = key_of.pop(block_id, None)
+            if key is not None:
+                del cached[key]
+            refs[block_id] = 1
+            taken.append(block_id)
+        return taken
+
     def _take(self) -> int:
         """A fresh block: the least recently used free one, evicted from the cache."""
-        if self._deferred:
-            self.register_deferred()
-        block_id, _ = self._free.popitem(last=False)
-        key = self._key_of.pop(block_id, None)
-        if key is not None:
-            del self._cached[key]
-        self._refs[block_id] = 1
-        return block_id
+        return self._take_many(1)[0]

@@ -238,6 +238,8 @@ class EngineCore:
                 if seq.index == 0 and seq.request_id in self._owners:
                     self._outputs.queued_s.append(now - seq.arrival_time)
         self.inflight.append(self.runner.launch(batch))
+        # The step is sent: the blocks it offered the prefix cache are keyed while it runs.
+        self.scheduler.block_manager.register_deferred()
         self._launched_at.append(now)
         self.steps += 1
         if self.on_launch is not None:
