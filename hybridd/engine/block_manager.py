@@ -152,7 +152,7 @@ class BlockManager:
             raise RuntimeError(f"{seq.request_id} needs {max(fresh, 0) + revived} blocks, {self.num_free} free")
         for block in hits:
             self._hold(block)
-        seq.block_table = hits + self._take_many(fresh) if fresh > 0 else hits
+        seq.block_table = hits + self._take_many(fresh)
         self._registered[seq.request_id] = len(hits)
         cached_tokens = len(hits) * self.block_size
         if seq.status is SequenceStatus.WAITING:

@@ -535,10 +535,10 @@ class Scheduler:
         """(sequence, first position, tokens) of the prompt chunks of this step, within
         `budget` tokens: the prompts being prefilled, then waiting ones admitted in order
         (each with blocks for its whole prompt, its cached prefix counted computed)."""
-        if budget <= 0:
+        if budget <= 0 or not (self.waiting or self._prefill_left):
             return []
         bm = self.block_manager
-        prompts = [seq for seq in self.running if seq.request_id in self._prefill_left] if self._prefill_left else []
+        prompts = [seq for seq in self.running if seq.request_id in self._prefill_left]
         # A request's forks join the running batch at its final chunk: their places are kept.
         places = len(self.running) + sum(len(seq.forks) for seq in prompts)
         while self.waiting and len(prompts) < min(budget, self.max_prefill_seqs):
