@@ -5,15 +5,17 @@ paged toy model, whose output is wrong whenever a block it reads holds the wrong
 from __future__ import annotations
 
 import pytest
+import torch
 
 from hybridd.engine.block_hashes import block_hash, chain_root, extend_block_hashes
 from hybridd.engine.block_manager import BlockManager
-from hybridd.engine.scheduler import BatchKind
+from hybridd.engine.scheduler import BatchKind, Scheduler
 from hybridd.engine.sequence import Sequence, SequenceStatus
 from hybridd.protocol.messages import SamplingParams
 
 from tests.test_engine_scheduler import (
-    assert_complete, forked, make, reference, requests, run, run_forked_overlapped, run_overlapped,
+    VOCAB, PagedToyModel, assert_complete, forked, make, reference, requests, run, run_forked_overlapped,
+    run_overlapped, toy_model,
 )
 
 BS = 4
@@ -317,7 +319,6 @@ def test_with_and_without_the_cache_the_outputs_match():
     outputs = {}
     for enabled in (True, False):
         bm = BlockManager(20, BS, watermark=0.0, enable_prefix_caching=enabled)
-        from hybridd.engine.scheduler import Scheduler
         sched = Scheduler(bm, 4, 64, 128)
         shared = list(range(900, 913))
         seqs = [Sequence(f"s{i}", shared + [i] * (i % 3 + 1), SamplingParams(max_tokens=12)) for i in range(8)]
@@ -327,3 +328,130 @@ def test_with_and_without_the_cache_the_outputs_match():
         outputs[enabled] = [seq.output_token_ids for seq in seqs]
         assert (bm.prefix_cache_hits > 0) is enabled
     assert outputs[True] == outputs[False]
+
+
+# ---------------------------------------------------------------- keys registered after the step's send
+
+
+def test_a_cold_prompt_is_keyed_one_block_before_its_step_and_the_rest_after():
+    """The lookup keys a cold prompt's first block only; the scheduled step's blocks are
+    keyed and registered at the block manager's next use (the next scheduling)."""
+    sched = make(num_blocks=64, block_size=BS)
+    cold = Sequence("cold", list(range(1000, 1014)), SamplingParams(max_tokens=2))  # 3 full blocks and 2 tokens
+    sched.add(cold)
+    sched.schedule()
+    assert len(cold.block_hashes) == 1
+    assert sched.block_manager.num_cached_blocks == 3 and len(cold.block_hashes) == 3
+
+
+def _stepped(model: PagedToyModel, batch, sampled: dict[int, list[int]]) -> None:
+    """Run `batch` on the toy model, its inputs still on the device gathered from the
+    earlier steps' sampled tokens (the overlapped pipeline)."""
+    ids = torch.from_numpy(batch.inputs.input_ids.copy())
+    for i in (batch.input_src_step >= 0).nonzero().flatten().tolist() if batch.inputs_on_device else ():
+        ids[i] = sampled[int(batch.input_src_step[i])][int(batch.input_src_row[i])]
+    rows = model.step(batch, ids)
+    for src, dst in batch.kv_copies:
+        model.kv[dst * model.bs:(dst + 1) * model.bs] = model.kv[src * model.bs:(src + 1) * model.bs]
+    sampled[batch.step_id] = [rows[r] for r in batch.sample_rows]
+
+
+def test_a_second_prompt_scheduled_before_the_deferred_keys_are_registered_finds_them():
+    """B, with A's prefix, is admitted in the scheduling right after A's step, A's token
+    still in flight and A's blocks' keys not computed yet: B's lookup registers them
+    first, starts after A's blocks (the same blocks) and reads the right KV through them."""
+    sched = make(num_blocks=64, block_size=BS)
+    bm = sched.block_manager
+    model, sampled = toy_model(sched), {}
+    prefix = list(range(1100, 1112))
+    a = Sequence("a", prefix + [1, 2], SamplingParams(max_tokens=6))
+    b = Sequence("b", prefix + [3], SamplingParams(max_tokens=6))
+    sched.add(a)
+    first = sched.schedule()
+    assert bm._deferred and len(a.block_hashes) == 1  # A's blocks offered, not keyed or registered
+    _stepped(model, first, sampled)
+    sched.add(b)
+    # B's lookup straight on the block manager, before anything else used it: it hits.
+    assert bm.cached_prefix(b) == a.block_table[:3]
+    second = sched.schedule()
+    assert second.seqs == [a, b] and b.num_cached_tokens == 12 and b.block_table[:3] == a.block_table[:3]
+    assert second.num_tokens == 2  # A's decode row and B's last token
+    _stepped(model, second, sampled)
+    sched.postprocess(first, sampled[first.step_id])
+    sched.postprocess(second, sampled[second.step_id])
+    run_overlapped(sched)
+    assert_complete([a, b])
+
+
+def test_a_deferred_offer_registers_the_blocks_of_its_time():
+    """An offer fixes its blocks when made: what the sequence computes after it is
+    registered by a later offer, not by the deferred one (as offering at once would)."""
+    bm = BlockManager(16, BS, watermark=0.0)
+    a = Sequence("a", list(range(13)))
+    bm.allocate(a)
+    a.status = SequenceStatus.RUNNING
+    a.num_computed_tokens = 4
+    bm.defer_cache_blocks(a)
+    a.num_computed_tokens = 12  # a later chunk, not offered yet
+    assert bm.cached_prefix(Sequence("probe", list(range(13)))) == a.block_table[:1]
+    bm.defer_cache_blocks(a)
+    assert bm.cached_prefix(Sequence("probe", list(range(13)))) == a.block_table[:3]
+
+
+class RegisteredAtOnce(BlockManager):
+    """The block manager as it was: every offer registered when made."""
+
+    def defer_cache_blocks(self, seq: Sequence) -> None:
+        self.cache_blocks(seq)
+
+
+def _shared_prefix_workload(seed: int) -> list[list[Sequence]]:
+    """Waves of requests over a few shared prefixes (some with n sequences), added while
+    the earlier ones run: chunked prompts, cache hits on blocks registered a step ago,
+    eviction and preemption under a small KV cache."""
+    gen = torch.Generator().manual_seed(seed)
+    prefixes = [torch.randint(0, VOCAB, (int(torch.randint(4, 26, (), generator=gen)),), generator=gen).tolist()
+                for _ in range(3)]
+    waves = []
+    for wave in range(6):
+        seqs = []
+        for i in range(int(torch.randint(1, 4, (), generator=gen))):
+            prefix = prefixes[int(torch.randint(0, 3, (), generator=gen))]
+            tail = torch.randint(0, VOCAB, (int(torch.randint(0, 7, (), generator=gen)),), generator=gen).tolist()
+            max_tokens = int(torch.randint(2, 12, (), generator=gen))
+            n = 2 if int(torch.randint(0, 4, (), generator=gen)) == 0 else 1
+            seqs.append(forked(f"w{wave}-{i}", prefix + tail + [wave, i], n, max_tokens))
+        waves.append(seqs)
+    return waves
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_deferred_registration_schedules_exactly_as_registering_at_once(seed):
+    """The same waves through the block manager that registers at once and through the
+    one that defers to after the send: every step's rows, block tables and cached
+    prefixes, and the cache's index after every step, are the same."""
+    traces = []
+    for manager in (RegisteredAtOnce, BlockManager):
+        bm = manager(14, BS, watermark=0.0)
+        sched = Scheduler(bm, 4, 16, 128, chunk_tokens=8)
+        model = PagedToyModel(bm)
+        waves = _shared_prefix_workload(seed)
+        trace, sampled, pending = [], {}, None
+        for step in range(10_000):
+            if step % 3 == 0 and waves:
+                for group in waves.pop(0):
+                    sched.add(group[0])
+            batch = sched.schedule() if sched.has_work else None
+            if batch is not None:
+                _stepped(model, batch, sampled)
+                bm.register_deferred()  # what the next use of the block manager does first
+                rows = [(seq.request_id, list(seq.block_table), seq.num_cached_tokens) for seq in batch.seqs]
+                trace.append((batch.kind, rows, sorted(bm._cached.items())))
+            if pending is not None:
+                sched.postprocess(pending, sampled[pending.step_id])
+            pending = batch
+            if pending is None and not sched.has_work and not waves:
+                break
+        assert bm.prefix_cache_hits > 0 and bm.num_free == bm.num_blocks
+        traces.append((trace, bm.prefix_cache_hits, sched.num_preemptions))
+    assert traces[0] == traces[1]

@@ -79,3 +79,25 @@ def test_one_prompts_tail_takes_its_run_of_slots(start):
     assert step.positions.tolist() == list(range(start, 16))
     assert step.slot_mapping.tolist() == [table[p // 4] * 4 + p % 4 for p in range(start, 16)]
     assert step.seq_lens.tolist() == [16] and step.block_tables.tolist() == [table + [0, 0]]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_one_prompt_is_its_definition(seed):
+    """One prompt's step (a new request on an idle daemon) has a path of its own: the
+    same fields, any start, block size and table width."""
+    rng = random.Random(1000 + seed)
+    block_size = rng.choice([1, 4, 16, 32])
+    start = rng.choice([0, 0, rng.randint(0, 70)])
+    prompt = [rng.randrange(32000) for _ in range(rng.randint(1, 130))]
+    free = list(range(500))
+    rng.shuffle(free)
+    table = [free.pop() for _ in range(-(-(start + len(prompt)) // block_size) + rng.choice([0, 2]))]
+    width = rng.choice([None, len(table) + 3])
+    step = HostStepInputs.prefill([prompt], [table], block_size, [start] if start else None, table_width=width)
+    want = expected_prefill([prompt], [table], block_size, [start], width or len(table))
+    for name, dtype in DTYPES.items():
+        got = getattr(step, name)
+        assert got.dtype == dtype and got.tolist() == want[name], name
+    with pytest.raises(ValueError, match=r"block_tables\[0\] holds"):
+        HostStepInputs.prefill([prompt], [table[:-(-(start + len(prompt)) // block_size) - 1]], block_size,
+                               [start], table_width=width)

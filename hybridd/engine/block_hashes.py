@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import hashlib
 from array import array
+from functools import lru_cache
 
 _ROOT_TAG = b"hybridd.kv-prefix.v1"
 _ITEM_BYTES = array("q").itemsize
 
 
+@lru_cache(maxsize=256)  # a few salts come again and again (none, a tenant's)
 def chain_root(cache_salt: str | None) -> bytes:
     """The parent of a sequence's first block: distinct for every salt and for none."""
     salt = b"\x00" if cache_salt is None else b"\x01" + cache_salt.encode()

@@ -25,6 +25,14 @@ before its head. A block some sequence holds is never in the queue, so it is nev
 evicted; a block in the cache is full, so no sequence writes into it. Registering a
 block when its step is scheduled is safe: the steps run in order, so every later
 reader or writer of it runs after that step.
+
+A new sequence's lookup keys its blocks only as far as it needs: the first alone, the
+rest when that one hits, so a cold prompt hashes one block before its step is sent.
+The scheduler offers a scheduled step's blocks with `defer_cache_blocks`: which blocks
+is fixed then, their keys and their registration wait for the block manager's next use
+(the next scheduling, a lookup, a block handed out or let go: after the step's send)
+and run in the order offered. Nothing changes the cache, those blocks or their tables
+in between, so the cache holds the same whenever anything reads or changes it.
 """
 
 from __future__ import annotations
@@ -54,6 +62,7 @@ class BlockManager:
         self._cached: dict[bytes, int] = {}  # block key -> the block holding that KV
         self._key_of: dict[int, bytes] = {}  # the inverse, for eviction
         self._registered: dict[str, int] = {}  # request id -> how many of its first blocks were offered to the cache
+        self._deferred: list[tuple[Sequence, int]] = []  # (sequence, its full blocks) offered, not registered yet
         # Prompt tokens of newly admitted sequences, and how many of them were found cached.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
@@ -65,6 +74,7 @@ class BlockManager:
 
     @property
     def num_cached_blocks(self) -> int:
+        self.register_deferred()
         return len(self._cached)
 
     @property
@@ -90,42 +100,59 @@ class BlockManager:
 
     def cached_prefix(self, seq: Sequence) -> list[int]:
         """The cached blocks `seq` would start with: the longest run of its first full
-        blocks found in the cache, short of its last token."""
+        blocks found in the cache, short of its last token. Keys only what the lookup
+        reads: the first block's, and the others' once that one is cached."""
         if not self.enable_prefix_caching:
             return []
+        self.register_deferred()
         most = (len(seq) - 1) // self.block_size
-        if len(seq.block_hashes) < most:
-            extend_block_hashes(seq.block_hashes, seq.token_ids, self.block_size, most, seq.cache_salt)
-        hits = []
-        for key in seq.block_hashes[:most]:
-            block = self._cached.get(key)
+        if not most:
+            return []
+        hashes = seq.block_hashes
+        if not hashes:
+            extend_block_hashes(hashes, self._tokens(seq, 1), self.block_size, 1, seq.cache_salt)
+        cached = self._cached
+        block = cached.get(hashes[0])
+        if block is None:
+            return []
+        if len(hashes) < most:
+            extend_block_hashes(hashes, self._tokens(seq, most), self.block_size, most, seq.cache_salt)
+        hits = [block]
+        for key in hashes[1:most]:
+            block = cached.get(key)
             if block is None:
                 break
             hits.append(block)
         return hits
 
-    def can_admit(self, seq: Sequence) -> bool:
+    def can_admit(self, seq: Sequence, hits: list[int] | None = None) -> bool:
         """Room above the watermark for `seq` (its cached prefix reused) and the forks it
-        carries. A cached block no one holds leaves the free queue when reused."""
-        hits = self.cached_prefix(seq)
+        carries. A cached block no one holds leaves the free queue when reused. `hits`:
+        its `cached_prefix`, when the caller looked it up (an admission looks up once)."""
+        if hits is None:
+            hits = self.cached_prefix(seq)
         fresh = self.blocks_for(len(seq)) - len(hits) + len(seq.forks) * self.fork_blocks(len(seq))
-        revived = sum(1 for block in hits if block not in self._refs)
+        revived = sum(1 for block in hits if block not in self._refs) if hits else 0
         return self.num_free - fresh - revived >= self.watermark_blocks
 
-    def allocate(self, seq: Sequence, num_tokens: int | None = None) -> int:
+    def allocate(self, seq: Sequence, num_tokens: int | None = None, hits: list[int] | None = None) -> int:
         """Give `seq` blocks for its first `num_tokens` tokens (default: all of them),
-        starting with its cached prefix; return how many of its tokens that prefix holds,
+        starting with its cached prefix (`hits`, when the caller looked it up with no
+        change to the cache since); return how many of its tokens that prefix holds,
         whose KV is already written. A new sequence's query and hits are counted."""
         if seq.block_table:
             raise RuntimeError(f"{seq.request_id} already holds blocks")
-        hits = self.cached_prefix(seq)
+        if hits is None:
+            hits = self.cached_prefix(seq)
+        else:
+            self.register_deferred()
         fresh = self.blocks_for(len(seq) if num_tokens is None else num_tokens) - len(hits)
-        revived = sum(1 for block in hits if block not in self._refs)
+        revived = sum(1 for block in hits if block not in self._refs) if hits else 0
         if max(fresh, 0) + revived > self.num_free:
             raise RuntimeError(f"{seq.request_id} needs {max(fresh, 0) + revived} blocks, {self.num_free} free")
         for block in hits:
             self._hold(block)
-        seq.block_table = hits + [self._take() for _ in range(fresh)]
+        seq.block_table = hits + self._take_many(fresh)
         self._registered[seq.request_id] = len(hits)
         cached_tokens = len(hits) * self.block_size
         if seq.status is SequenceStatus.WAITING:
@@ -141,6 +168,7 @@ class BlockManager:
         copy on the device, or None when every block is full."""
         if child.block_table:
             raise RuntimeError(f"{child.request_id} already holds blocks")
+        self.register_deferred()
         full = len(parent) // self.block_size
         shared = parent.block_table[:full]
         for block_id in shared:
@@ -180,6 +208,7 @@ class BlockManager:
     def trim(self, seq: Sequence) -> None:
         """Let go of `seq`'s blocks past its tokens: those a verify step reserved for
         draft tokens the target rejected. They were never offered to the cache."""
+        self.register_deferred()
         keep = self.blocks_for(len(seq))
         while len(seq.block_table) > keep:
             block_id = seq.block_table.pop()
@@ -194,12 +223,39 @@ class BlockManager:
         device is not in `seq` yet). A key already cached keeps its block."""
         if not self.enable_prefix_caching:
             return
-        full = min(seq.num_computed_tokens, len(seq), len(seq.block_table) * self.block_size) // self.block_size
+        self.register_deferred()
+        self._register(seq, self._offered(seq))
+
+    def defer_cache_blocks(self, seq: Sequence) -> None:
+        """`cache_blocks(seq)` as of now, keyed and registered at the block manager's
+        next use: a scheduled step's blocks after the step's send."""
+        if self.enable_prefix_caching and (full := self._offered(seq)) > self._registered.get(seq.request_id, 0):
+            self._deferred.append((seq, full))
+
+    def register_deferred(self) -> None:
+        """Register what `defer_cache_blocks` offered, in the order offered. Until then
+        nothing has changed the cache, the offered blocks or their sequences' tables."""
+        if self._deferred:
+            deferred, self._deferred = self._deferred, []
+            for seq, full in deferred:
+                self._register(seq, full)
+
+    def _offered(self, seq: Sequence) -> int:
+        """How many of `seq`'s first blocks are full, written and of tokens on the host."""
+        return min(seq.num_computed_tokens, len(seq), len(seq.block_table) * self.block_size) // self.block_size
+
+    def _tokens(self, seq: Sequence, blocks: int) -> list[int]:
+        """A list that begins with `seq`'s tokens of its first `blocks` blocks: its prompt
+        when they are all in it (`token_ids` copies prompt and output into a new list)."""
+        return seq.prompt_token_ids if blocks * self.block_size <= seq.num_prompt_tokens else seq.token_ids
+
+    def _register(self, seq: Sequence, full: int) -> None:
+        """Index `seq`'s blocks from the first not offered yet up to `full` by their keys."""
         start = self._registered.get(seq.request_id, 0)
         if full <= start:
             return
         if len(seq.block_hashes) < full:
-            extend_block_hashes(seq.block_hashes, seq.token_ids, self.block_size, full, seq.cache_salt)
+            extend_block_hashes(seq.block_hashes, self._tokens(seq, full), self.block_size, full, seq.cache_salt)
         for index in range(start, full):
             block = seq.block_table[index]
             key = seq.block_hashes[index]
@@ -232,11 +288,20 @@ class BlockManager:
             del self._free[block_id]
             self._refs[block_id] = 1
 
+    def _take_many(self, count: int) -> list[int]:
+        """`count` fresh blocks: the least recently used free ones, evicted from the cache."""
+        self.register_deferred()
+        free, key_of, cached, refs = self._free, self._key_of, self._cached, self._refs
+        taken = []
+        for _ in range(count):
+            block_id, _ = free.popitem(last=False)
+            key = key_of.pop(block_id, None)
+            if key is not None:
+                del cached[key]
+            refs[block_id] = 1
+            taken.append(block_id)
+        return taken
+
     def _take(self) -> int:
         """A fresh block: the least recently used free one, evicted from the cache."""
-        block_id, _ = self._free.popitem(last=False)
-        key = self._key_of.pop(block_id, None)
-        if key is not None:
-            del self._cached[key]
-        self._refs[block_id] = 1
-        return block_id
+        return self._take_many(1)[0]

@@ -215,7 +215,12 @@ class EngineCore:
             self._retire(self.inflight.popleft())
 
     def take_outputs(self) -> EngineOutputs:
-        outputs, self._outputs = self._outputs, EngineOutputs()
+        """The outputs since the last take, to be read before the next call into the core.
+        An empty one stays the one being filled: the loop takes outputs several times a
+        step, mostly empty, and makes a new one only when it hands out a full one."""
+        outputs = self._outputs
+        if outputs:
+            self._outputs = EngineOutputs()
         return outputs
 
     def drain(self) -> None:
@@ -233,6 +238,8 @@ class EngineCore:
                 if seq.index == 0 and seq.request_id in self._owners:
                     self._outputs.queued_s.append(now - seq.arrival_time)
         self.inflight.append(self.runner.launch(batch))
+        # The step is sent: the blocks it offered the prefix cache are keyed while it runs.
+        self.scheduler.block_manager.register_deferred()
         self._launched_at.append(now)
         self.steps += 1
         if self.on_launch is not None:

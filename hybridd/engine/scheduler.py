@@ -186,6 +186,8 @@ def fair_shares(needs: list[int], budget: int) -> list[int]:
     split evenly, a prompt needing less than its share leaving the rest to the others
     (water-filling); what integer division leaves goes to the first in order. Every
     prompt gets at least one token while there are no more prompts than tokens."""
+    if sum(needs) <= budget:
+        return list(needs)  # each gets all it needs (the usual step: one prompt)
     shares = [0] * len(needs)
     left = budget
     order = sorted(range(len(needs)), key=needs.__getitem__)
@@ -336,6 +338,8 @@ class Scheduler:
         now (`fair_shares`), so a short prompt behind long ones waits a chunk per step,
         not their whole prefills. A step with chunks is a prefill step whose first rows
         are the decode rows (one token each); a step without is a decode step."""
+        # The blocks the last step offered the prefix cache, keyed now that it is sent.
+        self.block_manager.register_deferred()
         if self._verifying:
             return None  # a verify step's tokens decide where its sequences go on
         speculating = self._speculates()
@@ -531,10 +535,10 @@ class Scheduler:
         """(sequence, first position, tokens) of the prompt chunks of this step, within
         `budget` tokens: the prompts being prefilled, then waiting ones admitted in order
         (each with blocks for its whole prompt, its cached prefix counted computed)."""
-        if budget <= 0:
+        if budget <= 0 or not (self.waiting or self._prefill_left):
             return []
         bm = self.block_manager
-        prompts = [seq for seq in self.running if self._prefilling(seq)]
+        prompts = [seq for seq in self.running if seq.request_id in self._prefill_left]
         # A request's forks join the running batch at its final chunk: their places are kept.
         places = len(self.running) + sum(len(seq.forks) for seq in prompts)
         while self.waiting and len(prompts) < min(budget, self.max_prefill_seqs):
@@ -543,10 +547,11 @@ class Scheduler:
                 break  # preempted while its last token was in flight: wait for it
             if places + 1 + len(seq.forks) > self.max_batch:
                 break  # a request's sequences start together
-            if not bm.can_admit(seq):
+            hits = bm.cached_prefix(seq)
+            if not bm.can_admit(seq, hits):
                 break
             # Its cached prefix is KV already written: its chunks start after it.
-            seq.num_computed_tokens = bm.allocate(seq)
+            seq.num_computed_tokens = bm.allocate(seq, hits=hits)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -557,7 +562,7 @@ class Scheduler:
         chunks = []
         for seq, n in zip(prompts, shares, strict=True):
             start = seq.num_computed_tokens
-            if start + n == len(seq) and sum(bm.fork_blocks(len(seq)) for _ in seq.forks) > bm.num_free:
+            if seq.forks and start + n == len(seq) and len(seq.forks) * bm.fork_blocks(len(seq)) > bm.num_free:
                 n -= 1  # no blocks yet for its forks' copies: the final chunk waits for them
             if n > 0:
                 chunks.append((seq, start, n))
@@ -611,18 +616,22 @@ class Scheduler:
             src_row.append(src)
         on_device = any(step >= 0 for step in src_step)
         for seq, start, n in chunks:
-            tokens.append(seq.token_ids[start:start + n])
+            # A prompt's chunk is a slice of the prompt (`token_ids` would copy it whole first).
+            prompt = seq.prompt_token_ids
+            tokens.append(prompt[start:start + n] if start + n <= len(prompt) else seq.token_ids[start:start + n])
             starts.append(start)
         seqs = decodes + [seq for seq, _, _ in chunks]
         # A prompt that wants its logprobs has a logits row for every token of its chunk.
         prompt_rows = [(row, start) for row, (seq, start, n) in enumerate(chunks, start=len(decodes))
                        if seq.wants_prompt_logprobs and start + n <= seq.num_prompt_tokens]
-        logit_rows = [1] * len(seqs)
-        for row, _ in prompt_rows:
-            logit_rows[row] = len(tokens[row])
+        logit_rows = None
+        if prompt_rows:
+            logit_rows = [1] * len(seqs)
+            for row, _ in prompt_rows:
+                logit_rows[row] = len(tokens[row])
         inputs = HostStepInputs.prefill(tokens, [seq.block_table for seq in seqs], bm.block_size,
                                         start_positions=starts, table_width=self.block_table_width,
-                                        logit_rows=logit_rows if prompt_rows else None)
+                                        logit_rows=logit_rows)
         partial: set[int] = set()
         forks: list[tuple[int, Sequence]] = []
         kv_copies: list[tuple[int, int]] = []
@@ -630,7 +639,7 @@ class Scheduler:
             if start + n < len(seq):
                 partial.add(row)
                 seq.num_computed_tokens = start + n
-                bm.cache_blocks(seq)
+                bm.defer_cache_blocks(seq)
                 continue
             self._prefill_left.discard(seq.request_id)
             for fork in seq.forks:
@@ -643,19 +652,21 @@ class Scheduler:
                 forks.append((row, fork))
             seq.forks = []
         # Each sampled sequence's in-flight token is at its index among the step's sampled rows.
-        sampled = [row for row in range(len(seqs)) if row not in partial]
+        sampled = [row for row in range(len(seqs)) if row not in partial] if partial else range(len(seqs))
         for index, (row, fork) in enumerate(forks, start=len(sampled)):
             self._mark_scheduled(fork, step_id, index, num_computed=len(seqs[row]))
         for index, row in enumerate(sampled):
-            seq = seqs[row]
-            self._mark_scheduled(seq, step_id, index, num_computed=int(inputs.seq_lens[row]))
-        pad = [-1] * (inputs.num_tokens - len(decodes))
+            # A row's KV reaches its last token's position (the step's seq_lens).
+            self._mark_scheduled(seqs[row], step_id, index, num_computed=starts[row] + len(tokens[row]))
+        src_steps = src_rows = None
+        if on_device:
+            pad = [-1] * (inputs.num_tokens - len(decodes))
+            src_steps = torch.tensor(src_step + pad, dtype=torch.int64)
+            src_rows = torch.tensor(src_row + pad, dtype=torch.int64)
         return ScheduledBatch(
-            BatchKind.PREFILL, step_id, seqs, inputs,
-            torch.tensor(src_step + pad, dtype=torch.int64) if on_device else None,
-            torch.tensor(src_row + pad, dtype=torch.int64) if on_device else None,
+            BatchKind.PREFILL, step_id, seqs, inputs, src_steps, src_rows,
             forks=forks, kv_copies=kv_copies, partial_rows=frozenset(partial), num_decode_rows=len(decodes),
-            logit_rows=logit_rows if prompt_rows else None, prompt_rows=prompt_rows,
+            logit_rows=logit_rows, prompt_rows=prompt_rows,
         )
 
     @staticmethod
@@ -671,7 +682,7 @@ class Scheduler:
         seq.num_computed_tokens = num_computed
         seq.num_inflight_tokens += 1
         seq.inflight_source = (step_id, row)
-        self.block_manager.cache_blocks(seq)
+        self.block_manager.defer_cache_blocks(seq)  # keyed after the step's send
 
     def _preempt(self, seq: Sequence) -> None:
         self.num_preemptions += 1
