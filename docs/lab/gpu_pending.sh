@@ -2,7 +2,12 @@
 # The GPU checks and measurements this code still waits for, in five device calls of at
 # most ~9 minutes each on an H100 (one part a call). The device returns at most 8 files a
 # call: everything is bundled in $OUT/o.tgz, rewritten after each step so that a cut call
-# keeps what ran. Carry .whl.
+# keeps what ran. Carry .whl, made here with
+#     bash ../shared/device/wheels.sh msgspec click setproctitle prometheus_client starlette anyio sniffio \
+#         uvicorn==0.35.0 h11 httptools uvloop llguidance
+# and for `house` also .bisect/trees/da36c39, made here with
+#     mkdir -p .bisect/trees/da36c39 && git archive da36c39 | tar -x -C .bisect/trees/da36c39 \
+#         && rm -rf .bisect/trees/da36c39/{docs,tests,hybridd/assets}   # 1.6 MB; run.sh links the assets
 #     bash docs/lab/gpu_pending.sh tests   # correctness first: what failed on the H100 at 296beb6
 #                                          # (prompt logprobs on CUDA, the FP8 KV cache's kernels and
 #                                          # graphs, the EAGLE-3 daemon tests), the prefill attention
