@@ -49,7 +49,7 @@ from hybridd.bench.parts import (count_params, floors, make_model, run_breakdown
 from hybridd.bench.peers import free_hf, run_hf
 from hybridd.bench.plan import VARIANTS
 from hybridd.bench.provenance import git_rev, model_shape_name, source_digest
-from hybridd.bench.report import build_report, g, render_table
+from hybridd.bench.report import build_report, dig, render_table
 from hybridd.bench.server import on_empty_compile_caches, start_server
 from hybridd.bench.timing import device_ceilings
 
@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
             return on_empty_compile_caches(run) if args.first_start else run()
 
         part("hybridd", do_hybridd, needs=("model", "vocab"))
-        meta["client"] = g(results, "hybridd", "client") or g(results, "hybridd_eager", "client")
+        meta["client"] = dig(results, "hybridd", "client") or dig(results, "hybridd_eager", "client")
 
         def variant(name: str) -> None:
             part(name, lambda out: run_variant(args, state["model"], vocab(), deadline, out, results.get("hybridd", {}),

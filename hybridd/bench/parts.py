@@ -20,7 +20,7 @@ from hybridd.bench.measurements import (graph_memory, measure_batch1, measure_co
                                         measure_itl)
 from hybridd.bench.plan import BESIDE_TTFT_LENGTHS, FP8_STREAMS, ITL_PROMPT, SPEC_STREAMS, TTFT_LENGTHS
 from hybridd.bench.provenance import ROOT
-from hybridd.bench.report import g
+from hybridd.bench.report import dig
 from hybridd.bench.server import open_client, sdk_on_server, start_server
 from hybridd.bench.timing import ratio
 
@@ -96,12 +96,12 @@ def run_variant(args, model: Path, vocab: int, deadline: float, result: dict, ba
 
 def beside_comparison(on: dict, off: dict) -> dict:
     """On ÷ off for ITL p50/p99 at batch 1 and TTFT p50 at each length both measured."""
-    out = {"itl_p50_on_s": g(on, "itl", "p50_s"), "itl_p50_off_s": g(off, "itl", "p50_s"),
-           "itl_p99_on_s": g(on, "itl", "p99_s"), "itl_p99_off_s": g(off, "itl", "p99_s")}
+    out = {"itl_p50_on_s": dig(on, "itl", "p50_s"), "itl_p50_off_s": dig(off, "itl", "p50_s"),
+           "itl_p99_on_s": dig(on, "itl", "p99_s"), "itl_p99_off_s": dig(off, "itl", "p99_s")}
     out["itl_p50_ratio"] = ratio(out["itl_p50_on_s"], out["itl_p50_off_s"])
     out["itl_p99_ratio"] = ratio(out["itl_p99_on_s"], out["itl_p99_off_s"])
     for n in BESIDE_TTFT_LENGTHS:
-        a, b = g(on, "ttft_s", str(n), "median_s"), g(off, "ttft_s", str(n), "median_s")
+        a, b = dig(on, "ttft_s", str(n), "median_s"), dig(off, "ttft_s", str(n), "median_s")
         out[f"ttft_{n}_on_s"], out[f"ttft_{n}_off_s"], out[f"ttft_{n}_ratio"] = a, b, ratio(a, b)
     return out
 
@@ -133,16 +133,16 @@ def run_fp8(args, model: Path, vocab: int, deadline: float, result: dict) -> Non
             status = client.status()
             part["quantization"] = status.get("quantization")
             part["kv_cache_dtype"] = status.get("kv_cache_dtype")
-            part["kv_blocks"] = g(status, "kv_blocks", "total")
+            part["kv_blocks"] = dig(status, "kv_blocks", "total")
     figures = {"itl_p50": ("itl", "p50_s"), "itl_p99": ("itl", "p99_s"),
                f"decode_tokens_per_s_{FP8_STREAMS}": ("concurrency", str(FP8_STREAMS), "decode_tokens_per_s"),
                "after_weights_to_ready": ("startup", "after_weights_to_ready_s"),
                **{f"ttft_{n}": ("ttft_s", str(n), "median_s") for n in lengths}}
     result["ttft_lengths"] = list(lengths)
-    result["fp8_over_bf16"] = {name: ratio(g(result["fp8"], *keys), g(result["bf16"], *keys))
+    result["fp8_over_bf16"] = {name: ratio(dig(result["fp8"], *keys), dig(result["bf16"], *keys))
                                for name, keys in figures.items()}
     decode = ("itl_p50", "itl_p99", f"decode_tokens_per_s_{FP8_STREAMS}")
-    result["fp8_kv_over_fp8"] = {name: ratio(g(result["fp8_kv"], *figures[name]), g(result["fp8"], *figures[name]))
+    result["fp8_kv_over_fp8"] = {name: ratio(dig(result["fp8_kv"], *figures[name]), dig(result["fp8"], *figures[name]))
                                  for name in decode}
 
 
@@ -186,18 +186,19 @@ def run_speculation_client(args, result: dict) -> None:
                                                   vocab, random.Random(12))[str(SPEC_STREAMS)]
             part["speculation"] = {k: v for k, v in client.status().get("speculation", {}).items()
                                    if k != "ms_per_token"}
-    result["policy"] = {"num_speculative_tokens": g(result, "ngram", "speculation", "num_speculative_tokens"),
+    result["policy"] = {"num_speculative_tokens": dig(result, "ngram", "speculation", "num_speculative_tokens"),
                         "speculative_adaptive": Config().speculative_adaptive, "tokens": tokens, "reps": reps}
     result["rows"] = [{
-        "corruption": r, "mean_acceptance_length": g(result, "ngram", f"corruption_{round(r * 100)}",
+        "corruption": r, "mean_acceptance_length": dig(result, "ngram", f"corruption_{round(r * 100)}",
                                                        "mean_acceptance_length"),
-        "over_plain": ratio(*(g(result, n, f"corruption_{round(r * 100)}", "s_per_token") for n in ("ngram", "plain"))),
+        "over_plain": ratio(*(dig(result, n, f"corruption_{round(r * 100)}", "s_per_token")
+                              for n in ("ngram", "plain"))),
         "same_tokens": outputs["ngram", r] == outputs["plain", r],
         "plain_follows_target": all(out == [perm[ids[-1]]] + [perm[t] for t in out[:-1]]
                                     for ids, out in zip(prompts[r][1:], outputs["plain", r])),
     } for r in CORRUPTIONS]
-    result["streams_ratio"] = ratio(g(result, "ngram", "streams", "tokens_per_s"),
-                                    g(result, "plain", "streams", "tokens_per_s"))
+    result["streams_ratio"] = ratio(dig(result, "ngram", "streams", "tokens_per_s"),
+                                    dig(result, "plain", "streams", "tokens_per_s"))
 
 
 def run_capture_evict(args, model: Path, vocab: int, notes: list[str]) -> dict:

@@ -111,7 +111,8 @@ def run_hf(args, model: Path, vocab: int, variant: str, deadline: float, shared:
         from transformers import CompileConfig
 
         config.compile_config = CompileConfig(fullgraph=True, mode="reduce-overhead")
-        result["compile"] = 'generate()\'s own compile of the decode step, CompileConfig(fullgraph=True, mode="reduce-overhead")'
+        result["compile"] = ('generate()\'s own compile of the decode step, '
+                             'CompileConfig(fullgraph=True, mode="reduce-overhead")')
         # Warm-up: the longest call first (it sizes the static cache), then the measured shapes.
         t0 = time.perf_counter()
         hf_timed_generate(hf, random_prompt(rng, max(TTFT_LENGTHS), vocab), args.itl_tokens, config)

@@ -15,7 +15,8 @@ VARIANTS = {
     "hybridd_unfused": ({"gemm_fusions": "none"}, "No fused neighbours", "the fusions are in the Triton projection"),
     # Polling keeps a core per worker busy: off by default, measured for a client that keeps the daemon busy.
     "hybridd_poll": ({"busy_poll_s": 0.05}, "Polling workers", "polling workers on the CPU take the forward's cores"),
-    "hybridd_no_wake": ({"step_wake_poll_s": 0}, "No step wake-up", "the wake-up it leaves out is a fraction of a CPU step"),
+    "hybridd_no_wake": ({"step_wake_poll_s": 0}, "No step wake-up",
+                        "the wake-up it leaves out is a fraction of a CPU step"),
 }
 
 # The lengths a variant of the daemon measured beside the `hybridd` part is timed at.

@@ -94,7 +94,8 @@ def make_checkpoint(
     if (out / "config.json").is_file() and (out / MARKER).is_file():
         if json.loads((out / MARKER).read_text()) == marker:
             return out
-    config = LlamaConfig(**PRESETS[preset], rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, dtype=str(dtype).removeprefix("torch."))
+    config = LlamaConfig(**PRESETS[preset], rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
+                         dtype=str(dtype).removeprefix("torch."))
     torch.manual_seed(seed)
     with torch.device("meta"):
         model = LlamaForCausalLM(config)

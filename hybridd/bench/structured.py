@@ -34,7 +34,8 @@ def schema(variant: int = 0) -> dict[str, Any]:
     row = {"type": "object", "properties": {
         "id": {"type": "integer", "minimum": 0}, "name": {"type": "string", "maxLength": 12},
         "role": {"enum": ["lead", "chorus", "extra"]}, "sworn": {"type": "boolean"},
-        f"tag{variant}": {"type": "number"}}, "required": ["id", "name", "role", "sworn"], "additionalProperties": False}
+        f"tag{variant}": {"type": "number"}},
+        "required": ["id", "name", "role", "sworn"], "additionalProperties": False}
     return {"type": "object", "properties": {"cast": {"type": "array", "items": row, "minItems": 400}},
             "required": ["cast"], "additionalProperties": False}
 
