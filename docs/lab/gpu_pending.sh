@@ -4,7 +4,8 @@
 # call: everything is bundled in $OUT/o.tgz, rewritten after each step so that a cut call
 # keeps what ran. Carry .whl, made here with
 #     bash ../shared/device/wheels.sh msgspec click setproctitle prometheus_client starlette anyio sniffio \
-#         uvicorn==0.35.0 h11 httptools uvloop llguidance
+#         uvicorn==0.35.0 h11 httptools uvloop llguidance==1.9.1 --platform manylinux_2_31_x86_64
+# (llguidance 1.9's wheels are manylinux_2_31, a tag wheels.sh does not list: without it pip takes 1.6.1)
 # and for `house` also .bisect/trees/da36c39, made here with
 #     mkdir -p .bisect/trees/da36c39 && git archive da36c39 | tar -x -C .bisect/trees/da36c39 \
 #         && rm -rf .bisect/trees/da36c39/{docs,tests,hybridd/assets}   # 1.6 MB; run.sh links the assets
