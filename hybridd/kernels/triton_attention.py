@@ -17,9 +17,9 @@ anywhere (a prompt's later chunk, or a decode row in a mixed step): the keys of 
 steps through its block table, the step's own from the step's k and v as the projection
 left them (their rows are consecutive positions), which needs no block table load before
 each tile's keys; a cold prompt's keys are all its own. (An FP8 cache is read for the
-step's keys too: attention then sees them quantized, as later steps will.) Which sequence and tile a program has
-comes from `query_start_loc` on the device, so the grid depends only on the bucket's token
-and sequence counts. Masking follows the torch reference (`hybridd/kernels/attention.py`):
+step's keys too: attention then sees them quantized, as later steps will.) Which sequence
+and tile a program has comes from `query_start_loc` on the device, so the grid depends
+only on the bucket's token and sequence counts. Masking follows the torch reference (`hybridd/kernels/attention.py`):
 key position <= query position; padding rows after the last sequence give 0.
 
 A step of few query tiles over a long context (a prompt's tail after a cached prefix, a
