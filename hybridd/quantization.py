@@ -36,13 +36,14 @@ class Quantization:
     weights: str = "channel"
     activations: str = "none"
 
-    def describe(self) -> str:
-        """One line for the start-up log, `status` and `/v1/models`. A prefill's activations
-        are FP8 per token where the scheme leaves them in the model dtype (`fp8.product`)."""
+    def describe(self, prefill_per_token: bool = False) -> str:
+        """One line for the start-up log, `status` and `/v1/models`; `prefill_per_token`:
+        the kernels quantize a prefill's activations to FP8 per token where the scheme
+        leaves them in the model dtype (the GPU's FP8 × FP8 prefill, `fp8.product`)."""
         origin = "quantized at load" if self.source == "load" else "from the checkpoint"
         acts = {"none": "activations in the model dtype", "dynamic": "activations FP8 per token",
                 "static": "activations FP8 with static scales"}[self.activations]
-        if self.activations == "none":
+        if prefill_per_token and self.activations == "none":
             acts = "activations in the model dtype (FP8 per token in prefill)"
         return (f"fp8 e4m3 weights of the linear projections, scales per {self.weights} ({origin}); {acts}; "
                 f"embeddings, norms and LM head in the model dtype")

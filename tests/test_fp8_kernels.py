@@ -130,13 +130,17 @@ def test_fp8_operands_are_checked():
 
 
 def test_the_description_says_where_prefill_quantizes_activations():
-    """A prefill on the GPU rounds activations to FP8 per token where the scheme keeps
-    them in the model dtype: the status line says so; a checkpoint's own activation scheme
-    needs no such note."""
+    """A prefill on the Triton kernels rounds activations to FP8 per token where the
+    scheme keeps them in the model dtype: the status line says so; the torch kernels'
+    prefill and a checkpoint's own activation scheme need no such note."""
+    from hybridd.kernels.selection import select_kernels
     from hybridd.quantization import Quantization
 
-    assert "activations in the model dtype (FP8 per token in prefill);" in Quantization().describe()
-    assert "activations FP8 per token;" in Quantization(activations="dynamic").describe()
+    assert select_kernels("cpu", KernelChoices("triton")).fp8_prefill_per_token
+    assert not select_kernels("cpu", KernelChoices("torch")).fp8_prefill_per_token
+    assert "activations in the model dtype (FP8 per token in prefill);" in Quantization().describe(True)
+    assert "activations in the model dtype;" in Quantization().describe(False)
+    assert "activations FP8 per token;" in Quantization(activations="dynamic").describe(True)
 
 
 def test_the_kernels_numerics_follow_the_row_count():

@@ -193,7 +193,8 @@ class GraphGenerator:
         if self.draft_arena is not None:
             arenas["draft"] = self.draft_arena.manifest()
         scheme = model.quantization
-        quantization = {} if scheme is None else scheme.facts() | {"description": scheme.describe()}
+        quantization = {} if scheme is None else scheme.facts() | {
+            "description": scheme.describe(model.kernels.fp8_prefill_per_token)}
         self.ctl.send(control.Ready(
             arenas=arenas,
             events={"inputs_ready": self.inputs_ready.ipc_handle(), "logits_ready": self.logits_ready.ipc_handle()},

@@ -135,6 +135,8 @@ class TorchKernels(ComposedSteps):
     """The plain torch implementation of every per-layer operation."""
 
     name = "torch"
+    # FP8 products keep the scheme's numerics at every row count (`fp8.linear`).
+    fp8_prefill_per_token = False
     supports_sliding_window = True
     skinny_rows = 0  # every projection goes to torch's matmul (cuBLAS on CUDA)
     fusions: frozenset[str] = frozenset()  # no projection computes a neighbour

@@ -33,6 +33,9 @@ class TritonKernels(ComposedSteps):
     after."""
 
     name = "triton"
+    # FP8 products of more rows than decode's quantize their activations per token
+    # (`triton_fp8.prefill_scaled_mm`), whatever the scheme says.
+    fp8_prefill_per_token = True
 
     def __init__(self, choices: KernelChoices = KernelChoices()) -> None:
         from hybridd.kernels import pdl, triton_attention, triton_fp8, triton_gemm, triton_ops

@@ -213,7 +213,7 @@ def load_model(
     if "norm" in model.kernels.fusions:
         model.fold_norms()
     log.info("model_loaded", path=str(model_dir), arch=config.architecture, dtype=str(dtype), device=str(device),
-             quantization=scheme.describe() if scheme is not None else "none")
+             quantization=scheme.describe(model.kernels.fp8_prefill_per_token) if scheme is not None else "none")
     return model
 
 

@@ -125,9 +125,6 @@ class HostStepInputs(StepFields[np.ndarray]):
         A first token waits for this work, so it is a few numpy calls over all the tokens
         at once (docs/lab/experiments.md, "bench_step_inputs", timed it), not a loop over them."""
         n = len(prompts)
-        if n == 1 and logit_rows is None:
-            return cls._one_prompt(prompts[0], block_tables[0], block_size,
-                                   start_positions[0] if start_positions else 0, table_width)
         starts = start_positions or [0] * n
         lengths = [len(prompt) for prompt in prompts]
         ends = [start + length for start, length in zip(starts, lengths, strict=True)]
@@ -138,10 +135,13 @@ class HostStepInputs(StepFields[np.ndarray]):
         tables = _pad_tables(block_tables, table_width)
         starts_in_step = list(accumulate(lengths, initial=0))
         if n == 1:
-            # One prompt whose earlier tokens give logits rows too (its prompt's logprobs).
+            # The usual prefill: one prompt, whose slots need no per-token gather (the
+            # general form below is slower than a Python loop for a 10-token prompt).
             input_ids = np.array(prompts[0], dtype=np.int64)
             positions = np.arange(starts[0], ends[0], dtype=np.int64)
-            slots = _run_of_slots(block_tables[0], block_size, starts[0], ends[0])
+            # Every slot of the sequence's blocks in order; its tokens' are a run of them.
+            slots = (tables[0, : -(-ends[0] // block_size), None].astype(np.int64) * block_size
+                     + np.arange(block_size)).ravel()[starts[0]:ends[0]]
         else:
             input_ids = np.fromiter(chain.from_iterable(prompts), np.int64, starts_in_step[-1])
             rows = np.repeat(np.arange(n), lengths)
@@ -156,31 +156,6 @@ class HostStepInputs(StepFields[np.ndarray]):
             seq_lens=np.array(ends, dtype=np.int32),
             query_start_loc=np.array(starts_in_step, dtype=np.int32),
             logits_indices=_logits_indices(starts_in_step, logit_rows),
-            is_prefill=True,
-        )
-
-    @classmethod
-    def _one_prompt(cls, prompt: list[int], table: list[int], block_size: int, start: int,
-                    table_width: int | None) -> HostStepInputs:
-        """`prefill` of one prompt's tokens from `start`, its last token's logits: a new
-        request's step on an idle daemon, which its first token waits for. Its slots
-        need no per-token gather, and its fields are made straight from the one row
-        (the general form's lists and sums cost about as much as the arrays here)."""
-        length = len(prompt)
-        end = start + length
-        if len(table) * block_size < end:
-            raise ValueError(f"block_tables[0] holds {len(table)} blocks of {block_size} tokens, too few for its "
-                             f"tokens up to position {end - 1}")
-        tables = np.zeros((1, table_width or len(table) or 1), dtype=np.int32)
-        tables[0, :len(table)] = table
-        return cls(
-            input_ids=np.array(prompt, dtype=np.int64),
-            positions=np.arange(start, end, dtype=np.int64),
-            slot_mapping=_run_of_slots(table, block_size, start, end),
-            block_tables=tables,
-            seq_lens=np.array([end], dtype=np.int32),
-            query_start_loc=np.array([0, length], dtype=np.int32),
-            logits_indices=np.array([length - 1], dtype=np.int64),
             is_prefill=True,
         )
 
@@ -229,14 +204,6 @@ def _logits_indices(starts_in_step: list[int], logit_rows: list[int] | None) -> 
         raise ValueError(f"logit_rows {logit_rows}: each sequence has 1 to its token count of rows")
     offsets = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)  # 0.. within each seq
     return np.repeat(ends - counts, counts) + offsets
-
-
-def _run_of_slots(table: list[int], block_size: int, start: int, end: int) -> np.ndarray:
-    """The slots of one sequence's positions `start` .. `end - 1`: every slot of its
-    blocks in order, of which its tokens' are a run (the general form's per-token
-    gather is slower than a Python loop for a 10-token prompt)."""
-    blocks = np.array(table[:-(-end // block_size)], dtype=np.int64)
-    return (blocks[:, None] * block_size + np.arange(block_size)).ravel()[start:end]
 
 
 def _pad_tables(tables: list[list[int]], width: int | None) -> np.ndarray:
