@@ -83,8 +83,9 @@ def test_one_prompts_tail_takes_its_run_of_slots(start):
 
 @pytest.mark.parametrize("seed", range(20))
 def test_one_prompt_is_its_definition(seed):
-    """One prompt's step (a new request on an idle daemon) has a path of its own: the
-    same fields, any start, block size and table width."""
+    """One prompt's step (a new request on an idle daemon; its slots are a run of its
+    blocks', without the per-token gather): the definition's fields, any start, block
+    size and table width."""
     rng = random.Random(1000 + seed)
     block_size = rng.choice([1, 4, 16, 32])
     start = rng.choice([0, 0, rng.randint(0, 70)])

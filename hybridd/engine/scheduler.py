@@ -338,8 +338,6 @@ class Scheduler:
         now (`fair_shares`), so a short prompt behind long ones waits a chunk per step,
         not their whole prefills. A step with chunks is a prefill step whose first rows
         are the decode rows (one token each); a step without is a decode step."""
-        # The blocks the last step offered the prefix cache, keyed now that it is sent.
-        self.block_manager.register_deferred()
         if self._verifying:
             return None  # a verify step's tokens decide where its sequences go on
         speculating = self._speculates()
@@ -538,7 +536,7 @@ class Scheduler:
         if budget <= 0 or not (self.waiting or self._prefill_left):
             return []
         bm = self.block_manager
-        prompts = [seq for seq in self.running if seq.request_id in self._prefill_left]
+        prompts = [seq for seq in self.running if self._prefilling(seq)]
         # A request's forks join the running batch at its final chunk: their places are kept.
         places = len(self.running) + sum(len(seq.forks) for seq in prompts)
         while self.waiting and len(prompts) < min(budget, self.max_prefill_seqs):
