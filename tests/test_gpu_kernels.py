@@ -228,6 +228,19 @@ def test_prefill_attention_reads_the_steps_own_keys_from_the_step(heads, kv_head
     assert triton_attention.prefill_attention(q, *poisoned, step, d**-0.5).isnan().any()
 
 
+def test_prefill_attention_refuses_step_keys_of_another_shape():
+    """The step's k and v must be [T, kv_heads, head_dim], contiguous in head_dim: any
+    other layout is refused, naming the shapes, before a kernel would read past them."""
+    g = torch.Generator(device=DEVICE).manual_seed(3)
+    spans = [(0, 20)]
+    step, q, kc, vc, contexts = paged_step(g, DEVICE, DTYPE, spans, 4, 2, 32)
+    k, v = step_kv(spans, contexts, 0, 4)
+    for bad_k, bad_v in ((k[:10], v[:10]), (k[:, :1], v[:, :1]), (k, v[:, :, :16]),
+                         (k.transpose(1, 2).contiguous().transpose(1, 2), v)):
+        with pytest.raises(ValueError, match=r"the step's keys and values must be \[T, kv_heads, head_dim\]"):
+            triton_attention.prefill_attention(q, kc, vc, step, 32**-0.5, k=bad_k, v=bad_v)
+
+
 def sdpa_causal(q, spans, contexts, scale):
     """float32 scaled-dot-product attention of each sequence's rows over its contiguous
     context, the causal mask offset by the context cached before its first row; padding
